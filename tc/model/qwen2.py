@@ -1,0 +1,205 @@
+"""Qwen2 in plain PyTorch, cut for pipeline stages.
+
+The head runs `HeadModel` (embedding, final norm, lm_head); each worker runs one `Stage`, a contiguous
+half-open range [start, end) of decoder layers keyed by their global layer numbers. Module attribute names are
+the safetensors key names, so a checkpoint loads with no renaming.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Qwen2Config
+from .kv_cache import KVCache
+from .weights import WeightIndex, head_tensor_names, layer_tensor_names
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """The torch dtype a device computes `name` in.
+
+    CPUs have no fast fp16 matmul in general, so fp16 on a CPU computes in fp32 (bf16 is the fast CPU choice).
+    """
+    try:
+        dtype = COMPUTE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown compute dtype {name!r}; use one of {sorted(COMPUTE_DTYPES)}") from None
+    if dtype == torch.float16 and torch.device(device).type == "cpu":
+        log.warning("fp16 compute requested on a CPU: computing in fp32 instead (use bf16 for speed)")
+        return torch.float32
+    return dtype
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 as the reference does, then scale in the compute dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for rotary position embeddings, grown on demand, in fp32."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device | str):
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        self.inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+        self.cos = self.sin = torch.empty(0, head_dim, device=device)
+
+    def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + length
+        if end > self.cos.shape[0]:
+            size = max(end, 2 * self.cos.shape[0], 256)
+            positions = torch.arange(size, device=self.inv_freq.device).float()
+            freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)  # [L, D]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin  # x: [B, H, L, D], cos/sin: [L, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, kv = config.hidden_size, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, hidden, bias=True)
+        self.k_proj = nn.Linear(hidden, kv, bias=True)
+        self.v_proj = nn.Linear(hidden, kv, bias=True)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int, position_start: int) -> torch.Tensor:
+        b, length, _ = x.shape  # [B, L, hidden]
+        q = self.q_proj(x).view(b, length, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, L, D]
+        k = self.k_proj(x).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, L, D]
+        v = self.v_proj(x).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.update(layer, position_start, k, v)  # [B, H_kv, T, D], T = start + L
+        if length == 1:
+            mask, causal = None, False  # one query sees every cached position
+        elif position_start == 0:
+            mask, causal = None, True
+        else:  # a chunk after cached positions: query i sees keys up to position_start + i
+            q_pos = torch.arange(position_start, position_start + length, device=x.device)
+            k_pos = torch.arange(position_start + length, device=x.device)
+            mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [L, T]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)  # [B, H, L, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, layer, position_start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Stage(nn.Module):
+    """Decoder layers [start, end) of a Qwen2 model: one worker's share of the pipeline."""
+
+    def __init__(self, config: Qwen2Config, start: int, end: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {config.num_hidden_layers})")
+        self.config, self.start, self.end = config, start, end
+        # keyed by global layer number, so state-dict names match the checkpoint's
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(start, end)})
+        self.rotary = Rotary(config.head_dim, config.rope_theta, device)
+
+    @classmethod
+    def load(cls, config: Qwen2Config, index: WeightIndex, start: int, end: int,
+             dtype: torch.dtype, device: torch.device | str = "cpu") -> "Stage":
+        """Build layers [start, end) from the checkpoint, reading only their bytes."""
+        with torch.device("meta"):
+            stage = cls(config, start, end)
+        tensors = index.load(layer_tensor_names(start, end), dtype=dtype)
+        state = {name.removeprefix("model."): t.to(device) for name, t in tensors.items()}
+        stage.load_state_dict(state, strict=True, assign=True)
+        stage.rotary = Rotary(config.head_dim, config.rope_theta, device)
+        return stage.eval()
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        c = self.config
+        return KVCache(list(range(self.start, self.end)), c.num_key_value_heads, c.head_dim, capacity,
+                       dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache: KVCache, position_start: int) -> torch.Tensor:
+        """Run hidden states [B, L, hidden] at positions [position_start, +L) through every layer."""
+        cos, sin = self.rotary.tables(position_start, hidden.shape[1], hidden.dtype)
+        for key, layer in self.layers.items():
+            hidden = layer(hidden, cos, sin, cache, int(key), position_start)
+        cache.length = position_start + hidden.shape[1]
+        return hidden
+
+
+class HeadModel(nn.Module):
+    """What the head owns: token embedding, final norm and lm_head (tied to the embedding or not)."""
+
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> "HeadModel":
+        with torch.device("meta"):
+            head = cls(config)
+        tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
+        head.embed_tokens.weight = nn.Parameter(tensors["model.embed_tokens.weight"], requires_grad=False)
+        head.norm.weight = nn.Parameter(tensors["model.norm.weight"], requires_grad=False)
+        lm = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
+        head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
+        return head.eval()
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)  # [B, L] -> [B, L, hidden]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, L, vocab] for final hidden states [B, L, hidden]."""
+        return self.lm_head(self.norm(hidden)).float()

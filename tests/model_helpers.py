@@ -1,0 +1,45 @@
+"""Run our model and transformers' on the same directory, for parity tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tc.generation import LocalPipeline
+from tc.model.config import Qwen2Config
+from tc.model.qwen2 import HeadModel, Stage
+from tc.model.weights import WeightIndex
+
+
+class OurModel:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, splits: list[int] | None = None):
+        self.config = Qwen2Config.from_file(Path(model_dir) / "config.json")
+        self.index = WeightIndex.open(model_dir)
+        self.index.validate(self.config)
+        self.dtype = dtype
+        self.head = HeadModel.load(self.config, self.index, dtype)
+        bounds = [0, *(splits or []), self.config.num_hidden_layers]
+        self.stages = [Stage.load(self.config, self.index, a, b, dtype) for a, b in zip(bounds, bounds[1:])]
+
+    def pipeline(self) -> LocalPipeline:
+        return LocalPipeline(self.stages)
+
+    def full_logits(self, ids: list[int]) -> torch.Tensor:
+        """fp32 logits [L, vocab] for every position, from one prefill."""
+        hidden = self.pipeline().prefill(self.head.embed(torch.tensor([ids])), capacity=len(ids))
+        return self.head.logits(hidden)[0]
+
+    def final_hidden(self, ids: list[int]) -> torch.Tensor:
+        return self.pipeline().prefill(self.head.embed(torch.tensor([ids])), capacity=len(ids))
+
+
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()

@@ -1,0 +1,107 @@
+"""Our Qwen2 against transformers' on tiny random-weight models, and its pipeline-stage properties."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import OurModel, hf_logits, hf_model
+from tc.model.config import Qwen2Config
+from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
+from tiny_model import write_tiny_model
+
+PROMPT = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120, 64, 3]
+
+CONFIGS = {
+    "gqa-untied": {},
+    "gqa-tied": {"tie_word_embeddings": True},
+    "mha": {"num_attention_heads": 4, "num_key_value_heads": 4},
+    "mqa-6-heads": {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1},
+    "sharded": {"shards": 3},
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fp32_logits_match_transformers(tmp_path, name):
+    overrides = dict(CONFIGS[name])
+    shards = overrides.pop("shards", 1)
+    model_dir = write_tiny_model(tmp_path, seed=3, shards=shards, **overrides)
+    ours = OurModel(model_dir).full_logits(PROMPT)
+    ref = hf_logits(hf_model(model_dir), PROMPT)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_prefill_plus_decode_equals_full_forward(tiny_model_dir):
+    model = OurModel(tiny_model_dir)
+    full = model.full_logits(PROMPT)
+    split = 5
+    pipe = model.pipeline()
+    hidden = pipe.prefill(model.head.embed(torch.tensor([PROMPT[:split]])), capacity=len(PROMPT))
+    steps = [model.head.logits(hidden)[0]]
+    for pos in range(split, len(PROMPT)):
+        hidden = pipe.decode(model.head.embed(torch.tensor([[PROMPT[pos]]])), pos)
+        steps.append(model.head.logits(hidden)[0])
+    cached = torch.cat(steps)
+    assert torch.allclose(cached, full, atol=1e-5, rtol=0)
+
+
+def test_split_stages_equal_unsplit_exactly(tiny_model_dir):
+    whole = OurModel(tiny_model_dir).final_hidden(PROMPT)
+    for splits in ([1], [2], [1, 3], [1, 2, 3]):
+        parts = OurModel(tiny_model_dir, splits=splits).final_hidden(PROMPT)
+        assert torch.equal(parts, whole), splits
+
+
+def test_bf16_follows_fp32(tiny_model_dir):
+    fp32 = OurModel(tiny_model_dir).full_logits(PROMPT)
+    bf16 = OurModel(tiny_model_dir, dtype=torch.bfloat16).full_logits(PROMPT)
+    assert (bf16 - fp32).abs().max().item() < 0.1 * fp32.abs().max().item()
+
+
+def test_layer_range_reads_only_its_bytes(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", seed=1)
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    clean = WeightIndex.open(model_dir).load(layer_tensor_names(1, 3))
+    # overwrite every byte outside layers [1, 3) (other layers, head tensors) with garbage
+    index = WeightIndex.open(model_dir)
+    keep = set(layer_tensor_names(1, 3))
+    with open(model_dir / "model.safetensors", "r+b") as f:
+        for info in index.tensors.values():
+            if info.name not in keep:
+                f.seek(info.start)
+                f.write(b"\xff" * info.nbytes)  # NaN in every float format
+    index = WeightIndex.open(model_dir)
+    index.validate(config)  # headers are intact, so the model is still accepted
+    loaded = index.load(layer_tensor_names(1, 3))
+    assert loaded.keys() == clean.keys()
+    assert all(torch.equal(loaded[n], clean[n]) for n in clean)
+    assert torch.isnan(index.load(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"]).all()
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_tiny_model(tmp_path, seed=2)
+    state = load_file(model_dir / "model.safetensors")
+    del state["model.layers.2.self_attn.k_proj.bias"]
+    save_file(state, model_dir / "model.safetensors")
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    with pytest.raises(WeightsError, match=r"model\.layers\.2\.self_attn\.k_proj\.bias"):
+        WeightIndex.open(model_dir).validate(config)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_tiny_model(tmp_path, seed=2)
+    state = load_file(model_dir / "model.safetensors")
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 100)
+    save_file(state, model_dir / "model.safetensors")
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.down_proj\.weight has shape \[64, 100\]"):
+        WeightIndex.open(model_dir).validate(config)
+
+
+def test_no_weights_file_is_a_clear_error(tmp_path):
+    with pytest.raises(WeightsError, match="no model.safetensors"):
+        WeightIndex.open(tmp_path)
