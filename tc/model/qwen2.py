@@ -7,6 +7,7 @@ the safetensors key names, so a checkpoint loads with no renaming.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,13 +149,26 @@ class Stage(nn.Module):
 
     @classmethod
     def load(cls, config: Qwen2Config, index: WeightIndex, start: int, end: int,
-             dtype: torch.dtype, device: torch.device | str = "cpu") -> "Stage":
-        """Build layers [start, end) from the checkpoint, reading only their bytes."""
+             dtype: torch.dtype, device: torch.device | str = "cpu",
+             prepare: Callable[[nn.Module], None] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> "Stage":
+        """Build layers [start, end) from the checkpoint, reading only their bytes.
+
+        Layers load one at a time, and `prepare` (quantization) runs on each before the next is read, so the
+        peak memory is the prepared stage plus one unprepared layer.
+        """
         with torch.device("meta"):
             stage = cls(config, start, end)
-        tensors = index.load(layer_tensor_names(start, end), dtype=dtype)
-        state = {name.removeprefix("model."): t.to(device) for name, t in tensors.items()}
-        stage.load_state_dict(state, strict=True, assign=True)
+        for done, i in enumerate(range(start, end), 1):
+            tensors = index.load(layer_tensor_names(i, i + 1), dtype=dtype)
+            state = {name.removeprefix(f"model.layers.{i}."): t.to(device) for name, t in tensors.items()}
+            layer = stage.layers[str(i)]
+            layer.load_state_dict(state, strict=True, assign=True)
+            layer.requires_grad_(False)
+            if prepare is not None:
+                prepare(layer)
+            if progress is not None:
+                progress(done, end - start)
         stage.rotary = Rotary(config.head_dim, config.rope_theta, device)
         return stage.eval()
 

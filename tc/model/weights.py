@@ -147,8 +147,11 @@ class WeightIndex:
         self.tensors = dict(tensors)
 
     @classmethod
-    def open(cls, model_dir: Path) -> "WeightIndex":
-        """Index `model_dir`: one model.safetensors, or shards listed by model.safetensors.index.json."""
+    def open(cls, model_dir: Path, only: Iterable[str] | None = None) -> "WeightIndex":
+        """Index `model_dir`: one model.safetensors, or shards listed by model.safetensors.index.json.
+
+        With `only`, read just the shards holding those tensors (a worker may have downloaded no others).
+        """
         model_dir = Path(model_dir)
         index_path = model_dir / INDEX_FILE
         if index_path.is_file():
@@ -156,7 +159,8 @@ class WeightIndex:
                 weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, json.JSONDecodeError, KeyError) as exc:
                 raise WeightsError(f"{index_path}: unreadable shard index: {exc}") from exc
-            files = sorted(set(weight_map.values()))
+            wanted = weight_map if only is None else {n: weight_map[n] for n in only if n in weight_map}
+            files = sorted(set(wanted.values()))
         elif (model_dir / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
         else:
@@ -167,15 +171,17 @@ class WeightIndex:
         for file in files:
             tensors.update(read_header(model_dir / file))
         if weight_map is not None:
-            for name, file in weight_map.items():
+            for name, file in wanted.items():
                 info = tensors.get(name)
                 if info is None or info.file.name != file:
                     raise WeightsError(f"{index_path}: {name} is listed in {file} but not stored there")
         return cls(tensors)
 
-    def validate(self, config: Qwen2Config) -> None:
-        """Check every tensor the model needs exists with the shape config.json implies."""
-        for name, shape in expected_shapes(config).items():
+    def validate(self, config: Qwen2Config, only: Iterable[str] | None = None) -> None:
+        """Check every tensor the model needs (or those in `only`) exists with the shape config.json implies."""
+        shapes = expected_shapes(config)
+        for name in (shapes if only is None else only):
+            shape = shapes[name]
             info = self.tensors.get(name)
             if info is None:
                 raise WeightsError(f"missing tensor {name}; the checkpoint does not match config.json")

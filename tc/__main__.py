@@ -1,0 +1,12 @@
+import sys
+
+from tc.deps import missing_message, missing_native_packages
+
+missing = missing_native_packages()
+if missing:
+    print(f"error: {missing_message(missing)}", file=sys.stderr)
+    sys.exit(3)
+
+from tc.cli import main  # noqa: E402  (only after the dependency check)
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Command line: `tc head TOPOLOGY`, `tc worker --join HOST:PORT`, `tc plan TOPOLOGY`, `tc generate ...`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tc")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (for example 192.168.1.50:7001)")
+    return host, int(port)
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tc", description="TrueCluster: one LLM across your machines.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    head = sub.add_parser("head", help="run the head: HTTP API, tokenizer, sampling; workers join it")
+    head.add_argument("topology", type=Path, help="the topology YAML file")
+    head.add_argument("--api-port", type=int, help="override head.api's port")
+    head.add_argument("--listen-port", type=int, help="override head.listen's port")
+
+    worker = sub.add_parser("worker", help="run a worker that joins a head and serves a range of layers")
+    worker.add_argument("--join", required=True, type=_host_port, metavar="HOST:PORT",
+                        help="the head's listen address")
+    worker.add_argument("--node-id", help="the topology entry to fill (default: the first free one that fits)")
+    worker.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    worker.add_argument("--hf-cache-dir", type=Path, help="HuggingFace cache directory for model downloads")
+    worker.add_argument("--max-memory-gb", type=_positive_float, help="memory this worker may use for weights")
+    worker.add_argument("--threads", type=int, help="torch threads (default: the topology's, else all cores)")
+    worker.add_argument("--retry-max-s", type=float, default=30.0, help="longest wait between join attempts")
+
+    plan = sub.add_parser("plan", help="print the layer plan for a topology without starting anything")
+    plan.add_argument("topology", type=Path)
+
+    gen = sub.add_parser("generate", help="run the whole model in this process (the single-machine baseline)")
+    gen.add_argument("--model", required=True, type=Path, help="a local model directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    gen.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .local import load_local_generator
+    from .sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = load_local_generator(args.model, args.dtype)
+    prompt = args.prompt
+    if args.chat:
+        prompt = generator.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = generator.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    result = generator.generate(ids, params, on_text=lambda piece: print(piece, end="", flush=True))
+    print()
+    print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
+          f"first token {result.time_to_first_token_s * 1000:.0f} ms, "
+          f"{result.decode_tokens_per_s:.1f} tokens/s decode, finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        return _dispatch(args)
+    except _user_errors() as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors in what the user gave us (files, settings): one line, no traceback."""
+    from .model.config import ConfigError
+    from .model.tokenizer import TokenizerError
+    from .model.weights import WeightsError
+    from .model_source import ModelSourceError
+    from .planner import PlanError
+    from .topology import TopologyError
+
+    return (ConfigError, TokenizerError, WeightsError, ModelSourceError, PlanError, TopologyError)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "plan":
+        from .head.main import run_plan
+
+        return run_plan(args)
+    if args.command == "head":
+        from .head.main import run_head
+
+        return run_head(args)
+    if args.command == "worker":
+        from .worker.main import run_worker
+
+        return run_worker(args)
+    raise AssertionError(args.command)

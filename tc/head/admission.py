@@ -1,0 +1,87 @@
+"""Which topology entry a joining worker fills, or why it is refused (DESIGN.md). Pure."""
+from __future__ import annotations
+
+from typing import AbstractSet
+
+from ..planner import Plan
+from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
+from ..topology import NodeEntry, Topology
+
+
+class Refusal(Exception):
+    """A HELLO that does not fit the topology; the message is sent to the worker, which prints it."""
+
+
+def device_can_serve(entry_device: str, devices: tuple[DeviceInfo, ...]) -> bool:
+    """Whether a machine with `devices` can run an entry asking for `entry_device`."""
+    if entry_device == "auto":
+        return True
+    if entry_device == "cuda":
+        return any(d.type == "cuda" for d in devices)
+    return any(d.id == entry_device for d in devices)
+
+
+def device_for(entry_device: str, hello: Hello) -> str:
+    """The device id the worker should run the entry on."""
+    if entry_device == "auto":
+        return hello.selected_device
+    if entry_device == "cuda":
+        if hello.selected_device.startswith("cuda"):
+            return hello.selected_device
+        return next(d.id for d in hello.devices if d.type == "cuda")
+    return entry_device
+
+
+def worker_memory(hello: Hello, device: str) -> int | None:
+    """Memory the worker offers for weights: its own cap if set, else what the device reports free."""
+    if hello.max_memory_bytes is not None:
+        return hello.max_memory_bytes
+    for d in hello.devices:
+        if d.id == device:
+            return d.free_memory if d.free_memory is not None else d.total_memory
+    return None
+
+
+def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan) -> str | None:
+    if not device_can_serve(entry.device, hello.devices):
+        have = ", ".join(d.id for d in hello.devices)
+        return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
+    stage = plan.stage_for(entry.id)
+    memory = worker_memory(hello, device_for(entry.device, hello))
+    if memory is not None and stage.weight_bytes > memory:
+        return (f"entry {entry.id} holds layers {stage.layers_text} ({stage.weight_bytes / 1e9:.2f} GB of weights), "
+                f"but this worker offers {memory / 1e9:.2f} GB; give it more memory (--max-memory-gb) or pin "
+                f"fewer layers on {entry.id} in topology.yaml")
+    return None
+
+
+def choose_entry(hello: Hello, topology: Topology, plan: Plan, taken: AbstractSet[str]) -> NodeEntry:
+    """The entry this worker fills. Raises Refusal with a reason the operator can act on."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {hello.tc_version}) and the head "
+                      f"speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")
+    if hello.node_id is not None:
+        try:
+            entry = topology.node(hello.node_id)
+        except KeyError:
+            raise Refusal(f"unknown node id {hello.node_id!r}; topology.yaml lists "
+                          f"{', '.join(topology.node_ids)}") from None
+        if entry.id in taken:
+            raise Refusal(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "
+                          "or stop the other worker")
+        problem = _fit_problem(entry, hello, plan)
+        if problem:
+            raise Refusal(problem)
+        return entry
+    problems = []
+    for entry in topology.nodes:
+        if entry.id in taken:
+            continue
+        problem = _fit_problem(entry, hello, plan)
+        if problem is None:
+            return entry
+        problems.append(problem)
+    if not problems:
+        raise Refusal(f"every entry in topology.yaml is already filled ({', '.join(topology.node_ids)}); "
+                      "add an entry for this machine")
+    raise Refusal("no free entry fits this worker: " + "; ".join(problems))

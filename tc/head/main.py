@@ -1,0 +1,116 @@
+"""The head process: plan from the topology, load the head's tensors, accept workers, serve the API."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..generation import Generator
+from ..model.config import Qwen2Config
+from ..model.qwen2 import HeadModel, resolve_compute_dtype
+from ..model.tokenizer import TextTokenizer
+from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
+from ..model_source import ModelSource
+from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
+from ..topology import Topology, load_topology
+from .api import create_app
+from .http_server import HttpServer, start_http_server
+from .pipeline import RemotePipeline
+from .service import GenerationService
+from .workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+def model_source(topology: Topology) -> ModelSource:
+    return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
+
+
+def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
+    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load)."""
+    shapes = expected_shapes(config)
+    per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
+                 for i in range(config.num_hidden_layers)]
+    layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
+    return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology))
+
+
+def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
+    source = model_source(topology)
+    config_dir = source.config_dir()
+    config = Qwen2Config.from_file(config_dir / "config.json")
+    if topology.model_is_local:  # headers are on this disk: check them before promising a plan
+        WeightIndex.open(config_dir).validate(config)
+    return source, config, build_plan(topology, config)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    topology = load_topology(args.topology)
+    _, config, plan = load_config_and_plan(topology)
+    print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
+    print(plan.table())
+    return 0
+
+
+@dataclass
+class Head:
+    topology: Topology
+    registry: WorkerRegistry
+    service: GenerationService
+    http: HttpServer
+    listen_port: int
+
+    def stop(self) -> None:
+        self.http.stop()
+        self.registry.stop()
+
+
+def start_head(topology: Topology) -> Head:
+    """Load the head's share of the model, listen for workers and serve the API. Returns once serving."""
+    started = time.perf_counter()
+    if topology.head.threads:
+        torch.set_num_threads(topology.head.threads)
+    source, config, plan = load_config_and_plan(topology)
+    log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
+             config.hidden_size, topology.quant, plan.table())
+    names = head_tensor_names(config)
+    model_dir = source.fetch_tensors(names)
+    source.fetch_tokenizer()
+    index = WeightIndex.open(model_dir, only=names)
+    index.validate(config, only=names)
+    dtype = resolve_compute_dtype(topology.dtype, "cpu")
+    head_model = HeadModel.load(config, index, dtype)
+    tokenizer = TextTokenizer.load(model_dir)
+    log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
+             time.perf_counter() - started)
+
+    registry = WorkerRegistry(topology, plan, config, model_ref=topology.model)
+    generator = Generator(head_model, tokenizer, RemotePipeline(registry), dtype)
+    service = GenerationService(topology.model, tokenizer, generator, registry.readiness,
+                                max_queue=topology.head.max_queue)
+    http = start_http_server(create_app(service), topology.head.api.host, topology.head.api.port)
+    listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
+    registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
+                                         len(plan.stages), topology.model, http.url)
+    log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
+    log.info("waiting for %d worker(s) on port %d; on each machine run: python tc.pyz worker --join "
+             "<this-host>:%d [--node-id ID]  (ids: %s)", len(plan.stages), listen_port, listen_port,
+             ", ".join(s.node_id for s in plan.stages))
+    return Head(topology, registry, service, http, listen_port)
+
+
+def run_head(args: argparse.Namespace) -> int:
+    topology = load_topology(args.topology).with_ports(api_port=args.api_port, listen_port=args.listen_port)
+    head = start_head(topology)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    log.info("shutting down")
+    head.stop()
+    return 0

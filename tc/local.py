@@ -1,0 +1,31 @@
+"""The whole model in one process: the baseline the cluster is measured against."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .generation import Generator, LocalPipeline
+from .model.config import Qwen2Config
+from .model.qwen2 import HeadModel, Stage, resolve_compute_dtype
+from .model.tokenizer import TextTokenizer
+from .model.weights import WeightIndex
+
+log = logging.getLogger(__name__)
+
+
+def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cpu") -> Generator:
+    """Load every layer of the model in `model_dir` into this process."""
+    started = time.perf_counter()
+    config = Qwen2Config.from_file(Path(model_dir) / "config.json")
+    index = WeightIndex.open(model_dir)
+    index.validate(config)
+    torch_dtype = resolve_compute_dtype(dtype, device)
+    head = HeadModel.load(config, index, torch_dtype, device)
+    stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device)
+    tokenizer = TextTokenizer.load(model_dir)
+    log.info("loaded %s (%d layers, %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
+             time.perf_counter() - started)
+    return Generator(head, tokenizer, LocalPipeline([stage], device), torch_dtype)

@@ -1,0 +1,93 @@
+"""Where a model's files come from: a local directory as it is, or a HuggingFace repo via its cache.
+
+Each machine resolves the model itself (no weights cross the cluster), and fetches only the files it needs:
+config.json and the shard index always, the tokenizer on the head, and only the safetensors shards holding the
+tensors it will load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Iterable
+
+from .model.weights import INDEX_FILE, SINGLE_FILE
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
+
+
+class ModelSourceError(RuntimeError):
+    """The model could not be found or downloaded."""
+
+
+class ModelSource:
+    def __init__(self, model: str, is_local: bool, revision: str | None = None, cache_dir: Path | None = None):
+        self.model, self.is_local, self.revision, self.cache_dir = model, is_local, revision, cache_dir
+
+    def __str__(self) -> str:
+        return self.model
+
+    def _download(self, filename: str, optional: bool = False) -> Path | None:
+        """One file through huggingface_hub (HF cache semantics, HF_ENDPOINT and HF_HUB_OFFLINE honoured)."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+        try:
+            return Path(hf_hub_download(self.model, filename, revision=self.revision,
+                                        cache_dir=str(self.cache_dir) if self.cache_dir else None))
+        except EntryNotFoundError:
+            if optional:
+                return None
+            raise ModelSourceError(f"{self.model} has no {filename}") from None
+        except RepositoryNotFoundError as exc:
+            raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private): {exc}") from exc
+        except LocalEntryNotFoundError as exc:
+            if optional and "offline" not in str(exc).lower():
+                return None
+            raise ModelSourceError(
+                f"cannot get {filename} of {self.model}: {exc}. Check this machine reaches the Hub (or HF_ENDPOINT), "
+                "or copy the model directory here and name it in topology.yaml") from exc
+        except OSError as exc:  # network errors surface as requests/httpx OSError subclasses
+            raise ModelSourceError(f"cannot download {filename} of {self.model}: {exc}") from exc
+
+    def config_dir(self) -> Path:
+        """The directory holding config.json (downloading it if needed)."""
+        if self.is_local:
+            path = Path(self.model)
+            if not (path / "config.json").is_file():
+                raise ModelSourceError(f"{path} has no config.json; is it a HuggingFace model directory?")
+            return path
+        log.info("resolving %s from the HuggingFace Hub", self.model)
+        path = self._download("config.json")
+        assert path is not None
+        return path.parent
+
+    def fetch_tensors(self, names: Iterable[str]) -> Path:
+        """Make sure the shards holding `names` are present; returns the model directory."""
+        root = self.config_dir()
+        if self.is_local:
+            return root
+        index = self._download(INDEX_FILE, optional=True)
+        if index is None:
+            files = [SINGLE_FILE]
+        else:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({weight_map[n] for n in names if n in weight_map})
+        for i, file in enumerate(files, 1):
+            started = time.perf_counter()
+            log.info("fetching %s (%d/%d) of %s", file, i, len(files), self.model)
+            path = self._download(file)
+            assert path is not None
+            log.info("have %s: %.0f MB in %.1fs", file, path.stat().st_size / 1e6, time.perf_counter() - started)
+        return root
+
+    def fetch_tokenizer(self) -> Path:
+        root = self.config_dir()
+        if not self.is_local:
+            for file in TOKENIZER_FILES:
+                self._download(file, optional=file not in REQUIRED_TOKENIZER_FILES)
+        return root

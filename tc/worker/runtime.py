@@ -1,0 +1,110 @@
+"""One worker's share of the model: its layers, and the KV cache of the request in flight.
+
+Pure with respect to I/O: it takes protocol messages and returns replies; the connection lives in main.py.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..model.config import Qwen2Config
+from ..model.kv_cache import CacheFullError, KVCache
+from ..model.quant import quantize_linears
+from ..model.qwen2 import Stage, resolve_compute_dtype
+from ..model.weights import WeightIndex, layer_tensor_names
+from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedStage:
+    stage: Stage
+    dtype: torch.dtype
+    device: str
+    weight_bytes: int
+    load_seconds: float
+
+
+def stage_weight_bytes(stage: Stage) -> int:
+    """Bytes of every parameter and buffer (quantized weights live in buffers)."""
+    tensors = list(stage.parameters()) + list(stage.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_assignment(assignment: Assignment, model_dir: Path, device: str,
+                    progress: Callable[[int, int], None] | None = None) -> LoadedStage:
+    """Load (and quantize) the assigned layers from `model_dir` onto `device`."""
+    started = time.perf_counter()
+    config = Qwen2Config.from_dict(assignment.config)
+    start, end = assignment.layer_start, assignment.layer_end_exclusive
+    names = layer_tensor_names(start, end)
+    index = WeightIndex.open(model_dir, only=names)
+    index.validate(config, only=names)
+    dtype = resolve_compute_dtype(assignment.compute_dtype, device)
+    prepare = None
+    if assignment.quant != "fp16":
+        def prepare(layer: torch.nn.Module) -> None:
+            quantize_linears(layer, assignment.quant, assignment.group_size)
+    stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
+    return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
+
+
+class StageRuntime:
+    """Runs RUN_PREFILL / RUN_DECODE for one loaded stage, keeping one request's cache."""
+
+    def __init__(self, loaded: LoadedStage):
+        self.loaded = loaded
+        self.hidden_size = loaded.stage.config.hidden_size
+        self.cache: KVCache | None = None
+
+    def clear(self) -> None:
+        self.cache = None
+
+    def _check_hidden(self, hidden: torch.Tensor, length: int | None) -> str | None:
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.hidden_size:
+            return f"hidden state has shape {list(hidden.shape)}; expected [1, L, {self.hidden_size}]"
+        if length is not None and hidden.shape[1] != length:
+            return f"a decode step carries one position, not {hidden.shape[1]}"
+        if hidden.shape[1] == 0:
+            return "hidden state has no positions"
+        return None
+
+    def _run(self, hidden: torch.Tensor, position: int) -> HiddenState:
+        assert self.cache is not None
+        started = time.perf_counter()
+        x = hidden.to(device=self.loaded.device, dtype=self.loaded.dtype)
+        out = self.loaded.stage(x, self.cache, position).to("cpu")  # the copy back also synchronises the device
+        return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
+
+    def prefill(self, msg: RunPrefill) -> HiddenState | InferenceError:
+        problem = self._check_hidden(msg.hidden_state, None)
+        length = msg.hidden_state.shape[1] if problem is None else 0
+        if problem is None and msg.position_start + length > msg.cache_capacity:
+            problem = f"{msg.position_start + length} positions do not fit cache_capacity {msg.cache_capacity}"
+        if problem is None and msg.position_start != 0 and (self.cache is None or
+                                                            self.cache.length != msg.position_start):
+            problem = f"a prefill at position {msg.position_start} needs a cache holding exactly that many positions"
+        if problem:
+            return InferenceError(message=problem)
+        if msg.position_start == 0:  # a new request: a fresh cache sized for it
+            self.cache = self.loaded.stage.new_cache(msg.cache_capacity, self.loaded.dtype, self.loaded.device)
+        return self._run(msg.hidden_state, msg.position_start)
+
+    def decode(self, msg: RunDecode) -> HiddenState | InferenceError:
+        problem = self._check_hidden(msg.hidden_state, 1)
+        if problem is None and self.cache is None:
+            problem = "RUN_DECODE before any RUN_PREFILL: there is no request in flight"
+        if problem is None and msg.position != self.cache.length:
+            problem = f"RUN_DECODE for position {msg.position}, but the cache holds {self.cache.length} positions"
+        if problem:
+            return InferenceError(message=problem)
+        try:
+            return self._run(msg.hidden_state, msg.position)
+        except CacheFullError as exc:
+            return InferenceError(message=str(exc))

@@ -1,0 +1,141 @@
+"""Start a real head and real worker processes on loopback, for end-to-end tests and benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_topology(path: Path, model: str | Path, nodes: list[dict], **settings) -> Path:
+    data = {"model": str(model), "quant": settings.pop("quant", "fp16"), "dtype": settings.pop("dtype", "fp32"),
+            "head": {"api": "127.0.0.1:0", "listen": "127.0.0.1:0", **settings.pop("head", {})},
+            "nodes": nodes, **settings}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+class Process:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+                                     cwd=str(cwd or ROOT))
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Cluster:
+    """A head and its workers as child processes. `tc` is the command prefix (python -m tc, or a tc.pyz)."""
+
+    def __init__(self, topology: Path, workdir: Path, tc: list[str] | None = None, env: dict | None = None):
+        self.topology, self.workdir, self.env = topology, workdir, env or {}
+        self.tc = tc or [sys.executable, "-m", "tc"]
+        self.api_port, self.listen_port = free_port(), free_port()
+        self.head: Process | None = None
+        self.workers: dict[str, Process] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def start_head(self) -> Process:
+        self.head = Process([*self.tc, "head", str(self.topology), "--api-port", str(self.api_port),
+                             "--listen-port", str(self.listen_port)], self.workdir / "head.log", self.env,
+                            cwd=self.workdir)
+        return self.head
+
+    def start_worker(self, node_id: str | None, *extra: str, name: str | None = None,
+                     env: dict | None = None) -> Process:
+        name = name or node_id or f"worker{len(self.workers)}"
+        args = [*self.tc, "worker", "--join", f"127.0.0.1:{self.listen_port}", "--device", "cpu",
+                "--threads", "1", *extra]
+        if node_id:
+            args += ["--node-id", node_id]
+        proc = Process(args, self.workdir / f"{name}.log", {**self.env, **(env or {})}, cwd=self.workdir)
+        self.workers[name] = proc
+        return proc
+
+    def get(self, path: str, timeout: float = 5) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def wait_api(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.head is not None
+            if self.head.proc.poll() is not None:
+                raise AssertionError(f"head exited:\n{self.head.output()}")
+            try:
+                self.get("/health", timeout=1)
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+        raise AssertionError(f"head API not up in {timeout}s:\n{self.head.output()}")
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                status, body = self.get("/health/ready", timeout=2)
+                if status == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            for name, w in self.workers.items():
+                if w.proc.poll() is not None and w.proc.returncode != 0:
+                    raise AssertionError(f"worker {name} exited {w.proc.returncode}:\n{w.output()}")
+            time.sleep(0.3)
+        logs = "\n".join(f"--- {n}\n{w.output()[-3000:]}" for n, w in self.workers.items())
+        raise AssertionError(f"cluster not ready in {timeout}s\n--- head\n{self.head.output()[-3000:]}\n{logs}")
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        if self.head is not None:
+            self.head.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
