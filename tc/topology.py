@@ -1,0 +1,521 @@
+"""The topology file: which model, which weight mode, which machines, in pipeline order.
+
+Theory of operation: `load_topology` reads the YAML text (the only I/O besides checking that a local model
+directory exists) and hands the parsed tree to `parse_topology`, which walks it key by key and builds frozen
+values. Every key is checked where it is read; the first problem raises `TopologyError`, whose text is one line
+naming the file, the key path (`nodes[1].device`) and the fix. Unknown keys are errors, never ignored, so a typo
+cannot silently fall back to a default.
+
+What needs the model's layer count (a pin past the last layer, layers no node covers) is checked later by
+`tc.planner.make_plan`.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from tc.model.quant import DEFAULT_GROUP_SIZE, WEIGHT_MODES
+
+TOPOLOGY_VERSION = 1
+QUANT_MODES = WEIGHT_MODES
+DTYPES = ("fp16", "bf16", "fp32")
+DEVICE_KINDS = ("auto", "cpu", "cuda", "mps")
+# Only CUDA numbers its devices; "cpu:0" or "mps:1" would only hide a typo.
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d+))?$")
+NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+REPO_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HOST_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+_IPV6_PATTERN = re.compile(r"^[0-9A-Fa-f:.]+$")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_HEARTBEAT_S = 5.0
+GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
+
+TOP_KEYS = ("version", "model", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
+HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s")
+NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads")
+_DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
+
+
+class TopologyError(ValueError):
+    """The topology file is unreadable or says something tc cannot run.
+
+    `key_path` names the offending key (`nodes[1].device`), empty when the problem is the file as a whole;
+    `source` names the file. `str()` is one line: "SOURCE: KEY_PATH: MESSAGE".
+    """
+
+    def __init__(self, key_path: str, message: str, source: str = "topology") -> None:
+        super().__init__(key_path, message, source)
+        self.key_path = key_path
+        self.message = " ".join(message.split())  # one line, whatever a YAML message carried
+        self.source = source
+
+    def __str__(self) -> str:
+        where = f"{self.key_path}: " if self.key_path else ""
+        return f"{self.source}: {where}{self.message}"
+
+
+class DeviceError(ValueError):
+    """A device string is not one tc knows."""
+
+
+class AddressError(ValueError):
+    """A HOST:PORT string is malformed or its port is out of range."""
+
+
+@dataclass(frozen=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    api: HostPort
+    listen: HostPort
+    threads: int | None
+    max_queue: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    id: str
+    device: str
+    dtype: str | None  # None: the topology's dtype
+    max_memory_gb: float | None
+    layers: tuple[int, int] | None  # pinned half-open [start, end)
+    threads: int | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    version: int
+    model: str  # a HuggingFace repo id, or (model_is_local) an absolute directory path
+    model_is_local: bool
+    revision: str | None
+    quant: str
+    group_size: int
+    dtype: str
+    hf_cache_dir: Path | None
+    head: HeadSettings
+    nodes: tuple[NodeEntry, ...]
+
+    def with_ports(self, api_port: int | None = None, listen_port: int | None = None) -> Topology:
+        """A copy with the head's API and/or listen port replaced (0 lets the OS pick, for tests)."""
+        api, listen = self.head.api, self.head.listen
+        if api_port is not None:
+            api = HostPort(api.host, _check_port(api_port, allow_zero=True))
+        if listen_port is not None:
+            listen = HostPort(listen.host, _check_port(listen_port, allow_zero=True))
+        return replace(self, head=replace(self.head, api=api, listen=listen))
+
+    def node(self, node_id: str) -> NodeEntry:
+        """The entry with this id. Raises KeyError naming the ids there are."""
+        for entry in self.nodes:
+            if entry.id == node_id:
+                return entry
+        raise KeyError(f"no node {node_id!r} in the topology; its nodes are {', '.join(self.node_ids)}")
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(entry.id for entry in self.nodes)
+
+    def node_dtype(self, node_id: str) -> str:
+        """The compute dtype a node runs in: its own override, else the topology's."""
+        return self.node(node_id).dtype or self.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        """The topology as a YAML-ready tree that `parse_topology` reads back to an equal value."""
+        nodes: list[dict[str, Any]] = []
+        for entry in self.nodes:
+            item: dict[str, Any] = {"id": entry.id, "device": entry.device}
+            if entry.dtype is not None:
+                item["dtype"] = entry.dtype
+            if entry.max_memory_gb is not None:
+                item["max_memory_gb"] = entry.max_memory_gb
+            if entry.layers is not None:
+                item["layers"] = f"{entry.layers[0]}-{entry.layers[1] - 1}"
+            if entry.threads is not None:
+                item["threads"] = entry.threads
+            nodes.append(item)
+        head: dict[str, Any] = {
+            "api": str(self.head.api),
+            "listen": str(self.head.listen),
+            "max_queue": self.head.max_queue,
+            "heartbeat_s": self.head.heartbeat_s,
+        }
+        if self.head.threads is not None:
+            head["threads"] = self.head.threads
+        data: dict[str, Any] = {
+            "version": self.version,
+            "model": self.model,
+            "quant": self.quant,
+            "group_size": self.group_size,
+            "dtype": self.dtype,
+            "head": head,
+            "nodes": nodes,
+        }
+        if self.revision is not None:
+            data["revision"] = self.revision
+        if self.hf_cache_dir is not None:
+            data["hf_cache_dir"] = str(self.hf_cache_dir)
+        return data
+
+
+def parse_device(text: str) -> tuple[str, int | None]:
+    """Split a device string into (kind, index): "cuda:1" -> ("cuda", 1), "mps" -> ("mps", None).
+
+    Raises DeviceError for anything but auto, cpu, cuda, cuda:N or mps.
+    """
+    match = DEVICE_PATTERN.match(text) if isinstance(text, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise DeviceError(f"{text!r} is not a device; {_DEVICE_HINT}")
+    index = match.group(2)
+    return match.group(1), (int(index) if index is not None else None)
+
+
+def parse_host_port(text: str) -> HostPort:
+    """Parse "host:port" (IPv6 as "[::1]:7001"), port 1-65535. Raises AddressError saying what to write."""
+    if not isinstance(text, str):
+        raise AddressError(f"expected \"host:port\" like 0.0.0.0:8000, got {_describe(text)}")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text:
+        raise AddressError(f"{text!r} has no port; write host:port like 0.0.0.0:8000")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        valid_host = bool(_IPV6_PATTERN.match(host))
+    else:
+        valid_host = bool(_HOST_PATTERN.match(host))
+        if ":" in host:
+            raise AddressError(f"{text!r}: put an IPv6 host in brackets, like [::]:8000")
+    if not valid_host:
+        raise AddressError(f"{text!r} has no valid host; write host:port like 0.0.0.0:8000 or localhost:7001")
+    if not port_text.isdigit():
+        raise AddressError(f"{text!r}: port {port_text!r} is not a number; write host:port like 0.0.0.0:8000")
+    return HostPort(host, _check_port(int(port_text), allow_zero=False))
+
+
+def _check_port(port: int, allow_zero: bool) -> int:
+    low = 0 if allow_zero else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= 65535:
+        raise AddressError(f"port {port!r} is out of range; use {low}-65535")
+    return port
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key; SafeLoader reports it itself
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} is given twice; keep one", key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_topology(path: Path) -> Topology:
+    """Read and check a topology file. Raises TopologyError naming the file, the key and the fix."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TopologyError("", f"cannot read the file: {exc.strerror or exc}; check the path", source) from exc
+    except UnicodeDecodeError as exc:
+        raise TopologyError("", f"not UTF-8 text ({exc.reason}); save it as UTF-8", source) from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        raise TopologyError("", _yaml_error_text(exc), source) from exc
+    except yaml.YAMLError as exc:
+        raise TopologyError("", f"YAML error: {exc}", source) from exc
+    return parse_topology(data, path.parent, source=source)
+
+
+def _yaml_error_text(exc: yaml.MarkedYAMLError) -> str:
+    mark = exc.problem_mark or exc.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = exc.problem or exc.context or "invalid YAML"
+    hint = "fix the YAML there"
+    if "\t" in problem or "'\\t'" in problem:
+        hint = "indent with spaces, not tabs"
+    elif "twice" in problem:
+        hint = "remove the repeated key"
+    return f"{where}{problem}; {hint}"
+
+
+def parse_topology(data: object, base_dir: Path, *, source: str = "topology") -> Topology:
+    """Build a Topology from the parsed YAML tree. `base_dir` anchors a relative local model path.
+
+    Raises TopologyError (key path + fix) on the first problem found.
+    """
+    return _Parser(Path(base_dir), source).topology(data)
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"a boolean ({'true' if value else 'false'}; YAML reads yes/no/on/off as booleans)"
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+class _Parser:
+    """Walks the YAML tree; each method checks one key and raises TopologyError at its key path."""
+
+    def __init__(self, base_dir: Path, source: str) -> None:
+        self.base_dir = base_dir
+        self.source = source
+
+    def fail(self, key_path: str, message: str) -> TopologyError:
+        return TopologyError(key_path, message, self.source)
+
+    def mapping(self, value: object, path: str, allowed: tuple[str, ...], what: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected {what}, got {_describe(value)}")
+        for key in value:
+            if not isinstance(key, str):
+                raise self.fail(path, f"key {key!r} is not a name; keys are: {', '.join(allowed)}")
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                guess = f"did you mean {close[0]!r}? " if close else ""
+                key_path = f"{path}.{key}" if path else key
+                raise self.fail(key_path, f"unknown key; {guess}allowed keys here: {', '.join(allowed)}")
+        return value
+
+    def required(self, section: Mapping[str, Any], key: str, path: str, example: str) -> Any:
+        if key not in section or section[key] is None:
+            raise self.fail(_join(path, key), f"missing; add it, e.g. {key}: {example}")
+        return section[key]
+
+    def integer(self, value: object, path: str, minimum: int, hint: str = "") -> int:
+        if not _is_int(value):
+            raise self.fail(path, f"expected a whole number >= {minimum}, got {_describe(value)}{hint}")
+        if value < minimum:  # type: ignore[operator]
+            raise self.fail(path, f"{value} is too small; use a whole number >= {minimum}{hint}")
+        return value  # type: ignore[return-value]
+
+    def positive_number(self, value: object, path: str, unit: str) -> float:
+        if not _is_number(value):
+            raise self.fail(path, f"expected a positive number of {unit}, got {_describe(value)}")
+        if value <= 0:  # type: ignore[operator]
+            raise self.fail(path, f"{value} is not positive; give a number of {unit} > 0")
+        return float(value)  # type: ignore[arg-type]
+
+    def string(self, value: object, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            quote = f'; quote it: "{value}"' if _is_number(value) else ""
+            raise self.fail(path, f"expected text, got {_describe(value)}{quote}")
+        return value
+
+    def choice(self, value: object, path: str, allowed: tuple[str, ...], what: str) -> str:
+        if not isinstance(value, str) or value not in allowed:
+            shown = repr(value) if isinstance(value, str) else _describe(value)
+            raise self.fail(path, f"{shown} is not a {what}; use {' | '.join(allowed)}")
+        return value
+
+    def address(self, value: object, path: str) -> HostPort:
+        try:
+            return parse_host_port(value)  # type: ignore[arg-type]
+        except AddressError as exc:
+            raise self.fail(path, str(exc)) from exc
+
+    def topology(self, data: object) -> Topology:
+        if data is None:
+            raise self.fail("", "the file is empty; start from topology.example.yaml")
+        top = self.mapping(data, "", TOP_KEYS, "a mapping of model, quant, dtype, head and nodes")
+        version = top.get("version", TOPOLOGY_VERSION)
+        if not _is_int(version) or version != TOPOLOGY_VERSION:
+            shown = version if _is_int(version) else _describe(version)
+            raise self.fail(
+                "version", f"{shown} is not a topology format this tc reads; write version: {TOPOLOGY_VERSION}"
+            )
+        model, is_local = self.model(self.required(top, "model", "", "Qwen/Qwen2.5-0.5B-Instruct"))
+        revision = None if top.get("revision") is None else self.string(top["revision"], "revision")
+        quant = self.choice(self.required(top, "quant", "", "int8"), "quant", QUANT_MODES, "weight mode")
+        group_size = top.get("group_size", DEFAULT_GROUP_SIZE)
+        group_size = self.integer(group_size, "group_size", 2, "; the int4 group size, e.g. 128")
+        if group_size % 2:
+            raise self.fail("group_size", f"{group_size} is odd; int4 packs two values a byte: use e.g. 128")
+        dtype = self.choice(self.required(top, "dtype", "", "bf16"), "dtype", DTYPES, "compute dtype")
+        cache = top.get("hf_cache_dir")
+        hf_cache_dir = None if cache is None else self.local_path(self.string(cache, "hf_cache_dir"))
+        head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
+        nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
+        return Topology(
+            version=version, model=model, model_is_local=is_local, revision=revision, quant=quant,
+            group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
+        )
+
+    def local_path(self, text: str) -> Path:
+        path = Path(text).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def model(self, value: object) -> tuple[str, bool]:
+        text = self.string(value, "model")
+        example = "Qwen/Qwen2.5-0.5B-Instruct"
+        looks_local = text.startswith(("/", ".", "~")) or (self.base_dir / text).is_dir()
+        if not looks_local:
+            if not REPO_ID_PATTERN.match(text):
+                raise self.fail(
+                    "model",
+                    f"{text!r} is neither a HuggingFace repo id (org/name) nor a directory next to the file; "
+                    f"give a repo id like {example} or a local path like ./models/qwen",
+                )
+            return text, False
+        path = self.local_path(text)
+        if not path.is_dir():
+            raise self.fail(
+                "model",
+                f"{text}: no such directory; give an existing local model directory or a HuggingFace repo id "
+                f"like {example}",
+            )
+        if not (path / "config.json").is_file():
+            raise self.fail(
+                "model", f"{text}: has no config.json; point model at the directory holding config.json and "
+                "the *.safetensors files",
+            )
+        return str(path), True
+
+    def head(self, value: object) -> HeadSettings:
+        head = self.mapping(value, "head", HEAD_KEYS, "a mapping with api and listen")
+        api = self.address(self.required(head, "api", "head", "0.0.0.0:8000"), "head.api")
+        listen = self.address(self.required(head, "listen", "head", "0.0.0.0:7001"), "head.listen")
+        if api.port == listen.port and (
+            api.host == listen.host or api.host in _WILDCARD_HOSTS or listen.host in _WILDCARD_HOSTS
+        ):
+            raise self.fail("head.listen", f"port {listen.port} is also head.api's port; give them different ports")
+        threads = self.optional(head, "threads", "head", lambda v, p: self.integer(v, p, 1))
+        max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1)
+        heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
+        heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds")
+        return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s)
+
+    def optional(self, section: Mapping[str, Any], key: str, path: str, check: Callable[[Any, str], Any]) -> Any:
+        value = section.get(key)
+        return None if value is None else check(value, _join(path, key))
+
+    def nodes(self, value: object) -> tuple[NodeEntry, ...]:
+        if not isinstance(value, list):
+            raise self.fail("nodes", f"expected a list of nodes in pipeline order, got {_describe(value)}")
+        if not value:
+            raise self.fail("nodes", "the list is empty; list at least one node, e.g. - {id: box, device: auto}")
+        entries: list[NodeEntry] = []
+        first_index: dict[str, int] = {}
+        for index, item in enumerate(value):
+            entry = self.node(item, f"nodes[{index}]")
+            if entry.id in first_index:
+                raise self.fail(
+                    f"nodes[{index}].id",
+                    f"{entry.id!r} is already the id of nodes[{first_index[entry.id]}]; give each node its own id",
+                )
+            first_index[entry.id] = index
+            entries.append(entry)
+        self.check_pin_order(entries)
+        return tuple(entries)
+
+    def node(self, value: object, path: str) -> NodeEntry:
+        node = self.mapping(value, path, NODE_KEYS, "a mapping with id and device")
+        node_id = self.string(self.required(node, "id", path, "gpu-box"), f"{path}.id")
+        if not NODE_ID_PATTERN.match(node_id):
+            raise self.fail(
+                f"{path}.id", f"{node_id!r} has characters other than letters, digits, '_', '.', '-'; rename it, "
+                "e.g. gpu-box",
+            )
+        device = node.get("device", "auto")
+        try:
+            parse_device(device)
+        except DeviceError as exc:
+            raise self.fail(f"{path}.device", str(exc)) from exc
+        return NodeEntry(
+            id=node_id,
+            device=device,
+            dtype=self.optional(node, "dtype", path, lambda v, p: self.choice(v, p, DTYPES, "compute dtype")),
+            max_memory_gb=self.optional(node, "max_memory_gb", path, lambda v, p: self.positive_number(v, p, "GiB")),
+            layers=self.optional(node, "layers", path, self.pin),
+            threads=self.optional(node, "threads", path, lambda v, p: self.integer(v, p, 1)),
+        )
+
+    def pin(self, value: object, path: str) -> tuple[int, int]:
+        hint = 'write "a-b" (inclusive, counting from 0) like 14-23, or one layer like 7'
+        if _is_int(value):
+            if value < 0:  # type: ignore[operator]
+                raise self.fail(path, f"{value} is negative; layers count from 0; {hint}")
+            return value, value + 1  # type: ignore[operator,return-value]
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected a layer range, got {_describe(value)}; {hint}")
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", value)
+        if match is None:
+            raise self.fail(path, f"{value!r} is not a layer range; {hint}")
+        start = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else start
+        if last < start:
+            raise self.fail(path, f"{value!r} ends before it starts; {hint}")
+        return start, last + 1
+
+    def check_pin_order(self, entries: list[NodeEntry]) -> None:
+        """Pins may not overlap and must follow node order, since layers flow through nodes in file order."""
+        pinned: list[tuple[int, NodeEntry, tuple[int, int]]] = []
+        for index, entry in enumerate(entries):
+            if entry.layers is None:
+                continue
+            start, end = entry.layers
+            for prev_index, prev, (prev_start, prev_end) in pinned:
+                if start < prev_end and end > prev_start:
+                    raise self.fail(
+                        f"nodes[{index}].layers",
+                        f"{_span(entry.layers)} overlaps nodes[{prev_index}] ({prev.id}) layers "
+                        f"{_span((prev_start, prev_end))}; give each layer to one node",
+                    )
+            if pinned and start < pinned[-1][2][1]:
+                prev_index, prev, prev_layers = pinned[-1]
+                raise self.fail(
+                    f"nodes[{index}].layers",
+                    f"{_span(entry.layers)} comes before nodes[{prev_index}] ({prev.id}) layers "
+                    f"{_span(prev_layers)}, but layers run through the nodes in list order; "
+                    "reorder the nodes or their pins",
+                )
+            pinned.append((index, entry, entry.layers))
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _span(layers: tuple[int, int]) -> str:
+    """Half-open [a, b) shown the way the file writes it: inclusive "a-(b-1)"."""
+    start, end = layers
+    return f"{start}" if end == start + 1 else f"{start}-{end - 1}"

@@ -1,0 +1,438 @@
+"""The topology file: every rule as a table row, good files, YAML errors, and the example file."""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tc.topology import (
+    HEAD_KEYS,
+    NODE_KEYS,
+    TOP_KEYS,
+    AddressError,
+    DeviceError,
+    HostPort,
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_device,
+    parse_host_port,
+    parse_topology,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DELETE = object()
+
+
+def good() -> dict[str, Any]:
+    """A valid three-node topology tree; each bad row changes one thing in it."""
+    return {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "quant": "int8",
+        "dtype": "bf16",
+        "head": {"api": "0.0.0.0:8000", "listen": "0.0.0.0:7001"},
+        "nodes": [
+            {"id": "gpu-box", "device": "cuda:0"},
+            {"id": "macbook", "device": "mps", "max_memory_gb": 12, "layers": "14-19"},
+            {"id": "cpu-box", "device": "cpu"},
+        ],
+    }
+
+
+def changed(*edits: tuple[str, Any]) -> dict[str, Any]:
+    """good() with each dotted path ("nodes.1.device") set to a value, or removed with DELETE."""
+    data = good()
+    for path, value in edits:
+        *parents, last = path.split(".")
+        target: Any = data
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        key: Any = int(last) if isinstance(target, list) else last
+        if value is DELETE:
+            del target[key]
+        else:
+            target[key] = value
+    return data
+
+
+BAD = [
+    # (row id, data, expected key path, phrase in the message)
+    ("empty file", None, "", "the file is empty"),
+    ("top is a list", [1, 2], "", "expected a mapping"),
+    ("non-string key", {**good(), 1: 2}, "", "is not a name"),
+    ("unknown top key", {**good(), "modle": "x"}, "modle", "did you mean 'model'?"),
+    ("unknown far key", {**good(), "zzz": 1}, "zzz", "allowed keys here: version, model"),
+    ("unknown head key", changed(("head.port", 8000)), "head.port", "allowed keys here: api, listen"),
+    ("unknown node key", changed(("nodes.0.max_mem_gb", 4)), "nodes[0].max_mem_gb", "did you mean 'max_memory_gb'?"),
+    ("version 2", changed(("version", 2)), "version", "write version: 1"),
+    ("version text", changed(("version", "1")), "version", "str '1' is not a topology format"),
+    ("version bool", changed(("version", True)), "version", "a boolean"),
+    ("model missing", changed(("model", DELETE)), "model", "missing; add it"),
+    ("model null", changed(("model", None)), "model", "missing; add it"),
+    ("model number", changed(("model", 123)), "model", "expected text"),
+    ("model not a repo id", changed(("model", "qwen-small")), "model", "neither a HuggingFace repo id"),
+    ("model two slashes", changed(("model", "a/b/c")), "model", "neither a HuggingFace repo id"),
+    ("model local missing", changed(("model", "./models/x")), "model",
+     "./models/x: no such directory; give an existing local model directory or a HuggingFace repo id like "
+     "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("model absolute missing", changed(("model", "/nonexistent/tc-model")), "model", "no such directory"),
+    ("model dir lacks config", changed(("model", "./no-config")), "model", "has no config.json"),
+    ("revision number", changed(("revision", 1234)), "revision", 'quote it: "1234"'),
+    ("quant missing", changed(("quant", DELETE)), "quant", "missing; add it, e.g. quant: int8"),
+    ("quant unknown", changed(("quant", "int3")), "quant", "'int3' is not a weight mode; use fp16 | int8 | int4"),
+    ("quant bool", changed(("quant", False)), "quant", "a boolean"),
+    ("group_size zero", changed(("group_size", 0)), "group_size", "too small"),
+    ("group_size negative", changed(("group_size", -128)), "group_size", "too small"),
+    ("group_size odd", changed(("group_size", 63)), "group_size", "is odd"),
+    ("group_size float", changed(("group_size", 128.0)), "group_size", "expected a whole number"),
+    ("group_size bool", changed(("group_size", True)), "group_size", "a boolean"),
+    ("dtype missing", changed(("dtype", DELETE)), "dtype", "missing"),
+    ("dtype unknown", changed(("dtype", "float16")), "dtype",
+     "'float16' is not a compute dtype; use fp16 | bf16 | fp32"),
+    ("hf_cache_dir number", changed(("hf_cache_dir", 5)), "hf_cache_dir", "expected text"),
+    ("head missing", changed(("head", DELETE)), "head", "missing"),
+    ("head a list", changed(("head", ["0.0.0.0:8000"])), "head", "expected a mapping with api and listen"),
+    ("api missing", changed(("head.api", DELETE)), "head.api", "missing; add it, e.g. api: 0.0.0.0:8000"),
+    ("api port only", changed(("head.api", "8000")), "head.api", "has no port"),
+    ("api int", changed(("head.api", 8000)), "head.api", 'expected "host:port"'),
+    ("api port zero", changed(("head.api", "0.0.0.0:0")), "head.api", "port 0 is out of range; use 1-65535"),
+    ("api port too big", changed(("head.api", "0.0.0.0:65536")), "head.api", "out of range"),
+    ("api port text", changed(("head.api", "localhost:http")), "head.api", "is not a number"),
+    ("api no host", changed(("head.api", ":8000")), "head.api", "no valid host"),
+    ("api bad host", changed(("head.api", "my host:8000")), "head.api", "no valid host"),
+    ("api bare ipv6", changed(("head.api", "::1:8000")), "head.api", "in brackets"),
+    ("listen missing", changed(("head.listen", DELETE)), "head.listen", "missing"),
+    ("listen same port", changed(("head.listen", "127.0.0.1:8000")), "head.listen", "different ports"),
+    ("head threads zero", changed(("head.threads", 0)), "head.threads", "too small"),
+    ("head threads yes", changed(("head.threads", True)), "head.threads", "YAML reads yes/no/on/off as booleans"),
+    ("max_queue zero", changed(("head.max_queue", 0)), "head.max_queue", "too small"),
+    ("max_queue text", changed(("head.max_queue", "16")), "head.max_queue", "expected a whole number"),
+    ("heartbeat zero", changed(("head.heartbeat_s", 0)), "head.heartbeat_s", "not positive"),
+    ("heartbeat negative", changed(("head.heartbeat_s", -1.5)), "head.heartbeat_s", "not positive"),
+    ("heartbeat inf", changed(("head.heartbeat_s", float("inf"))), "head.heartbeat_s", "expected a positive number"),
+    ("heartbeat bool", changed(("head.heartbeat_s", True)), "head.heartbeat_s", "a boolean"),
+    ("nodes missing", changed(("nodes", DELETE)), "nodes", "missing"),
+    ("nodes empty", changed(("nodes", [])), "nodes", "the list is empty"),
+    ("nodes a mapping", changed(("nodes", {"id": "a"})), "nodes", "expected a list of nodes"),
+    ("node a string", changed(("nodes.0", "gpu-box")), "nodes[0]", "expected a mapping with id and device"),
+    ("node id missing", changed(("nodes.1.id", DELETE)), "nodes[1].id", "missing"),
+    ("node id number", changed(("nodes.0.id", 7)), "nodes[0].id", 'quote it: "7"'),
+    ("node id space", changed(("nodes.0.id", "gpu box")), "nodes[0].id", "characters other than"),
+    ("node id duplicate", changed(("nodes.2.id", "gpu-box")), "nodes[2].id", "already the id of nodes[0]"),
+    ("device gpu", changed(("nodes.1.device", "gpu")), "nodes[1].device",
+     "'gpu' is not a device; use auto, cpu, cuda, cuda:N or mps"),
+    ("device cpu:0", changed(("nodes.2.device", "cpu:0")), "nodes[2].device", "is not a device"),
+    ("device mps:1", changed(("nodes.1.device", "mps:1")), "nodes[1].device", "is not a device"),
+    ("device cuda:", changed(("nodes.0.device", "cuda:")), "nodes[0].device", "is not a device"),
+    ("device cuda:-1", changed(("nodes.0.device", "cuda:-1")), "nodes[0].device", "is not a device"),
+    ("device upper", changed(("nodes.0.device", "CUDA")), "nodes[0].device", "is not a device"),
+    ("device int", changed(("nodes.0.device", 0)), "nodes[0].device", "is not a device"),
+    ("node dtype", changed(("nodes.0.dtype", "half")), "nodes[0].dtype", "use fp16 | bf16 | fp32"),
+    ("memory zero", changed(("nodes.1.max_memory_gb", 0)), "nodes[1].max_memory_gb", "not positive"),
+    ("memory negative", changed(("nodes.1.max_memory_gb", -2)), "nodes[1].max_memory_gb", "not positive"),
+    ("memory with unit", changed(("nodes.1.max_memory_gb", "12GB")), "nodes[1].max_memory_gb",
+     "expected a positive number of GiB"),
+    ("memory bool", changed(("nodes.1.max_memory_gb", True)), "nodes[1].max_memory_gb", "a boolean"),
+    ("pin open end", changed(("nodes.1.layers", "14-")), "nodes[1].layers", "is not a layer range"),
+    ("pin words", changed(("nodes.1.layers", "a-b")), "nodes[1].layers", "is not a layer range"),
+    ("pin reversed", changed(("nodes.1.layers", "19-14")), "nodes[1].layers", "ends before it starts"),
+    ("pin negative", changed(("nodes.1.layers", -1)), "nodes[1].layers", "negative"),
+    ("pin bool", changed(("nodes.1.layers", True)), "nodes[1].layers", "a boolean"),
+    ("pin float", changed(("nodes.1.layers", 1.5)), "nodes[1].layers", "expected a layer range"),
+    ("pin list", changed(("nodes.1.layers", [14, 19])), "nodes[1].layers", "expected a layer range"),
+    ("pin empty text", changed(("nodes.1.layers", "")), "nodes[1].layers", "is not a layer range"),
+    ("node threads zero", changed(("nodes.2.threads", 0)), "nodes[2].threads", "too small"),
+    ("node threads bool", changed(("nodes.2.threads", False)), "nodes[2].threads", "a boolean"),
+    ("pins overlap", changed(("nodes.0.layers", "0-14")), "nodes[1].layers",
+     "14-19 overlaps nodes[0] (gpu-box) layers 0-14"),
+    ("pins out of order", changed(("nodes.2.layers", "0-3")), "nodes[2].layers",
+     "0-3 comes before nodes[1] (macbook) layers 14-19"),
+    ("pin overlaps an earlier one", changed(("nodes.0.layers", "0-3"), ("nodes.2.layers", "2")),
+     "nodes[2].layers", "2 overlaps nodes[0] (gpu-box) layers 0-3"),
+    ("pin overlaps a non-adjacent one", changed(("nodes.0.layers", "10-13"), ("nodes.1.layers", "20-23"),
+                                                ("nodes.2.layers", "5-11")),
+     "nodes[2].layers", "overlaps nodes[0] (gpu-box) layers 10-13"),
+    ("same single pin twice", changed(("nodes.0.layers", 7), ("nodes.1.layers", "7")), "nodes[1].layers",
+     "overlaps"),
+]
+
+
+@pytest.fixture
+def base_dir(tmp_path: Path) -> Path:
+    (tmp_path / "no-config").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize(("data", "key_path", "phrase"), [row[1:] for row in BAD], ids=[row[0] for row in BAD])
+def test_bad_topology_names_key_and_fix(data: object, key_path: str, phrase: str, base_dir: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(copy.deepcopy(data), base_dir, source="topology.yaml")
+    err = info.value
+    assert err.key_path == key_path
+    assert phrase in err.message
+    text = str(err)
+    assert "\n" not in text
+    assert text.startswith(f"topology.yaml: {key_path}: " if key_path else "topology.yaml: ")
+
+
+def test_error_text_is_file_key_and_fix(base_dir: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(changed(("nodes.1.device", "gpu")), base_dir, source="topology.yaml")
+    assert str(info.value) == (
+        "topology.yaml: nodes[1].device: 'gpu' is not a device; use auto, cpu, cuda, cuda:N or mps"
+    )
+
+
+def test_good_tree_values_and_defaults(base_dir: Path) -> None:
+    topo = parse_topology(good(), base_dir)
+    assert topo.version == 1
+    assert topo.model == "Qwen/Qwen2.5-0.5B-Instruct" and not topo.model_is_local
+    assert (topo.revision, topo.quant, topo.group_size, topo.dtype, topo.hf_cache_dir) == (
+        None, "int8", 128, "bf16", None
+    )
+    assert topo.head.api == HostPort("0.0.0.0", 8000)
+    assert topo.head.listen == HostPort("0.0.0.0", 7001)
+    assert (topo.head.threads, topo.head.max_queue, topo.head.heartbeat_s) == (None, 16, 5.0)
+    assert topo.node_ids == ("gpu-box", "macbook", "cpu-box")
+    mac = topo.node("macbook")
+    assert (mac.device, mac.dtype, mac.max_memory_gb, mac.layers, mac.threads) == ("mps", None, 12.0, (14, 20), None)
+    assert topo.node_dtype("macbook") == "bf16"
+
+
+def test_device_defaults_to_auto(base_dir: Path) -> None:
+    topo = parse_topology(changed(("nodes.0.device", DELETE)), base_dir)
+    assert topo.nodes[0].device == "auto"
+
+
+def test_every_optional_key_set(base_dir: Path) -> None:
+    data = changed(
+        ("version", 1), ("revision", "v1.0"), ("group_size", 64), ("hf_cache_dir", "cache"),
+        ("head.threads", 3), ("head.max_queue", 4), ("head.heartbeat_s", 0.5),
+        ("nodes.0.dtype", "fp16"), ("nodes.0.max_memory_gb", 7.5), ("nodes.0.threads", 6), ("nodes.0.layers", 3),
+    )
+    topo = parse_topology(data, base_dir)
+    assert topo.revision == "v1.0" and topo.group_size == 64
+    assert topo.hf_cache_dir == (base_dir / "cache").resolve()
+    assert (topo.head.threads, topo.head.max_queue, topo.head.heartbeat_s) == (3, 4, 0.5)
+    assert topo.nodes[0] == type(topo.nodes[0])("gpu-box", "cuda:0", "fp16", 7.5, (3, 4), 6)
+
+
+@pytest.mark.parametrize(
+    ("pin", "expected"),
+    [(0, (0, 1)), (7, (7, 8)), ("7", (7, 8)), ("14-23", (14, 24)), (" 3 - 5 ", (3, 6)), ("0-0", (0, 1))],
+)
+def test_pin_forms_are_inclusive_and_stored_half_open(pin: object, expected: tuple[int, int], base_dir: Path) -> None:
+    data = changed(("nodes.1.layers", DELETE), ("nodes.0.layers", pin))
+    assert parse_topology(data, base_dir).nodes[0].layers == expected
+
+
+def test_adjacent_pins_in_order_are_fine(base_dir: Path) -> None:
+    data = changed(("nodes.0.layers", "0-13"), ("nodes.1.layers", "14-19"), ("nodes.2.layers", "20-23"))
+    assert [n.layers for n in parse_topology(data, base_dir).nodes] == [(0, 14), (14, 20), (20, 24)]
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12", "mps"])
+def test_valid_devices(device: str, base_dir: Path) -> None:
+    assert parse_topology(changed(("nodes.0.device", device)), base_dir).nodes[0].device == device
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("auto", ("auto", None)), ("cpu", ("cpu", None)), ("mps", ("mps", None)), ("cuda", ("cuda", None)),
+     ("cuda:0", ("cuda", 0)), ("cuda:3", ("cuda", 3))],
+)
+def test_parse_device(text: str, expected: tuple[str, int | None]) -> None:
+    assert parse_device(text) == expected
+
+
+@pytest.mark.parametrize("text", ["gpu", "cpu:0", "mps:0", "cuda:", "cuda:x", "cuda:0:1", " cuda", "", "xla"])
+def test_parse_device_refuses(text: str) -> None:
+    with pytest.raises(DeviceError, match="use auto, cpu, cuda, cuda:N or mps"):
+        parse_device(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0.0.0.0:8000", HostPort("0.0.0.0", 8000)), ("localhost:1", HostPort("localhost", 1)),
+     ("head.lan:65535", HostPort("head.lan", 65535)), ("[::]:7001", HostPort("::", 7001)),
+     ("[::1]:80", HostPort("::1", 80))],
+)
+def test_parse_host_port(text: str, expected: HostPort) -> None:
+    assert parse_host_port(text) == expected
+    assert str(expected) == text  # str() writes it back the way it reads
+
+
+@pytest.mark.parametrize("text", ["8000", "host:", "host:0", "host:99999", "[::1]8000", "a b:1", "[zz]:1", "h:-1"])
+def test_parse_host_port_refuses(text: str) -> None:
+    with pytest.raises(AddressError):
+        parse_host_port(text)
+
+
+def test_ipv6_head_addresses(base_dir: Path) -> None:
+    topo = parse_topology(changed(("head.api", "[::]:8000"), ("head.listen", "[::]:7001")), base_dir)
+    assert topo.head.api == HostPort("::", 8000)
+
+
+def make_model_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("spelling", ["./models/qwen", "models/qwen", "ABS"])
+def test_local_model_paths_resolve_against_the_file(spelling: str, tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "models" / "qwen")
+    text = str(model_dir) if spelling == "ABS" else spelling
+    topo = parse_topology(changed(("model", text)), tmp_path)
+    assert topo.model_is_local
+    assert topo.model == str(model_dir.resolve())
+
+
+def test_local_model_under_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model_dir = make_model_dir(tmp_path / "qwen")
+    topo = parse_topology(changed(("model", "~/qwen")), tmp_path / "elsewhere")
+    assert topo.model_is_local and Path(topo.model) == model_dir
+
+
+def test_repo_id_that_is_not_a_directory_stays_remote(tmp_path: Path) -> None:
+    topo = parse_topology(changed(("model", "org/model.v2-1_x")), tmp_path)
+    assert topo.model == "org/model.v2-1_x" and not topo.model_is_local
+
+
+def test_round_trip_through_yaml(tmp_path: Path) -> None:
+    make_model_dir(tmp_path / "m")
+    data = changed(
+        ("model", "./m"), ("revision", "abc"), ("hf_cache_dir", "hf"), ("head.threads", 2),
+        ("head.api", "[::1]:8000"), ("nodes.0.dtype", "fp32"), ("nodes.0.threads", 4), ("nodes.2.layers", 20),
+    )
+    topo = parse_topology(data, tmp_path)
+    assert parse_topology(topo.to_dict(), Path("/")) == topo
+    path = tmp_path / "sub" / "again.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False), encoding="utf-8")
+    assert load_topology(path) == topo
+
+
+def test_with_ports(base_dir: Path) -> None:
+    topo = parse_topology(good(), base_dir)
+    moved = topo.with_ports(api_port=0, listen_port=9001)
+    assert moved.head.api == HostPort("0.0.0.0", 0)
+    assert moved.head.listen == HostPort("0.0.0.0", 9001)
+    assert moved.nodes == topo.nodes and topo.head.api.port == 8000
+    assert topo.with_ports(listen_port=7100).head.api.port == 8000
+    with pytest.raises(AddressError):
+        topo.with_ports(api_port=70000)
+
+
+def test_unknown_node_lookup_names_the_ids(base_dir: Path) -> None:
+    with pytest.raises(KeyError, match="gpu-box, macbook, cpu-box"):
+        parse_topology(good(), base_dir).node("nope")
+
+
+# --- files: YAML errors carry a line -------------------------------------------------------------------
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "topology.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+MINIMAL = """\
+model: Qwen/Qwen2.5-0.5B-Instruct   # HF repo id, or a local directory
+quant: int8                         # fp16 | int8 | int4
+dtype: bf16                         # compute dtype: fp16 | bf16 | fp32
+head:
+  api: 0.0.0.0:8000                 # OpenAI-compatible HTTP API
+  listen: 0.0.0.0:7001              # where workers join
+nodes:                              # in pipeline order
+  - id: gpu-box
+    device: cuda:0                  # auto | cuda | cuda:N | mps | cpu
+  - id: macbook
+    device: mps
+    max_memory_gb: 12               # MPS reports no memory: the file may say it
+    layers: 14-23                   # optional pin; otherwise the planner splits by capacity
+"""
+
+
+def test_design_sketch_loads(tmp_path: Path) -> None:
+    topo = load_topology(write(tmp_path, MINIMAL))
+    assert [(n.id, n.device, n.layers) for n in topo.nodes] == [
+        ("gpu-box", "cuda:0", None), ("macbook", "mps", (14, 24)),
+    ]
+    assert topo.nodes[1].max_memory_gb == 12.0
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "phrase"),
+    [
+        ("model: a/b\nquant: int8\n  dtype: bf16\n", 3, "line 3"),
+        ("model: a/b\nhead:\n  api: [0.0.0.0:8000\n", 4, "line 4"),
+        ("model: a/b\nhead:\n\tapi: x\n", 3, "tabs"),
+        ("model: a/b\nquant: int8\nmodel: c/d\n", 3, "given twice"),
+        ("nodes:\n  - id: a\n    layers: 1\n    layers: 2\n", 4, "'layers' is given twice"),
+    ],
+    ids=["bad indent", "unclosed bracket", "tab", "duplicate top key", "duplicate node key"],
+)
+def test_yaml_errors_show_the_line(tmp_path: Path, text: str, line: int, phrase: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert f"line {line}" in message and phrase in message
+    assert "\n" not in message
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL.replace("device: mps", "device: gpu"))
+    with pytest.raises(TopologyError, match=re.escape(f"{path}: nodes[1].device: 'gpu' is not a device")):
+        load_topology(path)
+
+
+def test_yes_is_a_boolean_not_a_number(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL.replace("  - id: gpu-box\n", "  - id: gpu-box\n    threads: yes\n"))
+    with pytest.raises(TopologyError, match=r"nodes\[0\]\.threads: .*boolean"):
+        load_topology(path)
+
+
+def test_local_model_relative_to_the_file_not_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = tmp_path / "conf"
+    make_model_dir(conf / "models" / "q")
+    path = conf / "topology.yaml"
+    path.write_text(MINIMAL.replace("Qwen/Qwen2.5-0.5B-Instruct", "./models/q"), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    topo = load_topology(path)
+    assert topo.model_is_local and topo.model == str((conf / "models" / "q").resolve())
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="cannot read the file"):
+        load_topology(tmp_path / "absent.yaml")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="the file is empty"):
+        load_topology(write(tmp_path, "# nothing yet\n"))
+
+
+# --- the example file -----------------------------------------------------------------------------------
+
+
+def test_example_file_loads() -> None:
+    topo = load_topology(REPO_ROOT / "topology.example.yaml")
+    assert isinstance(topo, Topology)
+    assert topo.model == "Qwen/Qwen2.5-0.5B-Instruct" and not topo.model_is_local
+    assert [parse_device(n.device)[0] for n in topo.nodes] == ["cuda", "mps", "cpu"]
+
+
+@pytest.mark.parametrize("key", sorted(set(TOP_KEYS + HEAD_KEYS + NODE_KEYS)))
+def test_example_file_documents_every_key(key: str) -> None:
+    text = (REPO_ROOT / "topology.example.yaml").read_text(encoding="utf-8")
+    # Each key appears as a live or commented-out "key:" line.
+    assert re.search(rf"^\s*#?\s*(- )?{key}:", text, re.MULTILINE), key
