@@ -38,7 +38,7 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_HEARTBEAT_S = 5.0
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
-TOP_KEYS = ("version", "model", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
+TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
@@ -104,6 +104,7 @@ class Topology:
     version: int
     model: str  # a HuggingFace repo id, or (model_is_local) an absolute directory path
     model_is_local: bool
+    name: str  # what clients call the model: `name:`, else the repo id, else the directory's name
     revision: str | None
     quant: str
     group_size: int
@@ -169,9 +170,15 @@ class Topology:
         }
         if self.revision is not None:
             data["revision"] = self.revision
+        if self.name != _default_name(self.model, self.model_is_local):
+            data["name"] = self.name
         if self.hf_cache_dir is not None:
             data["hf_cache_dir"] = str(self.hf_cache_dir)
         return data
+
+
+def _default_name(model: str, is_local: bool) -> str:
+    return Path(model).name if is_local else model
 
 
 def parse_device(text: str) -> tuple[str, int | None]:
@@ -365,6 +372,7 @@ class _Parser:
             )
         model, is_local = self.model(self.required(top, "model", "", "Qwen/Qwen2.5-0.5B-Instruct"))
         revision = None if top.get("revision") is None else self.string(top["revision"], "revision")
+        name = _default_name(model, is_local) if top.get("name") is None else self.string(top["name"], "name")
         quant = self.choice(self.required(top, "quant", "", "int8"), "quant", QUANT_MODES, "weight mode")
         group_size = top.get("group_size", DEFAULT_GROUP_SIZE)
         group_size = self.integer(group_size, "group_size", 2, "; the int4 group size, e.g. 128")
@@ -376,7 +384,7 @@ class _Parser:
         head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
         nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
         return Topology(
-            version=version, model=model, model_is_local=is_local, revision=revision, quant=quant,
+            version=version, model=model, model_is_local=is_local, name=name, revision=revision, quant=quant,
             group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
         )
 

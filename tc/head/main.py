@@ -91,12 +91,12 @@ def start_head(topology: Topology) -> Head:
 
     registry = WorkerRegistry(topology, plan, config, model_ref=topology.model)
     generator = Generator(head_model, tokenizer, RemotePipeline(registry), dtype)
-    service = GenerationService(topology.model, tokenizer, generator, registry.readiness,
+    service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue)
     http = start_http_server(create_app(service), topology.head.api.host, topology.head.api.port)
     listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
-                                         len(plan.stages), topology.model, http.url)
+                                         len(plan.stages), topology.name, http.url)
     log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
     log.info("waiting for %d worker(s) on port %d; on each machine run: python tc.pyz worker --join "
              "<this-host>:%d [--node-id ID]  (ids: %s)", len(plan.stages), listen_port, listen_port,

@@ -1,0 +1,412 @@
+"""Request bodies of the OpenAI-compatible API, parsed into frozen values. No I/O, no HTTP.
+
+Theory of operation: the API reads the raw body, `decode_json_body` turns it into a JSON object, and
+`parse_completion_request` / `parse_chat_request` check every field against what OpenAI documents and what
+this server implements. Anything else in the body is refused by name rather than ignored, so a client never
+believes a parameter took effect when it did not. Every refusal is a `RequestError` that names the offending
+field (`param`) and a short machine-readable `code`; the API turns it into an OpenAI error body.
+
+As in OpenAI's API, an optional field sent as `null` means the same as leaving it out.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..sampling import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as OpenAI documents `seed`
+
+
+class RequestError(Exception):
+    """A request this server refuses as written. `param` names the field at fault (None: the whole body)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ModelNotFound(RequestError):
+    """The request names a model this server does not serve."""
+
+    def __init__(self, requested: str, served: str, *, param: str | None = "model"):
+        super().__init__(f"The model '{requested}' does not exist here; this server serves '{served}'",
+                         param=param, code="model_not_found")
+
+
+class BodyTooLarge(RequestError):
+    """The request body is over the server's size limit."""
+
+    def __init__(self, size: int | None, limit: int):
+        size_text = f"{size} bytes" if size is not None else "larger than that"
+        super().__init__(f"the request body is {size_text}; this server accepts at most {limit} bytes",
+                         code="request_too_large")
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling fields shared by both endpoints; `max_tokens` None means the endpoint's default."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def to_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              stop=self.stop, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | tuple[int, ...]  # text to encode, or token ids given by the client
+    sampling: SamplingFields
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates expect it (only the keys that were given)."""
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingFields
+
+
+# Fields some OpenAI clients send on every request with their default value. That value asks for exactly what
+# this server does anyway, so such a request is served as written; any other value is refused like any unknown
+# field. Values are compared with their JSON type, so `false` never passes for `0`.
+_COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "stream_options": (None,),
+}
+_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
+                       "suffix": (None,)}
+_CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": (None, False), "top_logprobs": (None,),
+                 "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none")}
+
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "seed", "user"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json_body(body: bytes) -> dict[str, Any]:
+    """The JSON object in `body`. Raises RequestError when it is empty, not UTF-8 JSON, or not an object."""
+    if not body.strip():
+        raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        # parse_constant: NaN and Infinity are not JSON, though Python's json module accepts them by default
+        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not UTF-8: {exc}", code="invalid_json") from exc
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError, as is _reject_constant's
+        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(value, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_json_type(value)}",
+                           code="invalid_type")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _check_fields(body: Mapping[str, Any], known: frozenset[str], neutral: Mapping[str, tuple[Any, ...]]) -> None:
+    for name in body:
+        if name in known:
+            continue
+        if name in neutral:
+            if any(_same_json(body[name], allowed) for allowed in neutral[name]):
+                continue
+            shown = ", ".join(json.dumps(v) for v in neutral[name])
+            raise RequestError(f"unsupported field '{name}': this server implements only {shown} for it",
+                               param=name, code="unsupported_parameter")
+        raise RequestError(f"unsupported field '{name}': this server does not implement it; remove it",
+                           param=name, code="unsupported_parameter")
+
+
+def _required(body: Mapping[str, Any], name: str, where: str = "") -> Any:
+    value = body.get(name)  # absent and null are the same to OpenAI
+    if value is None:
+        raise RequestError(f"missing required field '{where}{name}'", param=where + name,
+                           code="missing_required_parameter")
+    return value
+
+
+def _string(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"'{param}' must be a string, not {_json_type(value)}", param=param,
+                           code="invalid_type")
+    return value
+
+
+def _integer(value: Any, param: str) -> int:
+    # bool is an int subclass in Python; JSON true is not an integer
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{param}' must be an integer, not {_json_type(value)}", param=param,
+                           code="invalid_type")
+    return value
+
+
+def _number(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"'{param}' must be a number, not {_json_type(value)}", param=param,
+                           code="invalid_type")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal with hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):  # 1e999 parses as infinity
+        raise RequestError(f"'{param}' is out of range", param=param, code="invalid_value")
+    return number
+
+
+def _max_tokens(value: Any, param: str) -> int:
+    tokens = _integer(value, param)
+    if tokens < 1:
+        raise RequestError(f"'{param}' must be at least 1, not {tokens}", param=param, code="invalid_value")
+    return tokens
+
+
+def _temperature(value: Any) -> float:
+    temperature = _number(value, "temperature")
+    if not 0 <= temperature <= 2:
+        raise RequestError(f"'temperature' must be between 0 and 2, not {value}", param="temperature",
+                           code="invalid_value")
+    return temperature
+
+
+def _top_p(value: Any) -> float:
+    top_p = _number(value, "top_p")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"'top_p' must be greater than 0 and at most 1, not {value}", param="top_p",
+                           code="invalid_value")
+    return top_p
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list):
+        raise RequestError(f"'stop' must be a string or an array of strings, not {_json_type(value)}",
+                           param="stop", code="invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, not {len(stops)}",
+                           param="stop", code="invalid_value")
+    for i, stop in enumerate(stops):
+        _string(stop, f"stop[{i}]" if isinstance(value, list) else "stop")
+        if not stop:
+            raise RequestError("stop strings must not be empty", param="stop", code="invalid_value")
+    return tuple(stops)
+
+
+def _seed(value: Any) -> int:
+    seed = _integer(value, "seed")
+    if not _SEED_RANGE[0] <= seed < _SEED_RANGE[1]:
+        raise RequestError("'seed' must fit a signed 64-bit integer", param="seed", code="invalid_value")
+    return seed
+
+
+def _check_n_stream_user(body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and _integer(n, "n") != 1:
+        raise RequestError(f"'n' must be 1: this server generates one choice per request, not {n}", param="n",
+                           code="unsupported_value")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"'stream' must be a boolean, not {_json_type(stream)}", param="stream",
+                           code="invalid_type")
+    if stream:
+        raise RequestError("streaming is not supported yet; send \"stream\": false", param="stream",
+                           code="unsupported_value")
+    user = body.get("user")
+    if user is not None:
+        _string(user, "user")  # accepted for compatibility; it changes nothing here
+
+
+_SAMPLING_PARSERS = {"temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed}
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingFields:
+    given = {name: parse(body[name]) for name, parse in _SAMPLING_PARSERS.items() if body.get(name) is not None}
+    return SamplingFields(max_tokens=max_tokens, **given)
+
+
+def _token_ids(values: list[Any], param: str) -> tuple[int, ...]:
+    if not values:
+        raise RequestError(f"'{param}' must not be empty", param=param, code="invalid_value")
+    for i, value in enumerate(values):
+        if _integer(value, f"{param}[{i}]") < 0:
+            raise RequestError(f"'{param}[{i}]' is a negative token id ({value})", param=param,
+                               code="invalid_value")
+    return tuple(values)
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, one string in an array, an array of token ids, or one such array in an array."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"'prompt' must be a string or an array, not {_json_type(value)}", param="prompt",
+                           code="invalid_type")
+    if not value:
+        raise RequestError("'prompt' must not be an empty array", param="prompt", code="invalid_value")
+    if any(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return _token_ids(value, "prompt")
+    if len(value) != 1:
+        raise RequestError(f"'prompt' holds {len(value)} prompts; this server takes one prompt per request",
+                           param="prompt", code="unsupported_value")
+    (only,) = value
+    if isinstance(only, str):
+        return only
+    if isinstance(only, list):
+        return _token_ids(only, "prompt[0]")
+    raise RequestError(f"'prompt[0]' must be a string or an array of token ids, not {_json_type(only)}",
+                       param="prompt", code="invalid_type")
+
+
+def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
+    """Validate a /v1/completions body. Raises RequestError naming the first field at fault."""
+    _check_fields(body, _COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    model = _string(_required(body, "model"), "model")
+    prompt = _prompt(_required(body, "prompt"))
+    _check_n_stream_user(body)
+    max_tokens = body.get("max_tokens")
+    return CompletionRequest(model, prompt, _sampling(
+        body, _max_tokens(max_tokens, "max_tokens") if max_tokens is not None else None))
+
+
+def _content(value: Any, param: str) -> str:
+    """Message content: a string, or an array of text parts (joined with newlines, as vLLM does)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"'{param}' must be a string or an array of text parts, not {_json_type(value)}",
+                           param=param, code="invalid_type")
+    if not value:
+        raise RequestError(f"'{param}' must not be an empty array", param=param, code="invalid_value")
+    texts = []
+    for i, part in enumerate(value):
+        part_param = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise RequestError(f"'{part_param}' must be an object, not {_json_type(part)}", param=part_param,
+                               code="invalid_type")
+        if part.get("type") != "text":
+            raise RequestError(f"'{part_param}.type' is {json.dumps(part.get('type'))}; only \"text\" parts are "
+                               "supported", param=f"{part_param}.type", code="unsupported_value")
+        for key in part:
+            if key not in ("type", "text"):
+                raise RequestError(f"unsupported field '{part_param}.{key}'", param=f"{part_param}.{key}",
+                                   code="unsupported_parameter")
+        texts.append(_string(_required(part, "text", f"{part_param}."), f"{part_param}.text"))
+    return "\n".join(texts)
+
+
+def _message(value: Any, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(value, dict):
+        raise RequestError(f"'{param}' must be an object, not {_json_type(value)}", param=param,
+                           code="invalid_type")
+    for key in value:
+        if key not in _MESSAGE_FIELDS:
+            raise RequestError(f"unsupported field '{param}.{key}'", param=f"{param}.{key}",
+                               code="unsupported_parameter")
+    role = _string(_required(value, "role", f"{param}."), f"{param}.role")
+    if role not in CHAT_ROLES:
+        raise RequestError(f"'{param}.role' is '{role}'; use one of {', '.join(CHAT_ROLES)}",
+                           param=f"{param}.role", code="invalid_value")
+    content = _content(_required(value, "content", f"{param}."), f"{param}.content")
+    name = value.get("name")
+    tool_call_id = value.get("tool_call_id")
+    return ChatMessage(role, content,
+                       name=_string(name, f"{param}.name") if name is not None else None,
+                       tool_call_id=_string(tool_call_id, f"{param}.tool_call_id") if tool_call_id is not None
+                       else None)
+
+
+def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
+    """Validate a /v1/chat/completions body. Raises RequestError naming the first field at fault."""
+    _check_fields(body, _CHAT_FIELDS, _CHAT_NEUTRAL)
+    model = _string(_required(body, "model"), "model")
+    messages = _required(body, "messages")
+    if not isinstance(messages, list):
+        raise RequestError(f"'messages' must be an array, not {_json_type(messages)}", param="messages",
+                           code="invalid_type")
+    if not messages:
+        raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    _check_n_stream_user(body)
+    # max_completion_tokens is the newer name for max_tokens; both may be sent, but not disagreeing
+    limits = {name: _max_tokens(body[name], name) for name in ("max_tokens", "max_completion_tokens")
+              if body.get(name) is not None}
+    if len(set(limits.values())) > 1:
+        raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send only one",
+                           param="max_completion_tokens", code="invalid_value")
+    max_tokens = next(iter(limits.values()), None)
+    return ChatRequest(model, parsed, _sampling(body, max_tokens))
+
+
+def check_model(requested: str, served: str) -> None:
+    """Raise ModelNotFound unless `requested` is the served model."""
+    if requested != served:
+        raise ModelNotFound(requested, served)
+
+
+def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: int, param: str) -> None:
+    """Refuse a prompt the model cannot take: empty, holding unknown token ids, or filling the context."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty; send at least one token of text", param=param,
+                           code="invalid_value")
+    too_big = next((t for t in prompt_ids if t >= vocab_size), None)
+    if too_big is not None:
+        raise RequestError(f"token id {too_big} is outside the vocabulary (0..{vocab_size - 1})", param=param,
+                           code="invalid_value")
+    if len(prompt_ids) >= context_length:
+        raise RequestError(
+            f"This model's maximum context length is {context_length} tokens, but the {param} is "
+            f"{len(prompt_ids)} tokens, leaving no room to generate; shorten the {param}",
+            param=param, code="context_length_exceeded")

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible API through Falcon's TestClient, over a real service on a tiny random model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import falcon
+import pytest
+import torch
+from falcon import testing
+
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.head.api import DEFAULT_MAX_BODY_BYTES, INTERNAL_ERROR_MESSAGE, create_app, error_reply
+from tc.head.api_requests import (
+    ChatMessage,
+    CompletionRequest,
+    RequestError,
+    SamplingFields,
+    decode_json_body,
+    parse_chat_request,
+    parse_completion_request,
+)
+from tc.head.service import (
+    ClusterNotReady,
+    GenerationService,
+    QueueFull,
+    Readiness,
+    ServiceError,
+    StageFailed,
+    WorkerLost,
+)
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import SamplingParams
+
+MODEL = "tiny"
+READY = Readiness(1, ("w1",), ())
+
+
+def ready() -> Readiness:
+    return READY
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir) -> Generator:
+    model = OurModel(tiny_model_dir)
+    return Generator(model.head, TextTokenizer.load(tiny_model_dir), model.pipeline(), torch.float32)
+
+
+def make_service(generator: Generator, **kwargs) -> GenerationService:
+    options = {"model_id": MODEL, "tokenizer": generator.tokenizer, "readiness": ready, **kwargs}
+    return GenerationService(generator=generator, **options)
+
+
+@pytest.fixture(scope="module")
+def client(generator) -> testing.TestClient:
+    return testing.TestClient(create_app(make_service(generator)))
+
+
+def post(client: testing.TestClient, path: str, body) -> testing.Result:
+    if isinstance(body, bytes):
+        return client.simulate_post(path, body=body, headers={"Content-Type": "application/json"})
+    return client.simulate_post(path, json=body)
+
+
+def assert_error_shape(result: testing.Result, status: int, type_: str, param=None, code=None) -> dict:
+    assert result.status_code == status, result.text
+    assert result.headers["content-type"].startswith("application/json")
+    body = result.json
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type_, error
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def direct(generator: Generator, prompt_ids: list[int], **params) -> object:
+    return generator.generate(prompt_ids, SamplingParams(**params))
+
+
+# --- request parsing, pure -------------------------------------------------------------------------------------
+
+def test_parse_completion_request_fills_defaults_and_keeps_values():
+    request = parse_completion_request({"model": "m", "prompt": "hi"})
+    assert request == CompletionRequest("m", "hi", SamplingFields())
+    assert request.sampling.to_params(16) == SamplingParams(max_tokens=16)
+    request = parse_completion_request({"model": "m", "prompt": [[1, 2]], "max_tokens": 3, "temperature": 0,
+                                        "top_p": 0.5, "stop": "x", "seed": 9, "n": 1, "stream": False,
+                                        "user": "u", "presence_penalty": 0, "logprobs": None})
+    assert request.prompt == (1, 2)
+    assert request.sampling.to_params(16) == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, stop=("x",),
+                                                            seed=9)
+
+
+def test_parse_chat_request_joins_text_parts_and_keeps_names():
+    request = parse_chat_request({"model": "m", "max_completion_tokens": 5, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]})
+    assert request.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "a\nb", name="ann"))
+    assert request.messages[1].as_template_input() == {"role": "user", "content": "a\nb", "name": "ann"}
+    assert request.sampling.max_tokens == 5
+    assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens \
+        is None
+
+
+@pytest.mark.parametrize("body", [b"", b"  ", b"{", b"\xff\xfe", b"[1]", b'"text"', b'{"a": NaN}'])
+def test_decode_json_body_refuses_what_is_not_a_json_object(body):
+    with pytest.raises(RequestError) as info:
+        decode_json_body(body)
+    assert info.value.param is None and info.value.code in ("invalid_json", "invalid_type")
+
+
+# --- bad requests, through the app ------------------------------------------------------------------------------
+
+DROP = object()  # a field to leave out of the body
+GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def completion(**changes) -> dict:
+    body = {**GOOD_COMPLETION, **changes}
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
+def chat(**changes) -> dict:
+    body = {**GOOD_CHAT, **changes}
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
+def chat_message(**changes) -> dict:
+    message = {"role": "user", "content": "Hi", **changes}
+    return chat(messages=[{k: v for k, v in message.items() if v is not DROP}])
+
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+BAD_REQUESTS = [
+    # (path, body, status, type, param, code)
+    (COMPLETIONS, b"{", 400, "invalid_request_error", None, "invalid_json"),
+    (COMPLETIONS, b"", 400, "invalid_request_error", None, "invalid_json"),
+    (COMPLETIONS, b"[1, 2]", 400, "invalid_request_error", None, "invalid_type"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "invalid_request_error", None,
+     "invalid_json"),
+    (COMPLETIONS, completion(model=DROP), 400, "invalid_request_error", "model", "missing_required_parameter"),
+    (COMPLETIONS, completion(model=None), 400, "invalid_request_error", "model", "missing_required_parameter"),
+    (COMPLETIONS, completion(model=5), 400, "invalid_request_error", "model", "invalid_type"),
+    (COMPLETIONS, completion(model="other"), 404, "invalid_request_error", "model", "model_not_found"),
+    (COMPLETIONS, completion(prompt=DROP), 400, "invalid_request_error", "prompt", "missing_required_parameter"),
+    (COMPLETIONS, completion(prompt=5), 400, "invalid_request_error", "prompt", "invalid_type"),
+    (COMPLETIONS, completion(prompt=[]), 400, "invalid_request_error", "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=["a", "b"]), 400, "invalid_request_error", "prompt", "unsupported_value"),
+    (COMPLETIONS, completion(prompt=[1, -2]), 400, "invalid_request_error", "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[1, "a"]), 400, "invalid_request_error", "prompt[1]", "invalid_type"),
+    (COMPLETIONS, completion(prompt=[[]]), 400, "invalid_request_error", "prompt[0]", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[10**6]), 400, "invalid_request_error", "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=""), 400, "invalid_request_error", "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt="x" * 256), 400, "invalid_request_error", "prompt", "context_length_exceeded"),
+    (COMPLETIONS, completion(max_tokens=0), 400, "invalid_request_error", "max_tokens", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens="4"), 400, "invalid_request_error", "max_tokens", "invalid_type"),
+    (COMPLETIONS, completion(max_tokens=True), 400, "invalid_request_error", "max_tokens", "invalid_type"),
+    (COMPLETIONS, completion(max_tokens=2.5), 400, "invalid_request_error", "max_tokens", "invalid_type"),
+    (COMPLETIONS, completion(temperature=2.5), 400, "invalid_request_error", "temperature", "invalid_value"),
+    (COMPLETIONS, completion(temperature=-0.1), 400, "invalid_request_error", "temperature", "invalid_value"),
+    (COMPLETIONS, completion(temperature="hot"), 400, "invalid_request_error", "temperature", "invalid_type"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400, "invalid_request_error",
+     "temperature", "invalid_value"),
+    (COMPLETIONS, completion(temperature=10**400), 400, "invalid_request_error", "temperature", "invalid_value"),
+    (COMPLETIONS, completion(top_p=0), 400, "invalid_request_error", "top_p", "invalid_value"),
+    (COMPLETIONS, completion(top_p=1.5), 400, "invalid_request_error", "top_p", "invalid_value"),
+    (COMPLETIONS, completion(stop=["a", "b", "c", "d", "e"]), 400, "invalid_request_error", "stop", "invalid_value"),
+    (COMPLETIONS, completion(stop=5), 400, "invalid_request_error", "stop", "invalid_type"),
+    (COMPLETIONS, completion(stop=[""]), 400, "invalid_request_error", "stop", "invalid_value"),
+    (COMPLETIONS, completion(stop=["a", 1]), 400, "invalid_request_error", "stop[1]", "invalid_type"),
+    (COMPLETIONS, completion(n=2), 400, "invalid_request_error", "n", "unsupported_value"),
+    (COMPLETIONS, completion(n="1"), 400, "invalid_request_error", "n", "invalid_type"),
+    (COMPLETIONS, completion(stream=True), 400, "invalid_request_error", "stream", "unsupported_value"),
+    (COMPLETIONS, completion(stream="no"), 400, "invalid_request_error", "stream", "invalid_type"),
+    (COMPLETIONS, completion(seed=1.5), 400, "invalid_request_error", "seed", "invalid_type"),
+    (COMPLETIONS, completion(seed=2**64), 400, "invalid_request_error", "seed", "invalid_value"),
+    (COMPLETIONS, completion(user=5), 400, "invalid_request_error", "user", "invalid_type"),
+    (COMPLETIONS, completion(logprobs=2), 400, "invalid_request_error", "logprobs", "unsupported_parameter"),
+    (COMPLETIONS, completion(presence_penalty=0.5), 400, "invalid_request_error", "presence_penalty",
+     "unsupported_parameter"),
+    (COMPLETIONS, completion(echo=0), 400, "invalid_request_error", "echo", "unsupported_parameter"),
+    (COMPLETIONS, completion(messages=[]), 400, "invalid_request_error", "messages", "unsupported_parameter"),
+    (COMPLETIONS, completion(max_token=4), 400, "invalid_request_error", "max_token", "unsupported_parameter"),
+    (CHAT, b"null", 400, "invalid_request_error", None, "invalid_type"),
+    (CHAT, chat(model="other"), 404, "invalid_request_error", "model", "model_not_found"),
+    (CHAT, chat(messages=DROP), 400, "invalid_request_error", "messages", "missing_required_parameter"),
+    (CHAT, chat(messages=[]), 400, "invalid_request_error", "messages", "invalid_value"),
+    (CHAT, chat(messages="Hi"), 400, "invalid_request_error", "messages", "invalid_type"),
+    (CHAT, chat(messages=[5]), 400, "invalid_request_error", "messages[0]", "invalid_type"),
+    (CHAT, chat_message(role="robot"), 400, "invalid_request_error", "messages[0].role", "invalid_value"),
+    (CHAT, chat_message(role=DROP), 400, "invalid_request_error", "messages[0].role", "missing_required_parameter"),
+    (CHAT, chat_message(content=DROP), 400, "invalid_request_error", "messages[0].content",
+     "missing_required_parameter"),
+    (CHAT, chat_message(content=5), 400, "invalid_request_error", "messages[0].content", "invalid_type"),
+    (CHAT, chat_message(content=[]), 400, "invalid_request_error", "messages[0].content", "invalid_value"),
+    (CHAT, chat_message(content=[{"type": "image_url", "image_url": {"url": "x"}}]), 400, "invalid_request_error",
+     "messages[0].content[0].type", "unsupported_value"),
+    (CHAT, chat_message(content=[{"type": "text"}]), 400, "invalid_request_error", "messages[0].content[0].text",
+     "missing_required_parameter"),
+    (CHAT, chat_message(tool_calls=[]), 400, "invalid_request_error", "messages[0].tool_calls",
+     "unsupported_parameter"),
+    (CHAT, chat(max_tokens=4, max_completion_tokens=5), 400, "invalid_request_error", "max_completion_tokens",
+     "invalid_value"),
+    (CHAT, chat(max_completion_tokens=0), 400, "invalid_request_error", "max_completion_tokens", "invalid_value"),
+    (CHAT, chat_message(content="x" * 300), 400, "invalid_request_error", "messages", "context_length_exceeded"),
+    (CHAT, chat(stream=True), 400, "invalid_request_error", "stream", "unsupported_value"),
+    (CHAT, chat(n=3), 400, "invalid_request_error", "n", "unsupported_value"),
+    (CHAT, chat(logprobs=True), 400, "invalid_request_error", "logprobs", "unsupported_parameter"),
+    (CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_request_error", "tools", "unsupported_parameter"),
+    (CHAT, chat(prompt="x"), 400, "invalid_request_error", "prompt", "unsupported_parameter"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, type_, param, code", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, status, type_, param, code):
+    assert_error_shape(post(client, path, body), status, type_, param, code)
+
+
+def test_unsupported_field_message_names_it(client):
+    error = assert_error_shape(post(client, COMPLETIONS, completion(logprobs=2)), 400, "invalid_request_error",
+                               "logprobs")
+    assert "unsupported field 'logprobs'" in error["message"]
+
+
+def test_streaming_refusal_says_so(client):
+    error = assert_error_shape(post(client, CHAT, chat(stream=True)), 400, "invalid_request_error", "stream")
+    assert "streaming is not supported yet" in error["message"]
+
+
+def test_context_length_message_gives_both_numbers(client):
+    error = assert_error_shape(post(client, COMPLETIONS, completion(prompt="x" * 300)), 400,
+                               "invalid_request_error", "prompt", "context_length_exceeded")
+    assert "256" in error["message"] and "300" in error["message"]
+
+
+def test_neutral_values_of_unimplemented_fields_are_served(client):
+    body = completion(presence_penalty=0, frequency_penalty=0.0, logprobs=None, echo=False, best_of=1, n=1,
+                      stream=False, user="someone", stop=None, seed=None, logit_bias={})
+    assert post(client, COMPLETIONS, body).status_code == 200
+    body = chat(logprobs=False, top_logprobs=None, response_format={"type": "text"}, tools=None, n=None)
+    assert post(client, CHAT, body).status_code == 200
+
+
+def test_chat_template_failure_is_a_client_error(generator):
+    tokenizer = dataclasses.replace(generator.tokenizer,
+                                    chat_template="{{ raise_exception('only one message is supported') }}")
+    client = testing.TestClient(create_app(make_service(generator, tokenizer=tokenizer)))
+    error = assert_error_shape(post(client, CHAT, GOOD_CHAT), 400, "invalid_request_error", "messages",
+                               "chat_template_error")
+    assert "only one message is supported" in error["message"]
+
+
+# --- happy paths -------------------------------------------------------------------------------------------------
+
+def test_models_list_and_retrieve(client):
+    result = client.simulate_get("/v1/models")
+    assert result.status_code == 200
+    assert result.json == {"object": "list",
+                           "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "truecluster"}]}
+    assert client.simulate_get("/v1/models/").json == result.json
+    assert client.simulate_get(f"/v1/models/{MODEL}").json == result.json["data"][0]
+    assert_error_shape(client.simulate_get("/v1/models/other"), 404, "invalid_request_error", None,
+                       "model_not_found")
+
+
+def test_model_ids_with_slashes_are_retrievable(generator):
+    client = testing.TestClient(create_app(make_service(generator, model_id="Qwen/Tiny-0.1B")))
+    assert client.simulate_get("/v1/models/Qwen/Tiny-0.1B").json["id"] == "Qwen/Tiny-0.1B"
+    assert client.simulate_get("/v1/models/Qwen%2FTiny-0.1B").json["id"] == "Qwen/Tiny-0.1B"
+    assert client.simulate_get("/v1/models/Qwen").status_code == 404
+
+
+def test_greedy_completion_matches_the_generator_and_repeats(client, generator):
+    prompt = "Say this is a test"
+    body = completion(prompt=prompt, max_tokens=6, temperature=0)
+    before = int(time.time())
+    first, second = post(client, COMPLETIONS, body), post(client, COMPLETIONS, body)
+    assert first.status_code == 200, first.text
+    reply = first.json
+    expected = direct(generator, generator.tokenizer.encode(prompt), max_tokens=6, temperature=0.0)
+    assert set(reply) == {"id", "object", "created", "model", "choices", "usage"}
+    assert reply["id"].startswith("cmpl-") and len(reply["id"]) > len("cmpl-")
+    assert reply["object"] == "text_completion" and reply["model"] == MODEL
+    assert before <= reply["created"] <= int(time.time())
+    assert reply["choices"] == [{"text": expected.text, "index": 0, "logprobs": None,
+                                 "finish_reason": expected.finish_reason}]
+    assert reply["usage"] == {"prompt_tokens": len(generator.tokenizer.encode(prompt)),
+                              "completion_tokens": expected.completion_tokens,
+                              "total_tokens": len(generator.tokenizer.encode(prompt)) + expected.completion_tokens}
+    assert second.json["choices"] == reply["choices"] and second.json["id"] != reply["id"]
+
+
+def test_token_id_prompts_match_text_prompts(client, generator):
+    ids = generator.tokenizer.encode("abc")
+    by_text = post(client, COMPLETIONS, completion(prompt="abc", max_tokens=3, temperature=0)).json
+    for prompt in (ids, [ids], ["abc"]):
+        reply = post(client, COMPLETIONS, completion(prompt=prompt, max_tokens=3, temperature=0)).json
+        assert reply["choices"] == by_text["choices"] and reply["usage"] == by_text["usage"]
+
+
+def test_max_tokens_reached_finishes_with_length(client, generator):
+    expected = direct(generator, generator.tokenizer.encode("Hello"), max_tokens=4, temperature=0.0)
+    assert expected.completion_tokens == 4  # this prompt does not meet EOS within 4 tokens on the tiny model
+    reply = post(client, COMPLETIONS, completion(prompt="Hello", max_tokens=4, temperature=0)).json
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 4
+    assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + 4
+
+
+def test_stop_string_truncates_and_finishes_with_stop(client, generator):
+    prompt_ids = generator.tokenizer.encode("Say this is a test")
+    text = direct(generator, prompt_ids, max_tokens=10, temperature=0.0).text
+    # a character whose first appearance is past the start, so the truncated text is non-empty
+    cut = next(i for i, ch in enumerate(text) if i > 0 and text.index(ch) == i)
+    reply = post(client, COMPLETIONS, completion(prompt="Say this is a test", max_tokens=10, temperature=0,
+                                                 stop=[text[cut]])).json
+    assert reply["choices"][0]["text"] == text[:cut]
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    body = completion(prompt="Hello", max_tokens=5, temperature=1.0, top_p=0.9, seed=1234)
+    first, second = post(client, COMPLETIONS, body).json, post(client, COMPLETIONS, body).json
+    assert first["choices"] == second["choices"]
+
+
+def test_greedy_chat_matches_the_generator(client, generator):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}
+    result = post(client, CHAT, body)
+    assert result.status_code == 200, result.text
+    reply = result.json
+    prompt_ids = generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages))
+    expected = direct(generator, prompt_ids, max_tokens=5, temperature=0.0)
+    assert set(reply) == {"id", "object", "created", "model", "choices", "usage"}
+    assert reply["id"].startswith("chatcmpl-") and reply["object"] == "chat.completion"
+    assert reply["model"] == MODEL and isinstance(reply["created"], int)
+    assert reply["choices"] == [{"index": 0, "message": {"role": "assistant", "content": expected.text},
+                                 "logprobs": None, "finish_reason": expected.finish_reason}]
+    assert reply["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": expected.completion_tokens,
+                              "total_tokens": len(prompt_ids) + expected.completion_tokens}
+    # text parts say the same as a plain string
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    assert post(client, CHAT, {**body, "messages": parts}).json["choices"] == reply["choices"]
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client, generator):
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt_ids = generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages))
+    expected = direct(generator, prompt_ids, max_tokens=generator.context_length - len(prompt_ids),
+                      temperature=0.0)
+    reply = post(client, CHAT, {"model": MODEL, "messages": messages, "temperature": 0}).json
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    assert reply["usage"]["completion_tokens"] == expected.completion_tokens
+
+
+# --- service errors, limits and Falcon's own errors -----------------------------------------------------------
+
+def test_not_ready_cluster_answers_503_with_counts(generator):
+    readiness = Readiness(3, ("w1",), ("w2", "w3"))
+    client = testing.TestClient(create_app(make_service(generator, readiness=lambda: readiness)))
+    for path, body in ((COMPLETIONS, GOOD_COMPLETION), (CHAT, GOOD_CHAT)):
+        result = post(client, path, body)
+        error = assert_error_shape(result, 503, "cluster_not_ready", None, "cluster_not_ready")
+        assert error["message"].startswith("Model is not ready. Required nodes: 3, connected ready nodes: 1")
+        assert "w2" in error["message"]
+        assert result.headers["retry-after"] == "1"
+    # the model list needs no workers
+    assert client.simulate_get("/v1/models").status_code == 200
+
+
+def test_full_queue_answers_429(generator):
+    client = testing.TestClient(create_app(make_service(generator, max_queue=0)))
+    result = post(client, COMPLETIONS, GOOD_COMPLETION)
+    assert_error_shape(result, 429, "rate_limit_exceeded", None, "server_busy")
+    assert result.headers["retry-after"] == "1"
+
+
+def test_worker_failure_answers_502(generator):
+    def failing() -> Readiness:
+        raise StageFailed("w1", "CUDA out of memory")
+
+    client = testing.TestClient(create_app(make_service(generator, readiness=failing)))
+    error = assert_error_shape(post(client, COMPLETIONS, GOOD_COMPLETION), 502, "worker_error", None,
+                               "worker_error")
+    assert "w1" in error["message"] and "CUDA out of memory" in error["message"]
+
+
+@pytest.mark.parametrize("exc, status, type_, code", [
+    (ClusterNotReady(Readiness(2, (), ("a", "b"))), 503, "cluster_not_ready", "cluster_not_ready"),
+    (QueueFull(4), 429, "rate_limit_exceeded", "server_busy"),
+    (WorkerLost("w2", "connection reset"), 503, "worker_lost", "worker_lost"),
+    (StageFailed("w2", "bad shape"), 502, "worker_error", "worker_error"),
+    (ServiceError("something new"), 503, "service_unavailable", "service_unavailable"),
+    (RequestError("bad", param="x", code="invalid_value"), 400, "invalid_request_error", "invalid_value"),
+    (falcon.HTTPInvalidHeader("not a number", "Content-Length"), 400, "invalid_request_error",
+     "invalid_header_value"),
+    (falcon.HTTPServiceUnavailable(), 503, "internal_error", "service_unavailable"),
+    (KeyError("secret"), 500, "internal_error", "internal_error"),
+])
+def test_error_reply_maps_each_error_once(exc, status, type_, code):
+    reply = error_reply(exc, "POST /v1/completions")
+    assert (reply.status, reply.type, reply.code) == (status, type_, code)
+    assert set(reply.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unexpected_errors_answer_500_without_details_and_are_logged(generator, caplog):
+    def broken() -> Readiness:
+        raise RuntimeError("secret internal detail")
+
+    client = testing.TestClient(create_app(make_service(generator, readiness=broken)))
+    with caplog.at_level(logging.ERROR, logger="tc.head.api"):
+        result = post(client, COMPLETIONS, GOOD_COMPLETION)
+    error = assert_error_shape(result, 500, "internal_error", None, "internal_error")
+    assert error["message"] == INTERNAL_ERROR_MESSAGE
+    assert "secret" not in result.text
+    logged = [r for r in caplog.records if r.exc_info]
+    assert logged and "secret internal detail" in str(logged[0].exc_info[1])
+
+
+def test_body_over_the_limit_answers_413(generator):
+    limit = 1024
+    client = testing.TestClient(create_app(make_service(generator), max_body_bytes=limit))
+    big = json.dumps({**GOOD_COMPLETION, "prompt": "x" * 2000}).encode()
+    error = assert_error_shape(post(client, COMPLETIONS, big), 413, "invalid_request_error", None,
+                               "request_too_large")
+    assert str(limit) in error["message"]
+    compact = json.dumps({**GOOD_COMPLETION, "max_tokens": 1}).encode()
+    at_limit = compact[:-1] + b" " * (limit - len(compact)) + b"}"
+    assert len(at_limit) == limit
+    assert post(client, COMPLETIONS, at_limit).status_code == 200
+    assert post(client, COMPLETIONS, at_limit + b" ").status_code == 413
+    assert DEFAULT_MAX_BODY_BYTES == 1 << 20
+
+
+def test_unknown_route_and_wrong_method_answer_in_openai_shape(client):
+    error = assert_error_shape(client.simulate_get("/v1/nothing"), 404, "invalid_request_error", None,
+                               "unknown_url")
+    assert "GET /v1/nothing" in error["message"]
+    assert_error_shape(client.simulate_post("/"), 404, "invalid_request_error", None, "unknown_url")
+    result = client.simulate_get(COMPLETIONS)
+    error = assert_error_shape(result, 405, "invalid_request_error", None, "method_not_allowed")
+    assert "POST" in result.headers["allow"] and "POST" in error["message"]
+    assert_error_shape(client.simulate_delete("/v1/models"), 405, "invalid_request_error", None,
+                       "method_not_allowed")
+
+
+def test_each_request_logs_one_line(client, caplog):
+    with caplog.at_level(logging.INFO, logger="tc.head.api"):
+        post(client, COMPLETIONS, completion(max_tokens=2, temperature=0))
+        client.simulate_get("/v1/nothing")
+    lines = [r.getMessage() for r in caplog.records if r.name == "tc.head.api"]
+    assert len(lines) == 2
+    assert lines[0].startswith("POST /v1/completions 200 prompt_tokens=5 completion_tokens=")
+    assert lines[0].endswith("s")
+    assert lines[1].startswith("GET /v1/nothing 404 ")
+
+
+def test_health_and_readiness(generator):
+    service = make_service(generator, readiness=lambda: Readiness(2, ("a",), ("b",)))
+    client = testing.TestClient(create_app(service))
+    assert client.simulate_get("/health").json == {"status": "ok"}
+    not_ready = client.simulate_get("/health/ready")
+    assert not_ready.status_code == 503
+    assert not_ready.json == {"ready": False, "required_nodes": 2, "ready_nodes": ["a"], "missing_nodes": ["b"]}
+    ready = testing.TestClient(create_app(make_service(generator))).simulate_get("/health/ready")
+    assert ready.status_code == 200 and ready.json["ready"] is True

@@ -1,0 +1,147 @@
+"""The API served by Waitress on a real socket, spoken to by the official `openai` client and raw HTTP."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+
+import openai
+import pytest
+import torch
+
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.http_server import HttpServer, start_http_server, waitress_body_limit
+from tc.head.service import GenerationService, Readiness
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import SamplingParams
+
+MODEL = "tiny"
+BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir) -> Generator:
+    model = OurModel(tiny_model_dir)
+    return Generator(model.head, TextTokenizer.load(tiny_model_dir), model.pipeline(), torch.float32)
+
+
+def serve(generator: Generator) -> HttpServer:
+    service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()))
+    return start_http_server(create_app(service, max_body_bytes=BODY_LIMIT), "127.0.0.1", 0, threads=4,
+                             max_body_bytes=BODY_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    running = serve(generator)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def raw_post(server: HttpServer, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def test_server_reports_the_port_it_got(server):
+    assert server.port > 0
+    assert server.url == f"http://127.0.0.1:{server.port}"
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].owned_by == "truecluster"
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_through_the_openai_client(client, generator):
+    reply = client.completions.create(model=MODEL, prompt="Say this is a test", max_tokens=5, temperature=0)
+    expected = generator.generate(generator.tokenizer.encode("Say this is a test"),
+                                  SamplingParams(max_tokens=5, temperature=0.0))
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == expected.completion_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_chat_through_the_openai_client(client, generator):
+    messages = [{"role": "user", "content": "Hello"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, seed=3)
+    prompt_ids = generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages))
+    expected = generator.generate(prompt_ids, SamplingParams(max_tokens=5, temperature=0.0))
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=2)
+    assert info.value.body["param"] == "logprobs" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert info.value.code == "model_not_found"
+
+
+def test_invalid_json_gets_the_openai_error_shape(server):
+    status, headers, body = raw_post(server, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
+
+
+def test_body_limits(server):
+    # just over the app's limit: the app's 413, in the OpenAI shape
+    status, _, body = raw_post(server, "/v1/completions", b" " * (BODY_LIMIT + 1))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    # over Waitress's own cap: refused before the app runs
+    status, _, _ = raw_post(server, "/v1/completions", b" " * waitress_body_limit(BODY_LIMIT))
+    assert status == 413
+
+
+def test_concurrent_requests_are_all_served(server, client):
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+            results.append(reply.choices[0].text)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert len(results) == 3 and len(set(results)) == 1
+
+
+def test_stop_closes_the_port(generator):
+    running = serve(generator)
+    status, _, _ = raw_post(running, "/v1/completions", b"{}")
+    assert status == 400
+    running.stop()
+    running.stop()  # a second stop does nothing
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", running.port), timeout=2).close()
