@@ -32,26 +32,30 @@ class ModelSource:
         return self.model
 
     def _download(self, filename: str, optional: bool = False) -> Path | None:
-        """One file through huggingface_hub (HF cache semantics, HF_ENDPOINT and HF_HUB_OFFLINE honoured)."""
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+        """One file through huggingface_hub (HF cache semantics, HF_ENDPOINT and HF_HUB_OFFLINE honoured).
 
+        Returns None for an optional file the repo does not have.
+        """
+        from huggingface_hub import errors, hf_hub_download
+
+        # the remote "no such file" error is its own class in newer huggingface_hub releases
+        not_found = tuple(c for c in (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", None))
+                          if c is not None)
         try:
             return Path(hf_hub_download(self.model, filename, revision=self.revision,
                                         cache_dir=str(self.cache_dir) if self.cache_dir else None))
-        except EntryNotFoundError:
+        except errors.LocalEntryNotFoundError as exc:  # offline, or the Hub unreachable, and not in the cache
+            raise ModelSourceError(
+                f"cannot get {filename} of {self.model}: it is not in the HF cache and the Hub is not reachable "
+                f"({exc}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror), or copy the model "
+                "directory here and give its path as model: in topology.yaml") from exc
+        except not_found:
             if optional:
                 return None
             raise ModelSourceError(f"{self.model} has no {filename}") from None
-        except RepositoryNotFoundError as exc:
-            raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private): {exc}") from exc
-        except LocalEntryNotFoundError as exc:
-            if optional and "offline" not in str(exc).lower():
-                return None
-            raise ModelSourceError(
-                f"cannot get {filename} of {self.model}: {exc}. Check this machine reaches the Hub (or HF_ENDPOINT), "
-                "or copy the model directory here and name it in topology.yaml") from exc
-        except OSError as exc:  # network errors surface as requests/httpx OSError subclasses
+        except errors.RepositoryNotFoundError as exc:
+            raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private or gated)") from exc
+        except OSError as exc:  # network and HTTP errors are OSError subclasses
             raise ModelSourceError(f"cannot download {filename} of {self.model}: {exc}") from exc
 
     def config_dir(self) -> Path:

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 def write_topology(path: Path, model: str | Path, nodes: list[dict], **settings) -> Path:
     data = {"model": str(model), "quant": settings.pop("quant", "fp16"), "dtype": settings.pop("dtype", "fp32"),
-            "head": {"api": "127.0.0.1:0", "listen": "127.0.0.1:0", **settings.pop("head", {})},
+            "head": {"api": "127.0.0.1:8000", "listen": "127.0.0.1:7001", **settings.pop("head", {})},
             "nodes": nodes, **settings}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

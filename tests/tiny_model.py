@@ -87,11 +87,18 @@ def write_tiny_model(path: Path, *, seed: int = 0, shards: int = 1, dtype: torch
     if shards == 1:
         save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     else:
-        names = sorted(state)
+        # like real checkpoints: layers in order across the shards, the embedding first, the norm and lm_head last
+        layers = config["num_hidden_layers"]
+
+        def shard_of(name: str) -> int:
+            if name.startswith("model.layers."):
+                return int(name.split(".")[2]) * shards // layers
+            return 0 if name.startswith("model.embed_tokens") else shards - 1
+
         weight_map = {}
         for s in range(shards):
             file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-            part = {n: state[n] for n in names[s::shards]}
+            part = {n: t for n, t in state.items() if shard_of(n) == s}
             save_file(part, path / file, metadata={"format": "pt"})
             weight_map.update({n: file for n in part})
         (path / "model.safetensors.index.json").write_text(json.dumps(

@@ -89,7 +89,7 @@ def start_head(topology: Topology) -> Head:
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
 
-    registry = WorkerRegistry(topology, plan, config, model_ref=topology.model)
+    registry = WorkerRegistry(topology, plan, config)
     generator = Generator(head_model, tokenizer, RemotePipeline(registry), dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue)

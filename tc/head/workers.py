@@ -82,9 +82,8 @@ class Slot:
 
 
 class WorkerRegistry:
-    def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, model_ref: str,
-                 max_frame_bytes: int | None = None, on_ready: Callable[[], None] | None = None):
-        self.topology, self.plan, self.config, self.model_ref = topology, plan, config, model_ref
+    def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None, on_ready: Callable[[], None] | None = None):
+        self.topology, self.plan, self.config = topology, plan, config
         self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
         self.lock = threading.Lock()
         self.max_frame_bytes = max_frame_bytes
@@ -178,7 +177,9 @@ class WorkerRegistry:
 
     def _assignment(self, stage, device: str) -> Assignment:
         tensor_count = 12 * (stage.end - stage.start)
-        return Assignment(model_id=self.model_ref, architecture="qwen2", quant=self.topology.quant,
+        return Assignment(model_id=self.topology.model,
+                          model_source="local" if self.topology.model_is_local else "hub",
+                          revision=self.topology.revision, device=device, architecture="qwen2", quant=self.topology.quant,
                           group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
                           tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes)

@@ -1,18 +1,591 @@
-"""Portable weight-only quantization (int8 per output channel, int4 per group)."""
+"""Weight-only quantization of linear layers: int8 per output channel, int4 per group.
+
+Theory of operation
+-------------------
+A quantized weight is a value (`Int8Weight`, `Int4Weight`): integer codes plus the scales (and zero points) that
+map them back to real numbers, with every fact needed to read them (shape, group size, nibble order) spelled out
+as fields. `quantize_*` and `dequantize_*` are pure functions between such values and float tensors; the
+dequantize functions are the reference that every faster path is checked against.
+
+`Int8Linear` and `Int4Linear` are drop-in replacements for `nn.Linear`. Decode is memory-bound, so reading fewer
+weight bytes per token is where the speed comes from. Each module therefore runs one of two paths:
+
+- portable: plain PyTorch ops on the stored codes (works on every device PyTorch supports);
+- packed kernel: PyTorch's own weight-only kernels (`aten._weight_int8pack_mm`, and the `_weight_int4pack_mm`
+  family), which read the codes directly and never build a float copy of the weight.
+
+Whether a device type has a working kernel is decided once per process by a tiny probe that runs the kernel and
+compares it with the dequantize reference (`int8_kernel_available`, `int4_kernel_available`); shape constraints
+that the kernels do not check themselves are checked here before a module picks the kernel. A module built for
+the kernel stores its codes in the kernel's layout instead of the portable one, so it never holds both, and its
+buffers always take exactly `quantized_nbytes(...)` bytes (the bias, if any, is extra and kept as loaded).
+
+The packed kernels compute in bfloat16 (see `_KERNEL_DTYPE`): on x86 CPUs only their bfloat16 variants are
+vectorised (the float32 and float16 variants are scalar loops, several times slower than a float32 matmul), and
+the CUDA int4 kernel accepts nothing else. Activations in another dtype are converted on the way in and the
+output converted back; the bfloat16 rounding of the activations (relative 2^-9) is far below the weight
+quantization error that the caller already accepted by choosing int8 or int4.
+"""
 from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
 DEFAULT_GROUP_SIZE = 128
 
+INT8_MAX = 127
+INT4_LEVELS = 16  # codes 0..15; a code c stands for (c - INT4_OFFSET) * scale + zero
+INT4_OFFSET = 8
+INT4_PARAM_DTYPE = torch.bfloat16  # scales and zero points: fp32's exponent range, and what the kernels read
+INT4_PACKING = "row-major [out, padded_in / 2] uint8; low nibble = even column, high nibble = odd column"
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the aten int4 kernels accept
+
+_KERNEL_DTYPE = torch.bfloat16
+_ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
+_CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time so float temporaries stay ~16 MiB
+
+
+class QuantizationError(ValueError):
+    """A weight, mode or group size that cannot be quantized as asked; the message says what would work."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """A packed kernel was demanded (use_kernel=True) for a device or shape it does not support."""
+
 
 def quantized_nbytes(shape: tuple[int, int], mode: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """Bytes a linear weight of `shape` [out, in] takes in memory in weight mode `mode`."""
+    """Bytes a linear weight of `shape` [out, in] takes in memory in weight mode `mode`.
+
+    This is exactly what `Int8Linear` / `Int4Linear` hold in buffers on either path (bias not included).
+    int4 pads in_features up to a whole number of groups, and the padding is stored too.
+    Raises QuantizationError for an unknown mode or an unusable group size.
+    """
     out_features, in_features = shape
     if mode == "fp16":
         return out_features * in_features * 2
     if mode == "int8":
-        return out_features * in_features + out_features * 4  # int8 values + fp32 scale per row
+        return out_features * in_features + out_features * 4  # int8 codes + fp32 scale per row
     if mode == "int4":
+        _check_group_size(group_size)
         groups = -(-in_features // group_size)
-        return out_features * in_features // 2 + out_features * groups * 2 * 2  # nibbles + fp16 scale, zero
-    raise ValueError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
+        param_bytes = INT4_PARAM_DTYPE.itemsize
+        # two codes per byte over the padded width, + a scale and a zero point per group
+        return out_features * groups * group_size // 2 + out_features * groups * 2 * param_bytes
+    raise QuantizationError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
+
+
+def _check_group_size(group_size: int) -> None:
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
+        raise QuantizationError(
+            f"int4 group_size must be a positive even integer (two codes share a byte), got {group_size!r}; "
+            f"{DEFAULT_GROUP_SIZE} is the default and {INT4_KERNEL_GROUP_SIZES} can use the packed kernels"
+        )
+
+
+def _check_weight(w: torch.Tensor) -> tuple[int, int]:
+    if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise QuantizationError(f"expected a non-empty 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise QuantizationError(f"expected a floating-point weight, got {w.dtype}")
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+# ---------------------------------------------------------------------------------------------------- int8
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """Symmetric per-output-channel int8: W[r] ~= qweight[r] * scale[r]."""
+
+    qweight: torch.Tensor  # int8 [out, in], codes in [-127, 127]
+    scale: torch.Tensor  # float32 [out]; 0 for an all-zero row
+    shape: tuple[int, int]  # (out_features, in_features)
+
+    def __post_init__(self) -> None:
+        if self.qweight.dtype != torch.int8 or tuple(self.qweight.shape) != self.shape:
+            raise QuantizationError(f"qweight must be int8 {self.shape}, got {self.qweight.dtype} "
+                                    f"{tuple(self.qweight.shape)}")
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (self.shape[0],):
+            raise QuantizationError(f"scale must be float32 [{self.shape[0]}], got {self.scale.dtype} "
+                                    f"{tuple(self.scale.shape)}")
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Quantize a [out, in] weight: scale = max|W[row]| / 127, q = round(W / scale).clamp(-127, 127).
+
+    Works on the weight's device; computes in float32, a slab of rows at a time.
+    Raises QuantizationError for a weight that is not a non-empty 2-D float tensor.
+    """
+    rows, cols = _check_weight(w)
+    qweight = torch.empty(rows, cols, dtype=torch.int8, device=w.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=w.device)
+    for r0, r1 in _row_chunks(rows, cols):
+        chunk = w[r0:r1].float()  # [n, in]
+        s = chunk.abs().amax(dim=1) / INT8_MAX  # [n]
+        divisor = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row quantizes to zeros
+        qweight[r0:r1] = torch.round(chunk / divisor[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        scale[r0:r1] = s
+    return Int8Weight(qweight, scale, (rows, cols))
+
+
+def dequantize_int8(w: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference weight [out, in]: qweight.float() * scale[:, None], then cast to `dtype`."""
+    return (w.qweight.float() * w.scale[:, None]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- int4
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Weight:
+    """Group-wise asymmetric int4 with a float zero point.
+
+    Column j of row r belongs to group g = j // group_size and reads back as
+    (code[r, j] - 8) * scales[r, g] + zeros[r, g], code in 0..15. Asymmetric because a group's weights are rarely
+    centred on zero, so all 16 levels land inside [min, max] instead of one sign's half being wasted; and because
+    `(code - 8) * scale + zero` is exactly what PyTorch's int4 kernels compute, so the portable and the packed
+    paths read the same codes the same way. in_features that is not a multiple of group_size is padded with
+    copies of the row's last column (which leaves the last group's min and max as they were); the padding is
+    stored, and dequantize drops it.
+    """
+
+    packed: torch.Tensor  # uint8 [out, padded_in / 2], see `packing`
+    scales: torch.Tensor  # bfloat16 [out, groups]
+    zeros: torch.Tensor  # bfloat16 [out, groups]
+    shape: tuple[int, int]  # (out_features, in_features) before padding
+    group_size: int
+    packing: str = INT4_PACKING
+
+    @property
+    def groups(self) -> int:
+        return -(-self.shape[1] // self.group_size)
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.groups * self.group_size
+
+    def __post_init__(self) -> None:
+        _check_group_size(self.group_size)
+        if self.packing != INT4_PACKING:
+            raise QuantizationError(f"unknown int4 packing {self.packing!r}; this build reads {INT4_PACKING!r}")
+        out = self.shape[0]
+        want = (out, self.padded_in_features // 2)
+        if self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want:
+            raise QuantizationError(f"packed must be uint8 {want} for shape {self.shape} and group size "
+                                    f"{self.group_size}, got {self.packed.dtype} {tuple(self.packed.shape)}")
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if t.dtype != INT4_PARAM_DTYPE or tuple(t.shape) != (out, self.groups):
+                raise QuantizationError(f"{name} must be {INT4_PARAM_DTYPE} [{out}, {self.groups}], got {t.dtype} "
+                                        f"{tuple(t.shape)}")
+
+
+def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 >= x, for x >= 0 (float32 in, bfloat16 out)."""
+    y = x.to(torch.bfloat16)
+    below = y.float() < x
+    # for a positive finite bfloat16, the next representable value up is the next bit pattern
+    bumped = (y.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(below, bumped, y)
+
+
+def _int4_codes_and_params(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, 0..15) and bfloat16 scale, zero for float32 groups g [n, groups, group_size].
+
+    The grid zero + (c - 8) * scale, c = 0..15, must cover [min, max] of each group *after* scale and zero are
+    rounded to bfloat16, or the error at the ends could exceed half a step. So the zero point is rounded first,
+    then the step is widened just enough to reach both ends from the rounded zero, and rounded up.
+    """
+    lo = g.amin(dim=-1)  # [n, groups]
+    hi = g.amax(dim=-1)
+    step = (hi - lo) / (INT4_LEVELS - 1)
+    zero = (lo + INT4_OFFSET * step).to(INT4_PARAM_DTYPE)  # code 0 lands on lo, code 15 on hi
+    z = zero.float()
+    need = torch.maximum(step, torch.maximum((z - lo) / INT4_OFFSET, (hi - z) / (INT4_LEVELS - 1 - INT4_OFFSET)))
+    scale = _bf16_round_up(need.clamp_min(0))
+    s = scale.float()
+    divisor = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code is 8, reading back `zero`
+    codes = torch.round((g - z[..., None]) / divisor[..., None]) + INT4_OFFSET
+    return codes.clamp_(0, INT4_LEVELS - 1).to(torch.uint8), scale, zero
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
+    """Quantize a [out, in] weight to int4 codes per group of `group_size` input columns.
+
+    in_features need not be a multiple of group_size: the last group is padded (see Int4Weight).
+    Works on the weight's device; computes in float32, a slab of rows at a time.
+    Raises QuantizationError for a bad weight or group size.
+    """
+    _check_group_size(group_size)
+    rows, cols = _check_weight(w)
+    groups = -(-cols // group_size)
+    padded = groups * group_size
+    packed = torch.empty(rows, padded // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
+    zeros = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
+    for r0, r1 in _row_chunks(rows, padded):
+        chunk = w[r0:r1].float()  # [n, in]
+        if padded > cols:
+            chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, padded - cols)], dim=1)  # [n, padded]
+        codes, s, z = _int4_codes_and_params(chunk.reshape(r1 - r0, groups, group_size))
+        codes = codes.view(r1 - r0, padded // 2, 2)  # [n, padded/2, (even, odd)]
+        packed[r0:r1] = codes[..., 0] | (codes[..., 1] << 4)
+        scales[r0:r1] = s
+        zeros[r0:r1] = z
+    return Int4Weight(packed, scales, zeros, (rows, cols), group_size)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, n/2] in INT4_PACKING order -> codes uint8 [out, n]."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack([low, high], dim=-1).view(packed.shape[0], packed.shape[1] * 2)  # [out, n]
+
+
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference weight [out, in]: (code - 8) * scale + zero per group, computed in float32."""
+    out, cols = w.shape
+    codes = unpack_int4(w.packed).view(out, w.groups, w.group_size).float()  # [out, groups, group_size]
+    deq = (codes - INT4_OFFSET) * w.scales.float()[..., None] + w.zeros.float()[..., None]
+    return deq.view(out, w.padded_in_features)[:, :cols].to(dtype)
+
+
+def _dequantize_int4_codes(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                           cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Portable forward's weight [out, cols] in `dtype`, from the module's buffers."""
+    out, groups = scales.shape
+    codes = unpack_int4(packed).view(out, groups, group_size).to(dtype)  # [out, groups, group_size]
+    deq = (codes - INT4_OFFSET) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
+    return deq.view(out, groups * group_size)[:, :cols]
+
+
+# ------------------------------------------------------------------------------------------ kernel probes
+
+
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _kernel_x(x2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels need it: bfloat16, contiguous, and starting on an aligned address."""
+    if x2.dtype != _KERNEL_DTYPE:
+        return x2.to(_KERNEL_DTYPE).contiguous()
+    if not x2.is_contiguous() or x2.data_ptr() % _ALIGNMENT:
+        return x2.clone(memory_format=torch.contiguous_format)
+    return x2
+
+
+def _int8_kernel_shape_ok(in_features: int) -> bool:
+    # The x86 int8 kernel steps K by 8 (AVX2) or 16 (AVX-512) with aligned loads and no tail loop.
+    return in_features % 16 == 0
+
+
+def _int8_kernel(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(_kernel_x(x2), qweight, scale.to(_KERNEL_DTYPE))
+
+
+@functools.lru_cache(maxsize=None)
+def int8_kernel_available(device_type: str) -> bool:
+    """Whether aten._weight_int8pack_mm runs on `device_type` and agrees with the reference (probed once)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    qw = quantize_int8(w)
+    ref = x.to(_KERNEL_DTYPE).float() @ dequantize_int8(qw).T
+    try:
+        dev = torch.device(device_type)
+        y = _int8_kernel(x.to(dev), qw.qweight.to(dev), qw.scale.to(dev)).cpu()
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        log.info("int8 packed kernel unavailable on %s (%s); using the portable path", device_type, exc)
+        return False
+    err = _relative_error(y, ref)
+    ok = err < 2e-2
+    log.info("int8 packed kernel on %s: %s (relative error %.2e)", device_type, "in use" if ok else
+             "disagrees with the reference, using the portable path", err)
+    return ok
+
+
+@dataclass(frozen=True)
+class _Int4Kernel:
+    """How one device type's int4 kernel wants its weight: PyTorch has two packers with different inputs."""
+
+    device_type: str
+    high_nibble_even: bool  # GPU packer input: uint8 [N, K/2], even column in the high nibble (gpt-fast order)
+
+    def pack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Int4Weight.packed uint8 [N, K/2] -> the kernel's packed weight; N*K/2 bytes in every layout.
+
+        Packs a slab of rows at a time so the unpacked (and, on CPU, int32) codes never exist for the whole
+        matrix. Both packers lay rows out in independent tiles of at most 64 rows, so slabs whose row count is a
+        multiple of 64 pack to consecutive slices of the whole result.
+        """
+        rows, half_k = packed.shape
+        step = max(64, (_CHUNK_ELEMENTS // (half_k * 2)) // 64 * 64)
+        out: torch.Tensor | None = None
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            part = self._pack_slab(packed[r0:r1])
+            if out is None:
+                rows_per_entry = (r1 - r0) // part.shape[0]  # 1 on CPU ([N, K/2]), 8 on GPUs ([N/8, ...])
+                out = part.new_empty((rows // rows_per_entry, *part.shape[1:]))
+            out[r0 // rows_per_entry:r1 // rows_per_entry] = part
+        assert out is not None
+        return out
+
+    def _pack_slab(self, packed: torch.Tensor) -> torch.Tensor:
+        codes = unpack_int4(packed)  # [n, K]
+        inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        if self.device_type == "cpu":
+            return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), inner_k_tiles)
+        if self.high_nibble_even:
+            packed = (codes[:, 0::2] << 4) | codes[:, 1::2]  # [n, K/2]
+        return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), inner_k_tiles)
+
+    def mm(self, x2: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+           ) -> torch.Tensor:
+        x2 = _kernel_x(x2)
+        if self.device_type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_and_zeros)
+
+
+def _int4_kernel_shape_ok(out_features: int, padded_in: int, group_size: int) -> bool:
+    # the CPU packer tiles N by 16 (the GPU one by 8); K must hold a whole number of 32-wide k-tiles
+    return group_size in INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0 and padded_in % 32 == 0
+
+
+def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[out, groups] x2 -> the kernels' [groups, out, 2] (scale, zero), bfloat16."""
+    return torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(_KERNEL_DTYPE)
+
+
+@functools.lru_cache(maxsize=None)
+def int4_kernel_available(device_type: str) -> _Int4Kernel | None:
+    """The int4 kernel for `device_type` if it runs there and agrees with the reference (probed once), else None.
+
+    On GPUs the nibble order the packer expects has changed across PyTorch versions, so both are tried.
+    """
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 256, generator=gen)
+    x = torch.randn(3, 256, generator=gen)
+    qw = quantize_int4(w, 64)
+    ref = x.to(_KERNEL_DTYPE).float() @ dequantize_int4(qw).T
+    candidates = [_Int4Kernel("cpu", False)] if device_type == "cpu" else \
+        [_Int4Kernel(device_type, True), _Int4Kernel(device_type, False)]
+    dev = torch.device(device_type)
+    reason = "no candidate agreed with the reference"
+    for kernel in candidates:
+        try:
+            packed = kernel.pack(qw.packed.to(dev))
+            y = kernel.mm(x.to(dev), packed, 64, _scales_and_zeros(qw.scales, qw.zeros).to(dev)).cpu()
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            continue
+        err = _relative_error(y, ref)
+        if err < 2e-2:
+            log.info("int4 packed kernel on %s: in use (relative error %.2e)", device_type, err)
+            return kernel
+        reason = f"relative error {err:.2e} against the reference"
+    log.info("int4 packed kernel unavailable on %s (%s); using the portable path", device_type, reason)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+def _resolve_use_kernel(use_kernel: bool | None, available: bool, what: str) -> bool:
+    if use_kernel is None:
+        return available
+    if use_kernel and not available:
+        raise KernelUnavailableError(f"{what}; pass use_kernel=None to fall back to the portable path")
+    return use_kernel
+
+
+class _QuantLinear(nn.Module):
+    """Shared by Int8Linear / Int4Linear: shape attributes, bias, and keeping buffers in their storage dtype."""
+
+    in_features: int
+    out_features: int
+    uses_kernel: bool
+    _fixed_dtypes: dict[str, torch.dtype]  # buffer name -> dtype it must keep
+    _kernel_device_type: str | None  # set when the buffers are in a device-specific kernel layout
+
+    def _init_bias(self, bias: torch.Tensor | None) -> None:
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise QuantizationError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def _finish(self, y: torch.Tensor, lead: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        y = y.to(dtype).view(*lead, self.out_features)  # [..., out]
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's own signature
+        # .to(dtype) would cast the float scales too; the kernels read them in a fixed dtype and quantized_nbytes
+        # counts that dtype, so they are put back. A kernel layout is specific to its device type and cannot be
+        # moved; quantize after moving instead.
+        if self._kernel_device_type is not None:
+            target = fn(torch.empty(0, device=self._kernel_device_type)).device.type
+            if target != self._kernel_device_type:
+                raise QuantizationError(
+                    f"{type(self).__name__} holds a {self._kernel_device_type} kernel layout and cannot move to "
+                    f"{target}; move the float model first and quantize it there")
+        super()._apply(fn, recurse)
+        for name, dtype in self._fixed_dtypes.items():
+            buf = self._buffers[name] if name in self._buffers else None
+            if buf is not None and buf.dtype != dtype:
+                self._buffers[name] = buf.to(dtype)
+        return self
+
+    def extra_repr(self) -> str:
+        path = "packed kernel" if self.uses_kernel else "portable"
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, path={path}"
+
+
+class Int8Linear(_QuantLinear):
+    """nn.Linear with int8 weights (symmetric, per output channel). Buffers: qweight, scale, bias.
+
+    The portable path computes (x @ qweight.T) * scale: the per-row scale factors out of the dot product, so no
+    float copy of the weight is scaled, and the codes convert to x's dtype exactly (|q| <= 127).
+    """
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None):
+        """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        device_type = weight.qweight.device.type
+        shape_ok = _int8_kernel_shape_ok(self.in_features)
+        self.uses_kernel = _resolve_use_kernel(
+            use_kernel, shape_ok and int8_kernel_available(device_type),
+            f"no int8 packed kernel for {weight.shape} on {device_type}"
+            + ("" if shape_ok else " (in_features must be a multiple of 16)"))
+        self._kernel_device_type = None  # int8 codes are the same in both paths and on every device
+        self._fixed_dtypes = {"scale": torch.float32}
+        qweight = weight.qweight
+        if qweight.data_ptr() % _ALIGNMENT or not qweight.is_contiguous():
+            qweight = qweight.clone(memory_format=torch.contiguous_format)  # the kernel's aligned loads
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", weight.scale)
+        self._init_bias(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, use_kernel: bool | None = None) -> "Int8Linear":
+        """Quantize `linear`'s weight on its device; the bias is kept as it is."""
+        return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel)
+
+    def quantized_weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if self.uses_kernel:
+            y = _int8_kernel(x2, self.qweight, self.scale)
+        elif x.dtype == torch.float16:
+            # x @ q.T can pass fp16's 65504 before the scale brings it down, so scale the weight instead
+            y = F.linear(x2, self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None])
+        else:
+            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        return self._finish(y, lead, x.dtype)
+
+
+class Int4Linear(_QuantLinear):
+    """nn.Linear with group-wise int4 weights.
+
+    Portable path buffers: packed (Int4Weight.packed), scales, zeros; it dequantizes into x's dtype and runs a
+    normal matmul. Kernel path buffers: packed (the kernel's own layout, same byte count) and scales_and_zeros
+    [groups, out, 2]; activations are zero-padded to the padded width when in_features needed padding.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None):
+        """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.padded_in_features = weight.padded_in_features
+        device_type = weight.packed.device.type
+        shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
+        kernel = int4_kernel_available(device_type) if shape_ok else None
+        self.uses_kernel = _resolve_use_kernel(
+            use_kernel, kernel is not None,
+            f"no int4 packed kernel for {weight.shape} with group size {weight.group_size} on {device_type}"
+            + ("" if shape_ok else f" (needs group size in {INT4_KERNEL_GROUP_SIZES} and out_features a "
+                                   "multiple of 16)"))
+        self._fixed_dtypes = {"scales": INT4_PARAM_DTYPE, "zeros": INT4_PARAM_DTYPE,
+                              "scales_and_zeros": _KERNEL_DTYPE}
+        if self.uses_kernel:
+            assert kernel is not None
+            self._kernel = kernel
+            self._kernel_device_type = device_type
+            self.register_buffer("packed", kernel.pack(weight.packed))
+            self.register_buffer("scales_and_zeros", _scales_and_zeros(weight.scales, weight.zeros))
+        else:
+            self._kernel_device_type = None
+            self.register_buffer("packed", weight.packed)
+            self.register_buffer("scales", weight.scales)
+            self.register_buffer("zeros", weight.zeros)
+        self._init_bias(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, *,
+                    use_kernel: bool | None = None) -> "Int4Linear":
+        """Quantize `linear`'s weight on its device; the bias is kept as it is."""
+        return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias, use_kernel=use_kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if self.uses_kernel:
+            if self.padded_in_features > self.in_features:
+                x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]
+            y = self._kernel.mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            w = _dequantize_int4_codes(self.packed, self.scales, self.zeros, self.group_size, self.in_features,
+                                       x.dtype)
+            y = F.linear(x2, w)
+        return self._finish(y, lead, x.dtype)
+
+
+def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
+                     use_kernel: bool | None = None) -> None:
+    """Replace every nn.Linear below `module` by its int8/int4 counterpart, in place, on the Linear's device.
+
+    mode "fp16" leaves the module as it is. Raises QuantizationError for an unknown mode, a bad group size, or a
+    bare nn.Linear passed as `module` (there is no parent to put the replacement in; wrap it).
+    """
+    if mode not in WEIGHT_MODES:
+        raise QuantizationError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
+    if mode == "fp16":
+        return
+    if mode == "int4":
+        _check_group_size(group_size)
+    if isinstance(module, nn.Linear):
+        raise QuantizationError("quantize_linears replaces Linears inside a module; wrap a bare nn.Linear "
+                                "(e.g. nn.Sequential(linear)) or call Int8Linear/Int4Linear.from_linear")
+    replacements: dict[int, nn.Module] = {}  # id(Linear) -> its replacement, so a shared Linear stays shared
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if id(child) not in replacements:
+                if mode == "int8":
+                    replacements[id(child)] = Int8Linear.from_linear(child, use_kernel=use_kernel)
+                else:
+                    replacements[id(child)] = Int4Linear.from_linear(child, group_size, use_kernel=use_kernel)
+            setattr(parent, name, replacements[id(child)])
+    log.debug("quantized %d linear layers to %s", len(replacements), mode)

@@ -93,4 +93,4 @@ def _mps_has_bf16() -> bool:
 
 def system_summary() -> dict[str, str]:
     return {"hostname": platform.node(), "platform": sys.platform, "python_version": platform.python_version(),
-            "torch_version": torch.__version__}
+            "torch_version": str(torch.__version__)}

@@ -45,7 +45,8 @@ class WorkerOptions:
 
 
 def _assignment_key(a: Assignment) -> tuple:
-    return (a.model_id, a.quant, a.group_size, a.compute_dtype, a.layer_start, a.layer_end_exclusive)
+    return (a.model_id, a.revision, a.device, a.quant, a.group_size, a.compute_dtype, a.layer_start,
+            a.layer_end_exclusive)
 
 
 class Worker:
@@ -159,18 +160,17 @@ class Worker:
         else:
             self.loaded = None
             log.info("assigned layers %d-%d of %s (%s, compute %s) on %s", start, end - 1, assignment.model_id,
-                     assignment.quant, assignment.compute_dtype, self.device)
+                     assignment.quant, assignment.compute_dtype, assignment.device)
             try:
-                is_local = not _looks_like_repo_id(assignment.model_id)
-                source = ModelSource(assignment.model_id, is_local=is_local,
-                                     cache_dir=self.options.hf_cache_dir)
+                source = ModelSource(assignment.model_id, is_local=assignment.model_source == "local",
+                                     revision=assignment.revision, cache_dir=self.options.hf_cache_dir)
                 model_dir = source.fetch_tensors(layer_tensor_names(start, end))
 
                 def progress(done: int, total: int) -> None:
                     log.info("loaded layer %d/%d", done, total)
                     conn.send(LoadProgress(stage="layers", done=done, total=total))
 
-                loaded = load_assignment(assignment, model_dir, self.device, progress)
+                loaded = load_assignment(assignment, model_dir, assignment.device, progress)
             except (ModelSourceError, ValueError, OSError, RuntimeError) as exc:
                 log.error("could not load layers %d-%d: %s", start, end - 1, exc)
                 conn.send(LoadFailed(reason=str(exc)))
@@ -181,11 +181,6 @@ class Worker:
         conn.send(LoadComplete(load_seconds=loaded.load_seconds, weight_bytes=loaded.weight_bytes,
                                device=loaded.device, compute_dtype=assignment.compute_dtype))
         return StageRuntime(loaded)
-
-
-def _looks_like_repo_id(model: str) -> bool:
-    """The head sends a repo id as given, or a local path it resolved to an absolute one."""
-    return not model.startswith(("/", ".", "~")) and ":" not in model[:3]
 
 
 def run_worker(args: argparse.Namespace) -> int:

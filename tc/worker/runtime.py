@@ -14,7 +14,7 @@ import torch
 
 from ..model.config import Qwen2Config
 from ..model.kv_cache import CacheFullError, KVCache
-from ..model.quant import quantize_linears
+from ..model import quant
 from ..model.qwen2 import Stage, resolve_compute_dtype
 from ..model.weights import WeightIndex, layer_tensor_names
 from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
@@ -50,7 +50,7 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     prepare = None
     if assignment.quant != "fp16":
         def prepare(layer: torch.nn.Module) -> None:
-            quantize_linears(layer, assignment.quant, assignment.group_size)
+            quant.quantize_linears(layer, assignment.quant, assignment.group_size)
     stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
     return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
 

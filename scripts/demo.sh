@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Bring up a head and two local workers serving the demo model (Qwen2.5-Coder-0.5B-Instruct), all from
+# dist/tc.pyz, and show how to query it. Ctrl-C stops everything.
+#   QUANT=int8 bash scripts/demo.sh     weights in int8 (fp16, int8 or int4; default fp16)
+#   API_PORT=8000 LISTEN_PORT=7001      ports (defaults shown)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+QUANT=${QUANT:-fp16}
+API_PORT=${API_PORT:-8000}
+LISTEN_PORT=${LISTEN_PORT:-7001}
+
+bash scripts/setup.sh
+MODEL=$("$PY" scripts/make_demo_model.py | tail -n 1)
+"$PY" build_zipapp.py
+mkdir -p demo
+cat > demo/topology.yaml <<YAML
+# written by scripts/demo.sh: two workers on this machine, half of the 24 layers each
+model: $MODEL
+quant: $QUANT
+dtype: bf16
+head:
+  api: 127.0.0.1:$API_PORT
+  listen: 127.0.0.1:$LISTEN_PORT
+  threads: 2
+nodes:
+  - id: worker-1
+    device: cpu
+  - id: worker-2
+    device: cpu
+YAML
+
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+"$PY" dist/tc.pyz head demo/topology.yaml > demo/head.log 2>&1 & pids+=($!)
+for id in worker-1 worker-2; do
+  "$PY" dist/tc.pyz worker --join 127.0.0.1:$LISTEN_PORT --node-id $id --threads 2 > demo/$id.log 2>&1 & pids+=($!)
+done
+echo "starting: logs in demo/head.log, demo/worker-1.log, demo/worker-2.log"
+for _ in $(seq 1 600); do
+  if curl -sf "http://127.0.0.1:$API_PORT/health/ready" > /dev/null 2>&1; then break; fi
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see demo/*.log"; tail -n 20 demo/*.log; exit 1; }; done
+  sleep 0.5
+done
+curl -sf "http://127.0.0.1:$API_PORT/health/ready" > /dev/null || { echo "not ready after 5 minutes; see demo/*.log"; exit 1; }
+sed -n '/plan:/,/total/p' demo/head.log
+cat <<TXT
+
+TrueCluster is serving $(basename "$MODEL") ($QUANT) at http://127.0.0.1:$API_PORT/v1 . Try:
+
+  curl http://127.0.0.1:$API_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "$MODEL", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}], "max_tokens": 128, "temperature": 0}'
+
+or any OpenAI client with base_url="http://127.0.0.1:$API_PORT/v1". Ctrl-C stops the cluster.
+TXT
+wait

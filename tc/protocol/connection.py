@@ -1,0 +1,216 @@
+"""A blocking socket that sends and receives whole frames: the protocol's only I/O.
+
+Framing and parsing live in framing.py; this layer only moves bytes. It is built for plain threads:
+
+- ``send`` may be called from any number of threads at once; a lock keeps each frame whole on the wire.
+- ``recv`` is meant for one reader thread (a lock makes a second reader wait rather than interleave). It reads
+  the 8-byte header, then the body with ``recv_into`` into one buffer that is reused for every frame and grows to
+  the largest body seen (never beyond ``max_frame_bytes``). Reusing it matters: a fresh 0.9 MB buffer per frame
+  cost about 2.8 ms per loopback round trip against 0.45 ms for a reused one, the difference being page faults.
+  Decoded envelopes never point into that buffer (see framing.decode_body), so they outlive the next recv.
+
+Timeouts come in two kinds:
+
+- ``recv(timeout=...)`` waits at most that long for a frame to *start*. If none does, it raises TimeoutError
+  and the connection stays usable, since no byte was consumed. The wait polls the socket rather than changing
+  the socket's own timeout, which sends on other threads share.
+- ``settimeout(seconds)`` sets the socket's own timeout, which bounds every blocking read and write. Expiring
+  before a frame starts raises TimeoutError and leaves the connection usable; expiring in the middle of a frame
+  leaves the stream at an unknown position, so the connection is closed and ConnectionClosed raised.
+
+Any failure of the byte stream (EOF, reset, a write to a dead peer) closes the connection and raises
+ConnectionClosed. A ProtocolError from a well-framed but invalid body leaves the connection open and in step (the
+body was read whole), so the caller may answer with an ERROR before closing; FrameTooLarge closes it, since the
+oversized body is never read.
+"""
+from __future__ import annotations
+
+import math
+import select
+import socket
+import threading
+
+from tc.protocol.errors import ConnectionClosed, FrameTooLarge
+from tc.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEADER_SIZE,
+    Envelope,
+    decode_body,
+    encode_body,
+    frame_header,
+)
+from tc.protocol.messages import Message
+
+# Bodies up to this size are joined with their header and sent in one call (one TCP segment for small
+# messages); larger ones are sent after the header rather than copied to be joined.
+_JOIN_LIMIT = 64 * 1024
+
+
+def _describe_peer(sock: socket.socket) -> str:
+    try:
+        address = sock.getpeername()
+    except OSError:
+        return "unconnected socket"
+    if isinstance(address, tuple):
+        host, port = address[0], address[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"unix:{address}" if address else "unix socket"
+
+
+class Connection:
+    """Frames over one connected stream socket (TCP, or a Unix socketpair in tests)."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if sock.type != socket.SOCK_STREAM:
+            raise ValueError(f"a Connection needs a stream socket, got {sock.type!r}")
+        if type(max_frame_bytes) is not int or max_frame_bytes <= 0:
+            raise ValueError(f"max_frame_bytes must be a positive int, got {max_frame_bytes!r}")
+        self._sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self.peer = _describe_peer(sock)  # taken now: getpeername fails once the socket is closed
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Decode steps are small request/reply messages; Nagle's algorithm would hold each one back.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._header = bytearray(HEADER_SIZE)
+        self._buffer = bytearray()  # reused for every body; grows to the largest one seen
+        self._poller = None  # a select.poll object, made by the first recv with a timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Connection({self.peer}{', closed' if self._closed else ''})"
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Bound every blocking socket read and write; a timeout mid-frame closes the connection (module doc)."""
+        self._sock.settimeout(seconds)
+
+    def send(self, message: Message, request_id: str | None = None, seq: int = 0) -> None:
+        """Send one frame. Safe to call from several threads at once: frames never interleave.
+
+        Raises TypeError/ValueError for a bad argument or a body over max_frame_bytes (nothing is sent then), and
+        ConnectionClosed when the connection is closed or breaks while sending (it is closed then).
+        """
+        body = encode_body(message, request_id, seq)
+        if len(body) > self.max_frame_bytes:
+            raise ValueError(
+                f"{message.TYPE} encodes to {len(body)} bytes, over max_frame_bytes={self.max_frame_bytes}; "
+                "raise max_frame_bytes on both ends or send less (a shorter prompt per prefill)"
+            )
+        header = frame_header(len(body))
+        with self._send_lock:
+            if self._closed:
+                raise ConnectionClosed(f"cannot send {message.TYPE}: the connection to {self.peer} is closed")
+            try:
+                if len(body) <= _JOIN_LIMIT:
+                    self._sock.sendall(header + body)
+                else:
+                    self._sock.sendall(header)
+                    self._sock.sendall(body)
+            except OSError as exc:  # includes timeouts: some unknown part of the frame went out
+                self.close()
+                raise ConnectionClosed(
+                    f"sending {message.TYPE} to {self.peer} failed ({exc}); the connection is closed"
+                ) from exc
+
+    def recv(self, timeout: float | None = None) -> Envelope:
+        """Block until one whole frame has arrived and return its envelope.
+
+        ``timeout`` bounds the wait for a frame to start (seconds; None waits for ever). Raises TimeoutError when
+        it expires (the connection stays usable), ConnectionClosed on EOF (including EOF mid-frame) or a broken
+        stream, FrameTooLarge for a header over max_frame_bytes (the connection is closed), and ProtocolError for
+        an invalid body (the connection stays open and in step).
+        """
+        with self._recv_lock:
+            if self._closed:
+                raise ConnectionClosed(f"cannot receive: the connection to {self.peer} is closed")
+            if timeout is not None and not self._wait_readable(timeout):
+                raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
+            with memoryview(self._header) as header:
+                self._read_exactly(header, frame_started=False)
+            length = int.from_bytes(self._header, "big")
+            if length > self.max_frame_bytes:
+                self.close()
+                raise FrameTooLarge(length, self.max_frame_bytes)
+            if len(self._buffer) < length:
+                # Replaced, never resized in place: views of the old buffer may still be alive (a traceback), and
+                # resizing a bytearray with live views raises BufferError.
+                self._buffer = bytearray(length)
+            with memoryview(self._buffer) as whole, whole[:length] as body:
+                self._read_exactly(body, frame_started=True)
+                return decode_body(body)
+
+    def close(self) -> None:
+        """Close the connection; idempotent, and wakes a thread blocked in recv (it gets ConnectionClosed)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            # shutdown, unlike close, wakes threads blocked on this socket in other threads.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the peer is already gone (ENOTCONN): there is nothing left to shut down, closing suffices
+        self._sock.close()
+
+    def _wait_readable(self, timeout: float) -> bool:
+        # poll, not select: no FD_SETSIZE limit and no file descriptor of its own to close.
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
+        # Closing or a hang-up also reports as an event; the read that follows then raises ConnectionClosed.
+        return bool(self._poller.poll(max(0, math.ceil(timeout * 1000))))
+
+    def _read_exactly(self, view: memoryview, frame_started: bool) -> None:
+        """Fill ``view`` from the socket. ``frame_started``: whether earlier bytes of this frame were read."""
+        got = 0
+        while got < len(view):
+            try:
+                count = self._sock.recv_into(view[got:])
+            except TimeoutError as exc:  # socket.timeout is TimeoutError since Python 3.10
+                if not frame_started and got == 0:
+                    raise TimeoutError(f"no frame from {self.peer} within the socket timeout") from exc
+                self.close()
+                raise ConnectionClosed(
+                    f"timed out in the middle of a frame from {self.peer}; the connection is closed"
+                ) from exc
+            except OSError as exc:
+                was_closed_here = self._closed
+                self.close()
+                if was_closed_here:
+                    raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
+                raise ConnectionClosed(f"receiving from {self.peer} failed ({exc}); the connection is closed") from exc
+            if count == 0:
+                was_closed_here = self._closed
+                self.close()
+                if was_closed_here:
+                    raise ConnectionClosed(f"the connection to {self.peer} was closed")
+                if not frame_started and got == 0:
+                    raise ConnectionClosed(f"{self.peer} closed the connection")
+                raise ConnectionClosed(
+                    f"{self.peer} closed the connection in the middle of a frame; the frame is lost"
+                )
+            got += count
+
+
+def connect(
+    host: str, port: int, timeout: float | None = 10.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Connection:
+    """Open a TCP connection to ``host:port``. ``timeout`` bounds connecting only; the socket then blocks.
+
+    Raises OSError (ConnectionRefusedError, TimeoutError, socket.gaierror...) when the peer cannot be reached.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.settimeout(None)
+    return Connection(sock, max_frame_bytes=max_frame_bytes)

@@ -1,0 +1,541 @@
+"""The messages head and workers exchange, one frozen dataclass per wire type.
+
+Each class names its wire type in ``TYPE`` and declares every payload field with an explicit type and a wire
+kind (``wire(KIND)``). The kind does both jobs:
+
+- at construction it checks what our own code passed (TypeError / ValueError: a bug here), normalising lists to
+  tuples and ints to floats where the field says so;
+- on receipt it checks what the peer sent (ProtocolError naming the message type and field: the peer's fault).
+
+Payloads are strict: every field must be present, no other key may be, and nothing falls back to a default.
+Commands are imperatives (ASSIGNMENT aside, which is the head's order), replies are nouns or past tense.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from tc.protocol.errors import ProtocolError, ProtocolVersionMismatch
+from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, wire_dtype_name
+
+PROTOCOL_VERSION = 1
+
+DEVICE_TYPES = ("cuda", "mps", "cpu")
+
+# Codes carried by ERROR. The receiver shows the message; the code lets it act without parsing prose.
+ERROR_HELLO_REFUSED = "hello_refused"
+ERROR_PROTOCOL = "protocol_error"
+ERROR_VERSION_MISMATCH = "version_mismatch"
+ERROR_UNEXPECTED_MESSAGE = "unexpected_message"
+
+# CBOR's native integers span [-2**64, 2**64 - 1]; anything wider would need a bignum tag, which we do not speak.
+CBOR_INT_MIN = -(2**64)
+CBOR_INT_MAX = 2**64 - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Field kinds. check(): our side, raises TypeError/ValueError. from_wire(): the peer's side, raises ProtocolError.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (bytes, memoryview)):
+        return "byte string"  # the decoder hands byte strings over as memoryviews
+    return type(value).__name__
+
+
+class _Kind:
+    label = "?"
+
+    def check(self, value: Any, where: str) -> Any:
+        """Validate a value our code put in a field; return it normalised."""
+        raise NotImplementedError
+
+    def to_wire(self, value: Any) -> Any:
+        return value
+
+    def summary(self, value: Any) -> str:
+        """How the value shows in a message's repr."""
+        return repr(value)
+
+    def from_wire(self, value: Any, where: str) -> Any:
+        """Validate a value the peer sent; return the Python value for the field."""
+        try:
+            return self.check(value, where)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(str(exc)) from exc
+
+
+class _Int(_Kind):
+    def __init__(self, minimum: int = CBOR_INT_MIN) -> None:
+        self.minimum = minimum
+        self.label = "int" if minimum == CBOR_INT_MIN else f"int >= {minimum}"
+
+    def check(self, value: Any, where: str) -> int:
+        if type(value) is not int:  # bool is an int subclass; a flag is never a count
+            raise TypeError(f"{where} must be an int, got {_type_name(value)}")
+        if not self.minimum <= value <= CBOR_INT_MAX:
+            raise ValueError(f"{where} must be in [{self.minimum}, 2**64 - 1], got {value}")
+        return value
+
+
+class _Float(_Kind):
+    label = "finite float >= 0"
+
+    def check(self, value: Any, where: str) -> float:
+        if type(value) not in (int, float):
+            raise TypeError(f"{where} must be a number, got {_type_name(value)}")
+        number = float(value)
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"{where} must be a finite number >= 0, got {value}")
+        return number
+
+
+class _Simple(_Kind):
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.label = cls.__name__
+
+    def check(self, value: Any, where: str) -> Any:
+        if type(value) is not self.cls:
+            raise TypeError(f"{where} must be {self.label}, got {_type_name(value)}")
+        return value
+
+
+class _Bytes(_Kind):
+    label = "bytes"
+
+    def check(self, value: Any, where: str) -> bytes:
+        if type(value) is not bytes:
+            raise TypeError(f"{where} must be bytes, got {_type_name(value)}")
+        return value
+
+    def from_wire(self, value: Any, where: str) -> bytes:
+        # The decoder hands byte strings over as views of the frame; the message must own its bytes.
+        if isinstance(value, (bytes, memoryview)):
+            return bytes(value)
+        raise ProtocolError(f"{where} must be a byte string, got {_type_name(value)}")
+
+
+class _OneOf(_Kind):
+    def __init__(self, choices: tuple[str, ...]) -> None:
+        self.choices = choices
+        self.label = " | ".join(choices)
+
+    def check(self, value: Any, where: str) -> str:
+        if type(value) is not str:
+            raise TypeError(f"{where} must be a string, got {_type_name(value)}")
+        if value not in self.choices:
+            raise ValueError(f"{where} must be one of {list(self.choices)}, got {value!r}")
+        return value
+
+
+class _Optional(_Kind):
+    def __init__(self, inner: _Kind) -> None:
+        self.inner = inner
+        self.label = f"{inner.label} or null"
+
+    def check(self, value: Any, where: str) -> Any:
+        return None if value is None else self.inner.check(value, where)
+
+    def to_wire(self, value: Any) -> Any:
+        return None if value is None else self.inner.to_wire(value)
+
+    def from_wire(self, value: Any, where: str) -> Any:
+        return None if value is None else self.inner.from_wire(value, where)
+
+
+class _TupleOf(_Kind):
+    def __init__(self, item: _Kind) -> None:
+        self.item = item
+        self.label = f"list of {item.label}"
+
+    def check(self, value: Any, where: str) -> tuple[Any, ...]:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{where} must be a tuple, got {_type_name(value)}")
+        return tuple(self.item.check(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+    def to_wire(self, value: tuple[Any, ...]) -> list[Any]:
+        return [self.item.to_wire(v) for v in value]
+
+    def from_wire(self, value: Any, where: str) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be a list, got {_type_name(value)}")
+        return tuple(self.item.from_wire(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _check_json(value: Any, where: str) -> None:
+    # Iterative walk: a config is a handful of levels deep, but a peer's nesting should not cost our stack.
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if type(item) is int and not CBOR_INT_MIN <= item <= CBOR_INT_MAX:
+            raise ValueError(f"{path} = {item} does not fit a CBOR integer (64 bits and a sign)")
+        if item is None or type(item) in (str, int, float, bool):
+            continue
+        if type(item) is list:
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+        elif type(item) is dict:
+            for key, v in item.items():
+                if type(key) is not str:
+                    raise TypeError(f"{path} has a non-string key {key!r}; configs are JSON objects")
+                stack.append((v, f"{path}.{key}"))
+        else:
+            raise TypeError(f"{path} holds a {_type_name(item)}; only JSON values (map, list, str, number, bool, null) fit")
+
+
+class _JsonMap(_Kind):
+    """A JSON object (such as config.json's contents): string keys, JSON values all the way down."""
+
+    label = "JSON map"
+
+    def check(self, value: Any, where: str) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise TypeError(f"{where} must be a dict, got {_type_name(value)}")
+        _check_json(value, where)
+        return value
+
+
+class _Tensor(_Kind):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.label = f"rank-{rank} tensor"
+
+    def check(self, value: Any, where: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where} must be a torch.Tensor, got {_type_name(value)}")
+        wire_dtype_name(value.dtype)  # raises TypeError for a dtype the wire does not carry
+        if value.dim() != self.rank:
+            raise ValueError(f"{where} must have {self.rank} dimensions, got shape {tuple(value.shape)}")
+        return value
+
+    def to_wire(self, value: torch.Tensor) -> dict[str, Any]:
+        return tensor_to_wire(value)
+
+    def summary(self, value: torch.Tensor) -> str:
+        # Logs want the shape, not hundreds of numbers.
+        return f"<tensor {wire_dtype_name(value.dtype)} {list(value.shape)} on {value.device}>"
+
+    def from_wire(self, value: Any, where: str) -> torch.Tensor:
+        try:
+            tensor = tensor_from_wire(value)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{where}: {exc}") from exc
+        return super().from_wire(tensor, where)
+
+
+class _Struct(_Kind):
+    def __init__(self, cls: type[WireStruct]) -> None:
+        self.cls = cls
+        self.label = cls.__name__
+
+    def check(self, value: Any, where: str) -> Any:
+        if not isinstance(value, self.cls):
+            raise TypeError(f"{where} must be a {self.cls.__name__}, got {_type_name(value)}")
+        return value
+
+    def to_wire(self, value: WireStruct) -> dict[str, Any]:
+        return value.to_payload()
+
+    def from_wire(self, value: Any, where: str) -> Any:
+        return self.cls._from_wire_map(value, where)
+
+
+INT = _Int()
+COUNT = _Int(minimum=0)
+SECONDS = _Float()
+STR = _Simple(str)
+BOOL = _Simple(bool)
+BYTES = _Bytes()
+DTYPE = _OneOf(tuple(WIRE_DTYPES))
+HIDDEN = _Tensor(rank=3)  # [batch, seq, hidden]
+
+
+def wire(kind: _Kind, **kwargs: Any) -> Any:
+    """A dataclass field carrying its wire kind; pass ``default=`` for the few fields that have one."""
+    return field(metadata={"kind": kind}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Structs and messages
+# ---------------------------------------------------------------------------------------------------------------
+
+_S = TypeVar("_S", bound="WireStruct")
+
+
+class WireStruct:
+    """A frozen dataclass that crosses the wire as a CBOR map of its fields."""
+
+    _wire_fields: ClassVar[tuple[tuple[str, _Kind], ...]] = ()
+    _wire_names: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        for name, kind in self._wire_fields:
+            # Frozen: write the normalised value (list -> tuple, int -> float) past the frozen __setattr__.
+            object.__setattr__(self, name, kind.check(getattr(self, name), f"{where}.{name}"))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Invariants across fields; raise ValueError."""
+
+    def __repr__(self) -> str:
+        # Used by classes declared with repr=False (those carrying tensors); the rest keep dataclass's repr.
+        fields = ", ".join(f"{name}={kind.summary(getattr(self, name))}" for name, kind in self._wire_fields)
+        return f"{type(self).__name__}({fields})"
+
+    def to_payload(self) -> dict[str, Any]:
+        """The CBOR-ready map of this value's fields."""
+        return {name: kind.to_wire(getattr(self, name)) for name, kind in self._wire_fields}
+
+    @classmethod
+    def _from_wire_map(cls: type[_S], payload: Any, where: str) -> _S:
+        if type(payload) is not dict:
+            raise ProtocolError(f"{where} must be a map, got {_type_name(payload)}")
+        if payload.keys() != cls._wire_names:
+            names = [name for name, _ in cls._wire_fields]
+            unknown = sorted(map(str, payload.keys() - cls._wire_names))
+            if unknown:
+                raise ProtocolError(
+                    f"{where} has unknown field(s) {unknown}; expected exactly {names}. "
+                    "Head and workers must run the same tc release"
+                )
+            missing = [name for name in names if name not in payload]
+            raise ProtocolError(f"{where} lacks field(s) {missing}; head and workers must run the same tc release")
+        values = {name: kind.from_wire(payload[name], f"{where}.{name}") for name, kind in cls._wire_fields}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{where}: {exc}") from exc
+
+
+class Message(WireStruct):
+    """A value that travels as an envelope's payload; ``TYPE`` is its wire name."""
+
+    TYPE: ClassVar[str] = ""
+
+    @classmethod
+    def from_payload(cls: type[_S], payload: Any) -> _S:
+        """Parse a received payload map. Raises ProtocolError naming the message type and field."""
+        return cls._from_wire_map(payload, cls.TYPE)  # type: ignore[attr-defined]
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+def _wire_struct(cls: type[_S]) -> type[_S]:
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    missing_kind = [f.name for f in fields if "kind" not in f.metadata]
+    assert not missing_kind, f"{cls.__name__} fields without wire(): {missing_kind}"
+    cls._wire_fields = tuple((f.name, f.metadata["kind"]) for f in fields)
+    cls._wire_names = frozenset(f.name for f in fields)
+    return cls
+
+
+def _message(cls: type[_S]) -> type[_S]:
+    _wire_struct(cls)
+    assert issubclass(cls, Message) and cls.TYPE and cls.TYPE not in MESSAGE_TYPES, cls
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+@_wire_struct
+@dataclass(frozen=True)
+class DeviceInfo(WireStruct):
+    """One compute device a worker can use; memory in bytes, None where the backend does not say (MPS)."""
+
+    id: str = wire(STR)  # "cuda:0", "mps", "cpu"
+    type: str = wire(_OneOf(DEVICE_TYPES))
+    name: str = wire(STR)
+    total_memory: int | None = wire(_Optional(COUNT))
+    free_memory: int | None = wire(_Optional(COUNT))
+
+
+# --- lifecycle -------------------------------------------------------------------------------------------------
+
+
+@_message
+@dataclass(frozen=True)
+class Hello(Message):
+    """Worker -> head, first thing on a new connection: who it is and what it can run."""
+
+    TYPE: ClassVar[str] = "HELLO"
+    protocol_version: int = wire(COUNT)
+    tc_version: str = wire(STR)
+    node_id: str | None = wire(_Optional(STR))  # None: let the head pick a free topology entry
+    hostname: str = wire(STR)
+    platform: str = wire(STR)
+    python_version: str = wire(STR)
+    torch_version: str = wire(STR)
+    devices: tuple[DeviceInfo, ...] = wire(_TupleOf(_Struct(DeviceInfo)))
+    selected_device: str = wire(STR)
+    compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))
+    max_memory_bytes: int | None = wire(_Optional(COUNT))
+    auth: bytes | None = wire(_Optional(BYTES), default=None)
+
+    def _validate(self) -> None:
+        ids = [d.id for d in self.devices]
+        if self.selected_device not in ids:
+            raise ValueError(f"Hello.selected_device {self.selected_device!r} is not among the devices {ids}")
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> Hello:
+        """Parse a HELLO; a foreign protocol version raises ProtocolVersionMismatch before anything else."""
+        if type(payload) is dict:
+            version = payload.get("protocol_version")
+            if type(version) is int and version != PROTOCOL_VERSION:
+                tc_version = payload.get("tc_version")
+                raise ProtocolVersionMismatch(version, PROTOCOL_VERSION, tc_version if type(tc_version) is str else None)
+        return cls._from_wire_map(payload, cls.TYPE)
+
+
+@_message
+@dataclass(frozen=True)
+class HelloAck(Message):
+    """Head -> worker: accepted, under this node id."""
+
+    TYPE: ClassVar[str] = "HELLO_ACK"
+    node_id: str = wire(STR)
+    challenge: bytes | None = wire(_Optional(BYTES), default=None)
+
+
+@_message
+@dataclass(frozen=True)
+class Assignment(Message):
+    """Head -> worker: load layers [layer_start, layer_end_exclusive) of model_id in this weight mode."""
+
+    TYPE: ClassVar[str] = "ASSIGNMENT"
+    model_id: str = wire(STR)  # a HuggingFace repo id, or a directory that must exist on the worker too
+    model_source: str = wire(_OneOf(("hub", "local")))  # said outright, never guessed from the id's shape
+    revision: str | None = wire(_Optional(STR))  # for a repo id: branch, tag or commit (None: main)
+    device: str = wire(STR)  # the worker's device to load onto, from its topology entry
+    architecture: str = wire(STR)
+    quant: str = wire(STR)
+    group_size: int = wire(COUNT)
+    compute_dtype: str = wire(DTYPE)
+    layer_start: int = wire(COUNT)
+    layer_end_exclusive: int = wire(COUNT)
+    config: dict[str, Any] = wire(_JsonMap())  # config.json's contents
+    tensor_count: int = wire(COUNT)
+    total_weight_bytes: int = wire(COUNT)
+
+    def _validate(self) -> None:
+        if self.layer_end_exclusive <= self.layer_start:
+            raise ValueError(
+                f"Assignment layer range [{self.layer_start}, {self.layer_end_exclusive}) is empty"
+            )
+
+
+@_message
+@dataclass(frozen=True)
+class LoadProgress(Message):
+    """Worker -> head, optional, while loading: ``done`` of ``total`` units of ``stage`` finished."""
+
+    TYPE: ClassVar[str] = "LOAD_PROGRESS"
+    stage: str = wire(STR)  # e.g. "download", "layers"
+    done: int = wire(COUNT)
+    total: int = wire(COUNT)
+
+
+@_message
+@dataclass(frozen=True)
+class LoadComplete(Message):
+    """Worker -> head: the assigned layers are loaded and ready."""
+
+    TYPE: ClassVar[str] = "LOAD_COMPLETE"
+    load_seconds: float = wire(SECONDS)
+    weight_bytes: int = wire(COUNT)
+    device: str = wire(STR)
+    compute_dtype: str = wire(DTYPE)
+
+
+@_message
+@dataclass(frozen=True)
+class LoadFailed(Message):
+    """Worker -> head: the assignment could not be loaded; ``reason`` is shown to the operator."""
+
+    TYPE: ClassVar[str] = "LOAD_FAILED"
+    reason: str = wire(STR)
+
+
+@_message
+@dataclass(frozen=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "PING"
+    nonce: int = wire(COUNT)
+
+
+@_message
+@dataclass(frozen=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "PONG"
+    nonce: int = wire(COUNT)
+
+
+@_message
+@dataclass(frozen=True)
+class Error(Message):
+    """Either side: a refusal or failure outside inference; ``code`` is one of the ERROR_* constants."""
+
+    TYPE: ClassVar[str] = "ERROR"
+    code: str = wire(STR)
+    message: str = wire(STR)
+
+
+# --- inference -------------------------------------------------------------------------------------------------
+# Tensor-carrying messages compare by identity (eq=False): == on tensors is elementwise, not a truth value. They
+# also use WireStruct's repr (repr=False here), which shows a tensor's dtype and shape instead of its values.
+
+
+@_message
+@dataclass(frozen=True)
+class ClearCache(Message):
+    """Head -> worker: drop the KV cache of the current request."""
+
+    TYPE: ClassVar[str] = "CLEAR_CACHE"
+
+
+@_message
+@dataclass(frozen=True, eq=False, repr=False)
+class RunPrefill(Message):
+    """Head -> worker: run the stage over positions [position_start, position_start + seq) and fill the cache."""
+
+    TYPE: ClassVar[str] = "RUN_PREFILL"
+    position_start: int = wire(COUNT)
+    cache_capacity: int = wire(COUNT)  # tokens the KV cache must hold for this request (prompt + max_tokens)
+    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]
+
+
+@_message
+@dataclass(frozen=True, eq=False, repr=False)
+class RunDecode(Message):
+    """Head -> worker: run the stage for one new token at ``position``, appending to the cache."""
+
+    TYPE: ClassVar[str] = "RUN_DECODE"
+    position: int = wire(COUNT)
+    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, 1, hidden]
+
+
+@_message
+@dataclass(frozen=True, eq=False, repr=False)
+class HiddenState(Message):
+    """Worker -> head: the stage's output for a RUN_PREFILL or RUN_DECODE."""
+
+    TYPE: ClassVar[str] = "HIDDEN_STATE"
+    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]
+    compute_seconds: float = wire(SECONDS)
+
+
+@_message
+@dataclass(frozen=True)
+class InferenceError(Message):
+    """Worker -> head: the stage failed on a request; the request fails, the worker stays up."""
+
+    TYPE: ClassVar[str] = "INFERENCE_ERROR"
+    message: str = wire(STR)

@@ -1,0 +1,112 @@
+"""Tensors on the wire: a CBOR map ``{"dtype": "fp32"|"bf16"|"fp16", "shape": [ints], "data": bytes}``.
+
+``data`` holds the elements in C order (row-major, contiguous), each in little-endian byte order, with no
+padding: ``len(data) == prod(shape) * itemsize``. bf16 has no numpy dtype, so bytes are taken and restored
+through torch (a ``uint8`` view of the tensor's storage), never through a numpy float dtype.
+
+Copies, on purpose:
+- ``tensor_to_wire`` copies once (into the ``bytes`` the CBOR encoder needs), plus once more first if the input
+  lives on an accelerator or is not contiguous.
+- ``tensor_from_wire`` copies once, from the frame's bytes into a private bytearray that the returned tensor
+  wraps. The tensor owns that memory, is writable, and never aliases the frame buffer, so it stays valid after
+  the connection reuses its receive buffer for the next frame.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+
+from tc.protocol.errors import ProtocolError
+
+# Wire names are the same words the topology file uses for compute dtypes.
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+_NAME_OF_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+# Hidden states are [batch, seq, hidden]; one spare dimension leaves room without inviting abuse.
+MAX_TENSOR_RANK = 4
+
+_TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
+
+# torch sizes are int64; a zero-size tensor could otherwise name a dimension torch cannot even represent.
+_MAX_DIM = 2**63 - 1
+
+
+def _require_little_endian() -> None:
+    # The wire is little-endian and we copy raw element bytes; every platform tc targets (x86-64, arm64) is
+    # little-endian, so a big-endian host is refused rather than silently byte-swapped.
+    if sys.byteorder != "little":
+        raise RuntimeError("tc's wire protocol needs a little-endian host; this one is big-endian")
+
+
+def wire_dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype. Raises TypeError for dtypes the protocol does not carry."""
+    try:
+        return _NAME_OF_DTYPE[dtype]
+    except KeyError:
+        raise TypeError(
+            f"tensors on the wire must be float32, bfloat16 or float16, not {dtype}; cast with .to(...) first"
+        ) from None
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
+    """Encode a tensor as the wire map. Accepts any device and any strides (it is moved to CPU, made contiguous).
+
+    Raises TypeError for a non-tensor, an unsupported dtype or a non-strided (sparse) layout, and ValueError for
+    a rank over MAX_TENSOR_RANK.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"only dense (strided) tensors go on the wire, not {tensor.layout}")
+    name = wire_dtype_name(tensor.dtype)
+    if tensor.dim() > MAX_TENSOR_RANK:
+        raise ValueError(f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(tensor.shape)}")
+    _require_little_endian()
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel], a view when already contiguous on CPU
+    # A uint8 view of the same storage gives the raw element bytes for every dtype, bf16 included.
+    data = flat.view(torch.uint8).numpy().tobytes()  # [numel * itemsize]
+    return {"dtype": name, "shape": list(tensor.shape), "data": data}
+
+
+def tensor_from_wire(obj: Any) -> torch.Tensor:
+    """Decode the wire map into a new contiguous CPU tensor owning writable memory (one copy; ``data`` is not aliased).
+
+    ``data`` may be any bytes-like object (bytes, bytearray, memoryview). Raises ProtocolError when the map has
+    other keys than dtype/shape/data, an unknown dtype name, a shape that is not a list of at most
+    MAX_TENSOR_RANK non-negative ints, or a data length other than numel * itemsize.
+    """
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a tensor must be a map with keys dtype, shape, data; got {type(obj).__name__}")
+    if obj.keys() != _TENSOR_KEYS:
+        got = sorted(map(str, obj.keys()))
+        raise ProtocolError(f"a tensor map has exactly the keys ['data', 'dtype', 'shape']; got {got}")
+    dtype_name = obj["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype_name!r}")
+    shape = obj["shape"]
+    if not isinstance(shape, list) or not all(type(dim) is int and 0 <= dim <= _MAX_DIM for dim in shape):
+        raise ProtocolError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
+    if len(shape) > MAX_TENSOR_RANK:
+        raise ProtocolError(f"tensor rank {len(shape)} is over the limit of {MAX_TENSOR_RANK} (shape {shape})")
+    data = obj["data"]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"tensor data must be a byte string, got {type(data).__name__}")
+    dtype = WIRE_DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise ProtocolError(
+            f"tensor data holds {len(data)} bytes, but {dtype_name} of shape {shape} needs {expected}"
+        )
+    _require_little_endian()
+    if not expected:
+        return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses an empty buffer
+    # The single copy: the frame's bytes into a private bytearray, which the tensor then wraps (and keeps alive)
+    # without copying again. A bytearray is writable, so torch raises no read-only-buffer warning.
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)  # [numel] -> shape

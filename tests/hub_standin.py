@@ -1,0 +1,104 @@
+"""A local stand-in for the HuggingFace Hub's file routes, so download code runs for real without the Hub.
+
+It serves directories as repos at `/{org}/{name}/resolve/{revision}/{filename}` with the headers
+huggingface_hub reads (X-Repo-Commit, ETag, Content-Length, X-Error-Code on 404s), HEAD and GET, byte ranges
+included. Point huggingface_hub at it with HF_ENDPOINT. Every request is recorded, so tests can check what
+was (and was not) fetched.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<filename>.+)$")
+
+
+class HubStandIn:
+    def __init__(self, repos: dict[str, Path]):
+        self.repos = repos
+        self.requests: list[tuple[str, str]] = []  # (method, path)
+        self._etags: dict[Path, str] = {}
+        handler = self._handler_class()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def fetched_files(self) -> set[str]:
+        return {path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for method, path in self.requests
+                if method == "GET" and "/resolve/" in path}
+
+    def etag(self, path: Path) -> str:
+        if path not in self._etags:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            self._etags[path] = digest.hexdigest()
+        return self._etags[path]
+
+    def _handler_class(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def _not_found(self, code: str) -> None:
+                self.send_response(404)
+                self.send_header("X-Error-Code", code)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def _serve(self, with_body: bool) -> None:
+                hub.requests.append((self.command, self.path))
+                match = ROUTE.match(self.path.split("?", 1)[0])
+                if match is None or match["repo"] not in hub.repos:
+                    return self._not_found("RepoNotFound")
+                path = hub.repos[match["repo"]] / match["filename"]
+                if not path.is_file():
+                    return self._not_found("EntryNotFound")
+                size = path.stat().st_size
+                start, end = 0, size - 1
+                ranged = self.headers.get("Range")
+                if ranged:
+                    m = re.match(r"bytes=(\d+)-(\d*)", ranged)
+                    start, end = int(m[1]), int(m[2]) if m[2] else size - 1
+                self.send_response(206 if ranged else 200)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", f'"{hub.etag(path)}"')
+                self.send_header("Content-Length", str(end - start + 1))
+                if ranged:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+                self.end_headers()
+                if with_body:
+                    with open(path, "rb") as f:
+                        f.seek(start)
+                        remaining = end - start + 1
+                        while remaining:
+                            block = f.read(min(remaining, 1 << 20))
+                            self.wfile.write(block)
+                            remaining -= len(block)
+
+            def do_HEAD(self):
+                self._serve(with_body=False)
+
+            def do_GET(self):
+                self._serve(with_body=True)
+
+        return Handler
+
+    def __enter__(self) -> "HubStandIn":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

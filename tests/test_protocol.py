@@ -1,0 +1,635 @@
+"""The pure protocol: messages, tensors and frames, driven with bytes only (no sockets)."""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Callable
+
+import cbor2
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tc.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Assignment,
+    ClearCache,
+    DeviceInfo,
+    Envelope,
+    Error,
+    FrameDecoder,
+    FrameTooLarge,
+    Hello,
+    HelloAck,
+    HiddenState,
+    InferenceError,
+    LoadComplete,
+    LoadFailed,
+    LoadProgress,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    ProtocolVersionMismatch,
+    RunDecode,
+    RunPrefill,
+    decode_body,
+    encode,
+    encode_body,
+    frame_header,
+    tensor_from_wire,
+    tensor_to_wire,
+)
+from tc.protocol.framing import MAX_ITEMS, MAX_NESTING, decode_cbor
+from tc.protocol.tensors import MAX_TENSOR_RANK
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def hidden(seq: int = 1, width: int = 16, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(1, seq, width, generator=GEN).to(dtype)  # [1, seq, width]
+
+
+CUDA0 = DeviceInfo(id="cuda:0", type="cuda", name="NVIDIA GeForce RTX 4090", total_memory=25757220864, free_memory=23000000000)
+MPS = DeviceInfo(id="mps", type="mps", name="Apple Silicon MPS", total_memory=None, free_memory=None)
+
+
+def make_hello(**overrides: Any) -> Hello:
+    fields: dict[str, Any] = dict(
+        protocol_version=PROTOCOL_VERSION,
+        tc_version="0.1.0",
+        node_id="gpu-box",
+        hostname="gpu-box.local",
+        platform="linux",
+        python_version="3.11.7",
+        torch_version="2.13.0",
+        devices=(CUDA0, DeviceInfo("cpu", "cpu", "x86_64", 64 * 2**30, 32 * 2**30)),
+        selected_device="cuda:0",
+        compute_dtypes=("bf16", "fp16", "fp32"),
+        max_memory_bytes=20 * 2**30,
+        auth=b"\x00\x01secret",
+    )
+    fields.update(overrides)
+    return Hello(**fields)
+
+
+QWEN_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "sliding_window": None,
+    "nested": {"list": [1, -2, 3.5, "x", None, True, {"deep": []}]},
+}
+
+# One (or more) sample per message type; test_samples_cover_every_message_type keeps this honest.
+SAMPLES: dict[str, Callable[[], Message]] = {
+    "hello": make_hello,
+    "hello-minimal": lambda: make_hello(node_id=None, devices=(MPS,), selected_device="mps", max_memory_bytes=None, auth=None),
+    "hello-ack": lambda: HelloAck(node_id="gpu-box", challenge=b"\xff" * 32),
+    "hello-ack-no-challenge": lambda: HelloAck(node_id="macbook"),
+    "assignment": lambda: Assignment(
+        model_id="Qwen/Qwen2.5-0.5B-Instruct", model_source="hub", revision="main", device="cuda:0",
+        architecture="qwen2", quant="int8", group_size=0,
+        compute_dtype="bf16", layer_start=8, layer_end_exclusive=16, config=QWEN_CONFIG, tensor_count=96,
+        total_weight_bytes=123456789,
+    ),
+    "load-progress": lambda: LoadProgress(stage="layers", done=3, total=8),
+    "load-complete": lambda: LoadComplete(load_seconds=12.5, weight_bytes=10**9, device="cuda:0", compute_dtype="fp16"),
+    "load-failed": lambda: LoadFailed(reason="out of memory on cuda:0: é ✓"),
+    "ping": lambda: Ping(nonce=2**64 - 1),
+    "pong": lambda: Pong(nonce=0),
+    "error": lambda: Error(code="hello_refused", message="node id 'x' is not in the topology"),
+    "clear-cache": ClearCache,
+    "run-prefill": lambda: RunPrefill(position_start=0, cache_capacity=4096, hidden_state=hidden(seq=5)),
+    "run-prefill-empty": lambda: RunPrefill(position_start=7, cache_capacity=7, hidden_state=hidden(seq=0, dtype=torch.float32)),
+    "run-decode": lambda: RunDecode(position=42, hidden_state=hidden(dtype=torch.float16)),
+    "hidden-state": lambda: HiddenState(hidden_state=hidden(seq=3, dtype=torch.float32), compute_seconds=0.0125),
+    "inference-error": lambda: InferenceError(message="CUDA error: device-side assert"),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of a float tensor, so NaN payloads and -0.0 compare exactly."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return t.contiguous().view(ints[t.dtype])
+
+
+def assert_same_message(got: Message, want: Message) -> None:
+    assert type(got) is type(want)
+    for name, _ in want._wire_fields:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.device.type == "cpu"
+            assert torch.equal(bits(a), bits(b.cpu())), name
+        else:
+            assert a == b and type(a) is type(b), name
+
+
+def frame_of(obj: Any) -> bytes:
+    """A frame around an arbitrary CBOR value, for bodies our encoder would never write."""
+    body = cbor2.dumps(obj)
+    return frame_header(len(body)) + body
+
+
+def envelope(type_name: Any, payload: Any, request_id: Any = None, seq: Any = 0) -> dict[str, Any]:
+    return {"type": type_name, "request_id": request_id, "seq": seq, "payload": payload}
+
+
+def decode_one(frame: bytes, **kwargs: Any) -> Envelope:
+    envelopes = FrameDecoder(**kwargs).feed(frame)
+    assert len(envelopes) == 1
+    return envelopes[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trips and chunking
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_samples_cover_every_message_type():
+    assert {type(make()).TYPE for make in SAMPLES.values()} == set(MESSAGE_TYPES)
+
+
+def test_registry_names_match_classes():
+    assert PROTOCOL_VERSION == 1
+    for name, cls in MESSAGE_TYPES.items():
+        assert cls.TYPE == name and name.isupper()
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_every_message_round_trips(name):
+    message = SAMPLES[name]()
+    got = decode_one(encode(message, request_id="req-1", seq=17))
+    assert (got.request_id, got.seq) == ("req-1", 17)
+    assert_same_message(got.message, message)
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_decode_body_matches_frame_decoder(name):
+    message = SAMPLES[name]()
+    assert_same_message(decode_body(encode_body(message)).message, message)
+    assert encode(message) == frame_header(len(encode_body(message))) + encode_body(message)
+
+
+@pytest.mark.parametrize("request_id, seq", [(None, 0), ("", 1), ("req-é", 2**64 - 1)])
+def test_envelope_fields_round_trip(request_id, seq):
+    got = decode_one(encode(Ping(1), request_id=request_id, seq=seq))
+    assert got == Envelope(Ping(1), request_id, seq)
+
+
+def test_header_is_big_endian_body_length():
+    frame = encode(Ping(5))
+    assert struct.unpack(">Q", frame[:8])[0] == len(frame) - 8
+    assert cbor2.loads(frame[8:]) == {"type": "PING", "request_id": None, "seq": 0, "payload": {"nonce": 5}}
+
+
+def stream_of_frames() -> tuple[bytes, list[Message]]:
+    messages = [
+        Ping(1),
+        make_hello(),
+        ClearCache(),
+        RunDecode(position=3, hidden_state=hidden(width=8)),
+        Error(code="protocol_error", message="x"),
+        HiddenState(hidden_state=hidden(seq=2, width=4, dtype=torch.float32), compute_seconds=1.0),
+    ]
+    data = b"".join(encode(m, request_id=f"r{i}", seq=i) for i, m in enumerate(messages))
+    return data, messages
+
+
+def assert_stream(envelopes: list[Envelope], messages: list[Message]) -> None:
+    assert len(envelopes) == len(messages)
+    for i, (env, message) in enumerate(zip(envelopes, messages)):
+        assert (env.request_id, env.seq) == (f"r{i}", i)
+        assert_same_message(env.message, message)
+
+
+def test_stream_split_at_every_offset():
+    data, messages = stream_of_frames()
+    for offset in range(len(data) + 1):
+        decoder = FrameDecoder()
+        envelopes = decoder.feed(data[:offset])
+        envelopes += decoder.feed(data[offset:])
+        assert_stream(envelopes, messages)
+        assert decoder.pending_bytes == 0
+
+
+def test_stream_byte_by_byte_and_pending_bytes():
+    data, messages = stream_of_frames()
+    decoder = FrameDecoder()
+    envelopes: list[Envelope] = []
+    consumed = 0
+    for i in range(len(data)):
+        got = decoder.feed(data[i:i + 1])
+        for env in got:
+            consumed += len(encode(env.message, env.request_id, env.seq))
+        envelopes += got
+        assert decoder.pending_bytes == i + 1 - consumed
+    assert_stream(envelopes, messages)
+    assert decoder.pending_bytes == 0
+
+
+def test_stream_in_one_feed_and_as_memoryview():
+    data, messages = stream_of_frames()
+    assert_stream(FrameDecoder().feed(data), messages)
+    assert_stream(FrameDecoder().feed(memoryview(bytearray(data))), messages)
+
+
+def test_frame_of_exactly_the_cap_is_accepted():
+    frame = encode(Ping(1))
+    assert len(decode_one_list := FrameDecoder(max_frame_bytes=len(frame) - 8).feed(frame)) == 1
+    assert decode_one_list[0].message == Ping(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The peer's errors
+# ---------------------------------------------------------------------------------------------------------------
+
+GOOD_BODY = encode_body(Ping(7))
+
+BAD_BODIES = {
+    "garbage": b"\xff\xfe\xfd\x00garbage",
+    "empty body": b"",
+    "truncated cbor": GOOD_BODY[:-2],
+    "trailing bytes": GOOD_BODY + b"\x00",
+    "not a map": cbor2.dumps([1, 2, 3]),
+    "envelope missing payload": cbor2.dumps({"type": "PING", "request_id": None, "seq": 0}),
+    "envelope extra key": cbor2.dumps(dict(envelope("PING", {"nonce": 1}), extra=1)),
+    "type not a string": cbor2.dumps(envelope(5, {"nonce": 1})),
+    "unknown type": cbor2.dumps(envelope("LAUNCH", {})),
+    "request_id int": cbor2.dumps(envelope("PING", {"nonce": 1}, request_id=5)),
+    "seq negative": cbor2.dumps(envelope("PING", {"nonce": 1}, seq=-1)),
+    "seq float": cbor2.dumps(envelope("PING", {"nonce": 1}, seq=1.0)),
+    "payload not a map": cbor2.dumps(envelope("PING", [1])),
+    "indefinite map": b"\xbf" + cbor2.dumps("type")[:1] + b"\xff",
+    "undefined": b"\xf7",
+    "simple value": b"\xe0",
+    "reserved info": b"\x1c",
+    "lone break": b"\xff",
+    "invalid utf-8": b"\x62\xc3\x28",
+    "non-text key": cbor2.dumps({1: 2}),
+    "duplicate key": b"\xa2\x61a\x01\x61a\x02",
+    "huge array count": b"\x9b\xff\xff\xff\xff\xff\xff\xff\xff",
+    "huge byte string": b"\x5b\x00\x00\x00\x01\x00\x00\x00\x00",
+    "too deep": b"\x81" * (MAX_NESTING + 1) + b"\x00",
+    "too many items": b"\x9a" + struct.pack(">I", MAX_ITEMS) + b"\x00" * MAX_ITEMS,
+}
+
+
+@pytest.mark.parametrize("name", BAD_BODIES)
+def test_bad_bodies_raise_protocol_error(name):
+    body = BAD_BODIES[name]
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(frame_header(len(body)) + body)
+    with pytest.raises(ProtocolError):
+        decode_body(body)
+
+
+def test_header_over_the_cap_raises_before_the_body_arrives():
+    decoder = FrameDecoder(max_frame_bytes=1000)
+    decoder.feed(frame_header(1001)[:5])  # not a whole header yet
+    with pytest.raises(FrameTooLarge) as info:
+        decoder.feed(frame_header(1001)[5:])
+    assert (info.value.declared_bytes, info.value.max_frame_bytes) == (1001, 1000)
+    assert isinstance(info.value, ProtocolError)
+    assert decoder.pending_bytes == 0
+
+
+def test_default_cap_fits_a_long_prefill():
+    # 32k tokens x 896 wide x fp32, plus envelope
+    assert DEFAULT_MAX_FRAME_BYTES > 32768 * 896 * 4 + 1024
+    with pytest.raises(FrameTooLarge):
+        FrameDecoder().feed(frame_header(DEFAULT_MAX_FRAME_BYTES + 1))
+
+
+def test_decoder_refuses_input_after_a_failure():
+    decoder = FrameDecoder()
+    with pytest.raises(ProtocolError):
+        decoder.feed(frame_of(envelope("NOPE", {})))
+    with pytest.raises(ProtocolError, match="already failed"):
+        decoder.feed(encode(Ping(1)))
+
+
+def hello_payload(**changes: Any) -> dict[str, Any]:
+    payload = make_hello().to_payload()
+    payload.update(changes)
+    return payload
+
+
+# (message type, payload, words the error must contain: the type and the field)
+BAD_PAYLOADS = {
+    "missing field": ("PING", {}, ["PING", "nonce"]),
+    "extra field": ("PING", {"nonce": 1, "nonse": 2}, ["PING", "nonse"]),
+    "str for int": ("PING", {"nonce": "1"}, ["PING.nonce"]),
+    "bool for int": ("PONG", {"nonce": True}, ["PONG.nonce"]),
+    "negative count": ("PING", {"nonce": -1}, ["PING.nonce"]),
+    "float for int": ("LOAD_PROGRESS", {"stage": "x", "done": 1.0, "total": 2}, ["LOAD_PROGRESS.done"]),
+    "str for float": ("LOAD_COMPLETE", {"load_seconds": "1", "weight_bytes": 1, "device": "cpu", "compute_dtype": "fp32"}, ["LOAD_COMPLETE.load_seconds"]),
+    "nan seconds": ("HIDDEN_STATE", {"hidden_state": tensor_to_wire(hidden()), "compute_seconds": math.nan}, ["HIDDEN_STATE.compute_seconds"]),
+    "null for str": ("LOAD_FAILED", {"reason": None}, ["LOAD_FAILED.reason"]),
+    "bytes for str": ("ERROR", {"code": b"x", "message": "m"}, ["ERROR.code"]),
+    "str for bytes": ("HELLO_ACK", {"node_id": "n", "challenge": "abc"}, ["HELLO_ACK.challenge"]),
+    "unknown dtype name": ("LOAD_COMPLETE", {"load_seconds": 1, "weight_bytes": 1, "device": "cpu", "compute_dtype": "int8"}, ["LOAD_COMPLETE.compute_dtype"]),
+    "devices not a list": ("HELLO", hello_payload(devices={}), ["HELLO.devices"]),
+    "device unknown type": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), type="tpu")], selected_device="cuda:0"), ["HELLO.devices[0].type"]),
+    "device extra key": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), vram=1)]), ["HELLO.devices[0]", "vram"]),
+    "device negative memory": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), free_memory=-5)]), ["HELLO.devices[0].free_memory"]),
+    "selected device absent": ("HELLO", hello_payload(selected_device="cuda:7"), ["HELLO", "selected_device"]),
+    "compute dtype unknown": ("HELLO", hello_payload(compute_dtypes=["bf16", "fp8"]), ["HELLO.compute_dtypes[1]"]),
+    "hello missing auth": ("HELLO", {k: v for k, v in hello_payload().items() if k != "auth"}, ["HELLO", "auth"]),
+    "empty layer range": ("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
+    "config bytes value": ("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
+    "tensor rank 2": ("RUN_DECODE", {"position": 1, "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_DECODE.hidden_state"]),
+    "clear cache with field": ("CLEAR_CACHE", {"all": True}, ["CLEAR_CACHE", "all"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PAYLOADS)
+def test_bad_payloads_name_the_type_and_field(name):
+    type_name, payload, words = BAD_PAYLOADS[name]
+    with pytest.raises(ProtocolError) as info:
+        FrameDecoder().feed(frame_of(envelope(type_name, payload)))
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_hello_with_another_protocol_version_says_so_first():
+    # A future HELLO may have other fields; the version is still reported, not the field mismatch.
+    payload = {"protocol_version": 2, "tc_version": "0.9.0", "gpu_list": []}
+    with pytest.raises(ProtocolVersionMismatch) as info:
+        FrameDecoder().feed(frame_of(envelope("HELLO", payload)))
+    assert (info.value.peer_version, info.value.our_version, info.value.peer_tc_version) == (2, 1, "0.9.0")
+    assert "0.9.0" in str(info.value) and "same tc release" in str(info.value)
+
+
+def good_tensor(**changes: Any) -> dict[str, Any]:
+    wire_tensor = tensor_to_wire(torch.zeros(1, 2, 3))
+    wire_tensor.update(changes)
+    return wire_tensor
+
+
+BAD_TENSORS = {
+    "not a map": [1, 2],
+    "fp64 dtype": good_tensor(dtype="fp64"),
+    "torch dtype name": good_tensor(dtype="float32"),
+    "dtype not str": good_tensor(dtype=4),
+    "shape not list": good_tensor(shape="1,2,3"),
+    "negative dim": good_tensor(shape=[1, -2, -3]),
+    "bool dim": good_tensor(shape=[True, 2, 3]),
+    "float dim": good_tensor(shape=[1.0, 2, 3]),
+    "rank 5": good_tensor(shape=[1, 1, 2, 3, 1]),
+    "dim beyond int64": good_tensor(shape=[0, 2**63], data=b""),
+    "data too short": good_tensor(data=bytes(23)),
+    "data too long": good_tensor(data=bytes(25)),
+    "data as str": good_tensor(data="x" * 24),
+    "extra key": good_tensor(strides=[6, 3, 1]),
+    "missing key": {"dtype": "fp32", "shape": [1, 2, 3]},
+}
+
+
+@pytest.mark.parametrize("name", BAD_TENSORS)
+def test_bad_tensors_raise_protocol_error(name):
+    obj = BAD_TENSORS[name]
+    with pytest.raises(ProtocolError):
+        tensor_from_wire(obj)
+    with pytest.raises(ProtocolError, match="RUN_DECODE.hidden_state"):
+        FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": obj})))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tags: never decoded into objects
+# ---------------------------------------------------------------------------------------------------------------
+
+TAGGED = {
+    "self-describe 55799 around the envelope": cbor2.CBORTag(55799, envelope("PING", {"nonce": 1})),
+    "custom tag as a field": envelope("PING", {"nonce": cbor2.CBORTag(1000, 1)}),
+    "datetime tag": envelope("LOAD_FAILED", {"reason": cbor2.CBORTag(0, "2024-01-01T00:00:00Z")}),
+    "bignum tag": envelope("PING", {"nonce": 2**70}),
+    "set tag in config": envelope("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), config={"s": cbor2.CBORTag(258, [1])})),
+    "regex tag": envelope("ERROR", {"code": "x", "message": cbor2.CBORTag(35, "(a+)+$")}),
+    "shared reference tag": envelope("PING", {"nonce": cbor2.CBORTag(28, 1)}),
+}
+
+
+@pytest.mark.parametrize("name", TAGGED)
+def test_tagged_bodies_are_refused(name):
+    body = cbor2.dumps(TAGGED[name])
+    with pytest.raises(ProtocolError, match="tag"):
+        decode_body(body)
+
+
+def test_cbor2_itself_would_build_objects_from_tags():
+    # Why we decode ourselves: cbor2 turns tags into live Python objects; our decoder refuses them above.
+    body = cbor2.dumps({"s": cbor2.CBORTag(258, [1, 2]), "r": cbor2.CBORTag(35, "a+")})
+    decoded = cbor2.loads(body)
+    assert isinstance(decoded["s"], (set, frozenset)) and not isinstance(decoded["r"], str)
+    with pytest.raises(ProtocolError, match="tag"):
+        decode_cbor(body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The strict decoder agrees with cbor2 on the subset
+# ---------------------------------------------------------------------------------------------------------------
+
+cbor_ints = st.integers(min_value=-(2**64), max_value=2**64 - 1)
+scalars = st.none() | st.booleans() | cbor_ints | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=40)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+def plain(value: Any) -> Any:
+    """memoryviews (how byte strings come back) as bytes, for comparison."""
+    if isinstance(value, memoryview):
+        return bytes(value)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(values)
+def test_strict_decoder_agrees_with_cbor2(value):
+    encoded = cbor2.dumps(value)
+    assert plain(decode_cbor(encoded)) == value == cbor2.loads(encoded)
+
+
+@pytest.mark.parametrize(
+    "hex_body, want",
+    [
+        ("f93c00", 1.0),  # half
+        ("fa3f800000", 1.0),  # single
+        ("fb3ff8000000000000", 1.5),  # double
+        ("f97c00", math.inf),
+        ("3bffffffffffffffff", -(2**64)),
+        ("1bffffffffffffffff", 2**64 - 1),
+        ("1817", 23),  # non-minimal length encoding is still valid CBOR
+        ("f4", False),
+        ("f5", True),
+        ("f6", None),
+        ("60", ""),
+        ("40", b""),
+        ("80", []),
+        ("a0", {}),
+    ],
+)
+def test_strict_decoder_scalars(hex_body, want):
+    assert plain(decode_cbor(bytes.fromhex(hex_body))) == want
+
+
+def test_byte_strings_are_views_of_the_frame():
+    buffer = bytearray(cbor2.dumps(b"abc"))
+    view = decode_cbor(buffer)
+    assert isinstance(view, memoryview) and bytes(view) == b"abc"
+    buffer[-1:] = b"z"
+    assert bytes(view) == b"abz"  # zero-copy: which is why messages copy what they keep
+
+
+def test_decoded_messages_do_not_alias_the_frame_buffer():
+    message = HelloAck(node_id="n", challenge=b"abc")
+    buffer = bytearray(encode_body(message))
+    got = decode_body(buffer).message
+    buffer[:] = bytes(len(buffer))
+    assert got == message and type(got.challenge) is bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHAPES = [(), (0,), (1, 0, 896), (3,), (1, 1, 896), (2, 3, 5), (2, 3, 4, 5)]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Arbitrary bit patterns, NaN payloads, infinities and subnormals included."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, shape, dtype=ints, generator=GEN).view(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", DTYPES)
+def test_tensors_round_trip_bit_exactly(name, shape):
+    tensor = random_bits(shape, DTYPES[name])
+    wire_tensor = tensor_to_wire(tensor)
+    assert wire_tensor["dtype"] == name and wire_tensor["shape"] == list(shape)
+    assert type(wire_tensor["data"]) is bytes and len(wire_tensor["data"]) == tensor.numel() * tensor.element_size()
+    got = tensor_from_wire(wire_tensor)
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape
+    assert torch.equal(bits(got), bits(tensor))
+
+
+NON_CONTIGUOUS = {
+    "transposed": lambda t: t.transpose(0, 2),
+    "strided slice": lambda t: t[:, ::2, 1:],
+    "expanded": lambda t: t[:, :1, :].expand(4, 5, 6),
+    "offset view": lambda t: t[1:, 2:4],
+}
+
+
+@pytest.mark.parametrize("view", NON_CONTIGUOUS)
+@pytest.mark.parametrize("name", DTYPES)
+def test_non_contiguous_tensors_round_trip(name, view):
+    tensor = NON_CONTIGUOUS[view](random_bits((4, 5, 6), DTYPES[name]))
+    assert not tensor.is_contiguous()
+    got = tensor_from_wire(tensor_to_wire(tensor))
+    assert got.is_contiguous() and got.shape == tensor.shape
+    assert torch.equal(bits(got), bits(tensor))
+
+
+@pytest.mark.parametrize(
+    "tensor, data",
+    [
+        (torch.tensor([1.0, -2.0], dtype=torch.float32), struct.pack("<ff", 1.0, -2.0)),
+        (torch.tensor([1.0, -2.0], dtype=torch.float16), struct.pack("<ee", 1.0, -2.0)),
+        (torch.tensor([1.0, -2.0], dtype=torch.bfloat16), b"\x80\x3f\x00\xc0"),  # top halves of the fp32 words
+    ],
+)
+def test_tensor_data_is_little_endian(tensor, data):
+    assert tensor_to_wire(tensor)["data"] == data
+
+
+def test_decoded_tensor_owns_writable_memory():
+    source = torch.arange(6, dtype=torch.float32).reshape(1, 2, 3)
+    wire_tensor = tensor_to_wire(source)
+    buffer = bytearray(wire_tensor["data"])
+    got = tensor_from_wire(dict(wire_tensor, data=memoryview(buffer)))
+    buffer[:] = bytes(len(buffer))  # the frame buffer is reused for the next frame
+    assert torch.equal(got, source)
+    got += 1  # writable, no read-only-buffer warning
+    assert torch.equal(got, source + 1)
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("not a tensor", TypeError),
+        (torch.zeros(2, dtype=torch.int64), TypeError),
+        (torch.zeros(2, dtype=torch.float64), TypeError),
+        (torch.zeros(1, 1, 1, 1, 1), ValueError),
+        (torch.zeros(2, 2).to_sparse(), TypeError),
+    ],
+    ids=["str", "int64", "fp64", "rank5", "sparse"],
+)
+def test_tensor_to_wire_rejects_misuse(value, error):
+    with pytest.raises(error):
+        tensor_to_wire(value)
+    assert MAX_TENSOR_RANK == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Our own misuse: TypeError / ValueError, never ProtocolError
+# ---------------------------------------------------------------------------------------------------------------
+
+MISUSE = {
+    "encode a dict": (lambda: encode({"type": "PING"}), TypeError),
+    "encode the class": (lambda: encode(Ping), TypeError),
+    "request_id int": (lambda: encode(Ping(1), request_id=3), TypeError),
+    "seq negative": (lambda: encode(Ping(1), seq=-1), ValueError),
+    "seq too big": (lambda: encode(Ping(1), seq=2**64), ValueError),
+    "seq bool": (lambda: encode(Ping(1), seq=True), TypeError),
+    "nonce str": (lambda: Ping("1"), TypeError),
+    "nonce negative": (lambda: Ping(-1), ValueError),
+    "nonce too big": (lambda: Ping(2**64), ValueError),
+    "seconds negative": (lambda: HiddenState(hidden(), compute_seconds=-1.0), ValueError),
+    "hidden int64": (lambda: RunDecode(0, torch.zeros(1, 1, 4, dtype=torch.int64)), TypeError),
+    "hidden rank 2": (lambda: RunDecode(0, torch.zeros(1, 4)), ValueError),
+    "selected device absent": (lambda: make_hello(selected_device="cuda:3"), ValueError),
+    "device type": (lambda: DeviceInfo("x", "tpu", "x", None, None), ValueError),
+    "devices of dicts": (lambda: make_hello(devices=({"id": "cpu"},)), TypeError),
+    "compute dtype": (lambda: make_hello(compute_dtypes=("int4",)), ValueError),
+    "config with a set": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 0, 1, {"x": {1}}, 1, 1), TypeError),
+    "config with a huge int": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 0, 1, {"x": 2**70}, 1, 1), ValueError),
+    "empty layer range": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 4, 4, {}, 1, 1), ValueError),
+    "auth str": (lambda: make_hello(auth="secret"), TypeError),
+}
+
+
+@pytest.mark.parametrize("name", MISUSE)
+def test_misuse_raises_type_or_value_error(name):
+    call, error = MISUSE[name]
+    with pytest.raises(error) as info:
+        call()
+    assert not isinstance(info.value, ProtocolError)
+
+
+def test_construction_normalises_sequences_and_numbers():
+    hello = make_hello(devices=[CUDA0], compute_dtypes=["bf16"])
+    assert hello.devices == (CUDA0,) and hello.compute_dtypes == ("bf16",)
+    assert hash(hello) == hash(make_hello(devices=(CUDA0,), compute_dtypes=("bf16",)))
+    done = LoadComplete(load_seconds=3, weight_bytes=1, device="cpu", compute_dtype="fp32")
+    assert type(done.load_seconds) is float
+
+
+def test_tensor_messages_repr_shows_shape_not_values():
+    text = repr(RunDecode(position=1, hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16)))
+    assert text == "RunDecode(position=1, hidden_state=<tensor bf16 [1, 1, 896] on cpu>)"
