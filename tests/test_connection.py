@@ -85,7 +85,8 @@ def test_two_sender_threads_never_interleave_frames(tcp_pair):
         try:
             for seq in range(per_thread):
                 if seq % 3 == 0:
-                    message = RunPrefill(position_start=seq, cache_capacity=512, hidden_state=prefill_tensor(thread, seq))
+                    tensor = prefill_tensor(thread, seq)
+                    message = RunPrefill(position_start=seq, cache_capacity=512, hidden_state=tensor)
                 else:
                     message = Ping(nonce=thread * 1000 + seq)
                 client.send(message, request_id=f"t{thread}", seq=seq)
@@ -122,7 +123,8 @@ def send_in_background(conn: Connection, *messages: object) -> threading.Thread:
 def test_received_tensors_survive_the_buffer_being_reused(pair):
     left, right = pair
     first, second = prefill_tensor(1, 0), prefill_tensor(2, 0)
-    sender = send_in_background(left, HiddenState(first, compute_seconds=0.5), HiddenState(second, compute_seconds=0.5))
+    replies = HiddenState(first, compute_seconds=0.5), HiddenState(second, compute_seconds=0.0)
+    sender = send_in_background(left, *replies)
     got_first = right.recv(timeout=WAIT).message.hidden_state
     buffer = right._buffer
     got_second = right.recv(timeout=WAIT).message.hidden_state
@@ -136,12 +138,15 @@ def test_tcp_peer_name_and_nodelay(tcp_pair):
     assert client.peer == f"127.0.0.1:{served._sock.getsockname()[1]}"
     assert served.peer.startswith("127.0.0.1:")
     assert client._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    client.send(RunDecode(position=3, hidden_state=torch.ones(1, 1, 896, dtype=torch.bfloat16)), request_id="q", seq=9)
+    decode_step = RunDecode(position=3, hidden_state=torch.ones(1, 1, 896, dtype=torch.bfloat16))
+    client.send(decode_step, request_id="q", seq=9)
     env = served.recv(timeout=WAIT)
     assert (env.request_id, env.seq, env.message.position) == ("q", 9, 3)
 
 
-@pytest.mark.parametrize("sent_bytes", [0, 3, 8, 8 + 5], ids=["at-boundary", "mid-header", "after-header", "mid-body"])
+@pytest.mark.parametrize(
+    "sent_bytes", [0, 3, 8, 8 + 5], ids=["at-boundary", "mid-header", "after-header", "mid-body"]
+)
 def test_eof_raises_connection_closed(raw_pair, sent_bytes):
     conn, raw = raw_pair
     raw.sendall(encode(Ping(1)) + encode(Ping(2))[:sent_bytes])

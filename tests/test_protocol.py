@@ -39,11 +39,12 @@ from tc.protocol import (
     decode_body,
     encode,
     encode_body,
+    encode_frame_parts,
     frame_header,
     tensor_from_wire,
     tensor_to_wire,
 )
-from tc.protocol.framing import MAX_ITEMS, MAX_NESTING, decode_cbor
+from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
 from tc.protocol.tensors import MAX_TENSOR_RANK
 
 GEN = torch.Generator().manual_seed(0)
@@ -53,7 +54,9 @@ def hidden(seq: int = 1, width: int = 16, dtype: torch.dtype = torch.bfloat16) -
     return torch.randn(1, seq, width, generator=GEN).to(dtype)  # [1, seq, width]
 
 
-CUDA0 = DeviceInfo(id="cuda:0", type="cuda", name="NVIDIA GeForce RTX 4090", total_memory=25757220864, free_memory=23000000000)
+CUDA0 = DeviceInfo(
+    id="cuda:0", type="cuda", name="NVIDIA GeForce RTX 4090", total_memory=25757220864, free_memory=23000000000
+)
 MPS = DeviceInfo(id="mps", type="mps", name="Apple Silicon MPS", total_memory=None, free_memory=None)
 
 
@@ -86,27 +89,55 @@ QWEN_CONFIG = {
     "nested": {"list": [1, -2, 3.5, "x", None, True, {"deep": []}]},
 }
 
+def make_assignment(**overrides: Any) -> Assignment:
+    fields: dict[str, Any] = dict(
+        model_id="Qwen/Qwen2.5-0.5B-Instruct",
+        model_source="hub",
+        revision="main",
+        device="cuda:0",
+        architecture="qwen2",
+        quant="int8",
+        group_size=0,
+        compute_dtype="bf16",
+        layer_start=8,
+        layer_end_exclusive=16,
+        config=QWEN_CONFIG,
+        tensor_count=96,
+        total_weight_bytes=123456789,
+    )
+    fields.update(overrides)
+    return Assignment(**fields)
+
+
+def assignment_payload(**changes: Any) -> dict[str, Any]:
+    payload = make_assignment().to_payload()
+    payload.update(changes)
+    return payload
+
+
 # One (or more) sample per message type; test_samples_cover_every_message_type keeps this honest.
 SAMPLES: dict[str, Callable[[], Message]] = {
     "hello": make_hello,
-    "hello-minimal": lambda: make_hello(node_id=None, devices=(MPS,), selected_device="mps", max_memory_bytes=None, auth=None),
+    "hello-minimal": lambda: make_hello(
+        node_id=None, devices=(MPS,), selected_device="mps", max_memory_bytes=None, auth=None
+    ),
     "hello-ack": lambda: HelloAck(node_id="gpu-box", challenge=b"\xff" * 32),
     "hello-ack-no-challenge": lambda: HelloAck(node_id="macbook"),
-    "assignment": lambda: Assignment(
-        model_id="Qwen/Qwen2.5-0.5B-Instruct", model_source="hub", revision="main", device="cuda:0",
-        architecture="qwen2", quant="int8", group_size=0,
-        compute_dtype="bf16", layer_start=8, layer_end_exclusive=16, config=QWEN_CONFIG, tensor_count=96,
-        total_weight_bytes=123456789,
-    ),
+    "assignment": lambda: make_assignment(),
+    "assignment-local": lambda: make_assignment(model_id="/models/qwen", model_source="local", revision=None),
     "load-progress": lambda: LoadProgress(stage="layers", done=3, total=8),
-    "load-complete": lambda: LoadComplete(load_seconds=12.5, weight_bytes=10**9, device="cuda:0", compute_dtype="fp16"),
+    "load-complete": lambda: LoadComplete(
+        load_seconds=12.5, weight_bytes=10**9, device="cuda:0", compute_dtype="fp16"
+    ),
     "load-failed": lambda: LoadFailed(reason="out of memory on cuda:0: é ✓"),
     "ping": lambda: Ping(nonce=2**64 - 1),
     "pong": lambda: Pong(nonce=0),
     "error": lambda: Error(code="hello_refused", message="node id 'x' is not in the topology"),
     "clear-cache": ClearCache,
     "run-prefill": lambda: RunPrefill(position_start=0, cache_capacity=4096, hidden_state=hidden(seq=5)),
-    "run-prefill-empty": lambda: RunPrefill(position_start=7, cache_capacity=7, hidden_state=hidden(seq=0, dtype=torch.float32)),
+    "run-prefill-empty": lambda: RunPrefill(
+        position_start=7, cache_capacity=7, hidden_state=hidden(seq=0, dtype=torch.float32)
+    ),
     "run-decode": lambda: RunDecode(position=42, hidden_state=hidden(dtype=torch.float16)),
     "hidden-state": lambda: HiddenState(hidden_state=hidden(seq=3, dtype=torch.float32), compute_seconds=0.0125),
     "inference-error": lambda: InferenceError(message="CUDA error: device-side assert"),
@@ -130,9 +161,20 @@ def assert_same_message(got: Message, want: Message) -> None:
             assert a == b and type(a) is type(b), name
 
 
+def plain(value: Any) -> Any:
+    """memoryviews (how byte strings come back) as bytes, for comparison."""
+    if isinstance(value, memoryview):
+        return bytes(value)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
 def frame_of(obj: Any) -> bytes:
-    """A frame around an arbitrary CBOR value, for bodies our encoder would never write."""
-    body = cbor2.dumps(obj)
+    """A frame around an arbitrary CBOR value written by cbor2, for bodies our encoder would never write."""
+    body = cbor2.dumps(plain(obj))
     return frame_header(len(body)) + body
 
 
@@ -289,6 +331,31 @@ def test_bad_bodies_raise_protocol_error(name):
         decode_body(body)
 
 
+# The same subset rules at the CBOR level, each with the words that show which rule caught it.
+SUBSET_VIOLATIONS = {
+    "indefinite map": (b"\xbf\xff", "indefinite"),
+    "undefined": (b"\xf7", "simple value"),
+    "simple value": (b"\xf8\x20", "simple value"),
+    "tag": (b"\xc1\x00", "tag 1"),
+    "reserved info": (b"\x1c", "reserved"),
+    "invalid utf-8": (b"\x62\xc3\x28", "UTF-8"),
+    "non-text key": (b"\xa1\x01\x02", "keyed by text"),
+    "duplicate key": (b"\xa2\x61a\x01\x61a\x02", "repeats the key 'a'"),
+    "count beyond the bytes": (b"\x9b\xff\xff\xff\xff\xff\xff\xff\xff", "middle of an item"),
+    "too deep": (b"\x81" * (MAX_NESTING + 1) + b"\x00", "nesting"),
+    "too many items": (b"\x9a" + struct.pack(">I", MAX_ITEMS + 1) + b"\x00" * (MAX_ITEMS + 1), "more than"),
+    "trailing bytes": (b"\x00\x00", "stray"),
+    "empty": (b"", "middle of an item"),
+}
+
+
+@pytest.mark.parametrize("name", SUBSET_VIOLATIONS)
+def test_cbor_outside_the_subset_is_refused_for_the_right_reason(name):
+    data, words = SUBSET_VIOLATIONS[name]
+    with pytest.raises(ProtocolError, match=words):
+        decode_cbor(data)
+
+
 def test_header_over_the_cap_raises_before_the_body_arrives():
     decoder = FrameDecoder(max_frame_bytes=1000)
     decoder.feed(frame_header(1001)[:5])  # not a whole header yet
@@ -328,22 +395,42 @@ BAD_PAYLOADS = {
     "bool for int": ("PONG", {"nonce": True}, ["PONG.nonce"]),
     "negative count": ("PING", {"nonce": -1}, ["PING.nonce"]),
     "float for int": ("LOAD_PROGRESS", {"stage": "x", "done": 1.0, "total": 2}, ["LOAD_PROGRESS.done"]),
-    "str for float": ("LOAD_COMPLETE", {"load_seconds": "1", "weight_bytes": 1, "device": "cpu", "compute_dtype": "fp32"}, ["LOAD_COMPLETE.load_seconds"]),
-    "nan seconds": ("HIDDEN_STATE", {"hidden_state": tensor_to_wire(hidden()), "compute_seconds": math.nan}, ["HIDDEN_STATE.compute_seconds"]),
+    "str for float": (
+        "LOAD_COMPLETE",
+        {"load_seconds": "1", "weight_bytes": 1, "device": "cpu", "compute_dtype": "fp32"},
+        ["LOAD_COMPLETE.load_seconds"],
+    ),
+    "nan seconds": (
+        "HIDDEN_STATE",
+        {"hidden_state": tensor_to_wire(hidden()), "compute_seconds": math.nan},
+        ["HIDDEN_STATE.compute_seconds"],
+    ),
     "null for str": ("LOAD_FAILED", {"reason": None}, ["LOAD_FAILED.reason"]),
     "bytes for str": ("ERROR", {"code": b"x", "message": "m"}, ["ERROR.code"]),
     "str for bytes": ("HELLO_ACK", {"node_id": "n", "challenge": "abc"}, ["HELLO_ACK.challenge"]),
-    "unknown dtype name": ("LOAD_COMPLETE", {"load_seconds": 1, "weight_bytes": 1, "device": "cpu", "compute_dtype": "int8"}, ["LOAD_COMPLETE.compute_dtype"]),
+    "unknown dtype name": (
+        "LOAD_COMPLETE",
+        {"load_seconds": 1, "weight_bytes": 1, "device": "cpu", "compute_dtype": "int8"},
+        ["LOAD_COMPLETE.compute_dtype"],
+    ),
     "devices not a list": ("HELLO", hello_payload(devices={}), ["HELLO.devices"]),
-    "device unknown type": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), type="tpu")], selected_device="cuda:0"), ["HELLO.devices[0].type"]),
-    "device extra key": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), vram=1)]), ["HELLO.devices[0]", "vram"]),
-    "device negative memory": ("HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), free_memory=-5)]), ["HELLO.devices[0].free_memory"]),
+    "device unknown type": (
+        "HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), type="tpu")]), ["HELLO.devices[0].type"]
+    ),
+    "device extra key": (
+        "HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), vram=1)]), ["HELLO.devices[0]", "vram"]
+    ),
+    "device negative memory": (
+        "HELLO", hello_payload(devices=[dict(CUDA0.to_payload(), free_memory=-5)]), ["HELLO.devices[0].free_memory"]
+    ),
     "selected device absent": ("HELLO", hello_payload(selected_device="cuda:7"), ["HELLO", "selected_device"]),
     "compute dtype unknown": ("HELLO", hello_payload(compute_dtypes=["bf16", "fp8"]), ["HELLO.compute_dtypes[1]"]),
     "hello missing auth": ("HELLO", {k: v for k, v in hello_payload().items() if k != "auth"}, ["HELLO", "auth"]),
-    "empty layer range": ("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
-    "config bytes value": ("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
-    "tensor rank 2": ("RUN_DECODE", {"position": 1, "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_DECODE.hidden_state"]),
+    "empty layer range": ("ASSIGNMENT", assignment_payload(layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
+    "config bytes value": ("ASSIGNMENT", assignment_payload(config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
+    "tensor rank 2": (
+        "RUN_DECODE", {"position": 1, "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_DECODE.hidden_state"]
+    ),
     "clear cache with field": ("CLEAR_CACHE", {"all": True}, ["CLEAR_CACHE", "all"]),
 }
 
@@ -409,7 +496,7 @@ TAGGED = {
     "custom tag as a field": envelope("PING", {"nonce": cbor2.CBORTag(1000, 1)}),
     "datetime tag": envelope("LOAD_FAILED", {"reason": cbor2.CBORTag(0, "2024-01-01T00:00:00Z")}),
     "bignum tag": envelope("PING", {"nonce": 2**70}),
-    "set tag in config": envelope("ASSIGNMENT", dict(SAMPLES["assignment"]().to_payload(), config={"s": cbor2.CBORTag(258, [1])})),
+    "set tag in config": envelope("ASSIGNMENT", assignment_payload(config={"s": cbor2.CBORTag(258, [1])})),
     "regex tag": envelope("ERROR", {"code": "x", "message": cbor2.CBORTag(35, "(a+)+$")}),
     "shared reference tag": envelope("PING", {"nonce": cbor2.CBORTag(28, 1)}),
 }
@@ -417,7 +504,7 @@ TAGGED = {
 
 @pytest.mark.parametrize("name", TAGGED)
 def test_tagged_bodies_are_refused(name):
-    body = cbor2.dumps(TAGGED[name])
+    body = cbor2.dumps(plain(TAGGED[name]))
     with pytest.raises(ProtocolError, match="tag"):
         decode_body(body)
 
@@ -436,7 +523,9 @@ def test_cbor2_itself_would_build_objects_from_tags():
 # ---------------------------------------------------------------------------------------------------------------
 
 cbor_ints = st.integers(min_value=-(2**64), max_value=2**64 - 1)
-scalars = st.none() | st.booleans() | cbor_ints | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=40)
+scalars = (
+    st.none() | st.booleans() | cbor_ints | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=40)
+)
 values = st.recursive(
     scalars,
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
@@ -444,22 +533,72 @@ values = st.recursive(
 )
 
 
-def plain(value: Any) -> Any:
-    """memoryviews (how byte strings come back) as bytes, for comparison."""
-    if isinstance(value, memoryview):
-        return bytes(value)
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    return value
+@settings(max_examples=100, deadline=None)
+@given(values)
+def test_strict_decoder_reads_what_cbor2_writes(value):
+    encoded = cbor2.dumps(value)
+    assert plain(decode_cbor(encoded)) == value == cbor2.loads(encoded)
 
 
 @settings(max_examples=100, deadline=None)
 @given(values)
-def test_strict_decoder_agrees_with_cbor2(value):
-    encoded = cbor2.dumps(value)
-    assert plain(decode_cbor(encoded)) == value == cbor2.loads(encoded)
+def test_cbor2_reads_what_our_encoder_writes(value):
+    encoded = encode_cbor(value)
+    assert cbor2.loads(encoded) == value == plain(decode_cbor(encoded))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1, -1, -24, -25, -(2**64)]
+    + [1.5, -0.0, "", "é✓", b"", [], {}],
+)
+def test_our_encoding_is_cbor2_canonical_form(value):
+    # Shortest heads, and floats as float64 (what cbor2 writes for non-canonical dumps).
+    assert encode_cbor(value) == cbor2.dumps(value)
+
+
+def test_large_byte_strings_are_passed_by_reference():
+    big = bytes(BY_REFERENCE_BYTES)
+    small = b"s" * 10
+    parts = encode_cbor_parts({"a": big, "b": small, "c": [big]}, reserve=8)
+    assert [part is big for part in parts] == [False, True, False, True]
+    assert bytes(parts[0][:8]) == bytes(8)  # reserved for the caller
+    assert cbor2.loads(b"".join(parts)[8:]) == {"a": big, "b": small, "c": [big]}
+
+
+def test_a_tensor_is_sent_from_its_own_memory():
+    tensor = torch.zeros(1, 64, 128)  # 32 KiB: over BY_REFERENCE_BYTES
+    parts = encode_frame_parts(HiddenState(tensor, compute_seconds=0.0))
+    assert len(parts) == 3
+    with memoryview(parts[1]) as view:
+        assert len(view) == tensor.numel() * 4
+        tensor[0, 0, 0] = 1.0  # the frame sees the change: no copy was made
+        assert bytes(view[:4]) == struct.pack("<f", 1.0)
+    assert b"".join(parts) == encode(HiddenState(tensor, compute_seconds=0.0))
+
+
+def nested_lists(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+ENCODER_MISUSE = {
+    "int key": ({1: 2}, TypeError),
+    "set": ({1, 2}, TypeError),
+    "object": (object(), TypeError),
+    "int too big": (2**64, ValueError),
+    "int too small": (-(2**64) - 1, ValueError),
+    "too deep": (nested_lists(MAX_NESTING + 1), ValueError),
+}
+
+
+@pytest.mark.parametrize("name", ENCODER_MISUSE)
+def test_encoder_rejects_values_outside_the_subset(name):
+    value, error = ENCODER_MISUSE[name]
+    with pytest.raises(error):
+        encode_cbor(value)
 
 
 @pytest.mark.parametrize(
@@ -522,7 +661,7 @@ def test_tensors_round_trip_bit_exactly(name, shape):
     tensor = random_bits(shape, DTYPES[name])
     wire_tensor = tensor_to_wire(tensor)
     assert wire_tensor["dtype"] == name and wire_tensor["shape"] == list(shape)
-    assert type(wire_tensor["data"]) is bytes and len(wire_tensor["data"]) == tensor.numel() * tensor.element_size()
+    assert len(wire_tensor["data"]) == tensor.numel() * tensor.element_size()
     got = tensor_from_wire(wire_tensor)
     assert got.dtype == tensor.dtype and got.shape == tensor.shape
     assert torch.equal(bits(got), bits(tensor))
@@ -555,7 +694,7 @@ def test_non_contiguous_tensors_round_trip(name, view):
     ],
 )
 def test_tensor_data_is_little_endian(tensor, data):
-    assert tensor_to_wire(tensor)["data"] == data
+    assert bytes(tensor_to_wire(tensor)["data"]) == data
 
 
 def test_decoded_tensor_owns_writable_memory():
@@ -607,9 +746,10 @@ MISUSE = {
     "device type": (lambda: DeviceInfo("x", "tpu", "x", None, None), ValueError),
     "devices of dicts": (lambda: make_hello(devices=({"id": "cpu"},)), TypeError),
     "compute dtype": (lambda: make_hello(compute_dtypes=("int4",)), ValueError),
-    "config with a set": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 0, 1, {"x": {1}}, 1, 1), TypeError),
-    "config with a huge int": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 0, 1, {"x": 2**70}, 1, 1), ValueError),
-    "empty layer range": (lambda: Assignment("m", "local", None, "cpu", "qwen2", "fp16", 0, "fp16", 4, 4, {}, 1, 1), ValueError),
+    "config with a set": (lambda: make_assignment(config={"x": {1}}), TypeError),
+    "config with a huge int": (lambda: make_assignment(config={"x": 2**70}), ValueError),
+    "config with a tuple": (lambda: make_assignment(config={"x": (1, 2)}), TypeError),
+    "empty layer range": (lambda: make_assignment(layer_start=4, layer_end_exclusive=4), ValueError),
     "auth str": (lambda: make_hello(auth="secret"), TypeError),
 }
 
@@ -633,3 +773,8 @@ def test_construction_normalises_sequences_and_numbers():
 def test_tensor_messages_repr_shows_shape_not_values():
     text = repr(RunDecode(position=1, hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16)))
     assert text == "RunDecode(position=1, hidden_state=<tensor bf16 [1, 1, 896] on cpu>)"
+
+
+def test_nesting_up_to_the_limit_round_trips():
+    value = nested_lists(MAX_NESTING)
+    assert decode_cbor(encode_cbor(value)) == value

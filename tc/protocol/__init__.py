@@ -2,6 +2,7 @@
 
 - messages.py: one frozen dataclass per message type, strict payload parsing (pure)
 - tensors.py: tensors as {dtype, shape, data} maps (pure)
+- cbor.py: the strict CBOR subset the frames are written in (pure)
 - framing.py: frames, envelopes, the incremental FrameDecoder (pure)
 - connection.py: the only I/O, a blocking socket that sends and receives whole frames
 - errors.py: ProtocolError (the peer misbehaved) and ConnectionClosed
@@ -17,6 +18,7 @@ from tc.protocol.framing import (
     decode_body,
     encode,
     encode_body,
+    encode_frame_parts,
     frame_header,
 )
 from tc.protocol.messages import (
@@ -81,6 +83,7 @@ __all__ = [
     "decode_body",
     "encode",
     "encode_body",
+    "encode_frame_parts",
     "frame_header",
     "tensor_from_wire",
     "tensor_to_wire",

@@ -2,7 +2,9 @@
 
 Framing and parsing live in framing.py; this layer only moves bytes. It is built for plain threads:
 
-- ``send`` may be called from any number of threads at once; a lock keeps each frame whole on the wire.
+- ``send`` may be called from any number of threads at once; a lock keeps each frame whole on the wire. The
+  frame goes out with a gathering ``sendmsg`` of its parts (framing.encode_frame_parts), so a tensor is sent
+  from its own memory, never joined into a body first.
 - ``recv`` is meant for one reader thread (a lock makes a second reader wait rather than interleave). It reads
   the 8-byte header, then the body with ``recv_into`` into one buffer that is reused for every frame and grows to
   the largest body seen (never beyond ``max_frame_bytes``). Reusing it matters: a fresh 0.9 MB buffer per frame
@@ -30,20 +32,31 @@ import select
 import socket
 import threading
 
+from tc.protocol.cbor import BytesLike
 from tc.protocol.errors import ConnectionClosed, FrameTooLarge
-from tc.protocol.framing import (
-    DEFAULT_MAX_FRAME_BYTES,
-    HEADER_SIZE,
-    Envelope,
-    decode_body,
-    encode_body,
-    frame_header,
-)
+from tc.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, Envelope, decode_body, encode_frame_parts
 from tc.protocol.messages import Message
 
-# Bodies up to this size are joined with their header and sent in one call (one TCP segment for small
-# messages); larger ones are sent after the header rather than copied to be joined.
-_JOIN_LIMIT = 64 * 1024
+# sendmsg takes at most IOV_MAX (1024 on Linux and macOS) buffers per call; a frame has a handful.
+_MAX_PARTS_PER_CALL = 64
+
+
+def _send_all_parts(sock: socket.socket, parts: list[BytesLike]) -> None:
+    """Send the buffers in order, as sendall would their concatenation, without concatenating them.
+
+    One gathering sendmsg per round; the kernel may take only some of the bytes, so the rest are resent.
+    """
+    if not hasattr(sock, "sendmsg"):  # Windows: no gathering send
+        for part in parts:
+            sock.sendall(part)
+        return
+    pending = [memoryview(part).cast("B") for part in parts if len(part)]
+    while pending:
+        sent = sock.sendmsg(pending[:_MAX_PARTS_PER_CALL])
+        while pending and sent >= len(pending[0]):
+            sent -= len(pending.pop(0))
+        if sent:
+            pending[0] = pending[0][sent:]
 
 
 def _describe_peer(sock: socket.socket) -> str:
@@ -99,25 +112,22 @@ class Connection:
     def send(self, message: Message, request_id: str | None = None, seq: int = 0) -> None:
         """Send one frame. Safe to call from several threads at once: frames never interleave.
 
+        The message's tensors go out from their own memory, so they must not change until this returns.
         Raises TypeError/ValueError for a bad argument or a body over max_frame_bytes (nothing is sent then), and
         ConnectionClosed when the connection is closed or breaks while sending (it is closed then).
         """
-        body = encode_body(message, request_id, seq)
-        if len(body) > self.max_frame_bytes:
+        parts = encode_frame_parts(message, request_id, seq)
+        body_length = sum(len(part) for part in parts) - HEADER_SIZE
+        if body_length > self.max_frame_bytes:
             raise ValueError(
-                f"{message.TYPE} encodes to {len(body)} bytes, over max_frame_bytes={self.max_frame_bytes}; "
+                f"{message.TYPE} encodes to {body_length} bytes, over max_frame_bytes={self.max_frame_bytes}; "
                 "raise max_frame_bytes on both ends or send less (a shorter prompt per prefill)"
             )
-        header = frame_header(len(body))
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed(f"cannot send {message.TYPE}: the connection to {self.peer} is closed")
             try:
-                if len(body) <= _JOIN_LIMIT:
-                    self._sock.sendall(header + body)
-                else:
-                    self._sock.sendall(header)
-                    self._sock.sendall(body)
+                _send_all_parts(self._sock, parts)
             except OSError as exc:  # includes timeouts: some unknown part of the frame went out
                 self.close()
                 raise ConnectionClosed(
@@ -190,7 +200,9 @@ class Connection:
                 self.close()
                 if was_closed_here:
                     raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
-                raise ConnectionClosed(f"receiving from {self.peer} failed ({exc}); the connection is closed") from exc
+                raise ConnectionClosed(
+                    f"receiving from {self.peer} failed ({exc}); the connection is closed"
+                ) from exc
             if count == 0:
                 was_closed_here = self._closed
                 self.close()

@@ -19,14 +19,11 @@ This module is pure, in the manner of h11: ``encode()`` turns a message into the
 far, keeping the rest buffered. The socket code (connection.py) is a thin layer on top; tests drive the decoder
 byte by byte without any socket.
 
-The body is standard CBOR (RFC 8949) written by cbor2, but only a strict subset of it is *accepted*:
-definite-length maps, arrays, byte and text strings, integers, floats, true/false/null; maps keyed by text,
-without duplicate keys; at most MAX_NESTING levels and MAX_ITEMS items. Tags are refused outright. We decode that
-subset ourselves rather than with ``cbor2.loads`` for two reasons. First, cbor2 turns semantic tags into Python
-objects (datetimes, Decimals, regexes, MIME messages, sets, shared references) and no switch common to its
-versions turns that off; refusing every tag means a peer's bytes only ever become plain data. Second, byte
-strings come out as zero-copy views of the frame, so a tensor is copied once, straight into its own memory
-(``cbor2.loads`` spent about three memcpys' worth of time on a 117 MB byte string).
+Bodies are CBOR in a strict subset, encoded and decoded by cbor.py (which says why not cbor2 at run time): no
+tags, definite lengths, text-keyed maps, bounded nesting. Byte strings are never copied on the way out: large
+ones (tensor data) stay separate parts of the frame, which ``encode_frame_parts`` returns for a gathering send.
+On the way in they are views of the received body, and each message copies what it keeps, so an Envelope never
+refers to the buffer it was decoded from.
 
 Errors split the h11 way: whatever the peer got wrong raises ``ProtocolError`` (``FrameTooLarge`` when a header
 announces more than ``max_frame_bytes``); what our own code got wrong (encoding something that is not a
@@ -37,12 +34,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Union
 
-import cbor2
-
+from tc.protocol.cbor import CBOR_INT_MAX, BytesLike, decode_cbor, encode_cbor_parts
 from tc.protocol.errors import FrameTooLarge, ProtocolError
-from tc.protocol.messages import CBOR_INT_MAX, MESSAGE_TYPES, Message
+from tc.protocol.messages import MESSAGE_TYPES, Message
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size  # 8
@@ -50,15 +45,8 @@ HEADER_SIZE = _HEADER.size  # 8
 # A 32k-token prefill of a 896-wide model in fp32 is 117 MB; 256 MiB leaves room for that and its envelope.
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
-# Envelope -> payload -> config -> nested config values: a few levels; 32 is generous and bounds recursion.
-MAX_NESTING = 32
-# An envelope is a few dozen items (a model config, a few hundred); the cap bounds the work a body can ask for.
-MAX_ITEMS = 65_536
-
 _ENVELOPE_KEYS = ("type", "request_id", "seq", "payload")
 _ENVELOPE_KEY_SET = frozenset(_ENVELOPE_KEYS)
-
-BytesLike = Union[bytes, bytearray, memoryview]
 
 
 @dataclass(frozen=True)
@@ -80,8 +68,12 @@ def frame_header(body_length: int) -> bytes:
     return _HEADER.pack(body_length)
 
 
-def encode_body(message: Message, request_id: str | None = None, seq: int = 0) -> bytes:
-    """The CBOR body of a frame (no header). Raises TypeError/ValueError when called with a bad argument."""
+def encode_frame_parts(message: Message, request_id: str | None = None, seq: int = 0) -> list[BytesLike]:
+    """A whole frame as buffers to send in order: header and small fields joined, tensor data by reference.
+
+    The parts refer to the message's tensors, so those must not change until the parts are sent. Raises
+    TypeError/ValueError when called with a bad argument.
+    """
     if not isinstance(message, Message) or MESSAGE_TYPES.get(message.TYPE) is not type(message):
         raise TypeError(f"expected a message from tc.protocol.messages, got {type(message).__name__}")
     if request_id is not None and type(request_id) is not str:
@@ -91,133 +83,23 @@ def encode_body(message: Message, request_id: str | None = None, seq: int = 0) -
     if not 0 <= seq <= CBOR_INT_MAX:
         raise ValueError(f"seq must be in [0, 2**64 - 1], got {seq}")
     envelope = {"type": message.TYPE, "request_id": request_id, "seq": seq, "payload": message.to_payload()}
-    return cbor2.dumps(envelope)
+    parts = encode_cbor_parts(envelope, reserve=HEADER_SIZE)
+    body_length = sum(len(part) for part in parts) - HEADER_SIZE
+    _HEADER.pack_into(parts[0], 0, body_length)  # parts[0] is the bytearray that began with the reserved bytes
+    return parts
 
 
 def encode(message: Message, request_id: str | None = None, seq: int = 0) -> bytes:
-    """A whole frame (header and body). Raises TypeError/ValueError when called with a bad argument.
+    """A whole frame (header and body) as one bytes. Raises TypeError/ValueError when called with a bad argument.
 
-    For large bodies prefer ``frame_header(len(body))`` and ``encode_body`` sent separately: joining them here
-    copies the body once more.
+    Joining copies any tensor data once; connection.py sends ``encode_frame_parts`` instead.
     """
-    body = encode_body(message, request_id, seq)
-    return frame_header(len(body)) + body
+    return b"".join(encode_frame_parts(message, request_id, seq))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Strict CBOR subset decoder
-# ---------------------------------------------------------------------------------------------------------------
-
-# Additional information 24..27: the argument follows in 1, 2, 4 or 8 bytes; for major type 7, 25..27 are floats.
-_ARGUMENT_SIZE = {24: 1, 25: 2, 26: 4, 27: 8}
-_FLOAT = {25: struct.Struct(">e"), 26: struct.Struct(">f"), 27: struct.Struct(">d")}
-_SIMPLE = {20: False, 21: True, 22: None}
-
-_TRUNCATED = "CBOR body ends in the middle of an item: the frame is truncated or its length header is wrong"
-
-
-class _Decoder:
-    """One pass over one body. Positions are passed and returned rather than stored: it is the hot loop of every
-    received frame, and attribute writes per item cost more than the decoding itself."""
-
-    __slots__ = ("view", "end", "items_left")
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.end = len(view)
-        self.items_left = MAX_ITEMS
-
-    def item(self, pos: int, depth: int) -> tuple[Any, int]:
-        """Decode the item starting at ``pos``; return it and the position after it."""
-        view, end = self.view, self.end
-        if pos >= end:
-            raise ProtocolError(_TRUNCATED)
-        initial = view[pos]
-        pos += 1
-        major, info = initial >> 5, initial & 0x1F
-
-        if major == 7:
-            if info in _SIMPLE:
-                return _SIMPLE[info], pos
-            fmt = _FLOAT.get(info)
-            if fmt is None:
-                raise ProtocolError(f"CBOR simple value or break (initial byte 0x{initial:02x}) is not part of the protocol")
-            if pos + fmt.size > end:
-                raise ProtocolError(_TRUNCATED)
-            return fmt.unpack_from(view, pos)[0], pos + fmt.size
-
-        if info < 24:
-            argument = info
-        elif info <= 27:
-            size = _ARGUMENT_SIZE[info]
-            if pos + size > end:
-                raise ProtocolError(_TRUNCATED)
-            argument = int.from_bytes(view[pos:pos + size], "big")
-            pos += size
-        elif info == 31:
-            raise ProtocolError("indefinite-length CBOR items are not part of the protocol")
-        else:
-            raise ProtocolError(f"malformed CBOR: reserved additional information {info} (initial byte 0x{initial:02x})")
-
-        if major == 0:
-            return argument, pos
-        if major == 1:
-            return -1 - argument, pos
-        if major == 2 or major == 3:
-            stop = pos + argument
-            if stop > end:
-                raise ProtocolError(_TRUNCATED)
-            if major == 2:
-                return view[pos:stop], stop  # a view of the frame; messages copy what they keep
-            try:
-                return str(view[pos:stop], "utf-8"), stop
-            except UnicodeDecodeError as exc:
-                raise ProtocolError("CBOR text string is not valid UTF-8") from exc
-        if major == 6:
-            raise ProtocolError(f"CBOR tag {argument} found; the protocol uses no tags, so tagged data is refused")
-
-        # Arrays (4) and maps (5).
-        if depth >= MAX_NESTING:
-            raise ProtocolError(f"CBOR nesting deeper than {MAX_NESTING} levels")
-        # Every item takes at least one byte, so a count beyond the remaining bytes is refused before looping.
-        children = argument if major == 4 else 2 * argument
-        if children > end - pos:
-            raise ProtocolError(_TRUNCATED)
-        # Every item but the outermost is some container's child: counting children here bounds them all.
-        self.items_left -= children
-        if self.items_left < 0:
-            raise ProtocolError(f"CBOR body holds more than {MAX_ITEMS} items; no protocol message is that large")
-        depth += 1
-        if major == 4:
-            items = []
-            for _ in range(argument):
-                value, pos = self.item(pos, depth)
-                items.append(value)
-            return items, pos
-        result: dict[str, Any] = {}
-        for _ in range(argument):
-            key, pos = self.item(pos, depth)
-            if type(key) is not str:
-                raise ProtocolError(f"CBOR map key of type {type(key).__name__}; the protocol's maps are keyed by text")
-            if key in result:
-                raise ProtocolError(f"CBOR map repeats the key {key!r}")
-            result[key], pos = self.item(pos, depth)
-        return result, pos
-
-
-def decode_cbor(data: BytesLike) -> Any:
-    """Decode one CBOR item in the protocol's strict subset, spanning all of ``data``.
-
-    Byte strings come back as memoryviews into ``data`` (copy them to keep them past the buffer's reuse);
-    everything else as dict, list, str, int, float, bool or None. Raises ProtocolError for anything outside the
-    subset, truncated input, or trailing bytes.
-    """
-    with memoryview(data) as whole:
-        view = whole.cast("B") if whole.format != "B" or whole.ndim != 1 else whole
-        value, pos = _Decoder(view).item(0, 0)
-        if pos != len(view):
-            raise ProtocolError(f"{len(view) - pos} stray bytes after the CBOR item; the length header is wrong")
-        return value
+def encode_body(message: Message, request_id: str | None = None, seq: int = 0) -> bytes:
+    """A frame's body alone (what decode_body reads). Raises TypeError/ValueError for a bad argument."""
+    return encode(message, request_id, seq)[HEADER_SIZE:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +161,9 @@ class FrameDecoder:
         in the same call are dropped with the stream, and every later call raises too.
         """
         if self._failure is not None:
-            raise ProtocolError(f"the stream already failed ({self._failure}); close the connection") from self._failure
+            raise ProtocolError(
+                f"the stream already failed ({self._failure}); close the connection"
+            ) from self._failure
         self._buffer += data
         envelopes: list[Envelope] = []
         start = 0

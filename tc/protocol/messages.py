@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from tc.protocol.cbor import CBOR_INT_MAX, CBOR_INT_MIN
 from tc.protocol.errors import ProtocolError, ProtocolVersionMismatch
 from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, wire_dtype_name
 
@@ -31,10 +32,6 @@ ERROR_HELLO_REFUSED = "hello_refused"
 ERROR_PROTOCOL = "protocol_error"
 ERROR_VERSION_MISMATCH = "version_mismatch"
 ERROR_UNEXPECTED_MESSAGE = "unexpected_message"
-
-# CBOR's native integers span [-2**64, 2**64 - 1]; anything wider would need a bignum tag, which we do not speak.
-CBOR_INT_MIN = -(2**64)
-CBOR_INT_MAX = 2**64 - 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -51,7 +48,7 @@ def _type_name(value: Any) -> str:
 
 
 class _Kind:
-    label = "?"
+    """How one field is checked on our side, written to the wire, and checked when read back."""
 
     def check(self, value: Any, where: str) -> Any:
         """Validate a value our code put in a field; return it normalised."""
@@ -73,9 +70,10 @@ class _Kind:
 
 
 class _Int(_Kind):
+    """An int that CBOR carries natively, not below ``minimum``; never a bool."""
+
     def __init__(self, minimum: int = CBOR_INT_MIN) -> None:
         self.minimum = minimum
-        self.label = "int" if minimum == CBOR_INT_MIN else f"int >= {minimum}"
 
     def check(self, value: Any, where: str) -> int:
         if type(value) is not int:  # bool is an int subclass; a flag is never a count
@@ -86,7 +84,7 @@ class _Int(_Kind):
 
 
 class _Float(_Kind):
-    label = "finite float >= 0"
+    """A finite, non-negative number (a duration); an int is accepted and stored as a float."""
 
     def check(self, value: Any, where: str) -> float:
         if type(value) not in (int, float):
@@ -100,17 +98,14 @@ class _Float(_Kind):
 class _Simple(_Kind):
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.label = cls.__name__
 
     def check(self, value: Any, where: str) -> Any:
         if type(value) is not self.cls:
-            raise TypeError(f"{where} must be {self.label}, got {_type_name(value)}")
+            raise TypeError(f"{where} must be {self.cls.__name__}, got {_type_name(value)}")
         return value
 
 
 class _Bytes(_Kind):
-    label = "bytes"
-
     def check(self, value: Any, where: str) -> bytes:
         if type(value) is not bytes:
             raise TypeError(f"{where} must be bytes, got {_type_name(value)}")
@@ -126,7 +121,6 @@ class _Bytes(_Kind):
 class _OneOf(_Kind):
     def __init__(self, choices: tuple[str, ...]) -> None:
         self.choices = choices
-        self.label = " | ".join(choices)
 
     def check(self, value: Any, where: str) -> str:
         if type(value) is not str:
@@ -139,7 +133,6 @@ class _OneOf(_Kind):
 class _Optional(_Kind):
     def __init__(self, inner: _Kind) -> None:
         self.inner = inner
-        self.label = f"{inner.label} or null"
 
     def check(self, value: Any, where: str) -> Any:
         return None if value is None else self.inner.check(value, where)
@@ -154,7 +147,6 @@ class _Optional(_Kind):
 class _TupleOf(_Kind):
     def __init__(self, item: _Kind) -> None:
         self.item = item
-        self.label = f"list of {item.label}"
 
     def check(self, value: Any, where: str) -> tuple[Any, ...]:
         if not isinstance(value, (tuple, list)):
@@ -187,13 +179,13 @@ def _check_json(value: Any, where: str) -> None:
                     raise TypeError(f"{path} has a non-string key {key!r}; configs are JSON objects")
                 stack.append((v, f"{path}.{key}"))
         else:
-            raise TypeError(f"{path} holds a {_type_name(item)}; only JSON values (map, list, str, number, bool, null) fit")
+            raise TypeError(
+                f"{path} holds a {_type_name(item)}; only JSON values (dict, list, str, number, bool, None) fit"
+            )
 
 
 class _JsonMap(_Kind):
     """A JSON object (such as config.json's contents): string keys, JSON values all the way down."""
-
-    label = "JSON map"
 
     def check(self, value: Any, where: str) -> dict[str, Any]:
         if type(value) is not dict:
@@ -205,7 +197,6 @@ class _JsonMap(_Kind):
 class _Tensor(_Kind):
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.label = f"rank-{rank} tensor"
 
     def check(self, value: Any, where: str) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
@@ -233,7 +224,6 @@ class _Tensor(_Kind):
 class _Struct(_Kind):
     def __init__(self, cls: type[WireStruct]) -> None:
         self.cls = cls
-        self.label = cls.__name__
 
     def check(self, value: Any, where: str) -> Any:
         if not isinstance(value, self.cls):
@@ -247,11 +237,9 @@ class _Struct(_Kind):
         return self.cls._from_wire_map(value, where)
 
 
-INT = _Int()
 COUNT = _Int(minimum=0)
 SECONDS = _Float()
 STR = _Simple(str)
-BOOL = _Simple(bool)
 BYTES = _Bytes()
 DTYPE = _OneOf(tuple(WIRE_DTYPES))
 HIDDEN = _Tensor(rank=3)  # [batch, seq, hidden]
@@ -391,7 +379,8 @@ class Hello(Message):
             version = payload.get("protocol_version")
             if type(version) is int and version != PROTOCOL_VERSION:
                 tc_version = payload.get("tc_version")
-                raise ProtocolVersionMismatch(version, PROTOCOL_VERSION, tc_version if type(tc_version) is str else None)
+                peer_tc_version = tc_version if type(tc_version) is str else None
+                raise ProtocolVersionMismatch(version, PROTOCOL_VERSION, peer_tc_version)
         return cls._from_wire_map(payload, cls.TYPE)
 
 

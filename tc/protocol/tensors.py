@@ -5,8 +5,9 @@ padding: ``len(data) == prod(shape) * itemsize``. bf16 has no numpy dtype, so by
 through torch (a ``uint8`` view of the tensor's storage), never through a numpy float dtype.
 
 Copies, on purpose:
-- ``tensor_to_wire`` copies once (into the ``bytes`` the CBOR encoder needs), plus once more first if the input
-  lives on an accelerator or is not contiguous.
+- ``tensor_to_wire`` copies nothing for a contiguous CPU tensor: ``data`` is a read-only view of the tensor's
+  own memory, so the tensor must not change until the frame is sent. An accelerator or non-contiguous tensor is
+  first copied to contiguous CPU memory, which the view then keeps alive.
 - ``tensor_from_wire`` copies once, from the frame's bytes into a private bytearray that the returned tensor
   wraps. The tensor owns that memory, is writable, and never aliases the frame buffer, so it stays valid after
   the connection reuses its receive buffer for the next frame.
@@ -56,7 +57,9 @@ def wire_dtype_name(dtype: torch.dtype) -> str:
 
 
 def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
-    """Encode a tensor as the wire map. Accepts any device and any strides (it is moved to CPU, made contiguous).
+    """Encode a tensor as the wire map; ``data`` is a read-only memoryview (see the module doc on copies).
+
+    Accepts any device and any strides (the tensor is moved to CPU and made contiguous when it is not already).
 
     Raises TypeError for a non-tensor, an unsupported dtype or a non-strided (sparse) layout, and ValueError for
     a rank over MAX_TENSOR_RANK.
@@ -67,16 +70,19 @@ def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
         raise TypeError(f"only dense (strided) tensors go on the wire, not {tensor.layout}")
     name = wire_dtype_name(tensor.dtype)
     if tensor.dim() > MAX_TENSOR_RANK:
-        raise ValueError(f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(tensor.shape)}"
+        )
     _require_little_endian()
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel], a view when already contiguous on CPU
-    # A uint8 view of the same storage gives the raw element bytes for every dtype, bf16 included.
-    data = flat.view(torch.uint8).numpy().tobytes()  # [numel * itemsize]
+    # A uint8 view of the same storage gives the raw element bytes for every dtype, bf16 included; the
+    # memoryview keeps that storage alive and lets the frame carry it without a copy.
+    data = memoryview(flat.view(torch.uint8).numpy()).toreadonly()  # [numel * itemsize]
     return {"dtype": name, "shape": list(tensor.shape), "data": data}
 
 
 def tensor_from_wire(obj: Any) -> torch.Tensor:
-    """Decode the wire map into a new contiguous CPU tensor owning writable memory (one copy; ``data`` is not aliased).
+    """Decode the wire map into a new contiguous CPU tensor that owns writable memory (one copy, no aliasing).
 
     ``data`` may be any bytes-like object (bytes, bytearray, memoryview). Raises ProtocolError when the map has
     other keys than dtype/shape/data, an unknown dtype name, a shape that is not a list of at most
@@ -100,10 +106,9 @@ def tensor_from_wire(obj: Any) -> torch.Tensor:
         raise ProtocolError(f"tensor data must be a byte string, got {type(data).__name__}")
     dtype = WIRE_DTYPES[dtype_name]
     expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise ProtocolError(
-            f"tensor data holds {len(data)} bytes, but {dtype_name} of shape {shape} needs {expected}"
-        )
+    nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+    if nbytes != expected:
+        raise ProtocolError(f"tensor data holds {nbytes} bytes, but {dtype_name} of shape {shape} needs {expected}")
     _require_little_endian()
     if not expected:
         return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses an empty buffer
