@@ -299,3 +299,25 @@ def test_missing_native_package_is_one_line_and_exit_3(pyz, tmp_path, without, n
     # nothing but the standard library and tc's own check ran before the message
     imported = {name.split(".")[0] for name in _imported_modules(proc.stderr)}
     assert imported - set(sys.stdlib_module_names) == {"tc"}, imported - set(sys.stdlib_module_names)
+
+
+def test_pyz_copied_alone_runs_a_head_and_a_worker(pyz, tmp_path):
+    """The product as ops people use it: one tc.pyz in an empty directory, on a host without the pure packages."""
+    from cluster import Cluster, write_topology
+    from tiny_model import write_tiny_model
+
+    from pyz_env import pyz_command, pyz_run_dir
+
+    model = write_tiny_model(tmp_path / "tiny-qwen", seed=4)
+    argv, env = pyz_command(pyz, tmp_path)
+    topology = write_topology(pyz_run_dir(argv) / "topology.yaml", model, [{"id": "only", "device": "cpu"}])
+    with Cluster(topology, pyz_run_dir(argv), tc=argv, env=env) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker(None)  # no --node-id: the head gives it the free entry
+        cluster.wait_ready()
+        status, body = cluster.post("/v1/chat/completions", {
+            "model": "tiny-qwen", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+            "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+        assert "worker only joined" in cluster.head.output()
