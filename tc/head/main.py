@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generation import Generator
+from ..model import quant
 from ..model.config import Qwen2Config
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
@@ -85,6 +86,8 @@ def start_head(topology: Topology) -> Head:
     index.validate(config, only=names)
     dtype = resolve_compute_dtype(topology.dtype, "cpu")
     head_model = HeadModel.load(config, index, dtype)
+    if topology.quant != "fp16":  # lm_head is the largest matrix of a small model: it shrinks and speeds up most
+        quant.quantize_linears(head_model, topology.quant, topology.group_size)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)

@@ -36,6 +36,7 @@ class WorkerLink:
 
     def __init__(self, conn: Connection, node_id: str, hello: Hello, device: str):
         self.conn, self.node_id, self.hello, self.device = conn, node_id, hello, device
+        self.hostname = hello.hostname
         self.replies: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.close_reason = ""
@@ -98,6 +99,25 @@ class WorkerRegistry:
             ready = tuple(n for n, s in self.slots.items() if s.state == "ready")
             missing = tuple(n for n, s in self.slots.items() if s.state != "ready")
         return Readiness(required=len(self.slots), ready=ready, missing=missing)
+
+    def snapshot(self) -> list[dict]:
+        """Each planned node's state, for operators: plan, device, memory, liveness."""
+        now = time.monotonic()
+        with self.lock:
+            rows = []
+            for stage in self.plan.stages:
+                slot = self.slots[stage.node_id]
+                link = slot.link
+                rows.append({
+                    "id": stage.node_id, "state": slot.state, "detail": slot.detail,
+                    "layers": [stage.start, stage.end], "planned_device": stage.device, "dtype": stage.dtype,
+                    "planned_weight_bytes": stage.weight_bytes, "memory_bytes": stage.memory_bytes,
+                    "device": link.device if link else None,
+                    "hostname": link.hostname if link else None,
+                    "loaded_weight_bytes": slot.loaded.weight_bytes if slot.loaded else None,
+                    "seconds_since_heard": round(now - link.last_seen, 3) if link else None,
+                })
+        return rows
 
     def links_in_order(self) -> list[WorkerLink]:
         """The ready workers' links in pipeline order. Raises WorkerLost for the first missing one."""
