@@ -202,7 +202,8 @@ class WorkerRegistry:
                           revision=self.topology.revision, device=device, architecture="qwen2", quant=self.topology.quant,
                           group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes)
+                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes,
+                          threads=self.topology.node(stage.node_id).threads)
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _read_loop(self, link: WorkerLink) -> None:

@@ -413,6 +413,7 @@ class Assignment(Message):
     config: dict[str, Any] = wire(_JsonMap())  # config.json's contents
     tensor_count: int = wire(COUNT)
     total_weight_bytes: int = wire(COUNT)
+    threads: int | None = wire(_Optional(COUNT), default=None)  # torch threads, from the entry (None: worker's own)
 
     def _validate(self) -> None:
         if self.layer_end_exclusive <= self.layer_start:

@@ -42,6 +42,7 @@ class WorkerOptions:
     hf_cache_dir: str | None
     max_memory_bytes: int | None
     retry_max_s: float = 30.0
+    threads: int | None = None  # --threads; wins over the topology entry's threads
 
 
 def _assignment_key(a: Assignment) -> tuple:
@@ -152,6 +153,9 @@ class Worker:
                 return  # the reader sees it too and ends the session
 
     def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
+        if self.options.threads is None and assignment.threads is not None:
+            torch.set_num_threads(assignment.threads)
+            log.info("using %d torch threads, as topology.yaml sets for this entry", assignment.threads)
         key = _assignment_key(assignment)
         start, end = assignment.layer_start, assignment.layer_end_exclusive
         if self.loaded is not None and self.loaded[0] == key:
@@ -190,7 +194,7 @@ def run_worker(args: argparse.Namespace) -> int:
     host, port = args.join
     options = WorkerOptions(host=host, port=port, node_id=args.node_id, device=args.device,
                             hf_cache_dir=str(args.hf_cache_dir) if args.hf_cache_dir else None,
-                            max_memory_bytes=max_memory, retry_max_s=args.retry_max_s)
+                            max_memory_bytes=max_memory, retry_max_s=args.retry_max_s, threads=args.threads)
     try:
         worker = Worker(options)
     except DeviceError as exc:
