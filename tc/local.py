@@ -23,9 +23,10 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     index = WeightIndex.open(model_dir)
     index.validate(config)
     torch_dtype = resolve_compute_dtype(dtype, device)
-    head = HeadModel.load(config, index, torch_dtype, device)
+    # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
+    head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"))
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
              time.perf_counter() - started)
-    return Generator(head, tokenizer, LocalPipeline([stage], device), torch_dtype)
+    return Generator(head, tokenizer, LocalPipeline([stage], device), head.embed_tokens.weight.dtype)

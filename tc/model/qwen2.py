@@ -23,18 +23,34 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 def resolve_compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """The torch dtype a device computes `name` in.
+    """The torch dtype `device` computes `name` in, falling back (with a warning) where it cannot.
 
     CPUs have no fast fp16 matmul in general, so fp16 on a CPU computes in fp32 (bf16 is the fast CPU choice).
+    bf16 needs an Ampere or newer CUDA GPU, and macOS 14 or newer on MPS; elsewhere it computes in fp16.
     """
     try:
         dtype = COMPUTE_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown compute dtype {name!r}; use one of {sorted(COMPUTE_DTYPES)}") from None
-    if dtype == torch.float16 and torch.device(device).type == "cpu":
+    kind = torch.device(device).type
+    if dtype == torch.float16 and kind == "cpu":
         log.warning("fp16 compute requested on a CPU: computing in fp32 instead (use bf16 for speed)")
         return torch.float32
+    if dtype == torch.bfloat16 and kind == "cuda" and not torch.cuda.is_bf16_supported():
+        log.warning("%s has no bf16 support: computing in fp16 instead", device)
+        return torch.float16
+    if dtype == torch.bfloat16 and kind == "mps" and not mps_supports_bf16():
+        log.warning("this macOS has no bf16 on MPS: computing in fp16 instead")
+        return torch.float16
     return dtype
+
+
+def mps_supports_bf16() -> bool:
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device="mps")
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 class RMSNorm(nn.Module):

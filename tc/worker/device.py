@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..model.qwen2 import mps_supports_bf16
 from ..protocol.messages import DeviceInfo
 
 
@@ -71,24 +72,16 @@ def select_device(requested: str, devices: list[DeviceInfo]) -> str:
 
 
 def compute_dtypes(device: str) -> tuple[str, ...]:
-    """Compute dtypes the device runs well: CPUs lack fast fp16; MPS gained bf16 with macOS 14."""
+    """Compute dtypes the device runs natively (see resolve_compute_dtype for the fallbacks of the others)."""
     kind = torch.device(device).type
     if kind == "cpu":
         return ("bf16", "fp32")
     if kind == "mps":
-        return ("fp16", "fp32", "bf16") if _mps_has_bf16() else ("fp16", "fp32")
+        return ("fp16", "fp32", "bf16") if mps_supports_bf16() else ("fp16", "fp32")
     if kind == "cuda":
-        major, _ = torch.cuda.get_device_capability(torch.device(device))
-        return ("fp16", "bf16", "fp32") if major >= 8 else ("fp16", "fp32")  # bf16 needs Ampere or newer
+        with torch.cuda.device(torch.device(device)):
+            return ("fp16", "bf16", "fp32") if torch.cuda.is_bf16_supported() else ("fp16", "fp32")
     return ("fp32",)
-
-
-def _mps_has_bf16() -> bool:
-    try:
-        torch.ones(1, dtype=torch.bfloat16, device="mps")
-        return True
-    except (RuntimeError, TypeError):
-        return False
 
 
 def system_summary() -> dict[str, str]:
