@@ -29,6 +29,16 @@ class OurModel:
         hidden = self.pipeline().prefill(self.head.embed(torch.tensor([ids])), capacity=len(ids))
         return self.head.logits(hidden)[0]
 
+    def cached_logits(self, ids: list[int], split: int) -> torch.Tensor:
+        """fp32 logits [L, vocab] from a prefill of ids[:split] and then one cached decode step per token."""
+        pipe = self.pipeline()
+        hidden = pipe.prefill(self.head.embed(torch.tensor([ids[:split]])), capacity=len(ids))
+        steps = [self.head.logits(hidden)[0]]
+        for pos in range(split, len(ids)):
+            hidden = pipe.decode(self.head.embed(torch.tensor([[ids[pos]]])), pos)
+            steps.append(self.head.logits(hidden)[0])
+        return torch.cat(steps)
+
     def final_hidden(self, ids: list[int]) -> torch.Tensor:
         return self.pipeline().prefill(self.head.embed(torch.tensor([ids])), capacity=len(ids))
 
