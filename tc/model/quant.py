@@ -103,6 +103,15 @@ def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
+def _float_rows(w: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of w as float32; raises QuantizationError if any is NaN or infinite."""
+    chunk = w[r0:r1].float()  # [n, in]
+    if not bool(torch.isfinite(chunk).all()):
+        raise QuantizationError(f"the weight has NaN or infinite values in rows {r0}..{r1 - 1}; "
+                                "the checkpoint is damaged or was saved in a dtype that overflowed")
+    return chunk
+
+
 # ---------------------------------------------------------------------------------------------------- int8
 
 
@@ -133,7 +142,7 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     qweight = torch.empty(rows, cols, dtype=torch.int8, device=w.device)
     scale = torch.empty(rows, dtype=torch.float32, device=w.device)
     for r0, r1 in _row_chunks(rows, cols):
-        chunk = w[r0:r1].float()  # [n, in]
+        chunk = _float_rows(w, r0, r1)  # [n, in]
         s = chunk.abs().amax(dim=1) / INT8_MAX  # [n]
         divisor = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row quantizes to zeros
         qweight[r0:r1] = torch.round(chunk / divisor[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -160,6 +169,11 @@ class Int4Weight:
     paths read the same codes the same way. in_features that is not a multiple of group_size is padded with
     copies of the row's last column (which leaves the last group's min and max as they were); the padding is
     stored, and dequantize drops it.
+
+    Scales and zero points are bfloat16, the kernels' format. The zero point's rounding (up to |zero| * 2^-9) is
+    absorbed by widening the step until the grid still spans the group, so every weight stays within half a step;
+    the cost is a coarser step only for groups whose spread is tiny next to their mean, which trained weights
+    (groups centred near zero) do not have.
     """
 
     packed: torch.Tensor  # uint8 [out, padded_in / 2], see `packing`
@@ -237,7 +251,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4
     scales = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
     zeros = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
     for r0, r1 in _row_chunks(rows, padded):
-        chunk = w[r0:r1].float()  # [n, in]
+        chunk = _float_rows(w, r0, r1)  # [n, in]
         if padded > cols:
             chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, padded - cols)], dim=1)  # [n, padded]
         codes, s, z = _int4_codes_and_params(chunk.reshape(r1 - r0, groups, group_size))
@@ -263,13 +277,26 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
     return deq.view(out, w.padded_in_features)[:, :cols].to(dtype)
 
 
-def _dequantize_int4_codes(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                           cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Portable forward's weight [out, cols] in `dtype`, from the module's buffers."""
+def _int4_portable_linear(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """x2 [M, padded_in] @ dequantized weight.T, in x2's dtype, from the portable buffers.
+
+    Even and odd columns are dequantized and multiplied separately (x2[:, 0::2] against the low nibbles, x2[:, 1::2]
+    against the high ones), which skips interleaving the nibbles back into one [out, in] matrix, the slowest step
+    of unpacking on CPU. Codes become signed (code - 8) while still int8, so only two float ops touch the weight.
+    """
     out, groups = scales.shape
-    codes = unpack_int4(packed).view(out, groups, group_size).to(dtype)  # [out, groups, group_size]
-    deq = (codes - INT4_OFFSET) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
-    return deq.view(out, groups * group_size)[:, :cols]
+    dtype = x2.dtype
+    s = scales.to(dtype)[..., None]  # [out, groups, 1]
+    z = zeros.to(dtype)[..., None]
+    y = None
+    for column, nibbles in ((0, packed & 0x0F), (1, packed >> 4)):
+        signed = nibbles.view(torch.int8) - INT4_OFFSET  # [out, padded_in / 2], exact in int8
+        w = (signed.view(out, groups, group_size // 2).to(dtype) * s + z).view(out, -1)  # [out, padded_in / 2]
+        part = F.linear(x2[:, column::2], w)
+        y = part if y is None else y + part
+    assert y is not None
+    return y
 
 
 # ------------------------------------------------------------------------------------------ kernel probes
@@ -301,8 +328,8 @@ def _int8_kernel(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -
 def int8_kernel_available(device_type: str) -> bool:
     """Whether aten._weight_int8pack_mm runs on `device_type` and agrees with the reference (probed once)."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 64, generator=gen)
-    x = torch.randn(3, 64, generator=gen)
+    w = torch.randn(64, 256, generator=gen)
+    x = torch.randn(3, 256, generator=gen)
     qw = quantize_int8(w)
     ref = x.to(_KERNEL_DTYPE).float() @ dequantize_int8(qw).T
     try:
@@ -328,20 +355,22 @@ class _Int4Kernel:
     def pack(self, packed: torch.Tensor) -> torch.Tensor:
         """Int4Weight.packed uint8 [N, K/2] -> the kernel's packed weight; N*K/2 bytes in every layout.
 
-        Packs a slab of rows at a time so the unpacked (and, on CPU, int32) codes never exist for the whole
-        matrix. Both packers lay rows out in independent tiles of at most 64 rows, so slabs whose row count is a
-        multiple of 64 pack to consecutive slices of the whole result.
+        On CPU it packs a slab of rows at a time so the int32 codes the packer takes never exist for the whole
+        matrix: the CPU packer lays rows out in independent blocks of 32 or 64, so slabs whose row count is a
+        multiple of 64 pack to consecutive slices of the whole result. GPU layouts are packed in one go (their
+        row tiling is not something to rely on, and a GPU holds the uint8 codes easily).
         """
         rows, half_k = packed.shape
-        step = max(64, (_CHUNK_ELEMENTS // (half_k * 2)) // 64 * 64)
+        step = max(64, (_CHUNK_ELEMENTS // (half_k * 2)) // 64 * 64) if self.device_type == "cpu" else rows
         out: torch.Tensor | None = None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             part = self._pack_slab(packed[r0:r1])
+            if r1 - r0 == rows:
+                return part
             if out is None:
-                rows_per_entry = (r1 - r0) // part.shape[0]  # 1 on CPU ([N, K/2]), 8 on GPUs ([N/8, ...])
-                out = part.new_empty((rows // rows_per_entry, *part.shape[1:]))
-            out[r0 // rows_per_entry:r1 // rows_per_entry] = part
+                out = part.new_empty((rows, *part.shape[1:]))  # [N, K/2] uint8
+            out[r0:r1] = part
         assert out is not None
         return out
 
@@ -428,11 +457,18 @@ class _QuantLinear(nn.Module):
             raise QuantizationError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach())
 
-    def _finish(self, y: torch.Tensor, lead: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        y = y.to(dtype).view(*lead, self.out_features)  # [..., out]
-        if self.bias is not None:
-            y = y + self.bias.to(dtype)
-        return y
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Kernel output [M, out] -> x's dtype, plus bias, shaped [..., out].
+
+        A decode step is a few microseconds of kernel on small layers, so every op skipped here counts: casts
+        only when dtypes differ, and the bias added in place (y is this call's fresh output).
+        """
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        bias = self._buffers["bias"]
+        if bias is not None:
+            y.add_(bias if bias.dtype == y.dtype else bias.to(y.dtype))
+        return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's own signature
         # .to(dtype) would cast the float scales too; the kernels read them in a fixed dtype and quantized_nbytes
@@ -449,7 +485,11 @@ class _QuantLinear(nn.Module):
             buf = self._buffers[name] if name in self._buffers else None
             if buf is not None and buf.dtype != dtype:
                 self._buffers[name] = buf.to(dtype)
+        self._after_apply()
         return self
+
+    def _after_apply(self) -> None:
+        """Hook for a subclass whose path depends on the device its buffers are on."""
 
     def extra_repr(self) -> str:
         path = "packed kernel" if self.uses_kernel else "portable"
@@ -468,13 +508,10 @@ class Int8Linear(_QuantLinear):
         """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        device_type = weight.qweight.device.type
-        shape_ok = _int8_kernel_shape_ok(self.in_features)
-        self.uses_kernel = _resolve_use_kernel(
-            use_kernel, shape_ok and int8_kernel_available(device_type),
-            f"no int8 packed kernel for {weight.shape} on {device_type}"
-            + ("" if shape_ok else " (in_features must be a multiple of 16)"))
-        self._kernel_device_type = None  # int8 codes are the same in both paths and on every device
+        self._use_kernel = use_kernel
+        self._device_type = weight.qweight.device.type
+        self.uses_kernel = self._choose_path(self._device_type)
+        self._kernel_device_type = None  # int8 codes are the same on both paths and every device
         self._fixed_dtypes = {"scale": torch.float32}
         qweight = weight.qweight
         if qweight.data_ptr() % _ALIGNMENT or not qweight.is_contiguous():
@@ -482,6 +519,20 @@ class Int8Linear(_QuantLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", weight.scale)
         self._init_bias(bias)
+
+    def _choose_path(self, device_type: str) -> bool:
+        shape_ok = _int8_kernel_shape_ok(self.in_features)
+        return _resolve_use_kernel(
+            self._use_kernel, shape_ok and int8_kernel_available(device_type),
+            f"no int8 packed kernel for {(self.out_features, self.in_features)} on {device_type}"
+            + ("" if shape_ok else " (in_features must be a multiple of 16)"))
+
+    def _after_apply(self) -> None:
+        # the codes mean the same everywhere, so a moved layer just picks the path its new device offers
+        device_type = self._buffers["qweight"].device.type
+        if device_type != self._device_type:
+            self._device_type = device_type
+            self.uses_kernel = self._choose_path(device_type)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, use_kernel: bool | None = None) -> "Int8Linear":
@@ -492,24 +543,26 @@ class Int8Linear(_QuantLinear):
         return Int8Weight(self.qweight, self.scale, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+        buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
+        qweight, scale = buffers["qweight"], buffers["scale"]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.uses_kernel:
-            y = _int8_kernel(x2, self.qweight, self.scale)
+            y = _int8_kernel(x2, qweight, scale)
         elif x.dtype == torch.float16:
             # x @ q.T can pass fp16's 65504 before the scale brings it down, so scale the weight instead
-            y = F.linear(x2, self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None])
+            y = F.linear(x2, qweight.to(x.dtype) * scale.to(x.dtype)[:, None])
         else:
-            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
-        return self._finish(y, lead, x.dtype)
+            y = F.linear(x2, qweight.to(x.dtype)) * scale.to(x.dtype)
+        return self._finish(y, x)
 
 
 class Int4Linear(_QuantLinear):
     """nn.Linear with group-wise int4 weights.
 
-    Portable path buffers: packed (Int4Weight.packed), scales, zeros; it dequantizes into x's dtype and runs a
-    normal matmul. Kernel path buffers: packed (the kernel's own layout, same byte count) and scales_and_zeros
-    [groups, out, 2]; activations are zero-padded to the padded width when in_features needed padding.
+    Portable path buffers: packed (Int4Weight.packed), scales, zeros; it dequantizes into x's dtype per call and
+    runs normal matmuls. Kernel path buffers: packed (the kernel's own layout, same byte count) and
+    scales_and_zeros [groups, out, 2]. Either way activations are zero-padded to the padded width when in_features
+    needed padding, so the padding columns contribute nothing.
     """
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None):
@@ -528,11 +581,22 @@ class Int4Linear(_QuantLinear):
                                    "multiple of 16)"))
         self._fixed_dtypes = {"scales": INT4_PARAM_DTYPE, "zeros": INT4_PARAM_DTYPE,
                               "scales_and_zeros": _KERNEL_DTYPE}
+        kernel_packed = None
         if self.uses_kernel:
+            assert kernel is not None
+            try:
+                kernel_packed = kernel.pack(weight.packed)
+            except RuntimeError as exc:  # the probe passed on its small matrix, but this shape is refused
+                if use_kernel:
+                    raise KernelUnavailableError(f"the int4 packer refused {weight.shape}: {exc}") from exc
+                log.warning("int4 packer refused %s on %s (%s); this layer takes the portable path",
+                            weight.shape, device_type, exc)
+                self.uses_kernel = False
+        if kernel_packed is not None:
             assert kernel is not None
             self._kernel = kernel
             self._kernel_device_type = device_type
-            self.register_buffer("packed", kernel.pack(weight.packed))
+            self.register_buffer("packed", kernel_packed)
             self.register_buffer("scales_and_zeros", _scales_and_zeros(weight.scales, weight.zeros))
         else:
             self._kernel_device_type = None
@@ -548,17 +612,15 @@ class Int4Linear(_QuantLinear):
         return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias, use_kernel=use_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+        buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if self.padded_in_features > self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]; weights there: any
         if self.uses_kernel:
-            if self.padded_in_features > self.in_features:
-                x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]
-            y = self._kernel.mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            y = self._kernel.mm(x2, buffers["packed"], self.group_size, buffers["scales_and_zeros"])
         else:
-            w = _dequantize_int4_codes(self.packed, self.scales, self.zeros, self.group_size, self.in_features,
-                                       x.dtype)
-            y = F.linear(x2, w)
-        return self._finish(y, lead, x.dtype)
+            y = _int4_portable_linear(x2, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size)
+        return self._finish(y, x)
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
@@ -579,7 +641,7 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GRO
                                 "(e.g. nn.Sequential(linear)) or call Int8Linear/Int4Linear.from_linear")
     replacements: dict[int, nn.Module] = {}  # id(Linear) -> its replacement, so a shared Linear stays shared
     for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # named_children() would skip a repeated child
             if not isinstance(child, nn.Linear):
                 continue
             if id(child) not in replacements:
