@@ -7,6 +7,9 @@ the safetensors key names, so a checkpoint loads with no renaming.
 from __future__ import annotations
 
 import logging
+import platform
+import time
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -51,6 +54,51 @@ def mps_supports_bf16() -> bool:
         return True
     except (RuntimeError, TypeError):
         return False
+
+
+@lru_cache(maxsize=None)
+def cpu_bf16_matmul_is_slow() -> bool:
+    """Whether this CPU multiplies bf16 matrices much slower than fp32 ones.
+
+    x86 CPUs without AVX512-BF16 or AMX have no bf16 arithmetic: a bf16 prefill-sized product ran 5-7x slower
+    than fp32 on one (AMD EPYC, AVX2). There, multi-token bf16 inputs are better multiplied in fp32, converting
+    the weight on the fly. Where the flags cannot be read (not Linux), a short timing decides.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is not None and platform.machine().lower() in ("x86_64", "amd64", "i686"):
+        return not ({"avx512_bf16", "amx_bf16"} & set(flags))
+    x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    def best(fn) -> float:
+        fn()  # the first call sets up kernels
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(lambda: F.linear(xb, wb)) > 1.5 * best(lambda: F.linear(xb.float(), wb.float()))
+
+
+UPCAST_MIN_TOKENS = 8  # one decode token is memory-bound, where bf16's smaller reads win
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose multi-token bf16 products run in fp32 on CPUs where bf16 matmul is slow (same result
+    up to rounding, several times faster prefill there). Quantization replaces it like any nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2
+                and x.shape[-2] >= UPCAST_MIN_TOKENS and cpu_bf16_matmul_is_slow()):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -101,10 +149,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, kv = config.hidden_size, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, hidden, bias=True)
-        self.k_proj = nn.Linear(hidden, kv, bias=True)
-        self.v_proj = nn.Linear(hidden, kv, bias=True)
-        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.q_proj = Linear(hidden, hidden, bias=True)
+        self.k_proj = Linear(hidden, kv, bias=True)
+        self.v_proj = Linear(hidden, kv, bias=True)
+        self.o_proj = Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, position_start: int) -> torch.Tensor:
@@ -130,9 +178,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: Qwen2Config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -211,7 +259,7 @@ class HeadModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
