@@ -2,10 +2,10 @@
 
     python build_zipapp.py [--out dist/tc.pyz] [--cache-dir build/zipapp-wheels]
 
-The archive carries tc/ (minus bytecode caches) plus falcon, waitress, cbor2, PyYAML (`yaml`), Jinja2 and
-MarkupSafe, each pinned below to one release and one wheel by sha256. Native packages (torch, safetensors,
-tokenizers, numpy, huggingface_hub) stay on each host; the archive's `__main__.py` runs `tc/__main__.py`, which
-checks for them before importing anything else.
+The archive carries tc/ (minus bytecode caches) plus falcon, waitress, cbor2, PyYAML (`yaml`), Jinja2,
+MarkupSafe and prometheus_client, each pinned below to one release and one wheel by sha256. Native packages
+(torch, safetensors, tokenizers, numpy, huggingface_hub) stay on each host; the archive's `__main__.py` runs
+`tc/__main__.py`, which checks for them before importing anything else.
 
 Only `.py` files go into the archive. falcon, cbor2, PyYAML and MarkupSafe each ship optional C speedups with a
 pure-Python fallback: a zip cannot load a shared library, and one archive must run on Linux and macOS under
@@ -75,6 +75,9 @@ PINS: tuple[Pin, ...] = (
         "markupsafe-3.0.3-cp311-cp311-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
         "0bf2a864d67e76e5c9a34dc26ec616a66b9888e25e7b9460e1c76d3293bd9dbf", ("markupsafe",),
         pip_select=CPYTHON_WHEEL),
+    # the head's /metrics; its twisted/aiohttp/django helpers are plain modules imported only on demand
+    Pin("prometheus_client", "0.26.0", "prometheus_client-0.26.0-py3-none-any.whl",
+        "fa93d06737aa02bacd05794768508bb97d2fbee28cb3bca04eaae92f0ca953d6", ("prometheus_client",)),
 )
 
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")

@@ -11,6 +11,7 @@ is held is either released (EOS, length) or cut at the stop string.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
@@ -152,6 +153,7 @@ class Step:
     text: str
     tokens: tuple[TokenInfo, ...]
     completion: Completion | None = None
+    prompt: tuple[TokenInfo, ...] = ()  # on the first step only, when SamplingParams.prompt_logprobs
 
 
 def text_with_offsets(tokenizer: TextTokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
@@ -244,7 +246,9 @@ class Generator:
         started = time.perf_counter()
         hidden = self.pipeline.prefill(self.head.embed(torch.tensor([prompt_ids])),
                                        capacity=len(prompt_ids) + max_tokens)
-        prompt = self._prompt_infos(prompt_ids, hidden, params.logprobs or 0) if params.prompt_logprobs else ()
+        prompt_infos = (self._prompt_infos(prompt_ids, hidden, params.logprobs or 0) if params.prompt_logprobs
+                        else ())
+        unsent_prompt = prompt_infos  # the first step carries it
         logits = self._next_logits(hidden)
         history = TokenHistory(logits.shape[-1], prompt_ids) if params.penalised else None
         state = CompletionText(self.tokenizer, params.stop)
@@ -266,15 +270,16 @@ class Generator:
                 break
             if len(state.tokens) == max_tokens:
                 break
-            yield state.release()
+            yield dataclasses.replace(state.release(), prompt=unsent_prompt)
+            unsent_prompt = ()
             position = len(prompt_ids) + len(state.tokens) - 1
             hidden = self.pipeline.decode(self.head.embed(torch.tensor([[token]])), position)
             logits = self._next_logits(hidden)
         done = time.perf_counter()
         text, rest_text, rest_tokens = state.finish()
         completion = Completion(tuple(t.id for t in state.tokens), text, finish, len(prompt_ids),
-                                first_token_at - started, done - first_token_at, tuple(state.tokens), prompt)
-        yield Step(rest_text, rest_tokens, completion)
+                                first_token_at - started, done - first_token_at, tuple(state.tokens), prompt_infos)
+        yield Step(rest_text, rest_tokens, completion, unsent_prompt)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_text: Callable[[str], None] | None = None) -> Completion:

@@ -1,6 +1,13 @@
-"""Choosing the next token from logits: greedy, temperature and top-p. Pure functions of tensors."""
+"""Choosing the next token from logits, and reporting how likely it was. Pure functions of tensors.
+
+The order is the one HF transformers and vLLM use: penalties on the raw logits (repetition, then presence and
+frequency), then temperature, then top-k and top-p, then one draw from a seeded `torch.Generator`. Greedy
+(temperature 0) takes the argmax after the penalties. Log-probabilities are reported from the raw model
+distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did.
+"""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -8,27 +15,135 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    """What to generate and how to choose each token. Neutral values switch a feature off."""
+
+    max_tokens: int = 16  # 0 only runs the prompt (for its log-probabilities)
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0  # 0: every token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # report each generated token's log-probability and this many alternatives
+    prompt_logprobs: bool = False  # also report the prompt tokens' log-probabilities (with `logprobs` alternatives)
 
     def __post_init__(self) -> None:
-        assert self.max_tokens >= 1 and self.temperature >= 0 and 0 < self.top_p <= 1
+        assert self.max_tokens >= 0 and self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0
+        assert self.repetition_penalty > 0 and (self.logprobs is None or self.logprobs >= 0)
+        assert not self.prompt_logprobs or self.logprobs is not None
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """The next token id for fp32 `logits` [vocab]. Greedy at temperature 0."""
-    if temperature == 0:
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's report: the chosen token's log-probability and the most likely tokens there."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+def new_rng(seed: int | None) -> torch.Generator:
+    """A generator for one request: seeded from `seed` (a signed 64-bit integer), else from the OS."""
+    rng = torch.Generator()
+    rng.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return rng
+
+
+class TokenHistory:
+    """Which tokens a request has seen, for the penalties: counts of generated tokens, and every token seen."""
+
+    def __init__(self, vocab_size: int, prompt_ids: list[int]):
+        self.counts = torch.zeros(vocab_size)  # [V] times each token was generated
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [V] in the prompt or generated
+        self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1
+        self.seen[token] = True
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's repetition penalty: seen tokens' positive logits divided by `penalty`, negative ones multiplied."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: subtract `frequency` per earlier occurrence and `presence` once if any."""
+    if not presence and not frequency:
+        return logits
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def penalise(logits: torch.Tensor, history: TokenHistory | None, params: SamplingParams) -> torch.Tensor:
+    if history is None:
+        return logits
+    logits = apply_repetition_penalty(logits, history.seen, params.repetition_penalty)
+    return apply_presence_frequency(logits, history.counts, params.presence_penalty, params.frequency_penalty)
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the `k` largest logits (all of them for k = 0 or k >= vocab); the rest become -inf."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches `top_p` (at least one token)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    drop = cumulative - sorted_probs >= top_p  # the mass before this token already reached top_p
+    drop[..., 0] = False  # a top_p below fp32's smallest number compares as 0, which would drop even this one
+    sorted_probs[drop] = 0.0
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+           top_k: int = 0) -> int:
+    """The next token id for fp32 `logits` [vocab] (already penalised). Greedy at temperature 0."""
+    # a temperature below the logits' dtype's smallest number is 0 there; greedy is what it tends to anyway
+    if temperature == 0 or logits.new_tensor(temperature) == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = cumulative - sorted_probs >= top_p
-        sorted_probs[drop] = 0.0
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
+    logits = filter_top_k(logits, top_k)
+    # shifted so the largest is 0 before dividing: a tiny temperature then gives -inf for the rest, never inf - inf
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    probs = filter_top_p(probs, top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
+           rng: torch.Generator) -> int:
+    """The next token for raw fp32 `logits` [vocab] under `params`."""
+    return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k)
+
+
+def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """`token`'s log-probability under raw `logits` [vocab], with the `top_n` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return _report(logprobs, token, top_n)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """For logits [L, vocab] at positions 0..L-1, the log-probability of each next token next_ids[0..L-1]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
+    return [_report(row, token, top_n) for row, token in zip(logprobs, next_ids)]
+
+
+def _report(logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(float(logprobs[token]), top)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 
 import falcon
@@ -110,11 +111,27 @@ def test_parse_chat_request_joins_text_parts_and_keeps_names():
         is None
 
 
-@pytest.mark.parametrize("body", [b"", b"  ", b"{", b"\xff\xfe", b"[1]", b'"text"', b'{"a": NaN}'])
+@pytest.mark.parametrize("body", [b"", b"  ", b"{", b"\xff\xfe", b"[1]", b'"text"', b'{"a": NaN}',
+                                  b"[" * 5000 + b"]" * 5000, b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
 def test_decode_json_body_refuses_what_is_not_a_json_object(body):
     with pytest.raises(RequestError) as info:
         decode_json_body(body)
     assert info.value.param is None and info.value.code in ("invalid_json", "invalid_type")
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "\\ud800", "prompt": "a"}', "model"),
+    (b'{"model": "m", "prompt": ["a\\udfffb"]}', "prompt[0]"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"model": "m", "stop": {"\\ud800": 1}}', "stop"),
+])
+def test_decode_json_body_refuses_lone_surrogates_by_path(body, param):
+    with pytest.raises(RequestError) as info:
+        decode_json_body(body)
+    assert info.value.param == param and info.value.code == "invalid_value"
+    info.value.message.encode("utf-8")  # the reply can carry its message
+    assert decode_json_body(b'{"p": "\\ud83d\\ude00"}') == {"p": "\U0001f600"}  # a pair is one character
 
 
 # --- bad requests, through the app ------------------------------------------------------------------------------
@@ -148,6 +165,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, b"[1, 2]", 400, "invalid_request_error", None, "invalid_type"),
     (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "invalid_request_error", None,
      "invalid_json"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     "invalid_request_error", None, "invalid_json"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', 400, "invalid_request_error",
+     "prompt", "invalid_value"),
+    (CHAT, b'{"model": "\\ud800", "messages": []}', 400, "invalid_request_error", "model", "invalid_value"),
     (COMPLETIONS, completion(model=DROP), 400, "invalid_request_error", "model", "missing_required_parameter"),
     (COMPLETIONS, completion(model=None), 400, "invalid_request_error", "model", "missing_required_parameter"),
     (COMPLETIONS, completion(model=5), 400, "invalid_request_error", "model", "invalid_type"),
@@ -163,6 +185,8 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(prompt=""), 400, "invalid_request_error", "prompt", "invalid_value"),
     (COMPLETIONS, completion(prompt="x" * 256), 400, "invalid_request_error", "prompt", "context_length_exceeded"),
     (COMPLETIONS, completion(max_tokens=0), 400, "invalid_request_error", "max_tokens", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens=-1, echo=True), 400, "invalid_request_error", "max_tokens",
+     "invalid_value"),
     (COMPLETIONS, completion(max_tokens="4"), 400, "invalid_request_error", "max_tokens", "invalid_type"),
     (COMPLETIONS, completion(max_tokens=True), 400, "invalid_request_error", "max_tokens", "invalid_type"),
     (COMPLETIONS, completion(max_tokens=2.5), 400, "invalid_request_error", "max_tokens", "invalid_type"),
@@ -180,15 +204,37 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(stop=["a", 1]), 400, "invalid_request_error", "stop[1]", "invalid_type"),
     (COMPLETIONS, completion(n=2), 400, "invalid_request_error", "n", "unsupported_value"),
     (COMPLETIONS, completion(n="1"), 400, "invalid_request_error", "n", "invalid_type"),
-    (COMPLETIONS, completion(stream=True), 400, "invalid_request_error", "stream", "unsupported_value"),
     (COMPLETIONS, completion(stream="no"), 400, "invalid_request_error", "stream", "invalid_type"),
+    (COMPLETIONS, completion(stream_options={"include_usage": True}), 400, "invalid_request_error",
+     "stream_options", "invalid_value"),
+    (COMPLETIONS, completion(stream=True, stream_options=True), 400, "invalid_request_error", "stream_options",
+     "invalid_type"),
+    (COMPLETIONS, completion(stream=True, stream_options={"continuous_usage_stats": True}), 400,
+     "invalid_request_error", "stream_options.continuous_usage_stats", "unsupported_parameter"),
+    (COMPLETIONS, completion(stream=True, stream_options={"include_usage": 1}), 400, "invalid_request_error",
+     "stream_options.include_usage", "invalid_type"),
     (COMPLETIONS, completion(seed=1.5), 400, "invalid_request_error", "seed", "invalid_type"),
     (COMPLETIONS, completion(seed=2**64), 400, "invalid_request_error", "seed", "invalid_value"),
     (COMPLETIONS, completion(user=5), 400, "invalid_request_error", "user", "invalid_type"),
-    (COMPLETIONS, completion(logprobs=2), 400, "invalid_request_error", "logprobs", "unsupported_parameter"),
-    (COMPLETIONS, completion(presence_penalty=0.5), 400, "invalid_request_error", "presence_penalty",
+    (COMPLETIONS, completion(logprobs=21), 400, "invalid_request_error", "logprobs", "invalid_value"),
+    (COMPLETIONS, completion(logprobs=-1), 400, "invalid_request_error", "logprobs", "invalid_value"),
+    (COMPLETIONS, completion(logprobs=True), 400, "invalid_request_error", "logprobs", "invalid_type"),
+    (COMPLETIONS, completion(presence_penalty=2.5), 400, "invalid_request_error", "presence_penalty",
+     "invalid_value"),
+    (COMPLETIONS, completion(frequency_penalty="x"), 400, "invalid_request_error", "frequency_penalty",
+     "invalid_type"),
+    (COMPLETIONS, completion(repetition_penalty=0), 400, "invalid_request_error", "repetition_penalty",
+     "invalid_value"),
+    (COMPLETIONS, completion(top_k=-2), 400, "invalid_request_error", "top_k", "invalid_value"),
+    (COMPLETIONS, completion(top_k=1.5), 400, "invalid_request_error", "top_k", "invalid_type"),
+    (COMPLETIONS, completion(echo=0), 400, "invalid_request_error", "echo", "invalid_type"),
+    (COMPLETIONS, completion(logit_bias={"1": 5}), 400, "invalid_request_error", "logit_bias",
      "unsupported_parameter"),
-    (COMPLETIONS, completion(echo=0), 400, "invalid_request_error", "echo", "unsupported_parameter"),
+    (COMPLETIONS, completion(best_of=2), 400, "invalid_request_error", "best_of", "unsupported_parameter"),
+    (COMPLETIONS, completion(suffix="x"), 400, "invalid_request_error", "suffix", "unsupported_parameter"),
+    (COMPLETIONS, completion(min_p=0.1), 400, "invalid_request_error", "min_p", "unsupported_parameter"),
+    (COMPLETIONS, completion(top_logprobs=2), 400, "invalid_request_error", "top_logprobs",
+     "unsupported_parameter"),
     (COMPLETIONS, completion(messages=[]), 400, "invalid_request_error", "messages", "unsupported_parameter"),
     (COMPLETIONS, completion(max_token=4), 400, "invalid_request_error", "max_token", "unsupported_parameter"),
     (CHAT, b"null", 400, "invalid_request_error", None, "invalid_type"),
@@ -213,9 +259,18 @@ BAD_REQUESTS = [
      "invalid_value"),
     (CHAT, chat(max_completion_tokens=0), 400, "invalid_request_error", "max_completion_tokens", "invalid_value"),
     (CHAT, chat_message(content="x" * 300), 400, "invalid_request_error", "messages", "context_length_exceeded"),
-    (CHAT, chat(stream=True), 400, "invalid_request_error", "stream", "unsupported_value"),
+    (CHAT, chat(stream=1), 400, "invalid_request_error", "stream", "invalid_type"),
+    (CHAT, chat(stream=False, stream_options={"include_usage": True}), 400, "invalid_request_error",
+     "stream_options", "invalid_value"),
     (CHAT, chat(n=3), 400, "invalid_request_error", "n", "unsupported_value"),
-    (CHAT, chat(logprobs=True), 400, "invalid_request_error", "logprobs", "unsupported_parameter"),
+    (CHAT, chat(logprobs=1), 400, "invalid_request_error", "logprobs", "invalid_type"),
+    (CHAT, chat(top_logprobs=3), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
+    (CHAT, chat(logprobs=False, top_logprobs=3), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
+    (CHAT, chat(echo=True), 400, "invalid_request_error", "echo", "unsupported_parameter"),
+    (CHAT, chat(max_tokens=0), 400, "invalid_request_error", "max_tokens", "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "invalid_request_error", "response_format",
+     "unsupported_parameter"),
     (CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_request_error", "tools", "unsupported_parameter"),
     (CHAT, chat(prompt="x"), 400, "invalid_request_error", "prompt", "unsupported_parameter"),
 ]
@@ -226,15 +281,16 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, sta
     assert_error_shape(post(client, path, body), status, type_, param, code)
 
 
-def test_unsupported_field_message_names_it(client):
-    error = assert_error_shape(post(client, COMPLETIONS, completion(logprobs=2)), 400, "invalid_request_error",
-                               "logprobs")
-    assert "unsupported field 'logprobs'" in error["message"]
-
-
-def test_streaming_refusal_says_so(client):
-    error = assert_error_shape(post(client, CHAT, chat(stream=True)), 400, "invalid_request_error", "stream")
-    assert "streaming is not supported yet" in error["message"]
+@pytest.mark.parametrize("path, body, field", [
+    (COMPLETIONS, completion(min_p=0.1), "min_p"),
+    (COMPLETIONS, completion(logit_bias={"50": 10}), "logit_bias"),
+    (CHAT, chat(parallel_tool_calls=True), "parallel_tool_calls"),
+    (CHAT, chat(stream=True, stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
+])
+def test_unsupported_field_is_refused_by_name(client, path, body, field):
+    error = assert_error_shape(post(client, path, body), 400, "invalid_request_error", field,
+                               "unsupported_parameter")
+    assert f"unsupported field '{field}'" in error["message"]
 
 
 def test_context_length_message_gives_both_numbers(client):
@@ -245,10 +301,16 @@ def test_context_length_message_gives_both_numbers(client):
 
 def test_neutral_values_of_unimplemented_fields_are_served(client):
     body = completion(presence_penalty=0, frequency_penalty=0.0, logprobs=None, echo=False, best_of=1, n=1,
-                      stream=False, user="someone", stop=None, seed=None, logit_bias={})
-    assert post(client, COMPLETIONS, body).status_code == 200
-    body = chat(logprobs=False, top_logprobs=None, response_format={"type": "text"}, tools=None, n=None)
-    assert post(client, CHAT, body).status_code == 200
+                      stream=False, user="someone", stop=None, seed=None, logit_bias={}, suffix=None,
+                      stream_options=None, top_k=-1, repetition_penalty=1)
+    reply = post(client, COMPLETIONS, body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json["choices"][0]["logprobs"] is None
+    body = chat(logprobs=False, top_logprobs=None, response_format={"type": "text"}, tools=None, n=None,
+                tool_choice="none", max_completion_tokens=2)
+    reply = post(client, CHAT, body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json["choices"][0]["logprobs"] is None
 
 
 def test_chat_template_failure_is_a_client_error(generator):
@@ -461,9 +523,9 @@ def test_each_request_logs_one_line(client, caplog):
         client.simulate_get("/v1/nothing")
     lines = [r.getMessage() for r in caplog.records if r.name == "tc.head.api"]
     assert len(lines) == 2
-    assert lines[0].startswith("POST /v1/completions 200 prompt_tokens=5 completion_tokens=")
-    assert lines[0].endswith("s")
-    assert lines[1].startswith("GET /v1/nothing 404 ")
+    assert re.fullmatch(r"POST /v1/completions 200 id=cmpl-[0-9a-f]{32} prompt_tokens=5 completion_tokens=2 "
+                        r"ttft=\d+\.\d{3}s tokens_per_s=\d+\.\d finish=length \d+\.\d{3}s", lines[0]), lines[0]
+    assert re.fullmatch(r"GET /v1/nothing 404 \d+\.\d{3}s", lines[1]), lines[1]
 
 
 def test_health_and_readiness(generator):
@@ -475,3 +537,121 @@ def test_health_and_readiness(generator):
     assert not_ready.json == {"ready": False, "required_nodes": 2, "ready_nodes": ["a"], "missing_nodes": ["b"]}
     ready = testing.TestClient(create_app(make_service(generator))).simulate_get("/health/ready")
     assert ready.status_code == 200 and ready.json["ready"] is True
+
+
+# --- the fields beyond the first set -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> OurModel:
+    return OurModel(tiny_model_dir)
+
+
+def reference_logprobs(reference: OurModel, ids: list[int]) -> torch.Tensor:
+    """log_softmax of our single-process fp32 logits: row i is the distribution of the token after ids[:i+1]."""
+    return torch.log_softmax(reference.full_logits(ids), dim=-1)
+
+
+def test_completion_logprobs_match_the_single_process_model(client, generator, reference):
+    prompt_ids = generator.tokenizer.encode("Say this is a test")
+    reply = post(client, COMPLETIONS, completion(prompt=prompt_ids, max_tokens=8, temperature=0,
+                                                 logprobs=3)).json["choices"][0]
+    expected = direct(generator, prompt_ids, max_tokens=8, temperature=0.0)
+    logprobs = reply["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(logprobs["tokens"]) == len(expected.token_ids) == 8
+    table = reference_logprobs(reference, prompt_ids + list(expected.token_ids))
+    for i, token in enumerate(expected.token_ids):
+        row = table[len(prompt_ids) - 1 + i]
+        assert logprobs["token_logprobs"][i] == pytest.approx(float(row[token]), abs=1e-4)
+        top = logprobs["top_logprobs"][i]
+        # the 3 most likely and the chosen token (greedy: the most likely), keyed by text: the tiny model's
+        # padding ids all read "", so keys may collide and leave fewer entries
+        assert 1 <= len(top) <= 3 and top[logprobs["tokens"][i]] == logprobs["token_logprobs"][i]
+        best = torch.topk(row, 3).values.tolist()
+        assert all(any(abs(v - b) < 1e-4 for b in best) for v in top.values())
+    assert logprobs["text_offset"][0] == 0
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+
+def test_chat_logprobs_match_the_single_process_model(client, generator, reference):
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt_ids = generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages))
+    reply = post(client, CHAT, {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0,
+                                "logprobs": True, "top_logprobs": 2}).json["choices"][0]
+    expected = direct(generator, prompt_ids, max_tokens=6, temperature=0.0)
+    content = reply["logprobs"]["content"]
+    assert len(content) == len(expected.token_ids)
+    table = reference_logprobs(reference, prompt_ids + list(expected.token_ids))
+    raw = b""
+    specials = generator.tokenizer.tokenizer.get_added_tokens_decoder()
+    for i, (entry, token) in enumerate(zip(content, expected.token_ids)):
+        row = table[len(prompt_ids) - 1 + i]
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(torch.topk(row, 2).values.tolist(),
+                                                                             abs=1e-4)
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]  # greedy: the chosen token is the most likely
+        if token not in specials:  # the text leaves special tokens out; their entries still show them
+            raw += bytes(entry["bytes"])
+    # the bytes put back together are the text (the tiny tokenizer has one token per byte)
+    assert raw.decode("utf-8", errors="replace").startswith(reply["message"]["content"])
+    # logprobs without top_logprobs: the chosen tokens only
+    plain = post(client, CHAT, {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0,
+                                "logprobs": True}).json["choices"][0]["logprobs"]["content"]
+    assert [e["top_logprobs"] for e in plain] == [[], []]
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(client, generator, reference):
+    prompt = "Say this"
+    prompt_ids = generator.tokenizer.encode(prompt)
+    reply = post(client, COMPLETIONS, completion(prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                                 logprobs=1)).json
+    expected = direct(generator, prompt_ids, max_tokens=3, temperature=0.0)
+    choice = reply["choices"][0]
+    assert choice["text"] == prompt + expected.text
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["text_offset"][:len(prompt_ids)] == list(range(len(prompt)))
+    assert logprobs["text_offset"][len(prompt_ids)] == len(prompt)
+    table = reference_logprobs(reference, prompt_ids + list(expected.token_ids))
+    for i, token in enumerate(prompt_ids[1:] + list(expected.token_ids), start=1):
+        assert logprobs["token_logprobs"][i] == pytest.approx(float(table[i - 1][token]), abs=1e-4)
+    assert reply["usage"]["completion_tokens"] == 3
+    # max_tokens 0 with echo: the prompt scored, nothing generated
+    only = post(client, COMPLETIONS, completion(prompt=prompt, max_tokens=0, echo=True, logprobs=0)).json
+    assert only["choices"][0]["text"] == prompt and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:len(prompt_ids)]
+
+
+def test_stop_as_a_string_or_a_list(client, generator):
+    text = direct(generator, generator.tokenizer.encode("Hello"), max_tokens=12, temperature=0.0).text
+    cut = next(i for i, ch in enumerate(text) if i > 0 and text.index(ch) == i)
+    for stop in (text[cut], [text[cut]], ["never appears", text[cut:cut + 2]]):
+        reply = post(client, COMPLETIONS, completion(prompt="Hello", max_tokens=12, temperature=0, stop=stop)).json
+        assert reply["choices"][0]["text"] == text[:cut] and reply["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path, base", [(COMPLETIONS, completion(prompt="Hello")), (CHAT, GOOD_CHAT)])
+def test_same_seed_same_text_other_seed_other_text(client, path, base):
+    body = {**base, "max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "presence_penalty": 0.5,
+            "frequency_penalty": 0.3, "repetition_penalty": 1.1}
+
+    def text(seed: int) -> str:
+        choice = post(client, path, {**body, "seed": seed}).json["choices"][0]
+        return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
+
+    first = text(1234)
+    assert text(1234) == first
+    assert any(text(seed) != first for seed in (1, 2, 3))
+
+
+def test_penalties_change_greedy_output(client, generator):
+    prompt = "Hello"
+    plain = post(client, COMPLETIONS, completion(prompt=prompt, max_tokens=30, temperature=0)).json
+    tokens = direct(generator, generator.tokenizer.encode(prompt), max_tokens=30, temperature=0.0).token_ids
+    assert len(set(tokens)) < len(tokens)  # the tiny model repeats itself, so a penalty has work to do
+    for field, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0), ("repetition_penalty", 2.0)):
+        penalised = post(client, COMPLETIONS, completion(prompt=prompt, max_tokens=30, temperature=0,
+                                                         **{field: value})).json
+        assert penalised["choices"][0]["text"] != plain["choices"][0]["text"], field

@@ -90,10 +90,30 @@ def test_chat_through_the_openai_client(client, generator):
     assert reply.usage.prompt_tokens == len(prompt_ids)
 
 
+def test_sampling_fields_through_the_openai_client(client):
+    def ask(seed: int):
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.8, seed=seed,
+                                         presence_penalty=0.3, frequency_penalty=0.2, stop=["\n\n", "zz"],
+                                         logprobs=2, extra_body={"top_k": 20, "repetition_penalty": 1.1})
+
+    first = ask(42)
+    assert ask(42).choices[0].text == first.choices[0].text
+    logprobs = first.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == first.usage.completion_tokens
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
+    assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.content) <= 3
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=2)
-    assert info.value.body["param"] == "logprobs" and info.value.code == "unsupported_parameter"
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"50": 10})
+    assert info.value.body["param"] == "logit_bias" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs" and info.value.code == "invalid_value"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}], max_tokens=1)
     assert info.value.code == "model_not_found"

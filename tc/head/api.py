@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (SPEC.md 6): a Falcon WSGI app over a `GenerationService`.
 
-Resources are thin: read the body, parse it (`api_requests`), call the service, serialise the reply. Every
-failure, ours or Falcon's own (unknown route, wrong method, bad header), leaves through one error handler as an
-OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so clients never see an HTML page.
-Handlers are synchronous; the service serialises generations, and Waitress runs each request in its own thread.
+Resources are thin: read the body, parse it (`api_requests`), call the service, shape the reply (`streaming`:
+whole, or as server-sent events). Every failure, ours or Falcon's own (unknown route, wrong method, bad header),
+leaves through one error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so
+clients never see an HTML page; a failure after a stream has started is its last event instead. Handlers are
+synchronous; the service serialises generations, and Waitress runs each request in its own thread.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import falcon
 
-from ..generation import Completion
+from ..generation import text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
+from ..planner import Plan
+from ..sampling import SamplingParams
 from .api_requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyTooLarge,
@@ -28,7 +31,10 @@ from .api_requests import (
     parse_chat_request,
     parse_completion_request,
 )
-from .service import ClusterNotReady, GenerationService, QueueFull, ServiceError, StageFailed, WorkerLost
+from .metrics import Metrics
+from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
+                      ServiceError, StageFailed, WorkerLost)
+from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +95,8 @@ def _falcon_error_reply(exc: falcon.HTTPError, request_line: str) -> ErrorReply:
     if isinstance(exc, falcon.HTTPNotFound):
         return ErrorReply(404, "invalid_request_error",
                           f"Invalid URL ({request_line}); this server serves GET /v1/models, "
-                          "GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions",
+                          "GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions, "
+                          "GET /v1/cluster, GET /health, GET /health/ready and GET /metrics",
                           None, "unknown_url", headers)
     if isinstance(exc, falcon.HTTPMethodNotAllowed):
         allowed = (exc.headers or {}).get("Allow", "")
@@ -107,35 +114,6 @@ def _falcon_error_reply(exc: falcon.HTTPError, request_line: str) -> ErrorReply:
 
 def model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
-
-
-def _usage(completion: Completion) -> dict[str, int]:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
-
-
-def completion_body(completion: Completion, model_id: str, created: int) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": created,
-        "model": model_id,
-        "choices": [{"text": completion.text, "index": 0, "logprobs": None,
-                     "finish_reason": completion.finish_reason}],
-        "usage": _usage(completion),
-    }
-
-
-def chat_completion_body(completion: Completion, model_id: str, created: int) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model_id,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
-                     "logprobs": None, "finish_reason": completion.finish_reason}],
-        "usage": _usage(completion),
-    }
 
 
 def _vocab_size(tokenizer: TextTokenizer) -> int:
@@ -179,13 +157,100 @@ class HealthResource:
     def on_get_ready(self, req: falcon.Request, resp: falcon.Response) -> None:
         readiness = self.service.readiness()
         resp.status = 200 if readiness.is_ready else 503
-        resp.media = {"ready": readiness.is_ready, "required_nodes": readiness.required,
-                      "ready_nodes": list(readiness.ready), "missing_nodes": list(readiness.missing)}
+        resp.media = _readiness_body(readiness)
+
+
+class ClusterView(Protocol):
+    """What GET /v1/cluster shows of the workers (the head's WorkerRegistry is one)."""
+
+    plan: Plan
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One row per planned node: state, device, layers, memory, seconds since last heard."""
+
+
+def plan_body(plan: Plan) -> dict[str, Any]:
+    return {"num_layers": plan.num_layers, "total_weight_bytes": plan.total_weight_bytes,
+            "stages": [{"node_id": s.node_id, "layers": [s.start, s.end], "device": s.device, "dtype": s.dtype,
+                        "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes} for s in plan.stages]}
+
+
+def _readiness_body(readiness: Readiness) -> dict[str, Any]:
+    return {"ready": readiness.is_ready, "required_nodes": readiness.required,
+            "ready_nodes": list(readiness.ready), "missing_nodes": list(readiness.missing)}
+
+
+class ClusterResource:
+    """GET /v1/cluster: readiness, the queue, the plan and each node's state (plan null, nodes [] in-process)."""
+
+    def __init__(self, service: GenerationService, cluster: ClusterView | None):
+        self.service, self.cluster = service, cluster
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body: dict[str, Any] = {"object": "cluster", "model": self.service.model_id,
+                                **_readiness_body(self.service.readiness()),
+                                "queue": {"waiting": self.service.queue_depth, "running": self.service.running,
+                                          "limit": self.service.max_queue},
+                                "plan": None, "nodes": []}
+        if self.cluster is not None:
+            body["plan"], body["nodes"] = plan_body(self.cluster.plan), self.cluster.snapshot()
+        resp.media = body
+
+
+class MetricsResource:
+    """GET /metrics: Prometheus's text format."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.data, resp.content_type = self.metrics.render()
+
+
+class _Generation:
+    """Serving one generation request, whole or streamed; shared by both endpoints."""
+
+    def __init__(self, service: GenerationService):
+        self.service = service
+
+    def serve(self, req: falcon.Request, resp: falcon.Response, prompt_ids: list[int], params: SamplingParams,
+              reply: ReplyFormat, request_id: str, include_usage: bool, stream: bool) -> None:
+        generation = self.service.open(prompt_ids, params)
+        req.context.request_id, req.context.generation = request_id, generation
+        if not stream:
+            with generation:
+                resp.media = reply.whole(generation.drain())
+            return
+        started, request_line = req.context.started, f"{req.method} {req.path}"
+
+        def on_close(events: EventStream) -> None:
+            _log_generation(request_line, 200, time.perf_counter() - started, request_id, generation.summary())
+
+        try:
+            resp.stream = EventStream(generation, reply, include_usage=include_usage, on_close=on_close,
+                                      error_body=lambda exc: _stream_error_body(exc, request_line))
+        except BaseException:
+            generation.close()  # nobody else holds it yet to give the turn back
+            raise
+        req.context.deferred_log = True  # the reply ends when the stream does: it logs then
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.set_header("X-Accel-Buffering", "no")  # reverse proxies must not hold events back
+
+
+def _stream_error_body(exc: Exception, request_line: str) -> dict[str, Any]:
+    reply = error_reply(exc, request_line)
+    if reply.status == 500:
+        log.error("%s failed while streaming", request_line, exc_info=exc)
+    else:
+        log.warning("%s: %s (while streaming)", request_line, reply.message)
+    return reply.body()
 
 
 class CompletionsResource:
-    def __init__(self, service: GenerationService, max_body_bytes: int):
-        self.service, self.max_body_bytes = service, max_body_bytes
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
+        self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.generation = _Generation(service)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_completion_request(read_json_body(req, self.max_body_bytes))
@@ -195,14 +260,20 @@ class CompletionsResource:
         else:
             prompt_ids = list(request.prompt)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt")
-        completion = self.service.complete(prompt_ids, request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS))
-        req.context.completion = completion
-        resp.media = completion_body(completion, self.service.model_id, int(time.time()))
+        params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, prompt_logprobs=request.echo)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        context = ReplyContext(request_id, int(time.time()), self.service.model_id,
+                               request.streaming.include_usage)
+        echo_text = text_with_offsets(self.service.tokenizer, prompt_ids)[0] if request.echo else None
+        reply = CompletionReply(context, self.token_text, logprobs=params.logprobs, echo_text=echo_text)
+        self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
+                              request.streaming.stream)
 
 
 class ChatCompletionsResource:
-    def __init__(self, service: GenerationService, max_body_bytes: int):
-        self.service, self.max_body_bytes = service, max_body_bytes
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
+        self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.generation = _Generation(service)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_chat_request(read_json_body(req, self.max_body_bytes))
@@ -214,25 +285,48 @@ class ChatCompletionsResource:
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         params = request.sampling.to_params(default_max_tokens=self.service.context_length - len(prompt_ids))
-        completion = self.service.complete(prompt_ids, params)
-        req.context.completion = completion
-        resp.media = chat_completion_body(completion, self.service.model_id, int(time.time()))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        context = ReplyContext(request_id, int(time.time()), self.service.model_id,
+                               request.streaming.include_usage)
+        reply = ChatReply(context, self.token_text, logprobs=params.logprobs)
+        self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
+                              request.streaming.stream)
+
+
+def _log_generation(request_line: str, status: int, seconds: float, request_id: str,
+                    summary: GenerationSummary) -> None:
+    log.info("%s %d id=%s prompt_tokens=%d completion_tokens=%d ttft=%.3fs tokens_per_s=%.1f finish=%s %.3fs",
+             request_line, status, request_id, summary.prompt_tokens, summary.completion_tokens,
+             summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.outcome, seconds)
 
 
 class RequestLog:
-    """Middleware: one INFO line per request with its status, token counts and duration."""
+    """Middleware: counts each request, and logs one INFO line when it ends.
+
+    A generation's line has its id, token counts, time to first token and decode rate. A streamed reply ends
+    after Falcon is done with it, so its line comes from the stream's close().
+    """
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.started = time.perf_counter()
-        req.context.completion = None
+        req.context.generation = None
+        req.context.deferred_log = False
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          req_succeeded: bool) -> None:
+        self.metrics.observe_request(req.method, req.uri_template or "unmatched", resp.status_code)
+        if req.context.deferred_log:
+            return
         seconds = time.perf_counter() - req.context.started
-        completion: Completion | None = req.context.completion
-        tokens = (f" prompt_tokens={completion.prompt_tokens} completion_tokens={completion.completion_tokens}"
-                  if completion is not None else "")
-        log.info("%s %s %d%s %.3fs", req.method, req.path, resp.status_code, tokens, seconds)
+        generation: GenerationStream | None = req.context.generation
+        if generation is not None:
+            _log_generation(f"{req.method} {req.path}", resp.status_code, seconds, req.context.request_id,
+                            generation.summary())
+        else:
+            log.info("%s %s %d %.3fs", req.method, req.path, resp.status_code, seconds)
 
 
 def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict[str, Any]) -> None:
@@ -247,9 +341,14 @@ def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, par
         resp.set_header(name, value)
 
 
-def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> falcon.App:
-    """The WSGI app serving `service` under /v1. Request bodies over `max_body_bytes` get a 413."""
-    app = falcon.App(middleware=[RequestLog()])
+def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               cluster: ClusterView | None = None) -> falcon.App:
+    """The WSGI app serving `service` under /v1, with /health, /metrics and GET /v1/cluster.
+
+    Request bodies over `max_body_bytes` get a 413. `cluster` (the head's WorkerRegistry) fills /v1/cluster's
+    plan and nodes; without it (a single process) they are null and empty.
+    """
+    app = falcon.App(middleware=[RequestLog(service.metrics)])
     app.req_options.strip_url_path_trailing_slash = True
     models = ModelsResource(service.model_id)
     app.add_route("/v1/models", models)
@@ -258,8 +357,11 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     health = HealthResource(service)
     app.add_route("/health", health)
     app.add_route("/health/ready", health, suffix="ready")
-    app.add_route("/v1/completions", CompletionsResource(service, max_body_bytes))
-    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes))
+    app.add_route("/v1/cluster", ClusterResource(service, cluster))
+    app.add_route("/metrics", MetricsResource(service.metrics))
+    token_text = TokenText(service.tokenizer)
+    app.add_route("/v1/completions", CompletionsResource(service, max_body_bytes, token_text))
+    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text))
     # one handler for everything, Falcon's own HTTPError included (it has a default handler of its own)
     app.add_error_handler([Exception, falcon.HTTPError], _handle_error)
     return app

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..sampling import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logprobs (legacy completions: 5)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as OpenAI documents `seed`
 
@@ -59,11 +61,27 @@ class SamplingFields:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0  # 0: off (a client's -1 means the same)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities at all
 
-    def to_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              stop=self.stop, seed=self.seed)
+                              stop=self.stop, seed=self.seed, top_k=self.top_k,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+                              prompt_logprobs=prompt_logprobs and self.logprobs is not None)
+
+
+@dataclass(frozen=True)
+class StreamFields:
+    """`stream` and `stream_options`: whether to answer with server-sent events, and with a usage chunk."""
+
+    stream: bool = False
+    include_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +89,8 @@ class CompletionRequest:
     model: str
     prompt: str | tuple[int, ...]  # text to encode, or token ids given by the client
     sampling: SamplingFields
+    streaming: StreamFields = StreamFields()
+    echo: bool = False  # the reply's text (and log-probabilities) start with the prompt's
 
 
 @dataclass(frozen=True)
@@ -95,26 +115,26 @@ class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
     sampling: SamplingFields
+    streaming: StreamFields = StreamFields()
 
 
 # Fields some OpenAI clients send on every request with their default value. That value asks for exactly what
 # this server does anyway, so such a request is served as written; any other value is refused like any unknown
 # field. Values are compared with their JSON type, so `false` never passes for `0`.
 _COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "stream_options": (None,),
 }
-_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
-                       "suffix": (None,)}
-_CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": (None, False), "top_logprobs": (None,),
-                 "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none")}
+_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1), "suffix": (None,)}
+_CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "response_format": (None, {"type": "text"}), "tools": (None, []),
+                 "tool_choice": (None, "none")}
 
-_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "seed", "user"})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
+                            "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                            "logprobs"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
+_STREAM_OPTIONS = frozenset({"include_usage"})
 
 
 def _reject_constant(name: str) -> Any:
@@ -132,10 +152,42 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
         raise RequestError(f"the request body is not UTF-8: {exc}", code="invalid_json") from exc
     except ValueError as exc:  # json.JSONDecodeError is a ValueError, as is _reject_constant's
         raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # json.loads recurses once per level of nesting
+        raise RequestError("the request body is nested too deeply to be a request", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise RequestError(f"the request body must be a JSON object, not {_json_type(value)}",
                            code="invalid_type")
+    _check_unicode(value)
     return value
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # UTF-8 has no encoding for a surrogate; the codec finds one at C speed
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """Refuse strings holding a lone UTF-16 surrogate (JSON's "\\ud800"): not text, so not for the tokenizer.
+
+    A surrogate pair in JSON decodes to one character; only an unpaired half is left as a surrogate.
+    """
+    pending: list[tuple[Any, str]] = [(body, "")]  # a loop, not recursion: the body may be deeply nested
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str) and _has_lone_surrogate(value):
+            raise RequestError(f"'{path}' holds an unpaired UTF-16 surrogate, which is not a character; send "
+                               "valid Unicode text", param=path or None, code="invalid_value")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _has_lone_surrogate(key):
+                    raise RequestError(f"a key in '{path or 'the body'}' holds an unpaired UTF-16 surrogate",
+                                       param=path or None, code="invalid_value")
+                pending.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            pending.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _json_type(value: Any) -> str:
@@ -206,10 +258,10 @@ def _number(value: Any, param: str) -> float:
     return number
 
 
-def _max_tokens(value: Any, param: str) -> int:
+def _max_tokens(value: Any, param: str, least: int = 1) -> int:
     tokens = _integer(value, param)
-    if tokens < 1:
-        raise RequestError(f"'{param}' must be at least 1, not {tokens}", param=param, code="invalid_value")
+    if tokens < least:
+        raise RequestError(f"'{param}' must be at least {least}, not {tokens}", param=param, code="invalid_value")
     return tokens
 
 
@@ -251,29 +303,106 @@ def _seed(value: Any) -> int:
     return seed
 
 
-def _check_n_stream_user(body: Mapping[str, Any]) -> None:
+def _boolean(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"'{param}' must be a boolean, not {_json_type(value)}", param=param,
+                           code="invalid_type")
+    return value
+
+
+def _check_n_user(body: Mapping[str, Any]) -> None:
     n = body.get("n")
     if n is not None and _integer(n, "n") != 1:
         raise RequestError(f"'n' must be 1: this server generates one choice per request, not {n}", param="n",
-                           code="unsupported_value")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise RequestError(f"'stream' must be a boolean, not {_json_type(stream)}", param="stream",
-                           code="invalid_type")
-    if stream:
-        raise RequestError("streaming is not supported yet; send \"stream\": false", param="stream",
                            code="unsupported_value")
     user = body.get("user")
     if user is not None:
         _string(user, "user")  # accepted for compatibility; it changes nothing here
 
 
-_SAMPLING_PARSERS = {"temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed}
+def _streaming(body: Mapping[str, Any]) -> StreamFields:
+    stream = body.get("stream")
+    stream = _boolean(stream, "stream") if stream is not None else False
+    options = body.get("stream_options")
+    if options is None:
+        return StreamFields(stream)
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", param="stream_options",
+                           code="invalid_value")
+    if not isinstance(options, dict):
+        raise RequestError(f"'stream_options' must be an object, not {_json_type(options)}",
+                           param="stream_options", code="invalid_type")
+    for key in options:
+        if key not in _STREAM_OPTIONS:
+            raise RequestError(f"unsupported field 'stream_options.{key}': this server implements only "
+                               "include_usage", param=f"stream_options.{key}", code="unsupported_parameter")
+    include = options.get("include_usage")
+    return StreamFields(True, _boolean(include, "stream_options.include_usage") if include is not None else False)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingFields:
+def _top_k(value: Any) -> int:
+    top_k = _integer(value, "top_k")
+    if top_k < -1:
+        raise RequestError(f"'top_k' must be a positive integer, or 0 or -1 for no limit, not {top_k}",
+                           param="top_k", code="invalid_value")
+    return max(top_k, 0)
+
+
+def _penalty(name: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        penalty = _number(value, name)
+        if not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
+            raise RequestError(f"'{name}' must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}, "
+                               f"not {value}", param=name, code="invalid_value")
+        return penalty
+    return parse
+
+
+def _repetition_penalty(value: Any) -> float:
+    penalty = _number(value, "repetition_penalty")
+    if penalty <= 0:
+        raise RequestError(f"'repetition_penalty' must be greater than 0 (1 means none), not {value}",
+                           param="repetition_penalty", code="invalid_value")
+    return penalty
+
+
+def _alternatives(value: Any, param: str) -> int:
+    count = _integer(value, param)
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise RequestError(f"'{param}' must be between 0 and {MAX_LOGPROBS}, not {count}", param=param,
+                           code="invalid_value")
+    return count
+
+
+_SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k,
+    "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
+    "repetition_penalty": _repetition_penalty,
+}
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingFields:
     given = {name: parse(body[name]) for name, parse in _SAMPLING_PARSERS.items() if body.get(name) is not None}
-    return SamplingFields(max_tokens=max_tokens, **given)
+    return SamplingFields(max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Legacy completions: `logprobs` is the number of alternatives per token (0: the chosen token's only)."""
+    value = body.get("logprobs")
+    return _alternatives(value, "logprobs") if value is not None else None
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs` is a boolean, and `top_logprobs` the number of alternatives, which needs it true."""
+    wanted = body.get("logprobs")
+    wanted = _boolean(wanted, "logprobs") if wanted is not None else False
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    count = _alternatives(top, "top_logprobs")
+    if not wanted:
+        raise RequestError("'top_logprobs' needs \"logprobs\": true", param="top_logprobs", code="invalid_value")
+    return count
 
 
 def _token_ids(values: list[Any], param: str) -> tuple[int, ...]:
@@ -314,10 +443,16 @@ def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
     _check_fields(body, _COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     model = _string(_required(body, "model"), "model")
     prompt = _prompt(_required(body, "prompt"))
-    _check_n_stream_user(body)
+    _check_n_user(body)
+    streaming = _streaming(body)
+    echo = body.get("echo")
+    echo = _boolean(echo, "echo") if echo is not None else False
     max_tokens = body.get("max_tokens")
-    return CompletionRequest(model, prompt, _sampling(
-        body, _max_tokens(max_tokens, "max_tokens") if max_tokens is not None else None))
+    if max_tokens is not None:
+        # with echo, 0 asks only for the prompt back (with its log-probabilities), as OpenAI allows
+        max_tokens = _max_tokens(max_tokens, "max_tokens", least=0 if echo else 1)
+    return CompletionRequest(model, prompt, _sampling(body, max_tokens, _completion_logprobs(body)), streaming,
+                             echo)
 
 
 def _content(value: Any, param: str) -> str:
@@ -379,7 +514,8 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     if not messages:
         raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    _check_n_stream_user(body)
+    _check_n_user(body)
+    streaming = _streaming(body)
     # max_completion_tokens is the newer name for max_tokens; both may be sent, but not disagreeing
     limits = {name: _max_tokens(body[name], name) for name in ("max_tokens", "max_completion_tokens")
               if body.get(name) is not None}
@@ -387,7 +523,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send only one",
                            param="max_completion_tokens", code="invalid_value")
     max_tokens = next(iter(limits.values()), None)
-    return ChatRequest(model, parsed, _sampling(body, max_tokens))
+    return ChatRequest(model, parsed, _sampling(body, max_tokens, _chat_logprobs(body)), streaming)
 
 
 def check_model(requested: str, served: str) -> None:

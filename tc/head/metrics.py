@@ -1,0 +1,99 @@
+"""Prometheus metrics of the head: requests, tokens, latency, the pipeline's stages and hops, queue and nodes.
+
+Each `Metrics` owns its own `CollectorRegistry` (never prometheus_client's global one), so a process may build
+any number of apps, as tests do. Counters and histograms are updated where things happen (the HTTP middleware,
+the generation service); the queue and the nodes' state are read when Prometheus scrapes, through a collector
+over callables, so they can never go stale.
+
+Hop times come from the remote pipeline after each step: for each worker, the head measures the round trip
+and the worker reports its compute time, so `round trip - compute` is the network (and framing) time of that
+hop. The single-process pipeline has no hops, so those series stay empty there.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+Hop = tuple[str, float, float]  # (node id, compute s, round trip s), as RemotePipeline.last_hops holds them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+NETWORK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class _LiveState(Collector):
+    """Gauges read at scrape time: requests waiting and running, and whether each planned node serves."""
+
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int],
+                 nodes: Callable[[], tuple[Sequence[str], Sequence[str]]]):
+        self.waiting, self.running, self.nodes = waiting, running, nodes
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily("tc_queue_depth", "Generation requests waiting for their turn"),
+                GaugeMetricFamily("tc_requests_running", "Generations running now (at most one)"),
+                GaugeMetricFamily("tc_node_up", "1 when the planned node is loaded and serving, else 0",
+                                  labels=["node"]))
+
+    def describe(self) -> Iterator[Metric]:
+        # without describe() the registry would collect at registration, before the service is ready to answer
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        waiting, running, up = self._families()
+        waiting.add_metric([], self.waiting())
+        running.add_metric([], self.running())
+        ready, missing = self.nodes()
+        for node in ready:
+            up.add_metric([node], 1)
+        for node in missing:
+            up.add_metric([node], 0)
+        return iter((waiting, running, up))
+
+
+class Metrics:
+    """The head's metrics in a registry of their own; `render()` is the body of GET /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("tc_http_requests", "HTTP requests answered, by route and status",
+                                     ["method", "route", "status"], registry=r)
+        self.generations = Counter("tc_generations", "Generations by how they ended: stop, length, abandoned "
+                                   "(the client went away) or error", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("tc_prompt_tokens", "Prompt tokens run through the pipeline", registry=r)
+        self.completion_tokens = Counter("tc_completion_tokens", "Tokens generated and sent to clients",
+                                         registry=r)
+        self.time_to_first_token = Histogram("tc_time_to_first_token_seconds",
+                                             "From the start of the prefill to the first token chosen",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("tc_queue_wait_seconds", "Time a generation waited for its turn",
+                                    buckets=WAIT_BUCKETS, registry=r)
+        self.decode_step = Histogram("tc_decode_step_seconds", "One decode step at the head: pipeline and sampling",
+                                     buckets=STEP_BUCKETS, registry=r)
+        self.stage_compute = Histogram("tc_stage_compute_seconds", "A stage's compute time for one step, as the "
+                                       "worker reports it", ["node", "phase"], buckets=STEP_BUCKETS, registry=r)
+        self.hop_network = Histogram("tc_hop_network_seconds", "Round trip to a worker minus its compute time, "
+                                     "for one step", ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
+
+    def watch(self, waiting: Callable[[], int], running: Callable[[], int],
+              nodes: Callable[[], tuple[Sequence[str], Sequence[str]]]) -> None:
+        """Report these at each scrape: requests waiting, running, and (ready node ids, missing node ids)."""
+        self.registry.register(_LiveState(waiting, running, nodes))
+
+    def observe_request(self, method: str, route: str, status: int) -> None:
+        self.http_requests.labels(method, route, str(status)).inc()
+
+    def observe_step(self, phase: str, hops: Sequence[Hop]) -> None:
+        """One pipeline step ("prefill" or "decode") with each hop's (node, compute s, round trip s)."""
+        for node, compute_s, round_trip_s in hops:
+            self.stage_compute.labels(node, phase).observe(compute_s)
+            self.hop_network.labels(node, phase).observe(max(round_trip_s - compute_s, 0.0))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,293 @@
+"""Replies of the two generation endpoints, whole or streamed, in OpenAI's shapes.
+
+A streamed reply is the whole reply cut at each generation step, so both are built here from the same pieces:
+a `ReplyFormat` per endpoint turns a `Completion` into the whole body, and each `Step` into a chunk. Joining the
+chunks' text (and their log-probability entries) gives exactly the whole body's, because the generation loop
+only ever releases final text.
+
+Streams are server-sent events: `data: {chunk}` lines, then `data: [DONE]`. `EventStream` is the WSGI body.
+Waitress only learns that a client has gone when a write fails, and the first write after a client closes its
+socket still succeeds (the reply to it is a reset), so before each next step the stream writes an SSE comment
+(`: `, which clients skip) behind the step's chunk. A client that walks away is thus noticed within one step;
+Waitress stops iterating and calls `close()`, which ends the generation and frees the cluster.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+from ..generation import Completion, Step, TokenInfo
+from ..model.tokenizer import TextTokenizer
+from ..sampling import TokenLogprob
+from .service import GenerationStream
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": \n\n"  # an SSE comment: clients skip it; writing it shows whether the client is still there
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON (which escapes every line break inside strings)."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level alphabet: each printable stand-in character -> the byte it encodes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenText:
+    """Each token's exact bytes and its display string, as OpenAI's log-probability entries show them."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self._added = {i: t.content for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items()}
+        self._cache: dict[int, tuple[bytes, str]] = {}
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self.tokenizer.tokenizer.id_to_token(token_id)
+        if piece is None:  # an id past the tokenizer's vocabulary (an embedding row kept for padding)
+            return b""
+        if all(ch in _BYTE_DECODER for ch in piece):
+            return bytes(_BYTE_DECODER[ch] for ch in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()  # not byte-level BPE
+
+    def get(self, token_id: int) -> tuple[bytes, str]:
+        """(the token's UTF-8 bytes, its text; "bytes:\\xNN..." when the bytes are not whole characters)."""
+        cached = self._cache.get(token_id)
+        if cached is None:
+            raw = self._bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            cached = self._cache[token_id] = (raw, text)
+        return cached
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[1]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _completion_usage(completion: Completion) -> dict[str, int]:
+    return usage(completion.prompt_tokens, completion.completion_tokens)
+
+
+class ReplyFormat(Protocol):
+    def whole(self, completion: Completion) -> dict[str, Any]:
+        """The non-streamed reply body."""
+
+    def opening(self, first: Step) -> list[dict[str, Any]]:
+        """Chunks sent before the first step's own."""
+
+    def delta(self, step: Step) -> dict[str, Any] | None:
+        """The chunk for one step; None when the step has nothing to show."""
+
+    def closing(self, completion: Completion) -> dict[str, Any]:
+        """The chunk that carries the finish reason."""
+
+    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+        """The last chunk when the client asked for usage: no choices, only usage."""
+
+
+@dataclass(frozen=True)
+class ReplyContext:
+    """What every chunk of one reply repeats."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False  # streamed: every chunk carries "usage": null, and a usage chunk comes last
+
+
+class CompletionReply:
+    """/v1/completions: text, OpenAI's legacy `logprobs` object, and `echo` of the prompt."""
+
+    def __init__(self, context: ReplyContext, token_text: TokenText, *, logprobs: int | None,
+                 echo_text: str | None = None):
+        self.context, self.token_text, self.logprobs, self.echo_text = context, token_text, logprobs, echo_text
+
+    def _logprobs(self, tokens: Sequence[TokenInfo], shift: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        entries = [self._entry(t, shift) for t in tokens]
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+    def _entry(self, token: TokenInfo, shift: int) -> tuple[str, float | None, dict[str, float] | None, int]:
+        report = token.logprob
+        if report is None:  # the prompt's first token: nothing came before it
+            return self.token_text.text(token.id), None, None, token.offset + shift
+        # OpenAI: the `logprobs` most likely tokens, and always the chosen one (so up to logprobs + 1 entries)
+        top: dict[str, float] = {}
+        for i, lp in report.top:  # most likely first: of tokens that read the same, the likeliest keeps the key
+            top.setdefault(self.token_text.text(i), lp)
+        top.setdefault(self.token_text.text(token.id), report.logprob)
+        return self.token_text.text(token.id), report.logprob, top, token.offset + shift
+
+    def _head(self, obj: str = "text_completion") -> dict[str, Any]:
+        return {"id": self.context.id, "object": obj, "created": self.context.created, "model": self.context.model}
+
+    def _choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {**self._head(), "choices": choices}
+        if self.context.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @property
+    def _shift(self) -> int:
+        return len(self.echo_text) if self.echo_text is not None else 0
+
+    def whole(self, completion: Completion) -> dict[str, Any]:
+        text, logprobs = completion.text, self._logprobs(completion.tokens, self._shift)
+        if self.echo_text is not None:
+            text = self.echo_text + text
+            prompt = self._logprobs(completion.prompt, 0)
+            if logprobs is not None and prompt is not None:
+                logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        return {**self._head(), "choices": [self._choice(text, logprobs, completion.finish_reason)],
+                "usage": _completion_usage(completion)}
+
+    def opening(self, first: Step) -> list[dict[str, Any]]:
+        """With echo, the prompt's text (and its log-probabilities) comes first."""
+        if self.echo_text is None:
+            return []
+        return [self._chunk([self._choice(self.echo_text, self._logprobs(first.prompt, 0), None)])]
+
+    def delta(self, step: Step) -> dict[str, Any] | None:
+        if not step.text and not (step.tokens and self.logprobs is not None):
+            return None
+        return self._chunk([self._choice(step.text, self._logprobs(step.tokens, self._shift), None)])
+
+    def closing(self, completion: Completion) -> dict[str, Any]:
+        return self._chunk([self._choice("", None, completion.finish_reason)])
+
+    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+        return {**self._head(), "choices": [], "usage": _completion_usage(completion)}
+
+
+class ChatReply:
+    """/v1/chat/completions: an assistant message, and OpenAI's chat `logprobs` object ({"content": [...]})."""
+
+    def __init__(self, context: ReplyContext, token_text: TokenText, *, logprobs: int | None):
+        self.context, self.token_text, self.logprobs = context, token_text, logprobs
+
+    def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw, text = self.token_text.get(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def _entry(self, token: TokenInfo) -> dict[str, Any]:
+        report: TokenLogprob | None = token.logprob
+        assert report is not None  # asked for, so every generated token has one
+        return {**self._alternative(token.id, report.logprob),
+                "top_logprobs": [self._alternative(i, lp) for i, lp in report.top]}
+
+    def _logprobs(self, tokens: Sequence[TokenInfo]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return {"content": [self._entry(t) for t in tokens], "refusal": None}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.context.id, "object": obj, "created": self.context.created, "model": self.context.model}
+
+    def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        chunk = {**self._head("chat.completion.chunk"),
+                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.context.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def whole(self, completion: Completion) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                  "logprobs": self._logprobs(completion.tokens), "finish_reason": completion.finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": _completion_usage(completion)}
+
+    def opening(self, first: Step) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+
+    def delta(self, step: Step) -> dict[str, Any] | None:
+        if not step.text and not (step.tokens and self.logprobs is not None):
+            return None
+        return self._chunk({"content": step.text}, self._logprobs(step.tokens), None)
+
+    def closing(self, completion: Completion) -> dict[str, Any]:
+        return self._chunk({}, None, completion.finish_reason)
+
+    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": _completion_usage(completion)}
+
+
+class EventStream:
+    """The WSGI body of a streamed reply. Waitress writes each item as it comes and always calls close().
+
+    `error_body` turns an exception raised mid-stream into an OpenAI error object, sent as the last event (the
+    status line has long gone out); `on_close` runs once when the reply ends, however it ends.
+    """
+
+    def __init__(self, generation: GenerationStream, reply: ReplyFormat, *, include_usage: bool,
+                 error_body: Callable[[Exception], dict[str, Any]], on_close: Callable[["EventStream"], None]):
+        self.generation, self.reply, self.include_usage = generation, reply, include_usage
+        self._error_body, self._on_close = error_body, on_close
+        self._closed = False
+        self._chunks = self._events()
+
+    def _events(self) -> Iterator[bytes]:
+        opened = False
+        try:
+            for step in self.generation:
+                if not opened:
+                    opened = True
+                    for opening in self.reply.opening(step):
+                        yield sse(opening)
+                chunk = self.reply.delta(step)
+                if chunk is not None:
+                    yield sse(chunk)
+                if step.completion is None:
+                    # Before the next step, one more write: a client that has closed its socket answers the
+                    # previous write with a reset, so this write fails and Waitress stops the stream here,
+                    # rather than after another step.
+                    yield KEEPALIVE
+                else:
+                    yield sse(self.reply.closing(step.completion))
+                    if self.include_usage:
+                        yield sse(self.reply.usage_chunk(step.completion))
+        except Exception as exc:  # the client hears of it in the stream; the log has the rest
+            yield sse(self._error_body(exc))
+            return
+        yield DONE
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._chunks.close()
+        finally:
+            self.generation.close()
+            self._on_close(self)

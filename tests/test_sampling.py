@@ -1,0 +1,197 @@
+"""Sampling and log-probabilities, pure, checked against transformers' logits processors where they exist, and the
+generation loop's penalties against a step-by-step reference on our single-process model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty,
+                         filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample, token_logprob)
+
+VOCAB = 50
+
+
+def random_logits(seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_takes_the_argmax_whatever_the_rng():
+    logits = random_logits(0)
+    assert sample(logits, 0.0, 0.5, None) == int(torch.argmax(logits))
+    assert sample(logits, 0.0, 1.0, new_rng(1), top_k=3) == int(torch.argmax(logits))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(seed, penalty):
+    logits = random_logits(seed)
+    seen_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(100 + seed))[:12]
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[seen_ids] = True
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(seen_ids[None], logits[None].clone())[0]
+    assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), expected)
+
+
+@pytest.mark.parametrize("counts, presence, frequency, expected", [
+    ([0, 1, 3], 0.0, 0.0, [1.0, 1.0, 1.0]),
+    ([0, 1, 3], 0.5, 0.0, [1.0, 0.5, 0.5]),
+    ([0, 1, 3], 0.0, 0.25, [1.0, 0.75, 0.25]),
+    ([0, 1, 3], 1.0, 1.0, [1.0, -1.0, -3.0]),
+    ([2, 0, 0], -1.0, -0.5, [3.0, 1.0, 1.0]),  # negative values encourage repetition
+])
+def test_presence_and_frequency_penalties_follow_openai(counts, presence, frequency, expected):
+    logits = torch.ones(3)
+    got = apply_presence_frequency(logits, torch.tensor(counts, dtype=torch.float32), presence, frequency)
+    assert got.tolist() == pytest.approx(expected)
+
+
+def test_token_history_counts_generated_tokens_and_sees_the_prompt():
+    history = TokenHistory(6, [1, 1, 4])
+    for token in (2, 2, 4):
+        history.add(token)
+    assert history.counts.tolist() == [0, 0, 2, 0, 1, 0]  # generated tokens only
+    assert history.seen.tolist() == [False, True, True, False, True, False]  # prompt and generated
+    params = SamplingParams(presence_penalty=1.0, repetition_penalty=2.0)
+    got = penalise(torch.full((6,), 4.0), history, params)
+    assert got.tolist() == [4.0, 2.0, 1.0, 4.0, 1.0, 4.0]  # seen: 4/2; generated: then -1 presence
+    assert penalise(torch.ones(6), None, params).tolist() == [1.0] * 6
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("k", [1, 5, 20, VOCAB, 0])
+def test_top_k_matches_transformers(seed, k):
+    logits = random_logits(seed)
+    ours = filter_top_k(logits, k)
+    if k in (0, VOCAB):
+        assert torch.equal(ours, logits)
+        return
+    theirs = TopKLogitsWarper(k)(None, logits[None].clone())[0]
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs)) and int((~torch.isinf(ours)).sum()) == k
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_same_tokens_as_transformers(seed, top_p):
+    logits = random_logits(seed)
+    kept = filter_top_p(torch.softmax(logits, -1), top_p) > 0
+    theirs = ~torch.isinf(TopPLogitsWarper(top_p)(None, logits[None].clone())[0])
+    assert torch.equal(kept, theirs)
+    assert filter_top_p(torch.softmax(logits, -1), top_p).sum() <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1e-300, 1.0), (5e-324, 0.5), (1.0, 1e-300), (1.0, 5e-324),
+                                                (1e-30, 1e-45)])
+def test_extreme_but_valid_values_sample_the_best_token(temperature, top_p):
+    logits = random_logits(6)
+    rng = new_rng(0)
+    assert {sample(logits, temperature, top_p, rng) for _ in range(10)} == {int(torch.argmax(logits))}
+    masked = filter_top_k(logits, 2)  # -inf entries survive a tiny temperature too
+    assert sample(masked, 1e-300, 1.0, rng) == int(torch.argmax(logits))
+
+
+def test_narrow_sampling_is_greedy():
+    logits = random_logits(3)
+    best = int(torch.argmax(logits))
+    rng = new_rng(0)
+    assert {sample(logits, 1.0, 1.0, rng, top_k=1) for _ in range(20)} == {best}
+    assert {sample(logits, 1.0, 1e-6, rng) for _ in range(20)} == {best}
+
+
+def test_seeded_draws_repeat_and_seeds_differ():
+    logits = random_logits(4) / 3
+
+    def draws(seed: int) -> list[int]:
+        rng = new_rng(seed)
+        return [sample(logits, 1.0, 0.95, rng, top_k=30) for _ in range(30)]
+
+    assert draws(7) == draws(7)
+    assert draws(-7) == draws(-7)  # OpenAI seeds are signed 64-bit integers
+    assert draws(7) != draws(8)
+    assert draws(2**63 - 1) == draws(2**63 - 1)
+
+
+def test_draws_follow_the_tempered_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    temperature = 0.7
+    rng = new_rng(123)
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample(logits, temperature, 1.0, rng) for _ in range(n)]), minlength=4)
+    expected = torch.softmax(logits / temperature, -1)
+    assert torch.allclose(counts / n, expected, atol=0.015)
+
+
+def test_token_logprob_is_log_softmax_with_the_top_tokens():
+    logits = random_logits(5)
+    reference = torch.log_softmax(logits, -1)
+    report = token_logprob(logits, 7, 4)
+    assert report.logprob == pytest.approx(float(reference[7]))
+    values, ids = torch.topk(reference, 4)
+    assert [i for i, _ in report.top] == ids.tolist()
+    assert [lp for _, lp in report.top] == pytest.approx(values.tolist())
+    assert token_logprob(logits, 7, 0).top == ()
+
+
+def test_prompt_logprobs_score_each_next_token():
+    logits = torch.stack([random_logits(s) for s in range(3)])  # [3, V]
+    reports = prompt_logprobs(logits, [4, 9, 1], 2)
+    reference = torch.log_softmax(logits, -1)
+    assert [r.logprob for r in reports] == pytest.approx([float(reference[0, 4]), float(reference[1, 9]),
+                                                          float(reference[2, 1])])
+    assert all(len(r.top) == 2 for r in reports)
+
+
+# --- in the generation loop ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> OurModel:
+    return OurModel(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def generator(model, tiny_model_dir) -> Generator:
+    return Generator(model.head, TextTokenizer.load(tiny_model_dir), model.pipeline(), torch.float32)
+
+
+def reference_greedy(model: OurModel, eos: frozenset[int], prompt: list[int], steps: int, presence: float,
+                     frequency: float, repetition: float) -> list[int]:
+    """Greedy decoding recomputed from scratch each step, with the penalties written out independently."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        logits = model.full_logits(ids)[-1].clone()  # out of inference mode, to edit in place
+        if repetition != 1.0:
+            seen = torch.tensor(sorted(set(ids)))
+            logits = RepetitionPenaltyLogitsProcessor(repetition)(seen[None], logits[None].clone())[0]
+        for token in set(out):
+            logits[token] -= presence + frequency * out.count(token)
+        token = int(torch.argmax(logits))
+        if token in eos:
+            break
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency, repetition", [
+    (0.0, 0.0, 1.0), (1.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.8), (0.5, 0.5, 1.2), (-1.0, 0.0, 0.8),
+])
+def test_penalised_greedy_generation_matches_the_reference(model, generator, presence, frequency, repetition):
+    prompt = generator.tokenizer.encode("Hello there")
+    params = SamplingParams(max_tokens=16, temperature=0, presence_penalty=presence, frequency_penalty=frequency,
+                            repetition_penalty=repetition)
+    got = generator.generate(prompt, params).token_ids
+    assert list(got) == reference_greedy(model, generator.tokenizer.eos_token_ids, prompt, 16, presence, frequency,
+                                         repetition)
+
+
+def test_seeded_generation_repeats(generator):
+    prompt = generator.tokenizer.encode("Hello")
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=40, seed=99)
+    first = generator.generate(prompt, params)
+    assert generator.generate(prompt, params).token_ids == first.token_ids
+    unseeded = {generator.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0)).token_ids
+                for _ in range(3)}
+    assert len(unseeded) > 1  # without a seed each request draws its own
