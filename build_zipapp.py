@@ -2,12 +2,12 @@
 
     python build_zipapp.py [--out dist/tc.pyz] [--cache-dir build/zipapp-wheels]
 
-The archive carries tc/ (minus bytecode caches) plus falcon, waitress, cbor2, PyYAML (`yaml`), Jinja2,
-MarkupSafe and prometheus_client, each pinned below to one release and one wheel by sha256. Native packages
+The archive carries tc/ (minus bytecode caches) plus falcon, waitress, PyYAML (`yaml`), Jinja2, MarkupSafe
+and prometheus_client, each pinned below to one release and one wheel by sha256. Native packages
 (torch, safetensors, tokenizers, numpy, huggingface_hub) stay on each host; the archive's `__main__.py` runs
 `tc/__main__.py`, which checks for them before importing anything else.
 
-Only `.py` files go into the archive. falcon, cbor2, PyYAML and MarkupSafe each ship optional C speedups with a
+Only `.py` files go into the archive. falcon, PyYAML and MarkupSafe each ship optional C speedups with a
 pure-Python fallback: a zip cannot load a shared library, and one archive must run on Linux and macOS under
 Python 3.10-3.12, so the fallback is what runs. Wheels are fetched with pip once and cached under `build/`, so a
 rebuild is quick and works offline; entries are sorted and carry a fixed timestamp, so the same inputs give the
@@ -61,9 +61,6 @@ PINS: tuple[Pin, ...] = (
         "2109d8dbaf6297b51de2e059558bc092d9b8b040cab8f390d3b7bec88312e20c", ("falcon",)),
     Pin("waitress", "3.0.2", "waitress-3.0.2-py3-none-any.whl",
         "c56d67fd6e87c2ee598b76abdd4e96cfad1f24cacdea5078d382b1f9d7b5ed2e", ("waitress",)),
-    # cbor2 6.x is a compiled extension with no pure-Python code at all; 5.9 is the last pure-Python release
-    Pin("cbor2", "5.9.0", "cbor2-5.9.0-py3-none-any.whl",
-        "27695cbd70c90b8de5c4a284642c2836449b14e2c2e07e3ffe0744cb7669a01b", ("cbor2",)),
     # `_yaml` is a deprecated top-level alias of the C extension yaml._yaml, useless without it
     Pin("pyyaml", "6.0.3",
         "pyyaml-6.0.3-cp311-cp311-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
@@ -89,12 +86,7 @@ LICENSE_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "AUTHORS")
 ARCHIVE_MAIN = '''\
 """tc.pyz entry point: runs tc/__main__.py, which checks the host's native packages before anything else."""
 import runpy
-import sys
 
-# cbor2 5.x looks for its optional C speedups as the top-level module `_cbor2`, which would come from the host's
-# site-packages (of whatever cbor2 release is installed there) rather than from this archive. Blocking it keeps
-# the bundled pure-Python cbor2 in charge.
-sys.modules["_cbor2"] = None
 runpy.run_module("tc", run_name="__main__", alter_sys=True)
 '''
 

@@ -5,8 +5,12 @@ tc's own CLI), all in the same weight mode and compute dtype, the same prompt, g
 time to first token (a max_tokens=1 request: prefill + one sample), prefill tokens/s, decode tokens/s (from a
 longer request, minus the first token's time) and the peak RSS (VmHWM) of each process.
 
-    python bench/bench_cluster.py [--quant fp16] [--dtype bf16] [--tokens 64] [--workers 1 2 3]
+    python bench/bench_cluster.py [--quants fp16 int8 int4] [--dtype bf16] [--tokens 64] [--workers 1 2 3]
                                   [--head-threads 2] [--worker-threads 2] [--omp-wait-policy passive]
+                                  [--no-single]
+
+Ratios: "vs single" against the single-process generator in the same weight mode; "vs fp16" against the
+same setup with unquantized weights (when fp16 is among --quants).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def single_process(args, model_dir: Path, env: dict) -> dict:
+def single_process(args, quant: str, model_dir: Path, env: dict) -> dict:
     code = f"""
 import json, resource, time, torch
 torch.set_num_threads({args.worker_threads})
@@ -46,9 +50,9 @@ from tc.local import load_local_generator
 from tc.model import quant
 from tc.sampling import SamplingParams
 g = load_local_generator({str(model_dir)!r}, {args.dtype!r})
-if {args.quant!r} != "fp16":
+if {quant!r} != "fp16":
     for m in (g.head, *g.pipeline.stages):
-        quant.quantize_linears(m, {args.quant!r}, 128)
+        quant.quantize_linears(m, {quant!r}, 128)
 ids = g.tokenizer.encode({PROMPT!r})
 g.generate(ids, SamplingParams(max_tokens=4, temperature=0))
 first = min(g.generate(ids, SamplingParams(max_tokens=1, temperature=0)).time_to_first_token_s for _ in range(3))
@@ -71,11 +75,11 @@ def timed_completion(cluster: Cluster, max_tokens: int) -> tuple[float, dict]:
     return elapsed, body
 
 
-def cluster_run(args, model_dir: Path, workers: int, env: dict) -> dict:
+def cluster_run(args, quant: str, model_dir: Path, workers: int, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": f"w{i + 1}", "device": "cpu"} for i in range(workers)]
-        topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=args.quant, dtype=args.dtype,
+        topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype=args.dtype,
                                   head={"threads": args.head_threads})
         with Cluster(topology, tmp_path, env=env) as cluster:
             cluster.start_head()
@@ -96,10 +100,11 @@ def cluster_run(args, model_dir: Path, workers: int, env: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quant", default="fp16", choices=["fp16", "int8", "int4"])
+    parser.add_argument("--quants", nargs="+", default=["fp16"], choices=["fp16", "int8", "int4"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--no-single", action="store_true", help="skip the single-process runs")
     parser.add_argument("--head-threads", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=2)
     parser.add_argument("--omp-wait-policy", choices=["active", "passive"], help="OMP_WAIT_POLICY for every process")
@@ -110,22 +115,29 @@ def main() -> None:
     env = dict(os.environ)
     if args.omp_wait_policy:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-    results = {"single process": single_process(args, model_dir, env)}
-    print(f"  single process: {results['single process']['decode_tps']:.1f} tok/s", file=sys.stderr)
-    for n in args.workers:
-        results[f"head + {n} worker{'s' if n > 1 else ''}"] = r = cluster_run(args, model_dir, n, env)
-        print(f"  head + {n}: {r['decode_tps']:.1f} tok/s", file=sys.stderr)
-    base = results["single process"]
-    print(f"\ndemo model, weights {args.quant}, compute {args.dtype}, {args.tokens} new tokens, greedy, "
-          f"head threads {args.head_threads}, worker threads {args.worker_threads}, "
-          f"OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'default')}\n")
-    print(f"{'setup':18s} {'TTFT ms':>8s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'vs single':>9s}  peak RSS MB")
-    for name, r in results.items():
+    results: dict[tuple[str, str], dict] = {}
+    for quant in args.quants:
+        setups = [] if args.no_single else ["single process"]
+        setups += [f"head + {n} worker{'s' if n > 1 else ''}" for n in args.workers]
+        for setup, n in zip(setups, ([0] if not args.no_single else []) + args.workers):
+            run = single_process(args, quant, model_dir, env) if n == 0 else cluster_run(args, quant, model_dir, n, env)
+            results[(quant, setup)] = run
+            print(f"  {quant} {setup}: {run['decode_tps']:.1f} tok/s", file=sys.stderr)
+    print(f"\ndemo model, compute {args.dtype}, {args.tokens} new tokens, greedy, head threads {args.head_threads}, "
+          f"worker threads {args.worker_threads}, OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'default')}\n")
+    print(f"{'weights':7s} {'setup':18s} {'TTFT ms':>8s} {'prefill tok/s':>13s} {'decode tok/s':>12s} "
+          f"{'vs single':>9s} {'vs fp16':>7s}  peak RSS MB")
+    for (quant, setup), r in results.items():
+        single = results.get((quant, "single process"))
+        fp16 = results.get(("fp16", setup))
+        vs_single = f"{r['decode_tps'] / single['decode_tps']:.2f}x" if single else "-"
+        vs_fp16 = f"{r['decode_tps'] / fp16['decode_tps']:.2f}x" if fp16 else "-"
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["rss"].items())
-        print(f"{name:18s} {r['ttft_s'] * 1000:8.0f} {r['prompt_tokens'] / r['ttft_s']:13.1f} {r['decode_tps']:12.1f} "
-              f"{r['decode_tps'] / base['decode_tps']:8.2f}x  {rss}")
-    same = all(r["text"] == base["text"] for r in results.values())
-    print(f"\nall setups wrote the same text: {same}")
+        print(f"{quant:7s} {setup:18s} {r['ttft_s'] * 1000:8.0f} {r['prompt_tokens'] / r['ttft_s']:13.1f} "
+              f"{r['decode_tps']:12.1f} {vs_single:>9s} {vs_fp16:>7s}  {rss}")
+    for quant in args.quants:
+        texts = {r["text"] for (q, _), r in results.items() if q == quant}
+        print(f"{quant}: all setups wrote the same text: {len(texts) == 1}")
 
 
 if __name__ == "__main__":

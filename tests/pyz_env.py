@@ -1,9 +1,10 @@
 """Run tc.pyz the way a fresh host would: native packages installed, none of the pure-Python ones.
 
 `pyz_command(pyz, tmp_dir)` copies the archive alone into a new directory and builds a site directory of
-symlinks to this Python's installed packages, minus falcon, waitress, cbor2, PyYAML, Jinja2 and MarkupSafe (and
-minus any native package named in `without`). The child runs with `-S -s`, so no site-packages, .pth file or
-user site sneaks the host's copies back in: whatever it imports of those packages must come from the archive.
+symlinks to this Python's installed packages, minus falcon, waitress, PyYAML, Jinja2, MarkupSafe and
+prometheus_client, minus cbor2 (which tc does not need), and minus any native package named in `without`. The
+child runs with `-S -s`, so no site-packages, .pth file or user site sneaks the host's copies back in: whatever it
+imports of those packages must come from the archive.
 
     argv, env = pyz_command(pyz, tmp_path)
     subprocess.run([*argv, "plan", "topology.yaml"], env=env, cwd=pyz_run_dir(argv))
@@ -21,9 +22,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 # top-level names in site-packages that belong to the bundled packages: import names, C speedup modules and
-# dist-info directories (compared after lower-casing and cutting at the first '-' or '.')
-BUNDLED_NAMES = frozenset({"falcon", "waitress", "cbor2", "_cbor2", "yaml", "_yaml", "pyyaml", "jinja2",
-                           "markupsafe"})
+# dist-info directories (compared after lower-casing and cutting at the first '-' or '.'; the dist-info key of
+# prometheus_client is its import name)
+BUNDLED_NAMES = frozenset({"falcon", "waitress", "yaml", "_yaml", "pyyaml", "jinja2", "markupsafe",
+                           "prometheus_client"})
+# installed here (tests/test_protocol.py checks the wire codec against it) but neither bundled nor needed by tc;
+# leaving it out of the clean site proves that tc runs without it
+NOT_NEEDED = frozenset({"cbor2", "_cbor2"})
 
 
 def host_site_dirs() -> list[Path]:
@@ -38,16 +43,17 @@ def host_site_dirs() -> list[Path]:
 
 
 def distribution_key(entry_name: str) -> str:
-    """'PyYAML-6.0.3.dist-info' -> 'pyyaml', '_cbor2.cpython-311-x86_64-linux-gnu.so' -> '_cbor2'."""
+    """'PyYAML-6.0.3.dist-info' -> 'pyyaml', '_yaml.cpython-311-x86_64-linux-gnu.so' -> '_yaml'."""
     return re.split(r"[-.]", entry_name, maxsplit=1)[0].lower()
 
 
 def clean_site_dir(dest_parent: Path, *, without: Iterable[str] = ()) -> Path:
-    """Make a new directory of symlinks to the host's site-packages entries, minus the bundled packages and `without`.
+    """Make a new directory of symlinks to the host's site-packages entries, minus the bundled packages,
+    NOT_NEEDED and `without`.
 
     `without` takes import or distribution names (e.g. "tokenizers", "torch"), to act out a host that lacks them.
     """
-    excluded = BUNDLED_NAMES | {name.lower() for name in without}
+    excluded = BUNDLED_NAMES | NOT_NEEDED | {name.lower() for name in without}
     site_dir = Path(tempfile.mkdtemp(dir=dest_parent, prefix="site-"))
     for source_dir in host_site_dirs():
         for entry in sorted(source_dir.iterdir()):
