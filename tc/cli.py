@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-memory-gb", type=_positive_float, help="memory this worker may use for weights")
     worker.add_argument("--threads", type=int, help="torch threads (default: the topology's, else all cores)")
     worker.add_argument("--retry-max-s", type=float, default=30.0, help="longest wait between join attempts")
+    worker.add_argument("--join-token-file", type=Path, metavar="PATH",
+                        help="file holding the cluster's join token (or set TC_JOIN_TOKEN / TC_JOIN_TOKEN_FILE)")
+    worker.add_argument("--head-timeout-s", type=_positive_float, metavar="S",
+                        help="rejoin when the head sends nothing for this long (default 30)")
+    worker.add_argument("--max-frame-mb", type=_positive_float, metavar="MIB",
+                        help="largest frame accepted from the head (default 256)")
 
     plan = sub.add_parser("plan", help="print the layer plan for a topology without starting anything")
     plan.add_argument("topology", type=Path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -36,11 +36,18 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_HEARTBEAT_S = 5.0
+HEARTBEAT_MISSES = 3  # default silence limit, in heartbeat intervals
+DEFAULT_MAX_FRAME_MB = 256.0  # a 32k-token fp32 prefill of a 896-wide model is 117 MB
+DEFAULT_MAX_BODY_MB = 1.0  # far above any prompt that fits a context window
+DEFAULT_RESUME_GRACE_S = 15.0
+MIN_JOIN_TOKEN_CHARS = 16
+MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
-HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s")
-NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads")
+HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s", "heartbeat_timeout_s", "resume",
+             "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb")
+NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
 
@@ -87,6 +94,27 @@ class HeadSettings:
     threads: int | None
     max_queue: int
     heartbeat_s: float
+    heartbeat_timeout_s: float | None = None  # None: HEARTBEAT_MISSES intervals
+    resume: bool = True  # replay a request on a refilled entry instead of failing it
+    resume_grace_s: float = DEFAULT_RESUME_GRACE_S
+    join_token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
+    max_frame_mb: float = DEFAULT_MAX_FRAME_MB
+    max_body_mb: float = DEFAULT_MAX_BODY_MB
+
+    @property
+    def silence_limit_s(self) -> float:
+        """How long a worker may stay silent before it counts as lost."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return HEARTBEAT_MISSES * self.heartbeat_s
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return int(self.max_frame_mb * MIB)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * MIB)
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,7 @@ class NodeEntry:
     max_memory_gb: float | None
     layers: tuple[int, int] | None  # pinned half-open [start, end)
     threads: int | None
+    spare: bool = False  # outside the layer split: stands by to fill any lost entry
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,19 @@ class Topology:
     def node_ids(self) -> tuple[str, ...]:
         return tuple(entry.id for entry in self.nodes)
 
+    @property
+    def pipeline_nodes(self) -> tuple[NodeEntry, ...]:
+        """The entries the layers are split over, in pipeline order (every entry but the spares)."""
+        return tuple(entry for entry in self.nodes if not entry.spare)
+
+    @property
+    def spare_nodes(self) -> tuple[NodeEntry, ...]:
+        return tuple(entry for entry in self.nodes if entry.spare)
+
+    def without_spares(self) -> Topology:
+        """A copy listing only the pipeline entries: what the planner splits the layers over."""
+        return replace(self, nodes=self.pipeline_nodes)
+
     def node_dtype(self, node_id: str) -> str:
         """The compute dtype a node runs in: its own override, else the topology's."""
         return self.node(node_id).dtype or self.dtype
@@ -150,6 +192,8 @@ class Topology:
                 item["layers"] = f"{entry.layers[0]}-{entry.layers[1] - 1}"
             if entry.threads is not None:
                 item["threads"] = entry.threads
+            if entry.spare:
+                item["spare"] = True
             nodes.append(item)
         head: dict[str, Any] = {
             "api": str(self.head.api),
@@ -159,6 +203,18 @@ class Topology:
         }
         if self.head.threads is not None:
             head["threads"] = self.head.threads
+        if self.head.heartbeat_timeout_s is not None:
+            head["heartbeat_timeout_s"] = self.head.heartbeat_timeout_s
+        if not self.head.resume:
+            head["resume"] = False
+        if self.head.resume_grace_s != DEFAULT_RESUME_GRACE_S:
+            head["resume_grace_s"] = self.head.resume_grace_s
+        if self.head.join_token is not None:
+            head["join_token"] = self.head.join_token
+        if self.head.max_frame_mb != DEFAULT_MAX_FRAME_MB:
+            head["max_frame_mb"] = self.head.max_frame_mb
+        if self.head.max_body_mb != DEFAULT_MAX_BODY_MB:
+            head["max_body_mb"] = self.head.max_body_mb
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -430,7 +486,35 @@ class _Parser:
         max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1)
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds")
-        return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s)
+        timeout = self.optional(head, "heartbeat_timeout_s", "head", lambda v, p: self.positive_number(v, p, "seconds"))
+        if timeout is not None and timeout <= heartbeat_s:
+            raise self.fail("head.heartbeat_timeout_s", f"{timeout:g} s is not longer than heartbeat_s "
+                            f"({heartbeat_s:g} s), so a healthy worker would count as lost between two pings; "
+                            f"give at least {2 * heartbeat_s:g}")
+        resume = self.boolean(head.get("resume", True), "head.resume")
+        grace = head.get("resume_grace_s", DEFAULT_RESUME_GRACE_S)
+        resume_grace_s = self.positive_number(grace, "head.resume_grace_s", "seconds")
+        join_token = self.optional(head, "join_token", "head", self.join_token)
+        max_frame_mb = self.positive_number(head.get("max_frame_mb", DEFAULT_MAX_FRAME_MB), "head.max_frame_mb",
+                                            "MiB")
+        max_body_mb = self.positive_number(head.get("max_body_mb", DEFAULT_MAX_BODY_MB), "head.max_body_mb", "MiB")
+        return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
+                            heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
+                            join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb)
+
+    def boolean(self, value: object, path: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(path, f"expected true or false, got {_describe(value)}")
+        return value
+
+    def join_token(self, value: object, path: str) -> str:
+        # The text itself is never echoed back: an error message may end up in a log.
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected text, got {type(value).__name__}; quote the token")
+        if value != value.strip() or len(value) < MIN_JOIN_TOKEN_CHARS:
+            raise self.fail(path, f"the token must be at least {MIN_JOIN_TOKEN_CHARS} characters with no spaces "
+                            "at either end; make one with: python -c 'import secrets; print(secrets.token_hex(32))'")
+        return value
 
     def optional(self, section: Mapping[str, Any], key: str, path: str, check: Callable[[Any, str], Any]) -> Any:
         value = section.get(key)
@@ -452,7 +536,10 @@ class _Parser:
                 )
             first_index[entry.id] = index
             entries.append(entry)
-        self.check_pin_order(entries)
+        if all(entry.spare for entry in entries):
+            raise self.fail("nodes", "every node is a spare; at least one node must hold layers (drop spare: true "
+                            "from one)")
+        self.check_pin_order(entries)  # spares hold no pins, so they never take part
         return tuple(entries)
 
     def node(self, value: object, path: str) -> NodeEntry:
@@ -468,13 +555,19 @@ class _Parser:
             parse_device(device)
         except DeviceError as exc:
             raise self.fail(f"{path}.device", str(exc)) from exc
+        spare = self.boolean(node.get("spare", False), f"{path}.spare")
+        layers = self.optional(node, "layers", path, self.pin)
+        if spare and layers is not None:
+            raise self.fail(f"{path}.layers", "a spare holds no layers of its own (it takes over a lost node's); "
+                            "remove layers or spare: true")
         return NodeEntry(
             id=node_id,
             device=device,
             dtype=self.optional(node, "dtype", path, lambda v, p: self.choice(v, p, DTYPES, "compute dtype")),
             max_memory_gb=self.optional(node, "max_memory_gb", path, lambda v, p: self.positive_number(v, p, "GiB")),
-            layers=self.optional(node, "layers", path, self.pin),
+            layers=layers,
             threads=self.optional(node, "threads", path, lambda v, p: self.integer(v, p, 1)),
+            spare=spare,
         )
 
     def pin(self, value: object, path: str) -> tuple[int, int]:

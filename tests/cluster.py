@@ -55,28 +55,32 @@ class Process:
 class Cluster:
     """A head and its workers as child processes. `tc` is the command prefix (python -m tc, or a tc.pyz)."""
 
-    def __init__(self, topology: Path, workdir: Path, tc: list[str] | None = None, env: dict | None = None):
+    def __init__(self, topology: Path, workdir: Path, tc: list[str] | None = None, env: dict | None = None,
+                 api_host: str = "127.0.0.1", join_host: str = "127.0.0.1", head_prefix: tuple[str, ...] = ()):
         self.topology, self.workdir, self.env = topology, workdir, env or {}
         self.tc = tc or [sys.executable, "-m", "tc"]
         self.api_port, self.listen_port = free_port(), free_port()
+        # where the test reaches the API, where workers reach the head, and a command prefix for the head
+        # (e.g. ip netns exec NS) for tests that put processes in network namespaces
+        self.api_host, self.join_host, self.head_prefix = api_host, join_host, list(head_prefix)
         self.head: Process | None = None
         self.workers: dict[str, Process] = {}
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"http://{self.api_host}:{self.api_port}"
 
     def start_head(self) -> Process:
-        self.head = Process([*self.tc, "head", str(self.topology), "--api-port", str(self.api_port),
-                             "--listen-port", str(self.listen_port)], self.workdir / "head.log", self.env,
-                            cwd=self.workdir)
+        self.head = Process([*self.head_prefix, *self.tc, "head", str(self.topology), "--api-port",
+                             str(self.api_port), "--listen-port", str(self.listen_port)], self.workdir / "head.log",
+                            self.env, cwd=self.workdir)
         return self.head
 
     def start_worker(self, node_id: str | None, *extra: str, name: str | None = None,
-                     env: dict | None = None) -> Process:
+                     env: dict | None = None, prefix: tuple[str, ...] = (), join_host: str | None = None) -> Process:
         name = name or node_id or f"worker{len(self.workers)}"
-        args = [*self.tc, "worker", "--join", f"127.0.0.1:{self.listen_port}", "--device", "cpu",
-                "--threads", "1", *extra]
+        args = [*prefix, *self.tc, "worker", "--join", f"{join_host or self.join_host}:{self.listen_port}",
+                "--device", "cpu", "--threads", "1", *extra]
         if node_id:
             args += ["--node-id", node_id]
         proc = Process(args, self.workdir / f"{name}.log", {**self.env, **(env or {})}, cwd=self.workdir)

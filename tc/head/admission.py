@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import AbstractSet
 
-from ..planner import Plan
+from ..planner import Plan, Stage
 from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
 from ..topology import NodeEntry, Topology
 
@@ -42,17 +42,23 @@ def worker_memory(hello: Hello, device: str) -> int | None:
     return None
 
 
+def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
+    """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
+    memory = worker_memory(hello, device_for(entry.device, hello))
+    if memory is not None and stage.weight_bytes > memory:
+        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({stage.weight_bytes / 1e9:.2f} GB of "
+                f"weights), but this worker offers {memory / 1e9:.2f} GB; give it more memory (--max-memory-gb) or "
+                f"pin fewer layers on {stage.node_id} in topology.yaml")
+    return None
+
+
 def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan) -> str | None:
     if not device_can_serve(entry.device, hello.devices):
         have = ", ".join(d.id for d in hello.devices)
         return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
-    stage = plan.stage_for(entry.id)
-    memory = worker_memory(hello, device_for(entry.device, hello))
-    if memory is not None and stage.weight_bytes > memory:
-        return (f"entry {entry.id} holds layers {stage.layers_text} ({stage.weight_bytes / 1e9:.2f} GB of weights), "
-                f"but this worker offers {memory / 1e9:.2f} GB; give it more memory (--max-memory-gb) or pin "
-                f"fewer layers on {entry.id} in topology.yaml")
-    return None
+    if entry.spare:  # which layers a spare takes is known only when a node is lost
+        return None
+    return stage_fit_problem(entry, hello, plan.stage_for(entry.id))
 
 
 def choose_entry(hello: Hello, topology: Topology, plan: Plan, taken: AbstractSet[str]) -> NodeEntry:
@@ -74,7 +80,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan, taken: AbstractSe
             raise Refusal(problem)
         return entry
     problems = []
-    for entry in topology.nodes:
+    for entry in topology.pipeline_nodes + topology.spare_nodes:  # spares only once the pipeline is full
         if entry.id in taken:
             continue
         problem = _fit_problem(entry, hello, plan)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -27,6 +28,8 @@ from .workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_DRAIN_S = 3.0  # longest wait, on shutdown, for accepted requests to get their 503
+
 
 def model_source(topology: Topology) -> ModelSource:
     return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
@@ -38,7 +41,7 @@ def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
     per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
                  for i in range(config.num_hidden_layers)]
     layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
-    return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology))
+    return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
 
 
 def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
@@ -67,8 +70,15 @@ class Head:
     listen_port: int
 
     def stop(self) -> None:
-        self.http.stop()
+        # Workers first: a generation in flight then ends at once with a clear error, and every request after it
+        # gets a 503 at once. Those already accepted get that answer during a short drain before the HTTP
+        # server closes its connections.
         self.registry.stop()
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while self.service.queue_depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # requests still in Waitress's own queue
+        self.http.stop()
 
 
 def start_head(topology: Topology) -> Head:
@@ -93,10 +103,15 @@ def start_head(topology: Topology) -> Head:
              time.perf_counter() - started)
 
     registry = WorkerRegistry(topology, plan, config)
-    generator = Generator(head_model, tokenizer, RemotePipeline(registry), dtype)
+    pipeline = RemotePipeline(registry, topology.head.resume, topology.head.resume_grace_s)
+    generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
-                                max_queue=topology.head.max_queue)
-    http = start_http_server(create_app(service), topology.head.api.host, topology.head.api.port)
+                                max_queue=topology.head.max_queue, step_hops=lambda: pipeline.last_hops)
+    max_body = topology.head.max_body_bytes
+    # enough HTTP threads for the one generating, the queue, and health checks, so the bounded queue (not
+    # Waitress's unbounded backlog) decides who waits and who gets a 429
+    http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry), topology.head.api.host,
+                             topology.head.api.port, threads=topology.head.max_queue + 4, max_body_bytes=max_body)
     listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
                                          len(plan.stages), topology.name, http.url)
@@ -111,9 +126,18 @@ def run_head(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology).with_ports(api_port=args.api_port, listen_port=args.listen_port)
     head = start_head(topology)
     done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if done.is_set():  # a second signal: the operator does not want to wait for the drain
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        done.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    log.info("shutting down")
+        signal.signal(sig, on_signal)
+    while not done.wait(1.0):  # a timed wait, so the signal handler runs promptly on every platform
+        pass
     head.stop()
+    log.info("head stopped")
     return 0

@@ -1,14 +1,24 @@
 """The head's side of the worker connections: admission, assignment, liveness, and request/reply.
 
-Each planned node has a slot. A joining worker is matched to a slot (admission.py), sent its ASSIGNMENT, and
-is ready once it reports LOAD_COMPLETE. A reader thread per connection routes replies to whoever waits on them
-and notices a closed socket at once; a heartbeat thread pings and drops workers that fall silent. Losing a
-worker frees its slot for the next worker that joins: the head never needs a restart.
+Each planned node has a slot. A joining worker proves it knows the join token when the topology sets one
+(tc.protocol.auth), is matched to a slot (admission.py), sent its ASSIGNMENT, and is ready once it reports
+LOAD_COMPLETE. A worker that joins as a spare entry stands by until some slot loses its worker, then is
+assigned that slot's layers.
+
+Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
+at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
+than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. Dropping
+closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
+worker that joins: the head never needs a restart.
+
+Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
+asked for, a hidden state of the wrong shape) closes that one connection with an ERROR saying why.
 """
 from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import socket
 import threading
 import time
@@ -16,31 +26,59 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..model.config import Qwen2Config
-from ..planner import Plan
+from ..planner import Plan, Stage
+from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
-from ..protocol.messages import (Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Message, Ping, Pong)
+from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment, Error, Hello, HelloAck,
+                                 HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress, Message, Ping,
+                                 Pong, RunDecode, RunPrefill)
 from ..topology import Topology
-from .admission import Refusal, choose_entry, device_for
-from .service import Readiness, StageFailed, WorkerLost
+from .admission import Refusal, choose_entry, device_for, stage_fit_problem
+from .service import Readiness, ServiceError, StageFailed, WorkerLost
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set
+HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
+MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
+SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
+ERROR_SHUTTING_DOWN = "shutting_down"  # ERROR code a worker sends before it leaves on SIGTERM
 _LOST = object()  # put on a link's reply queue when its connection ends
 
 
-class WorkerLink:
-    """One admitted worker's connection."""
+class HeadShuttingDown(ServiceError):
+    """The head is stopping: requests in flight end with this, new ones are refused."""
 
-    def __init__(self, conn: Connection, node_id: str, hello: Hello, device: str):
-        self.conn, self.node_id, self.hello, self.device = conn, node_id, hello, device
+    def __init__(self) -> None:
+        super().__init__("the head is shutting down; the request was not completed. Retry once it is back")
+
+
+class WorkerLink:
+    """One admitted worker's connection.
+
+    `entry_id` is the topology entry the worker joined as; `node_id` the planned node whose layers it serves,
+    which differs for a spare that took over a lost node, and is None while a spare stands by.
+    """
+
+    def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int):
+        self.conn, self.entry_id, self.hello, self.device, self.peer = conn, entry_id, hello, device, peer
+        self.node_id: str | None = None
         self.hostname = hello.hostname
+        self.hidden_size = hidden_size
         self.replies: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.close_reason = ""
+        self.farewell = ""  # what the worker said before it left, if it said anything
         self.last_seen = time.monotonic()
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[str, int] | None = None  # (request_id, seq) of the command awaiting its reply
+
+    @property
+    def name(self) -> str:
+        """How logs and errors name this worker: the node it serves, and the spare entry if it is one."""
+        node = self.node_id or self.entry_id
+        return node if node == self.entry_id else f"{node} (spare {self.entry_id})"
 
     def close(self, reason: str) -> None:
         if not self.closed.is_set():
@@ -49,26 +87,49 @@ class WorkerLink:
             self.replies.put(_LOST)
             self.conn.close()
 
-    def request(self, message: Message, request_id: str, seq: int) -> HiddenState:
+    def refuse(self, problem: str) -> None:
+        """Close for a protocol violation, telling the worker why first (best effort)."""
+        try:
+            self.conn.send(Error(code=ERROR_PROTOCOL, message=problem))
+        except (OSError, ValueError):
+            pass
+        self.close(f"protocol error: {problem}")
+
+    def deliver(self, env) -> None:
+        """Hand a reply to the waiting request. Raises ProtocolError for a reply nobody asked for."""
+        with self._pending_lock:
+            if self._pending != (env.request_id, env.seq):
+                raise ProtocolError(f"{env.message.TYPE} for {env.request_id} #{env.seq}, which was not asked for "
+                                    f"(awaiting {self._pending or 'nothing'})")
+            self._pending = None
+        self.replies.put(env)
+
+    def request(self, message: RunPrefill | RunDecode, request_id: str, seq: int) -> HiddenState:
         """Send one inference command and wait for its reply. Raises WorkerLost or StageFailed."""
+        node = self.node_id or self.entry_id
         if self.closed.is_set():
-            raise WorkerLost(self.node_id, self.close_reason)
+            raise WorkerLost(node, self.close_reason)
+        positions = message.hidden_state.shape[1]
+        with self._pending_lock:
+            self._pending = (request_id, seq)
         try:
             self.conn.send(message, request_id, seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
-            raise WorkerLost(self.node_id, self.close_reason) from exc
-        while True:
-            reply = self.replies.get()
-            if reply is _LOST:
-                self.replies.put(_LOST)  # later waiters must see it too
-                raise WorkerLost(self.node_id, self.close_reason)
-            if reply.request_id != request_id or reply.seq != seq:
-                log.debug("dropping a stale reply from %s (%s #%s)", self.node_id, reply.request_id, reply.seq)
-                continue
-            if isinstance(reply.message, (InferenceError, Error)):
-                raise StageFailed(self.node_id, reply.message.message)
-            return reply.message
+            raise WorkerLost(node, self.close_reason) from exc
+        reply = self.replies.get()
+        if reply is _LOST:
+            self.replies.put(_LOST)  # later waiters must see it too
+            raise WorkerLost(node, self.close_reason)
+        if isinstance(reply.message, (InferenceError, Error)):
+            raise StageFailed(node, reply.message.message)
+        hidden = reply.message.hidden_state  # [1, positions, hidden]
+        expected = (1, positions, self.hidden_size)
+        if tuple(hidden.shape) != expected:
+            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {message.TYPE} of {positions} position(s) "
+                        f"needs {list(expected)}")
+            raise WorkerLost(node, self.close_reason)
+        return reply.message
 
 
 @dataclass
@@ -79,29 +140,52 @@ class Slot:
     detail: str = ""
     loaded: LoadComplete | None = None
     joined_at: float = 0.0
-    history: list[str] = field(default_factory=list)
+    ever_lost: bool = False  # a spare fills only a node that lost its worker, not one whose worker is still coming
+    history: deque[str] = field(default_factory=lambda: deque(maxlen=SLOT_HISTORY))  # bounded: workers churn
 
 
 class WorkerRegistry:
-    def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None, on_ready: Callable[[], None] | None = None):
+    def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None,
+                 on_ready: Callable[[], None] | None = None):
         self.topology, self.plan, self.config = topology, plan, config
         self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
+        self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
         self.lock = threading.Lock()
-        self.max_frame_bytes = max_frame_bytes
+        self.changed = threading.Condition(self.lock)  # notified whenever a slot changes state
+        settings = topology.head
+        self.max_frame_bytes = max_frame_bytes if max_frame_bytes is not None else settings.max_frame_bytes
         self.on_ready = on_ready
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
-        self.heartbeat_s = topology.head.heartbeat_s
+        self.heartbeat_s = settings.heartbeat_s
+        self.silence_limit_s = settings.silence_limit_s
+        self._token_key = token_key(settings.join_token) if settings.join_token else None
+        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
     # --- views -------------------------------------------------------------------------------------------------
     def readiness(self) -> Readiness:
         with self.lock:
+            if self.stopping.is_set():
+                return Readiness(required=len(self.slots), ready=(), missing=tuple(self.slots))
             ready = tuple(n for n, s in self.slots.items() if s.state == "ready")
             missing = tuple(n for n, s in self.slots.items() if s.state != "ready")
         return Readiness(required=len(self.slots), ready=ready, missing=missing)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every slot is ready (True), or the head stops or the time runs out (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not self.stopping.is_set():
+                if all(s.state == "ready" for s in self.slots.values()):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+        return False
+
     def snapshot(self) -> list[dict]:
-        """Each planned node's state, for operators: plan, device, memory, liveness."""
+        """Each planned node's state, then each spare standing by, for operators: plan, device, memory, liveness."""
         now = time.monotonic()
         with self.lock:
             rows = []
@@ -114,8 +198,17 @@ class WorkerRegistry:
                     "planned_weight_bytes": stage.weight_bytes, "memory_bytes": stage.memory_bytes,
                     "device": link.device if link else None,
                     "hostname": link.hostname if link else None,
+                    "served_by": link.entry_id if link else None,
                     "loaded_weight_bytes": slot.loaded.weight_bytes if slot.loaded else None,
                     "seconds_since_heard": round(now - link.last_seen, 3) if link else None,
+                })
+            for entry_id, link in self.standby.items():  # the same keys, with no plan of their own
+                rows.append({
+                    "id": entry_id, "state": "standby", "detail": "spare, waiting for a lost node", "layers": None,
+                    "planned_device": self.topology.node(entry_id).device, "dtype": None,
+                    "planned_weight_bytes": None, "memory_bytes": None, "device": link.device,
+                    "hostname": link.hostname, "served_by": entry_id, "loaded_weight_bytes": None,
+                    "seconds_since_heard": round(now - link.last_seen, 3),
                 })
         return rows
 
@@ -130,23 +223,28 @@ class WorkerRegistry:
                 links.append(slot.link)
         return links
 
+    def _live_links(self) -> list[WorkerLink]:
+        with self.lock:
+            return [s.link for s in self.slots.values() if s.link is not None] + list(self.standby.values())
+
     # --- accepting workers -------------------------------------------------------------------------------------
     def start(self, host: str, port: int) -> int:
         """Listen for workers; returns the bound port."""
         self.listener = socket.create_server((host, port), reuse_port=False)
         bound = self.listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        threading.Thread(target=self._watch_loop, name="heartbeat-watch", daemon=True).start()
         return bound
 
     def stop(self) -> None:
+        """Stop accepting workers and close every link: requests in flight fail with HeadShuttingDown."""
         self.stopping.set()
         if self.listener is not None:
             self.listener.close()
-        with self.lock:
-            links = [s.link for s in self.slots.values() if s.link is not None]
-        for link in links:
+        for link in self._live_links():
             link.close("the head is shutting down")
+        with self.changed:
+            self.changed.notify_all()
 
     def _accept_loop(self) -> None:
         assert self.listener is not None
@@ -154,58 +252,151 @@ class WorkerRegistry:
             try:
                 sock, addr = self.listener.accept()
             except OSError:
-                return  # listener closed
-            threading.Thread(target=self._handshake, args=(sock, addr), name=f"join-{addr[0]}:{addr[1]}",
+                if self.stopping.is_set():
+                    return  # listener closed
+                time.sleep(0.1)  # EMFILE and the like: back off rather than spin
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("refused a connection from %s:%s: %d handshakes already in progress", addr[0], addr[1],
+                            MAX_PENDING_HANDSHAKES)
+                sock.close()
+                continue
+            threading.Thread(target=self._join, args=(sock, addr), name=f"join-{addr[0]}:{addr[1]}",
                              daemon=True).start()
 
-    def _handshake(self, sock: socket.socket, addr: tuple) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        kwargs = {} if self.max_frame_bytes is None else {"max_frame_bytes": self.max_frame_bytes}
-        conn = Connection(sock, **kwargs)
+    def _join(self, sock: socket.socket, addr: tuple) -> None:
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            env = conn.recv()
-            if not isinstance(env.message, Hello):
-                raise ProtocolError(f"expected HELLO first, got {env.message.TYPE}")
-            hello = env.message
+            admitted = self._handshake(sock, f"{addr[0]}:{addr[1]}")
+        finally:
+            self._handshakes.release()
+        if admitted is not None:
+            self._serve(*admitted)
+
+    def _handshake(self, sock: socket.socket, peer: str) -> tuple[WorkerLink, list] | None:
+        """Admit a worker: (its link, assignments to send), or None once it is refused and closed."""
+        conn = Connection(sock, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)  # bounds every read and write, so a silent peer cannot hold a thread
+            hello = _expect_hello(conn)
+            if self._token_key is not None:
+                hello = self._authenticate(conn, hello)
             with self.lock:
-                taken = {n for n, s in self.slots.items() if s.link is not None}
-                entry = choose_entry(hello, self.topology, self.plan, taken)
-                device = device_for(entry.device, hello)
-                link = WorkerLink(conn, entry.id, hello, device)
-                slot = self.slots[entry.id]
-                slot.link, slot.state, slot.detail, slot.joined_at = link, "loading", "loading", time.time()
+                if self.stopping.is_set():
+                    raise Refusal("the head is shutting down; the worker will rejoin when it is back")
+                entry, link, assignments = self._place(hello, conn, peer)
             conn.settimeout(None)
+            conn.max_frame_bytes = self.max_frame_bytes
             conn.send(HelloAck(node_id=entry.id))
-            stage = self.plan.stage_for(entry.id)
-            conn.send(self._assignment(stage, device))
-            log.info("worker %s joined from %s (%s, %s): assigned layers %s on %s", entry.id, peer, hello.hostname,
-                     hello.platform, stage.layers_text, device)
-        except Refusal as exc:
+            if link.node_id is None:
+                log.info("spare %s joined from %s (%s, %s) and stands by for a lost node", entry.id, peer,
+                         hello.hostname, link.device)
+        except (Refusal, AuthError) as exc:
             log.warning("refused a worker from %s: %s", peer, exc)
-            _send_and_close(conn, Error(code="hello_refused", message=str(exc)))
-            return
+            _send_and_close(conn, Error(code=ERROR_HELLO_REFUSED, message=str(exc)))
+            return None
         except ProtocolError as exc:  # includes a protocol version mismatch found while parsing HELLO
             log.warning("refused a worker from %s: %s", peer, exc)
-            _send_and_close(conn, Error(code="protocol_error", message=str(exc)))
-            return
-        except (ConnectionClosed, OSError) as exc:
+            _send_and_close(conn, Error(code=ERROR_PROTOCOL, message=str(exc)))
+            return None
+        except (ConnectionClosed, OSError) as exc:  # TimeoutError is an OSError
             log.warning("a worker from %s went away during its handshake: %s", peer, exc)
             conn.close()
-            return
-        self._read_loop(link)
+            self._lost_if_placed(conn, f"handshake failed: {exc}")
+            return None
+        return link, assignments
 
-    def _assignment(self, stage, device: str) -> Assignment:
+    def _authenticate(self, conn: Connection, hello: Hello) -> Hello:
+        """The head's side of the join-token exchange (tc.protocol.auth); returns the proven HELLO."""
+        assert self._token_key is not None
+        try:
+            worker_nonce = check_nonce(hello.auth)
+        except AuthError:
+            raise Refusal("this cluster needs a join token: start the worker with --join-token-file PATH (or "
+                          "TC_JOIN_TOKEN) holding the head's head.join_token") from None
+        head_nonce, challenge = make_challenge(self._token_key, worker_nonce)
+        conn.send(HelloAck(node_id="", challenge=challenge))
+        proven = _expect_hello(conn)
+        check_answer(self._token_key, head_nonce, worker_nonce, proven.auth)
+        return proven
+
+    def _place(self, hello: Hello, conn: Connection, peer: str) -> tuple:
+        """Under the lock: pick the worker's entry and slot. Raises Refusal."""
+        served_by_spare = {n: s.link.entry_id for n, s in self.slots.items()
+                           if s.link is not None and s.link.entry_id != n}
+        if hello.node_id in served_by_spare:
+            raise Refusal(f"node {hello.node_id} is served by the spare {served_by_spare[hello.node_id]} since its "
+                          "worker was lost; this worker is not needed now (start it again once the spare is gone, "
+                          "or declare another spare entry for it)")
+        taken = ({n for n, s in self.slots.items() if s.link is not None}
+                 | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
+        entry = choose_entry(hello, self.topology, self.plan, taken)
+        link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size)
+        assignments: list = []
+        if entry.spare:
+            self.standby[entry.id] = link
+            assignments = self._match_standby()
+        else:
+            assignments = [self._occupy(self.slots[entry.id], link)]
+        return entry, link, assignments
+
+    def _occupy(self, slot: Slot, link: WorkerLink) -> tuple[WorkerLink, Assignment]:
+        """Under the lock: give `slot` to `link`; returns the ASSIGNMENT to send it."""
+        stage = self.plan.stage_for(slot.node_id)
+        link.node_id = slot.node_id
+        slot.link, slot.state, slot.detail, slot.loaded, slot.joined_at = link, "loading", "loading", None, time.time()
+        slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
+        self.changed.notify_all()
+        return link, self._assignment(stage, link.device)
+
+    def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
+        """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers."""
+        assignments = []
+        for slot in self.slots.values():
+            if slot.link is not None or not slot.ever_lost:
+                continue
+            stage = self.plan.stage_for(slot.node_id)
+            for entry_id, link in list(self.standby.items()):
+                problem = stage_fit_problem(self.topology.node(entry_id), link.hello, stage)
+                if problem is None:
+                    del self.standby[entry_id]
+                    assignments.append(self._occupy(slot, link))
+                    log.info("spare %s takes over node %s (layers %s)", entry_id, slot.node_id, stage.layers_text)
+                    break
+                log.info("spare %s cannot take node %s: %s", entry_id, slot.node_id, problem)
+        return assignments
+
+    def _send_assignments(self, assignments: list[tuple[WorkerLink, Assignment]]) -> None:
+        for link, assignment in assignments:
+            try:
+                link.conn.send(assignment)
+            except OSError as exc:
+                self._lost(link, f"sending its assignment failed: {exc}")
+                continue
+            log.info("worker %s joined from %s (%s, %s): assigned layers %d-%d on %s", link.name, link.peer,
+                     link.hello.hostname, link.hello.platform, assignment.layer_start,
+                     assignment.layer_end_exclusive - 1, assignment.device)
+
+    def _lost_if_placed(self, conn: Connection, reason: str) -> None:
+        """A handshake that failed after placing its worker (the HELLO_ACK did not go out) frees the place."""
+        for link in self._live_links():
+            if link.conn is conn:
+                self._lost(link, reason)
+
+    def _assignment(self, stage: Stage, device: str) -> Assignment:
         tensor_count = 12 * (stage.end - stage.start)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
-                          revision=self.topology.revision, device=device, architecture="qwen2", quant=self.topology.quant,
-                          group_size=self.topology.group_size, compute_dtype=stage.dtype,
+                          revision=self.topology.revision, device=device, architecture="qwen2",
+                          quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes,
-                          threads=self.topology.node(stage.node_id).threads)
+                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes)
 
     # --- serving -----------------------------------------------------------------------------------------------
+    def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:
+        threading.Thread(target=self._ping_loop, args=(link,), name=f"ping-{link.entry_id}", daemon=True).start()
+        self._send_assignments(assignments)
+        self._read_loop(link)
+
     def _read_loop(self, link: WorkerLink) -> None:
         reason = "connection closed"
         try:
@@ -214,83 +405,106 @@ class WorkerRegistry:
                 link.last_seen = time.monotonic()
                 msg = env.message
                 if isinstance(msg, (HiddenState, InferenceError)):
-                    link.replies.put(env)
+                    link.deliver(env)
                 elif isinstance(msg, Pong):
                     pass
+                elif isinstance(msg, (LoadProgress, LoadComplete, LoadFailed)) and link.node_id is None:
+                    raise ProtocolError(f"{msg.TYPE} from a spare that was given nothing to load")
                 elif isinstance(msg, LoadProgress):
-                    log.debug("worker %s: %s %d/%d", link.node_id, msg.stage, msg.done, msg.total)
+                    log.debug("worker %s: %s %d/%d", link.name, msg.stage, msg.done, msg.total)
                     self._set_detail(link, f"loading {msg.stage} {msg.done}/{msg.total}")
                 elif isinstance(msg, LoadComplete):
                     self._loaded(link, msg)
                 elif isinstance(msg, LoadFailed):
-                    log.error("worker %s could not load its layers: %s", link.node_id, msg.reason)
+                    log.error("worker %s could not load its layers: %s", link.name, msg.reason)
                     self._set_detail(link, f"load failed: {msg.reason}")
                 elif isinstance(msg, Error):
-                    log.warning("worker %s reports: %s (%s)", link.node_id, msg.message, msg.code)
-                    if env.request_id is not None:  # a refused inference command: its waiter must hear
-                        link.replies.put(env)
+                    log.warning("worker %s reports: %s (%s)", link.name, msg.message, msg.code)
+                    if msg.code == ERROR_SHUTTING_DOWN:
+                        link.farewell = msg.message
+                    elif env.request_id is not None:  # a refused inference command: its waiter must hear
+                        link.deliver(env)
                 else:
                     raise ProtocolError(f"a head does not accept {msg.TYPE} from a worker")
         except ConnectionClosed as exc:
             reason = str(exc) or "connection closed"
-        except ProtocolError as exc:
+        except ProtocolError as exc:  # the connection is still in step after a bad body: say why before closing
             reason = f"protocol error: {exc}"
-            try:
-                link.conn.send(Error(code="protocol_error", message=str(exc)))
-            except OSError:
-                pass
+            link.refuse(str(exc))
         except OSError as exc:
             reason = str(exc)
-        self._lost(link, reason)
+        self._lost(link, link.farewell or reason)  # a reason given earlier (a timeout, a refusal) wins
 
     def _set_detail(self, link: WorkerLink, detail: str) -> None:
         with self.lock:
-            slot = self.slots[link.node_id]
-            if slot.link is link:
+            slot = self.slots.get(link.node_id or "")
+            if slot is not None and slot.link is link:
                 slot.detail = detail
 
     def _loaded(self, link: WorkerLink, msg: LoadComplete) -> None:
         with self.lock:
-            slot = self.slots[link.node_id]
+            slot = self.slots[link.node_id or ""]
             if slot.link is not link:
                 return
             slot.state, slot.detail, slot.loaded = "ready", "ready", msg
             ready = sum(s.state == "ready" for s in self.slots.values())
+            self.changed.notify_all()
         log.info("worker %s ready: %.0f MB of weights on %s (%s), loaded in %.1fs [%d/%d workers ready]",
-                 link.node_id, msg.weight_bytes / 1e6, msg.device, msg.compute_dtype, msg.load_seconds, ready,
+                 link.name, msg.weight_bytes / 1e6, msg.device, msg.compute_dtype, msg.load_seconds, ready,
                  len(self.slots))
         if ready == len(self.slots) and self.on_ready is not None:
             self.on_ready()
 
     def _lost(self, link: WorkerLink, reason: str) -> None:
         link.close(reason)
+        reason = link.close_reason  # the first reason given is the one requests saw
         with self.lock:
-            slot = self.slots[link.node_id]
-            if slot.link is not link:
+            if self.standby.get(link.entry_id) is link:
+                del self.standby[link.entry_id]
+                log.warning("spare %s left (%s)", link.entry_id, reason)
+                return
+            slot = self.slots.get(link.node_id or "")
+            if slot is None or slot.link is not link:
                 return
             was = slot.state
             slot.link, slot.state, slot.detail, slot.loaded = None, "waiting", f"lost: {reason}", None
+            slot.ever_lost = True
+            slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} lost: {reason}")
+            self.changed.notify_all()
+            assignments = [] if self.stopping.is_set() else self._match_standby()
         if not self.stopping.is_set():
             log.warning("worker %s lost (%s, was %s); the cluster is not ready until a worker fills %s again",
-                        link.node_id, reason, was, link.node_id)
+                        link.name, reason, was, slot.node_id)
+        self._send_assignments(assignments)
 
-    def _heartbeat_loop(self) -> None:
+    def _ping_loop(self, link: WorkerLink) -> None:
+        # One per link: a ping blocked on a worker that stopped reading holds up only this thread, and the watch
+        # thread's close() wakes it.
         nonce = 0
-        while not self.stopping.wait(self.heartbeat_s):
-            with self.lock:
-                links = [s.link for s in self.slots.values() if s.link is not None]
+        while not link.closed.wait(self.heartbeat_s):
+            nonce += 1
+            try:
+                link.conn.send(Ping(nonce=nonce))
+            except OSError as exc:
+                self._lost(link, f"ping failed: {exc}")
+                return
+
+    def _watch_loop(self) -> None:
+        period = min(self.heartbeat_s, self.silence_limit_s / 4)
+        while not self.stopping.wait(period):
             now = time.monotonic()
-            for link in links:
+            for link in self._live_links():
                 silent = now - link.last_seen
-                if silent > 3 * self.heartbeat_s:
-                    log.warning("worker %s silent for %.1fs", link.node_id, silent)
-                    self._lost(link, f"no heartbeat for {silent:.1f}s")
-                    continue
-                nonce += 1
-                try:
-                    link.conn.send(Ping(nonce=nonce))
-                except OSError as exc:
-                    self._lost(link, f"ping failed: {exc}")
+                if silent > self.silence_limit_s:
+                    self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
+                                     "the worker is stopped, hung or unreachable")
+
+
+def _expect_hello(conn: Connection) -> Hello:
+    env = conn.recv()
+    if not isinstance(env.message, Hello):
+        raise ProtocolError(f"expected HELLO, got {env.message.TYPE}")
+    return env.message
 
 
 def _send_and_close(conn: Connection, message: Message) -> None:

@@ -35,7 +35,7 @@ import threading
 from tc.protocol.cbor import BytesLike
 from tc.protocol.errors import ConnectionClosed, FrameTooLarge
 from tc.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, Envelope, decode_body, encode_frame_parts
-from tc.protocol.messages import Message
+from tc.protocol.messages import ERROR_PROTOCOL, Error, Message
 
 # sendmsg takes at most IOV_MAX (1024 on Linux and macOS) buffers per call; a frame has a handful.
 _MAX_PARTS_PER_CALL = 64
@@ -139,7 +139,8 @@ class Connection:
 
         ``timeout`` bounds the wait for a frame to start (seconds; None waits for ever). Raises TimeoutError when
         it expires (the connection stays usable), ConnectionClosed on EOF (including EOF mid-frame) or a broken
-        stream, FrameTooLarge for a header over max_frame_bytes (the connection is closed), and ProtocolError for
+        stream, FrameTooLarge for a header over max_frame_bytes (the peer is sent an ERROR when that can be done
+        without blocking, and the connection is closed), and ProtocolError for
         an invalid body (the connection stays open and in step).
         """
         with self._recv_lock:
@@ -151,8 +152,10 @@ class Connection:
                 self._read_exactly(header, frame_started=False)
             length = int.from_bytes(self._header, "big")
             if length > self.max_frame_bytes:
+                error = FrameTooLarge(length, self.max_frame_bytes)
+                self._tell_peer(error)
                 self.close()
-                raise FrameTooLarge(length, self.max_frame_bytes)
+                raise error
             if len(self._buffer) < length:
                 # Replaced, never resized in place: views of the old buffer may still be alive (a traceback), and
                 # resizing a bytearray with live views raises BufferError.
@@ -173,6 +176,22 @@ class Connection:
         except OSError:
             pass  # the peer is already gone (ENOTCONN): there is nothing left to shut down, closing suffices
         self._sock.close()
+
+    def _tell_peer(self, error: Exception) -> None:
+        """Best effort: an ERROR frame saying why the connection is about to close, never blocking.
+
+        Sent only when no other thread is mid-frame and the whole frame fits the socket buffer at once; a
+        partial write does not matter, since the connection is closed right after.
+        """
+        if not hasattr(socket, "MSG_DONTWAIT") or not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            frame = b"".join(encode_frame_parts(Error(code=ERROR_PROTOCOL, message=str(error))))
+            self._sock.send(frame, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        finally:
+            self._send_lock.release()
 
     def _wait_readable(self, timeout: float) -> bool:
         # poll, not select: no FD_SETSIZE limit and no file descriptor of its own to close.

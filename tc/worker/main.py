@@ -2,35 +2,61 @@
 
 Two threads per connection: this one reads frames and answers PING at once (so a long prefill or a download
 never looks like a dead worker), and a compute thread runs loading and inference in order.
+
+Staying joined: when the connection ends, or the head has sent nothing (not even a PING) for head_timeout_s
+(a head that died without closing, or a cut link), the worker rejoins with backoff; loaded layers are kept
+for the next assignment. A head that breaks the protocol (garbage, a command before any ASSIGNMENT, a message
+a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
+
+Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
+that reason), closes the connection and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
+import signal
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from .. import __version__
 from ..model_source import ModelSource, ModelSourceError
 from ..model.weights import layer_tensor_names
+from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
-from ..protocol.messages import (PROTOCOL_VERSION, Assignment, ClearCache, Error, Hello, HelloAck, LoadComplete,
-                                 LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
+from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
+from ..protocol.messages import (ERROR_PROTOCOL, PROTOCOL_VERSION, Assignment, ClearCache, Error, Hello, HelloAck,
+                                 InferenceError, LoadComplete, LoadFailed, LoadProgress, Ping, Pong, RunDecode,
+                                 RunPrefill)
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, load_assignment
 
 log = logging.getLogger(__name__)
 
 REFUSED_EXIT = 2
+HANDSHAKE_TIMEOUT_S = 30.0
+DEFAULT_HEAD_TIMEOUT_S = 30.0  # several of the head's default 5 s heartbeats
+ERROR_SHUTTING_DOWN = "shutting_down"
+TOKEN_ENV = "TC_JOIN_TOKEN"
+TOKEN_FILE_ENV = "TC_JOIN_TOKEN_FILE"
+HEAD_TIMEOUT_ENV = "TC_HEAD_TIMEOUT_S"
+MAX_FRAME_ENV = "TC_MAX_FRAME_MB"
+MIB = 1 << 20
 
 
 class Refused(Exception):
-    """The head refused this worker; retrying would not help."""
+    """The head refused this worker, or could not prove itself; retrying would not help."""
+
+
+class WorkerSetupError(ValueError):
+    """A worker setting (token file, timeout, frame size) is unusable; the message says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -42,12 +68,64 @@ class WorkerOptions:
     hf_cache_dir: str | None
     max_memory_bytes: int | None
     retry_max_s: float = 30.0
-    threads: int | None = None  # --threads; wins over the topology entry's threads
+    join_token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
 
 def _assignment_key(a: Assignment) -> tuple:
     return (a.model_id, a.revision, a.device, a.quant, a.group_size, a.compute_dtype, a.layer_start,
             a.layer_end_exclusive)
+
+
+def read_token_file(path: Path) -> str:
+    """The join token in a file (surrounding whitespace dropped). Raises WorkerSetupError."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkerSetupError(f"cannot read the join token file {path}: {exc}") from exc
+    if not token:
+        raise WorkerSetupError(f"the join token file {path} is empty; put the head's head.join_token in it")
+    return token
+
+
+def join_token_from(token_file: Path | None, environ: Mapping[str, str]) -> str | None:
+    """The token from --join-token-file, else TC_JOIN_TOKEN_FILE, else TC_JOIN_TOKEN; None when none is given.
+
+    Never from a plain command-line value: process lists show command lines to every user of the machine.
+    """
+    if token_file is not None:
+        return read_token_file(token_file)
+    if environ.get(TOKEN_FILE_ENV):
+        return read_token_file(Path(environ[TOKEN_FILE_ENV]))
+    token = environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def _positive(value: object, what: str) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise WorkerSetupError(f"{what} must be a number > 0, got {value!r}")
+    return number
+
+
+def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerOptions:
+    """Options from the command line, falling back to the environment (TC_*) for the token, timeout and frame cap."""
+    max_memory = int(args.max_memory_gb * 1e9) if args.max_memory_gb else None
+    host, port = args.join
+    head_timeout = args.head_timeout_s or environ.get(HEAD_TIMEOUT_ENV) or DEFAULT_HEAD_TIMEOUT_S
+    max_frame_mb = args.max_frame_mb or environ.get(MAX_FRAME_ENV)
+    return WorkerOptions(
+        host=host, port=port, node_id=args.node_id, device=args.device,
+        hf_cache_dir=str(args.hf_cache_dir) if args.hf_cache_dir else None, max_memory_bytes=max_memory,
+        retry_max_s=args.retry_max_s, join_token=join_token_from(args.join_token_file, environ),
+        head_timeout_s=_positive(head_timeout, "the head timeout (--head-timeout-s / TC_HEAD_TIMEOUT_S)"),
+        max_frame_bytes=(DEFAULT_MAX_FRAME_BYTES if not max_frame_mb else
+                         int(_positive(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)") * MIB)),
+    )
 
 
 class Worker:
@@ -57,14 +135,18 @@ class Worker:
         self.device = select_device(options.device, self.devices)
         self.stop = threading.Event()
         self.loaded: tuple[tuple, LoadedStage] | None = None  # kept across rejoins: same assignment, no reload
+        self._key = token_key(options.join_token) if options.join_token else None
+        self._conn: Connection | None = None
+        self._node_id: str | None = None
 
-    def hello(self) -> Hello:
+    def hello(self, auth: bytes | None = None) -> Hello:
         summary = system_summary()
         return Hello(protocol_version=PROTOCOL_VERSION, tc_version=__version__, node_id=self.options.node_id,
                      hostname=summary["hostname"], platform=summary["platform"],
                      python_version=summary["python_version"], torch_version=summary["torch_version"],
                      devices=tuple(self.devices), selected_device=self.device,
-                     compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes)
+                     compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes,
+                     auth=auth)
 
     def run(self) -> int:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
@@ -72,62 +154,125 @@ class Worker:
         while not self.stop.is_set():
             address = f"{self.options.host}:{self.options.port}"
             try:
-                conn = connect(self.options.host, self.options.port, timeout=10.0)
+                conn = connect(self.options.host, self.options.port, timeout=10.0,
+                               max_frame_bytes=self.options.max_frame_bytes)
             except OSError as exc:
                 log.warning("head at %s not reachable (%s); retrying in %.0fs", address, exc, delay)
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
                 continue
+            self._conn = conn
             try:
                 served = self.session(conn)
             except Refused as exc:
                 log.error("the head refused this worker: %s", exc)
                 return REFUSED_EXIT
             except (ConnectionClosed, OSError, ProtocolError) as exc:
+                if self.stop.is_set():
+                    break
                 log.warning("lost the head at %s (%s); rejoining", address, exc)
                 served = False
             finally:
+                self._conn = None
                 conn.close()
             if served:
                 delay = 1.0
             if not self.stop.is_set():
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
+        log.info("worker stopped")
         return 0
 
-    def session(self, conn: Connection) -> bool:
-        """One connection's life. Returns True if the head accepted us (so a rejoin starts fresh)."""
-        conn.send(self.hello())
+    def shutdown(self, why: str) -> None:
+        """Leave for good: tell the head why, close the connection; run() then returns 0. Signal-safe."""
+        self.stop.set()
+        conn, node = self._conn, self._node_id or self.options.node_id or "(unassigned)"
+
+        def farewell() -> None:  # a thread of its own: the signal may have landed while this thread held a lock
+            if conn is not None:
+                try:
+                    conn.send(Error(code=ERROR_SHUTTING_DOWN, message=f"worker {node} is shutting down ({why})"))
+                except (OSError, ValueError):
+                    pass
+                conn.close()
+
+        log.info("shutting down (%s)", why)
+        threading.Thread(target=farewell, name="farewell", daemon=True).start()
+
+    def _expect_ack(self, conn: Connection) -> HelloAck:
         env = conn.recv()
         if isinstance(env.message, Error):
             raise Refused(env.message.message)
         if not isinstance(env.message, HelloAck):
             raise ProtocolError(f"expected HELLO_ACK, got {env.message.TYPE}")
-        conn.settimeout(None)
-        node_id = env.message.node_id
+        return env.message
+
+    def handshake(self, conn: Connection) -> str:
+        """HELLO, and the join-token exchange when this worker has a token. Returns the node id given."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        nonce = new_nonce() if self._key is not None else None
+        conn.send(self.hello(auth=nonce))
+        ack = self._expect_ack(conn)
+        if self._key is not None:
+            assert nonce is not None
+            try:
+                proof = answer_challenge(self._key, nonce, ack.challenge)
+            except AuthError as exc:
+                raise Refused(str(exc)) from exc
+            conn.send(self.hello(auth=proof))
+            ack = self._expect_ack(conn)
+        if ack.challenge is not None:
+            raise Refused("the head asks for a join token and this worker has none: give it the head's "
+                          f"head.join_token with --join-token-file PATH or {TOKEN_ENV}")
+        return ack.node_id
+
+    def session(self, conn: Connection) -> bool:
+        """One connection's life. Returns True if the head accepted us (so a rejoin starts fresh)."""
+        node_id = self.handshake(conn)
+        self._node_id = node_id
+        # Every read (and write) is bounded: the head pings every few seconds, so a long silence means it is gone.
+        conn.settimeout(self.options.head_timeout_s)
         log.info("joined the head as %s (device %s)", node_id, self.device)
         jobs: queue.Queue = queue.Queue()
         computer = threading.Thread(target=self.compute_loop, args=(conn, jobs), name="compute", daemon=True)
         computer.start()
+        assigned = False
         try:
             while True:
-                env = conn.recv()
+                try:
+                    env = conn.recv()
+                except TimeoutError:
+                    log.warning("heard nothing from the head for %.0fs; rejoining", self.options.head_timeout_s)
+                    return True
                 msg = env.message
                 if isinstance(msg, Ping):
                     conn.send(Pong(nonce=msg.nonce))
-                elif isinstance(msg, (Assignment, RunPrefill, RunDecode, ClearCache)):
+                elif isinstance(msg, Assignment):
+                    assigned = True
+                    jobs.put(env)
+                elif isinstance(msg, (RunPrefill, RunDecode)) and not assigned:
+                    raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
+                elif isinstance(msg, (RunPrefill, RunDecode, ClearCache)):
                     jobs.put(env)
                 elif isinstance(msg, Error):
                     log.error("the head reports: %s (%s)", msg.message, msg.code)
                 else:
-                    conn.send(Error(code="protocol_error", message=f"a worker does not accept {msg.TYPE}"))
-                    raise ProtocolError(f"unexpected {msg.TYPE} from the head")
+                    raise ProtocolError(f"a worker does not accept {msg.TYPE} once joined")
+        except ProtocolError as exc:
+            log.error("the head broke the protocol (%s); dropping the connection", exc)
+            try:
+                conn.send(Error(code=ERROR_PROTOCOL, message=str(exc)))
+            except (OSError, ValueError):
+                pass
+            raise
         except ConnectionClosed:
-            log.warning("the head closed the connection; rejoining")
+            if not self.stop.is_set():
+                log.warning("the head closed the connection; rejoining")
             return True
         finally:
+            conn.close()
             jobs.put(None)
-            computer.join(timeout=60)
+            computer.join(timeout=1 if self.stop.is_set() else 60)
 
     def compute_loop(self, conn: Connection, jobs: queue.Queue) -> None:
         runtime: StageRuntime | None = None
@@ -145,17 +290,22 @@ class Worker:
                 elif runtime is None:
                     conn.send(Error(code="not_loaded", message=f"{msg.TYPE} before an ASSIGNMENT was loaded"),
                               env.request_id, env.seq)
-                elif isinstance(msg, RunPrefill):
-                    conn.send(runtime.prefill(msg), env.request_id, env.seq)
                 else:
-                    conn.send(runtime.decode(msg), env.request_id, env.seq)
+                    conn.send(self.infer(runtime, msg), env.request_id, env.seq)
             except (ConnectionClosed, OSError):
                 return  # the reader sees it too and ends the session
 
+    @staticmethod
+    def infer(runtime: StageRuntime, msg: RunPrefill | RunDecode):
+        """Run one command; a failure (out of memory, a bad shape the checks missed) fails the request only."""
+        try:
+            return runtime.prefill(msg) if isinstance(msg, RunPrefill) else runtime.decode(msg)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            log.exception("%s failed", msg.TYPE)
+            runtime.clear()
+            return InferenceError(message=f"{msg.TYPE} failed: {exc}")
+
     def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
-        if self.options.threads is None and assignment.threads is not None:
-            torch.set_num_threads(assignment.threads)
-            log.info("using %d torch threads, as topology.yaml sets for this entry", assignment.threads)
         key = _assignment_key(assignment)
         start, end = assignment.layer_start, assignment.layer_end_exclusive
         if self.loaded is not None and self.loaded[0] == key:
@@ -175,7 +325,9 @@ class Worker:
                     conn.send(LoadProgress(stage="layers", done=done, total=total))
 
                 loaded = load_assignment(assignment, model_dir, assignment.device, progress)
-            except (ModelSourceError, ValueError, OSError, RuntimeError) as exc:
+            except (ModelSourceError, ValueError, OSError, RuntimeError, KeyError) as exc:
+                if isinstance(exc, ConnectionClosed):
+                    raise
                 log.error("could not load layers %d-%d: %s", start, end - 1, exc)
                 conn.send(LoadFailed(reason=str(exc)))
                 return None
@@ -190,20 +342,15 @@ class Worker:
 def run_worker(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    max_memory = int(args.max_memory_gb * 1e9) if args.max_memory_gb else None
-    host, port = args.join
-    options = WorkerOptions(host=host, port=port, node_id=args.node_id, device=args.device,
-                            hf_cache_dir=str(args.hf_cache_dir) if args.hf_cache_dir else None,
-                            max_memory_bytes=max_memory, retry_max_s=args.retry_max_s, threads=args.threads)
     try:
+        options = worker_options(args, os.environ)
         worker = Worker(options)
-    except DeviceError as exc:
+    except (DeviceError, WorkerSetupError, ValueError) as exc:
         log.error("%s", exc)
         return REFUSED_EXIT
-    log.info("worker %s: device %s, %d torch threads, joining %s:%d", options.node_id or "(any entry)",
-             worker.device, torch.get_num_threads(), host, port)
-    try:
-        return worker.run()
-    except KeyboardInterrupt:
-        return 0
-
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
+    log.info("worker %s: device %s, %d torch threads, joining %s:%d%s", options.node_id or "(any entry)",
+             worker.device, torch.get_num_threads(), options.host, options.port,
+             " with a join token" if options.join_token else "")
+    return worker.run()

@@ -61,6 +61,9 @@ class StageRuntime:
     def __init__(self, loaded: LoadedStage):
         self.loaded = loaded
         self.hidden_size = loaded.stage.config.hidden_size
+        # A head asks for a cache of prompt + max_tokens positions, never more than the model's context: a
+        # larger request is refused before it allocates anything.
+        self.max_positions = loaded.stage.config.max_position_embeddings
         self.cache: KVCache | None = None
 
     def clear(self) -> None:
@@ -85,6 +88,9 @@ class StageRuntime:
     def prefill(self, msg: RunPrefill) -> HiddenState | InferenceError:
         problem = self._check_hidden(msg.hidden_state, None)
         length = msg.hidden_state.shape[1] if problem is None else 0
+        if problem is None and msg.cache_capacity > self.max_positions:
+            problem = (f"cache_capacity {msg.cache_capacity} is over the model's context of {self.max_positions} "
+                       "positions")
         if problem is None and msg.position_start + length > msg.cache_capacity:
             problem = f"{msg.position_start + length} positions do not fit cache_capacity {msg.cache_capacity}"
         if problem is None and msg.position_start != 0 and (self.cache is None or

@@ -1,0 +1,287 @@
+"""Lost workers, stopped workers, a head that comes back, resuming a request, spares, and SIGTERM.
+
+Real head and worker processes on a tiny model over loopback. To be sure a worker goes away while a request is
+in flight (a tiny model generates in well under a second), the tests first freeze the worker with SIGSTOP while
+the request runs, then kill, continue or signal it.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, Process, write_topology
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import SamplingParams
+from tiny_model import write_tiny_model
+
+PROMPT = "the quick brown fox"
+LONG = 200  # tokens: long enough that a request is still running when a worker is frozen
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=7, shards=2)
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dir):
+    """Greedy text of the single-process model, as a function of max_tokens."""
+    model = OurModel(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+    cache: dict[int, str] = {}
+
+    def run(max_tokens: int) -> str:
+        if max_tokens not in cache:
+            cache[max_tokens] = gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+        return cache[max_tokens]
+
+    return run
+
+
+class Request:
+    """A completion posted from a thread; `.reply` and `.answered_at` once it returns."""
+
+    def __init__(self, cluster: Cluster, max_tokens: int = LONG):
+        self.reply: tuple[int, dict] | None = None
+        self.answered_at = 0.0
+        body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+
+        def post() -> None:
+            self.reply = cluster.post("/v1/completions", body, timeout=300)
+            self.answered_at = time.monotonic()
+
+        self.thread = threading.Thread(target=post, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout: float) -> tuple[int, dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
+        assert self.reply is not None
+        return self.reply
+
+
+def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG) -> Request:
+    """Start a request and SIGSTOP `worker` while it runs; the request is then held at that worker."""
+    for delay in (0.15, 0.05, 0.0):
+        request = Request(cluster, max_tokens)
+        time.sleep(delay)
+        worker.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        if request.thread.is_alive():
+            return request
+        worker.proc.send_signal(signal.SIGCONT)  # it finished first: try again, sooner
+        status, body = request.wait(1)
+        assert status == 200, body
+    # the worker is frozen before the request is sent: it still reaches that worker and waits there
+    worker.proc.send_signal(signal.SIGSTOP)
+    request = Request(cluster, max_tokens)
+    time.sleep(0.5)
+    assert request.thread.is_alive()
+    return request
+
+
+def start(tmp_path, model_dir, nodes=("a", "b"), workers=("a", "b"), *extra: str, **head) -> Cluster:
+    head = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3, **head}
+    node_list = [{"id": n, "device": "cpu", **({"spare": True} if n.startswith("spare") else {})} for n in nodes]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, node_list, head=head)
+    cluster = Cluster(topo, tmp_path)
+    cluster.start_head()
+    cluster.wait_api()
+    for node in workers:
+        cluster.start_worker(node, "--retry-max-s", "1", *extra)
+    cluster.wait_ready()
+    return cluster
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def assert_serves(cluster: Cluster, greedy, max_tokens: int = 12) -> None:
+    status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT,
+                                                    "max_tokens": max_tokens, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == greedy(max_tokens)
+
+
+def test_killed_worker_fails_the_request_within_a_second_then_rejoins(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir, resume=False) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        killed_at = time.monotonic()
+        b.proc.kill()
+        status, body = request.wait(10)
+        assert request.answered_at - killed_at < 1.0, "the error took more than a second"
+        assert status == 503, body
+        assert body["error"]["type"] == "worker_lost" and body["error"]["code"] == "worker_lost"
+        assert "worker b" in body["error"]["message"]
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        # the head stays up and says why it cannot serve
+        assert cluster.get("/v1/models")[0] == 200
+        assert cluster.get("/health")[0] == 200
+        status, ready = cluster.get("/health/ready")
+        assert status == 503 and ready["missing_nodes"] == ["b"]
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 4})
+        assert status == 503 and body["error"]["type"] == "cluster_not_ready"
+        # the same worker restarted joins, reloads its layers, and the cluster serves again: no head restart
+        cluster.workers.pop("b").stop()
+        cluster.start_worker("b", name="b-again")
+        cluster.wait_ready()
+        assert_serves(cluster, greedy)
+        assert "assigned layers 2-3" in cluster.workers["b-again"].output()
+
+
+def test_stopped_worker_is_dropped_by_heartbeat_and_rejoins_when_continued(tmp_path, model_dir, greedy):
+    timeout_s = 2.0
+    with start(tmp_path, model_dir, resume=False, heartbeat_timeout_s=timeout_s) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        stopped_at = time.monotonic() - 0.3
+        status, body = request.wait(timeout_s + 5)
+        # detected within the topology's bound (plus one check period of the watch thread and some slack)
+        assert request.answered_at - stopped_at < timeout_s + 2.0
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert "worker b" in body["error"]["message"] and "silent" in body["error"]["message"]
+        assert cluster.get("/health/ready")[0] == 503
+        b.proc.send_signal(signal.SIGCONT)  # it finds its connection closed and rejoins, its layers still loaded
+        cluster.wait_ready()
+        assert_serves(cluster, greedy)
+        wait_for(lambda: "already loaded; reusing" in b.output(), 10, "the worker to reuse its layers")
+
+
+def test_workers_rejoin_a_head_that_comes_back(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir) as cluster:
+        assert_serves(cluster, greedy)
+        cluster.head.proc.kill()
+        cluster.head.proc.wait()
+        cluster.head.log.close()
+        cluster.start_head()  # same ports
+        cluster.wait_api()
+        cluster.wait_ready(120)
+        assert_serves(cluster, greedy)
+        for name in ("a", "b"):
+            assert "already loaded; reusing" in cluster.workers[name].output()
+
+
+def test_request_resumes_on_the_restarted_worker_with_the_same_text(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir, resume=True, resume_grace_s=120) as cluster:
+        b = cluster.workers.pop("b")
+        request = freeze_mid_request(cluster, b)
+        b.proc.kill()
+        b.stop()
+        time.sleep(0.5)
+        assert request.thread.is_alive(), "the request should wait for the entry to be filled"
+        assert cluster.get("/health/ready")[0] == 503
+        cluster.start_worker("b", name="b-again")
+        status, body = request.wait(180)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == greedy(LONG)
+        assert "request resumed on a refilled pipeline" in cluster.head.output()
+
+
+def test_spare_takes_over_a_lost_node_and_the_request_resumes(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir, ("a", "b", "spare1"), ("a", "b", "spare1"), resume_grace_s=120) as cluster:
+        wait_for(lambda: "spare spare1 joined" in cluster.head.output(), 30, "the spare to stand by")
+        rows = {row["id"]: row for row in cluster.get("/v1/cluster")[1]["nodes"]}
+        assert rows["spare1"]["state"] == "standby" and rows["b"]["served_by"] == "b"
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        b.proc.kill()
+        status, body = request.wait(180)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == greedy(LONG)
+        head_log = cluster.head.output()
+        assert "spare spare1 takes over node b (layers 2-3)" in head_log
+        assert "request resumed" in head_log
+        assert cluster.get("/health/ready")[0] == 200
+        rows = {row["id"]: row for row in cluster.get("/v1/cluster")[1]["nodes"]}
+        assert "spare1" not in rows and rows["b"]["served_by"] == "spare1" and rows["b"]["state"] == "ready"
+        assert_serves(cluster, greedy)
+        # the lost worker, back, is told its node is covered instead of taking it away mid-service
+        cluster.workers.pop("b").stop()
+        back = cluster.start_worker("b", name="b-again")
+        assert back.proc.wait(60) == 2
+        assert "served by the spare spare1" in back.output()
+
+
+def test_resume_gives_up_after_the_grace_period(tmp_path, model_dir):
+    with start(tmp_path, model_dir, resume=True, resume_grace_s=2) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        killed_at = time.monotonic()
+        b.proc.kill()
+        status, body = request.wait(20)
+        assert 1.5 < request.answered_at - killed_at < 6
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert "worker b" in body["error"]["message"] and "grace period" in body["error"]["message"]
+
+
+def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error(tmp_path, model_dir):
+    with start(tmp_path, model_dir) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        cluster.head.proc.send_signal(signal.SIGTERM)
+        status, body = request.wait(15)
+        assert status == 503, body
+        assert "shutting down" in body["error"]["message"]
+        assert cluster.head.proc.wait(20) == 0
+        b.proc.send_signal(signal.SIGCONT)
+        assert "head stopped" in cluster.head.output()
+        # the listen socket is closed: nothing accepts workers any more
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=2).close()
+        # the workers stay up, trying to rejoin
+        wait_for(lambda: "rejoining" in cluster.workers["a"].output(), 15, "worker a to notice")
+        assert cluster.workers["a"].proc.poll() is None
+
+
+def test_sigterm_to_a_worker_fails_its_request_and_it_exits_cleanly(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir, resume=False) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b)
+        b.proc.send_signal(signal.SIGTERM)
+        b.proc.send_signal(signal.SIGCONT)
+        status, body = request.wait(15)
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert "worker b is shutting down (SIGTERM received)" in body["error"]["message"]
+        assert b.proc.wait(20) == 0
+        assert cluster.get("/health/ready")[0] == 503
+        cluster.start_worker("b", name="b-again")
+        cluster.wait_ready()
+        assert_serves(cluster, greedy)
+
+
+def test_worker_without_a_head_keeps_retrying_and_stops_on_sigterm(tmp_path, model_dir):
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    with Cluster(topo, tmp_path) as cluster:
+        worker = cluster.start_worker("a", "--retry-max-s", "1")
+        wait_for(lambda: worker.output().count("not reachable") >= 2, 60, "two join attempts")
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(20) == 0
+
+
+def test_head_and_worker_survive_a_burst_of_failures(tmp_path, model_dir, greedy):
+    """Kill, stop and restart workers back to back; the head answers every request and ends up serving."""
+    with start(tmp_path, model_dir, resume=False) as cluster:
+        for round_ in range(2):
+            victim = cluster.workers.pop("b" if round_ % 2 == 0 else "a")
+            request = freeze_mid_request(cluster, victim, max_tokens=60)
+            victim.proc.kill()
+            status, body = request.wait(10)
+            assert status == 503 and body["error"]["type"] in ("worker_lost", "cluster_not_ready"), body
+            victim.stop()
+            node = "b" if round_ % 2 == 0 else "a"
+            cluster.start_worker(node, "--retry-max-s", "1", name=node)
+            cluster.wait_ready()
+        assert_serves(cluster, greedy)

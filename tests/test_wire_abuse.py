@@ -1,0 +1,334 @@
+"""Hostile and broken peers on the wire: each one loses its own connection, with an ERROR, and nothing else.
+
+Against a real head: garbage, truncated, oversized and out-of-order frames from strangers, and a fake worker
+that takes a node and then misbehaves (a hidden state of the wrong shape or dtype, a reply nobody asked for, a
+second HELLO). Against a real worker: a fake head that sends commands before any ASSIGNMENT, garbage, HELLO,
+an oversized frame, and inference commands the worker must refuse without leaving.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, write_topology
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.model.config import Qwen2Config
+from tc.model.tokenizer import TextTokenizer
+from tc.protocol.cbor import encode_cbor
+from tc.protocol.connection import Connection
+from tc.protocol.errors import ConnectionClosed
+from tc.protocol.framing import FrameDecoder, encode, frame_header
+from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello, HelloAck, HiddenState,
+                                  InferenceError, LoadComplete, LoadFailed, Ping, Pong, RunDecode, RunPrefill)
+from tc.sampling import SamplingParams
+from tiny_model import write_tiny_model
+
+PROMPT = "the quick brown fox"
+HIDDEN = 64  # the tiny model's hidden size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=3)
+
+
+def greedy(model_dir, max_tokens: int) -> str:
+    model = OurModel(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+
+
+def fake_hello(node_id: str | None) -> Hello:
+    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="fake",
+                 platform="linux", python_version="3", torch_version="2",
+                 devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
+                 compute_dtypes=("fp32",), max_memory_bytes=None)
+
+
+def raw_reply(port: int, data: bytes, half_close: bool = False, timeout: float = 15) -> list:
+    """Send raw bytes to the head; return every message it sends back before it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        decoder, messages = FrameDecoder(), []
+        while True:
+            chunk = sock.recv(65536)  # socket.timeout here means the head kept the connection open: a failure
+            if not chunk:
+                return messages
+            messages += [env.message for env in decoder.feed(chunk)]
+
+
+def only_error(messages: list, *phrases: str) -> Error:
+    assert len(messages) == 1 and isinstance(messages[0], Error), messages
+    for phrase in phrases:
+        assert phrase in messages[0].message, messages[0].message
+    return messages[0]
+
+
+def completion(cluster: Cluster, max_tokens: int = 8) -> tuple[int, dict]:
+    return cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens,
+                                            "temperature": 0}, timeout=60)
+
+
+class FakeWorker:
+    """A hand-driven worker: joins as `node_id`, reports its layers loaded, then does what the test says."""
+
+    def __init__(self, port: int, node_id: str):
+        for _ in range(50):  # the previous fake's node may take a moment to be freed
+            self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
+            self.conn.send(fake_hello(node_id))
+            reply = self.conn.recv(timeout=15).message
+            if isinstance(reply, HelloAck):
+                break
+            assert isinstance(reply, Error) and "already taken" in reply.message, reply
+            self.conn.close()
+            time.sleep(0.1)
+        assignment = self.next(Assignment)
+        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu",
+                                    compute_dtype=assignment.compute_dtype))
+
+    def next(self, kind: type, timeout: float = 30):
+        """The next message of `kind`, answering PINGs on the way (the head would drop a silent worker)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            env = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            if isinstance(env.message, Ping):
+                self.conn.send(Pong(env.message.nonce))
+                continue
+            assert isinstance(env.message, kind), env.message
+            self.last = env
+            return env.message
+
+    def closing_error(self) -> Error:
+        """The ERROR the head sends before closing this connection (PINGs before it are skipped)."""
+        error = self.next(Error)
+        with pytest.raises(ConnectionClosed):
+            while True:
+                self.conn.recv(timeout=15)
+        return error
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("abuse")
+    topo = write_topology(tmp / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}],
+                          head={"heartbeat_s": 1, "resume": False})
+    with Cluster(topo, tmp) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        yield cluster
+
+
+def wait_ready_state(cluster: Cluster, ready: bool, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (cluster.get("/health/ready")[0] == 200) != ready:
+        assert time.monotonic() < deadline, f"cluster never became {'ready' if ready else 'not ready'}"
+        time.sleep(0.1)
+
+
+# --- strangers on the listen port ------------------------------------------------------------------------------
+
+def test_garbage_gets_an_error_and_a_close(cluster):
+    only_error(raw_reply(cluster.listen_port, b"\xff" * 64), "frame header announces")
+    only_error(raw_reply(cluster.listen_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "frame header announces")
+
+
+def test_well_framed_garbage_body_gets_an_error(cluster):
+    only_error(raw_reply(cluster.listen_port, frame_header(5) + b"\x00\x01\x02\x03\x04"))
+    only_error(raw_reply(cluster.listen_port, frame_header(1) + encode_cbor([1, 2, 3])[:1]))
+
+
+def test_oversized_frame_before_joining(cluster):
+    # a peer that has not joined may not make the head buffer more than a HELLO needs
+    only_error(raw_reply(cluster.listen_port, frame_header(8 << 20)), "over the", "cap")
+
+
+def test_truncated_frame_closes_without_harm(cluster):
+    frame = encode(fake_hello("b"))
+    assert raw_reply(cluster.listen_port, frame[: len(frame) // 2], half_close=True) == []
+
+
+def test_commands_before_hello_are_refused(cluster):
+    step = RunDecode(position=0, hidden_state=torch.zeros(1, 1, HIDDEN))
+    only_error(raw_reply(cluster.listen_port, encode(step, "req-1", 1)), "expected HELLO, got RUN_DECODE")
+    only_error(raw_reply(cluster.listen_port, encode(Pong(1))), "expected HELLO, got PONG")
+
+
+def test_unknown_message_type_and_wrong_version(cluster):
+    envelope = encode_cbor({"type": "SUDO", "request_id": None, "seq": 0, "payload": {}})
+    only_error(raw_reply(cluster.listen_port, frame_header(len(envelope)) + envelope), "unknown message type")
+    hello = Hello(**{**fake_hello("b").__dict__, "protocol_version": PROTOCOL_VERSION + 7})
+    only_error(raw_reply(cluster.listen_port, encode(hello)), "protocol version")
+
+
+# --- a fake worker that joins and then misbehaves -------------------------------------------------------------
+
+def _request_in_thread(cluster: Cluster) -> dict:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(reply=completion(cluster)), daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def _finished(result: dict) -> tuple[int, dict]:
+    result["thread"].join(30)
+    assert not result["thread"].is_alive(), "the request hung"
+    return result["reply"]
+
+
+def test_hidden_state_of_the_wrong_shape(cluster):
+    fake = FakeWorker(cluster.listen_port, "b")
+    wait_ready_state(cluster, True)
+    result = _request_in_thread(cluster)
+    prefill = fake.next(RunPrefill)
+    bad = HiddenState(hidden_state=torch.zeros(1, prefill.hidden_state.shape[1], HIDDEN + 1), compute_seconds=0.0)
+    fake.conn.send(bad, fake.last.request_id, fake.last.seq)
+    assert "HIDDEN_STATE has shape" in fake.closing_error().message
+    status, body = _finished(result)
+    assert status == 503 and body["error"]["type"] == "worker_lost" and "worker b" in body["error"]["message"]
+    assert cluster.get("/health")[0] == 200
+
+
+def test_hidden_state_of_an_unknown_dtype(cluster):
+    fake = FakeWorker(cluster.listen_port, "b")
+    wait_ready_state(cluster, True)
+    result = _request_in_thread(cluster)
+    fake.next(RunPrefill)
+    tensor = {"dtype": "int64", "shape": [1, 1, HIDDEN], "data": bytes(8 * HIDDEN)}
+    envelope = encode_cbor({"type": "HIDDEN_STATE", "request_id": fake.last.request_id, "seq": fake.last.seq,
+                            "payload": {"hidden_state": tensor, "compute_seconds": 0.0}})
+    fake.conn._sock.sendall(frame_header(len(envelope)) + envelope)
+    assert "tensor dtype" in fake.closing_error().message
+    status, body = _finished(result)
+    assert status == 503 and body["error"]["type"] == "worker_lost"
+
+
+def test_reply_nobody_asked_for(cluster):
+    fake = FakeWorker(cluster.listen_port, "b")
+    fake.conn.send(HiddenState(hidden_state=torch.zeros(1, 1, HIDDEN), compute_seconds=0.0), "req-999", 4)
+    assert "was not asked for" in fake.closing_error().message
+
+
+def test_second_hello(cluster):
+    fake = FakeWorker(cluster.listen_port, "b")
+    fake.conn.send(fake_hello("b"))
+    assert "does not accept HELLO" in fake.closing_error().message
+
+
+def test_oversized_frame_from_a_joined_worker_is_bounded_by_the_topology(tmp_path, model_dir):
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                          head={"max_frame_mb": 0.5})
+    with Cluster(topo, tmp_path) as small:
+        small.start_head()
+        small.wait_api()
+        fake = FakeWorker(small.listen_port, "a")
+        fake.conn._sock.sendall(frame_header(1 << 20))
+        assert "over the 524288-byte cap" in fake.closing_error().message
+
+
+def test_after_all_that_a_real_worker_fills_b_and_the_cluster_serves(cluster, model_dir):
+    wait_ready_state(cluster, False)
+    cluster.start_worker("b")
+    cluster.wait_ready()
+    status, body = completion(cluster, 8)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == greedy(model_dir, 8)
+    assert cluster.head.proc.poll() is None and cluster.workers["a"].proc.poll() is None
+    log = cluster.head.output()
+    assert "Traceback" not in log, log[-3000:]
+
+
+# --- a fake head that misbehaves towards a real worker ---------------------------------------------------------
+
+class FakeHead:
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(60)
+        self.port = self.listener.getsockname()[1]
+
+    def accept(self, node_id: str = "a") -> Connection:
+        sock, _ = self.listener.accept()
+        conn = Connection(sock)
+        assert isinstance(conn.recv(timeout=30).message, Hello)
+        conn.send(HelloAck(node_id=node_id))
+        return conn
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def expect_error_then_close(conn: Connection, *phrases: str) -> None:
+    env = conn.recv(timeout=30)
+    assert isinstance(env.message, Error), env.message
+    for phrase in phrases:
+        assert phrase in env.message.message, env.message.message
+    with pytest.raises(ConnectionClosed):
+        conn.recv(timeout=30)
+
+
+def assignment_for(model_dir) -> Assignment:
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    return Assignment(model_id=str(model_dir), model_source="local", revision=None, device="cpu",
+                      architecture="qwen2", quant="fp16", group_size=128, compute_dtype="fp32", layer_start=0,
+                      layer_end_exclusive=config.num_hidden_layers, config=config.to_dict(),
+                      tensor_count=12 * config.num_hidden_layers, total_weight_bytes=0)
+
+
+def test_worker_drops_a_head_that_breaks_the_protocol_and_rejoins(tmp_path, model_dir):
+    head = FakeHead()
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    cluster = Cluster(topo, tmp_path)
+    cluster.listen_port = head.port
+    try:
+        worker = cluster.start_worker("a", "--retry-max-s", "1")
+        conn = head.accept()
+        conn.send(RunDecode(position=0, hidden_state=torch.zeros(1, 1, HIDDEN)), "req-1", 1)
+        expect_error_then_close(conn, "RUN_DECODE before any ASSIGNMENT")
+
+        conn = head.accept()  # it rejoined
+        conn._sock.sendall(frame_header(4) + b"\xff\xff\xff\xff")
+        expect_error_then_close(conn)
+
+        conn = head.accept()
+        conn.send(fake_hello("a"))
+        expect_error_then_close(conn, "does not accept HELLO")
+
+        conn = head.accept()
+        conn._sock.sendall(frame_header(1 << 40))
+        expect_error_then_close(conn, "frame header announces")
+
+        # a well-behaved session on the same worker: bad commands fail the request, not the connection
+        conn = head.accept()
+        conn.send(assignment_for(model_dir))
+        while True:
+            env = conn.recv(timeout=60)
+            assert not isinstance(env.message, (Error, LoadFailed)), env.message
+            if isinstance(env.message, LoadComplete):
+                break
+        x = torch.randn(1, 3, HIDDEN)
+        conn.send(RunPrefill(position_start=0, cache_capacity=10**12, hidden_state=x), "req-2", 1)
+        reply = conn.recv(timeout=30).message
+        assert isinstance(reply, InferenceError) and "over the model's context" in reply.message
+        conn.send(RunPrefill(position_start=0, cache_capacity=8, hidden_state=torch.randn(1, 3, HIDDEN + 2)),
+                  "req-2", 2)
+        assert isinstance(conn.recv(timeout=30).message, InferenceError)
+        conn.send(RunDecode(position=5, hidden_state=torch.randn(1, 1, HIDDEN)), "req-2", 3)
+        assert isinstance(conn.recv(timeout=30).message, InferenceError)
+        conn.send(RunPrefill(position_start=0, cache_capacity=8, hidden_state=x), "req-3", 1)
+        env = conn.recv(timeout=30)
+        assert isinstance(env.message, HiddenState) and env.request_id == "req-3"
+        assert tuple(env.message.hidden_state.shape) == (1, 3, HIDDEN)
+        assert worker.proc.poll() is None
+        conn.close()
+    finally:
+        cluster.stop()
+        head.close()
