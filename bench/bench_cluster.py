@@ -34,10 +34,11 @@ PROMPT = ("# A small HTTP client\nimport json\nimport urllib.request\n\n\ndef fe
 MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 
 
-def vm_hwm_mb(pid: int) -> float:
+def vm_mb(pid: int, field: str = "VmHWM") -> float:
+    """A process's peak (VmHWM) or current (VmRSS) resident memory in MB."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -91,10 +92,12 @@ def cluster_run(args, quant: str, model_dir: Path, workers: int, env: dict) -> d
             first = min(timed_completion(cluster, 1)[0] for _ in range(3))
             total, body = timed_completion(cluster, args.tokens)
             tokens = body["usage"]["completion_tokens"]
-            rss = {"head": vm_hwm_mb(cluster.head.proc.pid)}
-            rss.update({name: vm_hwm_mb(w.proc.pid) for name, w in cluster.workers.items()})
+            rss = {"head": vm_mb(cluster.head.proc.pid)}
+            rss.update({name: vm_mb(w.proc.pid) for name, w in cluster.workers.items()})
+            # peak RSS includes loading (a layer in bf16 while it is quantized); current RSS is what serving holds
+            current = {name: vm_mb(w.proc.pid, "VmRSS") for name, w in cluster.workers.items()}
             return {"prompt_tokens": body["usage"]["prompt_tokens"], "ttft_s": first,
-                    "decode_tps": (tokens - 1) / (total - first), "tokens": tokens, "rss": rss,
+                    "decode_tps": (tokens - 1) / (total - first), "tokens": tokens, "rss": rss, "current": current,
                     "text": body["choices"][0]["text"]}
 
 
@@ -126,13 +129,15 @@ def main() -> None:
     print(f"\ndemo model, compute {args.dtype}, {args.tokens} new tokens, greedy, head threads {args.head_threads}, "
           f"worker threads {args.worker_threads}, OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'default')}\n")
     print(f"{'weights':7s} {'setup':18s} {'TTFT ms':>8s} {'prefill tok/s':>13s} {'decode tok/s':>12s} "
-          f"{'vs single':>9s} {'vs fp16':>7s}  peak RSS MB")
+          f"{'vs single':>9s} {'vs fp16':>7s}  peak RSS MB (workers' current RSS)")
     for (quant, setup), r in results.items():
         single = results.get((quant, "single process"))
         fp16 = results.get(("fp16", setup))
         vs_single = f"{r['decode_tps'] / single['decode_tps']:.2f}x" if single else "-"
         vs_fp16 = f"{r['decode_tps'] / fp16['decode_tps']:.2f}x" if fp16 else "-"
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["rss"].items())
+        if r.get("current"):
+            rss += " (" + ", ".join(f"{k} {v:.0f}" for k, v in r["current"].items()) + ")"
         print(f"{quant:7s} {setup:18s} {r['ttft_s'] * 1000:8.0f} {r['prompt_tokens'] / r['ttft_s']:13.1f} "
               f"{r['decode_tps']:12.1f} {vs_single:>9s} {vs_fp16:>7s}  {rss}")
     for quant in args.quants:
