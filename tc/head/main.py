@@ -96,8 +96,8 @@ def start_head(topology: Topology) -> Head:
     index.validate(config, only=names)
     dtype = resolve_compute_dtype(topology.dtype, "cpu")
     head_model = HeadModel.load(config, index, dtype)
-    if topology.quant != "fp16":  # lm_head is the largest matrix of a small model: it shrinks and speeds up most
-        quant.quantize_linears(head_model, topology.quant, topology.group_size)
+    if topology.quant != "fp16":
+        quant.quantize_linears(head_model, quant.head_weight_mode(topology.quant), topology.group_size)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
