@@ -87,6 +87,14 @@ class Cluster:
         self.workers[name] = proc
         return proc
 
+    def start_all(self, node_ids: list[str]) -> None:
+        """Start the head, then one worker per node id, and wait until the cluster is ready."""
+        self.start_head()
+        self.wait_api()
+        for node_id in node_ids:
+            self.start_worker(node_id)
+        self.wait_ready()
+
     def get(self, path: str, timeout: float = 5) -> tuple[int, dict]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as r:

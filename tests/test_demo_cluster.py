@@ -26,11 +26,7 @@ def test_greedy_text_equals_the_single_process_generator(tmp_path, demo_model_di
     nodes = [{"id": f"w{i}", "device": "cpu"} for i in range(workers)]
     topology = write_topology(tmp_path / "t.yaml", demo_model_dir, nodes, dtype="fp32")
     with Cluster(topology, tmp_path) as cluster:
-        cluster.start_head()
-        cluster.wait_api()
-        for node in nodes:
-            cluster.start_worker(node["id"])
-        cluster.wait_ready()
+        cluster.start_all([node["id"] for node in nodes])
         status, body = cluster.post("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT,
                                                         "max_tokens": TOKENS, "temperature": 0})
         assert status == 200, body

@@ -15,11 +15,7 @@ def greedy(tmp_path, demo_model_dir, quant: str) -> tuple[str, str]:
     nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
     topology = write_topology(tmp_path / f"{quant}.yaml", demo_model_dir, nodes, quant=quant, dtype="bf16")
     with Cluster(topology, tmp_path) as cluster:
-        cluster.start_head()
-        cluster.wait_api()
-        for node in nodes:
-            cluster.start_worker(node["id"])
-        cluster.wait_ready()
+        cluster.start_all([node["id"] for node in nodes])
         status, body = cluster.post("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24,
                                                         "temperature": 0})
         assert status == 200, body
