@@ -50,7 +50,7 @@ cat <<TXT
 TrueCluster is serving $(basename "$MODEL") ($QUANT) at http://127.0.0.1:$API_PORT/v1 . Try:
 
   curl http://127.0.0.1:$API_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "$MODEL", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}], "max_tokens": 128, "temperature": 0}'
+    -d '{"model": "$(basename "$MODEL")", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}], "max_tokens": 128, "temperature": 0}'
 
 or any OpenAI client with base_url="http://127.0.0.1:$API_PORT/v1". Ctrl-C stops the cluster.
 TXT
