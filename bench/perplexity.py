@@ -59,11 +59,8 @@ def run_mode(model_dir: Path, mode: str, dtype: str, window: int, ids: list[int]
         workers = [Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{head.listen_port}",
                             "--node-id", n["id"], "--threads", "2"], tmp_path / f"{n['id']}.log") for n in nodes]
         try:
-            deadline = time.monotonic() + 900
-            while not head.registry.readiness().is_ready:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("\n".join(w.output() for w in workers))
-                time.sleep(0.5)
+            if not head.registry.wait_ready(900):
+                raise RuntimeError("\n".join(w.output() for w in workers))
             started = time.perf_counter()
             nll, count = negative_log_likelihood(head, ids, window)
             return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - started}

@@ -5,7 +5,6 @@ These skip on a machine without the device; bench/device_check.sh runs them wher
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -71,10 +70,7 @@ def test_cluster_with_an_accelerator_worker_and_a_cpu_worker(tmp_path, demo_mode
     workers = [Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{head.listen_port}",
                         "--node-id", n["id"], "--device", n["device"]], tmp_path / f"{n['id']}.log") for n in nodes]
     try:
-        deadline = time.monotonic() + 600
-        while not head.registry.readiness().is_ready:
-            assert time.monotonic() < deadline, [w.output() for w in workers]
-            time.sleep(0.2)
+        assert head.registry.wait_ready(600), [w.output() for w in workers]
         tok = head.service.tokenizer
         from tc.sampling import SamplingParams
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -25,10 +24,7 @@ def run_mixed(tmp_path, model_dir, dtypes: list[str], ids: list[int]) -> tuple[t
             workers.append(Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{head.listen_port}",
                                     "--node-id", node["id"], "--threads", "1", "--device", "cpu"],
                                    tmp_path / f"{node['id']}.log"))
-        deadline = time.monotonic() + 300
-        while not head.registry.readiness().is_ready:
-            assert time.monotonic() < deadline, [w.output() for w in workers]
-            time.sleep(0.2)
+        assert head.registry.wait_ready(300), [w.output() for w in workers]
         generator = head.service.generator
         with torch.inference_mode():
             hidden = generator.pipeline.prefill(generator.head.embed(torch.tensor([ids])), capacity=len(ids))
