@@ -183,7 +183,8 @@ class CompletionText:
         self.settled: list[tuple[TokenInfo, int]] = []  # (token, end of its text), not yet shown
         self.stop_at: int | None = None
 
-    def push(self, token: int, logprob: TokenLogprob | None) -> None:
+    def push(self, token: int, logprob: TokenLogprob | None, look_for_stops: bool = True) -> None:
+        """Add a sampled token; with `look_for_stops` False (before min_tokens) a stop string does not end it."""
         info = TokenInfo(token, len(self.text), logprob)
         self.tokens.append(info)
         self.unsettled.append(info)
@@ -191,7 +192,7 @@ class CompletionText:
         if self.decoder.caught_up:
             self.settled.extend((t, len(self.text)) for t in self.unsettled)
             self.unsettled.clear()
-        if self.stops:
+        if self.stops and look_for_stops:
             self.stop_at = find_stop(self.text, self.stops, self.shown)
 
     def release(self) -> Step:
@@ -254,15 +255,17 @@ class Generator:
         state = CompletionText(self.tokenizer, params.stop)
         first_token_at = time.perf_counter()
         finish = "length"
+        eos = self.tokenizer.eos_token_ids
         while len(state.tokens) < max_tokens:
-            token = choose(logits, params, history, rng)
+            early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
+            token = choose(logits, params, history, rng, banned=eos if early and not params.ignore_eos else ())
             if not state.tokens:
                 first_token_at = time.perf_counter()
-            if token in self.tokenizer.eos_token_ids:
+            if token in eos and not params.ignore_eos:
                 finish = "stop"
                 break
             report = token_logprob(logits, token, params.logprobs) if params.logprobs is not None else None
-            state.push(token, report)
+            state.push(token, report, look_for_stops=len(state.tokens) + 1 >= params.min_tokens)
             if history is not None:
                 history.add(token)
             if state.stop_at is not None:

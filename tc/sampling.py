@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -28,11 +29,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # report each generated token's log-probability and this many alternatives
     prompt_logprobs: bool = False  # also report the prompt tokens' log-probabilities (with `logprobs` alternatives)
+    min_tokens: int = 0  # EOS is never chosen, and stop strings are not looked for, before this many tokens
+    ignore_eos: bool = False  # EOS is a token like any other: generation runs to max_tokens or a stop string
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 0 and self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0
         assert self.repetition_penalty > 0 and (self.logprobs is None or self.logprobs >= 0)
         assert not self.prompt_logprobs or self.logprobs is not None
+        assert 0 <= self.min_tokens <= self.max_tokens
 
     @property
     def penalised(self) -> bool:
@@ -124,8 +128,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
-           rng: torch.Generator) -> int:
-    """The next token for raw fp32 `logits` [vocab] under `params`."""
+           rng: torch.Generator, banned: Sequence[int] = ()) -> int:
+    """The next token for raw fp32 `logits` [vocab] under `params`, never one of `banned`."""
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(list(banned), dtype=torch.long), float("-inf"))
     return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k)
 
 

@@ -1,9 +1,11 @@
 """The cluster end to end on a tiny model: a real head and real worker processes over loopback TCP."""
 from __future__ import annotations
 
+import http.client
+import json
 import socket
-import threading
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -31,12 +33,22 @@ def local_greedy(model_dir, prompt: str, max_tokens: int) -> str:
     model = OurModel(model_dir)
     tok = TextTokenizer.load(model_dir)
     gen = Generator(model.head, tok, model.pipeline(), torch.float32)
-    return gen.generate(tok.encode(prompt), SamplingParams(max_tokens=max_tokens, temperature=0)).text
+    return gen.generate(tok.encode(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                           ignore_eos=True)).text
 
 
 def completion(cluster: Cluster, prompt: str = PROMPT, max_tokens: int = 12, **extra) -> tuple[int, dict]:
+    """A greedy completion of exactly max_tokens tokens (a random model's EOS does not cut it short)."""
     return cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": prompt, "max_tokens": max_tokens,
-                                            "temperature": 0, **extra})
+                                            "temperature": 0, "ignore_eos": True, **extra})
+
+
+def stream_events(response: http.client.HTTPResponse) -> Iterator[object]:
+    """The data of each server-sent event as it arrives: parsed JSON, or the string "[DONE]"."""
+    for line in response:
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):].strip()
+            yield data.decode() if data == b"[DONE]" else json.loads(data)
 
 
 def fake_hello(node_id: str | None, version: int = PROTOCOL_VERSION) -> Hello:
@@ -112,21 +124,25 @@ def test_lost_worker_fails_the_request_then_rejoins(tmp_path, model_dir):
         cluster.start_worker("a")
         b = cluster.start_worker("b")
         cluster.wait_ready()
-        result = {}
-
-        def long_request():
-            result["reply"] = completion(cluster, max_tokens=200)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(0.5)
+        # A stream of as many tokens as the context allows: worker b is killed once the first tokens have
+        # arrived, so the kill always lands mid-generation (the model cannot end it early: ignore_eos).
+        http_conn = http.client.HTTPConnection("127.0.0.1", cluster.api_port, timeout=60)
+        http_conn.request("POST", "/v1/completions", json.dumps({
+            "model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}), {"Content-Type": "application/json"})
+        response = http_conn.getresponse()
+        assert response.status == 200
+        events = stream_events(response)
+        first = next(events)
+        assert first["choices"][0]["finish_reason"] is None
         b.proc.kill()
-        thread.join(30)
-        assert not thread.is_alive(), "the request hung after its worker died"
-        status, body = result["reply"]
-        if status == 200:  # the 200 tokens finished before the kill landed; the loss must still show
-            pytest.skip("generation finished before the worker was killed")
-        assert status == 503 and body["error"]["type"] in ("worker_lost", "cluster_not_ready")
+        started = time.monotonic()
+        rest = list(events)  # the head ends the stream (resume grace, then the loss), or the test times out
+        assert time.monotonic() - started < 30, "the request hung after its worker died"
+        http_conn.close()
+        assert "[DONE]" not in rest and "error" in rest[-1], rest[-3:]
+        assert rest[-1]["error"]["type"] in ("worker_lost", "cluster_not_ready"), rest[-1]
+        assert len(rest) < 240, "the generation finished although its worker was killed"
         assert cluster.get("/v1/models")[0] == 200
         assert cluster.get("/health/ready")[0] == 503
         cluster.workers.pop("b").stop()

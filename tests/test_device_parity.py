@@ -76,7 +76,8 @@ def test_cluster_with_an_accelerator_worker_and_a_cpu_worker(tmp_path, demo_mode
 
         result = head.service.complete(tok.encode(PROMPT), SamplingParams(max_tokens=16, temperature=0))
         print(f"cluster {device}(fp16) + cpu(bf16): {result.decode_tokens_per_s:.1f} tok/s: {result.text!r}")
-        assert result.completion_tokens >= 1 and "np." in result.text or "e" in result.text
+        # our CPU model writes " e / e.sum(axis=..." here in fp32 and in bf16 alike
+        assert result.completion_tokens >= 1 and result.text.startswith(" e / e.sum("), result.text
     finally:
         for w in workers:
             w.stop()

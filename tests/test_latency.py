@@ -25,7 +25,7 @@ def test_latency_changes_timing_not_text(tmp_path):
     model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=6)
     model, tok = OurModel(model_dir), TextTokenizer.load(model_dir)
     expected = Generator(model.head, tok, model.pipeline(), torch.float32).generate(
-        tok.encode("slow links"), SamplingParams(max_tokens=TOKENS, temperature=0)).text
+        tok.encode("slow links"), SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)).text
     nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
     topology = write_topology(tmp_path / "t.yaml", model_dir, nodes)
     with Cluster(topology, tmp_path) as cluster:
@@ -39,7 +39,8 @@ def test_latency_changes_timing_not_text(tmp_path):
             cluster.wait_ready()
             started = time.monotonic()
             status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "slow links",
-                                                            "max_tokens": TOKENS, "temperature": 0})
+                                                            "max_tokens": TOKENS, "temperature": 0,
+                                                            "ignore_eos": True})
             took = time.monotonic() - started
         finally:
             for proxy in proxies:

@@ -65,7 +65,7 @@ def test_metrics_parse_and_counters_move(generator):
     client, _ = make_client(generator)
     before = scrape(client)
     assert value(before, "tc_prompt_tokens_total") == 0
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     assert client.simulate_post("/v1/completions", json=body).status_code == 200
     assert client.simulate_post("/v1/completions", json={**body, "stream": True}).status_code == 200
     assert client.simulate_post("/v1/completions", json={**body, "max_tokens": -1}).status_code == 400
@@ -159,7 +159,8 @@ def local_greedy(model_dir, prompt: str, max_tokens: int) -> str:
     model = OurModel(model_dir)
     tokenizer = TextTokenizer.load(model_dir)
     generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
-    return generator.generate(tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens, temperature=0)).text
+    return generator.generate(tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                       ignore_eos=True)).text
 
 
 def get_text(cluster: Cluster, path: str) -> str:
@@ -181,7 +182,8 @@ def test_a_real_cluster_streams_and_reports_its_stages(tmp_path):
         cluster.wait_ready()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
         # a client that walks away mid-stream leaves nothing behind: the next request starts with a prefill
-        body = json.dumps({"model": "tiny-qwen", "prompt": "Hello", "max_tokens": 200, "stream": True}).encode()
+        body = json.dumps({"model": "tiny-qwen", "prompt": "Hello", "max_tokens": 200, "stream": True,
+                           "ignore_eos": True}).encode()
         sock = socket.create_connection(("127.0.0.1", cluster.api_port), timeout=60)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -192,10 +194,10 @@ def test_a_real_cluster_streams_and_reports_its_stages(tmp_path):
             received += chunk
         sock.close()
         chunks = list(client.completions.create(model="tiny-qwen", prompt="the quick brown fox", max_tokens=12,
-                                                temperature=0, stream=True))
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].text for c in chunks) == expected
         whole = client.completions.create(model="tiny-qwen", prompt="the quick brown fox", max_tokens=12,
-                                          temperature=0)
+                                          temperature=0, extra_body={"ignore_eos": True})
         assert whole.choices[0].text == expected
 
         status, view = cluster.get("/v1/cluster")

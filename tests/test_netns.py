@@ -159,7 +159,7 @@ def greedy(model_dir):
     model = OurModel(model_dir)
     tok = TextTokenizer.load(model_dir)
     gen = Generator(model.head, tok, model.pipeline(), torch.float32)
-    return lambda n: gen.generate(tok.encode(PROMPT), SamplingParams(n, temperature=0)).text
+    return lambda n: gen.generate(tok.encode(PROMPT), SamplingParams(n, temperature=0, ignore_eos=True)).text
 
 
 def start(lab: Lab, tmp_path, model_dir, **head) -> Cluster:
@@ -178,8 +178,9 @@ def start(lab: Lab, tmp_path, model_dir, **head) -> Cluster:
 
 
 def completion(cluster: Cluster, max_tokens: int, timeout: float = 120) -> tuple[int, dict]:
+    """Greedy, exactly max_tokens long: the tests below time and interrupt generations of a known length."""
     return cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens,
-                                            "temperature": 0}, timeout=timeout)
+                                            "temperature": 0, "ignore_eos": True}, timeout=timeout)
 
 
 def netem(lab: Lab, i: int, spec: list[str]) -> None:

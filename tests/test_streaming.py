@@ -174,7 +174,7 @@ def test_stream_steps_join_to_the_completion(generator, tokenizer, params):
 
 def test_closing_a_stream_early_leaves_the_generator_usable(generator, tokenizer):
     prompt_ids = tokenizer.encode("Hello")
-    params = SamplingParams(max_tokens=20, temperature=0)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)  # at least the two steps taken below
     expected = generator.generate(prompt_ids, params)
     steps = generator.stream(prompt_ids, params)
     next(steps), next(steps)
@@ -210,7 +210,7 @@ def test_streamed_completion_equals_the_whole_one(client, prompt, extra):
 
 def test_streamed_chat_equals_the_whole_one_and_reports_usage(client):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 10,
-            "temperature": 0}
+            "temperature": 0, "ignore_eos": True}
     whole = client.simulate_post(CHAT, json=body).json
     events = stream_post(client, CHAT, {**body, "stream_options": {"include_usage": True}})
     assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events)
@@ -224,14 +224,15 @@ def test_streamed_chat_equals_the_whole_one_and_reports_usage(client):
 
 
 def test_streamed_logprobs_join_to_the_whole_ones(client):
-    body = {"model": MODEL, "prompt": "Say this is a test", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    body = {"model": MODEL, "prompt": "Say this is a test", "max_tokens": 12, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True}
     whole = client.simulate_post(COMPLETIONS, json=body).json["choices"][0]["logprobs"]
     events = stream_post(client, COMPLETIONS, body)
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
     joined = {key: [v for p in parts for v in p[key]] for key in whole}
     assert joined == whole and len(whole["tokens"]) == 12
     chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-                 "temperature": 0, "logprobs": True, "top_logprobs": 3}
+                 "temperature": 0, "logprobs": True, "top_logprobs": 3, "ignore_eos": True}
     whole = client.simulate_post(CHAT, json=chat_body).json["choices"][0]["logprobs"]
     events = stream_post(client, CHAT, chat_body)
     content = [c for e in events if e["choices"][0]["logprobs"] for c in e["choices"][0]["logprobs"]["content"]]
@@ -263,7 +264,7 @@ def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
     generator = Generator(model.head, tokenizer, FailingPipeline(model.stages), torch.float32)
     client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
     result = client.simulate_post(COMPLETIONS, json={"model": MODEL, "prompt": "Hello", "max_tokens": 10,
-                                                     "stream": True})
+                                                     "ignore_eos": True, "stream": True})
     assert result.status_code == 200
     events = sse_events(result.content)
     assert "[DONE]" not in events
@@ -314,9 +315,9 @@ def openai_client(live) -> openai.OpenAI:
 
 def test_openai_client_streams_completions(openai_client):
     whole = openai_client.completions.create(model=MODEL, prompt="Say this is a test", max_tokens=10,
-                                             temperature=0)
+                                             temperature=0, extra_body={"ignore_eos": True})
     chunks = list(openai_client.completions.create(model=MODEL, prompt="Say this is a test", max_tokens=10,
-                                                   temperature=0, stream=True,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True},
                                                    stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
@@ -349,7 +350,8 @@ def test_openai_client_raises_on_a_mid_stream_error_event(model, tokenizer):
                                threads=2)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True)
+        stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True,
+                                           extra_body={"ignore_eos": True})
         with pytest.raises(openai.APIError, match="worker w2 was lost"):
             list(stream)
     finally:
@@ -369,7 +371,7 @@ def read_sse_events(sock: socket.socket, count: int) -> bytes:
 def test_a_client_that_goes_away_frees_the_cluster(slow, caplog):
     server, service, pipeline = slow
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0,
-                       "stream": True}).encode()
+                       "ignore_eos": True, "stream": True}).encode()
     with caplog.at_level(logging.INFO, logger="tc.head.api"):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -381,7 +383,8 @@ def test_a_client_that_goes_away_frees_the_cluster(slow, caplog):
         gone_at = time.perf_counter()
         # the next request gets the cluster within a few decode steps, not after the abandoned generation
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
-        reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+        reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0,
+                                          extra_body={"ignore_eos": True})
         waited = time.perf_counter() - gone_at
     assert reply.usage.completion_tokens == 2
     abandoned_decodes = pipeline.decodes - decodes_when_gone - 1  # the second request decoded once

@@ -66,14 +66,21 @@ class SamplingFields:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities at all
+    min_tokens: int = 0  # vLLM's extension: no EOS and no stop string before this many tokens
+    ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
 
     def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False) -> SamplingParams:
+        """Raises RequestError when min_tokens is over the completion's max_tokens."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if self.min_tokens > max_tokens:
+            raise RequestError(f"'min_tokens' ({self.min_tokens}) must not be more than max_tokens ({max_tokens})",
+                               param="min_tokens", code="invalid_value")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               stop=self.stop, seed=self.seed, top_k=self.top_k,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
-                              prompt_logprobs=prompt_logprobs and self.logprobs is not None)
+                              prompt_logprobs=prompt_logprobs and self.logprobs is not None,
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ _CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "response_format": (None, {"type": "text"}),
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "logprobs"})
+                            "logprobs", "min_tokens", "ignore_eos"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
@@ -378,6 +385,8 @@ _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
     "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k,
     "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
     "repetition_penalty": _repetition_penalty,
+    "min_tokens": lambda value: _max_tokens(value, "min_tokens", least=0),
+    "ignore_eos": lambda value: _boolean(value, "ignore_eos"),
 }
 
 
