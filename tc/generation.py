@@ -1,4 +1,4 @@
-"""The generation loop (SPEC.md 11): embed, run the pipeline, sample, repeat.
+"""The generation loop (docs/design.md, "Making a token"): embed, run the pipeline, sample, repeat.
 
 The same loop serves the single-process generator and the head: only the `Pipeline` differs (layers in this
 process, or layers on workers across the network). `Generator.stream` is the loop itself, one `Step` per

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import re
+import threading
 import time
 
 import falcon
@@ -443,10 +444,46 @@ def test_not_ready_cluster_answers_503_with_counts(generator):
 
 
 def test_full_queue_answers_429(generator):
-    client = testing.TestClient(create_app(make_service(generator, max_queue=0)))
-    result = post(client, COMPLETIONS, GOOD_COMPLETION)
-    assert_error_shape(result, 429, "rate_limit_exceeded", None, "server_busy")
-    assert result.headers["retry-after"] == "1"
+    service = make_service(generator, max_queue=0)  # one generates, none may wait
+    client = testing.TestClient(create_app(service))
+    with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=2, temperature=0)) as running:
+        result = post(client, COMPLETIONS, GOOD_COMPLETION)
+        assert_error_shape(result, 429, "rate_limit_exceeded", None, "server_busy")
+        assert result.headers["retry-after"] == "1"
+        running.drain()
+    assert post(client, COMPLETIONS, GOOD_COMPLETION).status_code == 200  # the turn is free again
+
+
+@pytest.mark.parametrize("max_queue", [1, 3])
+def test_max_queue_requests_wait_while_one_generates(generator, max_queue):
+    """head.max_queue as the topology file words it: that many wait while one generates; one more is refused."""
+    service = make_service(generator, max_queue=max_queue)
+    ids, params = generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=2, temperature=0)
+    outcomes: list = []
+
+    def wait_then_complete() -> None:
+        try:
+            outcomes.append(service.complete(ids, params).finish_reason)
+        except QueueFull as exc:
+            outcomes.append(exc)
+
+    with service.open(ids, params) as running:  # holds the turn until drained
+        waiters = [threading.Thread(target=wait_then_complete) for _ in range(max_queue)]
+        for thread in waiters:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while service.queue_depth < max_queue and not outcomes:
+            assert time.monotonic() < deadline, "the waiters never queued"
+            time.sleep(0.01)
+        assert not outcomes, outcomes  # every one of the max_queue is waiting, none refused
+        assert (service.running, service.queue_depth) == (1, max_queue)
+        with pytest.raises(QueueFull, match=f"{max_queue} requests are already waiting"):
+            service.open(ids, params)
+        running.drain()
+    for thread in waiters:
+        thread.join(30)
+    assert outcomes == ["length"] * max_queue
+    assert (service.running, service.queue_depth) == (0, 0)
 
 
 def test_worker_failure_answers_502(generator):

@@ -73,7 +73,7 @@ def test_two_workers_match_the_single_process_model(tmp_path, model_dir):
     with Cluster(topo, tmp_path) as cluster:
         cluster.start_head()
         cluster.wait_api()
-        # before any worker has loaded: 503 with the counts SPEC.md 6.4 gives
+        # before any worker has loaded: 503 with the counts docs/api.md gives
         status, body = completion(cluster)
         assert status == 503
         assert body["error"]["type"] == "cluster_not_ready"

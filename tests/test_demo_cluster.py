@@ -1,4 +1,4 @@
-"""The cluster on the real demo model: real head and worker processes on loopback (SPEC.md 15.2)."""
+"""The cluster on the real demo model: real head and worker processes on loopback."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Our Qwen2 against transformers' on the real demo model (SPEC.md 15.1).
+"""Our Qwen2 against transformers' on the real demo model.
 
 fp32 tolerance: 1e-3 max abs on the logits. Both sides run the same fp32 ops in the same order on the CPU, so
 the difference measured here is 0.0; the tolerance only leaves room for a different BLAS build.

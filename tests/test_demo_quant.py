@@ -1,4 +1,4 @@
-"""Each weight mode through head + 2 workers on the demo model: coherent greedy text (SPEC.md 15.4)."""
+"""Each weight mode through head + 2 workers on the demo model: coherent greedy text."""
 from __future__ import annotations
 
 import pytest

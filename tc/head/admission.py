@@ -1,9 +1,9 @@
-"""Which topology entry a joining worker fills, or why it is refused (DESIGN.md). Pure."""
+"""Which topology entry a joining worker fills, or why it is refused (docs/design.md, "Joining"). Pure."""
 from __future__ import annotations
 
 from typing import AbstractSet
 
-from ..planner import Plan, Stage
+from ..planner import Plan, Stage, format_bytes
 from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
 from ..topology import NodeEntry, Topology
 
@@ -46,9 +46,9 @@ def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | Non
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
     memory = worker_memory(hello, device_for(entry.device, hello))
     if memory is not None and stage.weight_bytes > memory:
-        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({stage.weight_bytes / 1e9:.2f} GB of "
-                f"weights), but this worker offers {memory / 1e9:.2f} GB; give it more memory (--max-memory-gb) or "
-                f"pin fewer layers on {stage.node_id} in topology.yaml")
+        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
+                f"weights), but this worker offers {format_bytes(memory)}; give it more memory (--max-memory-gb, "
+                f"in GiB) or pin fewer layers on {stage.node_id} in topology.yaml")
     return None
 
 

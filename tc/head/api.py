@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (SPEC.md 6): a Falcon WSGI app over a `GenerationService`.
+"""The OpenAI-compatible HTTP API (docs/api.md): a Falcon WSGI app over a `GenerationService`.
 
 Resources are thin: read the body, parse it (`api_requests`), call the service, shape the reply (`streaming`:
 whole, or as server-sent events). Every failure, ours or Falcon's own (unknown route, wrong method, bad header),

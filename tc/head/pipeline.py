@@ -8,8 +8,11 @@ Resuming: the pipeline keeps what it fed the first stage for the request in flig
 and each decode step's). When a worker is lost mid-request and resume is on, it waits up to the grace period
 for the lost node's entry to be filled again (the same worker back, or a spare), then replays all of those
 inputs as one prefill from position 0, through every stage, with the request's cache capacity. That rebuilds
-every stage's KV cache, and the last position's output is exactly what the interrupted step would have
-returned, so the generation carries on (greedy output is unchanged) and the client only sees it take longer.
+every stage's KV cache, and the last position's output stands for the interrupted step's, so the generation
+carries on and the client sees it take longer. The tokens already chosen stay; what follows is what a new
+request for the prompt and those tokens would give. One prefill over N positions rounds differently from N
+decode steps: in fp32 the difference (~1e-6) leaves greedy output as it was without the loss, while in bf16 or
+fp16 the continuation may differ from an uninterrupted run (docs/design.md, tests/test_resume_dtypes.py).
 """
 from __future__ import annotations
 

@@ -156,7 +156,9 @@ class GenerationStream:
 
 
 class GenerationService:
-    """Serialises generations (one at a time, SPEC.md 4.3) behind a bounded wait queue.
+    """Serialises generations (one at a time: the pipeline has one set of caches) behind a bounded wait queue.
+
+    Up to `max_queue` requests wait while one generates; one more is refused with QueueFull.
 
     `step_hops`, when given, returns the last pipeline step's hops (RemotePipeline.last_hops) for the metrics.
     The service registers its live gauges (queue, nodes) on `metrics`, so give each service its own Metrics.
@@ -200,7 +202,8 @@ class GenerationService:
 
     def _admit(self) -> None:
         with self._count_lock:
-            if self._admitted >= self.max_queue:
+            # max_queue requests may wait while one generates: the one holding the turn is not in the queue
+            if self._admitted >= self.max_queue + 1:
                 raise QueueFull(self.max_queue)
             self._admitted += 1
 

@@ -1,4 +1,4 @@
-"""What this machine can compute on (SPEC.md 12): CUDA GPUs, Apple MPS, and the CPU."""
+"""What this machine can compute on: CUDA GPUs, Apple MPS, and the CPU."""
 from __future__ import annotations
 
 import os

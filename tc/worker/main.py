@@ -35,6 +35,7 @@ from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_PROTOCOL, PROTOCOL_VERSION, Assignment, ClearCache, Error, Hello, HelloAck,
                                  InferenceError, LoadComplete, LoadFailed, LoadProgress, Ping, Pong, RunDecode,
                                  RunPrefill)
+from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, load_assignment
 
@@ -113,8 +114,12 @@ def _positive(value: object, what: str) -> float:
 
 
 def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerOptions:
-    """Options from the command line, falling back to the environment (TC_*) for the token, timeout and frame cap."""
-    max_memory = int(args.max_memory_gb * 1e9) if args.max_memory_gb else None
+    """Options from the command line, falling back to the environment (TC_*) for the token, timeout and frame cap.
+
+    --max-memory-gb counts GiB (2**30 bytes), the unit of the topology's max_memory_gb, so one figure means the
+    same memory in either place. Raises WorkerSetupError.
+    """
+    max_memory = int(round(args.max_memory_gb * GIB)) if args.max_memory_gb else None
     host, port = args.join
     head_timeout = args.head_timeout_s or environ.get(HEAD_TIMEOUT_ENV) or DEFAULT_HEAD_TIMEOUT_S
     max_frame_mb = args.max_frame_mb or environ.get(MAX_FRAME_ENV)
