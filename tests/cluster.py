@@ -58,6 +58,11 @@ class Cluster:
     def __init__(self, topology: Path, workdir: Path, tc: list[str] | None = None, env: dict | None = None,
                  api_host: str = "127.0.0.1", join_host: str = "127.0.0.1", head_prefix: tuple[str, ...] = ()):
         self.topology, self.workdir, self.env = topology, workdir, env or {}
+        if tc is None:
+            # `python -m tc` runs in workdir: put this checkout first on the path, so the processes run the code
+            # under test rather than whatever `tc` the environment has installed
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            self.env = {"PYTHONPATH": path, **self.env}
         self.tc = tc or [sys.executable, "-m", "tc"]
         self.api_port, self.listen_port = free_port(), free_port()
         # where the test reaches the API, where workers reach the head, and a command prefix for the head
