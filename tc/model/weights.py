@@ -192,10 +192,6 @@ class WeightIndex:
             if info.dtype not in _DTYPES:
                 raise WeightsError(f"tensor {name} is stored as {info.dtype}; tc reads F32, F16 and BF16")
 
-    def layer_shapes(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of layer `index`'s tensors, for planning."""
-        return [(n, self.tensors[n].shape) for n in layer_tensor_names(index, index + 1)]
-
     def nbytes(self, names: Iterable[str]) -> int:
         return sum(self.tensors[n].nbytes for n in names)
 
