@@ -346,7 +346,7 @@ class WorkerRegistry:
         slot.link, slot.state, slot.detail, slot.loaded, slot.joined_at = link, "loading", "loading", None, time.time()
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
-        return link, self._assignment(stage, link.device)
+        return link, self._assignment(stage, link)
 
     def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
         """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers."""
@@ -382,14 +382,16 @@ class WorkerRegistry:
             if link.conn is conn:
                 self._lost(link, reason)
 
-    def _assignment(self, stage: Stage, device: str) -> Assignment:
+    def _assignment(self, stage: Stage, link: WorkerLink) -> Assignment:
+        """`stage`'s layers for `link`'s worker; threads come from the worker's own entry (a spare's, if it is one)."""
         tensor_count = 12 * (stage.end - stage.start)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
-                          revision=self.topology.revision, device=device, architecture="qwen2",
+                          revision=self.topology.revision, device=link.device, architecture="qwen2",
                           quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes)
+                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes,
+                          threads=self.topology.node(link.entry_id).threads)
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:

@@ -37,6 +37,22 @@ def stage_weight_bytes(stage: Stage) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def apply_threads(assigned: int | None, command_line: int | None) -> None:
+    """Use the topology entry's `threads` (carried by ASSIGNMENT) unless --threads set them on this machine.
+
+    The command line wins: whoever starts the worker knows what else the machine runs. Call it on the thread that
+    computes: torch keeps the count per process, but OpenMP applies a change to the calling thread at once.
+    """
+    if command_line is not None:
+        if assigned is not None and assigned != command_line:
+            log.info("the topology entry asks for %d torch threads; keeping --threads %d", assigned, command_line)
+        return
+    if assigned is None:
+        return
+    torch.set_num_threads(assigned)
+    log.info("using %d torch threads, from the topology entry", torch.get_num_threads())
+
+
 def load_assignment(assignment: Assignment, model_dir: Path, device: str,
                     progress: Callable[[int, int], None] | None = None) -> LoadedStage:
     """Load (and quantize) the assigned layers from `model_dir` onto `device`."""
