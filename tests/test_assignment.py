@@ -2,13 +2,20 @@
 worker makes before it serves (architecture, the tensors of its layers)."""
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from cluster import ROOT, Cluster, Process, write_topology
+from tc.model.config import ConfigError, Qwen2Config
+from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
+from tc.protocol.messages import Assignment
+from tc.worker.runtime import load_assignment
 from tiny_model import write_tiny_model
 
 # Subprocesses import this checkout's tc, whatever tc the interpreter has installed.
@@ -30,7 +37,7 @@ def wait_for_line(process: Process, pattern: str, timeout: float = 60) -> re.Mat
     raise AssertionError(f"no line matching {pattern!r} in:\n{process.output()}")
 
 
-def test_the_topology_entry_threads_reach_the_worker_unless_its_command_line_sets_them(tmp_path, model_dir):
+def test_a_real_head_assigns_the_entry_threads(tmp_path, model_dir):
     nodes = [{"id": "a", "device": "cpu", "threads": 1}, {"id": "b", "device": "cpu", "threads": 1}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes)
     with Cluster(topo, tmp_path, env=ENV) as cluster:
@@ -46,5 +53,56 @@ def test_the_topology_entry_threads_reach_the_worker_unless_its_command_line_set
         assert wait_for_line(a, r"using (\d+) torch threads, from the topology entry").group(1) == "1"
         wait_for_line(b, r"the topology entry asks for 1 torch threads; keeping --threads 2")
         assert "from the topology entry" not in b.output()
-        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "abc", "max_tokens": 3, "temperature": 0})
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "abc", "max_tokens": 3,
+                                                        "temperature": 0})
         assert status == 200, body
+
+
+# --- the worker's checks before it serves ---------------------------------------------------------------------
+
+
+def assignment(model_dir, start: int = 0, end: int = 2, **changes) -> Assignment:
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
+                  quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
+                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
+    return Assignment(**{**fields, **changes})
+
+
+def test_a_matching_assignment_loads(model_dir):
+    loaded = load_assignment(assignment(model_dir, 1, 3), model_dir, "cpu")
+    assert (loaded.stage.start, loaded.stage.end) == (1, 3)
+
+
+def test_an_architecture_the_worker_does_not_run_is_refused(model_dir):
+    with pytest.raises(ConfigError, match=r"architecture 'llama'; this worker .* runs 'qwen2' only"):
+        load_assignment(assignment(model_dir, architecture="llama"), model_dir, "cpu")
+
+
+def test_a_tensor_count_the_worker_does_not_find_is_refused(model_dir):
+    with pytest.raises(WeightsError, match=r"the head planned 25 tensors for layers 0-1 and this worker .* finds 24"):
+        load_assignment(assignment(model_dir, tensor_count=25), model_dir, "cpu")
+
+
+def test_layer_tensors_tc_would_skip_are_refused(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", seed=7)
+    state = load_file(model_dir / "model.safetensors")
+    state["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(64)  # a Qwen2 variant's weight tc has no place for
+    save_file(state, model_dir / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"layers 0-1 .* \(model\.layers\.1\.self_attn\.o_proj\.bias\)"):
+        load_assignment(assignment(model_dir, 0, 2), model_dir, "cpu")
+    load_assignment(assignment(model_dir, 2, 4), model_dir, "cpu")  # other layers are plain Qwen2
+
+
+def test_layer_tensors_in_a_shard_left_unread_are_refused_too(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", seed=7, shards=2)  # layers 0-1 in the first shard
+    save_file({"model.layers.1.self_attn.q_norm.weight": torch.ones(16)}, model_dir / "extra.safetensors")
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.1.self_attn.q_norm.weight"] = "extra.safetensors"
+    index_path.write_text(json.dumps(index))
+    names = layer_tensor_names(0, 2)
+    assert {info.file.name for info in WeightIndex.open(model_dir, only=names).tensors.values()} == {
+        "model-00001-of-00002.safetensors"}  # the worker reads no other shard...
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
+        load_assignment(assignment(model_dir, 0, 2), model_dir, "cpu")  # ...and still sees what the index lists

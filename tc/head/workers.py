@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..model.config import Qwen2Config
+from ..model.config import MODEL_TYPE, Qwen2Config
+from ..model.weights import layer_tensor_names
 from ..planner import Plan, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
@@ -384,13 +385,12 @@ class WorkerRegistry:
 
     def _assignment(self, stage: Stage, link: WorkerLink) -> Assignment:
         """`stage`'s layers for `link`'s worker; threads come from the worker's own entry (a spare's, if it is one)."""
-        tensor_count = 12 * (stage.end - stage.start)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
-                          revision=self.topology.revision, device=link.device, architecture="qwen2",
+                          revision=self.topology.revision, device=link.device, architecture=MODEL_TYPE,
                           quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes,
+                          tensor_count=len(layer_tensor_names(stage.start, stage.end)),
                           threads=self.topology.node(link.entry_id).threads)
 
     # --- serving -----------------------------------------------------------------------------------------------
