@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster import ROOT, Cluster, Process, write_topology
+from tc.head.admission import dtype_fallback
 from tc.model.config import ConfigError, Qwen2Config
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
-from tc.protocol.messages import Assignment
+from tc.protocol.messages import PROTOCOL_VERSION, Assignment, DeviceInfo, Hello
 from tc.worker.runtime import load_assignment
 from tiny_model import write_tiny_model
 
@@ -37,8 +38,8 @@ def wait_for_line(process: Process, pattern: str, timeout: float = 60) -> re.Mat
     raise AssertionError(f"no line matching {pattern!r} in:\n{process.output()}")
 
 
-def test_a_real_head_assigns_the_entry_threads(tmp_path, model_dir):
-    nodes = [{"id": "a", "device": "cpu", "threads": 1}, {"id": "b", "device": "cpu", "threads": 1}]
+def test_a_real_head_assigns_the_entry_threads_and_warns_of_a_dtype_fallback(tmp_path, model_dir):
+    nodes = [{"id": "a", "device": "cpu", "threads": 1}, {"id": "b", "device": "cpu", "threads": 1, "dtype": "fp16"}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes)
     with Cluster(topo, tmp_path, env=ENV) as cluster:
         cluster.start_head()
@@ -53,6 +54,9 @@ def test_a_real_head_assigns_the_entry_threads(tmp_path, model_dir):
         assert wait_for_line(a, r"using (\d+) torch threads, from the topology entry").group(1) == "1"
         wait_for_line(b, r"the topology entry asks for 1 torch threads; keeping --threads 2")
         assert "from the topology entry" not in b.output()
+        # a CPU has no native fp16 (the worker computes in fp32): the head says so, for b only
+        warnings = re.findall(r"worker (\w+): cpu on .* has no native (\w+)", cluster.head.output())
+        assert warnings == [("b", "fp16")], cluster.head.output()
         status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "abc", "max_tokens": 3,
                                                         "temperature": 0})
         assert status == 200, body
@@ -106,3 +110,32 @@ def test_layer_tensors_in_a_shard_left_unread_are_refused_too(tmp_path):
         "model-00001-of-00002.safetensors"}  # the worker reads no other shard...
     with pytest.raises(WeightsError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
         load_assignment(assignment(model_dir, 0, 2), model_dir, "cpu")  # ...and still sees what the index lists
+
+
+# --- the head's view of HELLO's compute dtypes ----------------------------------------------------------------
+
+CPU = DeviceInfo("cpu", "cpu", "x86_64", None, None)
+CUDA0 = DeviceInfo("cuda:0", "cuda", "T4", 16 * 2**30, 15 * 2**30)
+
+
+def hello(selected: str, dtypes: tuple[str, ...]) -> Hello:
+    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=None, hostname="box", platform="linux",
+                 python_version="3", torch_version="2", devices=(CUDA0, CPU), selected_device=selected,
+                 compute_dtypes=dtypes, max_memory_bytes=None)
+
+
+@pytest.mark.parametrize("dtype, device, worker, expected", [
+    ("bf16", "cpu", hello("cpu", ("bf16", "fp32")), None),
+    ("fp16", "cpu", hello("cpu", ("bf16", "fp32")), "cpu on box has no native fp16 (it computes in bf16, fp32)"),
+    ("bf16", "cuda:0", hello("cuda:0", ("fp16", "fp32")), "cuda:0 on box has no native bf16"),
+    ("bf16", "cuda:0", hello("cuda:0", ("fp16", "bf16", "fp32")), None),
+    # HELLO lists the selected device's dtypes; an entry that runs on another device is not judged by them
+    ("fp16", "cpu", hello("cuda:0", ("fp16", "bf16", "fp32")), None),
+    ("fp16", "cuda:0", hello("cpu", ("bf16", "fp32")), None),
+])
+def test_a_dtype_the_worker_lacks_is_named(dtype, device, worker, expected):
+    got = dtype_fallback(dtype, device, worker)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(expected) and "nodes[].dtype" in got

@@ -35,7 +35,7 @@ from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment
                                  HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress, Message, Ping,
                                  Pong, RunDecode, RunPrefill)
 from ..topology import Topology
-from .admission import Refusal, choose_entry, device_for, stage_fit_problem
+from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -385,6 +385,9 @@ class WorkerRegistry:
 
     def _assignment(self, stage: Stage, link: WorkerLink) -> Assignment:
         """`stage`'s layers for `link`'s worker; threads come from the worker's own entry (a spare's, if it is one)."""
+        fallback = dtype_fallback(stage.dtype, link.device, link.hello)
+        if fallback:
+            log.warning("worker %s: %s", link.name, fallback)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
                           revision=self.topology.revision, device=link.device, architecture=MODEL_TYPE,

@@ -365,7 +365,7 @@ class Hello(Message):
     torch_version: str = wire(STR)
     devices: tuple[DeviceInfo, ...] = wire(_TupleOf(_Struct(DeviceInfo)))
     selected_device: str = wire(STR)
-    compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))
+    compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))  # native on selected_device; others fall back
     max_memory_bytes: int | None = wire(_Optional(COUNT))
     auth: bytes | None = wire(_Optional(BYTES), default=None)
 
