@@ -146,7 +146,7 @@ class WeightIndex:
     def __init__(self, tensors: Mapping[str, TensorInfo], declared: Iterable[str] | None = None):
         self.tensors = dict(tensors)
         # every tensor the directory lists, including those in shards left unread (the shard index names them)
-        self.declared = frozenset(self.tensors if declared is None else declared) | self.tensors.keys()
+        self.declared = frozenset(self.tensors).union(declared or ())
 
     @classmethod
     def open(cls, model_dir: Path, only: Iterable[str] | None = None) -> "WeightIndex":
