@@ -33,10 +33,25 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS is a token like any other: generation runs to max_tokens or a stop string
 
     def __post_init__(self) -> None:
-        assert self.max_tokens >= 0 and self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0
-        assert self.repetition_penalty > 0 and (self.logprobs is None or self.logprobs >= 0)
-        assert not self.prompt_logprobs or self.logprobs is not None
-        assert 0 <= self.min_tokens <= self.max_tokens
+        """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).
+
+        Plain checks, not asserts: `python -O` drops asserts, and NaN must fail too (hence `not x >= 0`).
+        """
+        problems = [
+            (not self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (not self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (not self.top_k >= 0, f"top_k must be >= 0 (0: every token), got {self.top_k}"),
+            (not self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.logprobs is not None and not self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs and self.logprobs is None,
+             "prompt_logprobs needs logprobs (the number of alternatives to report, 0 for none)"),
+            (not 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+        ]
+        for failed, message in problems:
+            if failed:
+                raise ValueError(f"SamplingParams: {message}")
 
     @property
     def penalised(self) -> bool:

@@ -175,10 +175,6 @@ class Topology:
         """A copy listing only the pipeline entries: what the planner splits the layers over."""
         return replace(self, nodes=self.pipeline_nodes)
 
-    def node_dtype(self, node_id: str) -> str:
-        """The compute dtype a node runs in: its own override, else the topology's."""
-        return self.node(node_id).dtype or self.dtype
-
     def to_dict(self) -> dict[str, Any]:
         """The topology as a YAML-ready tree that `parse_topology` reads back to an equal value."""
         nodes: list[dict[str, Any]] = []

@@ -103,7 +103,6 @@ def make_assignment(**overrides: Any) -> Assignment:
         layer_end_exclusive=16,
         config=QWEN_CONFIG,
         tensor_count=96,
-        total_weight_bytes=123456789,
     )
     fields.update(overrides)
     return Assignment(**fields)
@@ -198,7 +197,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -446,11 +445,22 @@ def test_bad_payloads_name_the_type_and_field(name):
 
 def test_hello_with_another_protocol_version_says_so_first():
     # A future HELLO may have other fields; the version is still reported, not the field mismatch.
-    payload = {"protocol_version": 2, "tc_version": "0.9.0", "gpu_list": []}
+    payload = {"protocol_version": PROTOCOL_VERSION + 1, "tc_version": "0.9.0", "gpu_list": []}
     with pytest.raises(ProtocolVersionMismatch) as info:
         FrameDecoder().feed(frame_of(envelope("HELLO", payload)))
-    assert (info.value.peer_version, info.value.our_version, info.value.peer_tc_version) == (2, 1, "0.9.0")
+    assert (info.value.peer_version, info.value.our_version, info.value.peer_tc_version) == (
+        PROTOCOL_VERSION + 1, PROTOCOL_VERSION, "0.9.0")
     assert "0.9.0" in str(info.value) and "same tc release" in str(info.value)
+
+
+def test_protocol_1_peers_are_told_apart():
+    """Version 2 dropped ASSIGNMENT.total_weight_bytes: a version 1 HELLO is refused by its version, and a
+    version 1 ASSIGNMENT (which still carries the field) by that field, never half-read."""
+    with pytest.raises(ProtocolVersionMismatch) as info:
+        FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": 1})))
+    assert (info.value.peer_version, info.value.our_version) == (1, 2)
+    with pytest.raises(ProtocolError, match=r"ASSIGNMENT has unknown field\(s\) \['total_weight_bytes'\]"):
+        FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", assignment_payload(total_weight_bytes=123456789))))
 
 
 def good_tensor(**changes: Any) -> dict[str, Any]:

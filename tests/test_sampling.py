@@ -195,3 +195,45 @@ def test_seeded_generation_repeats(generator):
     unseeded = {generator.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0)).token_ids
                 for _ in range(3)}
     assert len(unseeded) > 1  # without a seed each request draws its own
+
+
+BAD_PARAMS = {
+    "negative max_tokens": ({"max_tokens": -1}, "max_tokens must be >= 0, got -1"),
+    "negative temperature": ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    "NaN temperature": ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    "zero top_p": ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+    "top_p over 1": ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+    "negative top_k": ({"top_k": -1}, "top_k must be >= 0"),
+    "zero repetition_penalty": ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+    "negative logprobs": ({"logprobs": -2}, "logprobs must be >= 0, got -2"),
+    "prompt_logprobs alone": ({"prompt_logprobs": True}, "prompt_logprobs needs logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PARAMS)
+def test_bad_sampling_params_raise_value_error_naming_the_field(case):
+    fields, message = BAD_PARAMS[case]
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_checks_survive_python_O():
+    """`python -O` strips asserts; the checks must still refuse, reached the way the API reaches them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "from tc.head.api_requests import SamplingFields\n"
+        "for fields in ({'top_p': 0.0}, {'temperature': -1.0}, {'max_tokens': -3}, {'repetition_penalty': 0.0}):\n"
+        "    try:\n"
+        "        SamplingFields(**fields).to_params(16)\n"
+        "    except ValueError as exc:\n"
+        "        print('refused:', exc)\n"
+        "    else:\n"
+        "        raise SystemExit(f'accepted {fields}')\n"
+    )
+    done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("refused: SamplingParams:") == 4, done.stdout

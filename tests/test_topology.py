@@ -200,7 +200,6 @@ def test_good_tree_values_and_defaults(base_dir: Path) -> None:
     assert topo.node_ids == ("gpu-box", "macbook", "cpu-box")
     mac = topo.node("macbook")
     assert (mac.device, mac.dtype, mac.max_memory_gb, mac.layers, mac.threads) == ("mps", None, 12.0, (14, 20), None)
-    assert topo.node_dtype("macbook") == "bf16"
 
 
 def test_device_defaults_to_auto(base_dir: Path) -> None:

@@ -280,7 +280,7 @@ def assignment_for(model_dir) -> Assignment:
     return Assignment(model_id=str(model_dir), model_source="local", revision=None, device="cpu",
                       architecture="qwen2", quant="fp16", group_size=128, compute_dtype="fp32", layer_start=0,
                       layer_end_exclusive=config.num_hidden_layers, config=config.to_dict(),
-                      tensor_count=12 * config.num_hidden_layers, total_weight_bytes=0)
+                      tensor_count=12 * config.num_hidden_layers)
 
 
 def test_worker_drops_a_head_that_breaks_the_protocol_and_rejoins(tmp_path, model_dir):

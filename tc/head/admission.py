@@ -42,6 +42,18 @@ def worker_memory(hello: Hello, device: str) -> int | None:
     return None
 
 
+def dtype_fallback(dtype: str, device: str, hello: Hello) -> str | None:
+    """What happens when `device` cannot compute in `dtype` natively (the worker computes in another), or None.
+
+    HELLO's compute_dtypes describe its selected device only; for any other device there is nothing to go on.
+    """
+    if device != hello.selected_device or dtype in hello.compute_dtypes:
+        return None
+    return (f"{device} on {hello.hostname} has no native {dtype} (it computes in {', '.join(hello.compute_dtypes)}), "
+            f"so it will compute in another dtype than planned; set a dtype it lists for this entry in "
+            "topology.yaml (nodes[].dtype)")
+
+
 def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
     memory = worker_memory(hello, device_for(entry.device, hello))

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..model.config import Qwen2Config
+from ..model.config import MODEL_TYPE, Qwen2Config
+from ..model.weights import layer_tensor_names
 from ..planner import Plan, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
@@ -34,7 +35,7 @@ from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment
                                  HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress, Message, Ping,
                                  Pong, RunDecode, RunPrefill)
 from ..topology import Topology
-from .admission import Refusal, choose_entry, device_for, stage_fit_problem
+from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,7 @@ class WorkerRegistry:
         slot.link, slot.state, slot.detail, slot.loaded, slot.joined_at = link, "loading", "loading", None, time.time()
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
-        return link, self._assignment(stage, link.device)
+        return link, self._assignment(stage, link)
 
     def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
         """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers."""
@@ -382,14 +383,18 @@ class WorkerRegistry:
             if link.conn is conn:
                 self._lost(link, reason)
 
-    def _assignment(self, stage: Stage, device: str) -> Assignment:
-        tensor_count = 12 * (stage.end - stage.start)
+    def _assignment(self, stage: Stage, link: WorkerLink) -> Assignment:
+        """`stage`'s layers for `link`'s worker; threads come from the worker's own entry (a spare's, if it is one)."""
+        fallback = dtype_fallback(stage.dtype, link.device, link.hello)
+        if fallback:
+            log.warning("worker %s: %s", link.name, fallback)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
-                          revision=self.topology.revision, device=device, architecture="qwen2",
+                          revision=self.topology.revision, device=link.device, architecture=MODEL_TYPE,
                           quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=tensor_count, total_weight_bytes=stage.weight_bytes)
+                          tensor_count=len(layer_tensor_names(stage.start, stage.end)),
+                          threads=self.topology.node(link.entry_id).threads)
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:

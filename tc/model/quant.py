@@ -549,9 +549,6 @@ class Int8Linear(_QuantLinear):
         """Quantize `linear`'s weight on its device; the bias is kept as it is."""
         return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel)
 
-    def quantized_weight(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale, (self.out_features, self.in_features))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]

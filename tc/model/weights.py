@@ -143,8 +143,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 class WeightIndex:
     """Where every tensor of a model directory lives, from the headers alone."""
 
-    def __init__(self, tensors: Mapping[str, TensorInfo]):
+    def __init__(self, tensors: Mapping[str, TensorInfo], declared: Iterable[str] | None = None):
         self.tensors = dict(tensors)
+        # every tensor the directory lists, including those in shards left unread (the shard index names them)
+        self.declared = frozenset(self.tensors).union(declared or ())
 
     @classmethod
     def open(cls, model_dir: Path, only: Iterable[str] | None = None) -> "WeightIndex":
@@ -175,7 +177,7 @@ class WeightIndex:
                 info = tensors.get(name)
                 if info is None or info.file.name != file:
                     raise WeightsError(f"{index_path}: {name} is listed in {file} but not stored there")
-        return cls(tensors)
+        return cls(tensors, declared=weight_map)
 
     def validate(self, config: Qwen2Config, only: Iterable[str] | None = None) -> None:
         """Check every tensor the model needs (or those in `only`) exists with the shape config.json implies."""
@@ -192,9 +194,10 @@ class WeightIndex:
             if info.dtype not in _DTYPES:
                 raise WeightsError(f"tensor {name} is stored as {info.dtype}; tc reads F32, F16 and BF16")
 
-    def layer_shapes(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of layer `index`'s tensors, for planning."""
-        return [(n, self.tensors[n].shape) for n in layer_tensor_names(index, index + 1)]
+    def declared_in_layers(self, start: int, end: int) -> list[str]:
+        """Every tensor the checkpoint lists for layers [start, end), sorted, whether tc uses it or not."""
+        prefixes = tuple(layer_prefix(i) for i in range(start, end))  # "model.layers.1." never matches layer 10
+        return sorted(n for n in self.declared if n.startswith(prefixes))
 
     def nbytes(self, names: Iterable[str]) -> int:
         return sum(self.tensors[n].nbytes for n in names)

@@ -23,7 +23,9 @@ from tc.protocol.cbor import CBOR_INT_MAX, CBOR_INT_MIN
 from tc.protocol.errors import ProtocolError, ProtocolVersionMismatch
 from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, wire_dtype_name
 
-PROTOCOL_VERSION = 1
+# 2: ASSIGNMENT lost total_weight_bytes, which no worker could use (the head holds the plan, and shows planned
+#    beside loaded bytes from LOAD_COMPLETE)
+PROTOCOL_VERSION = 2
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -363,7 +365,7 @@ class Hello(Message):
     torch_version: str = wire(STR)
     devices: tuple[DeviceInfo, ...] = wire(_TupleOf(_Struct(DeviceInfo)))
     selected_device: str = wire(STR)
-    compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))
+    compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))  # native on selected_device; others fall back
     max_memory_bytes: int | None = wire(_Optional(COUNT))
     auth: bytes | None = wire(_Optional(BYTES), default=None)
 
@@ -404,15 +406,14 @@ class Assignment(Message):
     model_source: str = wire(_OneOf(("hub", "local")))  # said outright, never guessed from the id's shape
     revision: str | None = wire(_Optional(STR))  # for a repo id: branch, tag or commit (None: main)
     device: str = wire(STR)  # the worker's device to load onto, from its topology entry
-    architecture: str = wire(STR)
+    architecture: str = wire(STR)  # config.json's model_type; a worker refuses one it does not run
     quant: str = wire(STR)
     group_size: int = wire(COUNT)
     compute_dtype: str = wire(DTYPE)
     layer_start: int = wire(COUNT)
     layer_end_exclusive: int = wire(COUNT)
     config: dict[str, Any] = wire(_JsonMap())  # config.json's contents
-    tensor_count: int = wire(COUNT)
-    total_weight_bytes: int = wire(COUNT)
+    tensor_count: int = wire(COUNT)  # tensors in the layer range; a checkpoint with more has weights tc would skip
     threads: int | None = wire(_Optional(COUNT), default=None)  # torch threads, from the entry (None: worker's own)
 
     def _validate(self) -> None:

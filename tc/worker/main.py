@@ -37,7 +37,7 @@ from ..protocol.messages import (ERROR_PROTOCOL, PROTOCOL_VERSION, Assignment, C
                                  RunPrefill)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
-from .runtime import LoadedStage, StageRuntime, load_assignment
+from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class WorkerOptions:
     join_token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    threads: int | None = None  # --threads; when given, the topology entry's threads do not apply
 
 
 def _assignment_key(a: Assignment) -> tuple:
@@ -130,6 +131,7 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
         head_timeout_s=_positive(head_timeout, "the head timeout (--head-timeout-s / TC_HEAD_TIMEOUT_S)"),
         max_frame_bytes=(DEFAULT_MAX_FRAME_BYTES if not max_frame_mb else
                          int(_positive(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)") * MIB)),
+        threads=args.threads or None,
     )
 
 
@@ -313,6 +315,7 @@ class Worker:
     def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
         key = _assignment_key(assignment)
         start, end = assignment.layer_start, assignment.layer_end_exclusive
+        apply_threads(assignment.threads, self.options.threads)
         if self.loaded is not None and self.loaded[0] == key:
             log.info("layers %d-%d already loaded; reusing them", start, end - 1)
             loaded = self.loaded[1]

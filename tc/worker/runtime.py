@@ -12,11 +12,12 @@ from typing import Callable
 
 import torch
 
-from ..model.config import Qwen2Config
+from .. import __version__
+from ..model.config import MODEL_TYPE, ConfigError, Qwen2Config
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
 from ..model.qwen2 import Stage, resolve_compute_dtype
-from ..model.weights import WeightIndex, layer_tensor_names
+from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
 from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,61 @@ def stage_weight_bytes(stage: Stage) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def apply_threads(assigned: int | None, command_line: int | None) -> None:
+    """Use the topology entry's `threads` (carried by ASSIGNMENT) unless --threads set them on this machine.
+
+    The command line wins: whoever starts the worker knows what else the machine runs. Call it on the thread that
+    computes: torch keeps the count per process, but OpenMP applies a change to the calling thread at once.
+    """
+    if command_line is not None:
+        if assigned is not None and assigned != command_line:
+            log.info("the topology entry asks for %d torch threads; keeping --threads %d", assigned, command_line)
+        return
+    if assigned is None:
+        return
+    torch.set_num_threads(assigned)
+    log.info("using %d torch threads, from the topology entry", torch.get_num_threads())
+
+
+def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
+    """The checkpoint's tensors for the assigned layers must be exactly the `tensor_count` the head planned.
+
+    validate() has found every tensor tc needs; any more are weights tc would leave out (a bias or norm of a
+    Qwen2 variant), which would run without error and compute the wrong thing. Raises WeightsError.
+    """
+    start, end = assignment.layer_start, assignment.layer_end_exclusive
+    found = index.declared_in_layers(start, end)
+    if len(found) == assignment.tensor_count:
+        return
+    unknown = sorted(set(found) - set(layer_tensor_names(start, end)))
+    if unknown:
+        shown = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+        raise WeightsError(f"layers {start}-{end - 1} of this checkpoint hold tensors tc's Qwen2 does not use "
+                           f"({shown}); it is not a plain Qwen2 checkpoint, and running it without them would "
+                           "compute the wrong thing")
+    raise WeightsError(f"the head planned {assignment.tensor_count} tensors for layers {start}-{end - 1} and this "
+                       f"worker (tc {__version__}) finds {len(found)}; run the same tc release on the head and "
+                       "every worker")
+
+
 def load_assignment(assignment: Assignment, model_dir: Path, device: str,
                     progress: Callable[[int, int], None] | None = None) -> LoadedStage:
-    """Load (and quantize) the assigned layers from `model_dir` onto `device`."""
+    """Load (and quantize) the assigned layers from `model_dir` onto `device`.
+
+    Raises ConfigError for an architecture or config.json tc cannot run, WeightsError for a checkpoint that does
+    not match the assignment.
+    """
     started = time.perf_counter()
+    if assignment.architecture != MODEL_TYPE:
+        raise ConfigError(f"the head assigns a model of architecture {assignment.architecture!r}; this worker (tc "
+                          f"{__version__}) runs {MODEL_TYPE!r} only. Run the same tc release on the head and every "
+                          "worker")
     config = Qwen2Config.from_dict(assignment.config)
     start, end = assignment.layer_start, assignment.layer_end_exclusive
     names = layer_tensor_names(start, end)
     index = WeightIndex.open(model_dir, only=names)
     index.validate(config, only=names)
+    check_layer_tensors(index, assignment)
     dtype = resolve_compute_dtype(assignment.compute_dtype, device)
     prepare = None
     if assignment.quant != "fp16":
