@@ -72,7 +72,7 @@ class SamplingFields:
     def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False) -> SamplingParams:
         """Raises RequestError when min_tokens is over the completion's max_tokens."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        if self.min_tokens > max_tokens:
+        if self.min_tokens > max_tokens >= 0:  # a negative max_tokens is SamplingParams' to refuse
             raise RequestError(f"'min_tokens' ({self.min_tokens}) must not be more than max_tokens ({max_tokens})",
                                param="min_tokens", code="invalid_value")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
