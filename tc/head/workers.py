@@ -7,7 +7,9 @@ assigned that slot's layers.
 
 Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
 at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
-than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. Dropping
+than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. A worker
+whose compute hangs still answers pings, so each inference step also has a bound of its own, from the worker's
+measured step times (step_deadline.py); the request that waits past it drops the worker the same way. Dropping
 closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
 worker that joins: the head never needs a restart.
 
@@ -36,6 +38,7 @@ from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
+from .step_deadline import StepBudget, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +61,18 @@ class WorkerLink:
     """One admitted worker's connection.
 
     `entry_id` is the topology entry the worker joined as; `node_id` the planned node whose layers it serves,
-    which differs for a spare that took over a lost node, and is None while a spare stands by.
+    which differs for a spare that took over a lost node, and is None while a spare stands by. `drop(link,
+    reason)` is how a request that waited past its step's bound has the registry drop the worker.
     """
 
-    def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int):
+    def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int,
+                 budget: StepBudget, drop: Callable[["WorkerLink", str], None]):
         self.conn, self.entry_id, self.hello, self.device, self.peer = conn, entry_id, hello, device, peer
         self.node_id: str | None = None
         self.hostname = hello.hostname
         self.hidden_size = hidden_size
+        self.steps = StepClock(budget)  # this connection's own: a rejoined worker is measured afresh
+        self._drop = drop
         self.replies: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.close_reason = ""
@@ -105,19 +112,30 @@ class WorkerLink:
         self.replies.put(env)
 
     def request(self, message: RunPrefill | RunDecode, request_id: str, seq: int) -> HiddenState:
-        """Send one inference command and wait for its reply. Raises WorkerLost or StageFailed."""
+        """Send one inference command and wait for its reply, up to the step's bound (step_deadline.py).
+
+        Raises WorkerLost (the worker is gone, or was dropped for missing the bound) or StageFailed.
+        """
         node = self.node_id or self.entry_id
         if self.closed.is_set():
             raise WorkerLost(node, self.close_reason)
         positions = message.hidden_state.shape[1]
+        kind = "prefill" if isinstance(message, RunPrefill) else "decode"
+        bound = self.steps.bound(kind, positions)
         with self._pending_lock:
             self._pending = (request_id, seq)
+        sent = time.monotonic()
         try:
             self.conn.send(message, request_id, seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
             raise WorkerLost(node, self.close_reason) from exc
-        reply = self.replies.get()
+        try:
+            reply = self.replies.get(timeout=max(0.0, bound - (time.monotonic() - sent)))
+        except queue.Empty:
+            self._drop(self, f"no reply to {message.TYPE} within {bound:.3g}s ({self.steps.explain(kind, positions)}"
+                             "): its compute is hung or has failed")
+            raise WorkerLost(node, self.close_reason) from None
         if reply is _LOST:
             self.replies.put(_LOST)  # later waiters must see it too
             raise WorkerLost(node, self.close_reason)
@@ -129,6 +147,7 @@ class WorkerLink:
             self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {message.TYPE} of {positions} position(s) "
                         f"needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
+        self.steps.record(kind, positions, time.monotonic() - sent)
         return reply.message
 
 
@@ -159,6 +178,7 @@ class WorkerRegistry:
         self.listener: socket.socket | None = None
         self.heartbeat_s = settings.heartbeat_s
         self.silence_limit_s = settings.silence_limit_s
+        self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
@@ -330,7 +350,8 @@ class WorkerRegistry:
         taken = ({n for n, s in self.slots.items() if s.link is not None}
                  | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
         entry = choose_entry(hello, self.topology, self.plan, taken)
-        link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size)
+        link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size,
+                          self.step_budget, self._lost)
         assignments: list = []
         if entry.spare:
             self.standby[entry.id] = link

@@ -1,0 +1,203 @@
+"""Nothing hangs and nothing is dropped without an answer.
+
+- A worker whose compute stops while its reader still answers PINGs is dropped once a step outlives the bound
+  measured from its own steps (tc.head.step_deadline): the request fails naming it, or resumes.
+
+Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
+test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import select
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, write_topology
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.http_server import start_http_server
+from tc.head.main import load_config_and_plan
+from tc.head.service import GenerationService, Readiness
+from tc.head.workers import WorkerRegistry
+from tc.local import LocalPipeline
+from tc.model.tokenizer import TextTokenizer
+from tc.protocol.connection import Connection
+from tc.protocol.errors import ConnectionClosed
+from tc.protocol.framing import encode
+from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello, HelloAck, HiddenState,
+                                  LoadComplete, Ping, Pong, RunDecode, RunPrefill)
+from tc.sampling import SamplingParams
+from tc.topology import load_topology
+from tiny_model import write_tiny_model
+
+PROMPT = "the quick brown fox"
+HIDDEN = 64  # the tiny model's hidden size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=5)
+
+
+def greedy(model_dir, max_tokens: int) -> str:
+    model = OurModel(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+
+
+def hello(node_id: str | None) -> Hello:
+    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="scripted",
+                 platform="linux", python_version="3", torch_version="2",
+                 devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
+                 compute_dtypes=("fp32",), max_memory_bytes=None)
+
+
+class ScriptedWorker:
+    """A worker whose reader answers every PING at once, as a real worker's does, while its "compute" answers
+    each inference step after `delay(kind, index)` seconds, or never when that is None (a hung compute thread).
+    """
+
+    def __init__(self, port: int, node_id: str, delay):
+        self.delay = delay
+        self.steps = 0
+        self.hung_at: float | None = None  # when it took the step it never answers
+        self.closed = threading.Event()
+        self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
+        self.conn.send(hello(node_id))
+        assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
+        env = self.conn.recv(timeout=15)
+        assert isinstance(env.message, Assignment), env.message
+        self.conn.settimeout(None)
+        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                env = self.conn.recv()
+                msg = env.message
+                if isinstance(msg, Ping):
+                    self.conn.send(Pong(nonce=msg.nonce))
+                elif isinstance(msg, (RunPrefill, RunDecode)):
+                    kind = "prefill" if isinstance(msg, RunPrefill) else "decode"
+                    delay = self.delay(kind, self.steps)
+                    self.steps += 1
+                    if delay is None:
+                        self.hung_at = time.monotonic()
+                        continue
+                    reply = HiddenState(hidden_state=torch.zeros(1, msg.hidden_state.shape[1], HIDDEN),
+                                        compute_seconds=delay)
+                    threading.Timer(delay, self._send, args=(reply, env.request_id, env.seq)).start()
+        except (ConnectionClosed, OSError):
+            self.closed.set()
+
+    def _send(self, reply, request_id, seq) -> None:
+        try:
+            self.conn.send(reply, request_id, seq)
+        except (ConnectionClosed, OSError):
+            pass
+
+
+class Request:
+    """A completion posted from a thread; `.reply` and `.answered_at` once it returns."""
+
+    def __init__(self, cluster: Cluster, body: dict):
+        self.reply: tuple[int, dict] | None = None
+        self.answered_at = 0.0
+
+        def post() -> None:
+            self.reply = cluster.post("/v1/completions", body, timeout=120)
+            self.answered_at = time.monotonic()
+
+        self.thread = threading.Thread(target=post, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout: float) -> tuple[int, dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
+        assert self.reply is not None
+        return self.reply
+
+
+def node_row(cluster: Cluster, node_id: str) -> dict:
+    return {row["id"]: row for row in cluster.get("/v1/cluster")[1]["nodes"]}[node_id]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def start(tmp_path, model_dir, nodes: list[dict], **head) -> Cluster:
+    # heartbeats every 0.5 s, a silence limit far beyond every step bound here: only the step bound can catch it
+    head = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 120, **head}
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head=head)
+    cluster = Cluster(topo, tmp_path)
+    cluster.start_head()
+    cluster.wait_api()
+    return cluster
+
+
+# --- a worker whose compute hangs while its reader answers PINGs ------------------------------------------------
+
+def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_bound(tmp_path, model_dir):
+    floor, factor, step_s = 0.5, 4, 0.3
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with start(tmp_path, model_dir, nodes, step_timeout_s=floor, step_timeout_factor=factor,
+               resume=False) as cluster:
+        cluster.start_worker("a")
+        # b answers its prefill and three decode steps in step_s each, then never again
+        b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: step_s if index < 4 else None)
+        cluster.wait_ready()
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0})
+        status, body = request.wait(30)
+        assert b.hung_at is not None and b.steps == 5
+        waited = request.answered_at - b.hung_at
+        # the bound: the floor plus factor x its slowest decode step so far (a little over step_s each)
+        assert floor + factor * step_s - 0.1 < waited < floor + factor * (step_s + 0.2) + 1.5, waited
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        message = body["error"]["message"]
+        assert "worker b" in message and "no reply to RUN_DECODE within" in message, message
+        assert "head.step_timeout_s 0.5s + 4 x its slowest recent decode step" in message, message
+        # dropped like a silent worker: its connection closed, the cluster not ready, the reason on its slot
+        assert b.closed.wait(5)
+        status, ready = cluster.get("/health/ready")
+        assert status == 503 and ready["missing_nodes"] == ["b"]
+        row = node_row(cluster, "b")
+        assert row["state"] == "waiting" and row["detail"].startswith("lost: no reply to RUN_DECODE"), row
+        # a real worker fills b again and the head serves
+        cluster.start_worker("b")
+        cluster.wait_ready()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 8,
+                                                        "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(model_dir, 8), body
+
+
+def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, model_dir):
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with start(tmp_path, model_dir, nodes, step_timeout_s=0.5, step_timeout_factor=2, resume=True,
+               resume_grace_s=120) as cluster:
+        cluster.start_worker("a")
+        b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: None)  # never answers anything
+        cluster.wait_ready()
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        # nothing measured yet: its first prefill may take factor x floor = 1 s, then it is dropped
+        assert b.closed.wait(10), "the hung worker was never dropped"
+        assert request.thread.is_alive(), "the request should wait for b to be filled again"
+        wait_for(lambda: node_row(cluster, "b")["state"] == "waiting", 10, "b's slot to be freed")
+        cluster.start_worker("b")
+        status, body = request.wait(120)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == greedy(model_dir, 12)  # b hung before any token: nothing to undo
+        assert "request resumed on a refilled pipeline" in cluster.head.output()
