@@ -2,6 +2,7 @@
 
 - A worker whose compute stops while its reader still answers PINGs is dropped once a step outlives the bound
   measured from its own steps (tc.head.step_deadline): the request fails naming it, or resumes.
+- A worker whose compute thread fails leaves with the reason, and the head shows it.
 
 Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
 test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
@@ -201,3 +202,32 @@ def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, mo
         assert status == 200, body
         assert body["choices"][0]["text"] == greedy(model_dir, 12)  # b hung before any token: nothing to undo
         assert "request resumed on a refilled pipeline" in cluster.head.output()
+
+
+# --- a worker whose compute thread fails -------------------------------------------------------------------------
+
+def test_a_worker_whose_compute_fails_leaves_with_the_reason_and_rejoins(tmp_path, model_dir):
+    """b computes in fp32 what reaches it in bf16, so its replies are twice the size of what it is sent. Its own
+    frame cap lets the prefill in, and its reply cannot go out: the compute thread fails on a send."""
+    positions = 16
+    cap_mb = 3000 / (1 << 20)  # bf16 in: 16 x 64 x 2 bytes plus the envelope; fp32 out: twice the tensor
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu", "dtype": "fp32"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, dtype="bf16",
+                          head={"heartbeat_s": 0.5, "resume": False})
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        b = cluster.start_worker("b", "--retry-max-s", "1", "--max-frame-mb", f"{cap_mb:.6f}")
+        cluster.wait_ready()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": list(range(positions)),
+                                                        "max_tokens": 4}, timeout=60)
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        message = body["error"]["message"]
+        assert "worker b is out of service (the compute thread failed on RUN_PREFILL: ValueError: HIDDEN_STATE " \
+               "encodes to" in message, message
+        assert "lost (worker b is out of service" in cluster.head.output()
+        wait_for(lambda: "left the head after a compute failure" in b.output(), 10, "b to say why it left")
+        assert b.proc.poll() is None
+        cluster.wait_ready()  # it rejoined, its layers still loaded
+        wait_for(lambda: "already loaded; reusing" in b.output(), 10, "b to reuse its layers")

@@ -32,9 +32,9 @@ from ..planner import Plan, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
-from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment, Error, Hello, HelloAck,
-                                 HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress, Message, Ping,
-                                 Pong, RunDecode, RunPrefill)
+from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
+                                 Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
+                                 LoadFailed, LoadProgress, Message, Ping, Pong, RunDecode, RunPrefill)
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
@@ -46,7 +46,6 @@ HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
-ERROR_SHUTTING_DOWN = "shutting_down"  # ERROR code a worker sends before it leaves on SIGTERM
 _LOST = object()  # put on a link's reply queue when its connection ends
 
 
@@ -154,7 +153,7 @@ class WorkerLink:
 @dataclass
 class Slot:
     node_id: str
-    state: str = "waiting"  # waiting -> loading -> ready; back to waiting when the worker goes
+    state: str = "waiting"  # waiting -> loading -> ready (or failed: it could not load); waiting when it goes
     link: WorkerLink | None = None
     detail: str = ""
     loaded: LoadComplete | None = None
@@ -438,11 +437,11 @@ class WorkerRegistry:
                     self._loaded(link, msg)
                 elif isinstance(msg, LoadFailed):
                     log.error("worker %s could not load its layers: %s", link.name, msg.reason)
-                    self._set_detail(link, f"load failed: {msg.reason}")
+                    self._set_detail(link, f"load failed: {msg.reason}", state="failed")
                 elif isinstance(msg, Error):
                     log.warning("worker %s reports: %s (%s)", link.name, msg.message, msg.code)
-                    if msg.code == ERROR_SHUTTING_DOWN:
-                        link.farewell = msg.message
+                    if msg.code in (ERROR_SHUTTING_DOWN, ERROR_COMPUTE_FAILED):
+                        link.farewell = msg.message  # it is leaving: the reason its loss is reported with
                     elif env.request_id is not None:  # a refused inference command: its waiter must hear
                         link.deliver(env)
                 else:
@@ -456,11 +455,14 @@ class WorkerRegistry:
             reason = str(exc)
         self._lost(link, link.farewell or reason)  # a reason given earlier (a timeout, a refusal) wins
 
-    def _set_detail(self, link: WorkerLink, detail: str) -> None:
+    def _set_detail(self, link: WorkerLink, detail: str, state: str | None = None) -> None:
         with self.lock:
             slot = self.slots.get(link.node_id or "")
             if slot is not None and slot.link is link:
                 slot.detail = detail
+                if state is not None:
+                    slot.state = state
+                    self.changed.notify_all()
 
     def _loaded(self, link: WorkerLink, msg: LoadComplete) -> None:
         with self.lock:
