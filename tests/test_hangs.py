@@ -3,6 +3,7 @@
 - A worker whose compute stops while its reader still answers PINGs is dropped once a step outlives the bound
   measured from its own steps (tc.head.step_deadline): the request fails naming it, or resumes.
 - A worker whose compute thread fails leaves with the reason, and the head shows it.
+- A stopping head stops listening for workers at once.
 
 Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
 test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
@@ -231,3 +232,18 @@ def test_a_worker_whose_compute_fails_leaves_with_the_reason_and_rejoins(tmp_pat
         assert b.proc.poll() is None
         cluster.wait_ready()  # it rejoined, its layers still loaded
         wait_for(lambda: "already loaded; reusing" in b.output(), 10, "b to reuse its layers")
+
+
+# --- a head that stops -------------------------------------------------------------------------------------------
+
+def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
+    """Closing a listening socket while a thread is blocked in accept() leaves it listening on Linux: a worker
+    rejoining a head that is still stopping would get in (and be turned away). Stopping must stop listening."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}]))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)
+    port = registry.start("127.0.0.1", 0)
+    time.sleep(0.2)  # the accept thread is blocked in accept()
+    registry.stop()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

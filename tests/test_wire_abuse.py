@@ -4,7 +4,7 @@ Against a real head: garbage, truncated, oversized and out-of-order frames from 
 that takes a node and then misbehaves (a hidden state of the wrong shape or dtype, a reply nobody asked for, a
 second HELLO, a load that failed). Against a real worker: a fake head that sends commands before any ASSIGNMENT,
 garbage, HELLO, an oversized frame, and inference commands the worker must refuse without leaving; an ASSIGNMENT
-it cannot load, and a command whose reply it cannot send.
+it cannot load, a command whose reply it cannot send, and a head that says it is shutting down.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from tc.protocol.cbor import encode_cbor
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import FrameDecoder, encode, frame_header
-from tc.protocol.messages import (ERROR_COMPUTE_FAILED, PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello,
-                                  HelloAck, HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress,
-                                  Ping, Pong, RunDecode, RunPrefill)
+from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION, Assignment,
+                                  DeviceInfo, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
+                                  LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
 
@@ -416,3 +416,22 @@ def test_worker_whose_reply_cannot_be_sent_tells_the_head_and_rejoins(tmp_path, 
         cluster.stop()
         head.close()
 
+
+def test_worker_told_the_head_is_shutting_down_leaves_and_rejoins(tmp_path, model_dir):
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
+    try:
+        conn = head.accept()
+        conn.send(Error(code=ERROR_SHUTTING_DOWN, message="the head is shutting down; rejoin when it is back"))
+        with pytest.raises(ConnectionClosed):
+            conn.recv(timeout=20)
+        assert "the head says: the head is shutting down; rejoin when it is back; rejoining" in worker.output()
+        # told so at its next join (a head still stopping), it does not take it for a refusal: it comes back
+        sock, _ = head.listener.accept()
+        with Connection(sock) as conn:
+            assert isinstance(conn.recv(timeout=30).message, Hello)
+            conn.send(Error(code=ERROR_SHUTTING_DOWN, message="the head is shutting down; rejoin when it is back"))
+        head.accept().close()
+        assert worker.proc.poll() is None
+    finally:
+        cluster.stop()
+        head.close()

@@ -13,6 +13,8 @@ measured step times (step_deadline.py); the request that waits past it drops the
 closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
 worker that joins: the head never needs a restart.
 
+Stopping tells every worker (an ERROR shutting_down) before closing its connection.
+
 Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
 asked for, a hidden state of the wrong shape) closes that one connection with an ERROR saying why.
 """
@@ -46,7 +48,13 @@ HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
+FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the ERROR shutting_down to reach the workers
+SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
+
+
+class _Stopping(Exception):
+    """A worker is joining a head that is stopping: it is told so, and rejoins later."""
 
 
 class HeadShuttingDown(ServiceError):
@@ -256,11 +264,19 @@ class WorkerRegistry:
         return bound
 
     def stop(self) -> None:
-        """Stop accepting workers and close every link: requests in flight fail with HeadShuttingDown."""
+        """Stop accepting workers, tell each one, close every link: requests in flight fail with HeadShuttingDown."""
         self.stopping.set()
         if self.listener is not None:
+            try:
+                # close() alone leaves the socket listening while the accept thread is blocked in accept(): a
+                # worker rejoining now would still get in. shutdown() stops listening and wakes that thread.
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not every platform allows shutdown on a listening socket; close() then has to do
             self.listener.close()
-        for link in self._live_links():
+        links = self._live_links()
+        _say_to_all(links, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD), FAREWELL_TIMEOUT_S)
+        for link in links:
             link.close("the head is shutting down")
         with self.changed:
             self.changed.notify_all()
@@ -301,7 +317,7 @@ class WorkerRegistry:
                 hello = self._authenticate(conn, hello)
             with self.lock:
                 if self.stopping.is_set():
-                    raise Refusal("the head is shutting down; the worker will rejoin when it is back")
+                    raise _Stopping()
                 entry, link, assignments = self._place(hello, conn, peer)
             conn.settimeout(None)
             conn.max_frame_bytes = self.max_frame_bytes
@@ -309,6 +325,9 @@ class WorkerRegistry:
             if link.node_id is None:
                 log.info("spare %s joined from %s (%s, %s) and stands by for a lost node", entry.id, peer,
                          hello.hostname, link.device)
+        except _Stopping:
+            _send_and_close(conn, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD))
+            return None
         except (Refusal, AuthError) as exc:
             log.warning("refused a worker from %s: %s", peer, exc)
             _send_and_close(conn, Error(code=ERROR_HELLO_REFUSED, message=str(exc)))
@@ -521,6 +540,26 @@ class WorkerRegistry:
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
+
+
+def _say_to_all(links: list[WorkerLink], message: Message, timeout_s: float) -> None:
+    """Best effort: send `message` to every link at once, waiting at most `timeout_s` in all.
+
+    One thread each, since a worker that stopped reading blocks its send; closing its link afterwards ends it.
+    """
+    def send(link: WorkerLink) -> None:
+        try:
+            link.conn.send(message)
+        except (OSError, ValueError):
+            pass  # it is gone already: there is nobody to tell
+
+    threads = [threading.Thread(target=send, args=(link,), name=f"farewell-{link.entry_id}", daemon=True)
+               for link in links]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _expect_hello(conn: Connection) -> Hello:

@@ -10,10 +10,10 @@ thread raises (a reply it cannot send, a bug) would leave a worker that answers 
 it sends an ERROR compute_failed with the reason and ends the connection; the head drops the worker with that
 reason and the worker rejoins with backoff.
 
-Staying joined: when the connection ends, or the head has sent nothing (not even a PING) for head_timeout_s
-(a head that died without closing, or a cut link), the worker rejoins with backoff; loaded layers are kept
-for the next assignment. A head that breaks the protocol (garbage, a command before any ASSIGNMENT, a message
-a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
+Staying joined: when the connection ends, the head says it is shutting down, or the head has sent nothing (not
+even a PING) for head_timeout_s (a head that died without closing, or a cut link), the worker rejoins with
+backoff; loaded layers are kept for the next assignment. A head that breaks the protocol (garbage, a command
+before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
 that reason), closes the connection and exits 0.
@@ -208,6 +208,8 @@ class Worker:
 
     def _expect_ack(self, conn: Connection) -> HelloAck:
         env = conn.recv()
+        if isinstance(env.message, Error) and env.message.code == ERROR_SHUTTING_DOWN:
+            raise ConnectionClosed(env.message.message)  # not a refusal: rejoin once the head is back
         if isinstance(env.message, Error):
             raise Refused(env.message.message)
         if not isinstance(env.message, HelloAck):
@@ -263,6 +265,9 @@ class Worker:
                     raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
                 elif isinstance(msg, (RunPrefill, RunDecode, ClearCache)):
                     jobs.put(env)
+                elif isinstance(msg, Error) and msg.code == ERROR_SHUTTING_DOWN:
+                    log.warning("the head says: %s; rejoining", msg.message)
+                    return True
                 elif isinstance(msg, Error):
                     log.error("the head reports: %s (%s)", msg.message, msg.code)
                 else:
