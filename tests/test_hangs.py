@@ -4,6 +4,7 @@
   measured from its own steps (tc.head.step_deadline): the request fails naming it, or resumes.
 - A worker whose compute thread fails leaves with the reason, and the head shows it.
 - A stopping head stops listening for workers at once.
+- Stopping the HTTP server answers every request it accepted.
 
 Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
 test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
@@ -247,3 +248,67 @@ def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
     registry.stop()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# --- stopping the HTTP server --------------------------------------------------------------------------------------
+
+class SlowPipeline(LocalPipeline):
+    """The real layers, with each decode step held up, so that requests pile up behind a generation."""
+
+    def decode(self, hidden, position):
+        time.sleep(0.05)
+        return super().decode(hidden, position)
+
+
+def post_raw(port: int, body: dict, results: list, lock: threading.Lock) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps(body),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read()
+        try:
+            outcome = (response.status, json.loads(text))
+        except ValueError:
+            outcome = (response.status, text)  # not the API's JSON: the assertions show it
+    except (OSError, http.client.HTTPException) as exc:
+        outcome = ("no answer", f"{type(exc).__name__}: {exc}")
+    finally:
+        connection.close()
+    with lock:
+        results.append(outcome)
+
+
+def test_stop_answers_every_request_it_accepted(model_dir):
+    model = OurModel(model_dir)
+    tokenizer = TextTokenizer.load(model_dir)
+    generator = Generator(model.head, tokenizer, SlowPipeline(model.stages), torch.float32)
+    service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    results: list = []
+    lock = threading.Lock()
+    # two requests take both request threads (one generates, one waits for its turn); six queue behind them
+    clients = [threading.Thread(target=post_raw, args=(server.port, body, results, lock)) for _ in range(8)]
+    for client in clients:
+        client.start()
+    wait_for(lambda: service.running == 1 and service.queue_depth == 1, 10, "a generation and one waiting")
+    time.sleep(0.3)  # every request sent and accepted
+    stopper = threading.Thread(target=server.stop, args=(10,))
+    stopper.start()
+    time.sleep(0.1)
+    late: list = []  # a client arriving while the server drains learns why it is refused
+    post_raw(server.port, body, late, lock)
+    stopper.join(30)
+    for client in clients:
+        client.join(30)
+    assert not stopper.is_alive() and not any(client.is_alive() for client in clients)
+    assert all(isinstance(status, int) for status, _ in results + late), results + late  # an HTTP answer each
+    assert [status for status, _ in results].count(200) == 2, results
+    refused = [reply for status, reply in results if status != 200]
+    assert len(refused) == 6, results
+    for reply in refused + [late[0][1]]:
+        assert reply["error"]["code"] == "shutting_down" and "shutting down" in reply["error"]["message"], reply
+    assert late[0][0] == 503
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
