@@ -5,6 +5,7 @@
 - A worker whose compute thread fails leaves with the reason, and the head shows it.
 - A stopping head stops listening for workers at once.
 - Stopping the HTTP server answers every request it accepted.
+- A joining peer gets one deadline for its whole handshake, however slowly it sends.
 
 Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
 test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
@@ -312,3 +313,57 @@ def test_stop_answers_every_request_it_accepted(model_dir):
     assert late[0][0] == 503
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+
+
+# --- a handshake has one deadline ----------------------------------------------------------------------------------
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path, model_dir, caplog):
+    cap = 1.0
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config, handshake_timeout_s=cap)
+    port = registry.start("127.0.0.1", 0)
+    try:
+        frame = encode(hello("a"))
+        with caplog.at_level(logging.WARNING, logger="tc.head.workers"), \
+                socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            started = time.monotonic()
+            for byte in frame[:-1]:  # one byte every 0.2 s: each read is quick, the frame takes a minute
+                if closed_by_peer(sock) or time.monotonic() - started > cap + 5:
+                    break
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:  # reset: the head closed it
+                    break
+                time.sleep(0.2)
+            held = time.monotonic() - started
+            assert closed_by_peer(sock), f"the head still holds the connection after {held:.1f}s"
+        assert cap - 0.1 < held < cap + 1.0, held
+        assert f"it did not finish within {cap:g}s" in caplog.text
+        # the deadline ends with the handshake: a worker that joins in time keeps its connection past it
+        conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5))
+        with conn:
+            conn.send(hello("a"))
+            assert isinstance(conn.recv(timeout=5).message, HelloAck)
+            assert isinstance(conn.recv(timeout=5).message, Assignment)
+            time.sleep(cap + 0.5)
+            conn.send(Pong(nonce=0))
+            assert registry.snapshot()[0]["state"] == "loading"
+            while True:  # the head keeps pinging it: the connection stays open
+                message = conn.recv(timeout=5).message
+                assert not isinstance(message, Error), message
+                if isinstance(message, Ping):
+                    break
+    finally:
+        registry.stop()
+

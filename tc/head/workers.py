@@ -13,7 +13,9 @@ measured step times (step_deadline.py); the request that waits past it drops the
 closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
 worker that joins: the head never needs a restart.
 
-Stopping tells every worker (an ERROR shutting_down) before closing its connection.
+A joining peer has HELLO_TIMEOUT_S for its whole handshake, however it paces its bytes; at most
+MAX_PENDING_HANDSHAKES are in progress at once. Stopping tells every worker (an ERROR shutting_down) before
+closing its connection.
 
 Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
 asked for, a hidden state of the wrong shape) closes that one connection with an ERROR saying why.
@@ -44,7 +46,7 @@ from .step_deadline import StepBudget, StepClock
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set
+HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set: a deadline, not a per-read limit
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
@@ -172,7 +174,7 @@ class Slot:
 
 class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S):
         self.topology, self.plan, self.config = topology, plan, config
         self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
@@ -186,6 +188,7 @@ class WorkerRegistry:
         self.heartbeat_s = settings.heartbeat_s
         self.silence_limit_s = settings.silence_limit_s
         self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
+        self.handshake_timeout_s = handshake_timeout_s
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
@@ -310,8 +313,11 @@ class WorkerRegistry:
     def _handshake(self, sock: socket.socket, peer: str) -> tuple[WorkerLink, list] | None:
         """Admit a worker: (its link, assignments to send), or None once it is refused and closed."""
         conn = Connection(sock, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)
+        # A socket timeout bounds each read, not the frame: a peer sending a byte now and then would hold its
+        # place for ever. The deadline closes the connection when the whole handshake is not over in time.
+        deadline = _Deadline(conn, self.handshake_timeout_s)
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)  # bounds every read and write, so a silent peer cannot hold a thread
+            conn.settimeout(self.handshake_timeout_s)
             hello = _expect_hello(conn)
             if self._token_key is not None:
                 hello = self._authenticate(conn, hello)
@@ -322,6 +328,8 @@ class WorkerRegistry:
             conn.settimeout(None)
             conn.max_frame_bytes = self.max_frame_bytes
             conn.send(HelloAck(node_id=entry.id))
+            if not deadline.finish():  # it struck while the worker was being placed
+                raise ConnectionClosed("the connection was closed")
             if link.node_id is None:
                 log.info("spare %s joined from %s (%s, %s) and stands by for a lost node", entry.id, peer,
                          hello.hostname, link.device)
@@ -337,10 +345,13 @@ class WorkerRegistry:
             _send_and_close(conn, Error(code=ERROR_PROTOCOL, message=str(exc)))
             return None
         except (ConnectionClosed, OSError) as exc:  # TimeoutError is an OSError
-            log.warning("a worker from %s went away during its handshake: %s", peer, exc)
+            why = f"it did not finish within {self.handshake_timeout_s:g}s" if deadline.struck else str(exc)
+            log.warning("a worker from %s went away during its handshake: %s", peer, why)
             conn.close()
-            self._lost_if_placed(conn, f"handshake failed: {exc}")
+            self._lost_if_placed(conn, f"handshake failed: {why}")
             return None
+        finally:
+            deadline.finish()
         return link, assignments
 
     def _authenticate(self, conn: Connection, hello: Hello) -> Hello:
@@ -540,6 +551,33 @@ class WorkerRegistry:
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
+
+
+class _Deadline:
+    """Closes a connection unless `finish()` is called within `seconds`; `struck` says whether it closed it."""
+
+    def __init__(self, conn: Connection, seconds: float):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._over = False
+        self.struck = False
+        self._timer = threading.Timer(seconds, self._strike)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _strike(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self._over = self.struck = True
+        self._conn.close()  # wakes the handshake's blocked read, which then fails
+
+    def finish(self) -> bool:
+        """Call off the deadline; False if it struck first (the connection is closed). Idempotent."""
+        with self._lock:
+            self._over = True
+        self._timer.cancel()
+        return not self.struck
 
 
 def _say_to_all(links: list[WorkerLink], message: Message, timeout_s: float) -> None:
