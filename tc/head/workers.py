@@ -50,7 +50,7 @@ HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set: 
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
-FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the ERROR shutting_down to reach the workers
+FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
 SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
 
@@ -278,7 +278,7 @@ class WorkerRegistry:
                 pass  # not every platform allows shutdown on a listening socket; close() then has to do
             self.listener.close()
         links = self._live_links()
-        _say_to_all(links, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD), FAREWELL_TIMEOUT_S)
+        _tell_and_wait(links, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD), FAREWELL_TIMEOUT_S)
         for link in links:
             link.close("the head is shutting down")
         with self.changed:
@@ -580,10 +580,12 @@ class _Deadline:
         return not self.struck
 
 
-def _say_to_all(links: list[WorkerLink], message: Message, timeout_s: float) -> None:
-    """Best effort: send `message` to every link at once, waiting at most `timeout_s` in all.
+def _tell_and_wait(links: list[WorkerLink], message: Message, timeout_s: float) -> None:
+    """Best effort: send `message` to every link at once, then wait for each worker to hang up; `timeout_s` in all.
 
     One thread each, since a worker that stopped reading blocks its send; closing its link afterwards ends it.
+    Waiting for the worker to close first matters: closing our end while it answers a PING queued before the
+    message makes its reply fail, and it drops the connection without reading the message.
     """
     def send(link: WorkerLink) -> None:
         try:
@@ -598,6 +600,8 @@ def _say_to_all(links: list[WorkerLink], message: Message, timeout_s: float) -> 
     deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    for link in links:  # the reader sees the worker hang up and marks its link closed
+        link.closed.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _expect_hello(conn: Connection) -> Hello:
