@@ -40,13 +40,16 @@ HEARTBEAT_MISSES = 3  # default silence limit, in heartbeat intervals
 DEFAULT_MAX_FRAME_MB = 256.0  # a 32k-token fp32 prefill of a 896-wide model is 117 MB
 DEFAULT_MAX_BODY_MB = 1.0  # far above any prompt that fits a context window
 DEFAULT_RESUME_GRACE_S = 15.0
+DEFAULT_STEP_TIMEOUT_S = 30.0  # the floor of a step's bound (tc.head.step_deadline)
+DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
 MIN_JOIN_TOKEN_CHARS = 16
 MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s", "heartbeat_timeout_s", "resume",
-             "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb")
+             "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb", "step_timeout_s",
+             "step_timeout_factor")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
@@ -100,6 +103,8 @@ class HeadSettings:
     join_token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
     max_frame_mb: float = DEFAULT_MAX_FRAME_MB
     max_body_mb: float = DEFAULT_MAX_BODY_MB
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # a step's bound: this floor + factor x its slowest recent
+    step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
 
     @property
     def silence_limit_s(self) -> float:
@@ -211,6 +216,10 @@ class Topology:
             head["max_frame_mb"] = self.head.max_frame_mb
         if self.head.max_body_mb != DEFAULT_MAX_BODY_MB:
             head["max_body_mb"] = self.head.max_body_mb
+        if self.head.step_timeout_s != DEFAULT_STEP_TIMEOUT_S:
+            head["step_timeout_s"] = self.head.step_timeout_s
+        if self.head.step_timeout_factor != DEFAULT_STEP_TIMEOUT_FACTOR:
+            head["step_timeout_factor"] = self.head.step_timeout_factor
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -494,9 +503,23 @@ class _Parser:
         max_frame_mb = self.positive_number(head.get("max_frame_mb", DEFAULT_MAX_FRAME_MB), "head.max_frame_mb",
                                             "MiB")
         max_body_mb = self.positive_number(head.get("max_body_mb", DEFAULT_MAX_BODY_MB), "head.max_body_mb", "MiB")
+        step_timeout_s = self.positive_number(head.get("step_timeout_s", DEFAULT_STEP_TIMEOUT_S),
+                                              "head.step_timeout_s", "seconds")
+        step_factor = self.step_factor(head.get("step_timeout_factor", DEFAULT_STEP_TIMEOUT_FACTOR),
+                                       "head.step_timeout_factor")
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
-                            join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb)
+                            join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
+                            step_timeout_s=step_timeout_s, step_timeout_factor=step_factor)
+
+    def step_factor(self, value: object, path: str) -> float:
+        if not _is_number(value):
+            raise self.fail(path, f"expected a number >= 1 (a multiple of the slowest recent step), got "
+                            f"{_describe(value)}")
+        if value < 1:  # type: ignore[operator]
+            raise self.fail(path, f"{value} is below 1, so a worker could be dropped for a step no slower than its "
+                            f"recent ones; give 1 or more (default {DEFAULT_STEP_TIMEOUT_FACTOR:g})")
+        return float(value)  # type: ignore[arg-type]
 
     def boolean(self, value: object, path: str) -> bool:
         if not isinstance(value, bool):

@@ -227,7 +227,7 @@ def test_resume_gives_up_after_the_grace_period(tmp_path, model_dir):
         assert "worker b" in body["error"]["message"] and "grace period" in body["error"]["message"]
 
 
-def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error(tmp_path, model_dir):
+def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error_and_tells_the_workers(tmp_path, model_dir):
     with start(tmp_path, model_dir) as cluster:
         b = cluster.workers["b"]
         request = freeze_mid_request(cluster, b)
@@ -241,9 +241,14 @@ def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error(tmp_path
         # the listen socket is closed: nothing accepts workers any more
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=2).close()
-        # the workers stay up, trying to rejoin
-        wait_for(lambda: "rejoining" in cluster.workers["a"].output(), 15, "worker a to notice")
-        assert cluster.workers["a"].proc.poll() is None
+        # the running worker was told why (the frozen one may find the connection gone before it reads the word)
+        told = "the head says: the head is shutting down; rejoin when it is back; rejoining"
+        wait_for(lambda: told in cluster.workers["a"].output(), 15, "worker a to be told")
+        # the workers stay up, trying to rejoin with backoff
+        for name in ("a", "b"):
+            worker = cluster.workers[name]
+            wait_for(lambda: "not reachable" in worker.output(), 15, f"worker {name} to try rejoining")
+            assert worker.proc.poll() is None
 
 
 def test_sigterm_to_a_worker_fails_its_request_and_it_exits_cleanly(tmp_path, model_dir, greedy):

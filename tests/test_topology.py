@@ -115,6 +115,13 @@ BAD = [
     ("heartbeat negative", changed(("head.heartbeat_s", -1.5)), "head.heartbeat_s", "not positive"),
     ("heartbeat inf", changed(("head.heartbeat_s", float("inf"))), "head.heartbeat_s", "expected a positive number"),
     ("heartbeat bool", changed(("head.heartbeat_s", True)), "head.heartbeat_s", "a boolean"),
+    ("step timeout zero", changed(("head.step_timeout_s", 0)), "head.step_timeout_s", "not positive"),
+    ("step timeout text", changed(("head.step_timeout_s", "30s")), "head.step_timeout_s",
+     "expected a positive number of seconds"),
+    ("step factor below 1", changed(("head.step_timeout_factor", 0.5)), "head.step_timeout_factor",
+     "below 1, so a worker could be dropped"),
+    ("step factor text", changed(("head.step_timeout_factor", "10x")), "head.step_timeout_factor",
+     "expected a number >= 1"),
     ("nodes missing", changed(("nodes", DELETE)), "nodes", "missing"),
     ("nodes empty", changed(("nodes", [])), "nodes", "the list is empty"),
     ("nodes a mapping", changed(("nodes", {"id": "a"})), "nodes", "expected a list of nodes"),
@@ -197,6 +204,7 @@ def test_good_tree_values_and_defaults(base_dir: Path) -> None:
     assert topo.head.api == HostPort("0.0.0.0", 8000)
     assert topo.head.listen == HostPort("0.0.0.0", 7001)
     assert (topo.head.threads, topo.head.max_queue, topo.head.heartbeat_s) == (None, 16, 5.0)
+    assert (topo.head.step_timeout_s, topo.head.step_timeout_factor) == (30.0, 10.0)
     assert topo.node_ids == ("gpu-box", "macbook", "cpu-box")
     mac = topo.node("macbook")
     assert (mac.device, mac.dtype, mac.max_memory_gb, mac.layers, mac.threads) == ("mps", None, 12.0, (14, 20), None)
@@ -210,13 +218,15 @@ def test_device_defaults_to_auto(base_dir: Path) -> None:
 def test_every_optional_key_set(base_dir: Path) -> None:
     data = changed(
         ("version", 1), ("revision", "v1.0"), ("group_size", 64), ("hf_cache_dir", "cache"),
-        ("head.threads", 3), ("head.max_queue", 4), ("head.heartbeat_s", 0.5),
-        ("nodes.0.dtype", "fp16"), ("nodes.0.max_memory_gb", 7.5), ("nodes.0.threads", 6), ("nodes.0.layers", 3),
+        ("head.threads", 3), ("head.max_queue", 4), ("head.heartbeat_s", 0.5), ("head.step_timeout_s", 2),
+        ("head.step_timeout_factor", 4), ("nodes.0.dtype", "fp16"), ("nodes.0.max_memory_gb", 7.5),
+        ("nodes.0.threads", 6), ("nodes.0.layers", 3),
     )
     topo = parse_topology(data, base_dir)
     assert topo.revision == "v1.0" and topo.group_size == 64
     assert topo.hf_cache_dir == (base_dir / "cache").resolve()
     assert (topo.head.threads, topo.head.max_queue, topo.head.heartbeat_s) == (3, 4, 0.5)
+    assert (topo.head.step_timeout_s, topo.head.step_timeout_factor) == (2.0, 4.0)
     assert topo.nodes[0] == type(topo.nodes[0])("gpu-box", "cuda:0", "fp16", 7.5, (3, 4), 6)
 
 
@@ -307,7 +317,8 @@ def test_round_trip_through_yaml(tmp_path: Path) -> None:
     make_model_dir(tmp_path / "m")
     data = changed(
         ("model", "./m"), ("revision", "abc"), ("hf_cache_dir", "hf"), ("head.threads", 2),
-        ("head.api", "[::1]:8000"), ("nodes.0.dtype", "fp32"), ("nodes.0.threads", 4), ("nodes.2.layers", 20),
+        ("head.api", "[::1]:8000"), ("head.step_timeout_s", 5), ("head.step_timeout_factor", 3),
+        ("nodes.0.dtype", "fp32"), ("nodes.0.threads", 4), ("nodes.2.layers", 20),
     )
     topo = parse_topology(data, tmp_path)
     assert parse_topology(topo.to_dict(), Path("/")) == topo

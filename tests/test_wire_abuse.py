@@ -2,8 +2,9 @@
 
 Against a real head: garbage, truncated, oversized and out-of-order frames from strangers, and a fake worker
 that takes a node and then misbehaves (a hidden state of the wrong shape or dtype, a reply nobody asked for, a
-second HELLO). Against a real worker: a fake head that sends commands before any ASSIGNMENT, garbage, HELLO,
-an oversized frame, and inference commands the worker must refuse without leaving.
+second HELLO, a load that failed). Against a real worker: a fake head that sends commands before any ASSIGNMENT,
+garbage, HELLO, an oversized frame, and inference commands the worker must refuse without leaving; an ASSIGNMENT
+it cannot load, a command whose reply it cannot send, and a head that says it is shutting down.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tc.protocol.cbor import encode_cbor
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import FrameDecoder, encode, frame_header
-from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello, HelloAck, HiddenState,
-                                  InferenceError, LoadComplete, LoadFailed, Ping, Pong, RunDecode, RunPrefill)
+from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION, Assignment,
+                                  DeviceInfo, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
+                                  LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
 
@@ -224,6 +226,21 @@ def test_second_hello(cluster):
     assert "does not accept HELLO" in fake.closing_error().message
 
 
+def test_a_worker_that_could_not_load_shows_as_failed_with_the_reason(cluster):
+    conn = Connection(socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=15))
+    with conn:
+        conn.send(fake_hello("b"))
+        assert isinstance(conn.recv(timeout=15).message, HelloAck)
+        assert isinstance(conn.recv(timeout=15).message, Assignment)
+        conn.send(LoadFailed(reason="out of memory on cpu: tried to allocate 9 GB"))
+        deadline = time.monotonic() + 10
+        while (row := cluster.get("/v1/cluster")[1]["nodes"][1])["state"] != "failed":
+            assert time.monotonic() < deadline, row
+            time.sleep(0.1)
+        assert row["id"] == "b" and row["detail"] == "load failed: out of memory on cpu: tried to allocate 9 GB"
+        assert cluster.get("/health/ready")[0] == 503
+
+
 def test_oversized_frame_from_a_joined_worker_is_bounded_by_the_topology(tmp_path, model_dir):
     topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
                           head={"max_frame_mb": 0.5})
@@ -329,6 +346,92 @@ def test_worker_drops_a_head_that_breaks_the_protocol_and_rejoins(tmp_path, mode
         assert tuple(env.message.hidden_state.shape) == (1, 3, HIDDEN)
         assert worker.proc.poll() is None
         conn.close()
+    finally:
+        cluster.stop()
+        head.close()
+
+
+def worker_with_a_fake_head(tmp_path, model_dir, *extra: str) -> tuple[FakeHead, Cluster, object]:
+    head = FakeHead()
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    cluster = Cluster(topo, tmp_path)
+    cluster.listen_port = head.port
+    return head, cluster, cluster.start_worker("a", "--retry-max-s", "1", *extra)
+
+
+def next_load_report(conn: Connection):
+    """LOAD_COMPLETE or LOAD_FAILED, past any LOAD_PROGRESS."""
+    while True:
+        message = conn.recv(timeout=20).message
+        if not isinstance(message, LoadProgress):
+            return message
+
+
+def test_worker_reports_a_load_failure_of_any_kind_and_stays_out_of_service(tmp_path, model_dir):
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
+    try:
+        conn = head.accept()
+        good = assignment_for(model_dir)
+        # config.json says 0 heads: building the layers fails with an error no load step expects
+        conn.send(Assignment(**{**good.__dict__, "config": {**good.config, "num_attention_heads": 0}}))
+        report = next_load_report(conn)
+        assert isinstance(report, LoadFailed) and report.reason, report
+        # still joined, out of service: it answers a PING, and refuses a command with a reason
+        conn.send(Ping(nonce=7))
+        assert conn.recv(timeout=10).message == Pong(nonce=7)
+        conn.send(RunPrefill(position_start=0, cache_capacity=8, hidden_state=torch.zeros(1, 2, HIDDEN)), "req-1", 1)
+        env = conn.recv(timeout=10)
+        assert isinstance(env.message, Error) and env.request_id == "req-1" and "before an ASSIGNMENT was loaded" \
+            in env.message.message, env.message
+        assert worker.proc.poll() is None and report.reason in worker.output()
+        conn.close()
+    finally:
+        cluster.stop()
+        head.close()
+
+
+def test_worker_whose_reply_cannot_be_sent_tells_the_head_and_rejoins(tmp_path, model_dir):
+    """A bf16 prefill fits the worker's frame cap; its fp32 reply, twice the size, does not."""
+    cap_mb = 1100 / (1 << 20)
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir, "--max-frame-mb", f"{cap_mb:.7f}")
+    try:
+        conn = head.accept()
+        conn.send(assignment_for(model_dir))
+        assert isinstance(next_load_report(conn), LoadComplete)
+        x = torch.randn(1, 6, HIDDEN, dtype=torch.bfloat16)
+        conn.send(RunPrefill(position_start=0, cache_capacity=8, hidden_state=x), "req-1", 1)
+        env = conn.recv(timeout=20)
+        assert isinstance(env.message, Error) and env.message.code == ERROR_COMPUTE_FAILED, env.message
+        assert "worker a is out of service (the compute thread failed on RUN_PREFILL: ValueError: HIDDEN_STATE " \
+               "encodes to" in env.message.message, env.message
+        with pytest.raises(ConnectionClosed):
+            conn.recv(timeout=20)
+        conn = head.accept()  # it rejoined, and its layers are still loaded
+        conn.send(assignment_for(model_dir))
+        assert isinstance(next_load_report(conn), LoadComplete)
+        assert worker.proc.poll() is None and "left the head after a compute failure" in worker.output()
+        assert "already loaded; reusing" in worker.output()
+        conn.close()
+    finally:
+        cluster.stop()
+        head.close()
+
+
+def test_worker_told_the_head_is_shutting_down_leaves_and_rejoins(tmp_path, model_dir):
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
+    try:
+        conn = head.accept()
+        conn.send(Error(code=ERROR_SHUTTING_DOWN, message="the head is shutting down; rejoin when it is back"))
+        with pytest.raises(ConnectionClosed):
+            conn.recv(timeout=20)
+        assert "the head says: the head is shutting down; rejoin when it is back; rejoining" in worker.output()
+        # told so at its next join (a head still stopping), it does not take it for a refusal: it comes back
+        sock, _ = head.listener.accept()
+        with Connection(sock) as conn:
+            assert isinstance(conn.recv(timeout=30).message, Hello)
+            conn.send(Error(code=ERROR_SHUTTING_DOWN, message="the head is shutting down; rejoin when it is back"))
+        head.accept().close()
+        assert worker.proc.poll() is None
     finally:
         cluster.stop()
         head.close()

@@ -1,22 +1,40 @@
-"""Serving the API: a Waitress server in a daemon thread, with a clean stop.
+"""Serving the API: a Waitress server in a daemon thread, with a stop that answers every request it accepted.
 
 Waitress runs its own event loop (wasyncore) in the thread calling `run()` and hands each request to one of
-`threads` worker threads. Stopping closes the loop's sockets from inside the loop itself (through Waitress's
-trigger), so no other thread touches the loop's socket map while it polls.
+`threads` worker threads. Whatever touches the loop's sockets (accepting, closing) runs inside the loop itself,
+through Waitress's trigger, so no other thread changes the loop's socket map while it polls.
+
+Stopping, in order:
+1. a gate in front of the app answers every request from then on with a 503 `shutting_down`, and one more
+   request thread starts, so that requests queued behind long ones are answered at once;
+2. the server keeps accepting while requests in flight finish, so a client arriving now learns why it is
+   refused rather than finding the port closed;
+3. then it takes what the kernel has already accepted (the listen backlog), closes the listening socket, and
+   waits until those requests too have their 503;
+4. last, it closes the connections left, all idle by then unless a request outlived the drain timeout (their
+   number is logged).
 """
 from __future__ import annotations
 
+import json
 import logging
+import select
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
 from waitress import create_server, wasyncore
 
-from .api import DEFAULT_MAX_BODY_BYTES
+from .api import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, ErrorReply
 
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 5.0
+BACKLOG_DRAIN_S = 1.0  # after the listener closes: time for the requests of connections taken from its backlog
+QUIET_S = 0.2  # a connection counts as idle once it has been quiet this long: a new one's request may be in transit
+MAX_BACKLOG = 4096  # connections taken from the listen backlog when it closes (Linux caps the backlog at 4096)
+SHUTDOWN_REPLY = ErrorReply(503, "service_unavailable", "the server is shutting down and takes no new requests; "
+                            "retry once it is back", None, "shutting_down", (("Retry-After", RETRY_AFTER_S),))
 
 
 def _url_host(host: str) -> str:
@@ -38,11 +56,34 @@ def waitress_body_limit(max_body_bytes: int) -> int:
     return 2 * max_body_bytes + 1
 
 
+class ShutdownGate:
+    """WSGI middleware: passes requests to the app until `close()`, then answers each with SHUTDOWN_REPLY."""
+
+    def __init__(self, app: Callable):
+        self.app = app
+        self.closed = threading.Event()
+        self._count_lock = threading.Lock()
+        self.refused = 0  # requests answered with the 503, for the log
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if not self.closed.is_set():
+            return self.app(environ, start_response)
+        with self._count_lock:
+            self.refused += 1
+        body = json.dumps(SHUTDOWN_REPLY.body()).encode()
+        start_response("503 Service Unavailable", [("Content-Type", "application/json"),
+                                                   ("Content-Length", str(len(body))), *SHUTDOWN_REPLY.headers])
+        return [body]
+
+
 class HttpServer:
     """A running Waitress server; `stop()` shuts it down."""
 
-    def __init__(self, server: Any, socket_map: dict, thread: threading.Thread, host: str):
-        self._server, self._map, self._thread = server, socket_map, thread
+    def __init__(self, server: Any, socket_map: dict, thread: threading.Thread, host: str, gate: ShutdownGate):
+        self._server, self._map, self._thread, self._gate = server, socket_map, thread, gate
         self.host = host
         self.port = int(server.effective_port)  # Waitress reports it as getnameinfo text
         self._stop_lock = threading.Lock()
@@ -53,21 +94,81 @@ class HttpServer:
         return f"http://{_url_host(self.host)}:{self.port}"
 
     def stop(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Stop accepting, let requests in flight finish (up to `timeout_s`), close every connection."""
+        """Answer every request accepted (in flight: up to `timeout_s` to finish; the rest: a 503), then close.
+
+        The steps are in the module's docstring. Idempotent.
+        """
         with self._stop_lock:
             if self._stopped:
                 return
             self._stopped = True
-        # worker threads leave after their current request; queued requests are cancelled
-        self._server.task_dispatcher.shutdown(cancel_pending=True, timeout=timeout_s)
-        if self._thread.is_alive():
-            # the thunk runs on the loop's thread; an empty map ends the loop
-            self._server.trigger.pull_trigger(lambda: wasyncore.close_all(self._map))
-            self._thread.join(timeout_s)
+        dispatcher = self._server.task_dispatcher
+        self._gate.close()
+        dispatcher.set_thread_count(self._server.adj.threads + 1)
+        deadline = time.monotonic() + timeout_s
+        self._wait_answered(deadline)
+        self._in_loop(self._stop_accepting, timeout_s)
+        self._wait_answered(max(deadline, time.monotonic() + BACKLOG_DRAIN_S))
+        unanswered = self._busy_channels()
+        if unanswered:
+            log.warning("%d HTTP connection(s) still busy after the %.1fs drain: closing them unanswered",
+                        unanswered, timeout_s)
+        dispatcher.shutdown(cancel_pending=True, timeout=1.0)
+        # an empty map ends the loop
+        self._in_loop(lambda: wasyncore.close_all(self._map), timeout_s)
+        self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning("the HTTP server thread did not stop within %.1fs", timeout_s)
         else:
-            log.info("HTTP API on %s stopped", self.url)
+            log.info("HTTP API on %s stopped (%d request(s) answered with a 503 while stopping)", self.url,
+                     self._gate.refused)
+
+    def _in_loop(self, thunk: Callable[[], None], timeout_s: float) -> None:
+        """Run `thunk` on the server loop's thread and wait for it (up to `timeout_s`)."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                thunk()
+            finally:
+                done.set()
+
+        self._server.trigger.pull_trigger(run)
+        if not done.wait(timeout_s):
+            log.warning("the HTTP server loop did not run its stop step within %.1fs", timeout_s)
+
+    def _stop_accepting(self) -> None:
+        """On the loop's thread: take every connection the kernel has accepted, then close the listening socket.
+
+        Closing a listening socket resets the connections still in its backlog, whose clients may already have
+        sent a request; taking them first leaves only the instant between the last accept and the close.
+        """
+        server = self._server
+        poller = select.poll()
+        poller.register(server.socket, select.POLLIN)
+        for _ in range(MAX_BACKLOG):
+            if not poller.poll(0):
+                break
+            server.handle_accept()
+        server.accepting = False
+        # the listening socket only: Waitress's own close() would also close the trigger, still needed
+        wasyncore.dispatcher.close(server)
+
+    def _busy_channels(self) -> int:
+        """Connections with a request unanswered: queued, running, partly received, or its reply not yet sent.
+
+        A connection that has been quiet for less than QUIET_S counts too: a new one's request may be in transit.
+        """
+        now = time.time()
+        return sum(1 for channel in list(self._server.active_channels.values())
+                   if channel.requests or channel.request is not None or channel.total_outbufs_len
+                   or now - channel.last_activity < QUIET_S)
+
+    def _wait_answered(self, deadline: float) -> None:
+        while self._busy_channels() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def __enter__(self) -> "HttpServer":
         return self
@@ -83,10 +184,11 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
     Pass the `max_body_bytes` given to `create_app`. Raises OSError when the address cannot be bound.
     """
     socket_map: dict = {}
-    server = create_server(app, map=socket_map, host=host, port=port, threads=threads,
+    gate = ShutdownGate(app)
+    server = create_server(gate, map=socket_map, host=host, port=port, threads=threads,
                            max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc")
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
-    running = HttpServer(server, socket_map, thread, host)
+    running = HttpServer(server, socket_map, thread, host, gate)
     log.info("HTTP API listening on %s (%d threads)", running.url, threads)
     return running

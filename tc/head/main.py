@@ -28,7 +28,7 @@ from .workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_DRAIN_S = 3.0  # longest wait, on shutdown, for accepted requests to get their 503
+SHUTDOWN_DRAIN_S = 3.0  # longest wait, on shutdown, for requests in flight to end (they fail fast: no workers)
 
 
 def model_source(topology: Topology) -> ModelSource:
@@ -70,15 +70,11 @@ class Head:
     listen_port: int
 
     def stop(self) -> None:
-        # Workers first: a generation in flight then ends at once with a clear error, and every request after it
-        # gets a 503 at once. Those already accepted get that answer during a short drain before the HTTP
-        # server closes its connections.
+        # Workers first (each is told): a generation in flight then ends at once with a clear error, and the
+        # requests waiting behind it get a 503 as their turn comes. The HTTP server then answers every request it
+        # accepted, those not yet handed to the app with a 503 shutting_down, before it closes.
         self.registry.stop()
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
-        while self.service.queue_depth and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # requests still in Waitress's own queue
-        self.http.stop()
+        self.http.stop(SHUTDOWN_DRAIN_S)
 
 
 def start_head(topology: Topology) -> Head:

@@ -7,9 +7,15 @@ assigned that slot's layers.
 
 Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
 at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
-than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. Dropping
+than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. A worker
+whose compute hangs still answers pings, so each inference step also has a bound of its own, from the worker's
+measured step times (step_deadline.py); the request that waits past it drops the worker the same way. Dropping
 closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
 worker that joins: the head never needs a restart.
+
+A joining peer has HELLO_TIMEOUT_S for its whole handshake, however it paces its bytes; at most
+MAX_PENDING_HANDSHAKES are in progress at once. Stopping tells every worker (an ERROR shutting_down) before
+closing its connection.
 
 Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
 asked for, a hidden state of the wrong shape) closes that one connection with an ERROR saying why.
@@ -31,21 +37,27 @@ from ..planner import Plan, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
-from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, Assignment, Error, Hello, HelloAck,
-                                 HiddenState, InferenceError, LoadComplete, LoadFailed, LoadProgress, Message, Ping,
-                                 Pong, RunDecode, RunPrefill)
+from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
+                                 Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
+                                 LoadFailed, LoadProgress, Message, Ping, Pong, RunDecode, RunPrefill)
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
+from .step_deadline import StepBudget, StepClock
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set
+HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set: a deadline, not a per-read limit
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
-ERROR_SHUTTING_DOWN = "shutting_down"  # ERROR code a worker sends before it leaves on SIGTERM
+FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
+SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
+
+
+class _Stopping(Exception):
+    """A worker is joining a head that is stopping: it is told so, and rejoins later."""
 
 
 class HeadShuttingDown(ServiceError):
@@ -59,14 +71,18 @@ class WorkerLink:
     """One admitted worker's connection.
 
     `entry_id` is the topology entry the worker joined as; `node_id` the planned node whose layers it serves,
-    which differs for a spare that took over a lost node, and is None while a spare stands by.
+    which differs for a spare that took over a lost node, and is None while a spare stands by. `drop(link,
+    reason)` is how a request that waited past its step's bound has the registry drop the worker.
     """
 
-    def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int):
+    def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int,
+                 budget: StepBudget, drop: Callable[["WorkerLink", str], None]):
         self.conn, self.entry_id, self.hello, self.device, self.peer = conn, entry_id, hello, device, peer
         self.node_id: str | None = None
         self.hostname = hello.hostname
         self.hidden_size = hidden_size
+        self.steps = StepClock(budget)  # this connection's own: a rejoined worker is measured afresh
+        self._drop = drop
         self.replies: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.close_reason = ""
@@ -106,19 +122,30 @@ class WorkerLink:
         self.replies.put(env)
 
     def request(self, message: RunPrefill | RunDecode, request_id: str, seq: int) -> HiddenState:
-        """Send one inference command and wait for its reply. Raises WorkerLost or StageFailed."""
+        """Send one inference command and wait for its reply, up to the step's bound (step_deadline.py).
+
+        Raises WorkerLost (the worker is gone, or was dropped for missing the bound) or StageFailed.
+        """
         node = self.node_id or self.entry_id
         if self.closed.is_set():
             raise WorkerLost(node, self.close_reason)
         positions = message.hidden_state.shape[1]
+        kind = "prefill" if isinstance(message, RunPrefill) else "decode"
+        bound = self.steps.bound(kind, positions)
         with self._pending_lock:
             self._pending = (request_id, seq)
+        sent = time.monotonic()
         try:
             self.conn.send(message, request_id, seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
             raise WorkerLost(node, self.close_reason) from exc
-        reply = self.replies.get()
+        try:
+            reply = self.replies.get(timeout=max(0.0, bound - (time.monotonic() - sent)))
+        except queue.Empty:
+            self._drop(self, f"no reply to {message.TYPE} within {bound:.3g}s ({self.steps.explain(kind, positions)}"
+                             "): its compute is hung or has failed")
+            raise WorkerLost(node, self.close_reason) from None
         if reply is _LOST:
             self.replies.put(_LOST)  # later waiters must see it too
             raise WorkerLost(node, self.close_reason)
@@ -130,13 +157,14 @@ class WorkerLink:
             self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {message.TYPE} of {positions} position(s) "
                         f"needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
+        self.steps.record(kind, positions, time.monotonic() - sent)
         return reply.message
 
 
 @dataclass
 class Slot:
     node_id: str
-    state: str = "waiting"  # waiting -> loading -> ready; back to waiting when the worker goes
+    state: str = "waiting"  # waiting -> loading -> ready (or failed: it could not load); waiting when it goes
     link: WorkerLink | None = None
     detail: str = ""
     loaded: LoadComplete | None = None
@@ -147,7 +175,7 @@ class Slot:
 
 class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S):
         self.topology, self.plan, self.config = topology, plan, config
         self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
@@ -160,6 +188,8 @@ class WorkerRegistry:
         self.listener: socket.socket | None = None
         self.heartbeat_s = settings.heartbeat_s
         self.silence_limit_s = settings.silence_limit_s
+        self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
+        self.handshake_timeout_s = handshake_timeout_s
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
@@ -238,11 +268,19 @@ class WorkerRegistry:
         return bound
 
     def stop(self) -> None:
-        """Stop accepting workers and close every link: requests in flight fail with HeadShuttingDown."""
+        """Stop accepting workers, tell each one, close every link: requests in flight fail with HeadShuttingDown."""
         self.stopping.set()
         if self.listener is not None:
+            try:
+                # close() alone leaves the socket listening while the accept thread is blocked in accept(): a
+                # worker rejoining now would still get in. shutdown() stops listening and wakes that thread.
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not every platform allows shutdown on a listening socket; close() then has to do
             self.listener.close()
-        for link in self._live_links():
+        links = self._live_links()
+        _tell_and_wait(links, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD), FAREWELL_TIMEOUT_S)
+        for link in links:
             link.close("the head is shutting down")
         with self.changed:
             self.changed.notify_all()
@@ -276,21 +314,29 @@ class WorkerRegistry:
     def _handshake(self, sock: socket.socket, peer: str) -> tuple[WorkerLink, list] | None:
         """Admit a worker: (its link, assignments to send), or None once it is refused and closed."""
         conn = Connection(sock, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)
+        # A socket timeout bounds each read, not the frame: a peer sending a byte now and then would hold its
+        # place for ever. The deadline closes the connection when the whole handshake is not over in time.
+        deadline = _Deadline(conn, self.handshake_timeout_s)
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)  # bounds every read and write, so a silent peer cannot hold a thread
+            conn.settimeout(self.handshake_timeout_s)
             hello = _expect_hello(conn)
             if self._token_key is not None:
                 hello = self._authenticate(conn, hello)
             with self.lock:
                 if self.stopping.is_set():
-                    raise Refusal("the head is shutting down; the worker will rejoin when it is back")
+                    raise _Stopping()
                 entry, link, assignments = self._place(hello, conn, peer)
             conn.settimeout(None)
             conn.max_frame_bytes = self.max_frame_bytes
             conn.send(HelloAck(node_id=entry.id))
+            if not deadline.finish():  # it struck while the worker was being placed
+                raise ConnectionClosed("the connection was closed")
             if link.node_id is None:
                 log.info("spare %s joined from %s (%s, %s) and stands by for a lost node", entry.id, peer,
                          hello.hostname, link.device)
+        except _Stopping:
+            _send_and_close(conn, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD))
+            return None
         except (Refusal, AuthError) as exc:
             log.warning("refused a worker from %s: %s", peer, exc)
             _send_and_close(conn, Error(code=ERROR_HELLO_REFUSED, message=str(exc)))
@@ -300,10 +346,13 @@ class WorkerRegistry:
             _send_and_close(conn, Error(code=ERROR_PROTOCOL, message=str(exc)))
             return None
         except (ConnectionClosed, OSError) as exc:  # TimeoutError is an OSError
-            log.warning("a worker from %s went away during its handshake: %s", peer, exc)
+            why = f"it did not finish within {self.handshake_timeout_s:g}s" if deadline.struck else str(exc)
+            log.warning("a worker from %s went away during its handshake: %s", peer, why)
             conn.close()
-            self._lost_if_placed(conn, f"handshake failed: {exc}")
+            self._lost_if_placed(conn, f"handshake failed: {why}")
             return None
+        finally:
+            deadline.finish()
         return link, assignments
 
     def _authenticate(self, conn: Connection, hello: Hello) -> Hello:
@@ -331,7 +380,8 @@ class WorkerRegistry:
         taken = ({n for n, s in self.slots.items() if s.link is not None}
                  | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
         entry = choose_entry(hello, self.topology, self.plan, taken)
-        link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size)
+        link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size,
+                          self.step_budget, self._lost)
         assignments: list = []
         if entry.spare:
             self.standby[entry.id] = link
@@ -422,11 +472,11 @@ class WorkerRegistry:
                     self._loaded(link, msg)
                 elif isinstance(msg, LoadFailed):
                     log.error("worker %s could not load its layers: %s", link.name, msg.reason)
-                    self._set_detail(link, f"load failed: {msg.reason}")
+                    self._set_detail(link, f"load failed: {msg.reason}", state="failed")
                 elif isinstance(msg, Error):
                     log.warning("worker %s reports: %s (%s)", link.name, msg.message, msg.code)
-                    if msg.code == ERROR_SHUTTING_DOWN:
-                        link.farewell = msg.message
+                    if msg.code in (ERROR_SHUTTING_DOWN, ERROR_COMPUTE_FAILED):
+                        link.farewell = msg.message  # it is leaving: the reason its loss is reported with
                     elif env.request_id is not None:  # a refused inference command: its waiter must hear
                         link.deliver(env)
                 else:
@@ -440,11 +490,14 @@ class WorkerRegistry:
             reason = str(exc)
         self._lost(link, link.farewell or reason)  # a reason given earlier (a timeout, a refusal) wins
 
-    def _set_detail(self, link: WorkerLink, detail: str) -> None:
+    def _set_detail(self, link: WorkerLink, detail: str, state: str | None = None) -> None:
         with self.lock:
             slot = self.slots.get(link.node_id or "")
             if slot is not None and slot.link is link:
                 slot.detail = detail
+                if state is not None:
+                    slot.state = state
+                    self.changed.notify_all()
 
     def _loaded(self, link: WorkerLink, msg: LoadComplete) -> None:
         with self.lock:
@@ -503,6 +556,57 @@ class WorkerRegistry:
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
+
+
+class _Deadline:
+    """Closes a connection unless `finish()` is called within `seconds`; `struck` says whether it closed it."""
+
+    def __init__(self, conn: Connection, seconds: float):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._over = False
+        self.struck = False
+        self._timer = threading.Timer(seconds, self._strike)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _strike(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self._over = self.struck = True
+        self._conn.close()  # wakes the handshake's blocked read, which then fails
+
+    def finish(self) -> bool:
+        """Call off the deadline; False if it struck first (the connection is closed). Idempotent."""
+        with self._lock:
+            self._over = True
+        self._timer.cancel()
+        return not self.struck
+
+
+def _tell_and_wait(links: list[WorkerLink], message: Message, timeout_s: float) -> None:
+    """Best effort: send `message` to every link at once, then wait for each worker to hang up; `timeout_s` in all.
+
+    One thread each, since a worker that stopped reading blocks its send; closing its link afterwards ends it.
+    Waiting for the worker to close first matters: closing our end while it answers a PING queued before the
+    message makes its reply fail, and it drops the connection without reading the message.
+    """
+    def send(link: WorkerLink) -> None:
+        try:
+            link.conn.send(message)
+        except (OSError, ValueError):
+            pass  # it is gone already: there is nobody to tell
+
+    threads = [threading.Thread(target=send, args=(link,), name=f"farewell-{link.entry_id}", daemon=True)
+               for link in links]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    for link in links:  # the reader sees the worker hang up and marks its link closed
+        link.closed.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _expect_hello(conn: Connection) -> Hello:

@@ -34,6 +34,8 @@ ERROR_HELLO_REFUSED = "hello_refused"
 ERROR_PROTOCOL = "protocol_error"
 ERROR_VERSION_MISMATCH = "version_mismatch"
 ERROR_UNEXPECTED_MESSAGE = "unexpected_message"
+ERROR_SHUTTING_DOWN = "shutting_down"  # either side, before it closes the connection on purpose
+ERROR_COMPUTE_FAILED = "compute_failed"  # worker: its compute failed; it leaves and rejoins
 
 
 # ---------------------------------------------------------------------------------------------------------------

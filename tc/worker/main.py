@@ -3,10 +3,17 @@
 Two threads per connection: this one reads frames and answers PING at once (so a long prefill or a download
 never looks like a dead worker), and a compute thread runs loading and inference in order.
 
-Staying joined: when the connection ends, or the head has sent nothing (not even a PING) for head_timeout_s
-(a head that died without closing, or a cut link), the worker rejoins with backoff; loaded layers are kept
-for the next assignment. A head that breaks the protocol (garbage, a command before any ASSIGNMENT, a message
-a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
+Failing without hanging: every failure of the compute thread reaches the head. A load that fails, whatever the
+exception, is a LOAD_FAILED with the reason (the worker stays joined, out of service, until it is restarted); an
+inference command that fails is an INFERENCE_ERROR that fails that request only. Anything else the compute
+thread raises (a reply it cannot send, a bug) would leave a worker that answers PINGs and computes nothing, so
+it sends an ERROR compute_failed with the reason and ends the connection; the head drops the worker with that
+reason and the worker rejoins with backoff.
+
+Staying joined: when the connection ends, the head says it is shutting down, or the head has sent nothing (not
+even a PING) for head_timeout_s (a head that died without closing, or a cut link), the worker rejoins with
+backoff; loaded layers are kept for the next assignment. A head that breaks the protocol (garbage, a command
+before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
 that reason), closes the connection and exits 0.
@@ -32,9 +39,9 @@ from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from ..protocol.messages import (ERROR_PROTOCOL, PROTOCOL_VERSION, Assignment, ClearCache, Error, Hello, HelloAck,
-                                 InferenceError, LoadComplete, LoadFailed, LoadProgress, Ping, Pong, RunDecode,
-                                 RunPrefill)
+from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
+                                 Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
+                                 LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
@@ -44,7 +51,6 @@ log = logging.getLogger(__name__)
 REFUSED_EXIT = 2
 HANDSHAKE_TIMEOUT_S = 30.0
 DEFAULT_HEAD_TIMEOUT_S = 30.0  # several of the head's default 5 s heartbeats
-ERROR_SHUTTING_DOWN = "shutting_down"
 TOKEN_ENV = "TC_JOIN_TOKEN"
 TOKEN_FILE_ENV = "TC_JOIN_TOKEN_FILE"
 HEAD_TIMEOUT_ENV = "TC_HEAD_TIMEOUT_S"
@@ -145,6 +151,7 @@ class Worker:
         self._key = token_key(options.join_token) if options.join_token else None
         self._conn: Connection | None = None
         self._node_id: str | None = None
+        self._compute_failure: str | None = None  # why this connection's compute thread ended it, if it did
 
     def hello(self, auth: bytes | None = None) -> Hello:
         summary = system_summary()
@@ -208,6 +215,8 @@ class Worker:
 
     def _expect_ack(self, conn: Connection) -> HelloAck:
         env = conn.recv()
+        if isinstance(env.message, Error) and env.message.code == ERROR_SHUTTING_DOWN:
+            raise ConnectionClosed(env.message.message)  # not a refusal: rejoin once the head is back
         if isinstance(env.message, Error):
             raise Refused(env.message.message)
         if not isinstance(env.message, HelloAck):
@@ -234,9 +243,11 @@ class Worker:
         return ack.node_id
 
     def session(self, conn: Connection) -> bool:
-        """One connection's life. Returns True if the head accepted us (so a rejoin starts fresh)."""
+        """One connection's life. Returns True if the head accepted us and we served (so a rejoin starts fresh),
+        False when our compute failed (so rejoining backs off)."""
         node_id = self.handshake(conn)
         self._node_id = node_id
+        self._compute_failure = None
         # Every read (and write) is bounded: the head pings every few seconds, so a long silence means it is gone.
         conn.settimeout(self.options.head_timeout_s)
         log.info("joined the head as %s (device %s)", node_id, self.device)
@@ -261,6 +272,9 @@ class Worker:
                     raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
                 elif isinstance(msg, (RunPrefill, RunDecode, ClearCache)):
                     jobs.put(env)
+                elif isinstance(msg, Error) and msg.code == ERROR_SHUTTING_DOWN:
+                    log.warning("the head says: %s; rejoining", msg.message)
+                    return True
                 elif isinstance(msg, Error):
                     log.error("the head reports: %s (%s)", msg.message, msg.code)
                 else:
@@ -273,6 +287,9 @@ class Worker:
                 pass
             raise
         except ConnectionClosed:
+            if self._compute_failure is not None:
+                log.warning("left the head after a compute failure (%s); rejoining", self._compute_failure)
+                return False
             if not self.stop.is_set():
                 log.warning("the head closed the connection; rejoining")
             return True
@@ -282,13 +299,16 @@ class Worker:
             computer.join(timeout=1 if self.stop.is_set() else 60)
 
     def compute_loop(self, conn: Connection, jobs: queue.Queue) -> None:
+        """Load and infer, in order, until the session ends. Never dies silently (see the module's docstring)."""
         runtime: StageRuntime | None = None
-        while True:
-            env = jobs.get()
-            if env is None:
-                return
-            msg = env.message
-            try:
+        doing = "waiting for work"
+        try:
+            while True:
+                env = jobs.get()
+                if env is None:
+                    return
+                msg = env.message
+                doing = msg.TYPE
                 if isinstance(msg, Assignment):
                     runtime = self.load(conn, msg)
                 elif isinstance(msg, ClearCache):
@@ -299,18 +319,33 @@ class Worker:
                               env.request_id, env.seq)
                 else:
                     conn.send(self.infer(runtime, msg), env.request_id, env.seq)
-            except (ConnectionClosed, OSError):
-                return  # the reader sees it too and ends the session
+        except (ConnectionClosed, OSError):
+            return  # the reader sees it too and ends the session
+        except Exception as exc:  # a worker that pings but cannot compute must not stay joined
+            self._fail_session(conn, f"the compute thread failed on {doing}: {type(exc).__name__}: {exc}", exc)
+
+    def _fail_session(self, conn: Connection, reason: str, exc: BaseException) -> None:
+        """Tell the head this worker is out of service and why, then end the connection (the reader rejoins)."""
+        log.error("%s; leaving the head to rejoin", reason, exc_info=exc)
+        self._compute_failure = reason
+        node = self._node_id or self.options.node_id or "(unassigned)"
+        try:
+            conn.send(Error(code=ERROR_COMPUTE_FAILED, message=f"worker {node} is out of service ({reason}); it "
+                                                               "rejoins"))
+        except (OSError, ValueError):
+            pass  # the connection is gone already; closing it below tells the head all it can learn
+        conn.close()
 
     @staticmethod
     def infer(runtime: StageRuntime, msg: RunPrefill | RunDecode):
-        """Run one command; a failure (out of memory, a bad shape the checks missed) fails the request only."""
+        """Run one command; any failure (out of memory, a bad shape the checks missed, a bug) fails the request
+        only: the cache, the one state a failed step can spoil, is dropped, and the weights are untouched."""
         try:
             return runtime.prefill(msg) if isinstance(msg, RunPrefill) else runtime.decode(msg)
-        except (RuntimeError, ValueError, IndexError) as exc:
+        except Exception as exc:
             log.exception("%s failed", msg.TYPE)
             runtime.clear()
-            return InferenceError(message=f"{msg.TYPE} failed: {exc}")
+            return InferenceError(message=f"{msg.TYPE} failed: {type(exc).__name__}: {exc}")
 
     def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
         key = _assignment_key(assignment)
@@ -333,11 +368,15 @@ class Worker:
                     conn.send(LoadProgress(stage="layers", done=done, total=total))
 
                 loaded = load_assignment(assignment, model_dir, assignment.device, progress)
-            except (ModelSourceError, ValueError, OSError, RuntimeError, KeyError) as exc:
-                if isinstance(exc, ConnectionClosed):
-                    raise
-                log.error("could not load layers %d-%d: %s", start, end - 1, exc)
-                conn.send(LoadFailed(reason=str(exc)))
+            except ConnectionClosed:
+                raise  # a progress report found the head gone: no one to tell
+            except Exception as exc:  # whatever it is, the head must hear it, or the node shows loading for ever
+                # Our own errors (a missing file, a bad header, a download that failed) say what to do; anything
+                # else is a surprise, which gets its type in the reason and its traceback in the log.
+                expected = isinstance(exc, (ModelSourceError, OSError, ValueError))
+                reason = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+                log.error("could not load layers %d-%d: %s", start, end - 1, reason, exc_info=None if expected else exc)
+                conn.send(LoadFailed(reason=reason))
                 return None
             self.loaded = (key, loaded)
         log.info("layers %d-%d ready: %.0f MB of weights, %s, loaded in %.1fs", start, end - 1,

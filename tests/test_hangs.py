@@ -1,0 +1,369 @@
+"""Nothing hangs and nothing is dropped without an answer.
+
+- A worker whose compute stops while its reader still answers PINGs is dropped once a step outlives the bound
+  measured from its own steps (tc.head.step_deadline): the request fails naming it, or resumes.
+- A worker whose compute thread fails leaves with the reason, and the head shows it.
+- A stopping head stops listening for workers at once.
+- Stopping the HTTP server answers every request it accepted.
+- A joining peer gets one deadline for its whole handshake, however slowly it sends.
+
+Real head and worker processes where the behaviour is theirs; a hand-driven worker over a real socket where the
+test needs a worker that answers PINGs and never replies, which no real worker can be made to do on purpose.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import select
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, write_topology
+from model_helpers import OurModel
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.http_server import start_http_server
+from tc.head.main import load_config_and_plan
+from tc.head.service import GenerationService, Readiness
+from tc.head.workers import WorkerRegistry
+from tc.local import LocalPipeline
+from tc.model.tokenizer import TextTokenizer
+from tc.protocol.connection import Connection
+from tc.protocol.errors import ConnectionClosed
+from tc.protocol.framing import encode
+from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello, HelloAck, HiddenState,
+                                  LoadComplete, Ping, Pong, RunDecode, RunPrefill)
+from tc.sampling import SamplingParams
+from tc.topology import load_topology
+from tiny_model import write_tiny_model
+
+PROMPT = "the quick brown fox"
+HIDDEN = 64  # the tiny model's hidden size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=5)
+
+
+def greedy(model_dir, max_tokens: int) -> str:
+    model = OurModel(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+
+
+def hello(node_id: str | None) -> Hello:
+    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="scripted",
+                 platform="linux", python_version="3", torch_version="2",
+                 devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
+                 compute_dtypes=("fp32",), max_memory_bytes=None)
+
+
+class ScriptedWorker:
+    """A worker whose reader answers every PING at once, as a real worker's does, while its "compute" answers
+    each inference step after `delay(kind, index)` seconds, or never when that is None (a hung compute thread).
+    """
+
+    def __init__(self, port: int, node_id: str, delay):
+        self.delay = delay
+        self.steps = 0
+        self.hung_at: float | None = None  # when it took the step it never answers
+        self.closed = threading.Event()
+        self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
+        self.conn.send(hello(node_id))
+        assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
+        env = self.conn.recv(timeout=15)
+        assert isinstance(env.message, Assignment), env.message
+        self.conn.settimeout(None)
+        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                env = self.conn.recv()
+                msg = env.message
+                if isinstance(msg, Ping):
+                    self.conn.send(Pong(nonce=msg.nonce))
+                elif isinstance(msg, (RunPrefill, RunDecode)):
+                    kind = "prefill" if isinstance(msg, RunPrefill) else "decode"
+                    delay = self.delay(kind, self.steps)
+                    self.steps += 1
+                    if delay is None:
+                        self.hung_at = time.monotonic()
+                        continue
+                    reply = HiddenState(hidden_state=torch.zeros(1, msg.hidden_state.shape[1], HIDDEN),
+                                        compute_seconds=delay)
+                    threading.Timer(delay, self._send, args=(reply, env.request_id, env.seq)).start()
+        except (ConnectionClosed, OSError):
+            self.closed.set()
+
+    def _send(self, reply, request_id, seq) -> None:
+        try:
+            self.conn.send(reply, request_id, seq)
+        except (ConnectionClosed, OSError):
+            pass
+
+
+class Request:
+    """A completion posted from a thread; `.reply` and `.answered_at` once it returns."""
+
+    def __init__(self, cluster: Cluster, body: dict):
+        self.reply: tuple[int, dict] | None = None
+        self.answered_at = 0.0
+
+        def post() -> None:
+            self.reply = cluster.post("/v1/completions", body, timeout=120)
+            self.answered_at = time.monotonic()
+
+        self.thread = threading.Thread(target=post, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout: float) -> tuple[int, dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
+        assert self.reply is not None
+        return self.reply
+
+
+def node_row(cluster: Cluster, node_id: str) -> dict:
+    return {row["id"]: row for row in cluster.get("/v1/cluster")[1]["nodes"]}[node_id]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def start(tmp_path, model_dir, nodes: list[dict], **head) -> Cluster:
+    # heartbeats every 0.5 s, a silence limit far beyond every step bound here: only the step bound can catch it
+    head = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 120, **head}
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head=head)
+    cluster = Cluster(topo, tmp_path)
+    cluster.start_head()
+    cluster.wait_api()
+    return cluster
+
+
+# --- a worker whose compute hangs while its reader answers PINGs ------------------------------------------------
+
+def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_bound(tmp_path, model_dir):
+    floor, factor, step_s = 0.5, 4, 0.3
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with start(tmp_path, model_dir, nodes, step_timeout_s=floor, step_timeout_factor=factor,
+               resume=False) as cluster:
+        cluster.start_worker("a")
+        # b answers its prefill and three decode steps in step_s each, then never again
+        b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: step_s if index < 4 else None)
+        cluster.wait_ready()
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0})
+        status, body = request.wait(30)
+        assert b.hung_at is not None and b.steps == 5
+        waited = request.answered_at - b.hung_at
+        # the bound: the floor plus factor x its slowest decode step so far (a little over step_s each)
+        assert floor + factor * step_s - 0.1 < waited < floor + factor * (step_s + 0.2) + 1.5, waited
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        message = body["error"]["message"]
+        assert "worker b" in message and "no reply to RUN_DECODE within" in message, message
+        assert "head.step_timeout_s 0.5s + 4 x its slowest recent decode step" in message, message
+        # dropped like a silent worker: its connection closed, the cluster not ready, the reason on its slot
+        assert b.closed.wait(5)
+        status, ready = cluster.get("/health/ready")
+        assert status == 503 and ready["missing_nodes"] == ["b"]
+        row = node_row(cluster, "b")
+        assert row["state"] == "waiting" and row["detail"].startswith("lost: no reply to RUN_DECODE"), row
+        # a real worker fills b again and the head serves
+        cluster.start_worker("b")
+        cluster.wait_ready()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 8,
+                                                        "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(model_dir, 8), body
+
+
+def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, model_dir):
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with start(tmp_path, model_dir, nodes, step_timeout_s=0.5, step_timeout_factor=2, resume=True,
+               resume_grace_s=120) as cluster:
+        cluster.start_worker("a")
+        b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: None)  # never answers anything
+        cluster.wait_ready()
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        # nothing measured yet: its first prefill may take factor x floor = 1 s, then it is dropped
+        assert b.closed.wait(10), "the hung worker was never dropped"
+        assert request.thread.is_alive(), "the request should wait for b to be filled again"
+        wait_for(lambda: node_row(cluster, "b")["state"] == "waiting", 10, "b's slot to be freed")
+        cluster.start_worker("b")
+        status, body = request.wait(120)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == greedy(model_dir, 12)  # b hung before any token: nothing to undo
+        assert "request resumed on a refilled pipeline" in cluster.head.output()
+
+
+# --- a worker whose compute thread fails -------------------------------------------------------------------------
+
+def test_a_worker_whose_compute_fails_leaves_with_the_reason_and_rejoins(tmp_path, model_dir):
+    """b computes in fp32 what reaches it in bf16, so its replies are twice the size of what it is sent. Its own
+    frame cap lets the prefill in, and its reply cannot go out: the compute thread fails on a send."""
+    positions = 16
+    cap_mb = 3000 / (1 << 20)  # bf16 in: 16 x 64 x 2 bytes plus the envelope; fp32 out: twice the tensor
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu", "dtype": "fp32"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, dtype="bf16",
+                          head={"heartbeat_s": 0.5, "resume": False})
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        b = cluster.start_worker("b", "--retry-max-s", "1", "--max-frame-mb", f"{cap_mb:.6f}")
+        cluster.wait_ready()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": list(range(positions)),
+                                                        "max_tokens": 4}, timeout=60)
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        message = body["error"]["message"]
+        assert "worker b is out of service (the compute thread failed on RUN_PREFILL: ValueError: HIDDEN_STATE " \
+               "encodes to" in message, message
+        assert "lost (worker b is out of service" in cluster.head.output()
+        wait_for(lambda: "left the head after a compute failure" in b.output(), 10, "b to say why it left")
+        assert b.proc.poll() is None
+        cluster.wait_ready()  # it rejoined, its layers still loaded
+        wait_for(lambda: "already loaded; reusing" in b.output(), 10, "b to reuse its layers")
+
+
+# --- a head that stops -------------------------------------------------------------------------------------------
+
+def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
+    """Closing a listening socket while a thread is blocked in accept() leaves it listening on Linux: a worker
+    rejoining a head that is still stopping would get in (and be turned away). Stopping must stop listening."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}]))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)
+    port = registry.start("127.0.0.1", 0)
+    time.sleep(0.2)  # the accept thread is blocked in accept()
+    registry.stop()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# --- stopping the HTTP server --------------------------------------------------------------------------------------
+
+class SlowPipeline(LocalPipeline):
+    """The real layers, with each decode step held up, so that requests pile up behind a generation."""
+
+    def decode(self, hidden, position):
+        time.sleep(0.05)
+        return super().decode(hidden, position)
+
+
+def post_raw(port: int, body: dict, results: list, lock: threading.Lock) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps(body),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read()
+        try:
+            outcome = (response.status, json.loads(text))
+        except ValueError:
+            outcome = (response.status, text)  # not the API's JSON: the assertions show it
+    except (OSError, http.client.HTTPException) as exc:
+        outcome = ("no answer", f"{type(exc).__name__}: {exc}")
+    finally:
+        connection.close()
+    with lock:
+        results.append(outcome)
+
+
+def test_stop_answers_every_request_it_accepted(model_dir):
+    model = OurModel(model_dir)
+    tokenizer = TextTokenizer.load(model_dir)
+    generator = Generator(model.head, tokenizer, SlowPipeline(model.stages), torch.float32)
+    service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    results: list = []
+    lock = threading.Lock()
+    # two requests take both request threads (one generates, one waits for its turn); six queue behind them
+    clients = [threading.Thread(target=post_raw, args=(server.port, body, results, lock)) for _ in range(8)]
+    for client in clients:
+        client.start()
+    wait_for(lambda: service.running == 1 and service.queue_depth == 1, 10, "a generation and one waiting")
+    time.sleep(0.3)  # every request sent and accepted
+    stopper = threading.Thread(target=server.stop, args=(10,))
+    stopper.start()
+    time.sleep(0.1)
+    late: list = []  # a client arriving while the server drains learns why it is refused
+    post_raw(server.port, body, late, lock)
+    stopper.join(30)
+    for client in clients:
+        client.join(30)
+    assert not stopper.is_alive() and not any(client.is_alive() for client in clients)
+    assert all(isinstance(status, int) for status, _ in results + late), results + late  # an HTTP answer each
+    assert [status for status, _ in results].count(200) == 2, results
+    refused = [reply for status, reply in results if status != 200]
+    assert len(refused) == 6, results
+    for reply in refused + [late[0][1]]:
+        assert reply["error"]["code"] == "shutting_down" and "shutting down" in reply["error"]["message"], reply
+    assert late[0][0] == 503
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+
+
+# --- a handshake has one deadline ----------------------------------------------------------------------------------
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path, model_dir, caplog):
+    cap = 1.0
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config, handshake_timeout_s=cap)
+    port = registry.start("127.0.0.1", 0)
+    try:
+        frame = encode(hello("a"))
+        with caplog.at_level(logging.WARNING, logger="tc.head.workers"), \
+                socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            started = time.monotonic()
+            for byte in frame[:-1]:  # one byte every 0.2 s: each read is quick, the frame takes a minute
+                if closed_by_peer(sock) or time.monotonic() - started > cap + 5:
+                    break
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:  # reset: the head closed it
+                    break
+                time.sleep(0.2)
+            held = time.monotonic() - started
+            assert closed_by_peer(sock), f"the head still holds the connection after {held:.1f}s"
+        assert cap - 0.1 < held < cap + 1.0, held
+        assert f"it did not finish within {cap:g}s" in caplog.text
+        # the deadline ends with the handshake: a worker that joins in time keeps its connection past it
+        conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5))
+        with conn:
+            conn.send(hello("a"))
+            assert isinstance(conn.recv(timeout=5).message, HelloAck)
+            assert isinstance(conn.recv(timeout=5).message, Assignment)
+            time.sleep(cap + 0.5)
+            conn.send(Pong(nonce=0))
+            assert registry.snapshot()[0]["state"] == "loading"
+            while True:  # the head keeps pinging it: the connection stays open
+                message = conn.recv(timeout=5).message
+                assert not isinstance(message, Error), message
+                if isinstance(message, Ping):
+                    break
+    finally:
+        registry.stop()
+
