@@ -483,6 +483,7 @@ def main() -> int:
     if args.child_single:
         print(json.dumps(tc_single_child(args.child_single, args.tokens, args.prompt_tokens, args.repeat)))
         return 0
+    load_before = os.getloadavg()[0]  # every figure here moves with what else the cores are running
     try:
         results = run_all(args)
     except BenchError as exc:
@@ -490,7 +491,8 @@ def main() -> int:
         return 1
     print(f"\ndemo model ({MODEL_SLUG}), {THREADS} threads a process, prefill of {args.prompt_tokens} tokens, "
           f"decode of {args.tokens} tokens, mean ± sd of {args.repeat} runs; llama.cpp {LLAMA_CPP_PYTHON_VERSION} "
-          f"(llama-cpp-python's vendored tree)\n")
+          f"(llama-cpp-python's vendored tree); {os.cpu_count()} cores, 1-minute load average "
+          f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
     print(format_table(results, args.modes))
     return 0
 
