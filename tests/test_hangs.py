@@ -55,7 +55,7 @@ def greedy(model_dir, max_tokens: int) -> str:
     model = OurModel(model_dir)
     tok = TextTokenizer.load(model_dir)
     gen = Generator(model.head, tok, model.pipeline(), torch.float32)
-    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
 
 
 def hello(node_id: str | None) -> Hello:
@@ -164,7 +164,8 @@ def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_
         # b answers its prefill and three decode steps in step_s each, then never again
         b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: step_s if index < 4 else None)
         cluster.wait_ready()
-        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0})
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+                                    "ignore_eos": True})
         status, body = request.wait(30)
         assert b.hung_at is not None and b.steps == 5
         waited = request.answered_at - b.hung_at
@@ -184,7 +185,7 @@ def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_
         cluster.start_worker("b")
         cluster.wait_ready()
         status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 8,
-                                                        "temperature": 0})
+                                                        "temperature": 0, "ignore_eos": True})
         assert status == 200 and body["choices"][0]["text"] == greedy(model_dir, 8), body
 
 
@@ -195,7 +196,8 @@ def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, mo
         cluster.start_worker("a")
         b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: None)  # never answers anything
         cluster.wait_ready()
-        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                    "ignore_eos": True})
         # nothing measured yet: its first prefill may take factor x floor = 1 s, then it is dropped
         assert b.closed.wait(10), "the hung worker was never dropped"
         assert request.thread.is_alive(), "the request should wait for b to be filled again"
@@ -286,7 +288,7 @@ def test_stop_answers_every_request_it_accepted(model_dir):
     generator = Generator(model.head, tokenizer, SlowPipeline(model.stages), torch.float32)
     service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
     server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
-    body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     results: list = []
     lock = threading.Lock()
     # two requests take both request threads (one generates, one waits for its turn); six queue behind them

@@ -68,7 +68,8 @@ def one_request(port: int, prompt: str, timeout: float = 120) -> tuple:
             connection.connect()
         except ConnectionRefusedError as exc:
             return "refused", f"{type(exc).__name__}: {exc}", None
-        body = json.dumps({"model": "tiny-qwen", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        body = json.dumps({"model": "tiny-qwen", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True})
         connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, json.loads(response.read()), response.getheader("Retry-After")

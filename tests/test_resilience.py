@@ -40,7 +40,8 @@ def greedy(model_dir):
 
     def run(max_tokens: int) -> str:
         if max_tokens not in cache:
-            cache[max_tokens] = gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+            cache[max_tokens] = gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0,
+                                                                                  ignore_eos=True)).text
         return cache[max_tokens]
 
     return run
@@ -52,7 +53,8 @@ class Request:
     def __init__(self, cluster: Cluster, max_tokens: int = LONG):
         self.reply: tuple[int, dict] | None = None
         self.answered_at = 0.0
-        body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
 
         def post() -> None:
             self.reply = cluster.post("/v1/completions", body, timeout=300)
@@ -110,7 +112,8 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 def assert_serves(cluster: Cluster, greedy, max_tokens: int = 12) -> None:
     status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT,
-                                                    "max_tokens": max_tokens, "temperature": 0})
+                                                    "max_tokens": max_tokens, "temperature": 0,
+                                                    "ignore_eos": True})
     assert status == 200, body
     assert body["choices"][0]["text"] == greedy(max_tokens)
 

@@ -39,7 +39,7 @@ def start_worker(head: Head, node_id: str, log_path) -> Process:
 
 
 def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

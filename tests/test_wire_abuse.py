@@ -43,7 +43,7 @@ def greedy(model_dir, max_tokens: int) -> str:
     model = OurModel(model_dir)
     tok = TextTokenizer.load(model_dir)
     gen = Generator(model.head, tok, model.pipeline(), torch.float32)
-    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0)).text
+    return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
 
 
 def fake_hello(node_id: str | None) -> Hello:
@@ -76,7 +76,7 @@ def only_error(messages: list, *phrases: str) -> Error:
 
 def completion(cluster: Cluster, max_tokens: int = 8) -> tuple[int, dict]:
     return cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens,
-                                            "temperature": 0}, timeout=60)
+                                            "temperature": 0, "ignore_eos": True}, timeout=60)
 
 
 class FakeWorker:
@@ -127,6 +127,19 @@ def cluster(tmp_path_factory, model_dir):
         cluster.wait_api()
         cluster.start_worker("a")
         yield cluster
+
+
+def join_fake(cluster: Cluster, node_id: str, timeout: float = 60) -> FakeWorker:
+    """A FakeWorker for `node_id`, joined once every other node is ready.
+
+    A fake answers PINGs only while a test waits on it, so it joins last: the cluster is then ready at once,
+    rather than after a real worker's slow (re)load during which the silent fake would be dropped.
+    """
+    deadline = time.monotonic() + timeout
+    while cluster.get("/health/ready")[1].get("missing_nodes") != [node_id]:
+        assert time.monotonic() < deadline, f"the other nodes never became ready with only {node_id} missing"
+        time.sleep(0.1)
+    return FakeWorker(cluster.listen_port, node_id)
 
 
 def wait_ready_state(cluster: Cluster, ready: bool, timeout: float = 30) -> None:
@@ -188,7 +201,7 @@ def _finished(result: dict) -> tuple[int, dict]:
 
 
 def test_hidden_state_of_the_wrong_shape(cluster):
-    fake = FakeWorker(cluster.listen_port, "b")
+    fake = join_fake(cluster, "b")
     wait_ready_state(cluster, True)
     result = _request_in_thread(cluster)
     prefill = fake.next(RunPrefill)
@@ -201,7 +214,7 @@ def test_hidden_state_of_the_wrong_shape(cluster):
 
 
 def test_hidden_state_of_an_unknown_dtype(cluster):
-    fake = FakeWorker(cluster.listen_port, "b")
+    fake = join_fake(cluster, "b")
     wait_ready_state(cluster, True)
     result = _request_in_thread(cluster)
     fake.next(RunPrefill)
@@ -215,13 +228,13 @@ def test_hidden_state_of_an_unknown_dtype(cluster):
 
 
 def test_reply_nobody_asked_for(cluster):
-    fake = FakeWorker(cluster.listen_port, "b")
+    fake = join_fake(cluster, "b")
     fake.conn.send(HiddenState(hidden_state=torch.zeros(1, 1, HIDDEN), compute_seconds=0.0), "req-999", 4)
     assert "was not asked for" in fake.closing_error().message
 
 
 def test_second_hello(cluster):
-    fake = FakeWorker(cluster.listen_port, "b")
+    fake = join_fake(cluster, "b")
     fake.conn.send(fake_hello("b"))
     assert "does not accept HELLO" in fake.closing_error().message
 
