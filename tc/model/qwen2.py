@@ -163,8 +163,13 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.update(layer, position_start, k, v)  # [B, H_kv, T, D], T = start + L
         if length == 1:
-            mask, causal = None, False  # one query sees every cached position
-        elif position_start == 0:
+            # One query sees every cached position, so the query heads sharing a KV head can go in as a block of
+            # queries against it: no head is repeated and no mask is needed. (SDPA's own GQA path for bf16 took
+            # 8x longer at 128 positions and 30x at 2048.)
+            group = self.n_heads // self.n_kv_heads
+            out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, group, self.head_dim), keys, values)
+            return self.o_proj(out.view(b, 1, -1))  # [B, H_kv, group, D] -> [B, 1, hidden]
+        if position_start == 0:
             mask, causal = None, True
         else:  # a chunk after cached positions: query i sees keys up to position_start + i
             q_pos = torch.arange(position_start, position_start + length, device=x.device)
