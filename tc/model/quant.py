@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dense import PackedLinear
+
 log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
@@ -635,10 +637,11 @@ class Int4Linear(_QuantLinear):
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
                      use_kernel: bool | None = None) -> None:
-    """Replace every nn.Linear below `module` by its int8/int4 counterpart, in place, on the Linear's device.
+    """Replace every linear layer below `module` (nn.Linear, or a dense.PackedLinear) by its int8/int4
+    counterpart, in place, on the layer's device.
 
     mode "fp16" leaves the module as it is. Raises QuantizationError for an unknown mode, a bad group size, or a
-    bare nn.Linear passed as `module` (there is no parent to put the replacement in; wrap it).
+    bare linear layer passed as `module` (there is no parent to put the replacement in; wrap it).
     """
     if mode not in WEIGHT_MODES:
         raise QuantizationError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
@@ -646,18 +649,21 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GRO
         return
     if mode == "int4":
         _check_group_size(group_size)
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, PackedLinear)):
         raise QuantizationError("quantize_linears replaces Linears inside a module; wrap a bare nn.Linear "
                                 "(e.g. nn.Sequential(linear)) or call Int8Linear/Int4Linear.from_linear")
     replacements: dict[int, nn.Module] = {}  # id(Linear) -> its replacement, so a shared Linear stays shared
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):  # named_children() would skip a repeated child
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, (nn.Linear, PackedLinear)):
                 continue
             if id(child) not in replacements:
+                # a packed layer gives its plain weight back; the codes are the same as for the unpacked layer
+                w = child.dense_weight() if isinstance(child, PackedLinear) else child.weight.detach()
                 if mode == "int8":
-                    replacements[id(child)] = Int8Linear.from_linear(child, use_kernel=use_kernel)
+                    replacements[id(child)] = Int8Linear(quantize_int8(w), child.bias, use_kernel=use_kernel)
                 else:
-                    replacements[id(child)] = Int4Linear.from_linear(child, group_size, use_kernel=use_kernel)
+                    replacements[id(child)] = Int4Linear(quantize_int4(w, group_size), child.bias,
+                                                         use_kernel=use_kernel)
             setattr(parent, name, replacements[id(child)])
     log.debug("quantized %d linear layers to %s", len(replacements), mode)

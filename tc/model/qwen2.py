@@ -7,9 +7,6 @@ the safetensors key names, so a checkpoint loads with no renaming.
 from __future__ import annotations
 
 import logging
-import platform
-import time
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -17,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen2Config
+from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .weights import WeightIndex, head_tensor_names, layer_tensor_names
 
@@ -54,51 +52,6 @@ def mps_supports_bf16() -> bool:
         return True
     except (RuntimeError, TypeError):
         return False
-
-
-@lru_cache(maxsize=None)
-def cpu_bf16_matmul_is_slow() -> bool:
-    """Whether this CPU multiplies bf16 matrices much slower than fp32 ones.
-
-    x86 CPUs without AVX512-BF16 or AMX have no bf16 arithmetic: a bf16 prefill-sized product ran 5-7x slower
-    than fp32 on one (AMD EPYC, AVX2). There, multi-token bf16 inputs are better multiplied in fp32, converting
-    the weight on the fly. Where the flags cannot be read (not Linux), a short timing decides.
-    """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        flags = None
-    if flags is not None and platform.machine().lower() in ("x86_64", "amd64", "i686"):
-        return not ({"avx512_bf16", "amx_bf16"} & set(flags))
-    x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
-    xb, wb = x.bfloat16(), w.bfloat16()
-
-    def best(fn) -> float:
-        fn()  # the first call sets up kernels
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return min(times)
-
-    return best(lambda: F.linear(xb, wb)) > 1.5 * best(lambda: F.linear(xb.float(), wb.float()))
-
-
-UPCAST_MIN_TOKENS = 8  # one decode token is memory-bound, where bf16's smaller reads win
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose multi-token bf16 products run in fp32 on CPUs where bf16 matmul is slow (same result
-    up to rounding, several times faster prefill there). Quantization replaces it like any nn.Linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2
-                and x.shape[-2] >= UPCAST_MIN_TOKENS and cpu_bf16_matmul_is_slow()):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -220,11 +173,12 @@ class Stage(nn.Module):
     def load(cls, config: Qwen2Config, index: WeightIndex, start: int, end: int,
              dtype: torch.dtype, device: torch.device | str = "cpu",
              prepare: Callable[[nn.Module], None] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> "Stage":
+             progress: Callable[[int, int], None] | None = None, pack: bool | None = None) -> "Stage":
         """Build layers [start, end) from the checkpoint, reading only their bytes.
 
         Layers load one at a time, and `prepare` (quantization) runs on each before the next is read, so the
-        peak memory is the prepared stage plus one unprepared layer.
+        peak memory is the prepared stage plus one unprepared layer. The linear layers left unquantized then take
+        the fastest product this CPU has for their shape (`dense.pack_linears`; `pack` as its `force`).
         """
         with torch.device("meta"):
             stage = cls(config, start, end)
@@ -236,6 +190,7 @@ class Stage(nn.Module):
             layer.requires_grad_(False)
             if prepare is not None:
                 prepare(layer)
+            pack_linears(layer, force=pack)
             if progress is not None:
                 progress(done, end - start)
         stage.rotary = Rotary(config.head_dim, config.rope_theta, device)
@@ -268,7 +223,10 @@ class HeadModel(nn.Module):
 
     @classmethod
     def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
-             device: torch.device | str = "cpu") -> "HeadModel":
+             device: torch.device | str = "cpu", pack: bool | None = None) -> "HeadModel":
+        """The head's tensors from the checkpoint. An lm_head of its own takes the fastest product this CPU has
+        for its shape (`dense.pack_linears`; `pack` as its `force`); one tied to the embedding stays as it is,
+        since packing it would hold the matrix twice."""
         with torch.device("meta"):
             head = cls(config)
         tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
@@ -276,6 +234,8 @@ class HeadModel(nn.Module):
         head.norm.weight = nn.Parameter(tensors["model.norm.weight"], requires_grad=False)
         lm = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
         head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
+        if "lm_head.weight" in tensors:
+            pack_linears(head, force=pack)
         return head.eval()
 
     @torch.inference_mode()
