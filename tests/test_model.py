@@ -6,6 +6,7 @@ import torch
 
 from model_helpers import OurModel, hf_logits, hf_model
 from tc.model.config import Qwen2Config
+from tc.model.quant import quantize_int4, quantize_int8
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tiny_model import write_tiny_model
 
@@ -36,6 +37,39 @@ def test_prefill_plus_decode_equals_full_forward(tiny_model_dir):
     full = model.full_logits(PROMPT)
     cached = model.cached_logits(PROMPT, split=5)
     assert torch.allclose(cached, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mha", "mqa-6-heads"])
+def test_decode_steps_match_transformers_for_every_head_grouping(tmp_path, name):
+    # a decode step's attention groups the query heads by KV head: 1 per group (MHA) and all in one (MQA) too
+    model_dir = write_tiny_model(tmp_path, seed=4, **CONFIGS[name])
+    cached = OurModel(model_dir).cached_logits(PROMPT, split=3)
+    assert (cached - hf_logits(hf_model(model_dir), PROMPT)).abs().max().item() < 1e-4
+
+
+def test_fused_layers_hold_the_checkpoint_rows(tiny_model_dir):
+    config = Qwen2Config.from_file(tiny_model_dir / "config.json")
+    index = WeightIndex.open(tiny_model_dir)
+    layer = OurModel(tiny_model_dir).stages[0].layers["1"]
+    state = index.load(layer_tensor_names(1, 2))
+    rows = lambda names: torch.cat([state[f"model.layers.1.{n}"] for n in names])  # noqa: E731
+    attn, mlp = layer.self_attn, layer.mlp
+    assert torch.equal(attn.qkv_proj.weight, rows([f"self_attn.{p}_proj.weight" for p in "qkv"]))
+    assert torch.equal(attn.qkv_proj.bias, rows([f"self_attn.{p}_proj.bias" for p in "qkv"]))
+    assert torch.equal(mlp.gate_up_proj.weight, rows(["mlp.gate_proj.weight", "mlp.up_proj.weight"]))
+    assert attn.qkv_proj.weight.shape[0] == config.hidden_size + 2 * config.num_key_value_heads * config.head_dim
+
+
+def test_quantizing_fused_rows_gives_each_part_its_own_codes():
+    # why fusing before quantizing changes nothing: int8 scales are per row and int4 groups lie along a row
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, 256, generator=gen) * 0.02 for n in (64, 16, 16)]
+    fused8, split8 = quantize_int8(torch.cat(parts)), [quantize_int8(p) for p in parts]
+    assert torch.equal(fused8.qweight, torch.cat([p.qweight for p in split8]))
+    assert torch.equal(fused8.scale, torch.cat([p.scale for p in split8]))
+    fused4, split4 = quantize_int4(torch.cat(parts), 64), [quantize_int4(p, 64) for p in parts]
+    for field in ("packed", "scales", "zeros"):
+        assert torch.equal(getattr(fused4, field), torch.cat([getattr(p, field) for p in split4])), field
 
 
 def test_split_stages_equal_unsplit_exactly(tiny_model_dir):
