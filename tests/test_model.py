@@ -6,7 +6,9 @@ import torch
 
 from model_helpers import OurModel, hf_logits, hf_model
 from tc.model.config import Qwen2Config
+from tc.model.kv_cache import CacheFullError, KVCache
 from tc.model.quant import quantize_int4, quantize_int8
+from tc.model.qwen2 import Rotary, rotate_
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tiny_model import write_tiny_model
 
@@ -132,3 +134,47 @@ def test_misshaped_tensor_is_named(tmp_path):
 def test_no_weights_file_is_a_clear_error(tmp_path):
     with pytest.raises(WeightsError, match="no model.safetensors"):
         WeightIndex.open(tmp_path)
+
+
+def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_gives_the_reference_bits(dtype):
+    rotary = Rotary(16, 10000.0, "cpu")
+    cos, sin = rotary.tables(3, 5, dtype)  # [5, 1, 16]
+    positions = torch.arange(3, 8).float()[:, None] * rotary.inv_freq[None]  # [5, 8]
+    emb = torch.cat((positions, positions), dim=-1)  # [5, 16]
+    ref_cos, ref_sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    assert torch.equal(cos, ref_cos)
+    qkv = torch.randn(2, 5, 6, 16).to(dtype)  # [B, L, heads, D]
+    want = rotate_half_reference(qkv[:, :, :4], ref_cos, ref_sin)
+    rotate_(qkv[:, :, :4], cos, sin)  # a strided view, as in the attention
+    assert torch.equal(qkv[:, :, :4], want)
+
+
+def test_rotary_tables_grow_and_keep_one_copy_per_dtype():
+    rotary = Rotary(8, 10000.0, "cpu")
+    small = rotary.tables(0, 4, torch.bfloat16)[0]
+    assert rotary.size == 256
+    assert rotary.tables(0, 4, torch.bfloat16)[0].data_ptr() == small.data_ptr()  # cached, not recomputed
+    cos, _ = rotary.tables(300, 2, torch.float32)
+    assert rotary.size == 512 and cos.shape == (2, 1, 8)
+    assert torch.equal(rotary.tables(0, 4, torch.bfloat16)[0], small)
+
+
+def test_kv_cache_stores_keys_and_values_with_one_write():
+    cache = KVCache([4, 5], n_kv_heads=2, head_dim=3, capacity=6, dtype=torch.float32)
+    kv = torch.arange(2 * 2 * 2 * 3, dtype=torch.float32).view(2, 1, 2, 2, 3)  # [K/V, B, H_kv, L=2, D]
+    keys, values = cache.update(5, 0, kv)
+    assert torch.equal(keys, kv[0]) and torch.equal(values, kv[1])
+    step = torch.full((2, 1, 2, 1, 3), -1.0)
+    keys, values = cache.update(5, 2, step)
+    assert keys.shape == (1, 2, 3, 3) and torch.equal(keys[:, :, :2], kv[0]) and torch.equal(values[:, :, 2:], step[1])
+    assert torch.equal(cache.keys[1, :, :, :3], keys) and torch.equal(cache.values[1, :, :, :3], values)
+    assert cache.nbytes == 2 * 2 * 1 * 2 * 6 * 3 * 4
+    with pytest.raises(CacheFullError, match="capacity 6"):
+        cache.update(4, 5, kv)

@@ -63,38 +63,45 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 as the reference does, then scale in the compute dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalise in fp32 as the reference does (one fused op, the same bits as its five), then scale in the
+        # compute dtype
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Rotary:
-    """cos/sin tables for rotary position embeddings, grown on demand, in fp32."""
+    """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device | str):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         self.inv_freq = 1.0 / (theta ** exponents)  # [D/2]
-        self.cos = self.sin = torch.empty(0, head_dim, device=device)
+        self.size = 0  # positions the tables cover
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype`, sin in `rotate_`'s form."""
         end = start + length
-        if end > self.cos.shape[0]:
-            size = max(end, 2 * self.cos.shape[0], 256)
-            positions = torch.arange(size, device=self.inv_freq.device).float()
+        if end > self.size:
+            self.size = max(end, 2 * self.size, 256)
+            self._tables.clear()
+        if dtype not in self._tables:
+            positions = torch.arange(self.size, device=self.inv_freq.device).float()
             freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-            self.cos, self.sin = emb.cos(), emb.sin()
-        return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)  # [L, D]
+            cos, sin = emb.cos(), emb.sin()
+            sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
+            self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
+        cos, sin = self._tables[dtype]
+        return cos[start:end], sin[start:end]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place: x * cos + rotate_half(x) * sin, with transformers' roundings.
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin  # x: [B, H, L, D], cos/sin: [L, D]
+    x: [B, L, heads, D]; cos, sin: [L, 1, D] from `Rotary.tables`, whose sin has its first half negated, so
+    rotate_half(x) * sin = cat(-x2, x1) * sin is the halves swapped, times that table, exactly.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [B, L, heads, D], a new tensor
+    x.mul_(cos).add_(swapped.mul_(sin))
 
 
 def _fuse_rows(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...], suffixes: tuple[str, ...]) -> None:
@@ -125,19 +132,18 @@ class Attention(nn.Module):
                 layer: int, position_start: int) -> torch.Tensor:
         b, length, _ = x.shape  # [B, L, hidden]
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([h * d, h_kv * d, h_kv * d], dim=-1)  # [B, L, H D], [B, L, H_kv D] x2
-        q = q.view(b, length, h, d).transpose(1, 2)  # [B, H, L, D]
-        k = k.view(b, length, h_kv, d).transpose(1, 2)  # [B, H_kv, L, D]
-        v = v.view(b, length, h_kv, d).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.update(layer, position_start, k, v)  # [B, H_kv, T, D], T = start + L
+        qkv = self.qkv_proj(x).view(b, length, h + 2 * h_kv, d)  # [B, L, heads, D]: q heads, k heads, v heads
+        rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
+        kv = qkv[:, :, h:].unflatten(2, (2, h_kv)).permute(2, 0, 3, 1, 4)  # [2, B, H_kv, L, D], a view
+        keys, values = cache.update(layer, position_start, kv)  # [B, H_kv, T, D] each, T = start + L
         if length == 1:
             # One query sees every cached position, so the query heads sharing a KV head can go in as a block of
             # queries against it: no head is repeated and no mask is needed. (SDPA's own GQA path for bf16 took
             # 8x longer at 128 positions and 30x at 2048.)
-            group = self.n_heads // self.n_kv_heads
-            out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, group, self.head_dim), keys, values)
-            return self.o_proj(out.view(b, 1, -1))  # [B, H_kv, group, D] -> [B, 1, hidden]
+            q = qkv[:, 0, :h].unflatten(1, (h_kv, h // h_kv))  # [B, H_kv, H / H_kv, D]
+            out = F.scaled_dot_product_attention(q, keys, values)
+            return self.o_proj(out.view(b, 1, -1))  # [B, H_kv, H / H_kv, D] -> [B, 1, hidden]
+        q = qkv[:, :, :h].transpose(1, 2)  # [B, H, L, D]
         if position_start == 0:
             mask, causal = None, True
         else:  # a chunk after cached positions: query i sees keys up to position_start + i
@@ -160,8 +166,8 @@ class MLP(nn.Module):
                                                               ("gate_proj", "up_proj"), ("weight",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
+        return self.down_proj(F.silu(gate, inplace=True) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -173,8 +179,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache, layer, position_start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)  # x is the caller's
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Stage(nn.Module):
