@@ -123,19 +123,24 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@functools.lru_cache(maxsize=None)
 def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether the blocked oneDNN product beats `Linear` on this CPU for a weight of this shape (probed once).
 
-    Times both on a random weight of at most PROBE_ROWS rows, on one thread: one activation row must be
-    PACK_MIN_GAIN times faster, and a PROBE_BLOCK-row block not clearly slower (BLOCK_SLACK: prefill timings on a
-    shared machine swing by tens of percent, while a CPU whose blocked bf16 prefill really loses, one without bf16
-    arithmetic where `Linear` multiplies in fp32, loses several times over); the outputs must agree.
+    Times both on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe),
+    on one thread: one activation row must be PACK_MIN_GAIN times faster, and a PROBE_BLOCK-row block not clearly
+    slower (BLOCK_SLACK: prefill timings on a shared machine swing by tens of percent, while a CPU whose blocked
+    bf16 prefill really loses, one without bf16 arithmetic where `Linear` multiplies in fp32, loses several times
+    over); the outputs must agree.
     """
+    return _probe(min(out_features, PROBE_ROWS), in_features, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     gen = torch.Generator().manual_seed(0)
-    plain = Linear(in_features, min(out_features, PROBE_ROWS), bias=True, dtype=dtype)
+    plain = Linear(in_features, out_features, bias=True, dtype=dtype)
     with torch.no_grad():
         plain.weight.copy_(torch.randn(plain.weight.shape, generator=gen) * in_features ** -0.5)
         plain.bias.copy_(torch.randn(plain.bias.shape, generator=gen))
