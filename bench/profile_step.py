@@ -4,6 +4,7 @@ For each weight mode it loads layers [start, end) as a worker does (quantized wh
 and then times decode steps at one fixed position (the cache slot is rewritten, so every step does the same work):
 
 - step: the median wall time of a whole stage step, what a worker spends per token;
+- prefill: the median time of a new request's prefill of the whole context;
 - products: the stage's linear modules alone, each called on the input it got in a step, in the step's order;
 - the rest of the step, split by torch.profiler into attention (SDPA), cache writes, norms and everything else
   (rotary, activation, residuals, views), with the number of operators each part dispatches per step. Profiled
@@ -103,11 +104,17 @@ class Setup:
         self.cache = self.stage.new_cache(context + 1, dtype, "cpu")
         self.context = context
         ids = torch.arange(context + 1).remainder(self.config.vocab_size - 1000).add(1000)[None]  # [1, context + 1]
-        self.stage(self.head.embed(ids[:, :context]).to(dtype), self.cache, 0)
+        self.prompt = self.head.embed(ids[:, :context]).to(dtype)  # [1, context, hidden]
+        self.stage(self.prompt, self.cache, 0)
         self.x = self.head.embed(ids[:, context:]).to(dtype)  # [1, 1, hidden]
+        self.dtype = dtype
 
     def step(self) -> torch.Tensor:
         return self.stage(self.x, self.cache, self.context)
+
+    def prefill(self) -> torch.Tensor:
+        """The whole context again, as a new request's prefill (a fresh cache)."""
+        return self.stage(self.prompt, self.stage.new_cache(self.context + 1, self.dtype, "cpu"), 0)
 
     def weight_bytes(self) -> int:
         return sum(module_bytes(m) for m in linear_modules(self.stage))
@@ -243,6 +250,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="positions in the cache before the step")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     parser.add_argument("--rounds", type=int, default=5, help="A/B rounds with --against")
+    parser.add_argument("--prefills", type=int, default=3, help="timed prefills of the context per measurement")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--against", metavar="REV", help="also run tc/model of this git revision, interleaved")
@@ -271,11 +279,14 @@ def main() -> None:
             for s in setups.values():
                 s.step()
             walls: dict[str, list[float]] = defaultdict(list)
+            prefills: dict[str, list[float]] = defaultdict(list)
             for _ in range(args.rounds if args.against else 1):  # interleaved: A, B, A, B, ...
                 for name, s in setups.items():
                     walls[name].append(median_ms(s.step, args.steps))
+                    prefills[name].append(median_ms(s.prefill, args.prefills, warmup=1))
         for name, s in setups.items():
             row = {"mode": mode, "tree": name, "step": statistics.median(walls[name]),
+                   "prefill": statistics.median(prefills[name]),
                    "floor": s.weight_bytes() / stream / 1e6, "mb": s.weight_bytes() / 1e6}
             if not args.no_profile:
                 calls = recorded_products(s)
@@ -287,20 +298,22 @@ def main() -> None:
             print(f"  {mode} {name}: step {row['step']:.2f} ms", file=sys.stderr)
         del setups
 
-    print(f"{'mode':5s} {'tree':10s} {'MB':>6s} {'floor':>6s} {'step':>6s} {'vs floor':>8s}" +
+    print(f"{'mode':5s} {'tree':10s} {'MB':>6s} {'floor':>6s} {'step':>6s} {'vs floor':>8s} {'prefill':>8s} "
+          f"{'tok/s':>6s}" +
           ("" if args.no_profile else f" {'products':>8s} {'GB/s':>5s} | profiled: " +
            " ".join(f"{c:>12s}" for c in CATEGORIES) + f" {'step':>6s}"))
     for r in rows:
         line = (f"{r['mode']:5s} {r['tree'][:10]:10s} {r['mb']:6.0f} {r['floor']:6.2f} {r['step']:6.2f} "
-                f"{r['step'] / r['floor']:7.2f}x")
+                f"{r['step'] / r['floor']:7.2f}x {r['prefill']:8.1f} {args.context / r['prefill'] * 1e3:6.0f}")
         if not args.no_profile:
             line += f" {r['products']:8.2f} {r['mb'] / r['products']:5.1f} | {'':9s} " + " ".join(
                 f"{r['split'][c]:6.2f} ({r['ops'][c]:3d})" for c in CATEGORIES) + f" {r['profiled']:6.2f}"
         print(line)
     if args.against:
         for mode in args.modes:
-            a, b = (next(r["step"] for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)
-            print(f"{mode}: this tree's step takes {a / b:.2f}x the time of {args.against}'s")
+            a, b = (next(r for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)
+            print(f"{mode}: this tree's decode step takes {a['step'] / b['step']:.2f}x the time of {args.against}'s, "
+                  f"its prefill {a['prefill'] / b['prefill']:.2f}x")
     if args.no_profile:
         return
     print("\nms per step; (n) operators dispatched per step; floor = weight bytes at the streaming rate")
