@@ -21,16 +21,15 @@ run in fp32 (`cpu_bf16_matmul_is_slow`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import platform
-import time
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
@@ -59,47 +58,9 @@ def cpu_bf16_matmul_is_slow() -> bool:
         return not ({"avx512_bf16", "amx_bf16"} & set(flags))
     x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
     xb, wb = x.bfloat16(), w.bfloat16()
-    return _best_s(lambda: F.linear(xb, wb)) > 1.5 * _best_s(lambda: F.linear(xb.float(), wb.float()))
-
-
-def _best_s(fn: Callable[[], object], runs: int = 5) -> float:
-    """The fastest of `runs` timed calls after one untimed: the least disturbed by whatever else runs."""
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def _race(fns: list[Callable[[], object]], runs: int) -> list[float]:
-    """The least CPU time this thread spent in one of `runs` calls of each of `fns`, taking turns.
-
-    Called inside `_one_thread`, where the products run on this thread alone: its CPU time leaves out the time
-    it waited for a core that other processes held, which wall-clock timings on a shared machine are full of.
-    """
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(runs):
-        for i, fn in enumerate(fns):
-            started = time.thread_time()
-            fn()
-            best[i] = min(best[i], time.thread_time() - started)
-    return best
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Run a timing probe on one thread: with several, one preempted thread (another process on the same cores)
-    stalls every product for a scheduler tick, and the timing measures the machine's load, not the kernels."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread():
+        bf16_s, fp32_s = race([lambda: F.linear(xb, wb), lambda: F.linear(xb.float(), wb.float())], 5)
+    return bf16_s > 1.5 * fp32_s
 
 
 class Linear(nn.Linear):
@@ -160,9 +121,9 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
                         err)
             return False
         bias = plain.bias.detach()
-        with _one_thread():
-            one_s = _race([lambda: plain(one), lambda: _packed_linear(one, packed, bias)], 7)
-            block_s = _race([lambda: plain(block), lambda: _packed_linear(block, packed, bias)], 3)
+        with one_thread():  # see probe.py: steady timings on a shared machine
+            one_s = race([lambda: plain(one), lambda: _packed_linear(one, packed, bias)], 7)
+            block_s = race([lambda: plain(block), lambda: _packed_linear(block, packed, bias)], 3)
     times = {"plain one": one_s[0], "packed one": one_s[1], "plain block": block_s[0], "packed block": block_s[1]}
     faster = (times["plain one"] >= PACK_MIN_GAIN * times["packed one"]
               and times["packed block"] <= BLOCK_SLACK * times["plain block"])
