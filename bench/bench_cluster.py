@@ -48,13 +48,8 @@ def single_process(args, quant: str, model_dir: Path, env: dict) -> dict:
 import json, resource, time, torch
 torch.set_num_threads({args.worker_threads})
 from tc.local import load_local_generator
-from tc.model import quant
 from tc.sampling import SamplingParams
-g = load_local_generator({str(model_dir)!r}, {args.dtype!r})
-if {quant!r} != "fp16":  # as the cluster does: layers in the mode, lm_head in quant.head_weight_mode
-    quant.quantize_linears(g.head, quant.head_weight_mode({quant!r}), 128)
-    for m in g.pipeline.stages:
-        quant.quantize_linears(m, {quant!r}, 128)
+g = load_local_generator({str(model_dir)!r}, {args.dtype!r}, quant={quant!r}, group_size=128)
 ids = g.tokenizer.encode({PROMPT!r})
 g.generate(ids, SamplingParams(max_tokens=4, temperature=0))
 first = min(g.generate(ids, SamplingParams(max_tokens=1, temperature=0)).time_to_first_token_s for _ in range(3))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .generation import Generator, LocalPipeline
+from .model import quant as quantization
 from .model.config import Qwen2Config
 from .model.qwen2 import HeadModel, Stage, resolve_compute_dtype
 from .model.tokenizer import TextTokenizer
@@ -16,8 +17,13 @@ from .model.weights import WeightIndex
 log = logging.getLogger(__name__)
 
 
-def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cpu") -> Generator:
-    """Load every layer of the model in `model_dir` into this process."""
+def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cpu", quant: str = "fp16",
+                         group_size: int = quantization.DEFAULT_GROUP_SIZE) -> Generator:
+    """Load every layer of the model in `model_dir` into this process, in weight mode `quant` as a cluster does:
+    each layer quantized as it loads, the lm_head in `quant.head_weight_mode(quant)`.
+
+    Raises QuantizationError for an unknown weight mode or group size.
+    """
     started = time.perf_counter()
     config = Qwen2Config.from_file(Path(model_dir) / "config.json")
     index = WeightIndex.open(model_dir)
@@ -25,8 +31,13 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     torch_dtype = resolve_compute_dtype(dtype, device)
     # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
     head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"))
-    stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device)
+    quantization.quantize_linears(head, quantization.head_weight_mode(quant), group_size)
+    prepare = None
+    if quant != "fp16":
+        def prepare(layer: torch.nn.Module) -> None:
+            quantization.quantize_linears(layer, quant, group_size)
+    stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)
     tokenizer = TextTokenizer.load(model_dir)
-    log.info("loaded %s (%d layers, %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
-             time.perf_counter() - started)
+    log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
+             quant, time.perf_counter() - started)
     return Generator(head, tokenizer, LocalPipeline([stage], device), head.embed_tokens.weight.dtype)

@@ -12,14 +12,15 @@ from tc.model.weights import WeightIndex
 
 
 class OurModel:
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, splits: list[int] | None = None):
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, splits: list[int] | None = None,
+                 pack: bool | None = None):
         self.config = Qwen2Config.from_file(Path(model_dir) / "config.json")
         self.index = WeightIndex.open(model_dir)
         self.index.validate(self.config)
         self.dtype = dtype
-        self.head = HeadModel.load(self.config, self.index, dtype)
+        self.head = HeadModel.load(self.config, self.index, dtype, pack=pack)
         bounds = [0, *(splits or []), self.config.num_hidden_layers]
-        self.stages = [Stage.load(self.config, self.index, a, b, dtype) for a, b in zip(bounds, bounds[1:])]
+        self.stages = [Stage.load(self.config, self.index, a, b, dtype, pack=pack) for a, b in zip(bounds, bounds[1:])]
 
     def pipeline(self) -> LocalPipeline:
         return LocalPipeline(self.stages)

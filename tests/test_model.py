@@ -6,6 +6,9 @@ import torch
 
 from model_helpers import OurModel, hf_logits, hf_model
 from tc.model.config import Qwen2Config
+from tc.model.kv_cache import CacheFullError, KVCache
+from tc.model.quant import quantize_int4, quantize_int8
+from tc.model.qwen2 import Rotary, rotate_
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tiny_model import write_tiny_model
 
@@ -36,6 +39,39 @@ def test_prefill_plus_decode_equals_full_forward(tiny_model_dir):
     full = model.full_logits(PROMPT)
     cached = model.cached_logits(PROMPT, split=5)
     assert torch.allclose(cached, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mha", "mqa-6-heads"])
+def test_decode_steps_match_transformers_for_every_head_grouping(tmp_path, name):
+    # a decode step's attention groups the query heads by KV head: 1 per group (MHA) and all in one (MQA) too
+    model_dir = write_tiny_model(tmp_path, seed=4, **CONFIGS[name])
+    cached = OurModel(model_dir).cached_logits(PROMPT, split=3)
+    assert (cached - hf_logits(hf_model(model_dir), PROMPT)).abs().max().item() < 1e-4
+
+
+def test_fused_layers_hold_the_checkpoint_rows(tiny_model_dir):
+    config = Qwen2Config.from_file(tiny_model_dir / "config.json")
+    index = WeightIndex.open(tiny_model_dir)
+    layer = OurModel(tiny_model_dir).stages[0].layers["1"]
+    state = index.load(layer_tensor_names(1, 2))
+    rows = lambda names: torch.cat([state[f"model.layers.1.{n}"] for n in names])  # noqa: E731
+    attn, mlp = layer.self_attn, layer.mlp
+    assert torch.equal(attn.qkv_proj.weight, rows([f"self_attn.{p}_proj.weight" for p in "qkv"]))
+    assert torch.equal(attn.qkv_proj.bias, rows([f"self_attn.{p}_proj.bias" for p in "qkv"]))
+    assert torch.equal(mlp.gate_up_proj.weight, rows(["mlp.gate_proj.weight", "mlp.up_proj.weight"]))
+    assert attn.qkv_proj.weight.shape[0] == config.hidden_size + 2 * config.num_key_value_heads * config.head_dim
+
+
+def test_quantizing_fused_rows_gives_each_part_its_own_codes():
+    # why fusing before quantizing changes nothing: int8 scales are per row and int4 groups lie along a row
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, 256, generator=gen) * 0.02 for n in (64, 16, 16)]
+    fused8, split8 = quantize_int8(torch.cat(parts)), [quantize_int8(p) for p in parts]
+    assert torch.equal(fused8.qweight, torch.cat([p.qweight for p in split8]))
+    assert torch.equal(fused8.scale, torch.cat([p.scale for p in split8]))
+    fused4, split4 = quantize_int4(torch.cat(parts), 64), [quantize_int4(p, 64) for p in parts]
+    for field in ("packed", "scales", "zeros"):
+        assert torch.equal(getattr(fused4, field), torch.cat([getattr(p, field) for p in split4])), field
 
 
 def test_split_stages_equal_unsplit_exactly(tiny_model_dir):
@@ -98,3 +134,47 @@ def test_misshaped_tensor_is_named(tmp_path):
 def test_no_weights_file_is_a_clear_error(tmp_path):
     with pytest.raises(WeightsError, match="no model.safetensors"):
         WeightIndex.open(tmp_path)
+
+
+def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_gives_the_reference_bits(dtype):
+    rotary = Rotary(16, 10000.0, "cpu")
+    cos, sin = rotary.tables(3, 5, dtype)  # [5, 1, 16]
+    positions = torch.arange(3, 8).float()[:, None] * rotary.inv_freq[None]  # [5, 8]
+    emb = torch.cat((positions, positions), dim=-1)  # [5, 16]
+    ref_cos, ref_sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    assert torch.equal(cos, ref_cos)
+    qkv = torch.randn(2, 5, 6, 16).to(dtype)  # [B, L, heads, D]
+    want = rotate_half_reference(qkv[:, :, :4], ref_cos, ref_sin)
+    rotate_(qkv[:, :, :4], cos, sin)  # a strided view, as in the attention
+    assert torch.equal(qkv[:, :, :4], want)
+
+
+def test_rotary_tables_grow_and_keep_one_copy_per_dtype():
+    rotary = Rotary(8, 10000.0, "cpu")
+    small = rotary.tables(0, 4, torch.bfloat16)[0]
+    assert rotary.size == 256
+    assert rotary.tables(0, 4, torch.bfloat16)[0].data_ptr() == small.data_ptr()  # cached, not recomputed
+    cos, _ = rotary.tables(300, 2, torch.float32)
+    assert rotary.size == 512 and cos.shape == (2, 1, 8)
+    assert torch.equal(rotary.tables(0, 4, torch.bfloat16)[0], small)
+
+
+def test_kv_cache_stores_keys_and_values_with_one_write():
+    cache = KVCache([4, 5], n_kv_heads=2, head_dim=3, capacity=6, dtype=torch.float32)
+    kv = torch.arange(2 * 2 * 2 * 3, dtype=torch.float32).view(2, 1, 2, 2, 3)  # [K/V, B, H_kv, L=2, D]
+    keys, values = cache.update(5, 0, kv)
+    assert torch.equal(keys, kv[0]) and torch.equal(values, kv[1])
+    step = torch.full((2, 1, 2, 1, 3), -1.0)
+    keys, values = cache.update(5, 2, step)
+    assert keys.shape == (1, 2, 3, 3) and torch.equal(keys[:, :, :2], kv[0]) and torch.equal(values[:, :, 2:], step[1])
+    assert torch.equal(cache.keys[1, :, :, :3], keys) and torch.equal(cache.values[1, :, :, :3], values)
+    assert cache.nbytes == 2 * 2 * 1 * 2 * 6 * 3 * 4
+    with pytest.raises(CacheFullError, match="capacity 6"):
+        cache.update(4, 5, kv)

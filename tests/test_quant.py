@@ -463,3 +463,40 @@ def test_quantize_linears_refuses_bad_requests():
         quantize_linears(nested(), "int4", 5)
     with pytest.raises(QuantizationError, match="wrap"):
         quantize_linears(make_linear(4, 4, False, torch.float32), "int8", 128)
+
+
+# ----------------------------------------------------------------------------------------------- int8 prefill
+
+
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason="no int8 packed kernel in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lead", [(1, quant.PREFILL_MIN_ROWS), (quant.PREFILL_MIN_ROWS + 3,)], ids=["3d", "2d"])
+def test_int8_prefill_through_converted_codes_matches_the_reference(dtype, lead):
+    lin = make_linear(64, 256, True, dtype)
+    dense = Int8Linear.from_linear(lin, use_kernel=True, dense_prefill=True)
+    kernel = Int8Linear.from_linear(lin, use_kernel=True, dense_prefill=False)
+    assert dense.uses_kernel and dense.dense_prefill_dtype == dtype and kernel.dense_prefill_dtype is None
+    x = torch.randn(*lead, 256).to(dtype)
+    ref = reference(x, dequantize_int8(quantize_int8(lin.weight)), lin.bias)
+    y = dense(x)
+    assert y.shape == (*lead, 64) and y.dtype == dtype
+    assert rel_err(y, ref) < tolerance(dtype, kernel=False)  # the portable path's accuracy
+    assert rel_err(kernel(x), ref) < tolerance(dtype, kernel=True)
+    short = x.reshape(-1, 256)[:quant.PREFILL_MIN_ROWS - 1]  # fewer rows stay on the kernel
+    assert torch.equal(dense(short), kernel(short))
+    assert not torch.equal(y, kernel(x))  # the long input really took the other path
+
+
+def test_int8_portable_product_in_slabs_changes_nothing(monkeypatch):
+    lin = make_linear(64, 256, False, torch.bfloat16)
+    m = Int8Linear.from_linear(lin, use_kernel=False)
+    x = torch.randn(3, 256).bfloat16()
+    whole = m(x)
+    monkeypatch.setattr(quant, "_INT8_DENSE_SLAB_ROWS", 24)  # slabs of 24, 24 and 16 rows
+    assert torch.equal(m(x), whole)
+
+
+def test_int8_dense_prefill_is_never_chosen_without_a_kernel_or_a_dtype():
+    lin = make_linear(64, 256, False, torch.float32)
+    assert Int8Linear.from_linear(lin, use_kernel=False, dense_prefill=True).dense_prefill_dtype is None
+    assert Int8Linear(quantize_int8(lin.weight), use_kernel=None).dense_prefill_dtype is None

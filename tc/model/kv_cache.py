@@ -11,29 +11,31 @@ class CacheFullError(RuntimeError):
 class KVCache:
     """Keys and values of layers [start, end) for positions [0, capacity).
 
-    Allocated once per request so decode steps never reallocate: each step writes one position in place.
+    Allocated once per request so decode steps never reallocate: each step writes one position in place. Keys and
+    values share one tensor, so a step stores both with one copy. Left uninitialised: a position is only ever
+    read after it was written (attention reads [0, end) of what `update` stored), and untouched pages of a large
+    capacity then cost no memory.
     """
 
     def __init__(self, layer_ids: list[int], n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (len(layer_ids), 1, n_kv_heads, capacity, head_dim)  # [layers, B, H_kv, T, D]
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.slot = {layer: i for i, layer in enumerate(layer_ids)}
+        shape = (len(layer_ids), 2, 1, n_kv_heads, capacity, head_dim)  # [layers, K/V, B, H_kv, T, D]
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        self.keys, self.values = self.kv[:, 0], self.kv[:, 1]  # [layers, B, H_kv, T, D] views
+        self._layers = {layer: self.kv[i] for i, layer in enumerate(layer_ids)}  # [K/V, B, H_kv, T, D] views
         self.capacity = capacity
         self.length = 0  # positions filled, the same for every layer once a forward completes
 
-    def update(self, layer: int, position_start: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, H_kv, L, D]) at positions [position_start, +L); return all keys/values so far."""
-        end = position_start + k.shape[2]
+    def update(self, layer: int, position_start: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys and values kv ([2, B, H_kv, L, D]) at positions [position_start, +L); return all keys and
+        values so far ([B, H_kv, position_start + L, D] each)."""
+        end = position_start + kv.shape[3]
         if end > self.capacity:
             raise CacheFullError(f"position {end - 1} is past this request's cache capacity {self.capacity}")
-        i = self.slot[layer]
-        self.keys[i, :, :, position_start:end] = k
-        self.values[i, :, :, position_start:end] = v
-        return self.keys[i, :, :, :end], self.values[i, :, :, :end]  # [B, H_kv, end, D]
+        slot = self._layers[layer]
+        slot[:, :, :, position_start:end] = kv
+        return slot[0, :, :, :end], slot[1, :, :, :end]
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.kv.nbytes

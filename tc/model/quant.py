@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dense import PROBE_ROWS, PackedLinear
+from .probe import one_thread, race
+
 log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
@@ -49,8 +52,11 @@ INT4_PACKING = "row-major [out, padded_in / 2] uint8; low nibble = even column, 
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the aten int4 kernels accept
 
 _KERNEL_DTYPE = torch.bfloat16
+PREFILL_MIN_ROWS = 32  # activation rows from which an int8 product may take the portable path (see Int8Linear)
+DENSE_PREFILL_MIN_GAIN = 1.25  # ... if the probe finds it this much faster there
 _ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
 _CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time so float temporaries stay ~16 MiB
+_INT8_DENSE_SLAB_ROWS = 4096  # rows of int8 codes converted at a time by the portable path
 
 
 class QuantizationError(ValueError):
@@ -287,6 +293,20 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
     return deq.view(out, w.padded_in_features)[:, :cols].to(dtype)
 
 
+def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x2 [M, in] @ qweight.T) * scale in x2's dtype, converting the codes _INT8_DENSE_SLAB_ROWS rows at a time, so
+    the converted copy stays small whatever the matrix (an lm_head's would be hundreds of MB). Rows are
+    independent, so slabs give the same bits as the whole."""
+    rows, dtype = qweight.shape[0], x2.dtype
+    if rows <= _INT8_DENSE_SLAB_ROWS:
+        return F.linear(x2, qweight.to(dtype)) * scale.to(dtype)
+    y = x2.new_empty(x2.shape[0], rows)  # [M, out]
+    for r0 in range(0, rows, _INT8_DENSE_SLAB_ROWS):
+        r1 = min(rows, r0 + _INT8_DENSE_SLAB_ROWS)
+        torch.mul(F.linear(x2, qweight[r0:r1].to(dtype)), scale[r0:r1].to(dtype), out=y[:, r0:r1])
+    return y
+
+
 def _int4_portable_linear(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                           group_size: int) -> torch.Tensor:
     """x2 [M, padded_in] @ dequantized weight.T, in x2's dtype, from the portable buffers.
@@ -353,6 +373,35 @@ def int8_kernel_available(device_type: str) -> bool:
     log.info("int8 packed kernel on %s: %s (relative error %.2e)", device_type, "in use" if ok else
              "disagrees with the reference, using the portable path", err)
     return ok
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen)
+    scale = torch.rand(rows, generator=gen) / INT8_MAX
+    x = torch.randn(PREFILL_MIN_ROWS, in_features, generator=gen).to(dtype)
+    with one_thread():  # see probe.py: steady timings on a shared machine
+        kernel_s, dense_s = race([lambda: _int8_kernel(x, qweight, scale),
+                                  lambda: F.linear(x, qweight.to(dtype)) * scale.to(dtype)], 5)
+    faster = kernel_s >= DENSE_PREFILL_MIN_GAIN * dense_s
+    log.info("int8 [%d, %d] x %d rows of %s: kernel %.0f us, codes converted + dense product %.0f us: %s", rows,
+             in_features, PREFILL_MIN_ROWS, dtype, kernel_s * 1e6, dense_s * 1e6, "dense" if faster else "kernel")
+    return faster
+
+
+def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether, on this CPU, PREFILL_MIN_ROWS rows of `dtype` activations times an int8 [out, in] weight run faster
+    by converting the codes to `dtype` and multiplying densely than through the packed kernel (probed once per
+    shape, on a slab of at most PROBE_ROWS rows, on one thread; the dense way must win by DENSE_PREFILL_MIN_GAIN).
+
+    Fewer rows stay on the kernel: a decode step's one row is what the kernel is for, and the kernel's time grows
+    with the rows while the conversion costs the same for any number, so past the probed count the dense way only
+    gains.
+    """
+    if not int8_kernel_available("cpu") or not _int8_kernel_shape_ok(in_features):
+        return False
+    return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype)
 
 
 @dataclass(frozen=True)
@@ -512,13 +561,20 @@ class Int8Linear(_QuantLinear):
 
     The portable path computes (x @ qweight.T) * scale: the per-row scale factors out of the dot product, so no
     float copy of the weight is scaled, and the codes convert to x's dtype exactly (|q| <= 127).
+
+    With the kernel, prefill-sized products (PREFILL_MIN_ROWS activation rows or more) in `prefill_dtype` may take
+    the portable path instead: the kernel's time grows with every row, while the portable path converts the codes
+    once and then runs the dense product at its own, much higher rate per row. A load-time probe per shape decides
+    (`int8_dense_prefill_is_faster`; `dense_prefill` overrides it). Both paths read the same codes.
     """
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None):
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
+                 prefill_dtype: torch.dtype | None = None, dense_prefill: bool | None = None):
         """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self._use_kernel = use_kernel
+        self._prefill_dtype, self._dense_prefill = prefill_dtype, dense_prefill
         self._device_type = weight.qweight.device.type
         self.uses_kernel = self._choose_path(self._device_type)
         self._kernel_device_type = None  # int8 codes are the same on both paths and every device
@@ -532,10 +588,17 @@ class Int8Linear(_QuantLinear):
 
     def _choose_path(self, device_type: str) -> bool:
         shape_ok = _int8_kernel_shape_ok(self.in_features)
-        return _resolve_use_kernel(
+        uses_kernel = _resolve_use_kernel(
             self._use_kernel, shape_ok and int8_kernel_available(device_type),
             f"no int8 packed kernel for {(self.out_features, self.in_features)} on {device_type}"
             + ("" if shape_ok else " (in_features must be a multiple of 16)"))
+        dense = self._dense_prefill
+        if dense is None:
+            dense = (uses_kernel and device_type == "cpu" and self._prefill_dtype is not None
+                     and int8_dense_prefill_is_faster(self.out_features, self.in_features, self._prefill_dtype))
+        # the dtype whose prefill-sized products take the portable path, or None
+        self.dense_prefill_dtype = self._prefill_dtype if uses_kernel and dense else None
+        return uses_kernel
 
     def _after_apply(self) -> None:
         # the codes mean the same everywhere, so a moved layer just picks the path its new device offers
@@ -545,21 +608,23 @@ class Int8Linear(_QuantLinear):
             self.uses_kernel = self._choose_path(device_type)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, use_kernel: bool | None = None) -> "Int8Linear":
-        """Quantize `linear`'s weight on its device; the bias is kept as it is."""
-        return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel)
+    def from_linear(cls, linear: nn.Linear, *, use_kernel: bool | None = None,
+                    dense_prefill: bool | None = None) -> "Int8Linear":
+        """Quantize `linear`'s weight on its device; the bias is kept as it is. Its dtype is the prefill dtype."""
+        return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel,
+                   prefill_dtype=linear.weight.dtype, dense_prefill=dense_prefill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if self.uses_kernel:
+        if self.uses_kernel and (x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype):
             y = _int8_kernel(x2, qweight, scale)
         elif x.dtype == torch.float16:
             # x @ q.T can pass fp16's 65504 before the scale brings it down, so scale the weight instead
             y = F.linear(x2, qweight.to(x.dtype) * scale.to(x.dtype)[:, None])
         else:
-            y = F.linear(x2, qweight.to(x.dtype)) * scale.to(x.dtype)
+            y = _int8_dense(x2, qweight, scale)
         return self._finish(y, x)
 
 
@@ -632,10 +697,11 @@ class Int4Linear(_QuantLinear):
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
                      use_kernel: bool | None = None) -> None:
-    """Replace every nn.Linear below `module` by its int8/int4 counterpart, in place, on the Linear's device.
+    """Replace every linear layer below `module` (nn.Linear, or a dense.PackedLinear) by its int8/int4
+    counterpart, in place, on the layer's device.
 
     mode "fp16" leaves the module as it is. Raises QuantizationError for an unknown mode, a bad group size, or a
-    bare nn.Linear passed as `module` (there is no parent to put the replacement in; wrap it).
+    bare linear layer passed as `module` (there is no parent to put the replacement in; wrap it).
     """
     if mode not in WEIGHT_MODES:
         raise QuantizationError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
@@ -643,18 +709,22 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GRO
         return
     if mode == "int4":
         _check_group_size(group_size)
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, PackedLinear)):
         raise QuantizationError("quantize_linears replaces Linears inside a module; wrap a bare nn.Linear "
                                 "(e.g. nn.Sequential(linear)) or call Int8Linear/Int4Linear.from_linear")
     replacements: dict[int, nn.Module] = {}  # id(Linear) -> its replacement, so a shared Linear stays shared
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):  # named_children() would skip a repeated child
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, (nn.Linear, PackedLinear)):
                 continue
             if id(child) not in replacements:
+                # a packed layer gives its plain weight back; the codes are the same as for the unpacked layer
+                w = child.dense_weight() if isinstance(child, PackedLinear) else child.weight.detach()
                 if mode == "int8":
-                    replacements[id(child)] = Int8Linear.from_linear(child, use_kernel=use_kernel)
+                    replacements[id(child)] = Int8Linear(quantize_int8(w), child.bias, use_kernel=use_kernel,
+                                                         prefill_dtype=w.dtype)
                 else:
-                    replacements[id(child)] = Int4Linear.from_linear(child, group_size, use_kernel=use_kernel)
+                    replacements[id(child)] = Int4Linear(quantize_int4(w, group_size), child.bias,
+                                                         use_kernel=use_kernel)
             setattr(parent, name, replacements[id(child)])
     log.debug("quantized %d linear layers to %s", len(replacements), mode)

@@ -2,14 +2,13 @@
 
 The head runs `HeadModel` (embedding, final norm, lm_head); each worker runs one `Stage`, a contiguous
 half-open range [start, end) of decoder layers keyed by their global layer numbers. Module attribute names are
-the safetensors key names, so a checkpoint loads with no renaming.
+the safetensors key names, so a checkpoint loads with no renaming, except two fused layers: q/k/v_proj load into
+one qkv_proj and gate/up_proj into one gate_up_proj (a load_state_dict pre-hook concatenates their rows), so a
+decode step runs four products per layer instead of seven.
 """
 from __future__ import annotations
 
 import logging
-import platform
-import time
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen2Config
+from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .weights import WeightIndex, head_tensor_names, layer_tensor_names
 
@@ -56,51 +56,6 @@ def mps_supports_bf16() -> bool:
         return False
 
 
-@lru_cache(maxsize=None)
-def cpu_bf16_matmul_is_slow() -> bool:
-    """Whether this CPU multiplies bf16 matrices much slower than fp32 ones.
-
-    x86 CPUs without AVX512-BF16 or AMX have no bf16 arithmetic: a bf16 prefill-sized product ran 5-7x slower
-    than fp32 on one (AMD EPYC, AVX2). There, multi-token bf16 inputs are better multiplied in fp32, converting
-    the weight on the fly. Where the flags cannot be read (not Linux), a short timing decides.
-    """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        flags = None
-    if flags is not None and platform.machine().lower() in ("x86_64", "amd64", "i686"):
-        return not ({"avx512_bf16", "amx_bf16"} & set(flags))
-    x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
-    xb, wb = x.bfloat16(), w.bfloat16()
-
-    def best(fn) -> float:
-        fn()  # the first call sets up kernels
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return min(times)
-
-    return best(lambda: F.linear(xb, wb)) > 1.5 * best(lambda: F.linear(xb.float(), wb.float()))
-
-
-UPCAST_MIN_TOKENS = 8  # one decode token is memory-bound, where bf16's smaller reads win
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose multi-token bf16 products run in fp32 on CPUs where bf16 matmul is slow (same result
-    up to rounding, several times faster prefill there). Quantization replaces it like any nn.Linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2
-                and x.shape[-2] >= UPCAST_MIN_TOKENS and cpu_bf16_matmul_is_slow()):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return super().forward(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -108,38 +63,56 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 as the reference does, then scale in the compute dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalise in fp32 as the reference does (one fused op, the same bits as its five), then scale in the
+        # compute dtype
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Rotary:
-    """cos/sin tables for rotary position embeddings, grown on demand, in fp32."""
+    """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device | str):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         self.inv_freq = 1.0 / (theta ** exponents)  # [D/2]
-        self.cos = self.sin = torch.empty(0, head_dim, device=device)
+        self.size = 0  # positions the tables cover
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype`, sin in `rotate_`'s form."""
         end = start + length
-        if end > self.cos.shape[0]:
-            size = max(end, 2 * self.cos.shape[0], 256)
-            positions = torch.arange(size, device=self.inv_freq.device).float()
+        if end > self.size:
+            self.size = max(end, 2 * self.size, 256)
+            self._tables.clear()
+        if dtype not in self._tables:
+            positions = torch.arange(self.size, device=self.inv_freq.device).float()
             freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-            self.cos, self.sin = emb.cos(), emb.sin()
-        return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)  # [L, D]
+            cos, sin = emb.cos(), emb.sin()
+            sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
+            self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
+        cos, sin = self._tables[dtype]
+        return cos[start:end], sin[start:end]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place: x * cos + rotate_half(x) * sin, with transformers' roundings.
+
+    x: [B, L, heads, D]; cos, sin: [L, 1, D] from `Rotary.tables`, whose sin has its first half negated, so
+    rotate_half(x) * sin = cat(-x2, x1) * sin is the halves swapped, times that table, exactly.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [B, L, heads, D], a new tensor
+    x.mul_(cos).add_(swapped.mul_(sin))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin  # x: [B, H, L, D], cos/sin: [L, D]
+def _fuse_rows(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...], suffixes: tuple[str, ...]) -> None:
+    """Replace the checkpoint's linear layers `parts` under `prefix` by one layer `fused` whose rows are theirs,
+    one after another. Each output row depends on its own weight row alone (int8 scales per row and int4 groups
+    along a row too), so the fused layer computes exactly what the parts did, in one product instead of several.
+    A part missing from `state_dict` leaves it as it is, for load_state_dict to report."""
+    for suffix in suffixes:
+        names = [f"{prefix}{part}.{suffix}" for part in parts]
+        if all(name in state_dict for name in names):
+            state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(name) for name in names])
 
 
 class Attention(nn.Module):
@@ -149,22 +122,29 @@ class Attention(nn.Module):
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, kv = config.hidden_size, self.n_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, hidden, bias=True)
-        self.k_proj = Linear(hidden, kv, bias=True)
-        self.v_proj = Linear(hidden, kv, bias=True)
+        self.qkv_proj = Linear(hidden, hidden + 2 * kv, bias=True)  # q_proj, k_proj, v_proj, fused on loading
         self.o_proj = Linear(hidden, hidden, bias=False)
+        self.register_load_state_dict_pre_hook(
+            lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "qkv_proj",
+                                                              ("q_proj", "k_proj", "v_proj"), ("weight", "bias")))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, position_start: int) -> torch.Tensor:
         b, length, _ = x.shape  # [B, L, hidden]
-        q = self.q_proj(x).view(b, length, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, L, D]
-        k = self.k_proj(x).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, L, D]
-        v = self.v_proj(x).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.update(layer, position_start, k, v)  # [B, H_kv, T, D], T = start + L
+        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(b, length, h + 2 * h_kv, d)  # [B, L, heads, D]: q heads, k heads, v heads
+        rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
+        kv = qkv[:, :, h:].unflatten(2, (2, h_kv)).permute(2, 0, 3, 1, 4)  # [2, B, H_kv, L, D], a view
+        keys, values = cache.update(layer, position_start, kv)  # [B, H_kv, T, D] each, T = start + L
         if length == 1:
-            mask, causal = None, False  # one query sees every cached position
-        elif position_start == 0:
+            # One query sees every cached position, so the query heads sharing a KV head can go in as a block of
+            # queries against it: no head is repeated and no mask is needed. (SDPA's own GQA path for bf16 took
+            # 8x longer at 128 positions and 30x at 2048.)
+            q = qkv[:, 0, :h].unflatten(1, (h_kv, h // h_kv))  # [B, H_kv, H / H_kv, D]
+            out = F.scaled_dot_product_attention(q, keys, values)
+            return self.o_proj(out.view(b, 1, -1))  # [B, H_kv, H / H_kv, D] -> [B, 1, hidden]
+        q = qkv[:, :, :h].transpose(1, 2)  # [B, H, L, D]
+        if position_start == 0:
             mask, causal = None, True
         else:  # a chunk after cached positions: query i sees keys up to position_start + i
             q_pos = torch.arange(position_start, position_start + length, device=x.device)
@@ -178,12 +158,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: Qwen2Config):
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(hidden, 2 * inner, bias=False)  # gate_proj, up_proj, fused on loading
+        self.down_proj = Linear(inner, hidden, bias=False)
+        self.register_load_state_dict_pre_hook(
+            lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "gate_up_proj",
+                                                              ("gate_proj", "up_proj"), ("weight",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
+        return self.down_proj(F.silu(gate, inplace=True) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -195,8 +179,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache, layer, position_start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)  # x is the caller's
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Stage(nn.Module):
@@ -215,11 +199,12 @@ class Stage(nn.Module):
     def load(cls, config: Qwen2Config, index: WeightIndex, start: int, end: int,
              dtype: torch.dtype, device: torch.device | str = "cpu",
              prepare: Callable[[nn.Module], None] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> "Stage":
+             progress: Callable[[int, int], None] | None = None, pack: bool | None = None) -> "Stage":
         """Build layers [start, end) from the checkpoint, reading only their bytes.
 
         Layers load one at a time, and `prepare` (quantization) runs on each before the next is read, so the
-        peak memory is the prepared stage plus one unprepared layer.
+        peak memory is the prepared stage plus one unprepared layer. The linear layers left unquantized then take
+        the fastest product this CPU has for their shape (`dense.pack_linears`; `pack` as its `force`).
         """
         with torch.device("meta"):
             stage = cls(config, start, end)
@@ -231,6 +216,7 @@ class Stage(nn.Module):
             layer.requires_grad_(False)
             if prepare is not None:
                 prepare(layer)
+            pack_linears(layer, force=pack)
             if progress is not None:
                 progress(done, end - start)
         stage.rotary = Rotary(config.head_dim, config.rope_theta, device)
@@ -263,7 +249,10 @@ class HeadModel(nn.Module):
 
     @classmethod
     def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
-             device: torch.device | str = "cpu") -> "HeadModel":
+             device: torch.device | str = "cpu", pack: bool | None = None) -> "HeadModel":
+        """The head's tensors from the checkpoint. An lm_head of its own takes the fastest product this CPU has
+        for its shape (`dense.pack_linears`; `pack` as its `force`); one tied to the embedding stays as it is,
+        since packing it would hold the matrix twice."""
         with torch.device("meta"):
             head = cls(config)
         tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
@@ -271,6 +260,8 @@ class HeadModel(nn.Module):
         head.norm.weight = nn.Parameter(tensors["model.norm.weight"], requires_grad=False)
         lm = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
         head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
+        if "lm_head.weight" in tensors:
+            pack_linears(head, force=pack)
         return head.eval()
 
     @torch.inference_mode()

@@ -1,0 +1,134 @@
+"""Dense linear layers: the blocked oneDNN product against F.linear, packing a model, quantizing a packed layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_helpers import OurModel
+from tc.model.dense import Linear, PackedLinear, pack_linears, packed_is_faster
+from tc.model.quant import Int4Linear, Int8Linear, quantize_linears
+from tiny_model import write_tiny_model
+
+
+def can_pack() -> bool:
+    try:
+        PackedLinear(torch.ones(16, 16, dtype=torch.bfloat16))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch build has no oneDNN blocked linear")
+
+
+def make_linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
+    gen = torch.Generator().manual_seed(seed)
+    lin = Linear(in_f, out_f, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(out_f, generator=gen))
+    return lin.requires_grad_(False)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3, 5), (2, 7)])
+def test_packed_product_equals_the_reference(bias, lead):
+    dtype = torch.bfloat16
+    lin = make_linear(96, 64, bias, dtype)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(*lead, 64).to(dtype)
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    y = packed(x)
+    assert y.shape == (*lead, 96) and y.dtype == dtype
+    assert rel_err(y, ref) < 1e-2
+    assert rel_err(y, ref) <= 1.01 * rel_err(lin(x), ref) + 1e-6  # no worse than F.linear in the same dtype
+
+
+def test_packed_product_reads_a_strided_input():
+    lin = make_linear(96, 64, True, torch.bfloat16)
+    x = torch.randn(3, 5, 128).bfloat16()[..., ::2]  # [3, 5, 64], every other column
+    assert not x.is_contiguous()
+    y = PackedLinear.from_linear(lin)(x)
+    assert torch.equal(y, PackedLinear.from_linear(lin)(x.contiguous()))
+    assert rel_err(y, F.linear(x.float(), lin.weight.float(), lin.bias.float())) < 1e-2
+
+
+def test_a_packed_layer_gives_its_weight_back_and_holds_only_its_bytes():
+    lin = make_linear(96, 64, True, torch.bfloat16)
+    packed = PackedLinear.from_linear(lin)
+    assert torch.equal(packed.dense_weight(), lin.weight)
+    assert list(packed.parameters()) == []
+    held = sum(b.numel() * b.element_size() for name, b in packed.named_buffers() if name != "bias")
+    assert held == lin.weight.numel() * lin.weight.element_size()
+
+
+def test_a_packed_layer_refuses_to_change_dtype_or_device():
+    packed = PackedLinear.from_linear(make_linear(32, 32, False, torch.bfloat16))
+    for move in (lambda m: m.float(), lambda m: m.to("meta")):
+        with pytest.raises(ValueError, match="before packing"):
+            move(packed)
+    packed.to("cpu")  # where it already is: nothing to do
+
+
+def test_packed_linear_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="2-D CPU weight"):
+        PackedLinear(torch.ones(4, 4))  # fp32 stays on F.linear
+    with pytest.raises(ValueError, match="2-D CPU weight"):
+        PackedLinear(torch.ones(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="2-D CPU weight"):
+        PackedLinear(torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_fp32_is_never_packed():
+    assert packed_is_faster(896, 896, torch.float32) is False
+    model = nn.Sequential(make_linear(64, 64, True, torch.float32))
+    assert pack_linears(model, force=True) == 0 and isinstance(model[0], Linear)
+
+
+def test_pack_linears_packs_only_cpu_bf16_and_keeps_sharing():
+    shared = make_linear(32, 32, False, torch.bfloat16)
+    model = nn.Sequential(shared, nn.ReLU(), shared, make_linear(16, 32, True, torch.float32))
+    assert pack_linears(model, force=True) == 1
+    assert isinstance(model[0], PackedLinear) and model[0] is model[2]
+    assert isinstance(model[3], Linear)
+    untouched = nn.Sequential(make_linear(32, 32, False, torch.bfloat16))
+    assert pack_linears(untouched, force=False) == 0 and isinstance(untouched[0], Linear)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_a_packed_layer_gives_the_same_codes(mode):
+    lin = make_linear(64, 256, True, torch.bfloat16)
+    plain, packed = nn.Sequential(lin), nn.Sequential(PackedLinear.from_linear(lin))
+    quantize_linears(plain, mode, 64)
+    quantize_linears(packed, mode, 64)
+    cls = Int8Linear if mode == "int8" else Int4Linear
+    assert isinstance(packed[0], cls)
+    a, b = dict(plain[0].named_buffers()), dict(packed[0].named_buffers())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_packed_model_follows_the_plain_one(tiny_model_dir):
+    ids = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120]
+    plain = OurModel(tiny_model_dir, torch.bfloat16, pack=False)
+    packed = OurModel(tiny_model_dir, torch.bfloat16, pack=True)
+    assert sum(isinstance(m, PackedLinear) for m in packed.stages[0].modules()) == 4 * 4  # 4 products x 4 layers
+    assert isinstance(packed.head.lm_head, PackedLinear)
+    assert not any(isinstance(m, PackedLinear) for m in plain.stages[0].modules())
+    full, split = packed.full_logits(ids), packed.cached_logits(ids, split=4)
+    reference = plain.full_logits(ids)
+    assert rel_err(full, reference) < 1e-2
+    assert rel_err(split, full) < 1e-2
+
+
+def test_an_lm_head_tied_to_the_embedding_stays_one_matrix(tmp_path):
+    model_dir = write_tiny_model(tmp_path, seed=3, tie_word_embeddings=True)
+    head = OurModel(model_dir, torch.bfloat16, pack=True).head
+    assert isinstance(head.lm_head, Linear)
+    assert head.lm_head.weight.data_ptr() == head.embed_tokens.weight.data_ptr()

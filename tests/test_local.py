@@ -1,0 +1,32 @@
+"""The single-process generator in each weight mode: quantized while loading, as a cluster's workers and head do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import OurModel
+from tc.local import load_local_generator
+from tc.model.quant import Int4Linear, Int8Linear, QuantizationError, quantize_linears
+from tc.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("quant,layer_cls", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_layers_in_the_mode_and_the_lm_head_in_the_head_mode(tiny_model_dir, quant, layer_cls):
+    generator = load_local_generator(tiny_model_dir, "fp32", quant=quant, group_size=32)
+    stage = generator.pipeline.stages[0]
+    assert isinstance(stage.layers["0"].mlp.down_proj, layer_cls)
+    assert isinstance(generator.head.lm_head, Int8Linear)  # quant.head_weight_mode: int8 under int4 too
+    # the same as quantizing a loaded float model afterwards: the codes do not depend on when
+    ours = OurModel(tiny_model_dir)
+    quantize_linears(ours.stages[0], quant, 32)
+    quantize_linears(ours.head, "int8", 32)
+    ids = [5, 77, 200, 13, 42]
+    with torch.inference_mode():
+        hidden = generator.pipeline.prefill(generator.head.embed(torch.tensor([ids])), capacity=len(ids))
+        assert torch.equal(generator.head.logits(hidden), ours.head.logits(ours.final_hidden(ids)))
+    assert generator.generate(ids, SamplingParams(max_tokens=3, temperature=0)).completion_tokens == 3
+
+
+def test_an_unknown_mode_is_refused(tiny_model_dir):
+    with pytest.raises(QuantizationError, match="int3"):
+        load_local_generator(tiny_model_dir, "fp32", quant="int3")
