@@ -1,11 +1,11 @@
 """The whole model in one process: the baseline the cluster is measured against."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
 
-import torch
 
 from .generation import Generator, LocalPipeline
 from .model import quant as quantization
@@ -32,10 +32,8 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
     head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"))
     quantization.quantize_linears(head, quantization.head_weight_mode(quant), group_size)
-    prepare = None
-    if quant != "fp16":
-        def prepare(layer: torch.nn.Module) -> None:
-            quantization.quantize_linears(layer, quant, group_size)
+    # each layer is quantized as it loads (a no-op for fp16), as a worker does
+    prepare = functools.partial(quantization.quantize_linears, mode=quant, group_size=group_size)
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,

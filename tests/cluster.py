@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -156,3 +157,24 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Request:
+    """A POST /v1/completions sent from a thread; `.reply` and `.answered_at` once it returns."""
+
+    def __init__(self, cluster: Cluster, body: dict, timeout: float = 300):
+        self.reply: tuple[int, dict] | None = None
+        self.answered_at = 0.0
+
+        def post() -> None:
+            self.reply = cluster.post("/v1/completions", body, timeout=timeout)
+            self.answered_at = time.monotonic()
+
+        self.thread = threading.Thread(target=post, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout: float) -> tuple[int, dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
+        assert self.reply is not None
+        return self.reply

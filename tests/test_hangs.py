@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, write_topology
+from cluster import Cluster, Request, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import create_app
@@ -109,27 +109,6 @@ class ScriptedWorker:
             self.conn.send(reply, request_id, seq)
         except (ConnectionClosed, OSError):
             pass
-
-
-class Request:
-    """A completion posted from a thread; `.reply` and `.answered_at` once it returns."""
-
-    def __init__(self, cluster: Cluster, body: dict):
-        self.reply: tuple[int, dict] | None = None
-        self.answered_at = 0.0
-
-        def post() -> None:
-            self.reply = cluster.post("/v1/completions", body, timeout=120)
-            self.answered_at = time.monotonic()
-
-        self.thread = threading.Thread(target=post, daemon=True)
-        self.thread.start()
-
-    def wait(self, timeout: float) -> tuple[int, dict]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
-        assert self.reply is not None
-        return self.reply
 
 
 def node_row(cluster: Cluster, node_id: str) -> dict:

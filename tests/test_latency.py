@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from cluster import Cluster, write_topology

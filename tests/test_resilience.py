@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import signal
 import socket
-import threading
 import time
 
 import pytest
 import torch
 
-from cluster import Cluster, Process, write_topology
+from cluster import Cluster, Process, Request, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
@@ -47,33 +46,16 @@ def greedy(model_dir):
     return run
 
 
-class Request:
-    """A completion posted from a thread; `.reply` and `.answered_at` once it returns."""
-
-    def __init__(self, cluster: Cluster, max_tokens: int = LONG):
-        self.reply: tuple[int, dict] | None = None
-        self.answered_at = 0.0
-        body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True}
-
-        def post() -> None:
-            self.reply = cluster.post("/v1/completions", body, timeout=300)
-            self.answered_at = time.monotonic()
-
-        self.thread = threading.Thread(target=post, daemon=True)
-        self.thread.start()
-
-    def wait(self, timeout: float) -> tuple[int, dict]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"no answer within {timeout}s: the request hangs"
-        assert self.reply is not None
-        return self.reply
+def long_request(cluster: Cluster, max_tokens: int = LONG) -> Request:
+    """A greedy completion of exactly max_tokens tokens, posted from a thread."""
+    return Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                             "ignore_eos": True})
 
 
 def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG) -> Request:
     """Start a request and SIGSTOP `worker` while it runs; the request is then held at that worker."""
     for delay in (0.15, 0.05, 0.0):
-        request = Request(cluster, max_tokens)
+        request = long_request(cluster, max_tokens)
         time.sleep(delay)
         worker.proc.send_signal(signal.SIGSTOP)
         time.sleep(0.3)
@@ -84,7 +66,7 @@ def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG
         assert status == 200, body
     # the worker is frozen before the request is sent: it still reaches that worker and waits there
     worker.proc.send_signal(signal.SIGSTOP)
-    request = Request(cluster, max_tokens)
+    request = long_request(cluster, max_tokens)
     time.sleep(0.5)
     assert request.thread.is_alive()
     return request

@@ -4,6 +4,7 @@ Pure with respect to I/O: it takes protocol messages and returns replies; the co
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -94,10 +95,8 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     index.validate(config, only=names)
     check_layer_tensors(index, assignment)
     dtype = resolve_compute_dtype(assignment.compute_dtype, device)
-    prepare = None
-    if assignment.quant != "fp16":
-        def prepare(layer: torch.nn.Module) -> None:
-            quant.quantize_linears(layer, assignment.quant, assignment.group_size)
+    # each layer is quantized right after it loads (a no-op for fp16), so no 16-bit copy of the stage builds up
+    prepare = functools.partial(quant.quantize_linears, mode=assignment.quant, group_size=assignment.group_size)
     stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
     return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
 
