@@ -34,6 +34,7 @@ from tc.head.service import (
     StageFailed,
     WorkerLost,
 )
+from tc.model.chat_template import ChatTemplates
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 
@@ -315,8 +316,8 @@ def test_neutral_values_of_unimplemented_fields_are_served(client):
 
 
 def test_chat_template_failure_is_a_client_error(generator):
-    tokenizer = dataclasses.replace(generator.tokenizer,
-                                    chat_template="{{ raise_exception('only one message is supported') }}")
+    failing = ChatTemplates({"default": "{{ raise_exception('only one message is supported') }}"}, "test")
+    tokenizer = dataclasses.replace(generator.tokenizer, chat_templates=failing)
     client = testing.TestClient(create_app(make_service(generator, tokenizer=tokenizer)))
     error = assert_error_shape(post(client, CHAT, GOOD_CHAT), 400, "invalid_request_error", "messages",
                                "chat_template_error")
