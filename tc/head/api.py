@@ -31,6 +31,7 @@ from .api_requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
 from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
                       ServiceError, StageFailed, WorkerLost)
@@ -251,6 +252,14 @@ class CompletionsResource:
     def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
         self.generation = _Generation(service)
+        self.fim = FimTokens.find(service.tokenizer.token_id)
+
+    def _fill_in_middle(self, prompt_ids: list[int], suffix: str) -> list[int]:
+        if self.fim is None:
+            raise RequestError(f"'suffix' needs a model trained to fill in the middle, whose vocabulary has "
+                               f"{FIM_PREFIX}, {FIM_SUFFIX} and {FIM_MIDDLE}; this model's has not. Leave out "
+                               "suffix", param="suffix", code="unsupported_value")
+        return self.fim.prompt(prompt_ids, self.service.tokenizer.encode(suffix))
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_completion_request(read_json_body(req, self.max_body_bytes))
@@ -259,6 +268,8 @@ class CompletionsResource:
             prompt_ids = self.service.tokenizer.encode(request.prompt)
         else:
             prompt_ids = list(request.prompt)
+        if request.suffix is not None:
+            prompt_ids = self._fill_in_middle(prompt_ids, request.suffix)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt")
         params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, prompt_logprobs=request.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"

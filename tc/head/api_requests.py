@@ -98,6 +98,7 @@ class CompletionRequest:
     sampling: SamplingFields
     streaming: StreamFields = StreamFields()
     echo: bool = False  # the reply's text (and log-probabilities) start with the prompt's
+    suffix: str | None = None  # fill in the middle: the text that comes after the completion
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,14 @@ class ChatRequest:
 _COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
 }
-_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1), "suffix": (None,)}
+_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1)}
 _CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "response_format": (None, {"type": "text"}), "tools": (None, []),
                  "tool_choice": (None, "none")}
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                             "logprobs", "min_tokens", "ignore_eos"})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
@@ -456,12 +457,18 @@ def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
     streaming = _streaming(body)
     echo = body.get("echo")
     echo = _boolean(echo, "echo") if echo is not None else False
+    suffix = body.get("suffix")
+    if suffix is not None:
+        suffix = _string(suffix, "suffix")
+        if echo:  # the model reads prefix and suffix in one prompt; there is no single text to echo
+            raise RequestError("'suffix' and \"echo\": true cannot be combined; drop one", param="suffix",
+                               code="invalid_value")
     max_tokens = body.get("max_tokens")
     if max_tokens is not None:
         # with echo, 0 asks only for the prompt back (with its log-probabilities), as OpenAI allows
         max_tokens = _max_tokens(max_tokens, "max_tokens", least=0 if echo else 1)
     return CompletionRequest(model, prompt, _sampling(body, max_tokens, _completion_logprobs(body)), streaming,
-                             echo)
+                             echo, suffix)
 
 
 def _content(value: Any, param: str) -> str:
