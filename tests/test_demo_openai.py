@@ -5,7 +5,10 @@ official `openai` client (whole, streamed, and the final answer from the tool's 
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+from openai import OpenAI
 
 from cluster import Cluster, write_topology
 
@@ -30,3 +33,65 @@ def test_fill_in_the_middle_of_a_python_function(cluster):
         "max_tokens": 8, "temperature": 0})
     assert status == 200, body
     assert body["choices"][0]["text"].startswith("return a + b"), body
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object",
+                   "properties": {"location": {"type": "string", "description": "City name, e.g. Paris"}},
+                   "required": ["location"]}}}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. When a tool result arrives, answer the user in "
+                                       "one plain sentence."}
+QUESTION = {"role": "user", "content": "What's the weather like in Paris today?"}
+WEATHER_RESULT = {"location": "Paris", "temperature_c": 18, "condition": "sunny"}
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def weather_call(client):
+    return client.chat.completions.create(model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL],
+                                          temperature=0, max_tokens=64)
+
+
+def test_openai_client_gets_a_parsed_weather_call(weather_call):
+    choice = weather_call.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"location": "Paris"}
+
+
+def test_streamed_call_deltas_join_into_the_same_call(client, weather_call):
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL],
+                                                temperature=0, max_tokens=64, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    whole = weather_call.choices[0].message.tool_calls[0]
+    assert finish == "tool_calls"
+    assert list(calls) == [0]
+    assert calls[0]["id"].startswith("call_")
+    assert (calls[0]["name"], calls[0]["arguments"]) == (whole.function.name, whole.function.arguments)
+
+
+def test_final_answer_uses_the_tool_result(client, weather_call):
+    call = weather_call.choices[0].message.tool_calls[0]
+    messages = [SYSTEM, QUESTION, weather_call.choices[0].message,  # the client's own message object, sent back
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps(WEATHER_RESULT)}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER_TOOL],
+                                           tool_choice="none", temperature=0, max_tokens=40)
+    answer = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+    assert "sunny" in answer and "18" in answer, answer

@@ -35,7 +35,7 @@ from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
 from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
                       ServiceError, StageFailed, WorkerLost)
-from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText
+from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +289,10 @@ class ChatCompletionsResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_chat_request(read_json_body(req, self.max_body_bytes))
         check_model(request.model, self.service.model_id)
+        offered = request.offered_tools  # tool_choice "none" shows the model no tools, so it answers in text
         rendered = self.service.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in request.messages], add_generation_prompt=True)
+            [m.as_template_input() for m in request.messages], add_generation_prompt=True,
+            tools=[t.as_template_input() for t in offered] or None)
         prompt_ids = self.service.tokenizer.encode(rendered)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer),
                             "messages")
@@ -299,7 +301,9 @@ class ChatCompletionsResource:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
-        reply = ChatReply(context, self.token_text, logprobs=params.logprobs)
+        tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
+                 else None)
+        reply = ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools)
         self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
                               request.streaming.stream)
 
