@@ -8,6 +8,7 @@ synchronous; the service serialises generations, and Waitress runs each request 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import falcon
 
+from ..constraint import GrammarEngine
 from ..generation import text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
 from ..planner import Plan
@@ -35,6 +37,7 @@ from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
 from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
                       ServiceError, StageFailed, WorkerLost)
+from .structured_output import StructuredOutput
 from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
 log = logging.getLogger(__name__)
@@ -282,8 +285,10 @@ class CompletionsResource:
 
 
 class ChatCompletionsResource:
-    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
+                 structured: StructuredOutput):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.structured = structured
         self.generation = _Generation(service)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -298,6 +303,7 @@ class ChatCompletionsResource:
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         params = request.sampling.to_params(default_max_tokens=self.service.context_length - len(prompt_ids))
+        params = dataclasses.replace(params, constraint=self.structured.grammar(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
@@ -376,7 +382,10 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     app.add_route("/metrics", MetricsResource(service.metrics))
     token_text = TokenText(service.tokenizer)
     app.add_route("/v1/completions", CompletionsResource(service, max_body_bytes, token_text))
-    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text))
+    tokenizer, vocab_size = service.tokenizer, service.generator.head.config.vocab_size  # the logits' width
+    structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
+                                                             tokenizer.eos_token_ids))
+    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured))
     # one handler for everything, Falcon's own HTTPError included (it has a default handler of its own)
     app.add_error_handler([Exception, falcon.HTTPError], _handle_error)
     return app

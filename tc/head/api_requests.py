@@ -171,6 +171,16 @@ class ToolChoice:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """`text` (anything), `json_object` (any JSON object) or `json_schema` (JSON valid under `schema`)."""
+
+    type: str = "text"
+    name: str | None = None
+    schema: Mapping[str, Any] | None = None  # None with json_schema: any JSON value
+    strict: bool = False
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
@@ -179,6 +189,7 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat = ResponseFormat()
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:
@@ -197,14 +208,16 @@ _COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
 }
 _COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1)}
-_CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "response_format": (None, {"type": "text"})}
+_CHAT_NEUTRAL = _COMMON_NEUTRAL
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                             "logprobs", "min_tokens", "ignore_eos"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls"}
+                                 "parallel_tool_calls", "response_format"}
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"refusal": (None,), "function_call": (None,), "audio": (None,),
@@ -697,6 +710,36 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice
     return choice
 
 
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat:
+    value = body.get("response_format")
+    if value is None:
+        return ResponseFormat()
+    fmt = _object(value, "response_format", frozenset({"type", "json_schema"}))
+    kind = _required(fmt, "type", "response_format.")
+    if kind not in _RESPONSE_FORMATS:
+        raise RequestError(f"'response_format.type' is {json.dumps(kind)}; use \"text\", \"json_object\" or "
+                           "\"json_schema\"", param="response_format.type", code="invalid_value")
+    if kind != "json_schema":
+        if fmt.get("json_schema") is not None:
+            raise RequestError(f"'response_format.json_schema' is only for \"type\": \"json_schema\", not {kind}",
+                               param="response_format.json_schema", code="invalid_value")
+        return ResponseFormat(kind)
+    where = "response_format.json_schema"
+    spec = _object(_required(fmt, "json_schema", "response_format."), where, _JSON_SCHEMA_FIELDS)
+    name = _string(_required(spec, "name", where + "."), where + ".name")
+    if not TOOL_NAME.match(name):
+        raise RequestError(f"'{where}.name' is {json.dumps(name)}; a name is 1 to 64 letters, digits, '_' or '-'",
+                           param=where + ".name", code="invalid_value")
+    if spec.get("description") is not None:
+        _string(spec["description"], where + ".description")
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise RequestError(f"'{where}.schema' must be a JSON schema object, not {_json_type(schema)}",
+                           param=where + ".schema", code="invalid_type")
+    strict = spec.get("strict")
+    return ResponseFormat(kind, name, schema, _boolean(strict, where + ".strict") if strict is not None else False)
+
+
 def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     """Validate a /v1/chat/completions body. Raises RequestError naming the first field at fault."""
     _check_fields(body, _CHAT_FIELDS, _CHAT_NEUTRAL)
@@ -721,8 +764,18 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     tool_choice = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     parallel = _boolean(parallel, "parallel_tool_calls") if parallel is not None else True
-    return ChatRequest(model, parsed, _sampling(body, max_tokens, _chat_logprobs(body)), streaming, tools,
-                       tool_choice, parallel)
+    response_format = _response_format(body)
+    sampling = _sampling(body, max_tokens, _chat_logprobs(body))
+    if response_format.type != "text" and tool_choice.mode in ("required", "function"):
+        raise RequestError("'response_format' cannot be combined with a tool_choice that forces a call; the reply "
+                           "is the call", param="response_format", code="invalid_value")
+    constrained = response_format.type != "text" or tool_choice.mode in ("required", "function")
+    for name in ("min_tokens", "ignore_eos"):
+        if constrained and body.get(name) not in (None, 0, False):
+            # the grammar decides where the reply ends: it allows only the end once the JSON is complete
+            raise RequestError(f"'{name}' cannot be combined with response_format or a forced tool call",
+                               param=name, code="invalid_value")
+    return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format)
 
 
 def check_model(requested: str, served: str) -> None:
