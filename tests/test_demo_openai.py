@@ -1,14 +1,17 @@
 """What OpenAI clients ask of a local server, on the real demo model through a head and two worker processes.
 
 One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
-official `openai` client (whole, streamed, and the final answer from the tool's result), and structured output.
+official `openai` client (whole, streamed, and the final answer from the tool's result), and structured output
+(`parse` with a pydantic model; schema-valid replies across seeds and temperatures).
 """
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel
 
 from cluster import Cluster, write_topology
 
@@ -95,3 +98,36 @@ def test_final_answer_uses_the_tool_result(client, weather_call):
     answer = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
     assert "sunny" in answer and "18" in answer, answer
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+CITY_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    "is_capital": {"type": "boolean"}},
+    "required": ["city", "country", "landmarks", "is_capital"], "additionalProperties": False}
+
+
+def test_openai_parse_returns_a_pydantic_object(client):
+    reply = client.chat.completions.parse(
+        model=MODEL_NAME, temperature=0, max_tokens=60, response_format=City,
+        messages=[{"role": "user", "content": "Give the name, country and population of Paris as JSON."}])
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City), reply
+    assert city.name == "Paris" and city.country == "France"
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0, None), (0.9, 1), (0.9, 2), (1.5, 3)])
+def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temperature, seed):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, temperature=temperature, seed=seed, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                                 "strict": True}},
+        messages=[{"role": "user", "content": "Describe Rome as JSON."}])
+    assert reply.choices[0].finish_reason == "stop", reply
+    jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)
