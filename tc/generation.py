@@ -256,9 +256,13 @@ class Generator:
         first_token_at = time.perf_counter()
         finish = "length"
         eos = self.tokenizer.eos_token_ids
+        grammar = params.constraint.start() if params.constraint is not None else None
         while len(state.tokens) < max_tokens:
             early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
-            token = choose(logits, params, history, rng, banned=eos if early and not params.ignore_eos else ())
+            token = choose(logits, params, history, rng, banned=eos if early and not params.ignore_eos else (),
+                           allowed=grammar.allowed() if grammar is not None else None)
+            if grammar is not None:
+                grammar.advance(token)
             if not state.tokens:
                 first_token_at = time.perf_counter()
             if token in eos and not params.ignore_eos:

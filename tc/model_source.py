@@ -16,7 +16,9 @@ from .model.weights import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# the chat template may live in tokenizer_config.json or in files of its own (tc/model/chat_template.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "additional_chat_templates/tool_use.jinja")
 REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 
 

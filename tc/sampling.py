@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .constraint import TokenConstraint
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class SamplingParams:
     prompt_logprobs: bool = False  # also report the prompt tokens' log-probabilities (with `logprobs` alternatives)
     min_tokens: int = 0  # EOS is never chosen, and stop strings are not looked for, before this many tokens
     ignore_eos: bool = False  # EOS is a token like any other: generation runs to max_tokens or a stop string
+    constraint: TokenConstraint | None = None  # a grammar the tokens must follow (structured output); None: any
 
     def __post_init__(self) -> None:
         """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).
@@ -143,8 +147,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
-           rng: torch.Generator, banned: Sequence[int] = ()) -> int:
-    """The next token for raw fp32 `logits` [vocab] under `params`, never one of `banned`."""
+           rng: torch.Generator, banned: Sequence[int] = (), allowed: torch.Tensor | None = None) -> int:
+    """The next token for raw fp32 `logits` [vocab] under `params`: one of `allowed` (bool [vocab]) if given,
+    never one of `banned`."""
+    if allowed is not None:  # before everything else: penalties and top-k/top-p then see only valid tokens
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if banned:
         logits = logits.index_fill(0, torch.tensor(list(banned), dtype=torch.long), float("-inf"))
     return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k)

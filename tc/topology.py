@@ -46,7 +46,8 @@ MIN_JOIN_TOKEN_CHARS = 16
 MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
-TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "head", "nodes")
+TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "chat_template",
+            "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s", "heartbeat_timeout_s", "resume",
              "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb", "step_timeout_s",
              "step_timeout_factor")
@@ -146,6 +147,7 @@ class Topology:
     hf_cache_dir: Path | None
     head: HeadSettings
     nodes: tuple[NodeEntry, ...]
+    chat_template: Path | None = None  # a Jinja file that replaces the model's own chat template (head only)
 
     def with_ports(self, api_port: int | None = None, listen_port: int | None = None) -> Topology:
         """A copy with the head's API and/or listen port replaced (0 lets the OS pick, for tests)."""
@@ -235,6 +237,8 @@ class Topology:
             data["name"] = self.name
         if self.hf_cache_dir is not None:
             data["hf_cache_dir"] = str(self.hf_cache_dir)
+        if self.chat_template is not None:
+            data["chat_template"] = str(self.chat_template)
         return data
 
 
@@ -442,16 +446,26 @@ class _Parser:
         dtype = self.choice(self.required(top, "dtype", "", "bf16"), "dtype", DTYPES, "compute dtype")
         cache = top.get("hf_cache_dir")
         hf_cache_dir = None if cache is None else self.local_path(self.string(cache, "hf_cache_dir"))
+        chat_template = self.optional(top, "chat_template", "", self.template_file)
         head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
         nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
         return Topology(
             version=version, model=model, model_is_local=is_local, name=name, revision=revision, quant=quant,
             group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
+            chat_template=chat_template,
         )
 
     def local_path(self, text: str) -> Path:
         path = Path(text).expanduser()
         return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def template_file(self, value: object, path: str) -> Path:
+        # read by the head when it loads the tokenizer; checked here so a wrong path fails before anything loads
+        file = self.local_path(self.string(value, path))
+        if not file.is_file():
+            raise self.fail(path, f"{value}: no such file; give the path of a Jinja chat template file (relative "
+                            "paths are relative to this file), or remove the key to use the model's own template")
+        return file
 
     def model(self, value: object) -> tuple[str, bool]:
         text = self.string(value, "model")

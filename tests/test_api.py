@@ -34,6 +34,7 @@ from tc.head.service import (
     StageFailed,
     WorkerLost,
 )
+from tc.model.chat_template import ChatTemplates
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 
@@ -232,7 +233,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(logit_bias={"1": 5}), 400, "invalid_request_error", "logit_bias",
      "unsupported_parameter"),
     (COMPLETIONS, completion(best_of=2), 400, "invalid_request_error", "best_of", "unsupported_parameter"),
-    (COMPLETIONS, completion(suffix="x"), 400, "invalid_request_error", "suffix", "unsupported_parameter"),
+    (COMPLETIONS, completion(suffix="x"), 400, "invalid_request_error", "suffix", "unsupported_value"),
+    (COMPLETIONS, completion(suffix=5), 400, "invalid_request_error", "suffix", "invalid_type"),
+    (COMPLETIONS, completion(suffix="x", echo=True), 400, "invalid_request_error", "suffix", "invalid_value"),
     (COMPLETIONS, completion(min_p=0.1), 400, "invalid_request_error", "min_p", "unsupported_parameter"),
     (COMPLETIONS, completion(top_logprobs=2), 400, "invalid_request_error", "top_logprobs",
      "unsupported_parameter"),
@@ -255,6 +258,18 @@ BAD_REQUESTS = [
     (CHAT, chat_message(content=[{"type": "text"}]), 400, "invalid_request_error", "messages[0].content[0].text",
      "missing_required_parameter"),
     (CHAT, chat_message(tool_calls=[]), 400, "invalid_request_error", "messages[0].tool_calls",
+     "invalid_value"),
+    (CHAT, chat_message(role="tool"), 400, "invalid_request_error", "messages[0].tool_call_id",
+     "missing_required_parameter"),
+    (CHAT, chat_message(role="assistant", content=None, tool_calls=[{"id": "c", "type": "function",
+                                                                     "function": {"name": "f", "arguments": {}}}]),
+     400, "invalid_request_error", "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+    (CHAT, chat_message(role="assistant", content=None, tool_calls=[{"id": "c", "type": "custom",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]),
+     400, "invalid_request_error", "messages[0].tool_calls[0].type", "unsupported_value"),
+    (CHAT, chat_message(role="assistant", content=None), 400, "invalid_request_error", "messages[0].content",
+     "missing_required_parameter"),
+    (CHAT, chat_message(refusal="no"), 400, "invalid_request_error", "messages[0].refusal",
      "unsupported_parameter"),
     (CHAT, chat(max_tokens=4, max_completion_tokens=5), 400, "invalid_request_error", "max_completion_tokens",
      "invalid_value"),
@@ -270,9 +285,37 @@ BAD_REQUESTS = [
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
     (CHAT, chat(echo=True), 400, "invalid_request_error", "echo", "unsupported_parameter"),
     (CHAT, chat(max_tokens=0), 400, "invalid_request_error", "max_tokens", "invalid_value"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "invalid_request_error", "response_format",
-     "unsupported_parameter"),
-    (CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_request_error", "tools", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "xml"}), 400, "invalid_request_error", "response_format.type",
+     "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_schema"}), 400, "invalid_request_error",
+     "response_format.json_schema", "missing_required_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400,
+     "invalid_request_error", "response_format.json_schema.name", "missing_required_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": []}}), 400,
+     "invalid_request_error", "response_format.json_schema.schema", "invalid_type"),
+    (CHAT, chat(response_format={"type": "json_object", "json_schema": {"name": "x"}}), 400,
+     "invalid_request_error", "response_format.json_schema", "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_object"}, min_tokens=3), 400, "invalid_request_error",
+     "min_tokens", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_request_error", "tools[0].function",
+     "missing_required_parameter"),
+    (CHAT, chat(tools={"type": "function"}), 400, "invalid_request_error", "tools", "invalid_type"),
+    (CHAT, chat(tools=[{"type": "code_interpreter"}]), 400, "invalid_request_error", "tools[0].type",
+     "unsupported_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "has space"}}]), 400, "invalid_request_error",
+     "tools[0].function.name", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), 400,
+     "invalid_request_error", "tools[0].function.parameters", "invalid_type"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "returns": {}}}]), 400,
+     "invalid_request_error", "tools[0].function.returns", "unsupported_parameter"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), 400, "invalid_request_error",
+     "tools[1].function.name", "invalid_value"),
+    (CHAT, chat(tool_choice="required"), 400, "invalid_request_error", "tool_choice", "invalid_value"),
+    (CHAT, chat(tool_choice="any"), 400, "invalid_request_error", "tool_choice", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}}), 400, "invalid_request_error",
+     "tool_choice.function.name", "invalid_value"),
+    (CHAT, chat(parallel_tool_calls="yes"), 400, "invalid_request_error", "parallel_tool_calls", "invalid_type"),
     (CHAT, chat(prompt="x"), 400, "invalid_request_error", "prompt", "unsupported_parameter"),
 ]
 
@@ -285,7 +328,6 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, sta
 @pytest.mark.parametrize("path, body, field", [
     (COMPLETIONS, completion(min_p=0.1), "min_p"),
     (COMPLETIONS, completion(logit_bias={"50": 10}), "logit_bias"),
-    (CHAT, chat(parallel_tool_calls=True), "parallel_tool_calls"),
     (CHAT, chat(stream=True, stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
 ])
 def test_unsupported_field_is_refused_by_name(client, path, body, field):
@@ -315,8 +357,8 @@ def test_neutral_values_of_unimplemented_fields_are_served(client):
 
 
 def test_chat_template_failure_is_a_client_error(generator):
-    tokenizer = dataclasses.replace(generator.tokenizer,
-                                    chat_template="{{ raise_exception('only one message is supported') }}")
+    failing = ChatTemplates({"default": "{{ raise_exception('only one message is supported') }}"}, "test")
+    tokenizer = dataclasses.replace(generator.tokenizer, chat_templates=failing)
     client = testing.TestClient(create_app(make_service(generator, tokenizer=tokenizer)))
     error = assert_error_shape(post(client, CHAT, GOOD_CHAT), 400, "invalid_request_error", "messages",
                                "chat_template_error")

@@ -131,11 +131,12 @@ messages = st.lists(st.fixed_dictionaries(
      "content": st.one_of(st.text(max_size=60), st.lists(st.fixed_dictionaries(
          {"type": st.one_of(st.just("text"), anything), "text": st.one_of(st.text(max_size=20), anything)}),
          max_size=3), anything)},
-    optional={"name": anything, "tool_call_id": anything, "extra": anything}), max_size=4)
+    optional={"name": anything, "tool_call_id": anything, "tool_calls": anything, "extra": anything}), max_size=4)
 chat_bodies = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), anything), "messages": st.one_of(messages, anything)},
     optional={**SAMPLING, "max_completion_tokens": st.one_of(small_tokens, huge_ints, anything),
-              "tools": anything, "response_format": anything},
+              "tools": anything, "tool_choice": anything, "parallel_tool_calls": anything,
+              "response_format": anything},
 )
 
 

@@ -94,6 +94,10 @@ BAD = [
     ("dtype unknown", changed(("dtype", "float16")), "dtype",
      "'float16' is not a compute dtype; use fp16 | bf16 | fp32"),
     ("hf_cache_dir number", changed(("hf_cache_dir", 5)), "hf_cache_dir", "expected text"),
+    ("chat_template number", changed(("chat_template", 5)), "chat_template", "expected text"),
+    ("chat_template missing file", changed(("chat_template", "./absent.jinja")), "chat_template",
+     "./absent.jinja: no such file; give the path of a Jinja chat template file"),
+    ("chat_template a directory", changed(("chat_template", "./no-config")), "chat_template", "no such file"),
     ("head missing", changed(("head", DELETE)), "head", "missing"),
     ("head a list", changed(("head", ["0.0.0.0:8000"])), "head", "expected a mapping with api and listen"),
     ("api missing", changed(("head.api", DELETE)), "head.api", "missing; add it, e.g. api: 0.0.0.0:8000"),
@@ -208,6 +212,16 @@ def test_good_tree_values_and_defaults(base_dir: Path) -> None:
     assert topo.node_ids == ("gpu-box", "macbook", "cpu-box")
     mac = topo.node("macbook")
     assert (mac.device, mac.dtype, mac.max_memory_gb, mac.layers, mac.threads) == ("mps", None, 12.0, (14, 20), None)
+
+
+def test_chat_template_is_a_file_relative_to_the_topology(base_dir: Path) -> None:
+    (base_dir / "templates").mkdir()
+    (base_dir / "templates" / "chatml.jinja").write_text("{{ messages[0].content }}", encoding="utf-8")
+    topo = parse_topology(changed(("chat_template", "templates/chatml.jinja")), base_dir)
+    assert topo.chat_template == base_dir / "templates" / "chatml.jinja"
+    assert parse_topology(topo.to_dict(), Path("/")) == topo
+    assert parse_topology(good(), base_dir).chat_template is None
+    assert "chat_template" not in parse_topology(good(), base_dir).to_dict()
 
 
 def test_device_defaults_to_auto(base_dir: Path) -> None:

@@ -8,6 +8,7 @@ synchronous; the service serialises generations, and Waitress runs each request 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import falcon
 
+from ..constraint import GrammarEngine
 from ..generation import text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
 from ..planner import Plan
@@ -31,10 +33,12 @@ from .api_requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
 from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
                       ServiceError, StageFailed, WorkerLost)
-from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText
+from .structured_output import StructuredOutput
+from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +255,14 @@ class CompletionsResource:
     def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
         self.generation = _Generation(service)
+        self.fim = FimTokens.find(service.tokenizer.token_id)
+
+    def _fill_in_middle(self, prompt_ids: list[int], suffix: str) -> list[int]:
+        if self.fim is None:
+            raise RequestError(f"'suffix' needs a model trained to fill in the middle, whose vocabulary has "
+                               f"{FIM_PREFIX}, {FIM_SUFFIX} and {FIM_MIDDLE}; this model's has not. Leave out "
+                               "suffix", param="suffix", code="unsupported_value")
+        return self.fim.prompt(prompt_ids, self.service.tokenizer.encode(suffix))
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_completion_request(read_json_body(req, self.max_body_bytes))
@@ -259,6 +271,8 @@ class CompletionsResource:
             prompt_ids = self.service.tokenizer.encode(request.prompt)
         else:
             prompt_ids = list(request.prompt)
+        if request.suffix is not None:
+            prompt_ids = self._fill_in_middle(prompt_ids, request.suffix)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt")
         params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, prompt_logprobs=request.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -271,24 +285,31 @@ class CompletionsResource:
 
 
 class ChatCompletionsResource:
-    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
+                 structured: StructuredOutput):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.structured = structured
         self.generation = _Generation(service)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_chat_request(read_json_body(req, self.max_body_bytes))
         check_model(request.model, self.service.model_id)
+        offered = request.offered_tools  # tool_choice "none" shows the model no tools, so it answers in text
         rendered = self.service.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in request.messages], add_generation_prompt=True)
+            [m.as_template_input() for m in request.messages], add_generation_prompt=True,
+            tools=[t.as_template_input() for t in offered] or None)
         prompt_ids = self.service.tokenizer.encode(rendered)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer),
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         params = request.sampling.to_params(default_max_tokens=self.service.context_length - len(prompt_ids))
+        params = dataclasses.replace(params, constraint=self.structured.grammar(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
-        reply = ChatReply(context, self.token_text, logprobs=params.logprobs)
+        tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
+                 else None)
+        reply = ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools)
         self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
                               request.streaming.stream)
 
@@ -361,7 +382,10 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     app.add_route("/metrics", MetricsResource(service.metrics))
     token_text = TokenText(service.tokenizer)
     app.add_route("/v1/completions", CompletionsResource(service, max_body_bytes, token_text))
-    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text))
+    tokenizer, vocab_size = service.tokenizer, service.generator.head.config.vocab_size  # the logits' width
+    structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
+                                                             tokenizer.eos_token_ids))
+    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured))
     # one handler for everything, Falcon's own HTTPError included (it has a default handler of its own)
     app.add_error_handler([Exception, falcon.HTTPError], _handle_error)
     return app

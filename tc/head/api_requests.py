@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -22,6 +23,9 @@ MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logprobs (legacy completions: 5)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TOOLS = 128  # OpenAI's limit
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
 _SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as OpenAI documents `seed`
 
 
@@ -98,23 +102,82 @@ class CompletionRequest:
     sampling: SamplingFields
     streaming: StreamFields = StreamFields()
     echo: bool = False  # the reply's text (and log-probabilities) start with the prompt's
+    suffix: str | None = None  # fill in the middle: the text that comes after the completion
+
+
+@dataclass(frozen=True)
+class MessageToolCall:
+    """A call an earlier assistant message made, as the client sends it back: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_template_input(self) -> dict[str, Any]:
+        # templates write the arguments with `tojson`, so they get the object, not its JSON text (as vLLM does)
+        try:
+            arguments: Any = json.loads(self.arguments)
+        except ValueError:
+            arguments = self.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | None  # None: an assistant message that only calls tools
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[MessageToolCall, ...] = ()
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates expect it (only the keys that were given)."""
-        message = {"role": self.role, "content": self.content}
+        # "" rather than None: templates concatenate content, and an assistant's calls come with no text
+        message: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         return message
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] | None = None
+    strict: bool = False
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The tool as transformers hands it to chat templates (OpenAI's shape)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`none`, `auto`, `required`, or `function` with the one tool's `name`."""
+
+    mode: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """`text` (anything), `json_object` (any JSON object) or `json_schema` (JSON valid under `schema`)."""
+
+    type: str = "text"
+    name: str | None = None
+    schema: Mapping[str, Any] | None = None  # None with json_schema: any JSON value
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +186,19 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     sampling: SamplingFields
     streaming: StreamFields = StreamFields()
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat = ResponseFormat()
+
+    @property
+    def offered_tools(self) -> tuple[Tool, ...]:
+        """The tools the model is shown and may call: none for "none", only the named one for a function."""
+        if self.tool_choice.mode == "none":
+            return ()
+        if self.tool_choice.mode == "function":
+            return tuple(t for t in self.tools if t.name == self.tool_choice.name)
+        return self.tools
 
 
 # Fields some OpenAI clients send on every request with their default value. That value asks for exactly what
@@ -131,16 +207,25 @@ class ChatRequest:
 _COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
 }
-_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1), "suffix": (None,)}
-_CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "response_format": (None, {"type": "text"}), "tools": (None, []),
-                 "tool_choice": (None, "none")}
+_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1)}
+_CHAT_NEUTRAL = _COMMON_NEUTRAL
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                             "logprobs", "min_tokens", "ignore_eos"})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "parallel_tool_calls", "response_format"}
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+# what the openai client sends back when a reply's message object is appended to the conversation as it is
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"refusal": (None,), "function_call": (None,), "audio": (None,),
+                                                "annotations": (None, [])}
+_TOOL_FIELDS = frozenset({"type", "function"})
+_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+_CALL_FIELDS = frozenset({"id", "type", "function"})
+_CALL_FUNCTION_FIELDS = frozenset({"name", "arguments"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 
 
@@ -456,12 +541,18 @@ def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
     streaming = _streaming(body)
     echo = body.get("echo")
     echo = _boolean(echo, "echo") if echo is not None else False
+    suffix = body.get("suffix")
+    if suffix is not None:
+        suffix = _string(suffix, "suffix")
+        if echo:  # the model reads prefix and suffix in one prompt; there is no single text to echo
+            raise RequestError("'suffix' and \"echo\": true cannot be combined; drop one", param="suffix",
+                               code="invalid_value")
     max_tokens = body.get("max_tokens")
     if max_tokens is not None:
         # with echo, 0 asks only for the prompt back (with its log-probabilities), as OpenAI allows
         max_tokens = _max_tokens(max_tokens, "max_tokens", least=0 if echo else 1)
     return CompletionRequest(model, prompt, _sampling(body, max_tokens, _completion_logprobs(body)), streaming,
-                             echo)
+                             echo, suffix)
 
 
 def _content(value: Any, param: str) -> str:
@@ -490,26 +581,163 @@ def _content(value: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def _message(value: Any, index: int) -> ChatMessage:
-    param = f"messages[{index}]"
+def _object(value: Any, param: str, known: frozenset[str],
+            neutral: Mapping[str, tuple[Any, ...]] | None = None) -> Mapping[str, Any]:
+    """`value` as a JSON object holding only `known` keys (and `neutral` ones at their neutral values)."""
     if not isinstance(value, dict):
         raise RequestError(f"'{param}' must be an object, not {_json_type(value)}", param=param,
                            code="invalid_type")
     for key in value:
-        if key not in _MESSAGE_FIELDS:
-            raise RequestError(f"unsupported field '{param}.{key}'", param=f"{param}.{key}",
-                               code="unsupported_parameter")
+        if key in known:
+            continue
+        if neutral and key in neutral and any(_same_json(value[key], v) for v in neutral[key]):
+            continue
+        raise RequestError(f"unsupported field '{param}.{key}'", param=f"{param}.{key}",
+                           code="unsupported_parameter")
+    return value
+
+
+def _function_type(value: Mapping[str, Any], param: str) -> None:
+    kind = _required(value, "type", f"{param}.")
+    if kind != "function":
+        raise RequestError(f"'{param}.type' is {json.dumps(kind)}; only \"function\" is supported",
+                           param=f"{param}.type", code="unsupported_value")
+
+
+def _message_tool_call(value: Any, param: str) -> MessageToolCall:
+    call = _object(value, param, _CALL_FIELDS)
+    _function_type(call, param)
+    call_id = _string(_required(call, "id", f"{param}."), f"{param}.id")
+    function = _object(_required(call, "function", f"{param}."), f"{param}.function", _CALL_FUNCTION_FIELDS)
+    name = _string(_required(function, "name", f"{param}.function."), f"{param}.function.name")
+    arguments = _string(_required(function, "arguments", f"{param}.function."), f"{param}.function.arguments")
+    return MessageToolCall(call_id, name, arguments)
+
+
+def _message(value: Any, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    value = _object(value, param, _MESSAGE_FIELDS, _MESSAGE_NEUTRAL)
     role = _string(_required(value, "role", f"{param}."), f"{param}.role")
     if role not in CHAT_ROLES:
         raise RequestError(f"'{param}.role' is '{role}'; use one of {', '.join(CHAT_ROLES)}",
                            param=f"{param}.role", code="invalid_value")
-    content = _content(_required(value, "content", f"{param}."), f"{param}.content")
+    calls: tuple[MessageToolCall, ...] = ()
+    if value.get("tool_calls") is not None:
+        if role != "assistant":
+            raise RequestError(f"'{param}.tool_calls' is only for assistant messages, not {role}",
+                               param=f"{param}.tool_calls", code="invalid_value")
+        listed = value["tool_calls"]
+        if not isinstance(listed, list):
+            raise RequestError(f"'{param}.tool_calls' must be an array, not {_json_type(listed)}",
+                               param=f"{param}.tool_calls", code="invalid_type")
+        calls = tuple(_message_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(listed))
+    if calls and value.get("content") is None:  # an assistant message that only calls tools has no text
+        content = None
+    else:
+        content = _content(_required(value, "content", f"{param}."), f"{param}.content")
     name = value.get("name")
     tool_call_id = value.get("tool_call_id")
+    if role == "tool" and tool_call_id is None:
+        raise RequestError(f"missing required field '{param}.tool_call_id': a tool message answers the call "
+                           "with that id", param=f"{param}.tool_call_id", code="missing_required_parameter")
     return ChatMessage(role, content,
                        name=_string(name, f"{param}.name") if name is not None else None,
                        tool_call_id=_string(tool_call_id, f"{param}.tool_call_id") if tool_call_id is not None
-                       else None)
+                       else None, tool_calls=calls)
+
+
+def _tool(value: Any, index: int) -> Tool:
+    param = f"tools[{index}]"
+    tool = _object(value, param, _TOOL_FIELDS)
+    _function_type(tool, param)
+    function = _object(_required(tool, "function", f"{param}."), f"{param}.function", _FUNCTION_FIELDS)
+    name = _string(_required(function, "name", f"{param}.function."), f"{param}.function.name")
+    if not TOOL_NAME.match(name):
+        raise RequestError(f"'{param}.function.name' is {json.dumps(name)}; a function name is 1 to 64 letters, "
+                           "digits, '_' or '-'", param=f"{param}.function.name", code="invalid_value")
+    description = function.get("description")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise RequestError(f"'{param}.function.parameters' must be a JSON schema object, not "
+                           f"{_json_type(parameters)}", param=f"{param}.function.parameters", code="invalid_type")
+    strict = function.get("strict")
+    return Tool(name, _string(description, f"{param}.function.description") if description is not None else None,
+                parameters, _boolean(strict, f"{param}.function.strict") if strict is not None else False)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    value = body.get("tools")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError(f"'tools' must be an array, not {_json_type(value)}", param="tools", code="invalid_type")
+    if len(value) > MAX_TOOLS:
+        raise RequestError(f"'tools' may hold at most {MAX_TOOLS} functions, not {len(value)}", param="tools",
+                           code="invalid_value")
+    tools = tuple(_tool(t, i) for i, t in enumerate(value))
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise RequestError(f"'tools[{i}]' repeats the function name {json.dumps(tool.name)}; give each tool "
+                               "its own name", param=f"tools[{i}].function.name", code="invalid_value")
+        seen.add(tool.name)
+    return tools
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice:
+    value = body.get("tool_choice")
+    if value is None:
+        return ToolChoice("auto" if tools else "none")  # OpenAI's defaults
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise RequestError(f"'tool_choice' is {json.dumps(value)}; use \"none\", \"auto\", \"required\" or "
+                               '{"type": "function", "function": {"name": ...}}', param="tool_choice",
+                               code="invalid_value")
+        choice = ToolChoice(value)
+    else:
+        chosen = _object(value, "tool_choice", _TOOL_FIELDS)
+        _function_type(chosen, "tool_choice")
+        function = _object(_required(chosen, "function", "tool_choice."), "tool_choice.function",
+                           frozenset({"name"}))
+        choice = ToolChoice("function", _string(_required(function, "name", "tool_choice.function."),
+                                                "tool_choice.function.name"))
+        if tools and choice.name not in {t.name for t in tools}:
+            raise RequestError(f"'tool_choice' names the function {json.dumps(choice.name)}, which is not in "
+                               "'tools'", param="tool_choice.function.name", code="invalid_value")
+    if choice.mode in ("required", "function") and not tools:
+        raise RequestError(f"'tool_choice' {json.dumps(value)} needs 'tools' to choose from", param="tool_choice",
+                           code="invalid_value")
+    return choice
+
+
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat:
+    value = body.get("response_format")
+    if value is None:
+        return ResponseFormat()
+    fmt = _object(value, "response_format", frozenset({"type", "json_schema"}))
+    kind = _required(fmt, "type", "response_format.")
+    if kind not in _RESPONSE_FORMATS:
+        raise RequestError(f"'response_format.type' is {json.dumps(kind)}; use \"text\", \"json_object\" or "
+                           "\"json_schema\"", param="response_format.type", code="invalid_value")
+    if kind != "json_schema":
+        if fmt.get("json_schema") is not None:
+            raise RequestError(f"'response_format.json_schema' is only for \"type\": \"json_schema\", not {kind}",
+                               param="response_format.json_schema", code="invalid_value")
+        return ResponseFormat(kind)
+    where = "response_format.json_schema"
+    spec = _object(_required(fmt, "json_schema", "response_format."), where, _JSON_SCHEMA_FIELDS)
+    name = _string(_required(spec, "name", where + "."), where + ".name")
+    if not TOOL_NAME.match(name):
+        raise RequestError(f"'{where}.name' is {json.dumps(name)}; a name is 1 to 64 letters, digits, '_' or '-'",
+                           param=where + ".name", code="invalid_value")
+    if spec.get("description") is not None:
+        _string(spec["description"], where + ".description")
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise RequestError(f"'{where}.schema' must be a JSON schema object, not {_json_type(schema)}",
+                           param=where + ".schema", code="invalid_type")
+    strict = spec.get("strict")
+    return ResponseFormat(kind, name, schema, _boolean(strict, where + ".strict") if strict is not None else False)
 
 
 def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
@@ -532,7 +760,22 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send only one",
                            param="max_completion_tokens", code="invalid_value")
     max_tokens = next(iter(limits.values()), None)
-    return ChatRequest(model, parsed, _sampling(body, max_tokens, _chat_logprobs(body)), streaming)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    parallel = _boolean(parallel, "parallel_tool_calls") if parallel is not None else True
+    response_format = _response_format(body)
+    sampling = _sampling(body, max_tokens, _chat_logprobs(body))
+    if response_format.type != "text" and tool_choice.mode in ("required", "function"):
+        raise RequestError("'response_format' cannot be combined with a tool_choice that forces a call; the reply "
+                           "is the call", param="response_format", code="invalid_value")
+    constrained = response_format.type != "text" or tool_choice.mode in ("required", "function")
+    for name in ("min_tokens", "ignore_eos"):
+        if constrained and body.get(name) not in (None, 0, False):
+            # the grammar decides where the reply ends: it allows only the end once the JSON is complete
+            raise RequestError(f"'{name}' cannot be combined with response_format or a forced tool call",
+                               param=name, code="invalid_value")
+    return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format)
 
 
 def check_model(requested: str, served: str) -> None:

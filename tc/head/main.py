@@ -94,7 +94,12 @@ def start_head(topology: Topology) -> Head:
     head_model = HeadModel.load(config, index, dtype)
     if topology.quant != "fp16":
         quant.quantize_linears(head_model, quant.head_weight_mode(topology.quant), topology.group_size)
-    tokenizer = TextTokenizer.load(model_dir)
+    tokenizer = TextTokenizer.load(model_dir, chat_template=topology.chat_template)
+    if tokenizer.chat_templates is not None:
+        log.info("chat template from %s", tokenizer.chat_templates.source)
+    else:
+        log.warning("the model has no chat template: /v1/chat/completions will answer 400 until chat_template: "
+                    "in the topology file names one")
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
 

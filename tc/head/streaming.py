@@ -1,9 +1,10 @@
 """Replies of the two generation endpoints, whole or streamed, in OpenAI's shapes.
 
 A streamed reply is the whole reply cut at each generation step, so both are built here from the same pieces:
-a `ReplyFormat` per endpoint turns a `Completion` into the whole body, and each `Step` into a chunk. Joining the
+a `ReplyFormat` per endpoint turns a `Completion` into the whole body, and each `Step` into chunks. Joining the
 chunks' text (and their log-probability entries) gives exactly the whole body's, because the generation loop
-only ever releases final text.
+only ever releases final text. A chat reply that may call tools reads its text through `ToolCallStream`, which
+holds back what may be a call and settles it as the whole reply's parser does (tool_calls.py).
 
 Streams are server-sent events: `data: {chunk}` lines, then `data: [DONE]`. `EventStream` is the WSGI body.
 Waitress only learns that a client has gone when a write fails, and the first write after a client closes its
@@ -14,13 +15,15 @@ Waitress stops iterating and calls `close()`, which ends the generation and free
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ..generation import Completion, Step, TokenInfo
 from ..model.tokenizer import TextTokenizer
 from ..sampling import TokenLogprob
 from .service import GenerationStream
+from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": \n\n"  # an SSE comment: clients skip it; writing it shows whether the client is still there
@@ -97,11 +100,11 @@ class ReplyFormat(Protocol):
     def opening(self, first: Step) -> list[dict[str, Any]]:
         """Chunks sent before the first step's own."""
 
-    def delta(self, step: Step) -> dict[str, Any] | None:
-        """The chunk for one step; None when the step has nothing to show."""
+    def deltas(self, step: Step) -> list[dict[str, Any]]:
+        """The chunks for one step; none when the step has nothing to show."""
 
-    def closing(self, completion: Completion) -> dict[str, Any]:
-        """The chunk that carries the finish reason."""
+    def closing(self, completion: Completion) -> list[dict[str, Any]]:
+        """The last chunks: whatever was held back, then the one that carries the finish reason."""
 
     def usage_chunk(self, completion: Completion) -> dict[str, Any]:
         """The last chunk when the client asked for usage: no choices, only usage."""
@@ -174,23 +177,48 @@ class CompletionReply:
             return []
         return [self._chunk([self._choice(self.echo_text, self._logprobs(first.prompt, 0), None)])]
 
-    def delta(self, step: Step) -> dict[str, Any] | None:
+    def deltas(self, step: Step) -> list[dict[str, Any]]:
         if not step.text and not (step.tokens and self.logprobs is not None):
-            return None
-        return self._chunk([self._choice(step.text, self._logprobs(step.tokens, self._shift), None)])
+            return []
+        return [self._chunk([self._choice(step.text, self._logprobs(step.tokens, self._shift), None)])]
 
-    def closing(self, completion: Completion) -> dict[str, Any]:
-        return self._chunk([self._choice("", None, completion.finish_reason)])
+    def closing(self, completion: Completion) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice("", None, completion.finish_reason)])]
 
     def usage_chunk(self, completion: Completion) -> dict[str, Any]:
         return {**self._head(), "choices": [], "usage": _completion_usage(completion)}
 
 
-class ChatReply:
-    """/v1/chat/completions: an assistant message, and OpenAI's chat `logprobs` object ({"content": [...]})."""
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
-    def __init__(self, context: ReplyContext, token_text: TokenText, *, logprobs: int | None):
-        self.context, self.token_text, self.logprobs = context, token_text, logprobs
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """A chat reply that may call tools: their names, whether it may make several calls, and how ids are made."""
+
+    names: frozenset[str]
+    parallel: bool = True
+    new_id: Callable[[], str] = field(default=new_call_id)
+
+
+def _call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class ChatReply:
+    """/v1/chat/completions: an assistant message, and OpenAI's chat `logprobs` object ({"content": [...]}).
+
+    With `tools`, calls the model wrote become `message.tool_calls` (finish_reason "tool_calls"); streamed, each
+    call is two deltas, as OpenAI sends them: its index, id, type and name, then its arguments.
+    """
+
+    def __init__(self, context: ReplyContext, token_text: TokenText, *, logprobs: int | None,
+                 tools: ToolCalling | None = None):
+        self.context, self.token_text, self.logprobs, self.tools = context, token_text, logprobs, tools
+        self._calls = (ToolCallStream(tools.names, tools.new_id, parallel=tools.parallel) if tools is not None
+                       else None)
+        self._calls_sent = 0
 
     def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw, text = self.token_text.get(token_id)
@@ -218,20 +246,56 @@ class ChatReply:
         return chunk
 
     def whole(self, completion: Completion) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": self._logprobs(completion.tokens), "finish_reason": completion.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish = completion.finish_reason
+        if self.tools is not None:
+            parsed = parse_tool_calls(completion.text, self.tools.names, self.tools.new_id)
+            calls = parsed.calls if self.tools.parallel else parsed.calls[:1]
+            if calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [_call_body(c) for c in calls]}
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(completion.tokens),
+                  "finish_reason": finish}
         return {**self._head("chat.completion"), "choices": [choice], "usage": _completion_usage(completion)}
 
     def opening(self, first: Step) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None, None)]
 
-    def delta(self, step: Step) -> dict[str, Any] | None:
-        if not step.text and not (step.tokens and self.logprobs is not None):
-            return None
-        return self._chunk({"content": step.text}, self._logprobs(step.tokens), None)
+    def _call_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        chunks = []
+        for call in calls:
+            index, self._calls_sent = self._calls_sent, self._calls_sent + 1
+            header = {"index": index, "id": call.id, "type": "function",
+                      "function": {"name": call.name, "arguments": ""}}
+            chunks.append(self._chunk({"tool_calls": [header]}, None, None))
+            chunks.append(self._chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+                                      None, None))
+        return chunks
 
-    def closing(self, completion: Completion) -> dict[str, Any]:
-        return self._chunk({}, None, completion.finish_reason)
+    def _text_chunks(self, text: str, tokens: Sequence[TokenInfo]) -> list[dict[str, Any]]:
+        if self._calls is None:
+            if not text and not (tokens and self.logprobs is not None):
+                return []
+            return [self._chunk({"content": text}, self._logprobs(tokens), None)]
+        content, calls = self._calls.push(text)
+        chunks = []
+        if content or (tokens and self.logprobs is not None):
+            chunks.append(self._chunk({"content": content} if content else {}, self._logprobs(tokens), None))
+        return chunks + self._call_chunks(calls)
+
+    def deltas(self, step: Step) -> list[dict[str, Any]]:
+        return self._text_chunks(step.text, step.tokens)
+
+    def closing(self, completion: Completion) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+        if self._calls is not None:
+            content, calls = self._calls.finish()
+            if content:
+                chunks.append(self._chunk({"content": content}, None, None))
+            chunks += self._call_chunks(calls)
+        finish = "tool_calls" if self._calls_sent else completion.finish_reason
+        return chunks + [self._chunk({}, None, finish)]
 
     def usage_chunk(self, completion: Completion) -> dict[str, Any]:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": _completion_usage(completion)}
@@ -259,8 +323,7 @@ class EventStream:
                     opened = True
                     for opening in self.reply.opening(step):
                         yield sse(opening)
-                chunk = self.reply.delta(step)
-                if chunk is not None:
+                for chunk in self.reply.deltas(step):
                     yield sse(chunk)
                 if step.completion is None:
                     # Before the next step, one more write: a client that has closed its socket answers the
@@ -268,7 +331,8 @@ class EventStream:
                     # rather than after another step.
                     yield KEEPALIVE
                 else:
-                    yield sse(self.reply.closing(step.completion))
+                    for chunk in self.reply.closing(step.completion):
+                        yield sse(chunk)
                     if self.include_usage:
                         yield sse(self.reply.usage_chunk(step.completion))
         except Exception as exc:  # the client hears of it in the stream; the log has the rest

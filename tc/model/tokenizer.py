@@ -1,23 +1,23 @@
-"""The model's tokenizer (tokenizer.json through `tokenizers`) and chat template (Jinja2, as HF renders it)."""
+"""The model's tokenizer (tokenizer.json through `tokenizers`) and its chat template (`chat_template`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from .chat_template import SEARCHED, ChatTemplateError, ChatTemplateFileError, ChatTemplates, find_chat_templates
+
+__all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError"]
+
+# the special tokens transformers hands a chat template (its `special_tokens_map`), by their config keys
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TokenizerError(ValueError):
     """The model directory's tokenizer files are missing or unusable."""
-
-
-class ChatTemplateError(ValueError):
-    """The chat template could not render these messages (a client error)."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -40,11 +40,15 @@ def _token_text(value: Any) -> str | None:
 class TextTokenizer:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
-    chat_template: str | None
+    chat_templates: ChatTemplates | None
     special_tokens: dict[str, str | None]
 
     @classmethod
-    def load(cls, model_dir: Path) -> "TextTokenizer":
+    def load(cls, model_dir: Path, chat_template: Path | None = None) -> "TextTokenizer":
+        """The tokenizer of `model_dir`; `chat_template` names a template file that replaces the model's own.
+
+        Raises TokenizerError when tokenizer.json is missing or a tokenizer or template file is unreadable.
+        """
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -53,7 +57,7 @@ class TextTokenizer:
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         gen_config = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")
-        specials = {k: _token_text(tok_config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        specials = {k: _token_text(tok_config.get(k)) for k in SPECIAL_TOKEN_KEYS}
         eos: set[int] = set()
         for source in (gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
             if isinstance(source, int):
@@ -64,10 +68,11 @@ class TextTokenizer:
             token_id = tokenizer.token_to_id(specials["eos_token"])
             if token_id is not None:
                 eos.add(token_id)
-        template = tok_config.get("chat_template")
-        if isinstance(template, list):  # some models name several templates; use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tokenizer, frozenset(eos), template, specials)
+        try:
+            templates = find_chat_templates(model_dir, tok_config, override=chat_template, context=specials)
+        except ChatTemplateFileError as exc:
+            raise TokenizerError(str(exc)) from exc
+        return cls(tokenizer, frozenset(eos), templates, specials)
 
     def encode(self, text: str) -> list[int]:
         # the chat template writes the special tokens itself, so none are added here
@@ -79,21 +84,17 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's own chat template, as transformers does."""
-        if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled exactly `text` (a special token such as "<|fim_prefix|>"), or None."""
+        return self.tokenizer.token_to_id(text)
 
-        def raise_exception(message: str) -> None:
-            raise ChatTemplateError(message)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render `messages` (and `tools`) with the model's own chat template, as transformers does.
 
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        Raises ChatTemplateError when the model has no template or it fails on these messages.
+        """
+        if self.chat_templates is None:
+            raise ChatTemplateError(f"this model has no chat template (looked in {SEARCHED}); give one with "
+                                    "chat_template: in the topology file, or use /v1/completions")
+        return self.chat_templates.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)

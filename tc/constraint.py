@@ -1,0 +1,129 @@
+"""Constrained decoding: at each step, the tokens a grammar allows, applied right before the token is chosen.
+
+Theory of operation: a request that must produce JSON of a schema (structured output, a forced tool call) carries
+a `TokenConstraint` in its SamplingParams. The generation loop calls `start()` once per request for a fresh
+`ConstraintState`, then before each choice asks it for the `allowed` tokens (a boolean mask over the logits) and
+after each choice tells it the token (`advance`). When the grammar is complete only the end-of-sequence tokens
+are allowed, so the completion ends there; greedy or sampled, whatever the sampler picks is valid.
+
+The grammar engine is llguidance, an optional native package: it is imported only when a request asks for a
+constraint (`GrammarEngine.load`), and its absence is a `ConstraintUnavailable` naming the package, so the head
+and tc.pyz run without it. Building its view of a 150k-token vocabulary takes about a second, once per head;
+a mask then costs well under a millisecond a token (scripts/bench_constrained.py measures it).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+import torch
+
+GRAMMAR_PACKAGE = "llguidance"
+# JSON as models write it by habit (json.dumps' separators), and no free whitespace: a grammar that allows
+# whitespace anywhere lets a model pad forever instead of closing the object
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintUnavailable(RuntimeError):
+    """The grammar engine is not installed here."""
+
+
+class GrammarError(ValueError):
+    """A schema or grammar the engine refuses: invalid, or using features it does not implement."""
+
+
+class ConstraintState(Protocol):
+    """One request's place in its grammar."""
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens allowed next: bool [vocab]."""
+
+    def advance(self, token_id: int) -> None:
+        """The token chosen (one `allowed` allowed)."""
+
+
+class TokenConstraint(Protocol):
+    """What SamplingParams carries: a value that starts one state per request."""
+
+    def start(self) -> ConstraintState:
+        """A fresh state at the grammar's beginning."""
+
+
+class GrammarEngine:
+    """llguidance's matcher factory for one tokenizer and one logits width."""
+
+    def __init__(self, llguidance: Any, tokenizer: Any, vocab_size: int):
+        self._ll, self._tokenizer, self.vocab_size = llguidance, tokenizer, vocab_size
+        self._shifts = torch.arange(32, dtype=torch.int32)  # bit i of each int32 word is token 32 * word + i
+
+    @classmethod
+    def load(cls, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> "GrammarEngine":
+        """The engine over a tokenizer (tokenizer.json's text); `vocab_size` is the logits' width.
+
+        Raises ConstraintUnavailable when llguidance is not installed.
+        """
+        try:
+            import llguidance  # noqa: PLC0415 - optional and native: only requests that need it load it
+        except ImportError as exc:
+            raise ConstraintUnavailable(
+                f"structured output needs the {GRAMMAR_PACKAGE} package on the head; install it with "
+                f"pip install {GRAMMAR_PACKAGE}") from exc
+        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        return cls(llguidance, tokenizer, vocab_size)
+
+    def _checked(self, grammar: str) -> "Grammar":
+        failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if failed:
+            raise GrammarError("; ".join(messages))
+        return Grammar(self, grammar)
+
+    def json_schema(self, schema: Mapping[str, Any]) -> "Grammar":
+        """JSON text valid under `schema`. Raises GrammarError naming what the engine does not implement."""
+        try:
+            grammar = self._ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_STYLE)
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from exc
+        return self._checked(grammar)
+
+    def json_sequence(self, schema: Mapping[str, Any], *, separator: str = "\n") -> "Grammar":
+        """One or more JSON values valid under `schema`, apart by `separator`. Raises GrammarError."""
+        styled = {**schema, "x-guidance": JSON_STYLE}
+        lark = f"start: item ({json.dumps(separator)} item)*\nitem: %json {json.dumps(styled)}\n"
+        return self._checked(self._ll.LLMatcher.grammar_from_lark(lark))
+
+    def matcher(self, grammar: str) -> Any:
+        return self._ll.LLMatcher(self._tokenizer, grammar)
+
+    def unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """int32 [words] of bits -> bool [vocab]."""
+        bits = (bitmask.unsqueeze(1) >> self._shifts) & 1  # [words, 32]
+        return bits.view(-1)[:self.vocab_size].bool()
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A checked grammar: a TokenConstraint whose states are llguidance matchers."""
+
+    engine: GrammarEngine = field(compare=False, repr=False)
+    grammar: str
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self.engine, self.engine.matcher(self.grammar))
+
+
+class GrammarState:
+    def __init__(self, engine: GrammarEngine, matcher: Any):
+        self.engine, self.matcher = engine, matcher
+        self._bitmask = torch.zeros((engine.vocab_size + 31) // 32, dtype=torch.int32)  # [words]
+
+    def allowed(self) -> torch.Tensor:
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        if self.matcher.is_error():
+            raise AssertionError(f"grammar matcher failed: {self.matcher.get_error()}")
+        return self.engine.unpack(self._bitmask)
+
+    def advance(self, token_id: int) -> None:
+        # the token came through `allowed`, so refusing it is our bug, not the client's
+        if not self.matcher.consume_token(token_id):
+            raise AssertionError(f"grammar refused token {token_id} it allowed: {self.matcher.get_error()}")

@@ -1,0 +1,81 @@
+"""The grammar a chat request's reply must follow: its response_format, or the tool call it forces.
+
+- `response_format` `json_object`: any JSON object; `json_schema`: JSON valid under its schema.
+- `tool_choice` `required`: one call object `{"name": ..., "arguments": {...}}` per line (one only when
+  `parallel_tool_calls` is false), each naming one of the tools with arguments valid under its parameters;
+  a named function: one call to it. These are the bare objects tool_calls.py reads, so the forced reply is
+  always parsed as calls and its arguments always parse.
+- `tool_choice` `auto` with a JSON response_format: a call object or the format's JSON.
+
+The engine (tc/constraint.py) is loaded on the first request that needs it. Without it, a response_format is a
+400 naming the package to install; a forced tool call is steered by the template alone (tool_calls.py then
+never turns text that is not a call into one).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+from ..constraint import ConstraintUnavailable, Grammar, GrammarEngine, GrammarError
+from .api_requests import ChatRequest, RequestError, ResponseFormat, Tool
+
+ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON schema of one call to `tool`, as the bare object models write."""
+    return {"type": "object", "properties": {"name": {"const": tool.name},
+                                             "arguments": dict(tool.parameters or ANY_OBJECT)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _any_of(schemas: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+
+
+def _format_schema(fmt: ResponseFormat) -> Mapping[str, Any] | None:
+    if fmt.type == "json_object":
+        return ANY_OBJECT
+    if fmt.type == "json_schema":
+        return fmt.schema if fmt.schema is not None else {}
+    return None
+
+
+class StructuredOutput:
+    """Grammars for chat requests, over an engine loaded once, on first need (`load` builds it)."""
+
+    def __init__(self, load: Callable[[], GrammarEngine]):
+        self._load = load
+        self._engine: GrammarEngine | None = None
+        self._lock = threading.Lock()
+
+    def engine(self) -> GrammarEngine:
+        """Raises ConstraintUnavailable when the engine's package is missing."""
+        with self._lock:  # two first requests at once build it once
+            if self._engine is None:
+                self._engine = self._load()
+            return self._engine
+
+    def grammar(self, request: ChatRequest) -> Grammar | None:
+        """The grammar `request`'s reply must follow; None for free text. Raises RequestError."""
+        tools = request.offered_tools
+        forced = request.tool_choice.mode in ("required", "function")
+        fmt = _format_schema(request.response_format)
+        if fmt is None and not forced:
+            return None
+        try:
+            engine = self.engine()
+        except ConstraintUnavailable as exc:
+            if fmt is None:
+                return None  # a forced call without the engine: the template steers it
+            raise RequestError(str(exc), param="response_format", code="unsupported_value") from exc
+        calls = [call_schema(t) for t in tools]
+        param = "tools" if fmt is None else "response_format.json_schema.schema"
+        try:
+            if fmt is None and request.parallel_tool_calls and request.tool_choice.mode == "required":
+                return engine.json_sequence(_any_of(calls))
+            return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])))
+        except GrammarError as exc:
+            raise RequestError(f"the schema in '{param}' uses what this server's grammar engine does not "
+                               f"implement, or is invalid: {exc}; see docs/api.md for what is supported",
+                               param=param, code="invalid_value") from exc

@@ -1,0 +1,263 @@
+"""Tool calls in what a model wrote: the forms models really emit, parsed into OpenAI's `tool_calls`. Pure.
+
+Theory of operation: a chat template shows the model the tools and tells it how to call one; each model family
+then writes calls its own way:
+
+- Hermes / Qwen:  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call, maybe
+  after some text;
+- Llama 3:        `{"name": "f", "parameters": {...}}` as the whole reply (calls apart by `;`), after a
+  `<|python_tag|>` special token that decoding drops;
+- Mistral:        `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, or `[TOOL_CALLS]f[ARGS]{...}` in its
+  newer tokenizers (both markers are special tokens, so decoded text often holds the bare JSON array);
+- small models (the demo model at temperature 0): the bare object `{"name": "f", "arguments": {...}}`, maybe
+  in a ```json fence.
+
+`parse_tool_calls` reads a whole reply. A block or object becomes a call only if it is JSON of that shape and
+names one of the request's tools; anything else stays content, so a malformed call is text, never an error.
+With calls, the content is the text around them (None when that is only whitespace); without, it is the reply
+exactly as written.
+
+`ToolCallStream` does the same for a reply that arrives in pieces: it releases content as soon as no call can
+start in it, holds the rest, hands out each Hermes call as soon as its block closes, and at the end settles
+everything with `parse_tool_calls` itself, so joining what it released equals the whole reply's parse.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_TAG = "<|python_tag|>"
+MARKERS = (HERMES_OPEN, MISTRAL_MARKER)  # may start a call anywhere in a reply
+# a reply whose first non-space text starts with one of these may be a bare call from its first character
+BARE_OPENERS = ("{", "[", "```", PYTHON_TAG)
+_FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
+_MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as OpenAI shows it: `arguments` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+def _arguments(value: Any) -> str | None:
+    """The JSON text of a call's arguments (an object, or a string holding one); None if they are neither."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _call(value: Any, names: Collection[str], new_id: Callable[[], str]) -> ToolCall | None:
+    """A call object ({"name", "arguments" | "parameters"}, or OpenAI's {"function": {...}}), else None."""
+    if not isinstance(value, dict):
+        return None
+    if isinstance(value.get("function"), dict):  # {"type": "function", "function": {"name", "arguments"}}
+        value = value["function"]
+    name = value.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    key = "arguments" if "arguments" in value else "parameters" if "parameters" in value else None
+    if key is None:
+        return None
+    arguments = _arguments(value[key])
+    return ToolCall(new_id(), name, arguments) if arguments is not None else None
+
+
+def _json_values(text: str) -> Iterator[Any]:
+    """The JSON values in `text`, apart by whitespace, `;` or `,`. Raises ValueError on anything else."""
+    decoder = json.JSONDecoder()
+    at = 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in ";,"):
+            at += 1
+        if at == len(text):
+            return
+        value, at = decoder.raw_decode(text, at)
+        yield value
+
+
+def _bare_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> list[ToolCall] | None:
+    """The calls when `text` is nothing but call objects (or arrays of them); None when it is anything else."""
+    text = text.strip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):].strip()
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1).strip()
+    if not text.startswith(("{", "[")):
+        return None
+    calls: list[ToolCall] = []
+    try:
+        for value in _json_values(text):
+            for item in value if isinstance(value, list) else [value]:
+                call = _call(item, names, new_id)
+                if call is None:
+                    return None
+                calls.append(call)
+    except (ValueError, RecursionError):  # json's errors; RecursionError for absurd nesting
+        return None
+    return calls or None
+
+
+def _hermes_block(block: str, names: Collection[str], new_id: Callable[[], str]) -> ToolCall | None:
+    """The call in the text between <tool_call> and </tool_call>, else None."""
+    try:
+        values = list(_json_values(block))
+    except (ValueError, RecursionError):
+        return None
+    return _call(values[0], names, new_id) if len(values) == 1 else None
+
+
+def _hermes(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+    """(the text outside valid blocks, in pieces; the calls). A block left open at the end runs to the end.
+
+    Whitespace just before a call goes with the call (a stream cannot know it is trailing until the call comes).
+    """
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    at = 0
+    while True:
+        start = text.find(HERMES_OPEN, at)
+        if start < 0:
+            content.append(text[at:])
+            return content, calls
+        end = text.find(HERMES_CLOSE, start)
+        stop = end + len(HERMES_CLOSE) if end >= 0 else len(text)
+        call = _hermes_block(text[start + len(HERMES_OPEN):end if end >= 0 else len(text)], names, new_id)
+        if call is None:
+            content.append(text[at:stop])  # not a call: it stays text
+        else:
+            content.append(text[at:start].rstrip())
+            calls.append(call)
+        at = stop
+
+
+def _mistral(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+    """[TOOL_CALLS] then a JSON array (or objects), or NAME[ARGS]{...}, once per call. All valid, or no calls."""
+    head, _, rest = text.partition(MISTRAL_MARKER)
+    calls: list[ToolCall] = []
+    for part in rest.split(MISTRAL_MARKER):
+        named = _MISTRAL_NAMED.match(part)
+        found: list[ToolCall | None] | None
+        if named and not part.lstrip().startswith(("{", "[")):
+            try:
+                found = [_call({"name": named.group(1), "arguments": json.loads(named.group(2))}, names, new_id)]
+            except ValueError:
+                found = None
+        else:
+            found = list(_bare_calls(part, names, new_id) or [])
+        if not found or any(call is None for call in found):
+            return [text], []
+        calls.extend(call for call in found if call is not None)
+    return [head], calls
+
+
+def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> ParsedReply:
+    """The reply `text` split into content and calls to the tools named `names`; `new_id` makes call ids."""
+    if HERMES_OPEN in text:
+        pieces, calls = _hermes(text, names, new_id)
+    elif MISTRAL_MARKER in text:
+        pieces, calls = _mistral(text, names, new_id)
+    else:
+        bare = _bare_calls(text, names, new_id)
+        pieces, calls = ([], bare) if bare else ([text], [])
+    if not calls:
+        return ParsedReply(text, ())
+    content = "".join(pieces).rstrip()
+    return ParsedReply(content if content.strip() else None, tuple(calls))
+
+
+def _held_marker_tail(text: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a marker: a call may be starting."""
+    longest = 0
+    for marker in MARKERS:
+        for k in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:k]):
+                longest = k
+                break
+    return longest
+
+
+class ToolCallStream:
+    """Content and calls of a reply that arrives in pieces. `push` each piece of text, then `finish` once.
+
+    Each returns (content to send now, calls to send now). Joining all content equals the whole reply's
+    `parse_tool_calls(...).content` (None counting as ""), and the calls are its calls, in order (only the
+    first unless `parallel`).
+    """
+
+    def __init__(self, names: Collection[str], new_id: Callable[[], str], *, parallel: bool = True):
+        self.names, self.new_id, self.parallel = names, new_id, parallel
+        self.text = ""
+        self.released = 0  # text[:released] went out as content, or was a call
+        self.content = ""  # the content sent
+        self.found = 0  # calls found so far (sent, or dropped when not parallel)
+
+    def _take(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls that go out: all of them, or only a reply's first when calls may not be parallel."""
+        taken = calls if self.parallel else calls[:max(0, 1 - self.found)]
+        self.found += len(calls)
+        return taken
+
+    def _safe_end(self) -> int:
+        """Where the text from `released` that cannot be part of a call ends."""
+        at_start = not self.text[:self.released].strip()
+        stripped = self.text.lstrip()
+        if at_start and (stripped.startswith(BARE_OPENERS) or any(o.startswith(stripped) for o in BARE_OPENERS)):
+            return self.released  # a bare call may fill the whole reply (and "`" may become "```"): hold it all
+        hits = [i for i in (self.text.find(m, self.released) for m in MARKERS) if i >= 0]
+        end = min(hits) if hits else len(self.text) - _held_marker_tail(self.text)
+        # trailing whitespace waits: before a call it is dropped, before more text it goes out
+        return self.released + len(self.text[self.released:end].rstrip())
+
+    def _closed_block(self) -> tuple[ToolCall, int] | None:
+        """The call in a Hermes block that starts where the text sent ends and has closed, with its end."""
+        start = self.text.find(HERMES_OPEN, self.released)
+        if start < 0 or self.text[self.released:start].strip():
+            return None
+        end = self.text.find(HERMES_CLOSE, start)
+        if end < 0:
+            return None
+        call = _hermes_block(self.text[start + len(HERMES_OPEN):end], self.names, self.new_id)
+        return (call, end + len(HERMES_CLOSE)) if call is not None else None  # a malformed block waits for the end
+
+    def push(self, piece: str) -> tuple[str, list[ToolCall]]:
+        self.text += piece
+        content, calls = "", []
+        while True:
+            safe = self._safe_end()
+            content += self.text[self.released:safe]
+            self.released = safe
+            block = self._closed_block()
+            if block is None:
+                break
+            calls += self._take([block[0]])
+            self.released = block[1]
+        self.content += content
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        parsed = parse_tool_calls(self.text, self.names, self.new_id)
+        content = parsed.content or ""
+        if not content.startswith(self.content):  # _safe_end holds back whatever a call could still claim
+            raise AssertionError(f"streamed content {self.content!r} is not the start of {content!r}")
+        rest, self.content = content[len(self.content):], content
+        return rest, self._take(list(parsed.calls[self.found:]))

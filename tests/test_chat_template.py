@@ -1,0 +1,199 @@
+"""Chat templates from wherever a model directory keeps them, rendered as transformers renders them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from falcon import testing
+from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from model_helpers import OurModel
+from tiny_model import CHATML_TEMPLATE, byte_tokenizer, write_tiny_model
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.service import GenerationService, Readiness
+from tc.model.chat_template import ChatTemplateError, ChatTemplates
+from tc.model.tokenizer import TextTokenizer, TokenizerError
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+CHATML_PROMPT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+# a template that shows tools the way Qwen's does (tojson), and tells the tool_use template from the default
+TOOL_TEMPLATE = ("TOOLS{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+OTHER = "OTHER {{ messages | length }} {{ eos_token }}"
+
+
+def tokenizer_dir(path: Path, config: dict | None = None) -> Path:
+    """A model directory holding only tokenizer files (and no template unless a layout adds one)."""
+    path.mkdir(parents=True, exist_ok=True)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, **(config or {})}))
+    return path
+
+
+def render(model_dir: Path, tools: list | None = None, **load) -> str:
+    return TextTokenizer.load(model_dir, **load).apply_chat_template(MESSAGES, tools=tools)
+
+
+def test_in_tokenizer_config(tmp_path):
+    assert render(tokenizer_dir(tmp_path, {"chat_template": CHATML_TEMPLATE})) == CHATML_PROMPT
+
+
+def test_named_list_in_tokenizer_config_picks_default_then_tool_use(tmp_path):
+    model = tokenizer_dir(tmp_path, {"chat_template": [{"name": "tool_use", "template": TOOL_TEMPLATE},
+                                                       {"name": "default", "template": CHATML_TEMPLATE}]})
+    assert render(model) == CHATML_PROMPT
+    assert render(model, tools=TOOLS).startswith("TOOLS{\"type\": \"function\"")
+
+
+def test_named_list_without_tool_use_renders_tools_with_default(tmp_path):
+    model = tokenizer_dir(tmp_path, {"chat_template": [{"name": "default", "template": TOOL_TEMPLATE}]})
+    assert "get_weather" in render(model, tools=TOOLS)
+
+
+def test_chat_template_jinja_file(tmp_path):
+    model = tokenizer_dir(tmp_path)
+    (model / "chat_template.jinja").write_text(CHATML_TEMPLATE, encoding="utf-8")
+    assert render(model) == CHATML_PROMPT
+
+
+def test_jinja_file_wins_over_tokenizer_config(tmp_path):
+    model = tokenizer_dir(tmp_path, {"chat_template": OTHER})
+    (model / "chat_template.jinja").write_text(CHATML_TEMPLATE, encoding="utf-8")
+    assert render(model) == CHATML_PROMPT
+
+
+def test_chat_template_json_file(tmp_path):
+    model = tokenizer_dir(tmp_path)
+    (model / "chat_template.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}), encoding="utf-8")
+    assert render(model) == CHATML_PROMPT
+
+
+def test_directory_saved_by_transformers(tmp_path):
+    """What a current transformers release writes: chat_template.jinja, additional_chat_templates/, no key."""
+    saved = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<|im_end|>")
+    saved.chat_template = {"default": CHATML_TEMPLATE, "tool_use": TOOL_TEMPLATE}
+    saved.save_pretrained(str(tmp_path))
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    ours = TextTokenizer.load(tmp_path)
+    assert ours.apply_chat_template(MESSAGES) == saved.apply_chat_template(MESSAGES, tokenize=False,
+                                                                            add_generation_prompt=True)
+    assert ours.apply_chat_template(MESSAGES, tools=TOOLS) == saved.apply_chat_template(
+        MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_topology_override_wins_over_everything(tmp_path):
+    model = tokenizer_dir(tmp_path / "model", {"chat_template": OTHER})
+    (model / "chat_template.jinja").write_text(OTHER, encoding="utf-8")
+    override = tmp_path / "mine.jinja"
+    override.write_text(CHATML_TEMPLATE, encoding="utf-8")
+    assert render(model, chat_template=override) == CHATML_PROMPT
+
+
+def test_override_supplies_a_template_to_a_model_without_one(tmp_path):
+    model = tokenizer_dir(tmp_path / "model")
+    override = tmp_path / "mine.jinja"
+    override.write_text(CHATML_TEMPLATE, encoding="utf-8")
+    assert render(model, chat_template=override) == CHATML_PROMPT
+
+
+def test_no_template_anywhere_is_one_clear_error(tmp_path):
+    tokenizer = TextTokenizer.load(tokenizer_dir(tmp_path))
+    with pytest.raises(ChatTemplateError) as info:
+        tokenizer.apply_chat_template(MESSAGES)
+    message = str(info.value)
+    for place in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json", "chat_template: in the "
+                  "topology file", "/v1/completions"):
+        assert place in message
+
+
+def test_special_tokens_reach_the_template(tmp_path):
+    model = tokenizer_dir(tmp_path, {"chat_template": OTHER, "unk_token": {"content": "<unk>"}})
+    assert render(model) == "OTHER 2 <|im_end|>"
+    (model / "chat_template.jinja").write_text("{{ unk_token }}|{{ pad_token }}", encoding="utf-8")
+    assert render(model) == "<unk>|<|endoftext|>"
+
+
+@pytest.mark.parametrize(("layout", "phrase"), [
+    ("bad json", "is not valid JSON"),
+    ("json without key", "has no chat_template key"),
+    ("bad list", r"chat_template\[0\] is not \{"),
+    ("override syntax", "line 1"),
+    ("override missing", "does not exist"),
+])
+def test_broken_template_files_fail_at_load(tmp_path, layout, phrase):
+    model = tokenizer_dir(tmp_path / "model")
+    override = None
+    if layout == "bad json":
+        (model / "chat_template.json").write_text("{", encoding="utf-8")
+    elif layout == "json without key":
+        (model / "chat_template.json").write_text("{}", encoding="utf-8")
+    elif layout == "bad list":
+        tokenizer_dir(model, {"chat_template": [{"name": "default"}]})
+    elif layout == "override syntax":
+        override = tmp_path / "bad.jinja"
+        override.write_text("{% for m in messages %}", encoding="utf-8")
+    else:
+        override = tmp_path / "absent.jinja"
+    with pytest.raises(TokenizerError, match=phrase):
+        TextTokenizer.load(model, chat_template=override)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages[0].content + 1 }}",  # TypeError inside the template
+    "{{ messages[5].content }}{{ raise_exception('five messages at least') }}",
+    "{{ messages[0].nope.deeper }}",  # undefined attribute of undefined
+    "{{ 1 / 0 }}",
+])
+def test_template_failures_are_client_errors(template):
+    with pytest.raises(ChatTemplateError):
+        ChatTemplates({"default": template}, "test").render(MESSAGES)
+
+
+def test_several_templates_and_no_default_is_a_clear_error():
+    templates = ChatTemplates({"a": "A", "b": "B"}, "somewhere")
+    with pytest.raises(ChatTemplateError, match="named a, b and none is \"default\""):
+        templates.render(MESSAGES)
+
+
+def test_sandbox_refuses_reaching_python_internals():
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ChatTemplateError):
+        ChatTemplates({"default": escape}, "test").render(MESSAGES)
+
+
+def test_rendering_equals_transformers_with_tools_and_tool_calls():
+    """Qwen2.5's template shape (tools, assistant tool_calls, tool results) renders as transformers does."""
+    template = Path(__file__).with_name("qwen25_chat_template.jinja").read_text(encoding="utf-8")
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp_c\": 21}"}]
+    ours = ChatTemplates({"default": template}, "test").render(messages, tools=TOOLS)
+    theirs = render_jinja_template([messages], tools=TOOLS, chat_template=template, add_generation_prompt=True)
+    assert ours == theirs[0][0]
+    assert "<tools>" in ours and "<tool_response>" in ours and '"arguments": {"city": "Paris"}' in ours
+
+
+def test_chat_is_served_for_a_model_whose_template_is_only_in_chat_template_jinja(tmp_path):
+    """The reported failure: a directory written by current transformers got a 400 "no chat template"."""
+    model_dir = write_tiny_model(tmp_path, seed=0)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "chat_template.jinja").write_text(config.pop("chat_template"), encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tokenizer = OurModel(model_dir), TextTokenizer.load(model_dir)
+    service = GenerationService("tiny", tokenizer, Generator(model.head, tokenizer, model.pipeline(), torch.float32),
+                                lambda: Readiness(1, ("w",), ()))
+    reply = testing.TestClient(create_app(service)).simulate_post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 3, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json["usage"]["prompt_tokens"] == len(tokenizer.encode(CHATML_PROMPT))

@@ -1,0 +1,195 @@
+"""Tool calling on /v1/chat/completions: the request fields, the prompt the template writes, and the reply."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from falcon import testing
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from model_helpers import OurModel
+from tiny_model import write_tiny_model
+from tc.generation import Completion, Generator, Step, TokenInfo
+from tc.head.api import create_app
+from tc.head.api_requests import MessageToolCall, ToolChoice, parse_chat_request
+from tc.head.service import GenerationService, Readiness
+from tc.head.streaming import ChatReply, ReplyContext, TokenText, ToolCalling
+from tc.model.chat_template import ChatTemplates
+from tc.model.tokenizer import TextTokenizer
+
+QWEN_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").read_text(encoding="utf-8")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = {"role": "user", "content": "What's the weather like in Paris today?"}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]}
+ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 18}'}
+
+
+# --- the request -------------------------------------------------------------------------------------------------
+
+def test_tools_default_to_auto_and_none_without_tools():
+    request = parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER, TIME]})
+    assert request.tool_choice == ToolChoice("auto") and request.parallel_tool_calls
+    assert [t.name for t in request.offered_tools] == ["get_weather", "get_time"]
+    assert request.tools[0].as_template_input() == WEATHER
+    assert parse_chat_request({"model": "m", "messages": [ASK]}).tool_choice == ToolChoice("none")
+
+
+@pytest.mark.parametrize(("choice", "offered"), [
+    ("none", []), ("auto", ["get_weather", "get_time"]), ("required", ["get_weather", "get_time"]),
+    ({"type": "function", "function": {"name": "get_time"}}, ["get_time"]),
+])
+def test_tool_choice_decides_the_tools_shown(choice, offered):
+    request = parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER, TIME], "tool_choice": choice,
+                                  "parallel_tool_calls": False})
+    assert [t.name for t in request.offered_tools] == offered
+    assert not request.parallel_tool_calls
+
+
+def test_assistant_calls_and_tool_results_reach_the_template_as_transformers_expects():
+    request = parse_chat_request({"model": "m", "messages": [ASK, CALLED, ANSWERED]})
+    assistant, tool = (m.as_template_input() for m in request.messages[1:])
+    assert request.messages[1].tool_calls == (MessageToolCall("call_1", "get_weather", '{"location": "Paris"}'),)
+    assert assistant == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"location": "Paris"}}}]}
+    assert tool == {"role": "tool", "content": '{"temperature_c": 18}', "tool_call_id": "call_1"}
+
+
+def test_a_message_object_sent_back_by_the_openai_client_is_accepted():
+    echoed = {**CALLED, "refusal": None, "function_call": None, "audio": None, "annotations": []}
+    assert parse_chat_request({"model": "m", "messages": [ASK, echoed, ANSWERED]}).messages[1].tool_calls
+
+
+# --- the prompt, through the API on the tiny model -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Generator:
+    # a byte-level vocabulary spells a prompt with tools in about a thousand tokens
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tools"), seed=0, max_position_embeddings=2048)
+    model = OurModel(model_dir)
+    tokenizer = TextTokenizer.load(model_dir)
+    # the tiny model with Qwen2.5's own template, which shows tools and renders calls and results
+    tokenizer = dataclasses.replace(tokenizer, chat_templates=ChatTemplates({"default": QWEN_TEMPLATE}, "qwen"))
+    return Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def client(generator) -> testing.TestClient:
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    return testing.TestClient(create_app(service))
+
+
+def prompt_tokens(client, **body) -> int:
+    reply = client.simulate_post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json["usage"]["prompt_tokens"]
+
+
+def rendered_length(generator, messages, tools=None) -> int:
+    return len(generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages, tools=tools)))
+
+
+def test_the_template_shows_the_offered_tools(client, generator):
+    assert prompt_tokens(client, messages=[ASK], tools=[WEATHER, TIME]) == rendered_length(
+        generator, [ASK], [WEATHER, TIME])
+    assert prompt_tokens(client, messages=[ASK], tools=[WEATHER, TIME], tool_choice="none") == rendered_length(
+        generator, [ASK])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert prompt_tokens(client, messages=[ASK], tools=[WEATHER, TIME], tool_choice=named) == rendered_length(
+        generator, [ASK], [TIME])
+
+
+def test_a_conversation_with_calls_and_results_renders(client, generator):
+    template_input = [ASK, {**CALLED, "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"location": "Paris"}}}]},
+        ANSWERED]
+    prompt = generator.tokenizer.apply_chat_template(template_input, tools=[WEATHER])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n{\"temperature_c\": 18}\n</tool_response>" in prompt
+    assert prompt_tokens(client, messages=[ASK, CALLED, ANSWERED], tools=[WEATHER]) == rendered_length(
+        generator, template_input, [WEATHER])
+
+
+# --- the reply, from what the model wrote ---------------------------------------------------------------------------
+
+def completion(text: str, finish: str = "stop") -> Completion:
+    return Completion((), text, finish, 10, 0.0, 0.0)
+
+
+def chat_reply(tiny_model_dir, names=("get_weather", "get_time"), parallel=True) -> ChatReply:
+    counter = itertools.count()
+    tools = ToolCalling(frozenset(names), parallel, new_id=lambda: f"call_{next(counter)}")
+    return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(TextTokenizer.load(tiny_model_dir)),
+                     logprobs=None, tools=tools)
+
+
+CALL_TEXT = '{"name": "get_weather", "arguments": {"location": "Paris"}}'
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_whole_reply_carries_the_call(tiny_model_dir):
+    body = chat_reply(tiny_model_dir).whole(completion(CALL_TEXT))
+    message = ChatCompletion.model_validate(body).choices[0].message
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert message.content is None
+    (call,) = message.tool_calls
+    assert (call.id, call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "call_0", "function", "get_weather", {"location": "Paris"})
+
+
+def test_whole_reply_without_a_call_is_text_as_written(tiny_model_dir):
+    text = "The weather in Paris is sunny."
+    body = chat_reply(tiny_model_dir).whole(completion(text, "length"))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tiny_model_dir):
+    body = chat_reply(tiny_model_dir, parallel=False).whole(completion(TWO_CALLS))
+    assert [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+    body = chat_reply(tiny_model_dir).whole(completion(TWO_CALLS))
+    assert [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]] == ["get_weather", "get_time"]
+
+
+def stream_chunks(reply: ChatReply, text: str, piece: int) -> list[dict]:
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+    chunks = reply.opening(Step("", ()))
+    for part in pieces[:-1]:
+        chunks += reply.deltas(Step(part, ()))
+    done = completion(text)
+    chunks += reply.deltas(Step(pieces[-1], (), done))
+    return chunks + reply.closing(done)
+
+
+@pytest.mark.parametrize("text", [CALL_TEXT, TWO_CALLS, "Let me check.\n" + TWO_CALLS, "No calls here."])
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_streamed_deltas_join_into_the_whole_reply(tiny_model_dir, text, piece):
+    whole = ChatCompletion.model_validate(chat_reply(tiny_model_dir).whole(completion(text)))
+    state = ChatCompletionStreamState()
+    for chunk in stream_chunks(chat_reply(tiny_model_dir), text, piece):
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion()
+    assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert (streamed.choices[0].message.content or None) == whole.choices[0].message.content
+    assert [(c.id, c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []] == \
+        [(c.id, c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+
+
+def test_each_streamed_call_is_a_header_then_its_arguments(tiny_model_dir):
+    chunks = stream_chunks(chat_reply(tiny_model_dir), CALL_TEXT, 5)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert deltas == [
+        {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"location": "Paris"}'}}]},
+    ]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}

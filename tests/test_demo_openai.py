@@ -1,0 +1,133 @@
+"""What OpenAI clients ask of a local server, on the real demo model through a head and two worker processes.
+
+One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
+official `openai` client (whole, streamed, and the final answer from the tool's result), and structured output
+(`parse` with a pydantic model; schema-valid replies across seeds and temperatures).
+"""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel
+
+from cluster import Cluster, write_topology
+
+pytestmark = [pytest.mark.demo, pytest.mark.slow]
+
+MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, demo_model_dir):
+    workdir = tmp_path_factory.mktemp("demo-openai")
+    nodes = [{"id": "w0", "device": "cpu"}, {"id": "w1", "device": "cpu"}]
+    topology = write_topology(workdir / "t.yaml", demo_model_dir, nodes, dtype="fp32")
+    with Cluster(topology, workdir) as running:
+        running.start_all(["w0", "w1"])
+        yield running
+
+
+def test_fill_in_the_middle_of_a_python_function(cluster):
+    status, body = cluster.post("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(2, 3))\n",
+        "max_tokens": 8, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"].startswith("return a + b"), body
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object",
+                   "properties": {"location": {"type": "string", "description": "City name, e.g. Paris"}},
+                   "required": ["location"]}}}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. When a tool result arrives, answer the user in "
+                                       "one plain sentence."}
+QUESTION = {"role": "user", "content": "What's the weather like in Paris today?"}
+WEATHER_RESULT = {"location": "Paris", "temperature_c": 18, "condition": "sunny"}
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def weather_call(client):
+    return client.chat.completions.create(model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL],
+                                          temperature=0, max_tokens=64)
+
+
+def test_openai_client_gets_a_parsed_weather_call(weather_call):
+    choice = weather_call.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"location": "Paris"}
+
+
+def test_streamed_call_deltas_join_into_the_same_call(client, weather_call):
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL],
+                                                temperature=0, max_tokens=64, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    whole = weather_call.choices[0].message.tool_calls[0]
+    assert finish == "tool_calls"
+    assert list(calls) == [0]
+    assert calls[0]["id"].startswith("call_")
+    assert (calls[0]["name"], calls[0]["arguments"]) == (whole.function.name, whole.function.arguments)
+
+
+def test_final_answer_uses_the_tool_result(client, weather_call):
+    call = weather_call.choices[0].message.tool_calls[0]
+    messages = [SYSTEM, QUESTION, weather_call.choices[0].message,  # the client's own message object, sent back
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps(WEATHER_RESULT)}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER_TOOL],
+                                           tool_choice="none", temperature=0, max_tokens=40)
+    answer = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+    assert "sunny" in answer and "18" in answer, answer
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+CITY_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    "is_capital": {"type": "boolean"}},
+    "required": ["city", "country", "landmarks", "is_capital"], "additionalProperties": False}
+
+
+def test_openai_parse_returns_a_pydantic_object(client):
+    reply = client.chat.completions.parse(
+        model=MODEL_NAME, temperature=0, max_tokens=60, response_format=City,
+        messages=[{"role": "user", "content": "Give the name, country and population of Paris as JSON."}])
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City), reply
+    assert city.name == "Paris" and city.country == "France"
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0, None), (0.9, 1), (0.9, 2), (1.5, 3)])
+def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temperature, seed):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, temperature=temperature, seed=seed, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                                 "strict": True}},
+        messages=[{"role": "user", "content": "Describe Rome as JSON."}])
+    assert reply.choices[0].finish_reason == "stop", reply
+    jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)

@@ -1,0 +1,64 @@
+"""Fill in the middle on /v1/completions: the prompt is wrapped in the model's FIM tokens around the suffix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from falcon import testing
+
+from model_helpers import OurModel
+from tiny_model import SPECIAL_TOKENS, write_tiny_model
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
+from tc.head.service import GenerationService, Readiness
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import SamplingParams
+
+FIM_IDS = {FIM_PREFIX: 259, FIM_SUFFIX: 260, FIM_MIDDLE: 261}  # after the byte tokens and the ChatML specials
+
+
+def test_prompt_is_prefix_suffix_middle():
+    tokens = FimTokens.find(FIM_IDS.get)
+    assert tokens == FimTokens(259, 260, 261)
+    assert tokens.prompt([1, 2], [3]) == [259, 1, 2, 260, 3, 261]
+    assert tokens.prompt([1], []) == [259, 1, 260, 261]
+
+
+def test_a_vocabulary_missing_any_fim_token_has_none():
+    assert FimTokens.find({FIM_PREFIX: 1, FIM_SUFFIX: 2}.get) is None
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory):
+    """The tiny model with the three FIM tokens added to its vocabulary."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("fim"), seed=0)
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    for text, token_id in FIM_IDS.items():
+        data["added_tokens"].append({"id": token_id, "content": text, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (model_dir / "tokenizer.json").write_text(json.dumps(data))
+    tokenizer = TextTokenizer.load(model_dir)
+    assert [tokenizer.token_id(t) for t in (*SPECIAL_TOKENS, *FIM_IDS)] == [256, 257, 258, 259, 260, 261]
+    model = OurModel(model_dir)
+    return Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+
+
+def test_suffix_completes_the_middle(fim_model):
+    service = GenerationService("tiny", fim_model.tokenizer, fim_model, lambda: Readiness(1, ("w",), ()))
+    client = testing.TestClient(create_app(service))
+    reply = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "def f(x):\n    ",
+                                                          "suffix": "\n\nf(1)\n", "max_tokens": 6,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    tok = fim_model.tokenizer
+    ids = [259, *tok.encode("def f(x):\n    "), 260, *tok.encode("\n\nf(1)\n"), 261]
+    expected = fim_model.generate(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert reply.json["choices"][0]["text"] == expected.text
+    assert reply.json["usage"]["prompt_tokens"] == len(ids)
+    # token-id prompts are wrapped the same way
+    reply = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": tok.encode("def f(x):\n    "),
+                                                          "suffix": "\n\nf(1)\n", "max_tokens": 6,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert reply.json["choices"][0]["text"] == expected.text

@@ -1,0 +1,162 @@
+"""Structured output and forced tool calls by constrained decoding, on a tiny random model.
+
+A random model follows no instructions, so whatever it writes that is valid comes from the grammar alone.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import jsonschema
+import pytest
+import torch
+from falcon import testing
+
+from model_helpers import OurModel
+from tiny_model import write_tiny_model
+from tc.generation import Generator
+from tc.head.api import create_app
+from tc.head.service import GenerationService, Readiness
+from tc.model.tokenizer import TextTokenizer
+
+CHAT = "/v1/chat/completions"
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+    "active": {"type": "boolean"}},
+    "required": ["name", "age", "role", "tags", "active"], "additionalProperties": False}
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
+    "required": ["id"], "additionalProperties": False}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Generator:
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("structured"), seed=0, max_position_embeddings=1024)
+    model = OurModel(model_dir)
+    return Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+
+
+def make_client(generator) -> testing.TestClient:
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    return testing.TestClient(create_app(service))
+
+
+@pytest.fixture(scope="module")
+def client(generator) -> testing.TestClient:
+    return make_client(generator)
+
+
+def chat(client, **body) -> dict:
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "max_tokens": 300,
+                                             "messages": [{"role": "user", "content": "Describe someone."}], **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0, None), (0.7, 1), (1.0, 2), (1.3, 3), (2.0, 4)])
+def test_json_schema_replies_validate(client, temperature, seed):
+    body = chat(client, response_format=schema_format(PERSON), temperature=temperature, seed=seed)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_json_object_replies_are_objects(client):
+    for seed in range(3):
+        body = chat(client, response_format={"type": "json_object"}, temperature=1.0, seed=seed, max_tokens=600)
+        content = body["choices"][0]["message"]["content"]
+        if body["choices"][0]["finish_reason"] == "stop":  # any object: a random model may write a long one
+            assert isinstance(json.loads(content), dict)
+        else:
+            assert content.startswith("{")
+
+
+def events(client, body: dict) -> list[dict]:
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "stream": True, **body})
+    assert reply.status_code == 200, reply.text
+    data = [line[6:] for line in reply.text.split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_streamed_structured_reply_equals_the_whole_one(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "temperature": 0.9, "seed": 7,
+            "response_format": schema_format(PERSON)}
+    whole = chat(client, **body)["choices"][0]["message"]["content"]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events(client, body))
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), PERSON)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_tool_choice_always_returns_calls_with_valid_arguments(client, seed):
+    body = chat(client, tools=[LOOKUP, PING], tool_choice="required", temperature=1.0, seed=seed)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    for call in choice["message"]["tool_calls"]:
+        tool = {"lookup": LOOKUP, "ping": PING}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+def test_named_tool_choice_calls_that_tool_once(client):
+    body = chat(client, tools=[LOOKUP, PING], tool_choice={"type": "function", "function": {"name": "lookup"}},
+                temperature=1.0, seed=5)
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "lookup"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), LOOKUP["function"]["parameters"])
+
+
+def test_required_without_parallel_calls_makes_one_call(client):
+    for seed in range(3):
+        body = chat(client, tools=[LOOKUP, PING], tool_choice="required", parallel_tool_calls=False,
+                    temperature=1.0, seed=seed)
+        assert len(body["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_streamed_forced_call_arrives_as_deltas(client):
+    chunks = events(client, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "seed": 3,
+                             "tools": [LOOKUP], "tool_choice": "required", "parallel_tool_calls": False})
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert deltas[0]["function"]["name"] == "lookup" and deltas[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads("".join(d["function"]["arguments"] for d in deltas)),
+                        LOOKUP["function"]["parameters"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"),
+    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
+])
+def test_unsupported_schema_features_are_refused_by_name(client, schema, named):
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "response_format": schema_format(schema)})
+    assert reply.status_code == 400, reply.text
+    error = reply.json["error"]
+    assert error["param"] == "response_format.json_schema.schema" and error["code"] == "invalid_value"
+    assert named in error["message"]
+
+
+def test_without_the_grammar_engine_response_format_names_the_package(generator, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # what an absent package looks like to `import`
+    client = make_client(generator)
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "response_format": {"type": "json_object"}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json["error"]["param"] == "response_format"
+    assert "pip install llguidance" in reply.json["error"]["message"]
+    # a forced call is still served, steered by the template alone
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "tools": [PING], "tool_choice": "required", "max_tokens": 3})
+    assert reply.status_code == 200, reply.text
+    assert reply.json["choices"][0]["message"]["content"] is not None  # a random model's text is no call

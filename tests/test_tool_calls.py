@@ -1,0 +1,170 @@
+"""The tool-call parser on what models of several families really write, whole and in pieces."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tc.head.tool_calls import ParsedReply, ToolCall, ToolCallStream, parse_tool_calls
+
+NAMES = frozenset({"get_weather", "get_time", "search"})
+PARIS = '{"location": "Paris"}'
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def parse(text: str) -> ParsedReply:
+    return parse_tool_calls(text, NAMES, ids())
+
+
+def calls(reply: ParsedReply) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in reply.calls]
+
+
+# (family, what the model wrote as decoded text, expected content, expected calls)
+RECORDED = [
+    ("qwen2.5 hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("qwen2.5 two calls",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}\n</tool_call>',
+     None, [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "Europe/Paris"})]),
+    ("hermes with text first", "Let me check that for you.\n<tool_call>\n"
+     '{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}\n</tool_call>',
+     "Let me check that for you.", [("get_weather", {"location": "Paris", "unit": "celsius"})]),
+    ("hermes left open at EOS", '<tool_call>\n{"name": "search", "arguments": {"query": "tc"}}',
+     None, [("search", {"query": "tc"})]),
+    ("demo model bare object", '{"name": "get_weather", "arguments": {"location": "Paris"}}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("bare object in a fence", '```json\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n```',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("llama 3.1 json (python_tag dropped)", '{"name": "get_weather", "parameters": {"location": "Paris"}}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("llama 3.1 with python_tag", '<|python_tag|>{"name": "get_weather", "parameters": {"location": "Paris"}}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("llama 3.2 two calls", '{"name": "get_weather", "parameters": {"location": "Paris"}}; '
+     '{"name": "get_time", "parameters": {"timezone": "CET"}}',
+     None, [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "CET"})]),
+    ("llama type function", '{"type": "function", "name": "get_weather", "parameters": {"location": "Paris"}}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("mistral v3 array", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"location": "Paris"}}, '
+     '{"name": "get_time", "arguments": {"timezone": "CET"}}]',
+     None, [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "CET"})]),
+    ("mistral marker dropped", '[{"name": "get_weather", "arguments": {"location": "Paris"}}]',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("mistral v11 args", '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("mistral v11 two", '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     None, [("get_weather", {"location": "Paris"}), ("get_time", {})]),
+    ("arguments as a json string", '{"name": "get_weather", "arguments": "{\\"location\\": \\"Paris\\"}"}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("openai shape", '{"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}',
+     None, [("search", {"query": "x"})]),
+]
+
+NOT_CALLS = [
+    ("plain answer", "The weather in Paris today is sunny with a temperature of 18 degrees Celsius."),
+    ("json that is not a call", '{"temperature_c": 18, "condition": "sunny"}'),
+    ("unknown tool", '{"name": "launch_rocket", "arguments": {}}'),
+    ("call without arguments key", '{"name": "get_weather", "location": "Paris"}'),
+    ("arguments not an object", '{"name": "get_weather", "arguments": [1, 2]}'),
+    ("malformed json in a block", '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Par\n</tool_call>'),
+    ("truncated bare object", '{"name": "get_weather", "arguments": {"location": "Pa'),
+    ("call then prose", '{"name": "get_weather", "arguments": {"location": "Paris"}} and then I will answer'),
+    ("array of numbers", "[1, 2, 3]"),
+    ("code fence of python", "```python\nprint('hi')\n```"),
+    ("mistral marker then junk", "[TOOL_CALLS] not json at all"),
+    ("empty", ""),
+    ("deep nesting", "[" * 5000 + "]" * 5000),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "expected"), [r[1:] for r in RECORDED], ids=[r[0] for r in RECORDED])
+def test_recorded_calls(text, content, expected):
+    reply = parse(text)
+    assert reply.content == content
+    assert calls(reply) == expected
+    assert [c.id for c in reply.calls] == [f"call_{i}" for i in range(len(expected))]
+    assert all(json.loads(c.arguments) is not None for c in reply.calls)
+
+
+@pytest.mark.parametrize("text", [r[1] for r in NOT_CALLS], ids=[r[0] for r in NOT_CALLS])
+def test_text_that_is_not_a_call_stays_content_exactly(text):
+    assert parse(text) == ParsedReply(text, ())
+
+
+def test_a_malformed_block_stays_text_beside_a_good_one():
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": oops}\n</tool_call>')
+    reply = parse(text)
+    assert calls(reply) == [("get_weather", {"location": "Paris"})]
+    assert reply.content == '\n<tool_call>\n{"name": oops}\n</tool_call>'
+
+
+def test_arguments_keep_non_ascii_text():
+    reply = parse('{"name": "get_weather", "arguments": {"location": "Zürich"}}')
+    assert reply.calls[0].arguments == '{"location": "Zürich"}'
+
+
+def stream_in(pieces: list[str], parallel: bool = True) -> tuple[str, list[ToolCall]]:
+    stream = ToolCallStream(NAMES, ids(), parallel=parallel)
+    content, found = "", []
+    for piece in pieces:
+        text, new = stream.push(piece)
+        content, found = content + text, found + new
+    text, new = stream.finish()
+    return content + text, found + new
+
+
+ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
+    "Sure.\n\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\nDone.",
+    "Checking <tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call> and <tool_call>{\"name\": \"x\"}",
+    "I will use <tool_c but not really",
+    "   \n  {\"name\": \"get_time\", \"arguments\": {}}  \n",
+    "`not a fence",
+    "Answer first. [TOOL_CALLS][{\"name\": \"search\", \"arguments\": {\"query\": \"q\"}}]",
+]
+
+
+@pytest.mark.parametrize("text", ALL_TEXTS)
+def test_streamed_in_two_pieces_at_every_offset_equals_whole(text):
+    whole = parse(text)
+    for cut in range(len(text) + 1):
+        content, found = stream_in([text[:cut], text[cut:]])
+        assert content == (whole.content or ""), cut
+        assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in whole.calls], cut
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(ALL_TEXTS), st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_streamed_in_any_pieces_equals_whole(text, cuts):
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    content, found = stream_in([text[a:b] for a, b in zip(bounds, bounds[1:])])
+    whole = parse(text)
+    assert content == (whole.content or "")
+    assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in whole.calls]
+
+
+def test_stream_sends_plain_text_at_once_and_a_call_when_its_block_closes():
+    stream = ToolCallStream(NAMES, ids())
+    assert stream.push("Let me look ") == ("Let me look", [])  # the space waits: a call may follow
+    assert stream.push("that up.\n<tool") == (" that up.", [])
+    assert stream.push('_call>\n{"name": "get_time", "arguments": {}}\n') == ("", [])
+    content, found = stream.push("</tool_call>")
+    assert content == "" and [(c.id, c.name, c.arguments) for c in found] == [("call_0", "get_time", "{}")]
+    assert stream.finish() == ("", [])
+
+
+def test_stream_without_parallel_calls_sends_only_the_first():
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>')
+    content, found = stream_in([text], parallel=False)
+    assert [c.name for c in found] == ["get_time"]
+    content, found = stream_in([text[:30], text[30:]], parallel=False)
+    assert [c.name for c in found] == ["get_time"]
