@@ -9,7 +9,7 @@ are allowed, so the completion ends there; greedy or sampled, whatever the sampl
 The grammar engine is llguidance, an optional native package: it is imported only when a request asks for a
 constraint (`GrammarEngine.load`), and its absence is a `ConstraintUnavailable` naming the package, so the head
 and tc.pyz run without it. Building its view of a 150k-token vocabulary takes about a second, once per head;
-a mask then costs well under a millisecond a token (scripts/bench_constrained.py measures it).
+a mask then costs well under a millisecond a token (bench/bench_constrained.py measures it).
 """
 from __future__ import annotations
 
