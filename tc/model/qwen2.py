@@ -249,10 +249,14 @@ class HeadModel(nn.Module):
 
     @classmethod
     def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
-             device: torch.device | str = "cpu", pack: bool | None = None) -> "HeadModel":
-        """The head's tensors from the checkpoint. An lm_head of its own takes the fastest product this CPU has
-        for its shape (`dense.pack_linears`; `pack` as its `force`); one tied to the embedding stays as it is,
-        since packing it would hold the matrix twice."""
+             device: torch.device | str = "cpu", pack: bool | None = False) -> "HeadModel":
+        """The head's tensors from the checkpoint.
+
+        With pack=None (or True), an lm_head of its own takes the fastest product this CPU has for its shape
+        (`dense.pack_linears`, `pack` as its `force`). Off by default: packing briefly holds the matrix twice (the
+        largest one of a small model), which is only worth it for an lm_head that stays in the compute dtype, while
+        a head in int8 or int4 quantizes its lm_head after loading. An lm_head tied to the embedding is never
+        packed, since that would hold the matrix twice for good."""
         with torch.device("meta"):
             head = cls(config)
         tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
