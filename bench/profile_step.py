@@ -21,7 +21,7 @@ With --against REV, the model code (tc/model) of git revision REV is loaded too,
 with this tree's in one process (A, B, A, B, ...): the only fair comparison on a machine others also load.
 
     python bench/profile_step.py [--modes fp16 int8 int4] [--layers 0 12] [--threads 2] [--context 128]
-                                 [--steps 40] [--dtype bf16] [--against REV] [--clock wall|cpu]
+                                 [--steps 40] [--dtype bf16] [--against REV [--base-first]] [--clock wall|cpu]
 """
 from __future__ import annotations
 
@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--against", metavar="REV", help="also run tc/model of this git revision, interleaved")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler split and shape table")
+    parser.add_argument("--base-first", action="store_true",
+                        help="load REV's stage before this tree's: where two stages' weights land in memory moves "
+                             "DRAM-bound steps by a few percent, against the one loaded first here; run both ways")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: this process's CPU time, which time spent waiting for a core shared with other "
                              "processes does not inflate (with one thread; with more it counts threads' waits)")
@@ -286,8 +289,9 @@ def main() -> None:
           f"fp32 mv {mv_gbs:.1f})\n")
     rows, shapes, heads = [], {}, {}
     for mode in args.modes:
+        order = list(trees.items())[::-1] if args.base_first else list(trees.items())
         setups = {name: Setup(code, model_dir, mode, start, end, DTYPES[args.dtype], args.context, args.group_size)
-                  for name, code in trees.items()}
+                  for name, code in order}
         with torch.inference_mode():
             for s in setups.values():
                 s.step()
@@ -324,7 +328,7 @@ def main() -> None:
         print(line)
     if args.against:
         for mode in args.modes:
-            a, b = (next(r for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)
+            a, b = (next(r for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)  # this tree, REV
             print(f"{mode}: this tree's decode step takes {a['step'] / b['step']:.2f}x the time of {args.against}'s, "
                   f"its prefill {a['prefill'] / b['prefill']:.2f}x")
     if args.no_profile:
