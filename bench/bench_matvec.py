@@ -1,25 +1,36 @@
-"""What bounds decode on this CPU: the bf16 matrix-vector product's memory bandwidth, per Qwen2.5-0.5B shape.
+"""What bounds decode on this CPU: each one-row product's rate in GB/s of weight bytes, per Qwen2.5-0.5B shape.
 
 A decode step reads every layer weight once (about 0.72 GB in bf16 for 24 layers) plus the lm_head (0.27 GB);
-at the bandwidth printed here that sets the fastest a plain-PyTorch bf16 decode can go, whatever the code around
-the products does. int8 packed weights read half the bytes.
+at the rates printed here that sets the fastest a plain-PyTorch decode can go, whatever the code around the
+products does. Columns: bf16 F.linear on the checkpoint's layout, bf16 in oneDNN's blocked layout (what
+tc.model.dense packs where its probe finds it faster), and the int8 packed kernel (half the bytes). The shapes are
+those the model runs (q/k/v and gate/up fused). Each call reads a different copy of the weight, so weights come
+from memory as in a real step; the machine's own streaming rate (a large fp32 sum) is printed for scale.
 
     python bench/bench_matvec.py [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"q/o_proj": (896, 896), "k/v_proj": (128, 896), "gate/up_proj": (4864, 896), "down_proj": (896, 4864),
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tc.model.dense import PackedLinear  # noqa: E402
+
+SHAPES = {"qkv_proj": (1152, 896), "o_proj": (896, 896), "gate_up_proj": (9728, 896), "down_proj": (896, 4864),
           "lm_head": (151936, 896)}
-PER_LAYER = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}
+PER_LAYER = {"qkv_proj": 1, "o_proj": 1, "gate_up_proj": 1, "down_proj": 1}
+WORKING_SET = 256 << 20  # bytes of bf16 copies each column rotates through: far over any cache
 
 
-def best_ms(fn, n: int = 30) -> float:
+def median_ms(fn, n: int = 30) -> float:
     for _ in range(3):
         fn()
     times = []
@@ -28,7 +39,7 @@ def best_ms(fn, n: int = 30) -> float:
         fn()
         times.append(time.perf_counter() - started)
     times.sort()
-    return times[len(times) // 2] * 1e3  # the median
+    return times[len(times) // 2] * 1e3
 
 
 def main() -> None:
@@ -36,23 +47,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{args.threads} threads; median of 30 calls, x of shape [1, in]\n")
-    print(f"{'matrix':13s} {'shape':>12s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s}")
-    step_bf16 = step_int8 = 0.0
-    for name, (out_f, in_f) in SHAPES.items():
-        w = torch.randn(out_f, in_f).bfloat16()
-        x = torch.randn(1, in_f).bfloat16()
-        q = torch.randint(-127, 127, (out_f, in_f), dtype=torch.int8)
-        s = torch.rand(out_f).bfloat16()
-        bf16 = best_ms(lambda: F.linear(x, w))
-        int8 = best_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, q, s))
-        count = PER_LAYER.get(name, 0) * 24 or 1
-        step_bf16 += count * bf16
-        step_int8 += count * int8
-        print(f"{name:13s} {out_f:>5d}x{in_f:<6d} {bf16:8.3f} {w.numel() * 2 / bf16 / 1e6:6.1f} {int8:8.3f} "
-              f"{q.numel() / int8 / 1e6:6.1f}")
-    print(f"\nproducts alone for one decode step (24 layers + lm_head): bf16 {step_bf16:.1f} ms "
-          f"(at most {1000 / step_bf16:.1f} tokens/s), int8 {step_int8:.1f} ms (at most {1000 / step_int8:.1f} tokens/s)")
+    buf = torch.rand(64 << 20)
+    stream = buf.nbytes / median_ms(buf.sum, 9) / 1e6
+    print(f"{args.threads} threads; median of 30 calls, x of shape [1, in]; streaming rate {stream:.1f} GB/s\n")
+    print(f"{'matrix':13s} {'shape':>12s} {'bf16 ms':>8s} {'GB/s':>6s} {'blocked':>8s} {'GB/s':>6s} {'int8 ms':>8s} "
+          f"{'GB/s':>6s}")
+    step = {"bf16": 0.0, "blocked": 0.0, "int8": 0.0}
+    with torch.inference_mode():
+        for name, (out_f, in_f) in SHAPES.items():
+            copies = max(1, -(-WORKING_SET // (out_f * in_f * 2)))
+            ws = [torch.randn(out_f, in_f).bfloat16() for _ in range(copies)]
+            blocked = itertools.cycle([PackedLinear(w) for w in ws])
+            qs = itertools.cycle([torch.randint(-127, 127, (out_f, in_f), dtype=torch.int8) for _ in range(copies)])
+            plain = itertools.cycle(ws)
+            x = torch.randn(1, in_f).bfloat16()
+            s = torch.rand(out_f).bfloat16()
+            ms = {"bf16": median_ms(lambda: F.linear(x, next(plain))),
+                  "blocked": median_ms(lambda: next(blocked)(x)),
+                  "int8": median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, next(qs), s))}
+            count = PER_LAYER.get(name, 0) * 24 or 1
+            for k in step:
+                step[k] += count * ms[k]
+            nbytes = {"bf16": out_f * in_f * 2, "blocked": out_f * in_f * 2, "int8": out_f * in_f}
+            print(f"{name:13s} {out_f:>5d}x{in_f:<6d} " + " ".join(f"{ms[k]:8.3f} {nbytes[k] / ms[k] / 1e6:6.1f}"
+                                                                   for k in step))
+            del ws, blocked, qs, plain
+    print("\nproducts alone for one decode step (24 layers + lm_head): " + ", ".join(
+        f"{k} {v:.1f} ms (at most {1000 / v:.1f} tokens/s)" for k, v in step.items()))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Time one linear layer per weight mode and path, on Qwen2.5-0.5B's projection shapes.
 
 For each shape [out, in] and each input x of [1, 1, in] (decode) and [1, 128, in] (prefill), prints microseconds
-per call for bf16 nn.Linear, fp32 nn.Linear, Int8Linear and Int4Linear on their portable and packed-kernel paths
-(activations in bf16 for the quantized modules), and each one's speed-up over bf16 nn.Linear (>1 is faster).
+per call for bf16 nn.Linear, bf16 in oneDNN's blocked layout (dense.PackedLinear), fp32 nn.Linear, Int8Linear
+and Int4Linear on their portable and packed-kernel paths, and Int8Linear as it chooses by itself (the kernel, or
+for prefill the codes converted for a dense product; quant.int8_dense_prefill_is_faster), activations in bf16 for
+the quantized modules, and each one's speed-up over bf16 nn.Linear (>1 is faster).
 By default each variant rotates through enough copies of its layer that the weights come from memory, as they
 do when a whole model decodes; --hot calls a single copy instead.
 Each figure is the 10th percentile of single-call times, taken round-robin across the variants, as the machine
@@ -29,18 +31,22 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tc.model.dense import PackedLinear  # noqa: E402
 from tc.model.quant import Int4Linear, Int8Linear, int4_kernel_available, int8_kernel_available  # noqa: E402
 
-SHAPES = {  # name -> (out_features, in_features), Qwen2.5-0.5B
+SHAPES = {  # name -> (out_features, in_features), Qwen2.5-0.5B; the model runs the fused ones
     "q/o 896x896": (896, 896),
     "k/v 128x896": (128, 896),
+    "qkv fused 1152x896": (1152, 896),
     "gate/up 4864x896": (4864, 896),
+    "gate_up fused 9728x896": (9728, 896),
     "down 896x4864": (896, 4864),
     "lm_head 151936x896": (151936, 896),
 }
 COLD_WORKING_SET = 256 << 20  # bytes of bf16 weights to rotate through: several times any L3 cache
 INPUTS = {"decode": 1, "prefill": 128}  # positions per call
-VARIANTS = ("bf16", "fp32", "int8 portable", "int8 packed", "int4 portable", "int4 packed")
+VARIANTS = ("bf16", "bf16 blocked", "fp32", "int8 portable", "int8 packed", "int8 chosen", "int4 portable",
+            "int4 packed")
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], budget_s: float, rounds: int = 7
@@ -73,15 +79,21 @@ def build(variant: str, linear32: nn.Linear) -> tuple[nn.Module, torch.dtype] | 
     """The module for `variant` and the dtype of its input; None when this machine has no such path."""
     if variant == "bf16":
         return _cast(linear32, torch.bfloat16), torch.bfloat16
+    if variant == "bf16 blocked":
+        try:
+            return PackedLinear.from_linear(_cast(linear32, torch.bfloat16)), torch.bfloat16
+        except (RuntimeError, NotImplementedError):
+            return None
     if variant == "fp32":
         return linear32, torch.float32
     mode, path = variant.split()
-    kernel = path == "packed"
+    kernel = path != "portable"
     lin16 = _cast(linear32, torch.bfloat16)
     if mode == "int8":
         if kernel and not int8_kernel_available("cpu"):
             return None
-        return Int8Linear.from_linear(lin16, use_kernel=kernel), torch.bfloat16
+        return Int8Linear.from_linear(lin16, use_kernel=kernel, dense_prefill=None if path == "chosen" else False), \
+            torch.bfloat16
     if kernel and int4_kernel_available("cpu") is None:
         return None
     return Int4Linear.from_linear(lin16, 128, use_kernel=kernel), torch.bfloat16
@@ -89,6 +101,10 @@ def build(variant: str, linear32: nn.Linear) -> tuple[nn.Module, torch.dtype] | 
 
 def _rotation(module: nn.Module, copies: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable that runs `copies` copies of `module` in turn, so weights come from memory, not cache."""
+    if isinstance(module, PackedLinear):  # an opaque oneDNN tensor does not deep-copy; pack copies instead
+        weight = module.dense_weight()
+        cycle = itertools.cycle([module] + [PackedLinear(weight) for _ in range(copies - 1)])
+        return lambda x: next(cycle)(x)
     cycle = itertools.cycle([module] + [copy.deepcopy(module) for _ in range(copies - 1)])
     return lambda x: next(cycle)(x)
 

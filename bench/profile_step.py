@@ -11,7 +11,8 @@ and then times decode steps at one fixed position (the cache slot is rewritten, 
   times include the profiler's own cost per operator, so they add up to more than the unprofiled step;
 - floor: the stage's weight bytes at the machine's streaming rate (the best of a large fp32 sum and a large fp32
   torch.mv, both measured here), what no implementation that reads every weight once can beat;
-- head: the final norm, the lm_head (in the mode's head weight mode) and sampling, each timed alone.
+- head: the final norm, the lm_head (in the mode's head weight mode) and sampling, each timed alone; and a bf16
+  lm_head in oneDNN's blocked layout (dense.PackedLinear), which the head process does not pack (HeadModel.load).
 
 A second table lists each product shape of the stage with its time per call, its rate in GB/s of weight bytes and
 how far that is from the streaming rate.
@@ -20,7 +21,7 @@ With --against REV, the model code (tc/model) of git revision REV is loaded too,
 with this tree's in one process (A, B, A, B, ...): the only fair comparison on a machine others also load.
 
     python bench/profile_step.py [--modes fp16 int8 int4] [--layers 0 12] [--threads 2] [--context 128]
-                                 [--steps 40] [--dtype bf16] [--against REV] [--clock wall|cpu]
+                                 [--steps 40] [--dtype bf16] [--against REV [--base-first]] [--clock wall|cpu]
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def model_code(against: str | None) -> dict[str, ModuleType]:
     """This tree's tc.model, and with `against` that revision's tc.model as a package of its own."""
     from tc.model import config, quant, qwen2, weights
 
-    trees = {"this tree": {"config": config, "quant": quant, "qwen2": qwen2, "weights": weights}}
+    from tc.model import dense
+
+    trees = {"this tree": {"config": config, "quant": quant, "qwen2": qwen2, "weights": weights, "dense": dense}}
     if against:
         tmp = Path(tempfile.mkdtemp(prefix="tc_model_"))
         name = "tc_model_base"
@@ -85,6 +88,8 @@ def model_code(against: str | None) -> dict[str, ModuleType]:
         (tmp / "tc" / "model").rename(tmp / name)
         sys.path.insert(0, str(tmp))
         trees[against] = {m: importlib.import_module(f"{name}.{m}") for m in ("config", "quant", "qwen2", "weights")}
+        if (tmp / name / "dense.py").exists():
+            trees[against]["dense"] = importlib.import_module(f"{name}.dense")
     return trees
 
 
@@ -98,7 +103,8 @@ class Setup:
         index = weights.WeightIndex.open(model_dir)
         prepare = None if mode == "fp16" else (lambda layer: quant.quantize_linears(layer, mode, group_size))
         self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu", prepare=prepare)
-        self.head = qwen2.HeadModel.load(self.config, index, dtype)
+        self.head = qwen2.HeadModel.load(self.config, index, dtype)  # as the head process loads it
+        self.dense = code.get("dense")
         if mode != "fp16":
             quant.quantize_linears(self.head, quant.head_weight_mode(mode), group_size)
         self.cache = self.stage.new_cache(context + 1, dtype, "cpu")
@@ -236,10 +242,16 @@ def head_budget(setup: Setup, n: int) -> dict[str, float]:
         logits = head.lm_head(normed).float()[0, -1]  # [vocab]
         rng = new_rng(0)
         greedy, top_p = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
-        return {"norm": median_ms(lambda: head.norm(h), n),
-                "lm_head": median_ms(lambda: head.lm_head(normed).float(), n),
-                "greedy": median_ms(lambda: choose(logits, greedy, None, rng), n),
-                "top-p": median_ms(lambda: choose(logits, top_p, None, rng), n)}
+        times = {"norm": median_ms(lambda: head.norm(h), n),
+                 "lm_head": median_ms(lambda: head.lm_head(normed).float(), n),
+                 "greedy": median_ms(lambda: choose(logits, greedy, None, rng), n),
+                 "top-p": median_ms(lambda: choose(logits, top_p, None, rng), n)}
+        lm = head.lm_head
+        if setup.dense is not None and isinstance(lm, torch.nn.Linear) and lm.weight.dtype == torch.bfloat16:
+            blocked = setup.dense.PackedLinear.from_linear(lm)  # what HeadModel.load(pack=True) would hold
+            times["blocked"] = median_ms(lambda: blocked(normed).float(), n)
+            del blocked
+        return times
 
 
 def main() -> None:
@@ -255,6 +267,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--against", metavar="REV", help="also run tc/model of this git revision, interleaved")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler split and shape table")
+    parser.add_argument("--base-first", action="store_true",
+                        help="load REV's stage before this tree's: where two stages' weights land in memory moves "
+                             "DRAM-bound steps by a few percent, against the one loaded first here; run both ways")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: this process's CPU time, which time spent waiting for a core shared with other "
                              "processes does not inflate (with one thread; with more it counts threads' waits)")
@@ -270,11 +285,13 @@ def main() -> None:
     stream = max(read_gbs, mv_gbs)
     start, end = args.layers
     print(f"demo model layers [{start}, {end}), compute {args.dtype}, {args.threads} threads, {args.context} "
-          f"cached positions, {args.clock} clock; streaming rate {stream:.1f} GB/s (fp32 sum {read_gbs:.1f}, fp32 mv {mv_gbs:.1f})\n")
+          f"cached positions, {args.clock} clock; streaming rate {stream:.1f} GB/s (fp32 sum {read_gbs:.1f}, "
+          f"fp32 mv {mv_gbs:.1f})\n")
     rows, shapes, heads = [], {}, {}
     for mode in args.modes:
+        order = list(trees.items())[::-1] if args.base_first else list(trees.items())
         setups = {name: Setup(code, model_dir, mode, start, end, DTYPES[args.dtype], args.context, args.group_size)
-                  for name, code in trees.items()}
+                  for name, code in order}
         with torch.inference_mode():
             for s in setups.values():
                 s.step()
@@ -311,7 +328,7 @@ def main() -> None:
         print(line)
     if args.against:
         for mode in args.modes:
-            a, b = (next(r for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)
+            a, b = (next(r for r in rows if r["mode"] == mode and r["tree"] == t) for t in trees)  # this tree, REV
             print(f"{mode}: this tree's decode step takes {a['step'] / b['step']:.2f}x the time of {args.against}'s, "
                   f"its prefill {a['prefill'] / b['prefill']:.2f}x")
     if args.no_profile:
@@ -324,10 +341,12 @@ def main() -> None:
             gbs = nbytes / ms / 1e6
             print(f"{mode:5s} {name[:10]:10s} {cls:12s} {out_f:>5d}x{in_f:<6d} {count:5d} {ms:8.3f} {gbs:5.1f} "
                   f"{gbs / stream:8.0%}")
-    print(f"\n{'mode':5s} {'tree':10s} head ms: " + " ".join(f"{k:>8s}" for k in ("norm", "lm_head", "greedy", "top-p")))
+    parts = ("norm", "lm_head", "greedy", "top-p", "blocked")
+    print(f"\n{'mode':5s} {'tree':10s} head ms: " + " ".join(f"{k:>8s}" for k in parts))
     for (mode, name), h in heads.items():
-        print(f"{mode:5s} {name[:10]:10s} {'':9s}" + " ".join(f"{h[k]:8.2f}" for k in ("norm", "lm_head", "greedy",
-                                                                                    "top-p")))
+        print(f"{mode:5s} {name[:10]:10s} {'':9s}" + " ".join(f"{h[k]:8.2f}" if k in h else f"{'-':>8s}"
+                                                            for k in parts))
+    print("head: lm_head as the head process holds it; blocked: the same matrix in oneDNN's blocked layout")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     index.validate(config)
     torch_dtype = resolve_compute_dtype(dtype, device)
     # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
-    head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"))
-    quantization.quantize_linears(head, quantization.head_weight_mode(quant), group_size)
+    head_mode = quantization.head_weight_mode(quant)
+    head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"),
+                          pack=None if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
+    quantization.quantize_linears(head, head_mode, group_size)
     # each layer is quantized as it loads (a no-op for fp16), as a worker does
     prepare = functools.partial(quantization.quantize_linears, mode=quant, group_size=group_size)
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)

@@ -132,3 +132,15 @@ def test_an_lm_head_tied_to_the_embedding_stays_one_matrix(tmp_path):
     head = OurModel(model_dir, torch.bfloat16, pack=True).head
     assert isinstance(head.lm_head, Linear)
     assert head.lm_head.weight.data_ptr() == head.embed_tokens.weight.data_ptr()
+
+
+def test_the_head_packs_its_lm_head_only_when_asked(tiny_model_dir):
+    from tc.model.config import Qwen2Config
+    from tc.model.qwen2 import HeadModel
+    from tc.model.weights import WeightIndex
+
+    config = Qwen2Config.from_file(tiny_model_dir / "config.json")
+    index = WeightIndex.open(tiny_model_dir)
+    # by default not: the head process quantizes its lm_head after loading in int8 and int4
+    assert isinstance(HeadModel.load(config, index, torch.bfloat16).lm_head, Linear)
+    assert isinstance(HeadModel.load(config, index, torch.bfloat16, pack=True).lm_head, PackedLinear)

@@ -41,6 +41,19 @@ def test_prefill_plus_decode_equals_full_forward(tiny_model_dir):
     assert torch.allclose(cached, full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_prefilled_in_chunks_equals_one_prefill(tiny_model_dir, dtype):
+    # chunks after cached positions take the masked attention path, and the cache and rotary at an offset
+    model = OurModel(tiny_model_dir, dtype)
+    stage, ids = model.stages[0], torch.tensor([PROMPT])
+    hidden = model.head.embed(ids).to(dtype)  # [1, 12, hidden]
+    whole = stage(hidden, stage.new_cache(len(PROMPT), dtype, "cpu"), 0)
+    cache = stage.new_cache(len(PROMPT), dtype, "cpu")
+    parts = [stage(hidden[:, a:b], cache, a) for a, b in ((0, 5), (5, 6), (6, 12))]
+    assert cache.length == len(PROMPT)
+    assert torch.allclose(torch.cat(parts, dim=1).float(), whole.float(), atol=1e-5 if dtype == torch.float32 else 0.05)
+
+
 @pytest.mark.parametrize("name", ["mha", "mqa-6-heads"])
 def test_decode_steps_match_transformers_for_every_head_grouping(tmp_path, name):
     # a decode step's attention groups the query heads by KV head: 1 per group (MHA) and all in one (MQA) too
