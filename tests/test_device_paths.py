@@ -1,0 +1,102 @@
+"""The CUDA and MPS code paths, checked on the CPU: each device decision is a pure function of the device facts,
+tested by table, and each fallback it can choose is forced here and compared with the path it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import OurModel
+from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
+                            must_expand_kv_heads, sdpa_has_enable_gqa, torch_release)
+
+IDS = [5, 17, 250, 3, 99, 42, 7, 128, 64, 31, 200, 11]
+
+
+# ---------------------------------------------------------------------------------------- SDPA and GQA
+
+
+@pytest.mark.parametrize("device_type, has_gqa, release, expand", [
+    ("cpu", True, (2, 13), False),
+    ("cuda", True, (2, 5), False),
+    ("cpu", False, (2, 4), True),  # torch 2.4: SDPA has no enable_gqa
+    ("cuda", False, (2, 4), True),
+    ("mps", False, (2, 4), True),
+    ("mps", True, (2, 5), True),  # pytorch issue 149132: enable_gqa on MPS aborts the process
+    ("mps", True, (2, 6), True),
+    ("mps", True, (2, 7), False),
+    ("mps", True, (3, 0), False),
+])
+def test_when_the_kv_heads_are_expanded(device_type, has_gqa, release, expand):
+    assert must_expand_kv_heads(device_type, has_gqa, release) is expand
+
+
+@pytest.mark.parametrize("version, release", [("2.4.1", (2, 4)), ("2.6.0+cu124", (2, 6)),
+                                              ("2.7.0.dev20250311", (2, 7)), ("2.13.0+cpu", (2, 13))])
+def test_torch_release(version, release):
+    assert torch_release(version) == release
+
+
+def test_this_torch_has_enable_gqa():
+    # the installed torch (>= 2.5) has it; the probe must say so, or every prefill would pay for a copy
+    assert sdpa_has_enable_gqa() is True
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "mask"])
+def test_expanded_kv_heads_give_what_enable_gqa_gives(mask_kind):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 14, 9, 64, generator=g)  # [B, H, L, D]
+    k = torch.randn(1, 2, 13, 64, generator=g)  # [B, H_kv, T, D]
+    v = torch.randn(1, 2, 13, 64, generator=g)
+    if mask_kind == "causal":
+        q, k, v, mask, causal = q, k[:, :, :9], v[:, :, :9], None, True
+    else:
+        mask, causal = torch.arange(13)[None, :] <= torch.arange(4, 13)[:, None], False  # [L, T]
+    fast = grouped_attention(q, k, v, mask, causal, expand_kv=False)
+    fallback = grouped_attention(q, k, v, mask, causal, expand_kv=True)
+    torch.testing.assert_close(fallback, fast, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_forced_onto_the_expanded_path_matches_the_fast_one(tiny_model_dir, monkeypatch):
+    model = OurModel(tiny_model_dir)
+    fast = model.cached_logits(IDS, 5)  # a prefill from 0, then decode steps
+    chunked_fast = _two_chunk_hidden(model)
+    monkeypatch.setattr(Attention, "expand_kv", True)
+    expanded = model.cached_logits(IDS, 5)
+    chunked_expanded = _two_chunk_hidden(model)
+    torch.testing.assert_close(expanded, fast, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked_expanded, chunked_fast, rtol=1e-5, atol=1e-5)
+
+
+def _two_chunk_hidden(model: OurModel) -> torch.Tensor:
+    """Final hidden states of a prefill in two chunks, the second at position_start > 0 (the masked SDPA call)."""
+    pipe = model.pipeline()
+    pipe.prefill(model.head.embed(torch.tensor([IDS[:4]])), capacity=len(IDS))
+    return pipe.decode(model.head.embed(torch.tensor([IDS[4:]])), 4)  # 8 positions at once, from position 4
+
+
+# ------------------------------------------------------------------------------------------- bf16 facts
+
+
+@pytest.mark.parametrize("capability, native", [
+    ((6, 0), False),  # Pascal P100
+    ((6, 1), False),
+    ((7, 0), False),  # V100
+    ((7, 5), False),  # T4, whose torch.cuda.is_bf16_supported() says True (emulated)
+    ((8, 0), True),  # A100
+    ((8, 6), True),
+    ((8, 9), True),  # L4, RTX 4090
+    ((9, 0), True),  # H100
+    ((10, 0), True),
+])
+def test_cuda_bf16_follows_the_compute_capability(capability, native):
+    assert cuda_capability_has_bf16(capability) is native
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+def test_compute_dtype_names(dtype, name):
+    assert compute_dtype_name(dtype) == name
+
+
+def test_compute_dtype_name_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="not a compute dtype"):
+        compute_dtype_name(torch.float64)
