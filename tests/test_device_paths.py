@@ -8,6 +8,7 @@ import torch
 from model_helpers import OurModel
 from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
                             must_expand_kv_heads, sdpa_has_enable_gqa, torch_release)
+from tc.worker.device import compute_dtypes, cuda_devices, detect_devices
 
 IDS = [5, 17, 250, 3, 99, 42, 7, 128, 64, 31, 200, 11]
 
@@ -100,3 +101,28 @@ def test_compute_dtype_names(dtype, name):
 def test_compute_dtype_name_refuses_other_dtypes():
     with pytest.raises(ValueError, match="not a compute dtype"):
         compute_dtype_name(torch.float64)
+
+
+# ------------------------------------------------------------------------------------------ device facts
+
+
+def test_only_the_selected_gpu_is_asked_for_its_free_memory():
+    asked: list[int] = []
+
+    def free_memory(i: int) -> int:
+        asked.append(i)
+        return (i + 1) * 1000
+
+    devices = cuda_devices(4, lambda i: (f"GPU {i}", 80_000), free_memory, selected="cuda:2")
+    assert asked == [2]  # each query would create a CUDA context on that GPU
+    assert [(d.id, d.name, d.total_memory, d.free_memory) for d in devices] == [
+        ("cuda:0", "GPU 0", 80_000, None), ("cuda:1", "GPU 1", 80_000, None),
+        ("cuda:2", "GPU 2", 80_000, 3000), ("cuda:3", "GPU 3", 80_000, None)]
+    assert cuda_devices(2, lambda i: ("GPU", 1), free_memory, selected="cpu")[0].free_memory is None
+    assert asked == [2]
+
+
+def test_the_cpu_devices_of_this_machine():
+    devices = detect_devices(selected="cpu")
+    assert devices[-1].id == "cpu" and devices[-1].total_memory
+    assert compute_dtypes("cpu") == ("bf16", "fp32")

@@ -144,8 +144,9 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
 class Worker:
     def __init__(self, options: WorkerOptions):
         self.options = options
-        self.devices = detect_devices()
-        self.device = select_device(options.device, self.devices)
+        # the second look asks the chosen GPU alone for its free memory (see device.cuda_devices)
+        self.device = select_device(options.device, detect_devices())
+        self.devices = detect_devices(selected=self.device)
         self.stop = threading.Event()
         self.loaded: tuple[tuple, LoadedStage] | None = None  # kept across rejoins: same assignment, no reload
         self._key = token_key(options.join_token) if options.join_token else None
