@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from model_helpers import OurModel
+from tc.generation import LocalPipeline
+from tc.model.config import Qwen2Config
+from tc.model.quant import (QuantizationError, dequantize_int4, int8_kernel_shape_ok, quantize_int4,
+                            quantize_linears, quantized_nbytes)
 from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
-                            must_expand_kv_heads, sdpa_has_enable_gqa, torch_release)
+                            must_expand_kv_heads, sdpa_has_enable_gqa, torch_release, Stage)
+from tc.model.weights import WeightIndex
 from tc.worker.device import compute_dtypes, cuda_devices, detect_devices
 
 IDS = [5, 17, 250, 3, 99, 42, 7, 128, 64, 31, 200, 11]
@@ -126,3 +133,100 @@ def test_the_cpu_devices_of_this_machine():
     devices = detect_devices(selected="cpu")
     assert devices[-1].id == "cpu" and devices[-1].total_memory
     assert compute_dtypes("cpu") == ("bf16", "fp32")
+
+
+# ------------------------------------------------------------------ quantization without bf16 (older macOS)
+
+
+class DtypesSeen(TorchDispatchMode):
+    """Records the dtype of every tensor each op takes or makes: what a device would be asked to hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+        return out
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_with_fp16_scales_keeps_every_weight_within_half_a_step(group_size):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 200, generator=g) * 0.05 + 0.01  # 200: the last group is padded
+    qw = quantize_int4(w, group_size, torch.float16)
+    assert qw.scales.dtype == qw.zeros.dtype == torch.float16
+    step = qw.scales.float().repeat_interleave(group_size, dim=1)[:, :200]  # [out, in]
+    assert ((dequantize_int4(qw) - w).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all()
+    assert quantized_nbytes((48, 200), "int4", group_size) == \
+        qw.packed.numel() + 2 * 2 * qw.scales.numel()  # the same bytes as bf16 scales
+
+
+def test_int4_refuses_scale_dtypes_the_kernels_and_sizes_do_not_know():
+    with pytest.raises(QuantizationError, match="float16"):
+        quantize_int4(torch.randn(16, 64), 32, torch.float32)
+
+
+def test_scales_that_overflow_fp16_are_a_clear_error():
+    w = torch.zeros(16, 64)
+    w[3, :32] = torch.linspace(-1e6, 1e6, 32)
+    with pytest.raises(QuantizationError, match="overflows float16"):
+        quantize_int4(w, 32, torch.float16)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_device_without_bf16_quantizes_and_runs_without_ever_touching_bf16(tiny_model_dir, mode):
+    # MPS before macOS 14: bf16 raises TypeError there. On the CPU the same path runs in fp16, kernels off, and
+    # every dtype any op touches is recorded.
+    config = Qwen2Config.from_file(tiny_model_dir / "config.json")
+    index = WeightIndex.open(tiny_model_dir)
+    reference = OurModel(tiny_model_dir)
+    embedded = reference.head.embed(torch.tensor([IDS]))  # [1, L, hidden] fp32
+
+    def quantized(dtype: torch.dtype, half: torch.dtype) -> Stage:
+        return Stage.load(config, index, 0, config.num_hidden_layers, dtype, "cpu", pack=False,
+                          prepare=lambda layer: quantize_linears(layer, mode, 32, use_kernel=False, half_dtype=half))
+
+    seen = DtypesSeen()
+    with seen:
+        stage = quantized(torch.float16, torch.float16)
+        pipe = LocalPipeline([stage])
+        hidden = pipe.prefill(embedded[:, :-1], capacity=len(IDS))
+        step = pipe.decode(embedded[:, -1:], len(IDS) - 1)
+    assert torch.bfloat16 not in seen.dtypes, seen.dtypes
+    assert torch.float16 in seen.dtypes
+    logits = reference.head.logits(torch.cat([hidden, step], dim=1))[0]
+
+    def logits_of(stage: Stage) -> torch.Tensor:
+        return reference.head.logits(LocalPipeline([stage]).prefill(embedded, capacity=len(IDS)))[0]
+
+    # against the same quantization computed in fp32: only fp16's rounding of the activations differs
+    want = logits_of(quantized(torch.float32, torch.float16))
+    assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (logits - want).norm() / want.norm() < 0.02
+    # and fp16 scales lose nothing against bf16 ones: both as far from the unquantized fp32 model
+    exact = reference.full_logits(IDS)
+    usual = logits_of(quantized(torch.float32, torch.bfloat16))
+    assert (logits - exact).norm() < 1.1 * (usual - exact).norm()
+
+
+# ------------------------------------------------------------------------------- int8 kernel shape rules
+
+
+@pytest.mark.parametrize("device_type, shape, ok", [
+    ("cpu", (8, 16), True),  # the x86 kernel: K a multiple of 16, any N
+    ("cpu", (8, 100), False),
+    ("cpu", (896, 4864), True),
+    ("mps", (16, 32), False),  # MPS tiles both N and K by 32
+    ("mps", (32, 16), False),
+    ("mps", (32, 32), True),
+    ("mps", (896, 4864), True),
+    ("mps", (136, 4864), False),  # 136 = 8 * 17
+    ("cuda", (32, 32), True),  # any other device: the strictest rule known, and its probe
+    ("cuda", (16, 32), False),
+])
+def test_int8_kernel_shape_rule_per_device_type(device_type, shape, ok):
+    assert int8_kernel_shape_ok(*shape, device_type) is ok

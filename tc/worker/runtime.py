@@ -16,7 +16,7 @@ from .. import __version__
 from ..model.config import MODEL_TYPE, ConfigError, Qwen2Config
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
-from ..model.qwen2 import Stage, resolve_compute_dtype
+from ..model.qwen2 import Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
 from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
 
@@ -96,8 +96,10 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     dtype = resolve_compute_dtype(assignment.compute_dtype, device)
     prepare = None
     if assignment.quant != "fp16":
+        half = half_dtype(device)  # int4 scales and the int8 kernel: fp16 where the device has no bf16
+
         def prepare(layer: torch.nn.Module) -> None:
-            quant.quantize_linears(layer, assignment.quant, assignment.group_size)
+            quant.quantize_linears(layer, assignment.quant, assignment.group_size, half_dtype=half)
     stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
     return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
 
