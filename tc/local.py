@@ -10,7 +10,7 @@ import torch
 from .generation import Generator, LocalPipeline
 from .model import quant as quantization
 from .model.config import Qwen2Config
-from .model.qwen2 import HeadModel, Stage, resolve_compute_dtype
+from .model.qwen2 import HeadModel, Stage, half_dtype, resolve_compute_dtype
 from .model.tokenizer import TextTokenizer
 from .model.weights import WeightIndex
 
@@ -35,7 +35,7 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     prepare = None
     if quant != "fp16":
         def prepare(layer: torch.nn.Module) -> None:
-            quantization.quantize_linears(layer, quant, group_size)
+            quantization.quantize_linears(layer, quant, group_size, half_dtype=half_dtype(device))
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
