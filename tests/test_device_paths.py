@@ -10,8 +10,8 @@ from torch.utils._pytree import tree_leaves
 from model_helpers import OurModel
 from tc.generation import LocalPipeline
 from tc.model.config import Qwen2Config
-from tc.model.quant import (QuantizationError, dequantize_int4, int8_kernel_shape_ok, quantize_int4,
-                            quantize_linears, quantized_nbytes)
+from tc.model.quant import (QuantizationError, dequantize_int4, int8_device_speed_probe, int8_kernel_shape_ok,
+                            int8_paths_by_speed, quantize_int4, quantize_linears, quantized_nbytes)
 from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
                             must_expand_kv_heads, sdpa_has_enable_gqa, torch_release, Stage)
 from tc.model.weights import WeightIndex
@@ -230,3 +230,24 @@ def test_a_device_without_bf16_quantizes_and_runs_without_ever_touching_bf16(tin
 ])
 def test_int8_kernel_shape_rule_per_device_type(device_type, shape, ok):
     assert int8_kernel_shape_ok(*shape, device_type) is ok
+
+
+# ----------------------------------------------------------------------- int8 kernel speed on accelerators
+
+
+@pytest.mark.parametrize("times, choice", [
+    ((1.0, 2.0, 5.0, 5.0), (True, False)),  # the kernel wins decode, prefill is a tie: kernel throughout
+    ((1.0, 2.0, 5.0, 3.0), (True, True)),  # ... and loses prefill by more than DENSE_PREFILL_MIN_GAIN
+    ((1.0, 2.0, 5.0, 4.5), (True, False)),  # ... by less
+    ((3.0, 2.0, 1.0, 5.0), (False, False)),  # it loses decode, its whole point: not used
+    ((2.0, 2.0, 1.0, 1.0), (True, False)),
+])
+def test_int8_paths_by_speed(times, choice):
+    assert int8_paths_by_speed(*times) == choice
+
+
+def test_the_device_speed_probe_times_both_paths():
+    # it runs wherever the kernel does; on the CPU it checks the timing harness, not which path wins
+    use_kernel, dense_prefill = int8_device_speed_probe("cpu", 64, 256, torch.bfloat16)
+    assert isinstance(use_kernel, bool) and isinstance(dense_prefill, bool)
+    assert not dense_prefill or use_kernel

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -435,6 +436,58 @@ def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: tor
     return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU, whose ops return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _device_best_time(fn, device: torch.device, runs: int) -> float:
+    """The least wall time (s) of one call of fn over `runs`, after a warm-up, each waited for on the device."""
+    fn()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def int8_paths_by_speed(kernel_decode_s: float, dense_decode_s: float, kernel_prefill_s: float,
+                        dense_prefill_s: float) -> tuple[bool, bool]:
+    """(use the kernel at all, send prefill-sized products to the dense path) from timings of one decode row and
+    of PREFILL_MIN_ROWS rows. A kernel that loses at decode, its whole point, is not used; one that wins there
+    still gives prefill to the dense path where that is DENSE_PREFILL_MIN_GAIN times faster."""
+    use_kernel = kernel_decode_s <= dense_decode_s
+    return use_kernel, use_kernel and kernel_prefill_s >= DENSE_PREFILL_MIN_GAIN * dense_prefill_s
+
+
+@functools.lru_cache(maxsize=None)
+def int8_device_speed_probe(device: str, rows: int, in_features: int, dtype: torch.dtype,
+                            kernel_dtype: torch.dtype = _KERNEL_DTYPE) -> tuple[bool, bool]:
+    """int8_paths_by_speed for an int8 [rows, in] weight with `dtype` activations on an accelerator (cpu works too,
+    for a test), timed by wall clock with the device waited for: a few milliseconds, once per device and shape.
+    (On the CPU the loaded worker uses int8_dense_prefill_is_faster, which times thread CPU time instead.)"""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen).to(dev)
+    scale = (torch.rand(rows, generator=gen) / INT8_MAX).to(dev)
+    times = []
+    for m in (1, PREFILL_MIN_ROWS):
+        x = torch.randn(m, in_features, generator=gen).to(dev, dtype)
+        times.append(_device_best_time(lambda: _int8_kernel(x, qweight, scale, kernel_dtype), dev, 5))
+        times.append(_device_best_time(lambda: _int8_dense(x, qweight, scale), dev, 5))
+    use_kernel, dense_prefill = int8_paths_by_speed(*times)
+    log.info("int8 [%d, %d] on %s in %s: kernel %.0f / %.0f us, dense %.0f / %.0f us (1 / %d rows): %s", rows,
+             in_features, device, dtype, times[0] * 1e6, times[2] * 1e6, times[1] * 1e6, times[3] * 1e6,
+             PREFILL_MIN_ROWS, "dense" if not use_kernel else "kernel, dense prefill" if dense_prefill else "kernel")
+    return use_kernel, dense_prefill
+
+
 @dataclass(frozen=True)
 class _Int4Kernel:
     """How one device type's int4 kernel wants its weight: PyTorch has two packers with different inputs."""
@@ -634,6 +687,12 @@ class Int8Linear(_QuantLinear):
             f"no int8 packed kernel for {(self.out_features, self.in_features)} in {self._kernel_dtype} on {device}"
             + ("" if shape_ok else f" ({rule} on {device_type})"))
         dense = self._dense_prefill
+        if uses_kernel and device_type != "cpu" and self._use_kernel is None and self._prefill_dtype is not None:
+            # accuracy passed; on an accelerator the kernel must also beat the dense product it replaces
+            faster, dense_prefill = int8_device_speed_probe(device, min(self.out_features, PROBE_ROWS),
+                                                            self.in_features, self._prefill_dtype, self._kernel_dtype)
+            uses_kernel = faster
+            dense = dense_prefill if dense is None else dense
         if dense is None:
             dense = (uses_kernel and device_type == "cpu" and self._prefill_dtype is not None
                      and int8_dense_prefill_is_faster(self.out_features, self.in_features, self._prefill_dtype))
