@@ -82,4 +82,4 @@ def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_d
     # the same assignment again keeps what is loaded rather than loading it twice
     assert isinstance(assign(assignment(tiny_model_dir, 2, 4)), LoadComplete)
     assert worker.alive_when_loading[2] == [False, True]
-    assert worker.stages[2]() is worker.stages[1]()
+    assert worker.loaded is not None and worker.loaded[1].stage is worker.stages[1]()  # set before LOAD_COMPLETE
