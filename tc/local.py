@@ -10,7 +10,7 @@ from pathlib import Path
 from .generation import Generator, LocalPipeline
 from .model import quant as quantization
 from .model.config import Qwen2Config
-from .model.qwen2 import HeadModel, Stage, resolve_compute_dtype
+from .model.qwen2 import HeadModel, Stage, half_dtype, resolve_compute_dtype
 from .model.tokenizer import TextTokenizer
 from .model.weights import WeightIndex
 
@@ -35,7 +35,8 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
                           pack=None if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
     quantization.quantize_linears(head, head_mode, group_size)
     # each layer is quantized as it loads (a no-op for fp16), as a worker does
-    prepare = functools.partial(quantization.quantize_linears, mode=quant, group_size=group_size)
+    prepare = functools.partial(quantization.quantize_linears, mode=quant, group_size=group_size,
+                                half_dtype=half_dtype(device))
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)
     tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,

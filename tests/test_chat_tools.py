@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from model_helpers import OurModel
 from tiny_model import write_tiny_model
-from tc.generation import Completion, Generator, Step, TokenInfo
+from tc.generation import Completion, Generator, Step
 from tc.head.api import create_app
 from tc.head.api_requests import MessageToolCall, ToolChoice, parse_chat_request
 from tc.head.service import GenerationService, Readiness

@@ -14,9 +14,10 @@ weight bytes per token is where the speed comes from. Each module therefore runs
 - packed kernel: PyTorch's own weight-only kernels (`aten._weight_int8pack_mm`, and the `_weight_int4pack_mm`
   family), which read the codes directly and never build a float copy of the weight.
 
-Whether a device type has a working kernel is decided once per process by a tiny probe that runs the kernel and
-compares it with the dequantize reference (`int8_kernel_available`, `int4_kernel_available`); shape constraints
-that the kernels do not check themselves are checked here before a module picks the kernel. A module built for
+Whether a device (cpu, cuda:N, mps) has a working kernel is decided once per process by a tiny probe that runs
+the kernel and compares it with the dequantize reference (`int8_kernel_available`, `int4_kernel_available`);
+shape constraints that the kernels do not check themselves, which differ by device type, are checked here
+before a module picks the kernel (`int8_kernel_shape_ok`). A module built for
 the kernel stores its codes in the kernel's layout instead of the portable one, so it never holds both, and its
 buffers always take exactly `quantized_nbytes(...)` bytes (the bias, if any, is extra and kept as loaded).
 
@@ -24,12 +25,15 @@ The packed kernels compute in bfloat16 (see `_KERNEL_DTYPE`): on x86 CPUs only t
 vectorised (the float32 and float16 variants are scalar loops, several times slower than a float32 matmul), and
 the CUDA int4 kernel accepts nothing else. Activations in another dtype are converted on the way in and the
 output converted back; the bfloat16 rounding of the activations (relative 2^-9) is far below the weight
-quantization error that the caller already accepted by choosing int8 or int4.
+quantization error that the caller already accepted by choosing int8 or int4. A device without bfloat16 (MPS
+before macOS 14) is never handed one: quantize_linears' `half_dtype` puts int4 scales in float16 there (which
+the portable path reads) and runs the int8 kernel in float16.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +52,17 @@ INT8_MAX = 127
 INT4_LEVELS = 16  # codes 0..15; a code c stands for (c - INT4_OFFSET) * scale + zero
 INT4_OFFSET = 8
 INT4_PARAM_DTYPE = torch.bfloat16  # scales and zero points: fp32's exponent range, and what the kernels read
+# ... or fp16, on a device without bf16 (MPS before macOS 14): a 2-byte type either way, so sizes do not change
+INT4_PARAM_DTYPES = (torch.bfloat16, torch.float16)
 INT4_PACKING = "row-major [out, padded_in / 2] uint8; low nibble = even column, high nibble = odd column"
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the aten int4 kernels accept
 
 _KERNEL_DTYPE = torch.bfloat16
+# The packed int8 kernel's shape rule per device type, (N, K) multiples: the x86 kernel steps K by 8 (AVX2) or 16
+# (AVX-512) with aligned loads and no tail loop; the MPS kernel works in tiles of 32 along both. A device type
+# not listed gets the strictest rule known, and its probe decides the rest.
+INT8_KERNEL_MULTIPLES = {"cpu": (1, 16), "mps": (32, 32)}
+_INT8_KERNEL_MULTIPLES_OTHER = (32, 32)
 PREFILL_MIN_ROWS = 64  # activation rows from which an int8 product may take the portable path (see Int8Linear)
 DENSE_PREFILL_PROBE_ROWS = 128  # ... if the probe finds it DENSE_PREFILL_MIN_GAIN times faster for this many
 DENSE_PREFILL_MIN_GAIN = 1.25
@@ -219,59 +230,68 @@ class Int4Weight:
                                     f"{self.group_size}, got {self.packed.dtype} {tuple(self.packed.shape)}")
         for name in ("scales", "zeros"):
             t = getattr(self, name)
-            if t.dtype != INT4_PARAM_DTYPE or tuple(t.shape) != (out, self.groups):
-                raise QuantizationError(f"{name} must be {INT4_PARAM_DTYPE} [{out}, {self.groups}], got {t.dtype} "
-                                        f"{tuple(t.shape)}")
+            if t.dtype != self.scales.dtype or t.dtype not in INT4_PARAM_DTYPES or tuple(t.shape) != (out, self.groups):
+                raise QuantizationError(f"{name} must be {' or '.join(map(str, INT4_PARAM_DTYPES))} (scales and "
+                                        f"zeros alike) [{out}, {self.groups}], got {t.dtype} {tuple(t.shape)}")
 
 
-def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 >= x, for x >= 0 (float32 in, bfloat16 out)."""
-    y = x.to(torch.bfloat16)
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest `dtype` value >= x, for x >= 0 (float32 in, `dtype` out; dtype bfloat16 or float16)."""
+    y = x.to(dtype)
     below = y.float() < x
-    # for a positive finite bfloat16, the next representable value up is the next bit pattern
-    bumped = (y.view(torch.int16) + 1).view(torch.bfloat16)
+    # for a non-negative finite bfloat16 or float16, the next representable value up is the next bit pattern
+    bumped = (y.view(torch.int16) + 1).view(dtype)
     return torch.where(below, bumped, y)
 
 
-def _int4_codes_and_params(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (uint8, 0..15) and bfloat16 scale, zero for float32 groups g [n, groups, group_size].
+def _int4_codes_and_params(g: torch.Tensor, param_dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, 0..15) and `param_dtype` scale, zero for float32 groups g [n, groups, group_size].
 
     The grid zero + (c - 8) * scale, c = 0..15, must cover [min, max] of each group *after* scale and zero are
-    rounded to bfloat16, or the error at the ends could exceed half a step. So the zero point is rounded first,
+    rounded to param_dtype, or the error at the ends could exceed half a step. So the zero point is rounded first,
     then the step is widened just enough to reach both ends from the rounded zero, and rounded up.
     """
     lo = g.amin(dim=-1)  # [n, groups]
     hi = g.amax(dim=-1)
     step = (hi - lo) / (INT4_LEVELS - 1)
-    zero = (lo + INT4_OFFSET * step).to(INT4_PARAM_DTYPE)  # code 0 lands on lo, code 15 on hi
+    zero = (lo + INT4_OFFSET * step).to(param_dtype)  # code 0 lands on lo, code 15 on hi
     z = zero.float()
     need = torch.maximum(step, torch.maximum((z - lo) / INT4_OFFSET, (hi - z) / (INT4_LEVELS - 1 - INT4_OFFSET)))
-    scale = _bf16_round_up(need.clamp_min(0))
+    scale = _round_up(need.clamp_min(0), param_dtype)
     s = scale.float()
     divisor = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code is 8, reading back `zero`
     codes = torch.round((g - z[..., None]) / divisor[..., None]) + INT4_OFFSET
     return codes.clamp_(0, INT4_LEVELS - 1).to(torch.uint8), scale, zero
 
 
-def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                  param_dtype: torch.dtype = INT4_PARAM_DTYPE) -> Int4Weight:
     """Quantize a [out, in] weight to int4 codes per group of `group_size` input columns.
 
-    in_features need not be a multiple of group_size: the last group is padded (see Int4Weight).
+    in_features need not be a multiple of group_size: the last group is padded (see Int4Weight). Scales and zero
+    points are `param_dtype`: bfloat16, or float16 for a device without bfloat16.
     Works on the weight's device; computes in float32, a slab of rows at a time.
-    Raises QuantizationError for a bad weight or group size.
+    Raises QuantizationError for a bad weight, group size or param_dtype, or for a weight whose scales overflow
+    float16.
     """
     _check_group_size(group_size)
+    if param_dtype not in INT4_PARAM_DTYPES:
+        raise QuantizationError(f"int4 scales can be {' or '.join(map(str, INT4_PARAM_DTYPES))}, not {param_dtype}")
     rows, cols = _check_weight(w)
     groups = -(-cols // group_size)
     padded = groups * group_size
     packed = torch.empty(rows, padded // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
-    zeros = torch.empty(rows, groups, dtype=INT4_PARAM_DTYPE, device=w.device)
+    scales = torch.empty(rows, groups, dtype=param_dtype, device=w.device)
+    zeros = torch.empty(rows, groups, dtype=param_dtype, device=w.device)
     for r0, r1 in _row_chunks(rows, padded):
         chunk = _float_rows(w, r0, r1)  # [n, in]
         if padded > cols:
             chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, padded - cols)], dim=1)  # [n, padded]
-        codes, s, z = _int4_codes_and_params(chunk.reshape(r1 - r0, groups, group_size))
+        codes, s, z = _int4_codes_and_params(chunk.reshape(r1 - r0, groups, group_size), param_dtype)
+        if param_dtype == torch.float16 and not bool(torch.isfinite(s).all() & torch.isfinite(z).all()):
+            raise QuantizationError(f"rows {r0}..{r1 - 1} have groups whose int4 scale or zero point overflows "
+                                    "float16; quantize on a device with bfloat16 or use int8")
         codes = codes.view(r1 - r0, padded // 2, 2)  # [n, padded/2, (even, odd)]
         packed[r0:r1] = codes[..., 0] | (codes[..., 1] << 4)
         scales[r0:r1] = s
@@ -337,41 +357,53 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
-def _kernel_x(x2: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernels need it: bfloat16, contiguous, and starting on an aligned address."""
-    if x2.dtype != _KERNEL_DTYPE:
-        return x2.to(_KERNEL_DTYPE).contiguous()
+def _kernel_x(x2: torch.Tensor, dtype: torch.dtype = _KERNEL_DTYPE) -> torch.Tensor:
+    """x [M, K] as the kernels need it: `dtype`, contiguous, and starting on an aligned address."""
+    if x2.dtype != dtype:
+        return x2.to(dtype).contiguous()
     if not x2.is_contiguous() or x2.data_ptr() % _ALIGNMENT:
         return x2.clone(memory_format=torch.contiguous_format)
     return x2
 
 
-def _int8_kernel_shape_ok(in_features: int) -> bool:
-    # The x86 int8 kernel steps K by 8 (AVX2) or 16 (AVX-512) with aligned loads and no tail loop.
-    return in_features % 16 == 0
+def int8_kernel_multiples(device_type: str) -> tuple[int, int]:
+    """(N, K): out_features and in_features must be multiples of these for the int8 kernel on `device_type`."""
+    return INT8_KERNEL_MULTIPLES.get(device_type, _INT8_KERNEL_MULTIPLES_OTHER)
 
 
-def _int8_kernel(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int8pack_mm(_kernel_x(x2), qweight, scale.to(_KERNEL_DTYPE))
+def int8_kernel_shape_ok(out_features: int, in_features: int, device_type: str) -> bool:
+    """Whether the int8 kernel of `device_type` takes an [out, in] weight (see INT8_KERNEL_MULTIPLES). The kernels
+    do not all check this themselves: a shape they do not expect reads past a row or computes garbage."""
+    n, k = int8_kernel_multiples(device_type)
+    return out_features % n == 0 and in_features % k == 0
+
+
+def _int8_kernel(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                 dtype: torch.dtype = _KERNEL_DTYPE) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(_kernel_x(x2, dtype), qweight, scale.to(dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def int8_kernel_available(device_type: str) -> bool:
-    """Whether aten._weight_int8pack_mm runs on `device_type` and agrees with the reference (probed once)."""
+def int8_kernel_available(device: str, dtype: torch.dtype = _KERNEL_DTYPE) -> bool:
+    """Whether aten._weight_int8pack_mm runs on `device` (cpu, cuda:N, mps) with `dtype` activations and agrees
+    with the reference (probed once per device and dtype: two GPUs of one machine need not be alike).
+
+    A device without `dtype` (bfloat16 on MPS before macOS 14) raises TypeError there, which means unavailable.
+    """
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 256, generator=gen)
     x = torch.randn(3, 256, generator=gen)
     qw = quantize_int8(w)
-    ref = x.to(_KERNEL_DTYPE).float() @ dequantize_int8(qw).T
+    ref = x.to(dtype).float() @ dequantize_int8(qw).T
     try:
-        dev = torch.device(device_type)
-        y = _int8_kernel(x.to(dev), qw.qweight.to(dev), qw.scale.to(dev)).cpu()
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
-        log.info("int8 packed kernel unavailable on %s (%s); using the portable path", device_type, exc)
+        dev = torch.device(device)
+        y = _int8_kernel(x.to(dev), qw.qweight.to(dev), qw.scale.to(dev), dtype).cpu()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        log.info("int8 packed kernel unavailable on %s for %s (%s); using the portable path", device, dtype, exc)
         return False
     err = _relative_error(y, ref)
     ok = err < 2e-2
-    log.info("int8 packed kernel on %s: %s (relative error %.2e)", device_type, "in use" if ok else
+    log.info("int8 packed kernel on %s for %s: %s (relative error %.2e)", device, dtype, "in use" if ok else
              "disagrees with the reference, using the portable path", err)
     return ok
 
@@ -403,9 +435,61 @@ def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: tor
     round differently, so a choice that flipped between processes with the timing's noise would let one request's
     text depend on which worker process decided what. Fewer rows (a decode step's one) stay on the kernel.
     """
-    if not int8_kernel_available("cpu") or not _int8_kernel_shape_ok(in_features):
+    if not int8_kernel_available("cpu") or not int8_kernel_shape_ok(out_features, in_features, "cpu"):
         return False
     return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU, whose ops return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _device_best_time(fn, device: torch.device, runs: int) -> float:
+    """The least wall time (s) of one call of fn over `runs`, after a warm-up, each waited for on the device."""
+    fn()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def int8_paths_by_speed(kernel_decode_s: float, dense_decode_s: float, kernel_prefill_s: float,
+                        dense_prefill_s: float) -> tuple[bool, bool]:
+    """(use the kernel at all, send prefill-sized products to the dense path) from timings of one decode row and
+    of PREFILL_MIN_ROWS rows. A kernel that loses at decode, its whole point, is not used; one that wins there
+    still gives prefill to the dense path where that is DENSE_PREFILL_MIN_GAIN times faster."""
+    use_kernel = kernel_decode_s <= dense_decode_s
+    return use_kernel, use_kernel and kernel_prefill_s >= DENSE_PREFILL_MIN_GAIN * dense_prefill_s
+
+
+@functools.lru_cache(maxsize=None)
+def int8_device_speed_probe(device: str, rows: int, in_features: int, dtype: torch.dtype,
+                            kernel_dtype: torch.dtype = _KERNEL_DTYPE) -> tuple[bool, bool]:
+    """int8_paths_by_speed for an int8 [rows, in] weight with `dtype` activations on an accelerator (cpu works too,
+    for a test), timed by wall clock with the device waited for: a few milliseconds, once per device and shape.
+    (On the CPU the loaded worker uses int8_dense_prefill_is_faster, which times thread CPU time instead.)"""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen).to(dev)
+    scale = (torch.rand(rows, generator=gen) / INT8_MAX).to(dev)
+    times = []
+    for m in (1, PREFILL_MIN_ROWS):
+        x = torch.randn(m, in_features, generator=gen).to(dev, dtype)
+        times.append(_device_best_time(lambda: _int8_kernel(x, qweight, scale, kernel_dtype), dev, 5))
+        times.append(_device_best_time(lambda: _int8_dense(x, qweight, scale), dev, 5))
+    use_kernel, dense_prefill = int8_paths_by_speed(*times)
+    log.info("int8 [%d, %d] on %s in %s: kernel %.0f / %.0f us, dense %.0f / %.0f us (1 / %d rows): %s", rows,
+             in_features, device, dtype, times[0] * 1e6, times[2] * 1e6, times[1] * 1e6, times[3] * 1e6,
+             PREFILL_MIN_ROWS, "dense" if not use_kernel else "kernel, dense prefill" if dense_prefill else "kernel")
+    return use_kernel, dense_prefill
 
 
 @dataclass(frozen=True)
@@ -465,11 +549,14 @@ def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
-def int4_kernel_available(device_type: str) -> _Int4Kernel | None:
-    """The int4 kernel for `device_type` if it runs there and agrees with the reference (probed once), else None.
+def int4_kernel_available(device: str) -> _Int4Kernel | None:
+    """The int4 kernel for `device` (cpu, cuda:N, mps) if it runs there and agrees with the reference (probed once
+    per device: two GPUs of one machine need not be alike), else None. The kernels read bfloat16 scales, so a
+    device without bfloat16 (its TypeError) has none.
 
     On GPUs the nibble order the packer expects has changed across PyTorch versions, so both are tried.
     """
+    device_type = torch.device(device).type
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(32, 256, generator=gen)
     x = torch.randn(3, 256, generator=gen)
@@ -477,21 +564,21 @@ def int4_kernel_available(device_type: str) -> _Int4Kernel | None:
     ref = x.to(_KERNEL_DTYPE).float() @ dequantize_int4(qw).T
     candidates = [_Int4Kernel("cpu", False)] if device_type == "cpu" else \
         [_Int4Kernel(device_type, True), _Int4Kernel(device_type, False)]
-    dev = torch.device(device_type)
+    dev = torch.device(device)
     reason = "no candidate agreed with the reference"
     for kernel in candidates:
         try:
             packed = kernel.pack(qw.packed.to(dev))
             y = kernel.mm(x.to(dev), packed, 64, _scales_and_zeros(qw.scales, qw.zeros).to(dev)).cpu()
-        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             continue
         err = _relative_error(y, ref)
         if err < 2e-2:
-            log.info("int4 packed kernel on %s: in use (relative error %.2e)", device_type, err)
+            log.info("int4 packed kernel on %s: in use (relative error %.2e)", device, err)
             return kernel
         reason = f"relative error {err:.2e} against the reference"
-    log.info("int4 packed kernel unavailable on %s (%s); using the portable path", device_type, reason)
+    log.info("int4 packed kernel unavailable on %s (%s); using the portable path", device, reason)
     return None
 
 
@@ -573,14 +660,17 @@ class Int8Linear(_QuantLinear):
     """
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
-                 prefill_dtype: torch.dtype | None = None, dense_prefill: bool | None = None):
-        """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
+                 prefill_dtype: torch.dtype | None = None, dense_prefill: bool | None = None,
+                 kernel_dtype: torch.dtype = _KERNEL_DTYPE):
+        """kernel_dtype: what the packed kernel computes in (bfloat16, or float16 on a device without it).
+        Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self._use_kernel = use_kernel
         self._prefill_dtype, self._dense_prefill = prefill_dtype, dense_prefill
-        self._device_type = weight.qweight.device.type
-        self.uses_kernel = self._choose_path(self._device_type)
+        self._kernel_dtype = kernel_dtype
+        self._device = str(weight.qweight.device)
+        self.uses_kernel = self._choose_path(self._device)
         self._kernel_device_type = None  # int8 codes are the same on both paths and every device
         self._fixed_dtypes = {"scale": torch.float32}
         qweight = weight.qweight
@@ -590,13 +680,23 @@ class Int8Linear(_QuantLinear):
         self.register_buffer("scale", weight.scale)
         self._init_bias(bias)
 
-    def _choose_path(self, device_type: str) -> bool:
-        shape_ok = _int8_kernel_shape_ok(self.in_features)
+    def _choose_path(self, device: str) -> bool:
+        device_type = torch.device(device).type
+        shape_ok = int8_kernel_shape_ok(self.out_features, self.in_features, device_type)
+        n, k = int8_kernel_multiples(device_type)
+        rule = " and ".join(f"{what} must be a multiple of {m}" for what, m in (("out_features", n), ("in_features", k))
+                            if m > 1)
         uses_kernel = _resolve_use_kernel(
-            self._use_kernel, shape_ok and int8_kernel_available(device_type),
-            f"no int8 packed kernel for {(self.out_features, self.in_features)} on {device_type}"
-            + ("" if shape_ok else " (in_features must be a multiple of 16)"))
+            self._use_kernel, shape_ok and int8_kernel_available(device, self._kernel_dtype),
+            f"no int8 packed kernel for {(self.out_features, self.in_features)} in {self._kernel_dtype} on {device}"
+            + ("" if shape_ok else f" ({rule} on {device_type})"))
         dense = self._dense_prefill
+        if uses_kernel and device_type != "cpu" and self._use_kernel is None and self._prefill_dtype is not None:
+            # accuracy passed; on an accelerator the kernel must also beat the dense product it replaces
+            faster, dense_prefill = int8_device_speed_probe(device, min(self.out_features, PROBE_ROWS),
+                                                            self.in_features, self._prefill_dtype, self._kernel_dtype)
+            uses_kernel = faster
+            dense = dense_prefill if dense is None else dense
         if dense is None:
             dense = (uses_kernel and device_type == "cpu" and self._prefill_dtype is not None
                      and int8_dense_prefill_is_faster(self.out_features, self.in_features, self._prefill_dtype))
@@ -606,24 +706,24 @@ class Int8Linear(_QuantLinear):
 
     def _after_apply(self) -> None:
         # the codes mean the same everywhere, so a moved layer just picks the path its new device offers
-        device_type = self._buffers["qweight"].device.type
-        if device_type != self._device_type:
-            self._device_type = device_type
-            self.uses_kernel = self._choose_path(device_type)
+        device = str(self._buffers["qweight"].device)
+        if device != self._device:
+            self._device = device
+            self.uses_kernel = self._choose_path(device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, use_kernel: bool | None = None,
-                    dense_prefill: bool | None = None) -> "Int8Linear":
+                    dense_prefill: bool | None = None, kernel_dtype: torch.dtype = _KERNEL_DTYPE) -> "Int8Linear":
         """Quantize `linear`'s weight on its device; the bias is kept as it is. Its dtype is the prefill dtype."""
         return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel,
-                   prefill_dtype=linear.weight.dtype, dense_prefill=dense_prefill)
+                   prefill_dtype=linear.weight.dtype, dense_prefill=dense_prefill, kernel_dtype=kernel_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.uses_kernel and (x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype):
-            y = _int8_kernel(x2, qweight, scale)
+            y = _int8_kernel(x2, qweight, scale, self._kernel_dtype)
         elif x.dtype == torch.float16:
             # x @ q.T can pass fp16's 65504 before the scale brings it down, so scale the weight instead
             y = F.linear(x2, qweight.to(x.dtype) * scale.to(x.dtype)[:, None])
@@ -649,13 +749,16 @@ class Int4Linear(_QuantLinear):
         self.padded_in_features = weight.padded_in_features
         device_type = weight.packed.device.type
         shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
-        kernel = int4_kernel_available(device_type) if shape_ok else None
+        # the kernels read bfloat16 scales: float16 ones (a device without bfloat16) take the portable path
+        params_ok = weight.scales.dtype == _KERNEL_DTYPE
+        kernel = int4_kernel_available(str(weight.packed.device)) if shape_ok and params_ok else None
         self.uses_kernel = _resolve_use_kernel(
             use_kernel, kernel is not None,
             f"no int4 packed kernel for {weight.shape} with group size {weight.group_size} on {device_type}"
             + ("" if shape_ok else f" (needs group size in {INT4_KERNEL_GROUP_SIZES} and out_features a "
-                                   "multiple of 16)"))
-        self._fixed_dtypes = {"scales": INT4_PARAM_DTYPE, "zeros": INT4_PARAM_DTYPE,
+                                   "multiple of 16)")
+            + ("" if params_ok else f" (the kernels read {_KERNEL_DTYPE} scales, not {weight.scales.dtype})"))
+        self._fixed_dtypes = {"scales": weight.scales.dtype, "zeros": weight.scales.dtype,
                               "scales_and_zeros": _KERNEL_DTYPE}
         kernel_packed = None
         if self.uses_kernel:
@@ -683,9 +786,10 @@ class Int4Linear(_QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, *,
-                    use_kernel: bool | None = None) -> "Int4Linear":
+                    use_kernel: bool | None = None, param_dtype: torch.dtype = INT4_PARAM_DTYPE) -> "Int4Linear":
         """Quantize `linear`'s weight on its device; the bias is kept as it is."""
-        return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias, use_kernel=use_kernel)
+        return cls(quantize_int4(linear.weight.detach(), group_size, param_dtype), linear.bias,
+                   use_kernel=use_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
@@ -700,9 +804,13 @@ class Int4Linear(_QuantLinear):
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
-                     use_kernel: bool | None = None) -> None:
+                     use_kernel: bool | None = None, half_dtype: torch.dtype = torch.bfloat16) -> None:
     """Replace every linear layer below `module` (nn.Linear, or a dense.PackedLinear) by its int8/int4
     counterpart, in place, on the layer's device.
+
+    half_dtype is the 16-bit float type the device has (qwen2.half_dtype): int4 scales and zero points are kept
+    in it and the packed int8 kernel computes in it, so nothing asks a device for a dtype it lacks (bfloat16 on
+    MPS before macOS 14).
 
     mode "fp16" leaves the module as it is. Raises QuantizationError for an unknown mode, a bad group size, or a
     bare linear layer passed as `module` (there is no parent to put the replacement in; wrap it).
@@ -726,9 +834,9 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GRO
                 w = child.dense_weight() if isinstance(child, PackedLinear) else child.weight.detach()
                 if mode == "int8":
                     replacements[id(child)] = Int8Linear(quantize_int8(w), child.bias, use_kernel=use_kernel,
-                                                         prefill_dtype=w.dtype)
+                                                         prefill_dtype=w.dtype, kernel_dtype=half_dtype)
                 else:
-                    replacements[id(child)] = Int4Linear(quantize_int4(w, group_size), child.bias,
+                    replacements[id(child)] = Int4Linear(quantize_int4(w, group_size, half_dtype), child.bias,
                                                          use_kernel=use_kernel)
             setattr(parent, name, replacements[id(child)])
     log.debug("quantized %d linear layers to %s", len(replacements), mode)

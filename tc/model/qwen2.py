@@ -9,6 +9,7 @@ decode step runs four products per layer instead of seven.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Callable
 
@@ -31,6 +32,7 @@ def resolve_compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
     CPUs have no fast fp16 matmul in general, so fp16 on a CPU computes in fp32 (bf16 is the fast CPU choice).
     bf16 needs an Ampere or newer CUDA GPU, and macOS 14 or newer on MPS; elsewhere it computes in fp16.
+    Raises ValueError for an unknown name.
     """
     try:
         dtype = COMPUTE_DTYPES[name]
@@ -40,21 +42,114 @@ def resolve_compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if dtype == torch.float16 and kind == "cpu":
         log.warning("fp16 compute requested on a CPU: computing in fp32 instead (use bf16 for speed)")
         return torch.float32
-    if dtype == torch.bfloat16 and kind == "cuda" and not torch.cuda.is_bf16_supported():
-        log.warning("%s has no bf16 support: computing in fp16 instead", device)
-        return torch.float16
-    if dtype == torch.bfloat16 and kind == "mps" and not mps_supports_bf16():
-        log.warning("this macOS has no bf16 on MPS: computing in fp16 instead")
+    if dtype == torch.bfloat16 and not device_supports_bf16(device):
+        log.warning("%s has no native bf16: computing in fp16 instead", device)
         return torch.float16
     return dtype
 
 
+def compute_dtype_name(dtype: torch.dtype) -> str:
+    """The topology's name for a compute dtype (the inverse of COMPUTE_DTYPES)."""
+    for name, known in COMPUTE_DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"{dtype} is not a compute dtype; expected one of {list(COMPUTE_DTYPES.values())}")
+
+
+def cuda_capability_has_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of compute capability (major, minor) computes bf16 natively: Ampere (8.0) and newer.
+
+    Not torch.cuda.is_bf16_supported(): by default it counts emulation (True on a T4, V100 or Pascal card, which
+    then run bf16 several times slower than fp16), and it asks about the current device, not the assigned one.
+    """
+    return tuple(capability) >= (8, 0)
+
+
+def device_supports_bf16(device: torch.device | str) -> bool:
+    """Whether `device` (cpu, cuda:N, mps) has native bf16: the fact every 16-bit dtype choice follows."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return cuda_capability_has_bf16(torch.cuda.get_device_capability(dev))
+    if dev.type == "mps":
+        return mps_supports_bf16()
+    return False
+
+
+def half_dtype(device: torch.device | str) -> torch.dtype:
+    """The 16-bit float type `device` keeps quantization scales in and feeds the packed kernels: bf16 where it
+    has it (fp32's exponent range), fp16 elsewhere (MPS before macOS 14, CUDA before Ampere)."""
+    return torch.bfloat16 if device_supports_bf16(device) else torch.float16
+
+
+@functools.lru_cache(maxsize=None)
 def mps_supports_bf16() -> bool:
+    """Whether MPS can hold bf16 tensors (macOS 14 and newer); asked once, since the answer cannot change."""
     try:
         torch.ones(1, dtype=torch.bfloat16, device="mps")
         return True
     except (RuntimeError, TypeError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_has_enable_gqa() -> bool:
+    """Whether this torch's scaled_dot_product_attention takes enable_gqa (torch 2.5 and newer).
+
+    Asked of torch itself by a tiny call on the CPU rather than read from the version string, so a build with a
+    backported or removed argument is judged by what it does. (The builtin has no inspectable signature.)
+    """
+    q = torch.zeros(1, 2, 1, 4)
+    kv = torch.zeros(1, 1, 1, 4)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+MPS_GQA_FIXED = (2, 7)  # pytorch issue 149132: MPS SDPA with enable_gqa aborts the process before this release
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as "2.6.0+cu124" or "2.7.0.dev20250311"."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def must_expand_kv_heads(device_type: str, has_enable_gqa: bool, release: tuple[int, int]) -> bool:
+    """Whether a prefill must repeat the KV heads up to the query heads instead of passing enable_gqa to SDPA.
+
+    Yes where SDPA has no enable_gqa (torch 2.4), and on MPS before torch 2.7, whose SDPA with enable_gqa dies in
+    an MPSGraph shape check ("LLVM ERROR: Failed to infer result type(s)", pytorch issue 149132) and takes the
+    whole process with it; that it spared us with the cache's non-contiguous slices was luck, not a guarantee.
+    """
+    return not has_enable_gqa or (device_type == "mps" and release < MPS_GQA_FIXED)
+
+
+@functools.lru_cache(maxsize=None)
+def expand_kv_heads_on(device_type: str) -> bool:
+    """must_expand_kv_heads for this process's torch, decided once per device type."""
+    return must_expand_kv_heads(device_type, sdpa_has_enable_gqa(), torch_release(torch.__version__))
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      causal: bool, expand_kv: bool) -> torch.Tensor:
+    """SDPA of q [B, H, L, D] against keys, values [B, H_kv, T, D], H a multiple of H_kv -> [B, H, L, D].
+
+    expand_kv repeats each KV head for its H / H_kv query heads (what enable_gqa does inside SDPA), for the
+    torch builds where enable_gqa is missing or unsafe (must_expand_kv_heads); the result is the same.
+    """
+    grouped = keys.shape[1] != q.shape[1]
+    if grouped and expand_kv:
+        repeats = q.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(repeats, dim=1)  # [B, H, T, D], contiguous copies
+        values = values.repeat_interleave(repeats, dim=1)
+        grouped = False
+    if grouped:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
 
 
 class RMSNorm(nn.Module):
@@ -117,6 +212,10 @@ def _fuse_rows(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...]
 
 
 class Attention(nn.Module):
+    # None: a prefill expands the KV heads where this torch and device need it (expand_kv_heads_on); True or False
+    # forces the choice, so the two ways can be compared on any machine
+    expand_kv: bool | None = None
+
     def __init__(self, config: Qwen2Config):
         super().__init__()
         self.n_heads = config.num_attention_heads
@@ -151,8 +250,8 @@ class Attention(nn.Module):
             q_pos = torch.arange(position_start, position_start + length, device=x.device)
             k_pos = torch.arange(position_start + length, device=x.device)
             mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [L, T]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)  # [B, H, L, D]
+        expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
+        out = grouped_attention(q, keys, values, mask, causal, expand)  # [B, H, L, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
 

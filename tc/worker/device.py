@@ -4,10 +4,11 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from typing import Callable
 
 import torch
 
-from ..model.qwen2 import mps_supports_bf16
+from ..model.qwen2 import device_supports_bf16, mps_supports_bf16
 from ..protocol.messages import DeviceInfo
 
 
@@ -39,15 +40,37 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def detect_devices() -> list[DeviceInfo]:
-    """Every device torch can use here, best first: CUDA GPUs, then MPS, then the CPU."""
+def cuda_devices(count: int, describe: Callable[[int], tuple[str, int]], free_memory: Callable[[int], int],
+                 selected: str | None) -> list[DeviceInfo]:
+    """DeviceInfo for CUDA devices 0..count-1 from `describe(i)` -> (name, total bytes), with free memory from
+    `free_memory(i)` for the `selected` device id alone (None: for none).
+
+    Asking a device for its free memory (cudaMemGetInfo) creates a CUDA context on it, a few hundred MB of GPU
+    memory held until the process ends, on GPUs this worker will never compute on and that others may be using.
+    """
+    devices = []
+    for i in range(count):
+        name, total = describe(i)
+        device_id = f"cuda:{i}"
+        free = int(free_memory(i)) if device_id == selected else None
+        devices.append(DeviceInfo(id=device_id, type="cuda", name=name, total_memory=int(total), free_memory=free))
+    return devices
+
+
+def _cuda_describe(i: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(i)  # no context: the runtime reads these without one
+    return props.name, props.total_memory
+
+
+def detect_devices(selected: str | None = None) -> list[DeviceInfo]:
+    """Every device torch can use here, best first: CUDA GPUs, then MPS, then the CPU.
+
+    A CUDA GPU's free memory is asked of the `selected` device id only (see cuda_devices); the others say None.
+    """
     devices: list[DeviceInfo] = []
     if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            free, total = torch.cuda.mem_get_info(i)
-            devices.append(DeviceInfo(id=f"cuda:{i}", type="cuda", name=props.name, total_memory=int(total),
-                                      free_memory=int(free)))
+        devices += cuda_devices(torch.cuda.device_count(), _cuda_describe,
+                                lambda i: torch.cuda.mem_get_info(i)[0], selected)
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         # MPS reports no device memory; recommended_max_memory is the closest figure where torch has it
         recommended = getattr(torch.mps, "recommended_max_memory", None)
@@ -79,8 +102,7 @@ def compute_dtypes(device: str) -> tuple[str, ...]:
     if kind == "mps":
         return ("fp16", "fp32", "bf16") if mps_supports_bf16() else ("fp16", "fp32")
     if kind == "cuda":
-        with torch.cuda.device(torch.device(device)):
-            return ("fp16", "bf16", "fp32") if torch.cuda.is_bf16_supported() else ("fp16", "fp32")
+        return ("fp16", "bf16", "fp32") if device_supports_bf16(device) else ("fp16", "fp32")
     return ("fp32",)
 
 

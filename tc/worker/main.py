@@ -21,6 +21,7 @@ that reason), closes the connection and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import queue
@@ -34,6 +35,7 @@ import torch
 
 from .. import __version__
 from ..model_source import ModelSource, ModelSourceError
+from ..model.qwen2 import compute_dtype_name
 from ..model.weights import layer_tensor_names
 from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
@@ -144,8 +146,9 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
 class Worker:
     def __init__(self, options: WorkerOptions):
         self.options = options
-        self.devices = detect_devices()
-        self.device = select_device(options.device, self.devices)
+        # the second look asks the chosen GPU alone for its free memory (see device.cuda_devices)
+        self.device = select_device(options.device, detect_devices())
+        self.devices = detect_devices(selected=self.device)
         self.stop = threading.Event()
         self.loaded: tuple[tuple, LoadedStage] | None = None  # kept across rejoins: same assignment, no reload
         self._key = token_key(options.join_token) if options.join_token else None
@@ -310,6 +313,9 @@ class Worker:
                 msg = env.message
                 doing = msg.TYPE
                 if isinstance(msg, Assignment):
+                    if self.loaded is None or self.loaded[0] != _assignment_key(msg):
+                        runtime = None  # with release_stage: the old layers are gone before the new ones load
+                        self.release_stage()
                     runtime = self.load(conn, msg)
                 elif isinstance(msg, ClearCache):
                     if runtime is not None:
@@ -347,6 +353,18 @@ class Worker:
             runtime.clear()
             return InferenceError(message=f"{msg.TYPE} failed: {type(exc).__name__}: {exc}")
 
+    def release_stage(self) -> None:
+        """Drop the loaded layers (the caller drops its runtime, which holds them and the cache) and give their
+        memory back, so a new assignment never has to fit beside the old one: on a GPU that fits one stage, a
+        reassignment would otherwise fail for want of memory the old stage still holds."""
+        if self.loaded is None:
+            return
+        device = self.loaded[1].device
+        self.loaded = None
+        gc.collect()  # module hooks can hold a stage in a reference cycle; free it now, not at some later collection
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from other processes
+
     def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
         key = _assignment_key(assignment)
         start, end = assignment.layer_start, assignment.layer_end_exclusive
@@ -381,8 +399,9 @@ class Worker:
             self.loaded = (key, loaded)
         log.info("layers %d-%d ready: %.0f MB of weights, %s, loaded in %.1fs", start, end - 1,
                  loaded.weight_bytes / 1e6, loaded.dtype, loaded.load_seconds)
+        # the dtype it computes in after any fallback (fp16 asked of a CPU computes in fp32), not the one asked for
         conn.send(LoadComplete(load_seconds=loaded.load_seconds, weight_bytes=loaded.weight_bytes,
-                               device=loaded.device, compute_dtype=assignment.compute_dtype))
+                               device=loaded.device, compute_dtype=compute_dtype_name(loaded.dtype)))
         return StageRuntime(loaded)
 
 

@@ -17,11 +17,25 @@ from .. import __version__
 from ..model.config import MODEL_TYPE, ConfigError, Qwen2Config
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
-from ..model.qwen2 import Stage, resolve_compute_dtype
+from ..model.qwen2 import Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
 from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
 
 log = logging.getLogger(__name__)
+
+# A prefill of L positions after `start` cached ones makes attention scores [heads, L, start + L]; without a fused
+# kernel (CUDA in fp32, MPS, a CPU build without flash attention) they exist whole, in fp32 inside the softmax:
+# 3.6 GB for 8k positions of 14 heads. The worker runs a long prefill in chunks that keep them under this.
+DEFAULT_ATTENTION_BUDGET_BYTES = 256 << 20
+MIN_PREFILL_CHUNK = 16  # below this, per-chunk overhead would cost more than the memory saved
+
+
+def prefill_chunk_positions(heads: int, positions_end: int, budget_bytes: int) -> int:
+    """The most query positions one prefill chunk may hold so that its fp32 attention scores [heads, chunk,
+    positions_end] fit `budget_bytes` (never fewer than MIN_PREFILL_CHUNK). Chunks give the same result as one
+    pass: each sees the cache the chunks before it filled, through the model's own mask for a chunk at
+    position_start > 0."""
+    return max(MIN_PREFILL_CHUNK, budget_bytes // (heads * positions_end * 4))
 
 
 @dataclass(frozen=True)
@@ -95,8 +109,10 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     index.validate(config, only=names)
     check_layer_tensors(index, assignment)
     dtype = resolve_compute_dtype(assignment.compute_dtype, device)
-    # each layer is quantized right after it loads (a no-op for fp16), so no 16-bit copy of the stage builds up
-    prepare = functools.partial(quant.quantize_linears, mode=assignment.quant, group_size=assignment.group_size)
+    # each layer is quantized right after it loads (a no-op for fp16), so no 16-bit copy of the stage builds up;
+    # int4 scales and the int8 kernel use fp16 where the device has no bf16
+    prepare = functools.partial(quant.quantize_linears, mode=assignment.quant, group_size=assignment.group_size,
+                                half_dtype=half_dtype(device))
     stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
     return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
 
@@ -104,8 +120,9 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
 class StageRuntime:
     """Runs RUN_PREFILL / RUN_DECODE for one loaded stage, keeping one request's cache."""
 
-    def __init__(self, loaded: LoadedStage):
+    def __init__(self, loaded: LoadedStage, attention_budget_bytes: int = DEFAULT_ATTENTION_BUDGET_BYTES):
         self.loaded = loaded
+        self.attention_budget_bytes = attention_budget_bytes
         self.hidden_size = loaded.stage.config.hidden_size
         # A head asks for a cache of prompt + max_tokens positions, never more than the model's context: a
         # larger request is refused before it allocates anything.
@@ -127,8 +144,14 @@ class StageRuntime:
     def _run(self, hidden: torch.Tensor, position: int) -> HiddenState:
         assert self.cache is not None
         started = time.perf_counter()
-        x = hidden.to(device=self.loaded.device, dtype=self.loaded.dtype)
-        out = self.loaded.stage(x, self.cache, position).to("cpu")  # the copy back also synchronises the device
+        x = hidden.to(device=self.loaded.device, dtype=self.loaded.dtype)  # [1, L, hidden]
+        length = x.shape[1]
+        step = length if length == 1 else prefill_chunk_positions(
+            self.loaded.stage.config.num_attention_heads, position + length, self.attention_budget_bytes)
+        # the copies back also synchronise the device
+        stage = self.loaded.stage
+        parts = [stage(x[:, i:i + step], self.cache, position + i).to("cpu") for i in range(0, length, step)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [1, L, hidden]
         return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
 
     def prefill(self, msg: RunPrefill) -> HiddenState | InferenceError:

@@ -1,0 +1,85 @@
+"""The worker's loading, driven over a real connection: what LOAD_COMPLETE reports, and what a reassignment frees
+before it loads."""
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import weakref
+
+import pytest
+
+from tc.model.config import Qwen2Config
+from tc.model.weights import layer_tensor_names
+from tc.protocol.connection import Connection
+from tc.protocol.messages import Assignment, LoadComplete, LoadFailed
+from tc.worker.main import Worker, WorkerOptions
+
+
+def assignment(model_dir, start: int, end: int, **changes) -> Assignment:
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
+                  quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
+                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
+    return Assignment(**{**fields, **changes})
+
+
+class RecordingWorker(Worker):
+    """A worker that notes, as each load starts, which stages it loaded before are still in memory."""
+
+    def __init__(self, options: WorkerOptions):
+        super().__init__(options)
+        self.stages: list[weakref.ref] = []
+        self.alive_when_loading: list[list[bool]] = []
+
+    def load(self, conn, assignment):
+        self.alive_when_loading.append([ref() is not None for ref in self.stages])
+        runtime = super().load(conn, assignment)
+        if runtime is not None:
+            self.stages.append(weakref.ref(runtime.loaded.stage))
+        return runtime
+
+
+@pytest.fixture
+def worker_and_head():
+    worker_end, head_end = socket.socketpair()
+    worker_conn, head_conn = Connection(worker_end), Connection(head_end)
+    worker = RecordingWorker(WorkerOptions(host="127.0.0.1", port=1, node_id="w", device="cpu", hf_cache_dir=None,
+                                           max_memory_bytes=None))
+    jobs: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=worker.compute_loop, args=(worker_conn, jobs), daemon=True)
+    thread.start()
+
+    def assign(msg: Assignment):
+        """Send an ASSIGNMENT through the connection and return the worker's final answer to it."""
+        head_conn.send(msg)
+        jobs.put(worker_conn.recv(timeout=10))
+        while True:
+            reply = head_conn.recv(timeout=60).message
+            if isinstance(reply, (LoadComplete, LoadFailed)):
+                return reply
+
+    yield worker, assign
+    jobs.put(None)
+    thread.join(timeout=10)
+    worker_conn.close()
+    head_conn.close()
+
+
+def test_load_complete_reports_the_dtype_the_worker_computes_in(tiny_model_dir, worker_and_head):
+    _, assign = worker_and_head
+    # fp16 asked of a CPU computes in fp32: the head must hear fp32
+    reply = assign(assignment(tiny_model_dir, 0, 2, compute_dtype="fp16"))
+    assert isinstance(reply, LoadComplete) and reply.compute_dtype == "fp32" and reply.device == "cpu"
+    assert assign(assignment(tiny_model_dir, 0, 2, compute_dtype="bf16")).compute_dtype == "bf16"
+
+
+def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_dir, worker_and_head):
+    worker, assign = worker_and_head
+    assert isinstance(assign(assignment(tiny_model_dir, 0, 2)), LoadComplete)
+    assert isinstance(assign(assignment(tiny_model_dir, 2, 4)), LoadComplete)
+    assert worker.alive_when_loading[1] == [False]  # layers 0-1 were gone before layers 2-3 started loading
+    # the same assignment again keeps what is loaded rather than loading it twice
+    assert isinstance(assign(assignment(tiny_model_dir, 2, 4)), LoadComplete)
+    assert worker.alive_when_loading[2] == [False, True]
+    assert worker.loaded is not None and worker.loaded[1].stage is worker.stages[1]()  # set before LOAD_COMPLETE
