@@ -17,7 +17,7 @@ grammar engine needs right after the forward pass: with 2 busy cores the mask me
 default policy and 0.85 ms with OMP_WAIT_POLICY=PASSIVE (which sped up the decode step itself as well). Run
 the head (and this bench) with OMP_WAIT_POLICY=PASSIVE on such hosts.
 
-Usage: python scripts/bench_constrained.py [--requests 50] [--temperature 0.9] [--dtype fp32]
+Usage: python bench/bench_constrained.py [--requests 50] [--temperature 0.9] [--dtype fp32]
 """
 from __future__ import annotations
 
