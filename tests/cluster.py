@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,6 +31,15 @@ def write_topology(path: Path, model: str | Path, nodes: list[dict], **settings)
             "nodes": nodes, **settings}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def worker_hello(node_id: str | None = None, **changes) -> Hello:
+    """The HELLO a CPU-only worker sends, for tests that join by hand; `changes` replaces any field."""
+    fields = dict(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="test",
+                  platform="linux", python_version="3", torch_version="2",
+                  devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
+                  compute_dtypes=("fp32",), max_memory_bytes=None)
+    return Hello(**{**fields, **changes})
 
 
 class Process:

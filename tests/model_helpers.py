@@ -8,7 +8,8 @@ import torch
 from tc.generation import LocalPipeline
 from tc.model.config import Qwen2Config
 from tc.model.qwen2 import HeadModel, Stage
-from tc.model.weights import WeightIndex
+from tc.model.weights import WeightIndex, layer_tensor_names
+from tc.protocol.messages import Assignment
 
 
 class OurModel:
@@ -54,3 +55,13 @@ def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
 @torch.inference_mode()
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
+
+
+def local_assignment(model_dir: Path, start: int, end: int, **changes) -> Assignment:
+    """The ASSIGNMENT a head sends for layers [start, end) of the model directory on this machine, fp16 in fp32;
+    `changes` replaces any field."""
+    config = Qwen2Config.from_file(Path(model_dir) / "config.json")
+    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
+                  quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
+                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
+    return Assignment(**{**fields, **changes})

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from cluster import ROOT, Cluster, Process, write_topology
 from tc.head.admission import dtype_fallback
-from tc.model.config import ConfigError, Qwen2Config
+from model_helpers import local_assignment
+from tc.model.config import ConfigError
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
-from tc.protocol.messages import PROTOCOL_VERSION, Assignment, DeviceInfo, Hello
+from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
 from tc.worker.runtime import load_assignment
 from tiny_model import write_tiny_model
 
@@ -65,27 +66,21 @@ def test_a_real_head_assigns_the_entry_threads_and_warns_of_a_dtype_fallback(tmp
 # --- the worker's checks before it serves ---------------------------------------------------------------------
 
 
-def assignment(model_dir, start: int = 0, end: int = 2, **changes) -> Assignment:
-    config = Qwen2Config.from_file(model_dir / "config.json")
-    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
-                  quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
-                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
-    return Assignment(**{**fields, **changes})
 
 
 def test_a_matching_assignment_loads(model_dir):
-    loaded = load_assignment(assignment(model_dir, 1, 3), model_dir, "cpu")
+    loaded = load_assignment(local_assignment(model_dir, 1, 3), model_dir, "cpu")
     assert (loaded.stage.start, loaded.stage.end) == (1, 3)
 
 
 def test_an_architecture_the_worker_does_not_run_is_refused(model_dir):
     with pytest.raises(ConfigError, match=r"architecture 'llama'; this worker .* runs 'qwen2' only"):
-        load_assignment(assignment(model_dir, architecture="llama"), model_dir, "cpu")
+        load_assignment(local_assignment(model_dir, 0, 2, architecture="llama"), model_dir, "cpu")
 
 
 def test_a_tensor_count_the_worker_does_not_find_is_refused(model_dir):
     with pytest.raises(WeightsError, match=r"the head planned 25 tensors for layers 0-1 and this worker .* finds 24"):
-        load_assignment(assignment(model_dir, tensor_count=25), model_dir, "cpu")
+        load_assignment(local_assignment(model_dir, 0, 2, tensor_count=25), model_dir, "cpu")
 
 
 def test_layer_tensors_tc_would_skip_are_refused(tmp_path):
@@ -94,8 +89,8 @@ def test_layer_tensors_tc_would_skip_are_refused(tmp_path):
     state["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(64)  # a Qwen2 variant's weight tc has no place for
     save_file(state, model_dir / "model.safetensors")
     with pytest.raises(WeightsError, match=r"layers 0-1 .* \(model\.layers\.1\.self_attn\.o_proj\.bias\)"):
-        load_assignment(assignment(model_dir, 0, 2), model_dir, "cpu")
-    load_assignment(assignment(model_dir, 2, 4), model_dir, "cpu")  # other layers are plain Qwen2
+        load_assignment(local_assignment(model_dir, 0, 2), model_dir, "cpu")
+    load_assignment(local_assignment(model_dir, 2, 4), model_dir, "cpu")  # other layers are plain Qwen2
 
 
 def test_layer_tensors_in_a_shard_left_unread_are_refused_too(tmp_path):
@@ -109,7 +104,7 @@ def test_layer_tensors_in_a_shard_left_unread_are_refused_too(tmp_path):
     assert {info.file.name for info in WeightIndex.open(model_dir, only=names).tensors.values()} == {
         "model-00001-of-00002.safetensors"}  # the worker reads no other shard...
     with pytest.raises(WeightsError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
-        load_assignment(assignment(model_dir, 0, 2), model_dir, "cpu")  # ...and still sees what the index lists
+        load_assignment(local_assignment(model_dir, 0, 2), model_dir, "cpu")  # ...and still sees what the index lists
 
 
 # --- the head's view of HELLO's compute dtypes ----------------------------------------------------------------

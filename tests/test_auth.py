@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ROOT, Cluster, write_topology
+from cluster import ROOT, Cluster, worker_hello, write_topology
 from tc.protocol.auth import (CHALLENGE_BYTES, NONCE_BYTES, AuthError, answer_challenge, check_answer, head_proof,
                               make_challenge, new_nonce, token_key, worker_proof)
 from tc.protocol.connection import Connection
-from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Error, Hello, HelloAck
+from tc.protocol.messages import Error, HelloAck
 from tc.cli import build_parser
 from tc.worker.main import (TOKEN_ENV, TOKEN_FILE_ENV, WorkerSetupError, join_token_from,
                             worker_options)
@@ -119,10 +119,6 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=2)
 
 
-def fake_hello(auth: bytes | None) -> Hello:
-    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id="a", hostname="x", platform="linux",
-                 python_version="3", torch_version="2", devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),),
-                 selected_device="cpu", compute_dtypes=("fp32",), max_memory_bytes=None, auth=auth)
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +149,11 @@ def test_stranger_replaying_an_old_answer_is_refused(guarded):
     conn = Connection(socket.create_connection(("127.0.0.1", guarded.listen_port), timeout=10))
     with conn:
         nonce = new_nonce()
-        conn.send(fake_hello(nonce))
+        conn.send(worker_hello("a", auth=nonce))
         ack = conn.recv(timeout=10).message
         assert isinstance(ack, HelloAck) and ack.node_id == "" and len(ack.challenge) == CHALLENGE_BYTES
         stale = worker_proof(KEY, new_nonce(), nonce)  # right token, but for another connection's challenge
-        conn.send(fake_hello(stale))
+        conn.send(worker_hello("a", auth=stale))
         reply = conn.recv(timeout=10).message
         assert isinstance(reply, Error) and "token proof is wrong" in reply.message
     log = guarded.head.output()
@@ -167,7 +163,7 @@ def test_stranger_replaying_an_old_answer_is_refused(guarded):
 def test_hello_without_a_nonce_learns_nothing_about_the_topology(guarded):
     conn = Connection(socket.create_connection(("127.0.0.1", guarded.listen_port), timeout=10))
     with conn:
-        conn.send(Hello(**{**fake_hello(None).__dict__, "node_id": "nobody"}))
+        conn.send(worker_hello("nobody"))
         reply = conn.recv(timeout=10).message
         assert isinstance(reply, Error) and "needs a join token" in reply.message
         assert "nobody" not in reply.message and "topology.yaml lists" not in reply.message

@@ -10,13 +10,13 @@ from typing import Iterator
 import pytest
 import torch
 
-from cluster import Cluster, write_topology
+from cluster import Cluster, worker_hello, write_topology
 from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
-from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Error, Hello
+from tc.protocol.messages import PROTOCOL_VERSION, Error, Hello
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
 
@@ -51,10 +51,6 @@ def stream_events(response: http.client.HTTPResponse) -> Iterator[object]:
             yield data.decode() if data == b"[DONE]" else json.loads(data)
 
 
-def fake_hello(node_id: str | None, version: int = PROTOCOL_VERSION) -> Hello:
-    return Hello(protocol_version=version, tc_version="0", node_id=node_id, hostname="test", platform="linux",
-                 python_version="3", torch_version="2", devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),),
-                 selected_device="cpu", compute_dtypes=("fp32",), max_memory_bytes=None)
 
 
 def raw_hello(cluster: Cluster, hello: Hello) -> object:
@@ -101,7 +97,7 @@ def test_refused_workers_leave_the_head_serving(tmp_path, model_dir):
         no_gpu = cluster.start_worker("gpu", name="no-gpu")
         assert no_gpu.proc.wait(60) == 2
         assert "needs device cuda:0" in no_gpu.output()
-        reply = raw_hello(cluster, fake_hello("a", version=PROTOCOL_VERSION + 1))
+        reply = raw_hello(cluster, worker_hello("a", protocol_version=PROTOCOL_VERSION + 1))
         assert isinstance(reply, Error) and "protocol" in reply.message
         cluster.start_worker("a")
         deadline = time.monotonic() + 60

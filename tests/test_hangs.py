@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, write_topology
+from cluster import Cluster, Request, worker_hello, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import create_app
@@ -36,8 +36,8 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Error, Hello, HelloAck, HiddenState,
-                                  LoadComplete, Ping, Pong, RunDecode, RunPrefill)
+from tc.protocol.messages import (Assignment, Error, HelloAck, HiddenState, LoadComplete, Ping, Pong, RunDecode,
+                                  RunPrefill)
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from tiny_model import write_tiny_model
@@ -58,11 +58,6 @@ def greedy(model_dir, max_tokens: int) -> str:
     return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
 
 
-def hello(node_id: str | None) -> Hello:
-    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="scripted",
-                 platform="linux", python_version="3", torch_version="2",
-                 devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
-                 compute_dtypes=("fp32",), max_memory_bytes=None)
 
 
 class ScriptedWorker:
@@ -76,7 +71,7 @@ class ScriptedWorker:
         self.hung_at: float | None = None  # when it took the step it never answers
         self.closed = threading.Event()
         self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
-        self.conn.send(hello(node_id))
+        self.conn.send(worker_hello(node_id))
         assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
         env = self.conn.recv(timeout=15)
         assert isinstance(env.message, Assignment), env.message
@@ -315,7 +310,7 @@ def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path
     registry = WorkerRegistry(topology, plan, config, handshake_timeout_s=cap)
     port = registry.start("127.0.0.1", 0)
     try:
-        frame = encode(hello("a"))
+        frame = encode(worker_hello("a"))
         with caplog.at_level(logging.WARNING, logger="tc.head.workers"), \
                 socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             started = time.monotonic()
@@ -334,7 +329,7 @@ def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path
         # the deadline ends with the handshake: a worker that joins in time keeps its connection past it
         conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5))
         with conn:
-            conn.send(hello("a"))
+            conn.send(worker_hello("a"))
             assert isinstance(conn.recv(timeout=5).message, HelloAck)
             assert isinstance(conn.recv(timeout=5).message, Assignment)
             time.sleep(cap + 0.5)

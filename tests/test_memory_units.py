@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster import worker_hello
 from tc.cli import build_parser
 from tc.head.admission import stage_fit_problem
 from tc.planner import Stage, node_specs
-from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
 from tc.topology import NodeEntry, parse_topology
 from tc.worker.main import worker_options
 
@@ -45,10 +45,6 @@ def test_the_help_names_the_unit(capsys):
     assert "--max-memory-gb GIB" in help_text and "in GiB (2**30 bytes) like the topology's max_memory_gb" in help_text
 
 
-def hello(max_memory_bytes: int | None) -> Hello:
-    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id="a", hostname="test", platform="linux",
-                 python_version="3", torch_version="2", devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),),
-                 selected_device="cpu", compute_dtypes=("bf16",), max_memory_bytes=max_memory_bytes)
 
 
 def stage(weight_bytes: int) -> Stage:
@@ -58,7 +54,7 @@ def stage(weight_bytes: int) -> Stage:
 
 def test_a_worker_given_one_gib_holds_layers_between_a_gb_and_a_gib():
     entry = NodeEntry(id="a", device="cpu", dtype=None, max_memory_gb=None, layers=None, threads=None)
-    offered = hello(flag_bytes("1"))
+    offered = worker_hello("a", compute_dtypes=("bf16",), max_memory_bytes=flag_bytes("1"))
     assert stage_fit_problem(entry, offered, stage(1_050_000_000)) is None  # over 10**9, under 2**30
     problem = stage_fit_problem(entry, offered, stage(GIB + 1))
     assert problem is not None and "offers 1.00 GiB" in problem and "--max-memory-gb, in GiB" in problem

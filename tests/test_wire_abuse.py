@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, write_topology
+from cluster import Cluster, worker_hello, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.config import Qwen2Config
@@ -25,7 +25,7 @@ from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import FrameDecoder, encode, frame_header
 from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION, Assignment,
-                                  DeviceInfo, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
+                                  Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
                                   LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
@@ -46,11 +46,6 @@ def greedy(model_dir, max_tokens: int) -> str:
     return gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
 
 
-def fake_hello(node_id: str | None) -> Hello:
-    return Hello(protocol_version=PROTOCOL_VERSION, tc_version="0", node_id=node_id, hostname="fake",
-                 platform="linux", python_version="3", torch_version="2",
-                 devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
-                 compute_dtypes=("fp32",), max_memory_bytes=None)
 
 
 def raw_reply(port: int, data: bytes, half_close: bool = False, timeout: float = 15) -> list:
@@ -85,7 +80,7 @@ class FakeWorker:
     def __init__(self, port: int, node_id: str):
         for _ in range(50):  # the previous fake's node may take a moment to be freed
             self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
-            self.conn.send(fake_hello(node_id))
+            self.conn.send(worker_hello(node_id))
             reply = self.conn.recv(timeout=15).message
             if isinstance(reply, HelloAck):
                 break
@@ -167,7 +162,7 @@ def test_oversized_frame_before_joining(cluster):
 
 
 def test_truncated_frame_closes_without_harm(cluster):
-    frame = encode(fake_hello("b"))
+    frame = encode(worker_hello("b"))
     assert raw_reply(cluster.listen_port, frame[: len(frame) // 2], half_close=True) == []
 
 
@@ -180,7 +175,7 @@ def test_commands_before_hello_are_refused(cluster):
 def test_unknown_message_type_and_wrong_version(cluster):
     envelope = encode_cbor({"type": "SUDO", "request_id": None, "seq": 0, "payload": {}})
     only_error(raw_reply(cluster.listen_port, frame_header(len(envelope)) + envelope), "unknown message type")
-    hello = Hello(**{**fake_hello("b").__dict__, "protocol_version": PROTOCOL_VERSION + 7})
+    hello = worker_hello("b", protocol_version=PROTOCOL_VERSION + 7)
     only_error(raw_reply(cluster.listen_port, encode(hello)), "protocol version")
 
 
@@ -235,14 +230,14 @@ def test_reply_nobody_asked_for(cluster):
 
 def test_second_hello(cluster):
     fake = join_fake(cluster, "b")
-    fake.conn.send(fake_hello("b"))
+    fake.conn.send(worker_hello("b"))
     assert "does not accept HELLO" in fake.closing_error().message
 
 
 def test_a_worker_that_could_not_load_shows_as_failed_with_the_reason(cluster):
     conn = Connection(socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=15))
     with conn:
-        conn.send(fake_hello("b"))
+        conn.send(worker_hello("b"))
         assert isinstance(conn.recv(timeout=15).message, HelloAck)
         assert isinstance(conn.recv(timeout=15).message, Assignment)
         conn.send(LoadFailed(reason="out of memory on cpu: tried to allocate 9 GB"))
@@ -329,7 +324,7 @@ def test_worker_drops_a_head_that_breaks_the_protocol_and_rejoins(tmp_path, mode
         expect_error_then_close(conn)
 
         conn = head.accept()
-        conn.send(fake_hello("a"))
+        conn.send(worker_hello("a"))
         expect_error_then_close(conn, "does not accept HELLO")
 
         conn = head.accept()

@@ -9,19 +9,12 @@ import weakref
 
 import pytest
 
-from tc.model.config import Qwen2Config
-from tc.model.weights import layer_tensor_names
+from model_helpers import local_assignment
 from tc.protocol.connection import Connection
 from tc.protocol.messages import Assignment, LoadComplete, LoadFailed
 from tc.worker.main import Worker, WorkerOptions
 
 
-def assignment(model_dir, start: int, end: int, **changes) -> Assignment:
-    config = Qwen2Config.from_file(model_dir / "config.json")
-    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
-                  quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
-                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
-    return Assignment(**{**fields, **changes})
 
 
 class RecordingWorker(Worker):
@@ -69,17 +62,17 @@ def worker_and_head():
 def test_load_complete_reports_the_dtype_the_worker_computes_in(tiny_model_dir, worker_and_head):
     _, assign = worker_and_head
     # fp16 asked of a CPU computes in fp32: the head must hear fp32
-    reply = assign(assignment(tiny_model_dir, 0, 2, compute_dtype="fp16"))
+    reply = assign(local_assignment(tiny_model_dir, 0, 2, compute_dtype="fp16"))
     assert isinstance(reply, LoadComplete) and reply.compute_dtype == "fp32" and reply.device == "cpu"
-    assert assign(assignment(tiny_model_dir, 0, 2, compute_dtype="bf16")).compute_dtype == "bf16"
+    assert assign(local_assignment(tiny_model_dir, 0, 2, compute_dtype="bf16")).compute_dtype == "bf16"
 
 
 def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_dir, worker_and_head):
     worker, assign = worker_and_head
-    assert isinstance(assign(assignment(tiny_model_dir, 0, 2)), LoadComplete)
-    assert isinstance(assign(assignment(tiny_model_dir, 2, 4)), LoadComplete)
+    assert isinstance(assign(local_assignment(tiny_model_dir, 0, 2)), LoadComplete)
+    assert isinstance(assign(local_assignment(tiny_model_dir, 2, 4)), LoadComplete)
     assert worker.alive_when_loading[1] == [False]  # layers 0-1 were gone before layers 2-3 started loading
     # the same assignment again keeps what is loaded rather than loading it twice
-    assert isinstance(assign(assignment(tiny_model_dir, 2, 4)), LoadComplete)
+    assert isinstance(assign(local_assignment(tiny_model_dir, 2, 4)), LoadComplete)
     assert worker.alive_when_loading[2] == [False, True]
     assert worker.loaded is not None and worker.loaded[1].stage is worker.stages[1]()  # set before LOAD_COMPLETE
