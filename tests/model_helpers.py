@@ -1,6 +1,7 @@
 """Run our model and transformers' on the same directory, for parity tests."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -10,6 +11,22 @@ from tc.model.config import Qwen2Config
 from tc.model.qwen2 import HeadModel, Stage
 from tc.model.weights import WeightIndex, layer_tensor_names
 from tc.protocol.messages import Assignment
+
+
+class GatedPipeline(LocalPipeline):
+    """The real stages, but once a step holds `hold_at` sequences, one of them already started, it waits for `gate`
+    to open (60 s at most): the running generations then keep their places in the batch, and the scheduler stays
+    in that step, for as long as a test needs."""
+
+    def __init__(self, stages: list, hold_at: int = 1):
+        super().__init__(stages)
+        self.gate = threading.Event()
+        self.hold_at = hold_at
+
+    def run(self, entries, hidden):
+        if len(entries) >= self.hold_at and any(e.start > 0 for e in entries):
+            self.gate.wait(60)
+        return super().run(entries, hidden)
 
 
 class OurModel:

@@ -20,6 +20,7 @@ import falcon
 from ..constraint import GrammarEngine
 from ..generation import text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
+from ..batch_memory import BatchPlan
 from ..planner import Plan
 from ..sampling import SamplingParams
 from .api_requests import (
@@ -168,15 +169,18 @@ class ClusterView(Protocol):
     """What GET /v1/cluster shows of the workers (the head's WorkerRegistry is one)."""
 
     plan: Plan
+    batch: BatchPlan
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One row per planned node: state, device, layers, memory, seconds since last heard."""
 
 
-def plan_body(plan: Plan) -> dict[str, Any]:
+def plan_body(plan: Plan, batch: BatchPlan) -> dict[str, Any]:
     return {"num_layers": plan.num_layers, "total_weight_bytes": plan.total_weight_bytes,
+            "max_batch": batch.max_batch,
             "stages": [{"node_id": s.node_id, "layers": [s.start, s.end], "device": s.device, "dtype": s.dtype,
-                        "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes} for s in plan.stages]}
+                        "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes,
+                        "kv_bytes_per_sequence": batch.slot_bytes[s.node_id]} for s in plan.stages]}
 
 
 def _readiness_body(readiness: Readiness) -> dict[str, Any]:
@@ -195,9 +199,13 @@ class ClusterResource:
                                 **_readiness_body(self.service.readiness()),
                                 "queue": {"waiting": self.service.queue_depth, "running": self.service.running,
                                           "limit": self.service.max_queue},
+                                "batch": {"slots": self.service.max_batch, "in_use": self.service.running,
+                                          "prefill_chunk": self.service.prefill_chunk,
+                                          "tokens_per_s": round(self.service.tokens_per_s(), 2),
+                                          "sequences": self.service.sequences()},
                                 "plan": None, "nodes": []}
         if self.cluster is not None:
-            body["plan"], body["nodes"] = plan_body(self.cluster.plan), self.cluster.snapshot()
+            body["plan"], body["nodes"] = plan_body(self.cluster.plan, self.cluster.batch), self.cluster.snapshot()
         resp.media = body
 
 
@@ -234,7 +242,7 @@ class _Generation:
             resp.stream = EventStream(generation, reply, include_usage=include_usage, on_close=on_close,
                                       error_body=lambda exc: _stream_error_body(exc, request_line))
         except BaseException:
-            generation.close()  # nobody else holds it yet to give the turn back
+            generation.close()  # nobody else holds it yet to give its place back
             raise
         req.context.deferred_log = True  # the reply ends when the stream does: it logs then
         resp.content_type = "text/event-stream"
@@ -316,9 +324,10 @@ class ChatCompletionsResource:
 
 def _log_generation(request_line: str, status: int, seconds: float, request_id: str,
                     summary: GenerationSummary) -> None:
-    log.info("%s %d id=%s prompt_tokens=%d completion_tokens=%d ttft=%.3fs tokens_per_s=%.1f finish=%s %.3fs",
-             request_line, status, request_id, summary.prompt_tokens, summary.completion_tokens,
-             summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.outcome, seconds)
+    log.info("%s %d id=%s prompt_tokens=%d completion_tokens=%d wait=%.3fs ttft=%.3fs tokens_per_s=%.1f finish=%s "
+             "%.3fs", request_line, status, request_id, summary.prompt_tokens, summary.completion_tokens,
+             summary.queue_wait_s, summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.outcome,
+             seconds)
 
 
 class RequestLog:
