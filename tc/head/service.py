@@ -187,6 +187,31 @@ class GenerationStream:
         self.close()
 
 
+class GenerationGroup:
+    """The choices of one request (its `n`): a generation each, side by side in the batch, logged as one."""
+
+    def __init__(self, streams: list[GenerationStream]):
+        self.streams = streams
+
+    def summary(self) -> GenerationSummary:
+        parts = [s.summary() for s in self.streams]
+        outcomes = {p.outcome for p in parts}
+        outcome = parts[0].outcome if len(outcomes) == 1 else ",".join(p.outcome for p in parts)
+        return GenerationSummary(parts[0].prompt_tokens, sum(p.completion_tokens for p in parts),
+                                 max(p.time_to_first_token_s for p in parts), max(p.decode_s for p in parts),
+                                 outcome, max(p.queue_wait_s for p in parts))
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    def __enter__(self) -> "GenerationGroup":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 class GenerationService:
     """Runs up to `max_batch` generations together (the module's docstring), with `max_queue` more waiting.
 
@@ -265,26 +290,37 @@ class GenerationService:
         Raises ClusterNotReady, QueueFull, WorkerLost, StageFailed, ValueError. The caller must close() the
         stream it gets (a `with` block does), or its place in the batch stays taken.
         """
+        return self.open_choices(prompt_ids, [params])[0]
+
+    def open_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams]) -> list[GenerationStream]:
+        """Start one generation per entry of `choices` for the same prompt, all at once (they join the batch in
+        the same step), as `open` does; if one cannot start, none is left running."""
         self._check_ready()
-        request = _Request(self.generator.start(prompt_ids, params))  # ValueError for a prompt that cannot run
+        requests = [_Request(self.generator.start(prompt_ids, params)) for params in choices]  # ValueError
         with self._lock:
             # max_queue requests may wait while max_batch run
-            if len(self._waiting) + len(self._batch) >= self.max_queue + self.max_batch:
+            if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
                 self.metrics.generations.labels("error").inc()
                 raise QueueFull(self.max_queue)
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             if self._loop is None:
                 self._loop = threading.Thread(target=self._run, name="scheduler", daemon=True)
                 self._loop.start()
+        streams: list[GenerationStream] = []
         try:
-            first = request.next()
+            for request in requests:
+                streams.append(GenerationStream(self, request, request.next()))
         except BaseException:
             self.metrics.generations.labels("error").inc()
+            for stream in streams:
+                stream.close()
+            for request in requests[len(streams):]:
+                request.abandoned = True  # the loop drops it at its next step boundary
             raise
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        stream = GenerationStream(self, request, first)
-        self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
-        return stream
+        self.metrics.prompt_tokens.inc(len(prompt_ids) * len(streams))
+        for stream in streams:
+            self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
+        return streams
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """Run one whole generation. Raises as `open` does, and the pipeline's errors of later steps."""
