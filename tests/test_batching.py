@@ -364,3 +364,47 @@ def test_n_choices_with_the_openai_client(model, tokenizer, model_dir):
             client.completions.create(model="tiny", prompt="x", n=5, max_tokens=2)
     finally:
         server.stop()
+
+
+# --- micro-batches: stages at work at the same time -------------------------------------------------------
+
+def test_split_entries_cuts_a_batch_into_runs_of_about_equal_rows():
+    from tc.head.pipeline import split_entries
+    from tc.protocol.messages import BatchEntry
+
+    def lengths(rows: list[int], groups: int) -> list[list[int]]:
+        entries = [BatchEntry(sequence=i, position_start=0, length=n, cache_capacity=n) for i, n in enumerate(rows)]
+        runs = split_entries(entries, groups)
+        assert [e for run in runs for e in run] == entries  # in order, every entry once
+        return [[e.length for e in run] for run in runs]
+
+    assert lengths([1] * 8, 2) == [[1] * 4, [1] * 4]
+    assert lengths([1] * 8, 3) == [[1] * 3, [1] * 3, [1] * 2]
+    assert lengths([100, 1, 1], 2) == [[100], [1, 1]]
+    assert lengths([1, 1, 100], 2) == [[1, 1], [100]]
+    assert lengths([5], 2) == [[5]] and lengths([1, 1], 4) == [[1], [1]]
+
+
+def test_micro_batches_through_two_workers_give_each_request_its_solo_text(tmp_path, model_dir, model, tokenizer):
+    with start_cluster(tmp_path, model_dir, max_batch=8, micro_batches=2) as cluster:
+        texts: dict[int, str] = {}
+
+        def one(i: int) -> None:
+            texts[i] = stream_text(cluster, body_for(PROMPTS[i], LENGTHS[i]))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for i in range(6):
+            assert_same_greedy_text(texts[i], solo(model, tokenizer, PROMPTS[i], greedy(LENGTHS[i])))
+        import urllib.request
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        # a step of several sequences went to each worker as two groups: more hops than steps
+        hops = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("tc_stage_compute_seconds_count") and 'node="a"' in line)
+        steps = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("tc_batch_size_count"))
+        assert hops > steps, (hops, steps)

@@ -107,7 +107,7 @@ def start_head(topology: Topology) -> Head:
              time.perf_counter() - started)
 
     registry = WorkerRegistry(topology, plan, config)
-    pipeline = RemotePipeline(registry, topology.head.resume, topology.head.resume_grace_s)
+    pipeline = RemotePipeline(registry)
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,

@@ -8,6 +8,12 @@ Each step is one RUN_BATCH: the rows of every sequence in the step, with each se
 capacity (generation.Entry), so each worker runs them as one ragged batch against a cache per sequence. When a
 sequence ends, every worker is told to drop its cache (RELEASE).
 
+Micro-batches: with `head.micro_batches` > 1 and several stages, a step's sequences are cut into up to that many
+groups and run as a pipeline schedule: while stage 2 runs group 1, stage 1 runs group 2, so the stages work at
+the same time instead of taking turns (len(groups) + len(stages) - 1 ticks instead of len(stages) x len(groups)
+hops' worth of waiting). It pays where the stages do not share cores (separate machines); on one machine whose
+cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
+
 Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings
 and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the
 lost node's entry to be filled again (the same worker back, or a spare), then replays every sequence from
@@ -30,16 +36,18 @@ from typing import Sequence
 
 from ..generation import Entry
 from ..protocol.messages import BatchEntry, RunBatch
-from .service import WorkerLost
+from .service import StageFailed, WorkerLost
 from .workers import HeadShuttingDown, WorkerLink, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 
 class RemotePipeline:
-    def __init__(self, registry: WorkerRegistry, resume: bool | None = None, resume_grace_s: float | None = None):
+    def __init__(self, registry: WorkerRegistry, resume: bool | None = None, resume_grace_s: float | None = None,
+                 micro_batches: int | None = None):
         settings = registry.topology.head
         self.registry = registry
+        self.micro_batches = settings.micro_batches if micro_batches is None else micro_batches
         self.resume = settings.resume if resume is None else resume
         self.resume_grace_s = settings.resume_grace_s if resume_grace_s is None else resume_grace_s
         self._ids = itertools.count(1)
@@ -52,16 +60,55 @@ class RemotePipeline:
         self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
 
     def _relay(self, message: RunBatch, links: list[WorkerLink]) -> torch.Tensor:
-        out_dtype = message.hidden_state.dtype
+        """The batch through every stage: in micro-batches where that is asked for and possible."""
+        groups = split_entries(message.entries, min(self.micro_batches, len(links)))
+        if len(groups) == 1:
+            return self._schedule([message], links)[0]
+        parts, row = [], 0
+        for entries in groups:
+            rows = sum(e.length for e in entries)
+            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows]))
+            row += rows
+        return torch.cat(self._schedule(parts, links), dim=1)
+
+    def _schedule(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
+        """Every group through every stage in order, as a pipeline: at tick t, stage s runs group t - s, so each
+        stage works on one group while the next stage works on the one before. Returns each group's output."""
+        out_dtype = groups[0].hidden_state.dtype
+        current = list(groups)
         hops = []
-        for link in links:
-            self.seq += 1
-            sent = time.perf_counter()
-            reply = link.request(message, self.request_id, self.seq)
-            hops.append((link.node_id or link.entry_id, reply.compute_seconds, time.perf_counter() - sent))
-            message = RunBatch(entries=message.entries, hidden_state=reply.hidden_state)
+        for tick in range(len(groups) + len(links) - 1):
+            in_flight = []
+            for stage, link in enumerate(links):
+                group = tick - stage
+                if 0 <= group < len(groups):
+                    self.seq += 1
+                    try:
+                        in_flight.append((group, link, link.send_command(current[group], self.request_id, self.seq),
+                                          time.perf_counter()))
+                    except WorkerLost:
+                        self._drain(in_flight)
+                        raise
+            self._drain(in_flight, current, hops)
         self.last_hops = hops
-        return message.hidden_state.to(out_dtype)
+        return [message.hidden_state.to(out_dtype) for message in current]
+
+    @staticmethod
+    def _drain(in_flight: list, current: list[RunBatch] | None = None, hops: list | None = None) -> None:
+        """Wait for every command of a tick (each link's reply must be taken before it gets another command, even
+        when another link failed), then raise the first failure; with `current`, store each group's output."""
+        failure: Exception | None = None
+        for group, link, sent, started in in_flight:
+            try:
+                reply = link.await_reply(sent)
+            except (WorkerLost, StageFailed) as exc:
+                failure = failure or exc
+                continue
+            if current is not None and hops is not None:
+                hops.append((link.node_id or link.entry_id, reply.compute_seconds, time.perf_counter() - started))
+                current[group] = RunBatch(entries=current[group].entries, hidden_state=reply.hidden_state)
+        if failure is not None:
+            raise failure
 
     def _new_step(self) -> None:
         self.request_id, self.seq = f"step-{next(self._ids)}", 0
@@ -143,6 +190,22 @@ class RemotePipeline:
                 row += e.length
                 ends[e.sequence] = row
             return torch.cat([out[:, ends[e.sequence] - e.length:ends[e.sequence]] for e in entries], dim=1)
+
+
+def split_entries(entries: Sequence[BatchEntry], groups: int) -> list[tuple[BatchEntry, ...]]:
+    """Cut a batch's entries, in order, into at most `groups` runs of about equal rows, none empty."""
+    groups = max(1, min(groups, len(entries)))
+    total = sum(e.length for e in entries)
+    runs: list[list[BatchEntry]] = [[]]
+    done = 0
+    for i, entry in enumerate(entries):
+        left_entries, left_runs = len(entries) - i, groups - len(runs)
+        # start a new run when this one has its share of the rows, or when each remaining run needs an entry
+        if runs[-1] and left_runs > 0 and (done >= total * len(runs) / groups or left_entries <= left_runs):
+            runs.append([])
+        runs[-1].append(entry)
+        done += entry.length
+    return [tuple(run) for run in runs]
 
 
 def _reason(lost: WorkerLost) -> str:

@@ -136,25 +136,35 @@ class WorkerLink:
 
         Raises WorkerLost (the worker is gone, or was dropped for missing the bound) or StageFailed.
         """
+        return self.await_reply(self.send_command(message, request_id, seq))
+
+    def send_command(self, message: RunBatch, request_id: str, seq: int) -> "Sent":
+        """Send one inference command without waiting; `await_reply` takes what this returns. A link has at most
+        one command in flight. Raises WorkerLost."""
         node = self.node_id or self.entry_id
         if self.closed.is_set():
             raise WorkerLost(node, self.close_reason)
         positions = message.hidden_state.shape[1]
         kind = "decode" if message.is_decode else "prefill"
-        bound = self.steps.bound(kind, positions)
         with self._pending_lock:
             self._pending = (request_id, seq)
-        sent = time.monotonic()
+        sent = Sent(message, kind, positions, self.steps.bound(kind, positions), time.monotonic())
         try:
             self.conn.send(message, request_id, seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
             raise WorkerLost(node, self.close_reason) from exc
+        return sent
+
+    def await_reply(self, sent: "Sent") -> HiddenState:
+        """The reply to the command `send_command` sent, within its bound. Raises WorkerLost or StageFailed."""
+        node = self.node_id or self.entry_id
+        kind, positions = sent.kind, sent.positions
         try:
-            reply = self.replies.get(timeout=max(0.0, bound - (time.monotonic() - sent)))
+            reply = self.replies.get(timeout=max(0.0, sent.bound - (time.monotonic() - sent.at)))
         except queue.Empty:
-            self._drop(self, f"no reply to {message.TYPE} within {bound:.3g}s ({self.steps.explain(kind, positions)}"
-                             "): its compute is hung or has failed")
+            self._drop(self, f"no reply to {sent.message.TYPE} within {sent.bound:.3g}s "
+                             f"({self.steps.explain(kind, positions)}): its compute is hung or has failed")
             raise WorkerLost(node, self.close_reason) from None
         if reply is _LOST:
             self.replies.put(_LOST)  # later waiters must see it too
@@ -164,11 +174,22 @@ class WorkerLink:
         hidden = reply.message.hidden_state  # [1, positions, hidden]
         expected = (1, positions, self.hidden_size)
         if tuple(hidden.shape) != expected:
-            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {message.TYPE} of {positions} row(s) "
+            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {sent.message.TYPE} of {positions} row(s) "
                         f"needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
-        self.steps.record(kind, positions, time.monotonic() - sent)
+        self.steps.record(kind, positions, time.monotonic() - sent.at)
         return reply.message
+
+
+@dataclass(frozen=True)
+class Sent:
+    """An inference command on its way: what `await_reply` needs to wait for its answer."""
+
+    message: RunBatch
+    kind: str  # "prefill" or "decode", for the step's bound
+    positions: int
+    bound: float  # seconds the reply may take
+    at: float  # time.monotonic() when it was sent
 
 
 @dataclass
