@@ -1,6 +1,7 @@
 """Many streams at once: tc's continuous batching through head + 2 workers, beside llama.cpp's server.
 
     python bench/bench_batching.py [--modes fp16 int4] [--streams 1 2 4 8] [--tokens 48] [--only tc|llamacpp]
+                                   [--micro-batches 1 2]
 
 For each weight mode and each count N of concurrent streams, N clients each stream a greedy completion of --tokens
 tokens (``ignore_eos``, so every stream makes exactly that many) from a short prompt of its own, all at once:
@@ -16,7 +17,9 @@ tc runs as head + 2 workers on loopback (real processes, 2 threads each; bf16 co
 bf16, tc int4 beside Q4_0, as bench/vs_llamacpp.py pairs them). llama.cpp runs as one ``llama-server`` process
 with ``-np N`` slots and continuous batching (``-cb``), 2 threads, the same prompts through its OpenAI-compatible
 ``/v1/completions``. The llama.cpp build and GGUF files are bench/vs_llamacpp.py's (built on its first use).
-KV bytes per sequence on each node come from the head's /v1/cluster. Nothing is asserted; the figures depend on
+Memory: the planned worst case per sequence on each node (its KV cache at the model's full context, from the head's
+/v1/cluster), and what the workers' RSS grew by while max(--streams) streams ran (sampled every 50 ms, against the
+RSS just before), beside what their caches hold for those streams' positions. Nothing is asserted; the figures depend on
 the machine and on what else runs on it: read ratios measured in one run.
 """
 from __future__ import annotations
@@ -113,11 +116,36 @@ def measure(host: str, port: int, model: str, args: argparse.Namespace) -> dict:
     return rows
 
 
-def tc_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
+class RssPeak:
+    """The highest RSS of some processes while it runs, sampled every 50 ms (a context manager)."""
+
+    def __init__(self, pids: list[int]):
+        import psutil
+        self.processes = [psutil.Process(pid) for pid in pids]
+        self.before = [p.memory_info().rss for p in self.processes]
+        self.peak = list(self.before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = [max(a, p.memory_info().rss) for a, p in zip(self.peak, self.processes)]
+
+    def __enter__(self) -> "RssPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def tc_rows(mode: str, args: argparse.Namespace, workdir: Path, micro_batches: int) -> dict:
     model_dir = demo_model_dir()
     nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
     topology = write_topology(workdir / f"topology-{mode}.yaml", model_dir, nodes, quant=mode, dtype="bf16",
-                              head={"threads": THREADS, "max_batch": max(args.streams)})
+                              head={"threads": THREADS, "max_batch": max(args.streams),
+                                    "micro_batches": micro_batches})
     with Cluster(topology, workdir) as cluster:
         cluster.start_head()
         cluster.wait_api(timeout=300)
@@ -127,6 +155,14 @@ def tc_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         rows = measure("127.0.0.1", cluster.api_port, model_dir.name, args)
         plan = cluster.get("/v1/cluster")[1]["plan"]
         rows["kv"] = {s["node_id"]: s["kv_bytes_per_sequence"] for s in plan["stages"]}
+        streams = max(args.streams)
+        with RssPeak([cluster.workers[n["id"]].proc.pid for n in nodes]) as rss:
+            concurrent("127.0.0.1", cluster.api_port, model_dir.name, streams, args.tokens)
+        # what the caches of those streams hold: their positions (prompt + tokens) at the planned bytes per position
+        context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        positions = 16 + args.tokens  # a short prompt and the tokens asked for: the capacity each cache is made with
+        rows["rss"] = {n["id"]: (peak - before, streams * rows["kv"][n["id"]] * positions / context)
+                       for n, before, peak in zip(nodes, rss.before, rss.peak)}
     return rows
 
 
@@ -168,12 +204,14 @@ def table(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> str
             lines.append(f"| {mode} | {setup} | {n} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / one['tokens_per_s']:.2f} | {row['itl_ms']:.1f} | "
                          f"{row['itl_ms'] / one['itl_ms']:.2f} |")
-    lines += ["", "| mode | setup | idle TTFT s | TTFT with others streaming s | KV bytes per sequence |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| mode | setup | idle TTFT s | TTFT with others streaming s | KV per sequence at full context | "
+              "worker RSS growth with the most streams (their caches' size) |", "|---|---|---|---|---|---|"]
     for (mode, setup), rows in results.items():
         idle, loaded = rows["ttft"]
         kv = ", ".join(f"{node} {n / 2**20:.0f} MiB" for node, n in rows.get("kv", {}).items()) or "-"
-        lines.append(f"| {mode} | {setup} | {idle:.3f} | {loaded:.3f} | {kv} |")
+        rss = ", ".join(f"{node} +{grown / 2**20:.1f} MiB ({caches / 2**20:.1f} MiB)"
+                        for node, (grown, caches) in rows.get("rss", {}).items()) or "-"
+        lines.append(f"| {mode} | {setup} | {idle:.3f} | {loaded:.3f} | {kv} | {rss} |")
     return "\n".join(lines)
 
 
@@ -183,13 +221,16 @@ def main() -> int:
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--only", choices=["tc", "llamacpp"])
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=[1],
+                        help="tc's head.micro_batches settings to run (e.g. 1 2)")
     args = parser.parse_args()
     args.streams = sorted(args.streams)
     results: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="tc-bench-batching-") as tmp:
         for mode in args.modes:
-            if args.only != "llamacpp":
-                results[(mode, "tc head+2")] = tc_rows(mode, args, Path(tmp))
+            for micro_batches in args.micro_batches if args.only != "llamacpp" else []:
+                setup = "tc head+2" + (f" ({micro_batches} micro-batches)" if micro_batches > 1 else "")
+                results[(mode, setup)] = tc_rows(mode, args, Path(tmp), micro_batches)
                 print(table(results, args), flush=True)
             if args.only != "tc":
                 results[(mode, "llama-server")] = llamacpp_rows(mode, args, Path(tmp))
