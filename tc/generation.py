@@ -18,6 +18,7 @@ is held is either released (EOS, length) or cut at the stop string.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -276,6 +277,7 @@ class SequenceState:
         self.prompt_reports: list[TokenLogprob] = []
         self.unsent_prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, for the first step to carry
         self.prompt_infos: tuple[TokenInfo, ...] = ()
+        self.next_allowed: torch.Tensor | None = None  # the grammar's mask for the next choice, if made ahead
         self.started: float | None = None  # when its first entry ran
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -318,6 +320,11 @@ class SequenceState:
                                       zip(self.prompt_ids, offsets, [None, *self.prompt_reports]))
             self.unsent_prompt = self.prompt_infos
 
+    def prepare_mask(self) -> None:
+        """Compute the grammar's mask for the next choice now (the scheduler does it while the pipeline runs)."""
+        if self.grammar is not None:
+            self.next_allowed = self.grammar.allowed()
+
     def advance(self, logits: torch.Tensor) -> Step:
         """Choose the next token from `logits` ([vocab], fp32) and return what it adds."""
         params, state = self.params, self.text
@@ -327,8 +334,12 @@ class SequenceState:
             self.history = TokenHistory(logits.shape[-1], self.prompt_ids)
         early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
         eos = self.tokenizer.eos_token_ids
+        allowed = None
+        if self.grammar is not None:
+            allowed = self.next_allowed if self.next_allowed is not None else self.grammar.allowed()
+            self.next_allowed = None
         token = choose(logits, params, self.history, self.rng, banned=eos if early and not params.ignore_eos else (),
-                       allowed=self.grammar.allowed() if self.grammar is not None else None)
+                       allowed=allowed)
         if self.grammar is not None:
             self.grammar.advance(token)
         self.last_token_at = time.perf_counter()
@@ -366,9 +377,15 @@ class Generator:
         self.head, self.tokenizer, self.pipeline, self.dtype = head, tokenizer, pipeline, dtype
         self.context_length = head.config.max_position_embeddings
         self._ids = itertools.count(1)
+        self._masks: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks, made beside the pipeline
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden.to(self.dtype))  # [1, rows, vocab] fp32
+
+    def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._masks
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
         """A new sequence for `prompt_ids`. Raises ValueError if the prompt is empty or leaves no room."""
@@ -394,7 +411,15 @@ class Generator:
                 budget -= entry.length
             planned.append((sequence, entry))
             ids += entry_ids
-        hidden = self.pipeline.run([e for _, e in planned], self.head.embed(torch.tensor([ids])))
+        # Grammar masks depend only on the tokens chosen so far, so they are made while the pipeline runs, off the
+        # critical path (llguidance releases the GIL; a remote pipeline mostly waits on its sockets).
+        choosing_next = [s for s, e in planned if s.grammar is not None and e.start + e.length >= len(s.prompt_ids)]
+        masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
+        try:
+            hidden = self.pipeline.run([e for _, e in planned], self.head.embed(torch.tensor([ids])))
+        finally:
+            if masks is not None:
+                masks.result()
         row, choosing, last_rows = 0, [], []
         for sequence, entry in planned:
             rows = hidden[:, row:row + entry.length]
