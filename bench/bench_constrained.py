@@ -80,7 +80,7 @@ def head_token_time(generator, steps: int = 30) -> float:
     params, rng, times = SamplingParams(temperature=0.9), new_rng(0), []
     for _ in range(steps):
         started = time.perf_counter()
-        logits = generator._next_logits(hidden)
+        logits = generator._logits(hidden)[0, -1]
         choose(logits, params, None, rng)
         times.append(time.perf_counter() - started)
     return statistics.median(times)

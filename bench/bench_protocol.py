@@ -28,8 +28,8 @@ from tc.protocol import (  # noqa: E402
     ConnectionClosed,
     HiddenState,
     Message,
-    RunDecode,
-    RunPrefill,
+    BatchEntry,
+    RunBatch,
     connect,
     decode_body,
     encode_body,
@@ -85,6 +85,13 @@ def time_codec(message: Message, rounds: int) -> tuple[float, float, int]:
     return statistics.median(encode_ns) / 1e3, statistics.median(decode_ns) / 1e3, len(body)
 
 
+def run_batch(position: int, hidden: torch.Tensor) -> RunBatch:
+    """One sequence's step: `hidden`'s rows from `position`."""
+    entry = BatchEntry(sequence=1, position_start=position, length=hidden.shape[1],
+                       cache_capacity=position + hidden.shape[1] + 1024)
+    return RunBatch(entries=(entry,), hidden_state=hidden)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2000, help="round trips for the decode-sized case")
@@ -95,12 +102,8 @@ def main() -> None:
     decode_state = torch.randn(1, 1, 896).to(torch.bfloat16)  # [1, 1, hidden]
     prefill_state = torch.randn(1, 512, 896)  # [1, 512, hidden] fp32
     cases = [
-        ("decode  [1,1,896] bf16", lambda i: RunDecode(position=i, hidden_state=decode_state), args.rounds),
-        (
-            "prefill [1,512,896] fp32",
-            lambda i: RunPrefill(position_start=0, cache_capacity=1024, hidden_state=prefill_state),
-            args.prefill_rounds,
-        ),
+        ("decode  [1,1,896] bf16", lambda i: run_batch(i, decode_state), args.rounds),
+        ("prefill [1,512,896] fp32", lambda i: run_batch(0, prefill_state), args.prefill_rounds),
     ]
 
     with socket.create_server(("127.0.0.1", 0)) as server:

@@ -1,8 +1,15 @@
 """The generation loop (docs/design.md, "Making a token"): embed, run the pipeline, sample, repeat.
 
 The same loop serves the single-process generator and the head: only the `Pipeline` differs (layers in this
-process, or layers on workers across the network). `Generator.stream` is the loop itself, one `Step` per
-pipeline call; `Generator.generate` drains it, so streamed and whole replies can never differ.
+process, or layers on workers across the network).
+
+Each request is a `SequenceState`: its prompt, its sampling state (seed, penalties, grammar) and its text so far.
+`Generator.step` runs one pipeline call for a batch of them: every decoding sequence contributes its last token,
+sequences still reading their prompt contribute the next chunk of it, and the rows go through the pipeline as one
+ragged batch (each weight read once for all of them). Each sequence that reached a new token then chooses it from
+its own logits, with its own state, so a request's output never depends on what runs beside it. The head's
+scheduler (head/service.py) calls `step` for the sequences it holds; `Generator.stream` calls it for one, so
+streamed and whole replies, alone or batched, come from the same code.
 
 Text leaves the loop only when it is final. A byte-level token can end inside a multi-byte character, so the
 `IncrementalDecoder` holds bytes back until the character completes; and text that could still turn out to be
@@ -11,14 +18,17 @@ is held is either released (EOS, length) or cut at the stop string.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .model.qwen2 import HeadModel
+from .model.kv_cache import KVCache
+from .model.qwen2 import HeadModel, Span
 from .model.tokenizer import TextTokenizer
 from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, new_rng, prompt_logprobs,
                        token_logprob)
@@ -26,14 +36,28 @@ from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, new_r
 PROMPT_LOGITS_CHUNK = 128  # prompt positions turned into logits at once: [128, vocab] fp32 stays small
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One sequence's rows in a pipeline step: positions [start, start + length) of `sequence`.
+
+    An entry at start 0 begins the sequence: every stage makes it a fresh cache of `capacity` positions (its prompt
+    plus its max_tokens). Later entries continue from exactly where the cache ends.
+    """
+
+    sequence: int
+    start: int
+    length: int
+    capacity: int
+
+
 class Pipeline(Protocol):
-    """Every decoder layer of the model, in order, wherever they run."""
+    """Every decoder layer of the model, in order, wherever they run, with a KV cache per sequence."""
 
-    def prefill(self, hidden: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Start a request: run positions [0, L) and keep a cache for `capacity` positions."""
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
+        """Run the entries' rows, [1, sum of lengths, hidden] one entry after another, through every layer."""
 
-    def decode(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        """Run one more position through the request's caches."""
+    def release(self, sequences: Sequence[int]) -> None:
+        """Drop these sequences' caches (unknown ones are ignored)."""
 
 
 class LocalPipeline:
@@ -41,20 +65,33 @@ class LocalPipeline:
 
     def __init__(self, stages: list, device: torch.device | str = "cpu"):
         self.stages, self.device = stages, device
-        self.caches: list = []
+        self.caches: dict[int, list[KVCache]] = {}  # sequence -> its cache on each stage
 
-    def _run(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
+        for entry in entries:
+            if entry.start == 0:
+                self.caches[entry.sequence] = [s.new_cache(entry.capacity, next(s.parameters()).dtype, self.device)
+                                               for s in self.stages]
+            elif entry.sequence not in self.caches:
+                raise ValueError(f"sequence {entry.sequence} continues at position {entry.start} but has no cache")
         out_dtype = hidden.dtype
-        for stage, cache in zip(self.stages, self.caches):
-            hidden = stage(hidden.to(cache.keys.device, cache.keys.dtype), cache, position)
+        for i, stage in enumerate(self.stages):
+            spans = [Span(self.caches[e.sequence][i], e.start, e.length) for e in entries]
+            cache = spans[0].cache
+            hidden = stage.forward_batch(hidden.to(cache.keys.device, cache.keys.dtype), spans)
         return hidden.to("cpu", out_dtype)  # the head works on the CPU
 
+    def release(self, sequences: Sequence[int]) -> None:
+        for sequence in sequences:
+            self.caches.pop(sequence, None)
+
+    # One sequence at a time, for tools and tests that drive the layers directly.
     def prefill(self, hidden: torch.Tensor, capacity: int) -> torch.Tensor:
-        self.caches = [s.new_cache(capacity, next(s.parameters()).dtype, self.device) for s in self.stages]
-        return self._run(hidden, 0)
+        self.caches.clear()
+        return self.run([Entry(0, 0, hidden.shape[1], capacity)], hidden)
 
     def decode(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        return self._run(hidden, position)
+        return self.run([Entry(0, position, hidden.shape[1], self.caches[0][0].capacity)], hidden)
 
 
 class IncrementalDecoder:
@@ -213,80 +250,206 @@ class CompletionText:
         return final, final[self.shown:], rest
 
 
+class SequenceState:
+    """One request in the loop: its prompt, where it stands, its own sampling state and its text so far.
+
+    A sequence reads its prompt (one or more entries), then decodes one position per step. `advance` takes the
+    logits of its newest position, chooses a token with the request's own parameters and generator, and returns
+    the `Step` it adds; the last one carries the Completion.
+    """
+
+    def __init__(self, sequence_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
+                 context_length: int):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        room = context_length - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the context holds {context_length}")
+        self.id, self.prompt_ids, self.params, self.tokenizer = sequence_id, list(prompt_ids), params, tokenizer
+        self.max_tokens = min(params.max_tokens, room)
+        self.capacity = len(prompt_ids) + self.max_tokens
+        self.rng = new_rng(params.seed)
+        self.history: TokenHistory | None = None  # made with the first logits, which give the vocabulary's size
+        self.text = CompletionText(tokenizer, params.stop)
+        self.grammar = params.constraint.start() if params.constraint is not None else None
+        self.prefilled = 0  # prompt positions through the pipeline
+        self.next_token: int | None = None  # the token the next decode step feeds in
+        self.prompt_reports: list[TokenLogprob] = []
+        self.unsent_prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, for the first step to carry
+        self.prompt_infos: tuple[TokenInfo, ...] = ()
+        self.next_allowed: torch.Tensor | None = None  # the grammar's mask for the next choice, if made ahead
+        self.started: float | None = None  # when its first entry ran
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.completion: Completion | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt_ids)
+
+    @property
+    def position(self) -> int:
+        """The next position to run: the prompt's next, or the position of the token chosen last."""
+        return self.prefilled if not self.decoding else len(self.prompt_ids) + len(self.text.tokens) - 1
+
+    def entry(self, prompt_budget: int) -> tuple[Entry, list[int]]:
+        """This step's entry and the token ids it feeds in: the last token, or up to `prompt_budget` of the prompt."""
+        if self.started is None:
+            self.started = time.perf_counter()
+        if self.decoding:
+            assert self.next_token is not None
+            return Entry(self.id, self.position, 1, self.capacity), [self.next_token]
+        ids = self.prompt_ids[self.prefilled:self.prefilled + prompt_budget]
+        return Entry(self.id, self.prefilled, len(ids), self.capacity), ids
+
+    def read_prompt(self, entry: Entry, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> None:
+        """Note a prompt entry's rows ([1, L, hidden] out of the pipeline): logprobs of the prompt's tokens if
+        asked for (each row predicts the token after it), and how far the prompt has been read."""
+        end = entry.start + entry.length
+        if self.params.prompt_logprobs:
+            predicted = min(end, len(self.prompt_ids) - 1) - entry.start  # the last prompt row predicts no prompt token
+            for i in range(0, predicted, PROMPT_LOGITS_CHUNK):
+                j = min(i + PROMPT_LOGITS_CHUNK, predicted)
+                targets = self.prompt_ids[entry.start + i + 1:entry.start + j + 1]
+                self.prompt_reports += prompt_logprobs(logits_of(hidden[:, i:j])[0], targets, self.params.logprobs or 0)
+        self.prefilled = end
+        if self.decoding and self.params.prompt_logprobs:
+            _, offsets = text_with_offsets(self.tokenizer, self.prompt_ids)
+            self.prompt_infos = tuple(TokenInfo(t, o, r) for t, o, r in
+                                      zip(self.prompt_ids, offsets, [None, *self.prompt_reports]))
+            self.unsent_prompt = self.prompt_infos
+
+    def prepare_mask(self) -> None:
+        """Compute the grammar's mask for the next choice now (the scheduler does it while the pipeline runs)."""
+        if self.grammar is not None:
+            self.next_allowed = self.grammar.allowed()
+
+    def advance(self, logits: torch.Tensor) -> Step:
+        """Choose the next token from `logits` ([vocab], fp32) and return what it adds."""
+        params, state = self.params, self.text
+        if self.max_tokens == 0:  # the prompt alone was asked for (echo with its log-probabilities)
+            return self._finish("length")
+        if params.penalised and self.history is None:
+            self.history = TokenHistory(logits.shape[-1], self.prompt_ids)
+        early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
+        eos = self.tokenizer.eos_token_ids
+        allowed = None
+        if self.grammar is not None:
+            allowed = self.next_allowed if self.next_allowed is not None else self.grammar.allowed()
+            self.next_allowed = None
+        token = choose(logits, params, self.history, self.rng, banned=eos if early and not params.ignore_eos else (),
+                       allowed=allowed)
+        if self.grammar is not None:
+            self.grammar.advance(token)
+        self.last_token_at = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = self.last_token_at
+        if token in eos and not params.ignore_eos:
+            return self._finish("stop")
+        report = token_logprob(logits, token, params.logprobs) if params.logprobs is not None else None
+        state.push(token, report, look_for_stops=len(state.tokens) + 1 >= params.min_tokens)
+        if self.history is not None:
+            self.history.add(token)
+        if state.stop_at is not None:
+            return self._finish("stop")
+        if len(state.tokens) == self.max_tokens:
+            return self._finish("length")
+        self.next_token = token
+        step = dataclasses.replace(state.release(), prompt=self.unsent_prompt)
+        self.unsent_prompt = ()
+        return step
+
+    def _finish(self, reason: str) -> Step:
+        text, rest_text, rest_tokens = self.text.finish()
+        started = self.started if self.started is not None else time.perf_counter()
+        first = self.first_token_at if self.first_token_at is not None else started
+        last = self.last_token_at if self.last_token_at is not None else first
+        self.completion = Completion(tuple(t.id for t in self.text.tokens), text, reason, len(self.prompt_ids),
+                                     first - started, last - first, tuple(self.text.tokens), self.prompt_infos)
+        return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
+
+
 class Generator:
+    """Turns prompts into completions over a pipeline: `start` a sequence, `step` a batch of them."""
+
     def __init__(self, head: HeadModel, tokenizer: TextTokenizer, pipeline: Pipeline, dtype: torch.dtype):
         self.head, self.tokenizer, self.pipeline, self.dtype = head, tokenizer, pipeline, dtype
         self.context_length = head.config.max_position_embeddings
+        self._ids = itertools.count(1)
+        self._masks: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks, made beside the pipeline
 
-    def _next_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(hidden[:, -1:].to(self.dtype))[0, -1]  # [vocab]
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(hidden.to(self.dtype))  # [1, rows, vocab] fp32
 
-    def _prompt_infos(self, prompt_ids: list[int], hidden: torch.Tensor, top_n: int) -> tuple[TokenInfo, ...]:
-        """Each prompt token's log-probability given the tokens before it (none for the first)."""
-        _, offsets = text_with_offsets(self.tokenizer, prompt_ids)
-        reports: list[TokenLogprob] = []
-        for start in range(0, len(prompt_ids) - 1, PROMPT_LOGITS_CHUNK):
-            end = min(start + PROMPT_LOGITS_CHUNK, len(prompt_ids) - 1)
-            logits = self.head.logits(hidden[:, start:end].to(self.dtype))[0]  # [end - start, vocab]
-            reports += prompt_logprobs(logits, prompt_ids[start + 1:end + 1], top_n)
-        return tuple(TokenInfo(t, o, r) for t, o, r in zip(prompt_ids, offsets, [None, *reports]))
+    def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._masks
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
+        """A new sequence for `prompt_ids`. Raises ValueError if the prompt is empty or leaves no room."""
+        return SequenceState(next(self._ids), prompt_ids, params, self.tokenizer, self.context_length)
+
+    def step(self, sequences: Sequence[SequenceState], prompt_budget: int | None = None
+             ) -> list[tuple[SequenceState, Step]]:
+        """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
+
+        Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
+        positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
+        reads all of its prompt. The pipeline's errors pass through.
+        """
+        budget = prompt_budget if prompt_budget is not None and any(s.decoding for s in sequences) else None
+        planned: list[tuple[SequenceState, Entry]] = []
+        ids: list[int] = []
+        for sequence in sequences:
+            if not sequence.decoding and budget is not None and budget <= 0:
+                continue
+            entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if budget is None or sequence.decoding
+                                              else budget)
+            if budget is not None and not sequence.decoding:
+                budget -= entry.length
+            planned.append((sequence, entry))
+            ids += entry_ids
+        # Grammar masks depend only on the tokens chosen so far, so they are made while the pipeline runs, off the
+        # critical path (llguidance releases the GIL; a remote pipeline mostly waits on its sockets).
+        choosing_next = [s for s, e in planned if s.grammar is not None and e.start + e.length >= len(s.prompt_ids)]
+        masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
+        try:
+            hidden = self.pipeline.run([e for _, e in planned], self.head.embed(torch.tensor([ids])))
+        finally:
+            if masks is not None:
+                masks.result()
+        row, choosing, last_rows = 0, [], []
+        for sequence, entry in planned:
+            rows = hidden[:, row:row + entry.length]
+            row += entry.length
+            if not sequence.decoding:
+                sequence.read_prompt(entry, rows, self._logits)
+                if not sequence.decoding:
+                    continue  # more of its prompt to read
+            choosing.append(sequence)
+            last_rows.append(rows[:, -1:])
+        if not choosing:
+            return []
+        logits = self._logits(torch.cat(last_rows, dim=1))[0]  # [sequences choosing, vocab]: one lm_head read
+        return [(sequence, sequence.advance(logits[i])) for i, sequence in enumerate(choosing)]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
-        """Generate a completion for `prompt_ids`, one `Step` per pipeline call, the last carrying the Completion.
+        """Generate a completion for `prompt_ids` alone, one `Step` per token, the last carrying the Completion.
 
         Raises ValueError if the prompt is empty or leaves no room; the pipeline's errors pass through. Closing
-        the iterator early abandons the request; the next one starts with a prefill, so nothing is left behind.
+        the iterator early abandons the request, and its caches are released either way.
         """
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        room = self.context_length - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the context holds {self.context_length}")
-        max_tokens = min(params.max_tokens, room)
-        rng = new_rng(params.seed)
-        started = time.perf_counter()
-        hidden = self.pipeline.prefill(self.head.embed(torch.tensor([prompt_ids])),
-                                       capacity=len(prompt_ids) + max_tokens)
-        prompt_infos = (self._prompt_infos(prompt_ids, hidden, params.logprobs or 0) if params.prompt_logprobs
-                        else ())
-        unsent_prompt = prompt_infos  # the first step carries it
-        logits = self._next_logits(hidden)
-        history = TokenHistory(logits.shape[-1], prompt_ids) if params.penalised else None
-        state = CompletionText(self.tokenizer, params.stop)
-        first_token_at = time.perf_counter()
-        finish = "length"
-        eos = self.tokenizer.eos_token_ids
-        grammar = params.constraint.start() if params.constraint is not None else None
-        while len(state.tokens) < max_tokens:
-            early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
-            token = choose(logits, params, history, rng, banned=eos if early and not params.ignore_eos else (),
-                           allowed=grammar.allowed() if grammar is not None else None)
-            if grammar is not None:
-                grammar.advance(token)
-            if not state.tokens:
-                first_token_at = time.perf_counter()
-            if token in eos and not params.ignore_eos:
-                finish = "stop"
-                break
-            report = token_logprob(logits, token, params.logprobs) if params.logprobs is not None else None
-            state.push(token, report, look_for_stops=len(state.tokens) + 1 >= params.min_tokens)
-            if history is not None:
-                history.add(token)
-            if state.stop_at is not None:
-                finish = "stop"
-                break
-            if len(state.tokens) == max_tokens:
-                break
-            yield dataclasses.replace(state.release(), prompt=unsent_prompt)
-            unsent_prompt = ()
-            position = len(prompt_ids) + len(state.tokens) - 1
-            hidden = self.pipeline.decode(self.head.embed(torch.tensor([[token]])), position)
-            logits = self._next_logits(hidden)
-        done = time.perf_counter()
-        text, rest_text, rest_tokens = state.finish()
-        completion = Completion(tuple(t.id for t in state.tokens), text, finish, len(prompt_ids),
-                                first_token_at - started, done - first_token_at, tuple(state.tokens), prompt_infos)
-        yield Step(rest_text, rest_tokens, completion, unsent_prompt)
+        sequence = self.start(prompt_ids, params)
+        try:
+            while True:
+                for _, step in self.step([sequence]):
+                    yield step
+                    if step.completion is not None:
+                        return
+        finally:
+            self.pipeline.release([sequence.id])
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_text: Callable[[str], None] | None = None) -> Completion:

@@ -40,6 +40,7 @@ HEARTBEAT_MISSES = 3  # default silence limit, in heartbeat intervals
 DEFAULT_MAX_FRAME_MB = 256.0  # a 32k-token fp32 prefill of a 896-wide model is 117 MB
 DEFAULT_MAX_BODY_MB = 1.0  # far above any prompt that fits a context window
 DEFAULT_RESUME_GRACE_S = 15.0
+DEFAULT_PREFILL_CHUNK = 256  # prompt positions per step while other sequences decode
 DEFAULT_STEP_TIMEOUT_S = 30.0  # the floor of a step's bound (tc.head.step_deadline)
 DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
 MIN_JOIN_TOKEN_CHARS = 16
@@ -48,9 +49,9 @@ GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor 
 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "chat_template",
             "head", "nodes")
-HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s", "heartbeat_timeout_s", "resume",
-             "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb", "step_timeout_s",
-             "step_timeout_factor")
+HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "heartbeat_s",
+             "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb",
+             "step_timeout_s", "step_timeout_factor")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
@@ -106,6 +107,9 @@ class HeadSettings:
     max_body_mb: float = DEFAULT_MAX_BODY_MB
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # a step's bound: this floor + factor x its slowest recent
     step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
+    max_batch: int | None = None  # sequences generating at once; None: as many as memory allows, up to 8
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    micro_batches: int = 1  # groups a step's batch is cut into, so that stages work at the same time
 
     @property
     def silence_limit_s(self) -> float:
@@ -206,6 +210,12 @@ class Topology:
         }
         if self.head.threads is not None:
             head["threads"] = self.head.threads
+        if self.head.max_batch is not None:
+            head["max_batch"] = self.head.max_batch
+        if self.head.prefill_chunk != DEFAULT_PREFILL_CHUNK:
+            head["prefill_chunk"] = self.head.prefill_chunk
+        if self.head.micro_batches != 1:
+            head["micro_batches"] = self.head.micro_batches
         if self.head.heartbeat_timeout_s is not None:
             head["heartbeat_timeout_s"] = self.head.heartbeat_timeout_s
         if not self.head.resume:
@@ -503,6 +513,9 @@ class _Parser:
             raise self.fail("head.listen", f"port {listen.port} is also head.api's port; give them different ports")
         threads = self.optional(head, "threads", "head", lambda v, p: self.integer(v, p, 1))
         max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1)
+        max_batch = self.optional(head, "max_batch", "head", lambda v, p: self.integer(v, p, 1))
+        prefill_chunk = self.integer(head.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), "head.prefill_chunk", 1)
+        micro_batches = self.integer(head.get("micro_batches", 1), "head.micro_batches", 1)
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds")
         timeout = self.optional(head, "heartbeat_timeout_s", "head", lambda v, p: self.positive_number(v, p, "seconds"))
@@ -524,7 +537,8 @@ class _Parser:
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
-                            step_timeout_s=step_timeout_s, step_timeout_factor=step_factor)
+                            step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
+                            prefill_chunk=prefill_chunk, micro_batches=micro_batches)
 
     def step_factor(self, value: object, path: str) -> float:
         if not _is_number(value):

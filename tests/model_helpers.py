@@ -1,6 +1,7 @@
 """Run our model and transformers' on the same directory, for parity tests."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -10,6 +11,43 @@ from tc.model.config import Qwen2Config
 from tc.model.qwen2 import HeadModel, Stage
 from tc.model.weights import WeightIndex, layer_tensor_names
 from tc.protocol.messages import Assignment
+
+
+NEAR_TIE = 1e-3  # a log-probability gap so small that fp32 rounding of another product shape may pick either token
+
+
+def assert_same_greedy_text(text: str, alone) -> None:
+    """A batched request's greedy `text` equals its solo Completion `alone` (asked with logprobs >= 2), or departs
+    from it only at a token where the solo run's two best candidates were within NEAR_TIE.
+
+    In fp32 a batch's products run over more rows than a solo step's, and the BLAS may then sum in another order
+    (last bits, ~1e-6 relative): greedy output stays the same except at a genuine tie, where either token is right
+    and the texts part ways for good. Anything else (a wrong cache, a row from another sequence) departs at once
+    and by far."""
+    if text == alone.text:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(text, alone.text)) if a != b), min(len(text), len(alone.text)))
+    token = max((t for t in alone.tokens if t.offset <= at), key=lambda t: t.offset)
+    (_, best), (_, second) = token.logprob.top[:2]
+    assert best - second < NEAR_TIE, (f"the batched text departs from the solo one at character {at} (token "
+                                      f"{token.id}, logprob gap {best - second:.2e}, not a tie):\n{text!r}\n"
+                                      f"{alone.text!r}")
+
+
+class GatedPipeline(LocalPipeline):
+    """The real stages, but once a step holds `hold_at` sequences, one of them already started, it waits for `gate`
+    to open (60 s at most): the running generations then keep their places in the batch, and the scheduler stays
+    in that step, for as long as a test needs."""
+
+    def __init__(self, stages: list, hold_at: int = 1):
+        super().__init__(stages)
+        self.gate = threading.Event()
+        self.hold_at = hold_at
+
+    def run(self, entries, hidden):
+        if len(entries) >= self.hold_at and any(e.start > 0 for e in entries):
+            self.gate.wait(60)
+        return super().run(entries, hidden)
 
 
 class OurModel:

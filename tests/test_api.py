@@ -13,7 +13,7 @@ import pytest
 import torch
 from falcon import testing
 
-from model_helpers import OurModel
+from model_helpers import GatedPipeline, OurModel
 from tc.generation import Generator
 from tc.head.api import DEFAULT_MAX_BODY_BYTES, INTERNAL_ERROR_MESSAGE, create_app, error_reply
 from tc.head.api_requests import (
@@ -204,7 +204,8 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(stop=5), 400, "invalid_request_error", "stop", "invalid_type"),
     (COMPLETIONS, completion(stop=[""]), 400, "invalid_request_error", "stop", "invalid_value"),
     (COMPLETIONS, completion(stop=["a", 1]), 400, "invalid_request_error", "stop[1]", "invalid_type"),
-    (COMPLETIONS, completion(n=2), 400, "invalid_request_error", "n", "unsupported_value"),
+    (COMPLETIONS, completion(n=0), 400, "invalid_request_error", "n", "invalid_value"),
+    (COMPLETIONS, completion(n=17), 400, "invalid_request_error", "n", "invalid_value"),
     (COMPLETIONS, completion(n="1"), 400, "invalid_request_error", "n", "invalid_type"),
     (COMPLETIONS, completion(stream="no"), 400, "invalid_request_error", "stream", "invalid_type"),
     (COMPLETIONS, completion(stream_options={"include_usage": True}), 400, "invalid_request_error",
@@ -278,7 +279,8 @@ BAD_REQUESTS = [
     (CHAT, chat(stream=1), 400, "invalid_request_error", "stream", "invalid_type"),
     (CHAT, chat(stream=False, stream_options={"include_usage": True}), 400, "invalid_request_error",
      "stream_options", "invalid_value"),
-    (CHAT, chat(n=3), 400, "invalid_request_error", "n", "unsupported_value"),
+    (CHAT, chat(n=-1), 400, "invalid_request_error", "n", "invalid_value"),
+    (CHAT, chat(n=9), 400, "invalid_request_error", "n", "invalid_value"),  # over the service's max_batch
     (CHAT, chat(logprobs=1), 400, "invalid_request_error", "logprobs", "invalid_type"),
     (CHAT, chat(top_logprobs=3), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
     (CHAT, chat(logprobs=False, top_logprobs=3), 400, "invalid_request_error", "top_logprobs", "invalid_value"),
@@ -485,46 +487,66 @@ def test_not_ready_cluster_answers_503_with_counts(generator):
     assert client.simulate_get("/v1/models").status_code == 200
 
 
-def test_full_queue_answers_429(generator):
-    service = make_service(generator, max_queue=0)  # one generates, none may wait
+@pytest.fixture
+def gated(tiny_model_dir) -> Generator:
+    """A generator whose steps after the first wait for generator.pipeline.gate (model_helpers.GatedPipeline)."""
+    model = OurModel(tiny_model_dir)
+    return Generator(model.head, TextTokenizer.load(tiny_model_dir), GatedPipeline(model.stages), torch.float32)
+
+
+def test_full_queue_answers_429(gated):
+    service = make_service(gated, max_queue=1, max_batch=1)  # one generates, one may wait
     client = testing.TestClient(create_app(service))
-    with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=2, temperature=0)) as running:
+    long = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = gated.tokenizer.encode("Hello")
+    with service.open(ids, long) as running:  # its next step waits at the gate: it holds the batch's one place
+        waiter = threading.Thread(target=service.complete, args=(ids, long))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while service.queue_depth < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.01)
         result = post(client, COMPLETIONS, GOOD_COMPLETION)
         assert_error_shape(result, 429, "rate_limit_exceeded", None, "server_busy")
         assert result.headers["retry-after"] == "1"
+        gated.pipeline.gate.set()
         running.drain()
-    assert post(client, COMPLETIONS, GOOD_COMPLETION).status_code == 200  # the turn is free again
+    waiter.join(30)
+    assert post(client, COMPLETIONS, GOOD_COMPLETION).status_code == 200  # there is room again
 
 
-@pytest.mark.parametrize("max_queue", [1, 3])
-def test_max_queue_requests_wait_while_one_generates(generator, max_queue):
-    """head.max_queue as the topology file words it: that many wait while one generates; one more is refused."""
-    service = make_service(generator, max_queue=max_queue)
-    ids, params = generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=2, temperature=0)
+@pytest.mark.parametrize("max_batch, max_queue", [(1, 1), (1, 3), (2, 1), (3, 2)])
+def test_max_queue_requests_wait_while_max_batch_generate(gated, max_batch, max_queue):
+    """head.max_batch and head.max_queue as the topology file words them: max_batch generate, max_queue wait,
+    one more is refused."""
+    service = make_service(gated, max_queue=max_queue, max_batch=max_batch)
+    gated.pipeline.hold_at = max_batch  # the batch fills (the running ones decode meanwhile), then holds
+    ids = gated.tokenizer.encode("Hello")
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     outcomes: list = []
 
-    def wait_then_complete() -> None:
+    def complete() -> None:
         try:
             outcomes.append(service.complete(ids, params).finish_reason)
         except QueueFull as exc:
             outcomes.append(exc)
 
-    with service.open(ids, params) as running:  # holds the turn until drained
-        waiters = [threading.Thread(target=wait_then_complete) for _ in range(max_queue)]
-        for thread in waiters:
+    with service.open(ids, params) as running:  # steps after the first wait at the gate
+        others = [threading.Thread(target=complete) for _ in range(max_batch - 1 + max_queue)]
+        for thread in others:
             thread.start()
         deadline = time.monotonic() + 30
-        while service.queue_depth < max_queue and not outcomes:
-            assert time.monotonic() < deadline, "the waiters never queued"
+        while (service.running, service.queue_depth) != (max_batch, max_queue) and not outcomes:
+            assert time.monotonic() < deadline, "the requests never queued"
             time.sleep(0.01)
-        assert not outcomes, outcomes  # every one of the max_queue is waiting, none refused
-        assert (service.running, service.queue_depth) == (1, max_queue)
+        assert not outcomes, outcomes  # every one is running or waiting, none refused
         with pytest.raises(QueueFull, match=f"{max_queue} requests are already waiting"):
             service.open(ids, params)
+        gated.pipeline.gate.set()
         running.drain()
-    for thread in waiters:
+    for thread in others:
         thread.join(30)
-    assert outcomes == ["length"] * max_queue
+    assert outcomes == ["length"] * (max_batch - 1 + max_queue)
     assert (service.running, service.queue_depth) == (0, 0)
 
 
@@ -604,7 +626,7 @@ def test_each_request_logs_one_line(client, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "tc.head.api"]
     assert len(lines) == 2
     assert re.fullmatch(r"POST /v1/completions 200 id=cmpl-[0-9a-f]{32} prompt_tokens=5 completion_tokens=2 "
-                        r"ttft=\d+\.\d{3}s tokens_per_s=\d+\.\d finish=length \d+\.\d{3}s", lines[0]), lines[0]
+                        r"wait=\d+\.\d{3}s ttft=\d+\.\d{3}s tokens_per_s=\d+\.\d finish=length \d+\.\d{3}s", lines[0]), lines[0]
     assert re.fullmatch(r"GET /v1/nothing 404 \d+\.\d{3}s", lines[1]), lines[1]
 
 

@@ -1,5 +1,6 @@
 """A long prefill runs through a worker's stage in chunks that bound attention's memory, and computes what one
-pass computes: the hidden states, and the cache the decode steps after it read."""
+pass computes: the hidden states, and the cache the decode steps after it read. The same holds inside a batch of
+several sequences, where a long prompt runs in passes beside the other sequences' rows."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from tc.model.config import Qwen2Config
 from tc.model.weights import layer_tensor_names
-from tc.protocol.messages import Assignment, HiddenState, RunDecode, RunPrefill
+from tc.protocol.messages import Assignment, BatchEntry, HiddenState, RunBatch
 from tc.worker.runtime import (MIN_PREFILL_CHUNK, StageRuntime, load_assignment, prefill_chunk_positions)
 
 
@@ -30,7 +31,16 @@ def load(model_dir, start: int, end: int, budget: int) -> StageRuntime:
                      architecture="qwen2", quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start,
                      layer_end_exclusive=end, config=config.to_dict(),
                      tensor_count=len(layer_tensor_names(start, end)))
-    return StageRuntime(load_assignment(msg, model_dir, "cpu"), attention_budget_bytes=budget)
+    return StageRuntime(load_assignment(msg, model_dir, "cpu"), attention_budget_bytes=budget, max_sequences=4)
+
+
+def run(runtime: StageRuntime, parts: list[tuple[int, int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """One RUN_BATCH of (sequence, position_start, cache_capacity, rows [1, L, hidden]) parts; each part's output."""
+    entries = tuple(BatchEntry(sequence=s, position_start=p, length=h.shape[1], cache_capacity=c)
+                    for s, p, c, h in parts)
+    reply = runtime.run(RunBatch(entries=entries, hidden_state=torch.cat([h for *_, h in parts], dim=1)))
+    assert isinstance(reply, HiddenState), reply
+    return list(reply.hidden_state.split([e.length for e in entries], dim=1))
 
 
 def prefill_then_decode(runtime: StageRuntime, hidden: torch.Tensor, split: int) -> torch.Tensor:
@@ -38,14 +48,9 @@ def prefill_then_decode(runtime: StageRuntime, hidden: torch.Tensor, split: int)
     it, and a decode step at L - 1: [1, L, hidden]."""
     length = hidden.shape[1]
     outs = []
-    for start, end in ((0, split), (split, length - 1)):
-        reply = runtime.prefill(RunPrefill(position_start=start, cache_capacity=length,
-                                           hidden_state=hidden[:, start:end].contiguous()))
-        assert isinstance(reply, HiddenState), reply
-        outs.append(reply.hidden_state)
-    reply = runtime.decode(RunDecode(position=length - 1, hidden_state=hidden[:, -1:].contiguous()))
-    assert isinstance(reply, HiddenState), reply
-    return torch.cat([*outs, reply.hidden_state], dim=1)
+    for start, end in ((0, split), (split, length - 1), (length - 1, length)):
+        outs += run(runtime, [(1, start, length, hidden[:, start:end])])
+    return torch.cat(outs, dim=1)
 
 
 def check_chunked_equals_one_pass(model_dir, start: int, end: int, length: int, hidden_size: int, heads: int):
@@ -58,6 +63,45 @@ def check_chunked_equals_one_pass(model_dir, start: int, end: int, length: int, 
     want = prefill_then_decode(one_pass, hidden, split=length // 3)
     got = prefill_then_decode(chunked, hidden, split=length // 3)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_long_prompt_in_a_batch_runs_in_passes_and_equals_each_sequence_alone(tiny_model_dir):
+    """A batch of a long prompt (several passes), a short one and a decode step of a third sequence: each output
+    is what that sequence gets alone in one pass, and each cache carries on as its own."""
+    config = Qwen2Config.from_file(tiny_model_dir / "config.json")
+    heads, width = config.num_attention_heads, config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    long, short, third = (torch.randn(1, n, width, generator=g) for n in (120, 7, 10))
+    alone = load(tiny_model_dir, 0, 3, budget=1 << 40)
+    want = [*run(alone, [(1, 0, 121, long)]), *run(alone, [(2, 0, 8, short)]),
+            torch.cat(run(alone, [(3, 0, 11, third[:, :9])]) + run(alone, [(3, 9, 11, third[:, 9:])]), dim=1)]
+    batched = load(tiny_model_dir, 0, 3, budget=(MIN_PREFILL_CHUNK + 1) * heads * 120 * 4)
+    assert prefill_chunk_positions(heads, 120, batched.attention_budget_bytes) < 60  # the long prompt takes passes
+    first_third = run(batched, [(3, 0, 11, third[:, :9])])
+    got = run(batched, [(1, 0, 121, long), (2, 0, 8, short), (3, 9, 11, third[:, 9:])])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(first_third + [got[2]], dim=1), want[2], rtol=1e-5, atol=1e-5)
+    step = torch.randn(1, 2, width, generator=g)  # one decode step each for sequences 1 and 2, as a batch
+    got = run(batched, [(1, 120, 121, step[:, :1]), (2, 7, 8, step[:, 1:])])
+    want = run(alone, [(1, 120, 121, step[:, :1])]) + run(alone, [(2, 7, 8, step[:, 1:])])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_worker_refuses_more_sequences_than_assigned_and_forgets_released_ones(tiny_model_dir):
+    runtime = load(tiny_model_dir, 0, 2, budget=1 << 40)  # max_sequences 4
+    width = Qwen2Config.from_file(tiny_model_dir / "config.json").hidden_size
+    for sequence in range(4):
+        run(runtime, [(sequence, 0, 4, torch.randn(1, 2, width))])
+    too_many = RunBatch(entries=(BatchEntry(sequence=9, position_start=0, length=1, cache_capacity=4),),
+                        hidden_state=torch.randn(1, 1, width))
+    assert "would hold 5 sequences' caches; this worker was assigned 4" in runtime.run(too_many).message
+    runtime.release((0, 1))
+    assert sorted(runtime.caches) == [2, 3]
+    assert isinstance(runtime.run(too_many), HiddenState)
+    unknown = RunBatch(entries=(BatchEntry(sequence=0, position_start=2, length=1, cache_capacity=4),),
+                       hidden_state=torch.randn(1, 1, width))
+    assert "sequence 0 continues at position 2 but this worker holds no cache" in runtime.run(unknown).message
 
 
 def test_chunked_prefill_equals_one_pass_on_a_tiny_model(tiny_model_dir):

@@ -17,8 +17,8 @@ from tc.protocol import (
     Ping,
     Pong,
     ProtocolError,
-    RunDecode,
-    RunPrefill,
+    BatchEntry,
+    RunBatch,
     connect,
     encode,
     frame_header,
@@ -86,7 +86,8 @@ def test_two_sender_threads_never_interleave_frames(tcp_pair):
             for seq in range(per_thread):
                 if seq % 3 == 0:
                     tensor = prefill_tensor(thread, seq)
-                    message = RunPrefill(position_start=seq, cache_capacity=512, hidden_state=tensor)
+                    entry = BatchEntry(sequence=thread, position_start=seq, length=tensor.shape[1], cache_capacity=512)
+                    message = RunBatch(entries=(entry,), hidden_state=tensor)
                 else:
                     message = Ping(nonce=thread * 1000 + seq)
                 client.send(message, request_id=f"t{thread}", seq=seq)
@@ -103,7 +104,7 @@ def test_two_sender_threads_never_interleave_frames(tcp_pair):
         assert env.seq == next_seq[env.request_id]  # each sender's frames stay in its order
         next_seq[env.request_id] += 1
         if env.seq % 3 == 0:
-            assert isinstance(env.message, RunPrefill) and env.message.position_start == env.seq
+            assert isinstance(env.message, RunBatch) and env.message.entries[0].position_start == env.seq
             assert torch.equal(env.message.hidden_state, prefill_tensor(thread, env.seq))
         else:
             assert env.message == Ping(nonce=thread * 1000 + env.seq)
@@ -138,10 +139,11 @@ def test_tcp_peer_name_and_nodelay(tcp_pair):
     assert client.peer == f"127.0.0.1:{served._sock.getsockname()[1]}"
     assert served.peer.startswith("127.0.0.1:")
     assert client._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    decode_step = RunDecode(position=3, hidden_state=torch.ones(1, 1, 896, dtype=torch.bfloat16))
+    decode_step = RunBatch(entries=(BatchEntry(sequence=2, position_start=3, length=1, cache_capacity=8),),
+                           hidden_state=torch.ones(1, 1, 896, dtype=torch.bfloat16))
     client.send(decode_step, request_id="q", seq=9)
     env = served.recv(timeout=WAIT)
-    assert (env.request_id, env.seq, env.message.position) == ("q", 9, 3)
+    assert (env.request_id, env.seq, env.message.entries[0].position_start) == ("q", 9, 3)
 
 
 @pytest.mark.parametrize(

@@ -131,3 +131,36 @@ def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temp
         messages=[{"role": "user", "content": "Describe Rome as JSON."}])
     assert reply.choices[0].finish_reason == "stop", reply
     jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)
+
+
+def test_many_threads_at_once_each_get_their_own_answer(cluster, client):
+    """The official client from eight threads at once, different prompts and lengths: they share the pipeline's
+    steps (the batch), and each answer is the one that request gets alone, up to a genuine tie in fp32."""
+    import threading
+    prompts = ["def is_prime(n):", "# reverse a string in Python\n", "SELECT name FROM users", "class Point:",
+               "import os\n", "def quicksort(items):", "for i in range(3):", "// add two numbers in C\n"]
+    lengths = [24, 16, 12, 20, 8, 24, 10, 14]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=n, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True}) for p, n in zip(prompts, lengths)]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=lengths[i],
+                                                temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    for i, solo in enumerate(alone):
+        text, want = together[i], solo.choices[0].text
+        if text == want:
+            continue
+        # where they part, the solo run's two best tokens must have been a tie (model_helpers.NEAR_TIE)
+        at = next((k for k, (a, b) in enumerate(zip(text, want)) if a != b), min(len(text), len(want)))
+        logprobs = solo.choices[0].logprobs
+        index = max(k for k, offset in enumerate(logprobs.text_offset) if offset <= at)
+        best, second = sorted(logprobs.top_logprobs[index].values(), reverse=True)[:2]
+        assert best - second < 1e-3, (prompts[i], text, want)
+    assert cluster.get("/v1/cluster")[1]["batch"]["in_use"] == 0

@@ -36,8 +36,7 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import (Assignment, Error, HelloAck, HiddenState, LoadComplete, Ping, Pong, RunDecode,
-                                  RunPrefill)
+from tc.protocol.messages import Assignment, Error, HelloAck, HiddenState, LoadComplete, Ping, Pong, RunBatch
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from tiny_model import write_tiny_model
@@ -86,8 +85,8 @@ class ScriptedWorker:
                 msg = env.message
                 if isinstance(msg, Ping):
                     self.conn.send(Pong(nonce=msg.nonce))
-                elif isinstance(msg, (RunPrefill, RunDecode)):
-                    kind = "prefill" if isinstance(msg, RunPrefill) else "decode"
+                elif isinstance(msg, RunBatch):
+                    kind = "decode" if msg.is_decode else "prefill"
                     delay = self.delay(kind, self.steps)
                     self.steps += 1
                     if delay is None:
@@ -147,14 +146,14 @@ def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_
         assert floor + factor * step_s - 0.1 < waited < floor + factor * (step_s + 0.2) + 1.5, waited
         assert status == 503 and body["error"]["type"] == "worker_lost", body
         message = body["error"]["message"]
-        assert "worker b" in message and "no reply to RUN_DECODE within" in message, message
+        assert "worker b" in message and "no reply to RUN_BATCH within" in message, message
         assert "head.step_timeout_s 0.5s + 4 x its slowest recent decode step" in message, message
         # dropped like a silent worker: its connection closed, the cluster not ready, the reason on its slot
         assert b.closed.wait(5)
         status, ready = cluster.get("/health/ready")
         assert status == 503 and ready["missing_nodes"] == ["b"]
         row = node_row(cluster, "b")
-        assert row["state"] == "waiting" and row["detail"].startswith("lost: no reply to RUN_DECODE"), row
+        assert row["state"] == "waiting" and row["detail"].startswith("lost: no reply to RUN_BATCH"), row
         # a real worker fills b again and the head serves
         cluster.start_worker("b")
         cluster.wait_ready()
@@ -180,7 +179,7 @@ def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, mo
         status, body = request.wait(120)
         assert status == 200, body
         assert body["choices"][0]["text"] == greedy(model_dir, 12)  # b hung before any token: nothing to undo
-        assert "request resumed on a refilled pipeline" in cluster.head.output()
+        assert "resumed on a refilled pipeline" in cluster.head.output()
 
 
 # --- a worker whose compute thread fails -------------------------------------------------------------------------
@@ -203,7 +202,7 @@ def test_a_worker_whose_compute_fails_leaves_with_the_reason_and_rejoins(tmp_pat
                                                         "max_tokens": 4}, timeout=60)
         assert status == 503 and body["error"]["type"] == "worker_lost", body
         message = body["error"]["message"]
-        assert "worker b is out of service (the compute thread failed on RUN_PREFILL: ValueError: HIDDEN_STATE " \
+        assert "worker b is out of service (the compute thread failed on RUN_BATCH: ValueError: HIDDEN_STATE " \
                "encodes to" in message, message
         assert "lost (worker b is out of service" in cluster.head.output()
         wait_for(lambda: "left the head after a compute failure" in b.output(), 10, "b to say why it left")
@@ -232,9 +231,10 @@ def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
 class SlowPipeline(LocalPipeline):
     """The real layers, with each decode step held up, so that requests pile up behind a generation."""
 
-    def decode(self, hidden, position):
-        time.sleep(0.05)
-        return super().decode(hidden, position)
+    def run(self, entries, hidden):
+        if any(e.start > 0 for e in entries):
+            time.sleep(0.05)
+        return super().run(entries, hidden)
 
 
 def post_raw(port: int, body: dict, results: list, lock: threading.Lock) -> None:
@@ -260,12 +260,12 @@ def test_stop_answers_every_request_it_accepted(model_dir):
     model = OurModel(model_dir)
     tokenizer = TextTokenizer.load(model_dir)
     generator = Generator(model.head, tokenizer, SlowPipeline(model.stages), torch.float32)
-    service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
+    service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()), max_batch=1)
     server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
     body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     results: list = []
     lock = threading.Lock()
-    # two requests take both request threads (one generates, one waits for its turn); six queue behind them
+    # two requests take both request threads (one generates, one waits for a place); six queue behind them
     clients = [threading.Thread(target=post_raw, args=(server.port, body, results, lock)) for _ in range(8)]
     for client in clients:
         client.start()

@@ -27,6 +27,7 @@ from tiny_model import write_tiny_model
 CLIENTS = 32
 PER_CLIENT = 4
 MAX_QUEUE = 4
+MAX_BATCH = 2
 PROMPTS = ["the quick brown fox", "hello there", "once upon a time", "a b c d"]
 MAX_TOKENS = 6
 
@@ -48,7 +49,7 @@ def expected(model_dir) -> dict[str, str]:
 def cluster(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("load")
     topo = write_topology(tmp / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}],
-                          head={"max_queue": MAX_QUEUE, "heartbeat_s": 1})
+                          head={"max_queue": MAX_QUEUE, "max_batch": MAX_BATCH, "heartbeat_s": 1})
     with Cluster(topo, tmp) as cluster:
         cluster.start_head()
         cluster.wait_api()
@@ -138,19 +139,20 @@ def test_memory_stays_bounded_over_rounds_of_load(cluster):
 
 
 def test_the_queue_bound_holds(cluster):
-    """With the generation held up, exactly max_queue requests wait behind it and the rest are refused at once."""
+    """With the batch held up in a step, max_batch requests hold its places (one running, the others admitted at
+    the next step boundary), max_queue more wait, and the rest are refused at once."""
     worker = cluster.workers["b"]
     worker.proc.send_signal(signal.SIGSTOP)  # the request in flight waits at b (well within the heartbeat limit)
     try:
         results: list = []
         threads = [threading.Thread(target=lambda: results.append(one_request(cluster.api_port, PROMPTS[0])))
-                   for _ in range(MAX_QUEUE + 1 + 6)]
+                   for _ in range(MAX_QUEUE + MAX_BATCH + 6)]
         for t in threads:
             t.start()
             time.sleep(0.02)
         time.sleep(0.5)
         refused = len([r for r in results if r[0] == 429])
-        assert refused == len(threads) - MAX_QUEUE - 1, results  # one generates, MAX_QUEUE wait
+        assert refused == len(threads) - MAX_QUEUE - MAX_BATCH, results
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     for t in threads:

@@ -104,7 +104,7 @@ def test_each_app_has_its_own_registry(generator):
 
 def test_hops_split_into_compute_and_network():
     metrics = Metrics()
-    metrics.watch(lambda: 0, lambda: 0, lambda: ((), ()))
+    metrics.watch(lambda: 0, lambda: 0, lambda: ((), ()), slots=lambda: 8, tokens_per_s=lambda: 0.0)
     metrics.observe_step("decode", [("a", 0.010, 0.013), ("b", 0.020, 0.021), ("b", 0.005, 0.004)])
     samples = parse(metrics.render()[0].decode())
     assert value(samples, "tc_stage_compute_seconds_sum", node="a", phase="decode") == pytest.approx(0.010)
@@ -129,8 +129,9 @@ def test_cluster_route_without_workers_describes_the_process(generator):
     client, _ = make_client(generator, readiness=lambda: Readiness(1, (), ("w1",)))
     body = client.simulate_get("/v1/cluster").json
     assert body == {"object": "cluster", "model": MODEL, "ready": False, "required_nodes": 1, "ready_nodes": [],
-                    "missing_nodes": ["w1"], "queue": {"waiting": 0, "running": 0, "limit": 16}, "plan": None,
-                    "nodes": []}
+                    "missing_nodes": ["w1"], "queue": {"waiting": 0, "running": 0, "limit": 16},
+                    "batch": {"slots": 8, "in_use": 0, "prefill_chunk": 256, "tokens_per_s": 0.0, "sequences": []},
+                    "plan": None, "nodes": []}
 
 
 def test_cluster_route_shows_the_plan_and_each_node(tmp_path, generator, tiny_model_dir):

@@ -8,6 +8,7 @@ import torch
 
 from cluster import Process, write_topology
 from model_helpers import OurModel
+from tc.generation import Entry
 from tc.head.main import start_head
 from tc.topology import load_topology
 from tiny_model import write_tiny_model
@@ -27,7 +28,9 @@ def run_mixed(tmp_path, model_dir, dtypes: list[str], ids: list[int]) -> tuple[t
         assert head.registry.wait_ready(300), [w.output() for w in workers]
         generator = head.service.generator
         with torch.inference_mode():
-            hidden = generator.pipeline.prefill(generator.head.embed(torch.tensor([ids])), capacity=len(ids))
+            entry = Entry(sequence=1, start=0, length=len(ids), capacity=len(ids))
+            hidden = generator.pipeline.run([entry], generator.head.embed(torch.tensor([ids])))
+            generator.pipeline.release([1])
             logits = generator.head.logits(hidden)[0]
         return logits, head.registry.plan.table()
     finally:

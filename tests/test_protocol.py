@@ -34,8 +34,9 @@ from tc.protocol import (
     Pong,
     ProtocolError,
     ProtocolVersionMismatch,
-    RunDecode,
-    RunPrefill,
+    BatchEntry,
+    Release,
+    RunBatch,
     decode_body,
     encode,
     encode_body,
@@ -114,6 +115,15 @@ def assignment_payload(**changes: Any) -> dict[str, Any]:
     return payload
 
 
+ENTRY = {"sequence": 1, "position_start": 0, "length": 1, "cache_capacity": 4}  # one BatchEntry on the wire
+
+
+def run_batch(*entries: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16) -> RunBatch:
+    """A RUN_BATCH of (sequence, position_start, length, cache_capacity) entries with rows to match."""
+    made = tuple(BatchEntry(sequence=s, position_start=p, length=n, cache_capacity=c) for s, p, n, c in entries)
+    return RunBatch(entries=made, hidden_state=hidden(seq=sum(e.length for e in made), dtype=dtype))
+
+
 # One (or more) sample per message type; test_samples_cover_every_message_type keeps this honest.
 SAMPLES: dict[str, Callable[[], Message]] = {
     "hello": make_hello,
@@ -133,11 +143,11 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "pong": lambda: Pong(nonce=0),
     "error": lambda: Error(code="hello_refused", message="node id 'x' is not in the topology"),
     "clear-cache": ClearCache,
-    "run-prefill": lambda: RunPrefill(position_start=0, cache_capacity=4096, hidden_state=hidden(seq=5)),
-    "run-prefill-empty": lambda: RunPrefill(
-        position_start=7, cache_capacity=7, hidden_state=hidden(seq=0, dtype=torch.float32)
-    ),
-    "run-decode": lambda: RunDecode(position=42, hidden_state=hidden(dtype=torch.float16)),
+    "release": lambda: Release(sequences=(3, 2**63)),
+    "release-none": lambda: Release(sequences=()),
+    "run-batch-prefill": lambda: run_batch((1, 0, 5, 4096)),
+    "run-batch-decode": lambda: run_batch((42, 41, 1, 100), dtype=torch.float16),
+    "run-batch-ragged": lambda: run_batch((7, 0, 3, 10), (2, 30, 1, 64), (5, 256, 4, 512), dtype=torch.float32),
     "hidden-state": lambda: HiddenState(hidden_state=hidden(seq=3, dtype=torch.float32), compute_seconds=0.0125),
     "inference-error": lambda: InferenceError(message="CUDA error: device-side assert"),
 }
@@ -197,7 +207,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -234,7 +244,8 @@ def stream_of_frames() -> tuple[bytes, list[Message]]:
         Ping(1),
         make_hello(),
         ClearCache(),
-        RunDecode(position=3, hidden_state=hidden(width=8)),
+        RunBatch(entries=(BatchEntry(sequence=1, position_start=3, length=1, cache_capacity=9),),
+                 hidden_state=hidden(width=8)),
         Error(code="protocol_error", message="x"),
         HiddenState(hidden_state=hidden(seq=2, width=4, dtype=torch.float32), compute_seconds=1.0),
     ]
@@ -428,8 +439,16 @@ BAD_PAYLOADS = {
     "empty layer range": ("ASSIGNMENT", assignment_payload(layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
     "config bytes value": ("ASSIGNMENT", assignment_payload(config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
     "tensor rank 2": (
-        "RUN_DECODE", {"position": 1, "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_DECODE.hidden_state"]
+        "RUN_BATCH", {"entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_BATCH.hidden_state"]
     ),
+    "batch rows do not match": (
+        "RUN_BATCH", {"entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))}, ["RUN_BATCH", "[1, 1, hidden]"]
+    ),
+    "entry past capacity": (
+        "RUN_BATCH", {"entries": [dict(ENTRY, position_start=4)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH.entries[0]", "cache_capacity 4"]
+    ),
+    "release negative": ("RELEASE", {"sequences": [-1]}, ["RELEASE.sequences[0]"]),
     "clear cache with field": ("CLEAR_CACHE", {"all": True}, ["CLEAR_CACHE", "all"]),
 }
 
@@ -453,14 +472,22 @@ def test_hello_with_another_protocol_version_says_so_first():
     assert "0.9.0" in str(info.value) and "same tc release" in str(info.value)
 
 
-def test_protocol_1_peers_are_told_apart():
-    """Version 2 dropped ASSIGNMENT.total_weight_bytes: a version 1 HELLO is refused by its version, and a
-    version 1 ASSIGNMENT (which still carries the field) by that field, never half-read."""
-    with pytest.raises(ProtocolVersionMismatch) as info:
-        FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": 1})))
-    assert (info.value.peer_version, info.value.our_version) == (1, 2)
+def test_older_peers_are_told_apart():
+    """A version 1 or 2 HELLO is refused by its version, before anything else is read. Version 2 dropped
+    ASSIGNMENT.total_weight_bytes and version 3 added max_sequences: an older ASSIGNMENT is refused by its fields,
+    and an old RUN_DECODE by its type, never half-read."""
+    for old in (1, 2):
+        with pytest.raises(ProtocolVersionMismatch) as info:
+            FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
+        assert (info.value.peer_version, info.value.our_version) == (old, 3)
+    version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items() if k != "max_sequences"}
     with pytest.raises(ProtocolError, match=r"ASSIGNMENT has unknown field\(s\) \['total_weight_bytes'\]"):
-        FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", assignment_payload(total_weight_bytes=123456789))))
+        FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_1)))
+    version_2 = {k: v for k, v in assignment_payload().items() if k != "max_sequences"}
+    with pytest.raises(ProtocolError, match=r"ASSIGNMENT lacks field\(s\) \['max_sequences'\]"):
+        FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_2)))
+    with pytest.raises(ProtocolError, match="unknown message type 'RUN_DECODE'"):
+        FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": good_tensor()})))
 
 
 def good_tensor(**changes: Any) -> dict[str, Any]:
@@ -493,8 +520,8 @@ def test_bad_tensors_raise_protocol_error(name):
     obj = BAD_TENSORS[name]
     with pytest.raises(ProtocolError):
         tensor_from_wire(obj)
-    with pytest.raises(ProtocolError, match="RUN_DECODE.hidden_state"):
-        FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": obj})))
+    with pytest.raises(ProtocolError, match="RUN_BATCH.hidden_state"):
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [ENTRY], "hidden_state": obj})))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -750,8 +777,14 @@ MISUSE = {
     "nonce negative": (lambda: Ping(-1), ValueError),
     "nonce too big": (lambda: Ping(2**64), ValueError),
     "seconds negative": (lambda: HiddenState(hidden(), compute_seconds=-1.0), ValueError),
-    "hidden int64": (lambda: RunDecode(0, torch.zeros(1, 1, 4, dtype=torch.int64)), TypeError),
-    "hidden rank 2": (lambda: RunDecode(0, torch.zeros(1, 4)), ValueError),
+    "hidden int64": (lambda: RunBatch((BatchEntry(1, 0, 1, 1),), torch.zeros(1, 1, 4, dtype=torch.int64)), TypeError),
+    "hidden rank 2": (lambda: RunBatch((BatchEntry(1, 0, 1, 1),), torch.zeros(1, 4)), ValueError),
+    "batch without entries": (lambda: RunBatch((), torch.zeros(1, 0, 4)), ValueError),
+    "batch rows short": (lambda: RunBatch((BatchEntry(1, 0, 3, 8),), torch.zeros(1, 2, 4)), ValueError),
+    "batch sequence twice": (lambda: RunBatch((BatchEntry(1, 0, 1, 8), BatchEntry(1, 1, 1, 8)),
+                                              torch.zeros(1, 2, 4)), ValueError),
+    "entry past its capacity": (lambda: BatchEntry(1, 7, 2, 8), ValueError),
+    "entry of no rows": (lambda: BatchEntry(1, 0, 0, 8), ValueError),
     "selected device absent": (lambda: make_hello(selected_device="cuda:3"), ValueError),
     "device type": (lambda: DeviceInfo("x", "tpu", "x", None, None), ValueError),
     "devices of dicts": (lambda: make_hello(devices=({"id": "cpu"},)), TypeError),
@@ -781,8 +814,8 @@ def test_construction_normalises_sequences_and_numbers():
 
 
 def test_tensor_messages_repr_shows_shape_not_values():
-    text = repr(RunDecode(position=1, hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16)))
-    assert text == "RunDecode(position=1, hidden_state=<tensor bf16 [1, 1, 896] on cpu>)"
+    text = repr(HiddenState(hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16), compute_seconds=0.5))
+    assert text == "HiddenState(hidden_state=<tensor bf16 [1, 1, 896] on cpu>, compute_seconds=0.5)"
 
 
 def test_nesting_up_to_the_limit_round_trips():

@@ -255,11 +255,12 @@ def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
     class FailingPipeline(LocalPipeline):
         """The real stages, but the third decode step loses its worker, as a remote pipeline would."""
 
-        def decode(self, hidden, position):
-            self.decodes = getattr(self, "decodes", 0) + 1
-            if self.decodes == 3:
-                raise WorkerLost("w1", "connection reset")
-            return super().decode(hidden, position)
+        def run(self, entries, hidden):
+            if entries[0].start > 0:
+                self.decodes = getattr(self, "decodes", 0) + 1
+                if self.decodes == 3:
+                    raise WorkerLost("w1", "connection reset")
+            return super().run(entries, hidden)
 
     generator = Generator(model.head, tokenizer, FailingPipeline(model.stages), torch.float32)
     client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
@@ -269,7 +270,7 @@ def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
     events = sse_events(result.content)
     assert "[DONE]" not in events
     assert events[-1]["error"]["type"] == "worker_lost" and "w1" in events[-1]["error"]["message"]
-    # the turn was given back: the next request runs
+    # its place was given back: the next request runs
     assert client.simulate_post(COMPLETIONS, json={"model": MODEL, "prompt": "Hello", "max_tokens": 2}
                                 ).status_code == 200
 
@@ -282,12 +283,12 @@ class SlowPipeline(LocalPipeline):
     def __init__(self, stages, pause_s: float):
         super().__init__(stages)
         self.pause_s = pause_s
-        self.decodes = 0
+        self.steps: list[tuple[int, ...]] = []  # the sequences of each step
 
-    def decode(self, hidden, position):
-        self.decodes += 1
+    def run(self, entries, hidden):
+        self.steps.append(tuple(e.sequence for e in entries))
         time.sleep(self.pause_s)
-        return super().decode(hidden, position)
+        return super().run(entries, hidden)
 
 
 @pytest.fixture(scope="module")
@@ -342,8 +343,10 @@ def test_openai_client_streams_chat(openai_client):
 
 def test_openai_client_raises_on_a_mid_stream_error_event(model, tokenizer):
     class LosingPipeline(LocalPipeline):
-        def decode(self, hidden, position):
-            raise WorkerLost("w2", "no heartbeat for 9.0s")
+        def run(self, entries, hidden):
+            if entries[0].start > 0:
+                raise WorkerLost("w2", "no heartbeat for 9.0s")
+            return super().run(entries, hidden)
 
     generator = Generator(model.head, tokenizer, LosingPipeline(model.stages), torch.float32)
     server = start_http_server(create_app(GenerationService(MODEL, tokenizer, generator, ready)), "127.0.0.1", 0,
@@ -378,40 +381,50 @@ def test_a_client_that_goes_away_frees_the_cluster(slow, caplog):
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = read_sse_events(sock, 3)
         assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head
-        decodes_when_gone = pipeline.decodes
+        abandoned = pipeline.steps[-1][0]
+        steps_when_gone = len(pipeline.steps)
         sock.close()  # walk away with ~190 tokens (~10 s of decoding) still to come
         gone_at = time.perf_counter()
-        # the next request gets the cluster within a few decode steps, not after the abandoned generation
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0,
                                           extra_body={"ignore_eos": True})
         waited = time.perf_counter() - gone_at
+        deadline = time.monotonic() + 10
+        while service.running:
+            assert time.monotonic() < deadline, "the abandoned generation kept running"
+            time.sleep(0.01)
     assert reply.usage.completion_tokens == 2
-    abandoned_decodes = pipeline.decodes - decodes_when_gone - 1  # the second request decoded once
-    assert abandoned_decodes <= 3, abandoned_decodes  # measured: 2 (one of them already running at the close)
+    # the server learns the client is gone when a write fails; the sequence leaves the batch at the next step
+    abandoned_steps = sum(abandoned in step for step in pipeline.steps[steps_when_gone:])
+    assert abandoned_steps <= 3, abandoned_steps  # measured: 2 (one of them already running at the close)
     assert waited < 2.0, waited
     assert service.running == 0 and service.queue_depth == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "tc.head.api"]
     assert any(" finish=abandoned " in line for line in lines), lines
 
 
-def test_concurrent_streams_take_turns(slow):
-    server, _, _ = slow
+def test_concurrent_streams_run_together_and_each_gets_its_own_text(slow):
+    server, _, pipeline = slow
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    texts: list[str] = []
+    prompts = ["Hello", "def f(x):", "Once upon"]
+    texts: dict[str, str] = {}
     errors: list[BaseException] = []
 
-    def ask() -> None:
+    def ask(prompt: str) -> None:
         try:
-            chunks = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
-                                               stream=True)
-            texts.append("".join(c.choices[0].text for c in chunks))
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            texts[prompt] = "".join(c.choices[0].text for c in chunks)
         except BaseException as exc:  # re-raised below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=ask) for _ in range(3)]
+    solo = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in prompts}
+    before = len(pipeline.steps)
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert not errors and len(texts) == 3 and len(set(texts)) == 1
+    assert not errors and texts == solo
+    assert max(len(step) for step in pipeline.steps[before:]) == 3  # all three in one step: a batch

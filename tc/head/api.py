@@ -13,13 +13,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import falcon
 
 from ..constraint import GrammarEngine
 from ..generation import text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
+from ..batch_memory import BatchPlan
 from ..planner import Plan
 from ..sampling import SamplingParams
 from .api_requests import (
@@ -35,8 +36,8 @@ from .api_requests import (
 )
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
-from .service import (ClusterNotReady, GenerationService, GenerationStream, GenerationSummary, QueueFull, Readiness,
-                      ServiceError, StageFailed, WorkerLost)
+from .service import (ClusterNotReady, GenerationGroup, GenerationService, GenerationSummary, QueueFull,
+                      Readiness, ServiceError, StageFailed, WorkerLost)
 from .structured_output import StructuredOutput
 from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
@@ -168,15 +169,18 @@ class ClusterView(Protocol):
     """What GET /v1/cluster shows of the workers (the head's WorkerRegistry is one)."""
 
     plan: Plan
+    batch: BatchPlan
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One row per planned node: state, device, layers, memory, seconds since last heard."""
 
 
-def plan_body(plan: Plan) -> dict[str, Any]:
+def plan_body(plan: Plan, batch: BatchPlan) -> dict[str, Any]:
     return {"num_layers": plan.num_layers, "total_weight_bytes": plan.total_weight_bytes,
+            "max_batch": batch.max_batch,
             "stages": [{"node_id": s.node_id, "layers": [s.start, s.end], "device": s.device, "dtype": s.dtype,
-                        "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes} for s in plan.stages]}
+                        "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes,
+                        "kv_bytes_per_sequence": batch.slot_bytes[s.node_id]} for s in plan.stages]}
 
 
 def _readiness_body(readiness: Readiness) -> dict[str, Any]:
@@ -195,9 +199,13 @@ class ClusterResource:
                                 **_readiness_body(self.service.readiness()),
                                 "queue": {"waiting": self.service.queue_depth, "running": self.service.running,
                                           "limit": self.service.max_queue},
+                                "batch": {"slots": self.service.max_batch, "in_use": self.service.running,
+                                          "prefill_chunk": self.service.prefill_chunk,
+                                          "tokens_per_s": round(self.service.tokens_per_s(), 2),
+                                          "sequences": self.service.sequences()},
                                 "plan": None, "nodes": []}
         if self.cluster is not None:
-            body["plan"], body["nodes"] = plan_body(self.cluster.plan), self.cluster.snapshot()
+            body["plan"], body["nodes"] = plan_body(self.cluster.plan, self.cluster.batch), self.cluster.snapshot()
         resp.media = body
 
 
@@ -211,30 +219,57 @@ class MetricsResource:
         resp.data, resp.content_type = self.metrics.render()
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice `index` of a request: its seed, when one is given, moved on by the index (modulo
+    the signed 64-bit range), so that every choice is reproducible and none repeats another."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+
+
+def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One whole reply of several choices from one body per choice: choices indexed in order, usage summed (the
+    prompt counted once: it is the same prompt)."""
+    merged = dict(bodies[0])
+    merged["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+    completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+    prompt_tokens = bodies[0]["usage"]["prompt_tokens"]
+    merged["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                       "total_tokens": prompt_tokens + completion_tokens}
+    return merged
+
+
 class _Generation:
-    """Serving one generation request, whole or streamed; shared by both endpoints."""
+    """Serving one generation request, whole or streamed, of one or more choices; shared by both endpoints."""
 
     def __init__(self, service: GenerationService):
         self.service = service
 
     def serve(self, req: falcon.Request, resp: falcon.Response, prompt_ids: list[int], params: SamplingParams,
-              reply: ReplyFormat, request_id: str, include_usage: bool, stream: bool) -> None:
-        generation = self.service.open(prompt_ids, params)
-        req.context.request_id, req.context.generation = request_id, generation
+              make_reply: Callable[[], ReplyFormat], request_id: str, include_usage: bool, stream: bool,
+              n: int = 1) -> None:
+        if n > self.service.max_batch:
+            raise RequestError(f"'n' is {n}, but this server generates at most {self.service.max_batch} sequences "
+                               "at once (head.max_batch); ask for fewer choices", param="n", code="invalid_value")
+        generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)])
+        group = GenerationGroup(generations)
+        req.context.request_id, req.context.generation = request_id, group
+        replies = [make_reply() for _ in generations]  # a reply object per choice: chat replies keep state
         if not stream:
-            with generation:
-                resp.media = reply.whole(generation.drain())
+            with group:
+                bodies = [reply.whole(generation.drain()) for reply, generation in zip(replies, generations)]
+            resp.media = bodies[0] if n == 1 else merge_choices(bodies)
             return
         started, request_line = req.context.started, f"{req.method} {req.path}"
 
         def on_close(events: EventStream) -> None:
-            _log_generation(request_line, 200, time.perf_counter() - started, request_id, generation.summary())
+            _log_generation(request_line, 200, time.perf_counter() - started, request_id, group.summary())
 
         try:
-            resp.stream = EventStream(generation, reply, include_usage=include_usage, on_close=on_close,
+            resp.stream = EventStream(generations, replies, include_usage=include_usage, on_close=on_close,
                                       error_body=lambda exc: _stream_error_body(exc, request_line))
         except BaseException:
-            generation.close()  # nobody else holds it yet to give the turn back
+            group.close()  # nobody else holds them yet to give their places back
             raise
         req.context.deferred_log = True  # the reply ends when the stream does: it logs then
         resp.content_type = "text/event-stream"
@@ -279,9 +314,11 @@ class CompletionsResource:
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
         echo_text = text_with_offsets(self.service.tokenizer, prompt_ids)[0] if request.echo else None
-        reply = CompletionReply(context, self.token_text, logprobs=params.logprobs, echo_text=echo_text)
-        self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
-                              request.streaming.stream)
+        self.generation.serve(req, resp, prompt_ids, params,
+                              lambda: CompletionReply(context, self.token_text, logprobs=params.logprobs,
+                                                      echo_text=echo_text),
+                              request_id, request.streaming.include_usage, request.streaming.stream,
+                              request.sampling.n)
 
 
 class ChatCompletionsResource:
@@ -309,16 +346,18 @@ class ChatCompletionsResource:
                                request.streaming.include_usage)
         tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
                  else None)
-        reply = ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools)
-        self.generation.serve(req, resp, prompt_ids, params, reply, request_id, request.streaming.include_usage,
-                              request.streaming.stream)
+        self.generation.serve(req, resp, prompt_ids, params,
+                              lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools),
+                              request_id, request.streaming.include_usage, request.streaming.stream,
+                              request.sampling.n)
 
 
 def _log_generation(request_line: str, status: int, seconds: float, request_id: str,
                     summary: GenerationSummary) -> None:
-    log.info("%s %d id=%s prompt_tokens=%d completion_tokens=%d ttft=%.3fs tokens_per_s=%.1f finish=%s %.3fs",
-             request_line, status, request_id, summary.prompt_tokens, summary.completion_tokens,
-             summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.outcome, seconds)
+    log.info("%s %d id=%s prompt_tokens=%d completion_tokens=%d wait=%.3fs ttft=%.3fs tokens_per_s=%.1f finish=%s "
+             "%.3fs", request_line, status, request_id, summary.prompt_tokens, summary.completion_tokens,
+             summary.queue_wait_s, summary.time_to_first_token_s, summary.decode_tokens_per_s, summary.outcome,
+             seconds)
 
 
 class RequestLog:
@@ -342,7 +381,7 @@ class RequestLog:
         if req.context.deferred_log:
             return
         seconds = time.perf_counter() - req.context.started
-        generation: GenerationStream | None = req.context.generation
+        generation: GenerationGroup | None = req.context.generation
         if generation is not None:
             _log_generation(f"{req.method} {req.path}", resp.status_code, seconds, req.context.request_id,
                             generation.summary())

@@ -21,6 +21,7 @@ from ..sampling import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logprobs (legacy completions: 5)
+MAX_CHOICES = 16  # choices per request (n); each is a sequence in the batch, so head.max_batch bounds it too
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOOLS = 128  # OpenAI's limit
@@ -72,6 +73,7 @@ class SamplingFields:
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities at all
     min_tokens: int = 0  # vLLM's extension: no EOS and no stop string before this many tokens
     ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
+    n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
 
     def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False) -> SamplingParams:
         """Raises RequestError when min_tokens is over the completion's max_tokens."""
@@ -402,11 +404,14 @@ def _boolean(value: Any, param: str) -> bool:
     return value
 
 
-def _check_n_user(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and _integer(n, "n") != 1:
-        raise RequestError(f"'n' must be 1: this server generates one choice per request, not {n}", param="n",
-                           code="unsupported_value")
+def _choices(value: Any) -> int:
+    n = _integer(value, "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"'n' must be between 1 and {MAX_CHOICES}, not {n}", param="n", code="invalid_value")
+    return n
+
+
+def _check_user(body: Mapping[str, Any]) -> None:
     user = body.get("user")
     if user is not None:
         _string(user, "user")  # accepted for compatibility; it changes nothing here
@@ -471,7 +476,7 @@ _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
     "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
     "repetition_penalty": _repetition_penalty,
     "min_tokens": lambda value: _max_tokens(value, "min_tokens", least=0),
-    "ignore_eos": lambda value: _boolean(value, "ignore_eos"),
+    "ignore_eos": lambda value: _boolean(value, "ignore_eos"), "n": _choices,
 }
 
 
@@ -537,7 +542,7 @@ def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
     _check_fields(body, _COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     model = _string(_required(body, "model"), "model")
     prompt = _prompt(_required(body, "prompt"))
-    _check_n_user(body)
+    _check_user(body)
     streaming = _streaming(body)
     echo = body.get("echo")
     echo = _boolean(echo, "echo") if echo is not None else False
@@ -751,7 +756,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     if not messages:
         raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    _check_n_user(body)
+    _check_user(body)
     streaming = _streaming(body)
     # max_completion_tokens is the newer name for max_tokens; both may be sent, but not disagreeing
     limits = {name: _max_tokens(body[name], name) for name in ("max_tokens", "max_completion_tokens")

@@ -18,6 +18,7 @@ from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
 from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
 from ..model_source import ModelSource
+from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..topology import Topology, load_topology
 from .api import create_app
@@ -58,6 +59,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _, config, plan = load_config_and_plan(topology)
     print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
     print(plan.table())
+    print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")
     return 0
 
 
@@ -85,6 +87,7 @@ def start_head(topology: Topology) -> Head:
     source, config, plan = load_config_and_plan(topology)
     log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
              config.hidden_size, topology.quant, plan.table())
+    log.info("batch: %s", plan_batch(plan, config, topology.head.max_batch).describe())  # refuses before loading
     names = head_tensor_names(config)
     model_dir = source.fetch_tensors(names)
     source.fetch_tokenizer()
@@ -104,15 +107,17 @@ def start_head(topology: Topology) -> Head:
              time.perf_counter() - started)
 
     registry = WorkerRegistry(topology, plan, config)
-    pipeline = RemotePipeline(registry, topology.head.resume, topology.head.resume_grace_s)
+    pipeline = RemotePipeline(registry)
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
-                                max_queue=topology.head.max_queue, step_hops=lambda: pipeline.last_hops)
+                                max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
+                                prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops)
     max_body = topology.head.max_body_bytes
-    # enough HTTP threads for the one generating, the queue, and health checks, so the bounded queue (not
-    # Waitress's unbounded backlog) decides who waits and who gets a 429
+    # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
+    # unbounded backlog) decides who waits and who gets a 429
     http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry), topology.head.api.host,
-                             topology.head.api.port, threads=topology.head.max_queue + 4, max_body_bytes=max_body)
+                             topology.head.api.port, threads=registry.batch.max_batch + topology.head.max_queue + 4,
+                             max_body_bytes=max_body)
     listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
                                          len(plan.stages), topology.name, http.url)

@@ -23,19 +23,26 @@ Hop = tuple[str, float, float]  # (node id, compute s, round trip s), as RemoteP
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 NETWORK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class _LiveState(Collector):
-    """Gauges read at scrape time: requests waiting and running, and whether each planned node serves."""
+    """Gauges read at scrape time: requests waiting and running, the batch's slots, the recent token rate, and
+    whether each planned node serves."""
 
     def __init__(self, waiting: Callable[[], int], running: Callable[[], int],
-                 nodes: Callable[[], tuple[Sequence[str], Sequence[str]]]):
+                 nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], slots: Callable[[], int],
+                 tokens_per_s: Callable[[], float]):
         self.waiting, self.running, self.nodes = waiting, running, nodes
+        self.slots, self.tokens_per_s = slots, tokens_per_s
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
-        return (GaugeMetricFamily("tc_queue_depth", "Generation requests waiting for their turn"),
-                GaugeMetricFamily("tc_requests_running", "Generations running now (at most one)"),
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (GaugeMetricFamily("tc_queue_depth", "Generation requests waiting for a place in the batch"),
+                GaugeMetricFamily("tc_requests_running", "Generations in the batch now (slots in use)"),
+                GaugeMetricFamily("tc_batch_slots", "Sequences the batch holds at most (head.max_batch)"),
+                GaugeMetricFamily("tc_tokens_per_second", "Tokens generated per second, all sequences together, "
+                                  "over the last 10 s"),
                 GaugeMetricFamily("tc_node_up", "1 when the planned node is loaded and serving, else 0",
                                   labels=["node"]))
 
@@ -44,15 +51,17 @@ class _LiveState(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        waiting, running, up = self._families()
+        waiting, running, slots, rate, up = self._families()
         waiting.add_metric([], self.waiting())
         running.add_metric([], self.running())
+        slots.add_metric([], self.slots())
+        rate.add_metric([], self.tokens_per_s())
         ready, missing = self.nodes()
         for node in ready:
             up.add_metric([node], 1)
         for node in missing:
             up.add_metric([node], 0)
-        return iter((waiting, running, up))
+        return iter((waiting, running, slots, rate, up))
 
 
 class Metrics:
@@ -71,19 +80,23 @@ class Metrics:
         self.time_to_first_token = Histogram("tc_time_to_first_token_seconds",
                                              "From the start of the prefill to the first token chosen",
                                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("tc_queue_wait_seconds", "Time a generation waited for its turn",
+        self.queue_wait = Histogram("tc_queue_wait_seconds", "Time a generation waited for a place in the batch",
                                     buckets=WAIT_BUCKETS, registry=r)
-        self.decode_step = Histogram("tc_decode_step_seconds", "One decode step at the head: pipeline and sampling",
-                                     buckets=STEP_BUCKETS, registry=r)
+        self.decode_step = Histogram("tc_decode_step_seconds", "One decode step of the whole batch at the head: "
+                                     "pipeline and sampling", buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("tc_batch_size", "Sequences in one pipeline step", buckets=BATCH_BUCKETS,
+                                    registry=r)
         self.stage_compute = Histogram("tc_stage_compute_seconds", "A stage's compute time for one step, as the "
                                        "worker reports it", ["node", "phase"], buckets=STEP_BUCKETS, registry=r)
         self.hop_network = Histogram("tc_hop_network_seconds", "Round trip to a worker minus its compute time, "
                                      "for one step", ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
 
     def watch(self, waiting: Callable[[], int], running: Callable[[], int],
-              nodes: Callable[[], tuple[Sequence[str], Sequence[str]]]) -> None:
-        """Report these at each scrape: requests waiting, running, and (ready node ids, missing node ids)."""
-        self.registry.register(_LiveState(waiting, running, nodes))
+              nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], *, slots: Callable[[], int],
+              tokens_per_s: Callable[[], float]) -> None:
+        """Report these at each scrape: requests waiting, running, (ready node ids, missing node ids), the batch's
+        slots and the recent aggregate token rate."""
+        self.registry.register(_LiveState(waiting, running, nodes, slots, tokens_per_s))
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method, route, str(status)).inc()

@@ -4,15 +4,25 @@ The head relays every hop (head -> w1 -> head -> w2 -> ... -> head) rather than 
 to each other: a decode-sized hop costs well under a millisecond on a LAN, and a single hub means one place
 that knows where a request is when a worker disappears.
 
-Resuming: the pipeline keeps what it fed the first stage for the request in flight (the prompt's embeddings
-and each decode step's). When a worker is lost mid-request and resume is on, it waits up to the grace period
-for the lost node's entry to be filled again (the same worker back, or a spare), then replays all of those
-inputs as one prefill from position 0, through every stage, with the request's cache capacity. That rebuilds
-every stage's KV cache, and the last position's output stands for the interrupted step's, so the generation
-carries on and the client sees it take longer. The tokens already chosen stay; what follows is what a new
-request for the prompt and those tokens would give. One prefill over N positions rounds differently from N
-decode steps: in fp32 the difference (~1e-6) leaves greedy output as it was without the loss, while in bf16 or
-fp16 the continuation may differ from an uninterrupted run (docs/design.md, tests/test_resume_dtypes.py).
+Each step is one RUN_BATCH: the rows of every sequence in the step, with each sequence's id, positions and cache
+capacity (generation.Entry), so each worker runs them as one ragged batch against a cache per sequence. When a
+sequence ends, every worker is told to drop its cache (RELEASE).
+
+Micro-batches: with `head.micro_batches` > 1 and several stages, a step's sequences are cut into up to that many
+groups and run as a pipeline schedule: while stage 2 runs group 1, stage 1 runs group 2, so the stages work at
+the same time instead of taking turns (len(groups) + len(stages) - 1 ticks instead of len(stages) x len(groups)
+hops' worth of waiting). It pays where the stages do not share cores (separate machines); on one machine whose
+cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
+
+Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings
+and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the
+lost node's entry to be filled again (the same worker back, or a spare), then replays every sequence from
+position 0 as one batch, through every stage, each with its own cache capacity. That rebuilds every stage's
+caches, and the last rows of each sequence stand for the interrupted step's, so the generations carry on and the
+clients see them take longer. The tokens already chosen stay; what follows is what a new request for the prompt
+and those tokens would give. One prefill over N positions rounds differently from N decode steps: in fp32 the
+difference (~1e-6) leaves greedy output as it was without the loss, while in bf16 or fp16 the continuation may
+differ from an uninterrupted run (docs/design.md, tests/test_resume_dtypes.py).
 """
 from __future__ import annotations
 
@@ -22,66 +32,123 @@ import time
 
 import torch
 
-from ..protocol.messages import RunDecode, RunPrefill
-from .service import WorkerLost
+from typing import Sequence
+
+from ..generation import Entry
+from ..protocol.messages import BatchEntry, RunBatch
+from .service import StageFailed, WorkerLost
 from .workers import HeadShuttingDown, WorkerLink, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 
 class RemotePipeline:
-    def __init__(self, registry: WorkerRegistry, resume: bool | None = None, resume_grace_s: float | None = None):
+    def __init__(self, registry: WorkerRegistry, resume: bool | None = None, resume_grace_s: float | None = None,
+                 micro_batches: int | None = None):
         settings = registry.topology.head
         self.registry = registry
+        self.micro_batches = settings.micro_batches if micro_batches is None else micro_batches
         self.resume = settings.resume if resume is None else resume
         self.resume_grace_s = settings.resume_grace_s if resume_grace_s is None else resume_grace_s
         self._ids = itertools.count(1)
         self.request_id = ""
         self.seq = 0
         self.last_hops: list[tuple[str, float, float]] = []  # (node, compute s, round trip s) of the last step
-        self.resumes = 0  # requests carried over a lost worker, since start
-        self._inputs: list[torch.Tensor] = []  # first-stage inputs of the request in flight, [1, L_i, hidden]
-        self._capacity = 0
+        self.resumes = 0  # steps carried over a lost worker, since start
+        # per sequence in flight: its cache capacity and every first-stage input so far, [1, L_i, hidden] each
+        self._inputs: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
 
-    def _relay(self, make_message, hidden: torch.Tensor, links: list[WorkerLink]) -> torch.Tensor:
-        out_dtype = hidden.dtype
+    def _relay(self, message: RunBatch, links: list[WorkerLink]) -> torch.Tensor:
+        """The batch through every stage: in micro-batches where that is asked for and possible."""
+        groups = split_entries(message.entries, min(self.micro_batches, len(links)))
+        if len(groups) == 1:
+            return self._schedule([message], links)[0]
+        parts, row = [], 0
+        for entries in groups:
+            rows = sum(e.length for e in entries)
+            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows]))
+            row += rows
+        return torch.cat(self._schedule(parts, links), dim=1)
+
+    def _schedule(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
+        """Every group through every stage in order, as a pipeline: at tick t, stage s runs group t - s, so each
+        stage works on one group while the next stage works on the one before. Returns each group's output."""
+        out_dtype = groups[0].hidden_state.dtype
+        current = list(groups)
         hops = []
-        for link in links:
-            self.seq += 1
-            sent = time.perf_counter()
-            reply = link.request(make_message(hidden), self.request_id, self.seq)
-            hops.append((link.node_id or link.entry_id, reply.compute_seconds, time.perf_counter() - sent))
-            hidden = reply.hidden_state
+        for tick in range(len(groups) + len(links) - 1):
+            in_flight = []
+            for stage, link in enumerate(links):
+                group = tick - stage
+                if 0 <= group < len(groups):
+                    self.seq += 1
+                    try:
+                        in_flight.append((group, link, link.send_command(current[group], self.request_id, self.seq),
+                                          time.perf_counter()))
+                    except WorkerLost:
+                        self._drain(in_flight)
+                        raise
+            self._drain(in_flight, current, hops)
         self.last_hops = hops
-        return hidden.to(out_dtype)
+        return [message.hidden_state.to(out_dtype) for message in current]
 
-    def _prefill_all(self, hidden: torch.Tensor) -> torch.Tensor:
-        links = self.registry.links_in_order()
-        capacity = self._capacity
-        return self._relay(lambda h: RunPrefill(position_start=0, cache_capacity=capacity, hidden_state=h),
-                           hidden, links)
+    @staticmethod
+    def _drain(in_flight: list, current: list[RunBatch] | None = None, hops: list | None = None) -> None:
+        """Wait for every command of a tick (each link's reply must be taken before it gets another command, even
+        when another link failed), then raise the first failure; with `current`, store each group's output."""
+        failure: Exception | None = None
+        for group, link, sent, started in in_flight:
+            try:
+                reply = link.await_reply(sent)
+            except (WorkerLost, StageFailed) as exc:
+                failure = failure or exc
+                continue
+            if current is not None and hops is not None:
+                hops.append((link.node_id or link.entry_id, reply.compute_seconds, time.perf_counter() - started))
+                current[group] = RunBatch(entries=current[group].entries, hidden_state=reply.hidden_state)
+        if failure is not None:
+            raise failure
 
-    def _new_request(self) -> None:
-        self.request_id, self.seq = f"req-{next(self._ids)}", 0
+    def _new_step(self) -> None:
+        self.request_id, self.seq = f"step-{next(self._ids)}", 0
 
-    def prefill(self, hidden: torch.Tensor, capacity: int) -> torch.Tensor:
-        self._new_request()
-        self._inputs, self._capacity = [hidden], capacity
-        try:
-            return self._prefill_all(hidden)
-        except WorkerLost as exc:
-            return self._recover(exc)
-
-    def decode(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        self._inputs.append(hidden)
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
+        row = 0
+        for e in entries:
+            if e.start == 0:
+                self._inputs[e.sequence] = (e.capacity, [])
+            self._inputs[e.sequence][1].append(hidden[:, row:row + e.length].clone())  # not a view of the batch
+            row += e.length
+        self._new_step()
+        message = RunBatch(entries=tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
+                                                    cache_capacity=e.capacity) for e in entries),
+                           hidden_state=hidden)
         try:
             links = self.registry.links_in_order()
-            return self._relay(lambda h: RunDecode(position=position, hidden_state=h), hidden, links)
+            if any(e.start > 0 for e in entries):
+                self._check_same_workers(links)
+            self._links = links
+            return self._relay(message, links)
         except WorkerLost as exc:
-            return self._recover(exc)[:, -1:]  # [1, 1, hidden]: the step's own position
+            return self._recover(exc, entries)
 
-    def _recover(self, lost: WorkerLost) -> torch.Tensor:
-        """Replay the request so far on a refilled pipeline; returns the output for every position replayed.
+    def _check_same_workers(self, links: list[WorkerLink]) -> None:
+        """A worker replaced between two steps (lost while idle, and back) holds none of the caches the next step
+        continues: raises WorkerLost for it, so the sequences resume (or fail) as for a loss during a step."""
+        for old, new in zip(self._links, links):
+            if old is not new:
+                raise WorkerLost(new.node_id or new.entry_id, "its worker was replaced between two steps, so it "
+                                 "holds none of the sequences' caches")
+
+    def release(self, sequences: Sequence[int]) -> None:
+        for sequence in sequences:
+            self._inputs.pop(sequence, None)
+        for link in self.registry.serving_links():  # a lost worker took its caches with it
+            link.release(list(sequences))
+
+    def _recover(self, lost: WorkerLost, entries: Sequence[Entry]) -> torch.Tensor:
+        """Replay every sequence in flight on a refilled pipeline; returns the rows of `entries`, this step's.
 
         Raises HeadShuttingDown when the head stops, and WorkerLost when resume is off or the grace period ends
         before the pipeline is whole again.
@@ -91,28 +158,54 @@ class RemotePipeline:
         if not self.resume:
             raise lost
         deadline = time.monotonic() + self.resume_grace_s
-        replay = torch.cat(self._inputs, dim=1)  # [1, positions so far, hidden]
-        log.warning("worker %s was lost (%s); request %s waits up to %.0fs for it to be replaced, then resumes "
-                    "from position %d", lost.node_id, _reason(lost), self.request_id, self.resume_grace_s,
-                    replay.shape[1])
+        replayed = {sequence: torch.cat(inputs, dim=1) for sequence, (_, inputs) in self._inputs.items()}
+        message = RunBatch(entries=tuple(BatchEntry(sequence=sequence, position_start=0, length=h.shape[1],
+                                                    cache_capacity=self._inputs[sequence][0])
+                                         for sequence, h in replayed.items()),
+                           hidden_state=torch.cat(list(replayed.values()), dim=1))
+        positions = message.hidden_state.shape[1]
+        log.warning("worker %s was lost (%s); %d request(s) wait up to %.0fs for it to be replaced, then resume "
+                    "(%d positions in all)", lost.node_id, _reason(lost), len(replayed), self.resume_grace_s,
+                    positions)
         while True:
             if not self.registry.wait_ready(deadline - time.monotonic()):
                 if self.registry.stopping.is_set():
                     raise HeadShuttingDown() from lost
                 raise WorkerLost(lost.node_id, f"{_reason(lost)}; no worker filled its place within the "
                                  f"{self.resume_grace_s:g}s resume grace period") from lost
-            self._new_request()
+            self._new_step()
             started = time.perf_counter()
             try:
-                out = self._prefill_all(replay)
+                self._links = self.registry.links_in_order()
+                out = self._relay(message, self._links)
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again
                 continue
             self.resumes += 1
-            log.info("request resumed on a refilled pipeline: %d positions replayed in %.2fs", replay.shape[1],
-                     time.perf_counter() - started)
-            return out
+            log.info("%d request(s) resumed on a refilled pipeline: %d positions replayed in %.2fs", len(replayed),
+                     positions, time.perf_counter() - started)
+            ends, row = {}, 0
+            for e in message.entries:
+                row += e.length
+                ends[e.sequence] = row
+            return torch.cat([out[:, ends[e.sequence] - e.length:ends[e.sequence]] for e in entries], dim=1)
+
+
+def split_entries(entries: Sequence[BatchEntry], groups: int) -> list[tuple[BatchEntry, ...]]:
+    """Cut a batch's entries, in order, into at most `groups` runs of about equal rows, none empty."""
+    groups = max(1, min(groups, len(entries)))
+    total = sum(e.length for e in entries)
+    runs: list[list[BatchEntry]] = [[]]
+    done = 0
+    for i, entry in enumerate(entries):
+        left_entries, left_runs = len(entries) - i, groups - len(runs)
+        # start a new run when this one has its share of the rows, or when each remaining run needs an entry
+        if runs[-1] and left_runs > 0 and (done >= total * len(runs) / groups or left_entries <= left_runs):
+            runs.append([])
+        runs[-1].append(entry)
+        done += entry.length
+    return [tuple(run) for run in runs]
 
 
 def _reason(lost: WorkerLost) -> str:

@@ -1,25 +1,44 @@
-"""What the HTTP API asks of the cluster: readiness, and one generation at a time.
+"""What the HTTP API asks of the cluster: readiness, and generations, many at once.
 
 The same service runs over a remote pipeline (the head) or a local one (tests, the single-process generator),
 so the API never knows where the layers are.
 
-Theory of operation: `open()` waits in a bounded queue for the cluster's turn (a lock), runs the prefill and
-returns a `GenerationStream` that holds the turn until it is closed. A whole reply drains the stream; a
-streamed reply hands it to the HTTP server, which pulls one step per write and closes it when the reply ends
-or the client goes away. Closing between steps is always safe: the generation loop is suspended at that point,
-and the next request starts with a prefill that replaces every cache.
+Theory of operation: a scheduler. `open()` validates a request, puts it in the bounded wait queue and waits for
+its first step; the reply (whole or streamed) then pulls the rest from its `GenerationStream`. One loop thread,
+running while there is work, owns the batch and steps it:
+
+    admit     move waiting requests into the batch while it has fewer than `max_batch` sequences (a request
+              admitted while a worker is missing fails with ClusterNotReady)
+    drop      sequences whose client went away leave, and their caches are released
+    step      one pipeline call for the whole batch (Generator.step): every decoding sequence runs one position,
+              and sequences still reading their prompt share `prefill_chunk` prompt positions, so a long prompt
+              arriving never stalls the running streams for more than one chunk
+    deliver   each sequence that chose a token gets its Step on its own queue; a finished one leaves the batch
+              and its caches are released at once
+
+A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
+the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
+its own (generation.SequenceState), and the batch only shares the weight reads.
+
+States of a request: waiting (in the queue) -> running (in the batch) -> done (finished, failed or abandoned).
 """
 from __future__ import annotations
 
+import collections
+import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from ..generation import Completion, Generator, Step
+from ..generation import Completion, Generator, SequenceState, Step
 from ..model.tokenizer import TextTokenizer
 from ..sampling import SamplingParams
 from .metrics import Hop, Metrics
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_PREFILL_CHUNK = 256
+RATE_WINDOW_S = 10.0  # aggregate tokens/s is measured over this much recent time
 
 
 @dataclass(frozen=True)
@@ -69,9 +88,10 @@ class GenerationSummary:
 
     prompt_tokens: int
     completion_tokens: int  # tokens sent to the client
-    time_to_first_token_s: float  # prefill and the first token's choice
-    decode_s: float  # the steps after the first, at the head (writes to the client not included)
+    time_to_first_token_s: float  # from entering the batch to the first token's choice
+    decode_s: float  # from the first token to the last
     outcome: str  # "stop", "length", "abandoned" or "error"
+    queue_wait_s: float = 0.0  # waiting for a place in the batch
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -79,40 +99,45 @@ class GenerationSummary:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-class GenerationStream:
-    """One generation holding the cluster's turn. Iterate for its steps; `close()` (always) gives the turn back.
+class _Request:
+    """One request between open() and its end: its sequence, and the queue its steps (or its error) arrive on."""
 
-    Created by `GenerationService.open` with the first step (the prefill) already computed, so that the errors
-    of starting a generation reach the caller before any reply is sent.
+    def __init__(self, sequence: SequenceState):
+        self.sequence = sequence
+        self.outbox: queue.Queue[Step | BaseException] = queue.Queue()
+        self.queued_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.abandoned = False  # the client went away: the loop drops it at the next step boundary
+        self.done = False  # finished, failed or dropped: no more steps will come
+
+    @property
+    def queue_wait_s(self) -> float:
+        return (self.admitted_at or time.perf_counter()) - self.queued_at
+
+    def next(self) -> Step:
+        item = self.outbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class GenerationStream:
+    """One generation. Iterate for its steps; `close()` (always) ends it, giving its place in the batch back.
+
+    Created by `GenerationService.open` with the first step already computed, so that the errors of starting a
+    generation reach the caller before any reply is sent.
     """
 
-    def __init__(self, service: "GenerationService", steps: Iterator[Step], prompt_tokens: int):
-        self._service, self._steps = service, steps
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, service: "GenerationService", request: _Request, first: Step):
+        self._service, self._request = service, request
+        self.prompt_tokens = len(request.sequence.prompt_ids)
         self.completion: Completion | None = None
         self.outcome: str | None = None
         self.completion_tokens = 0
-        self.first_step_s = 0.0
-        self.decode_s = 0.0
-        self._step_count = 0
         self._closed = False
-        self._first = self._advance()
+        self._first = self._take(first)
 
-    def _advance(self) -> Step:
-        phase = "prefill" if self._step_count == 0 else "decode"
-        started = time.perf_counter()
-        try:
-            step = next(self._steps)
-        except BaseException:
-            self.outcome = "error"
-            raise
-        elapsed = time.perf_counter() - started
-        self._step_count += 1
-        self._service.observe_step(phase, elapsed)
-        if phase == "prefill":
-            self.first_step_s = elapsed
-        else:
-            self.decode_s += elapsed
+    def _take(self, step: Step) -> Step:
         self.completion_tokens += len(step.tokens)
         if step.completion is not None:
             self.completion, self.outcome = step.completion, step.completion.finish_reason
@@ -125,7 +150,11 @@ class GenerationStream:
             yield step
             if step.completion is not None or self._closed:
                 return
-            step = self._advance()
+            try:
+                step = self._take(self._request.next())
+            except BaseException:
+                self.outcome = "error"
+                raise
 
     def drain(self) -> Completion:
         """Run the generation to its end and return the Completion."""
@@ -135,18 +164,21 @@ class GenerationStream:
         return self.completion
 
     def summary(self) -> GenerationSummary:
-        return GenerationSummary(self.prompt_tokens, self.completion_tokens, self.first_step_s, self.decode_s,
-                                 self.outcome or "abandoned")
+        sequence = self._request.sequence
+        started = sequence.started or 0.0
+        first = sequence.first_token_at or started
+        last = sequence.last_token_at or first
+        return GenerationSummary(self.prompt_tokens, self.completion_tokens, first - started, last - first,
+                                 self.outcome or "abandoned", self._request.queue_wait_s)
 
     def close(self) -> None:
-        """End the generation (if it is still running) and give the cluster's turn back. Idempotent."""
+        """End the generation (if it is still running) and give its place back. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._steps.close()
         if self.outcome is None:
             self.outcome = "abandoned"
-        self._service.finished(self)
+        self._service.finished(self, self._request)
 
     def __enter__(self) -> "GenerationStream":
         return self
@@ -155,106 +187,247 @@ class GenerationStream:
         self.close()
 
 
-class GenerationService:
-    """Serialises generations (one at a time: the pipeline has one set of caches) behind a bounded wait queue.
+class GenerationGroup:
+    """The choices of one request (its `n`): a generation each, side by side in the batch, logged as one."""
 
-    Up to `max_queue` requests wait while one generates; one more is refused with QueueFull.
+    def __init__(self, streams: list[GenerationStream]):
+        self.streams = streams
+
+    def summary(self) -> GenerationSummary:
+        parts = [s.summary() for s in self.streams]
+        outcomes = {p.outcome for p in parts}
+        outcome = parts[0].outcome if len(outcomes) == 1 else ",".join(p.outcome for p in parts)
+        return GenerationSummary(parts[0].prompt_tokens, sum(p.completion_tokens for p in parts),
+                                 max(p.time_to_first_token_s for p in parts), max(p.decode_s for p in parts),
+                                 outcome, max(p.queue_wait_s for p in parts))
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    def __enter__(self) -> "GenerationGroup":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class GenerationService:
+    """Runs up to `max_batch` generations together (the module's docstring), with `max_queue` more waiting.
 
     `step_hops`, when given, returns the last pipeline step's hops (RemotePipeline.last_hops) for the metrics.
-    The service registers its live gauges (queue, nodes) on `metrics`, so give each service its own Metrics.
+    The service registers its live gauges (queue, batch, nodes) on `metrics`, so give each service its own Metrics.
     """
 
     def __init__(self, model_id: str, tokenizer: TextTokenizer, generator: Generator,
-                 readiness: Callable[[], Readiness], max_queue: int = 16, *,
-                 step_hops: Callable[[], Sequence[Hop]] | None = None, metrics: Metrics | None = None):
+                 readiness: Callable[[], Readiness], max_queue: int = 16, *, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_hops: Callable[[], Sequence[Hop]] | None = None,
+                 metrics: Metrics | None = None):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be at least 1")
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.generator = generator
         self.context_length = generator.context_length
         self.readiness = readiness
-        self.max_queue = max_queue
+        self.max_queue, self.max_batch, self.prefill_chunk = max_queue, max_batch, prefill_chunk
         self.step_hops = step_hops
         self.metrics = metrics if metrics is not None else Metrics()
-        self.metrics.watch(lambda: self.queue_depth, lambda: self.running, self._node_states)
-        self._turn = threading.Lock()
-        self._count_lock = threading.Lock()
-        self._admitted = 0  # waiting for the turn or holding it
-        self._running = 0
+        self.metrics.watch(lambda: self.queue_depth, lambda: self.running, self._node_states,
+                           slots=lambda: self.max_batch, tokens_per_s=self.tokens_per_s)
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._batch: list[_Request] = []
+        self._loop: threading.Thread | None = None
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
 
+    # --- views -------------------------------------------------------------------------------------------------
     def _node_states(self) -> tuple[Sequence[str], Sequence[str]]:
         readiness = self.readiness()
         return readiness.ready, readiness.missing
 
     @property
     def queue_depth(self) -> int:
-        """Generations waiting for their turn (the running one not counted)."""
-        with self._count_lock:
-            return self._admitted - self._running
+        """Generations waiting for a place in the batch."""
+        with self._lock:
+            return len(self._waiting)
 
     @property
     def running(self) -> int:
-        return self._running
+        """Generations in the batch."""
+        with self._lock:
+            return len(self._batch)
 
+    def sequences(self) -> list[dict]:
+        """The batch's sequences, for /v1/cluster."""
+        with self._lock:
+            batch = list(self._batch)
+        return [{"sequence": r.sequence.id, "prompt_tokens": len(r.sequence.prompt_ids),
+                 "completion_tokens": len(r.sequence.text.tokens),
+                 "phase": "decode" if r.sequence.decoding else "prefill"} for r in batch]
+
+    def tokens_per_s(self) -> float:
+        """Tokens chosen per second, all sequences together, over the last RATE_WINDOW_S."""
+        now = time.perf_counter()
+        with self._lock:
+            while self._recent_tokens and self._recent_tokens[0][0] < now - RATE_WINDOW_S:
+                self._recent_tokens.popleft()
+            if not self._recent_tokens:
+                return 0.0
+            total = sum(n for _, n in self._recent_tokens)
+            span = now - self._recent_tokens[0][0]
+        return total / max(span, 1.0)
+
+    # --- requests ----------------------------------------------------------------------------------------------
     def _check_ready(self) -> None:
         readiness = self.readiness()
         if not readiness.is_ready:
             raise ClusterNotReady(readiness)
 
-    def _admit(self) -> None:
-        with self._count_lock:
-            # max_queue requests may wait while one generates: the one holding the turn is not in the queue
-            if self._admitted >= self.max_queue + 1:
-                raise QueueFull(self.max_queue)
-            self._admitted += 1
-
-    def _leave(self, held_turn: bool) -> None:
-        with self._count_lock:
-            self._admitted -= 1
-            if held_turn:
-                self._running -= 1
-        if held_turn:
-            self._turn.release()
-
     def open(self, prompt_ids: list[int], params: SamplingParams) -> GenerationStream:
-        """Wait for the cluster's turn and start a generation: its prefill has run when this returns.
+        """Start a generation: its first step (its prompt read, its first token chosen) has run when this returns.
 
         Raises ClusterNotReady, QueueFull, WorkerLost, StageFailed, ValueError. The caller must close() the
-        stream it gets (a `with` block does), or the cluster stays taken.
+        stream it gets (a `with` block does), or its place in the batch stays taken.
         """
+        return self.open_choices(prompt_ids, [params])[0]
+
+    def open_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams]) -> list[GenerationStream]:
+        """Start one generation per entry of `choices` for the same prompt, all at once (they join the batch in
+        the same step), as `open` does; if one cannot start, none is left running."""
         self._check_ready()
-        self._admit()
-        held = False
+        requests = [_Request(self.generator.start(prompt_ids, params)) for params in choices]  # ValueError
+        with self._lock:
+            # max_queue requests may wait while max_batch run
+            if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
+                self.metrics.generations.labels("error").inc()
+                raise QueueFull(self.max_queue)
+            self._waiting.extend(requests)
+            if self._loop is None:
+                self._loop = threading.Thread(target=self._run, name="scheduler", daemon=True)
+                self._loop.start()
+        streams: list[GenerationStream] = []
         try:
-            waiting_since = time.perf_counter()
-            self._turn.acquire()
-            held = True
-            with self._count_lock:
-                self._running += 1
-            self.metrics.queue_wait.observe(time.perf_counter() - waiting_since)
-            self._check_ready()  # a worker may have gone while we waited
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
-            return GenerationStream(self, self.generator.stream(prompt_ids, params), len(prompt_ids))
+            for request in requests:
+                streams.append(GenerationStream(self, request, request.next()))
         except BaseException:
             self.metrics.generations.labels("error").inc()
-            self._leave(held)
+            for stream in streams:
+                stream.close()
+            for request in requests[len(streams):]:
+                request.abandoned = True  # the loop drops it at its next step boundary
             raise
+        self.metrics.prompt_tokens.inc(len(prompt_ids) * len(streams))
+        for stream in streams:
+            self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
+        return streams
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """Run one whole generation. Raises as `open` does, and the pipeline's errors of later steps."""
         with self.open(prompt_ids, params) as stream:
             return stream.drain()
 
-    def observe_step(self, phase: str, elapsed_s: float) -> None:
-        if phase == "prefill":
-            self.metrics.time_to_first_token.observe(elapsed_s)
-        else:
-            self.metrics.decode_step.observe(elapsed_s)
-        if self.step_hops is not None:
-            self.metrics.observe_step(phase, self.step_hops())
-
-    def finished(self, stream: GenerationStream) -> None:
-        """A stream was closed: count it and give the turn back."""
+    def finished(self, stream: GenerationStream, request: _Request) -> None:
+        """A stream was closed: count it; if it still runs, the loop drops it at the next step boundary."""
+        request.abandoned = True
         summary = stream.summary()
         self.metrics.generations.labels(summary.outcome).inc()
         self.metrics.completion_tokens.inc(summary.completion_tokens)
-        self._leave(held_turn=True)
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        """The scheduler loop: admit, drop, step, deliver, while there is work (the module's docstring)."""
+        try:
+            while self._cycle():
+                pass
+        except BaseException as exc:  # a bug in the loop itself: no request may wait for ever on it
+            self._fail(self._take_everyone(), exc)
+            raise
+
+    def _cycle(self) -> bool:
+        """One turn of the loop; False when there is no work left (the thread then ends)."""
+        admitted, refused, dropped = self._admit_and_drop()
+        for request, exc in refused:
+            self._fail([request], exc)
+        self._release(dropped)
+        for request in admitted:
+            self.metrics.queue_wait.observe(request.queue_wait_s)
+        with self._lock:
+            batch = list(self._batch)
+            if not batch and not self._waiting:
+                self._loop = None
+                return False
+        if not batch:
+            return True
+        self._step(batch)
+        return True
+
+    def _admit_and_drop(self) -> tuple[list[_Request], list[tuple[_Request, BaseException]], list[_Request]]:
+        readiness = self.readiness()
+        admitted, refused = [], []
+        with self._lock:
+            dropped = [r for r in self._batch if r.abandoned]
+            self._batch = [r for r in self._batch if not r.abandoned]
+            while self._waiting and len(self._batch) < self.max_batch:
+                request = self._waiting.popleft()
+                request.admitted_at = time.perf_counter()
+                if request.abandoned:
+                    continue
+                if not readiness.is_ready:  # a worker went while it waited
+                    refused.append((request, ClusterNotReady(readiness)))
+                    continue
+                self._batch.append(request)
+                admitted.append(request)
+        return admitted, refused, dropped
+
+    def _step(self, batch: list[_Request]) -> None:
+        reading = any(not r.sequence.decoding for r in batch)
+        started = time.perf_counter()
+        try:
+            results = self.generator.step([r.sequence for r in batch], self.prefill_chunk)
+        except Exception as exc:  # the pipeline's errors end this step's sequences, not the service
+            with self._lock:
+                self._batch = [r for r in self._batch if r not in batch]
+            self._fail(batch, exc)
+            self._release(batch)
+            return
+        elapsed = time.perf_counter() - started
+        self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
+        by_sequence = {r.sequence.id: r for r in batch}
+        ended = []
+        for sequence, step in results:
+            request = by_sequence[sequence.id]
+            request.outbox.put(step)
+            if step.completion is not None:
+                ended.append(request)
+        if ended:
+            with self._lock:
+                self._batch = [r for r in self._batch if r not in ended]
+            self._release(ended)
+
+    def _observe_step(self, phase: str, elapsed_s: float, batch_size: int, tokens: int) -> None:
+        if phase == "decode":
+            self.metrics.decode_step.observe(elapsed_s)
+        self.metrics.batch_size.observe(batch_size)
+        with self._lock:
+            self._recent_tokens.append((time.perf_counter(), tokens))
+        if self.step_hops is not None:
+            self.metrics.observe_step(phase, self.step_hops())
+
+    def _release(self, requests: list[_Request]) -> None:
+        for request in requests:
+            request.done = True
+        if requests:  # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
+            self.generator.pipeline.release([r.sequence.id for r in requests])
+
+    def _fail(self, requests: list[_Request], exc: BaseException) -> None:
+        for request in requests:
+            request.done = True
+            request.outbox.put(exc)
+
+    def _take_everyone(self) -> list[_Request]:
+        with self._lock:
+            everyone = self._batch + list(self._waiting)
+            self._batch, self._loop = [], None
+            self._waiting.clear()
+        return everyone

@@ -6,7 +6,9 @@ chunks' text (and their log-probability entries) gives exactly the whole body's,
 only ever releases final text. A chat reply that may call tools reads its text through `ToolCallStream`, which
 holds back what may be a call and settles it as the whole reply's parser does (tool_calls.py).
 
-Streams are server-sent events: `data: {chunk}` lines, then `data: [DONE]`. `EventStream` is the WSGI body.
+Streams are server-sent events: `data: {chunk}` lines, then `data: [DONE]`. `EventStream` is the WSGI body. A
+request for several choices (`n`) streams them side by side: one step of each in turn (they share the batch's
+steps), each chunk naming its choice's index, and one usage chunk for all of them at the end.
 Waitress only learns that a client has gone when a write fails, and the first write after a client closes its
 socket still succeeds (the reply to it is a reset), so before each next step the stream writes an SSE comment
 (`: `, which clients skip) behind the step's chunk. A client that walks away is thus noticed within one step;
@@ -304,41 +306,61 @@ class ChatReply:
 class EventStream:
     """The WSGI body of a streamed reply. Waitress writes each item as it comes and always calls close().
 
-    `error_body` turns an exception raised mid-stream into an OpenAI error object, sent as the last event (the
-    status line has long gone out); `on_close` runs once when the reply ends, however it ends.
+    `generations` and `replies` go in pairs, one per choice. `error_body` turns an exception raised mid-stream
+    into an OpenAI error object, sent as the last event (the status line has long gone out); `on_close` runs once
+    when the reply ends, however it ends.
     """
 
-    def __init__(self, generation: GenerationStream, reply: ReplyFormat, *, include_usage: bool,
+    def __init__(self, generations: list[GenerationStream], replies: list[ReplyFormat], *, include_usage: bool,
                  error_body: Callable[[Exception], dict[str, Any]], on_close: Callable[["EventStream"], None]):
-        self.generation, self.reply, self.include_usage = generation, reply, include_usage
+        self.generations, self.replies, self.include_usage = generations, replies, include_usage
         self._error_body, self._on_close = error_body, on_close
         self._closed = False
         self._chunks = self._events()
 
+    def _choice_events(self, index: int, step: Step, opened: bool) -> Iterator[bytes]:
+        """The chunks of one choice's step, their choices carrying `index`."""
+        reply = self.replies[index]
+        chunks = [] if opened else reply.opening(step)
+        chunks += reply.deltas(step)
+        if step.completion is not None:
+            chunks += reply.closing(step.completion)
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                choice["index"] = index
+            yield sse(chunk)
+
     def _events(self) -> Iterator[bytes]:
-        opened = False
+        steps = [iter(generation) for generation in self.generations]
+        running = list(range(len(steps)))
+        completions: dict[int, Completion] = {}
+        opened: set[int] = set()
         try:
-            for step in self.generation:
-                if not opened:
-                    opened = True
-                    for opening in self.reply.opening(step):
-                        yield sse(opening)
-                for chunk in self.reply.deltas(step):
-                    yield sse(chunk)
-                if step.completion is None:
+            while running:
+                for index in list(running):
+                    step = next(steps[index])
+                    yield from self._choice_events(index, step, index in opened)
+                    opened.add(index)
+                    if step.completion is not None:
+                        completions[index] = step.completion
+                        running.remove(index)
+                if running:
                     # Before the next step, one more write: a client that has closed its socket answers the
                     # previous write with a reset, so this write fails and Waitress stops the stream here,
                     # rather than after another step.
                     yield KEEPALIVE
-                else:
-                    for chunk in self.reply.closing(step.completion):
-                        yield sse(chunk)
-                    if self.include_usage:
-                        yield sse(self.reply.usage_chunk(step.completion))
+            if self.include_usage:
+                yield sse(self._usage([completions[i] for i in range(len(steps))]))
         except Exception as exc:  # the client hears of it in the stream; the log has the rest
             yield sse(self._error_body(exc))
             return
         yield DONE
+
+    def _usage(self, completions: list[Completion]) -> dict[str, Any]:
+        chunk = self.replies[0].usage_chunk(completions[0])
+        produced = sum(c.completion_tokens for c in completions)
+        chunk["usage"] = usage(completions[0].prompt_tokens, produced)
+        return chunk
 
     def __iter__(self) -> "EventStream":
         return self
@@ -353,5 +375,6 @@ class EventStream:
         try:
             self._chunks.close()
         finally:
-            self.generation.close()
+            for generation in self.generations:
+                generation.close()
             self._on_close(self)

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..batch_memory import plan_batch
 from ..model.config import MODEL_TYPE, Qwen2Config
 from ..model.weights import layer_tensor_names
 from ..planner import Plan, Stage
@@ -39,7 +40,7 @@ from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
                                  Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Message, Ping, Pong, RunDecode, RunPrefill)
+                                 LoadFailed, LoadProgress, Message, Ping, Pong, Release, RunBatch)
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
@@ -121,30 +122,49 @@ class WorkerLink:
             self._pending = None
         self.replies.put(env)
 
-    def request(self, message: RunPrefill | RunDecode, request_id: str, seq: int) -> HiddenState:
+    def release(self, sequences: list[int]) -> None:
+        """Tell the worker these sequences ended (no reply). A link that is gone has dropped every cache anyway."""
+        if self.closed.is_set():
+            return
+        try:
+            self.conn.send(Release(sequences=tuple(sequences)))
+        except OSError as exc:
+            self.close(f"send failed: {exc}")
+
+    def request(self, message: RunBatch, request_id: str, seq: int) -> HiddenState:
         """Send one inference command and wait for its reply, up to the step's bound (step_deadline.py).
 
         Raises WorkerLost (the worker is gone, or was dropped for missing the bound) or StageFailed.
         """
+        return self.await_reply(self.send_command(message, request_id, seq))
+
+    def send_command(self, message: RunBatch, request_id: str, seq: int) -> "Sent":
+        """Send one inference command without waiting; `await_reply` takes what this returns. A link has at most
+        one command in flight. Raises WorkerLost."""
         node = self.node_id or self.entry_id
         if self.closed.is_set():
             raise WorkerLost(node, self.close_reason)
         positions = message.hidden_state.shape[1]
-        kind = "prefill" if isinstance(message, RunPrefill) else "decode"
-        bound = self.steps.bound(kind, positions)
+        kind = "decode" if message.is_decode else "prefill"
         with self._pending_lock:
             self._pending = (request_id, seq)
-        sent = time.monotonic()
+        sent = Sent(message, kind, positions, self.steps.bound(kind, positions), time.monotonic())
         try:
             self.conn.send(message, request_id, seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
             raise WorkerLost(node, self.close_reason) from exc
+        return sent
+
+    def await_reply(self, sent: "Sent") -> HiddenState:
+        """The reply to the command `send_command` sent, within its bound. Raises WorkerLost or StageFailed."""
+        node = self.node_id or self.entry_id
+        kind, positions = sent.kind, sent.positions
         try:
-            reply = self.replies.get(timeout=max(0.0, bound - (time.monotonic() - sent)))
+            reply = self.replies.get(timeout=max(0.0, sent.bound - (time.monotonic() - sent.at)))
         except queue.Empty:
-            self._drop(self, f"no reply to {message.TYPE} within {bound:.3g}s ({self.steps.explain(kind, positions)}"
-                             "): its compute is hung or has failed")
+            self._drop(self, f"no reply to {sent.message.TYPE} within {sent.bound:.3g}s "
+                             f"({self.steps.explain(kind, positions)}): its compute is hung or has failed")
             raise WorkerLost(node, self.close_reason) from None
         if reply is _LOST:
             self.replies.put(_LOST)  # later waiters must see it too
@@ -154,11 +174,22 @@ class WorkerLink:
         hidden = reply.message.hidden_state  # [1, positions, hidden]
         expected = (1, positions, self.hidden_size)
         if tuple(hidden.shape) != expected:
-            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {message.TYPE} of {positions} position(s) "
+            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {sent.message.TYPE} of {positions} row(s) "
                         f"needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
-        self.steps.record(kind, positions, time.monotonic() - sent)
+        self.steps.record(kind, positions, time.monotonic() - sent.at)
         return reply.message
+
+
+@dataclass(frozen=True)
+class Sent:
+    """An inference command on its way: what `await_reply` needs to wait for its answer."""
+
+    message: RunBatch
+    kind: str  # "prefill" or "decode", for the step's bound
+    positions: int
+    bound: float  # seconds the reply may take
+    at: float  # time.monotonic() when it was sent
 
 
 @dataclass
@@ -177,6 +208,7 @@ class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None,
                  on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S):
         self.topology, self.plan, self.config = topology, plan, config
+        self.batch = plan_batch(plan, config, topology.head.max_batch)  # PlanError when max_batch cannot fit
         self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
         self.lock = threading.Lock()
@@ -253,6 +285,11 @@ class WorkerRegistry:
                     raise WorkerLost(stage.node_id, slot.detail or "not connected")
                 links.append(slot.link)
         return links
+
+    def serving_links(self) -> list[WorkerLink]:
+        """The links of the planned nodes that have a worker now (ready or not), in pipeline order."""
+        with self.lock:
+            return [slot.link for slot in (self.slots[s.node_id] for s in self.plan.stages) if slot.link is not None]
 
     def _live_links(self) -> list[WorkerLink]:
         with self.lock:
@@ -444,7 +481,8 @@ class WorkerRegistry:
                           quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
                           tensor_count=len(layer_tensor_names(stage.start, stage.end)),
-                          threads=self.topology.node(link.entry_id).threads)
+                          threads=self.topology.node(link.entry_id).threads,
+                          max_sequences=self.batch.max_batch)
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:

@@ -5,13 +5,20 @@ half-open range [start, end) of decoder layers keyed by their global layer numbe
 the safetensors key names, so a checkpoint loads with no renaming, except two fused layers: q/k/v_proj load into
 one qkv_proj and gate/up_proj into one gate_up_proj (a load_state_dict pre-hook concatenates their rows), so a
 decode step runs four products per layer instead of seven.
+
+A stage runs a ragged batch: the rows of several sequences, each a `Span` of consecutive positions with its own
+KV cache, side by side in one [1, rows, hidden] tensor. Every product runs once over all the rows (a decode step
+of eight sequences reads each weight once, not eight times); rotary takes each row's own position, and attention
+runs span by span against that span's cache. A row's result never depends on the other rows beside it, up to the
+last bits of a product that the BLAS may block differently for a different row count.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +196,13 @@ class Rotary:
         cos, sin = self._tables[dtype]
         return cos[start:end], sin[start:end]
 
+    def span_tables(self, spans: Sequence["Span"], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, 1, D] for the rows of a ragged batch, each at its own position."""
+        if len(spans) == 1:
+            return self.tables(spans[0].start, spans[0].length, dtype)
+        parts = [self.tables(s.start, s.length, dtype) for s in spans]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding in place: x * cos + rotate_half(x) * sin, with transformers' roundings.
@@ -211,6 +225,15 @@ def _fuse_rows(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...]
             state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(name) for name in names])
 
 
+@dataclass(frozen=True)
+class Span:
+    """One sequence's rows in a ragged batch: `length` positions from `start`, stored in and attending to `cache`."""
+
+    cache: KVCache
+    start: int
+    length: int
+
+
 class Attention(nn.Module):
     # None: a prefill expands the KV heads where this torch and device need it (expand_kv_heads_on); True or False
     # forces the choice, so the two ways can be compared on any machine
@@ -228,31 +251,43 @@ class Attention(nn.Module):
             lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "qkv_proj",
                                                               ("q_proj", "k_proj", "v_proj"), ("weight", "bias")))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, position_start: int) -> torch.Tensor:
-        b, length, _ = x.shape  # [B, L, hidden]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
+                layer: int) -> torch.Tensor:
+        _, rows, _ = x.shape  # [1, rows, hidden]: the spans' rows one after another
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(b, length, h + 2 * h_kv, d)  # [B, L, heads, D]: q heads, k heads, v heads
+        qkv = self.qkv_proj(x).view(1, rows, h + 2 * h_kv, d)  # [1, rows, heads, D]: q heads, k heads, v heads
         rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
-        kv = qkv[:, :, h:].unflatten(2, (2, h_kv)).permute(2, 0, 3, 1, 4)  # [2, B, H_kv, L, D], a view
-        keys, values = cache.update(layer, position_start, kv)  # [B, H_kv, T, D] each, T = start + L
+        if len(spans) == 1:
+            return self.o_proj(self._attend(qkv, spans[0], layer))
+        outs, row = [], 0
+        for span in spans:
+            outs.append(self._attend(qkv[:, row:row + span.length], span, layer))
+            row += span.length
+        return self.o_proj(torch.cat(outs, dim=1))
+
+    def _attend(self, qkv: torch.Tensor, span: Span, layer: int) -> torch.Tensor:
+        """One span's attention: qkv [1, L, heads, D] of its rows -> [1, L, H * D], its keys and values cached."""
+        length, position_start = qkv.shape[1], span.start
+        h, h_kv = self.n_heads, self.n_kv_heads
+        kv = qkv[:, :, h:].unflatten(2, (2, h_kv)).permute(2, 0, 3, 1, 4)  # [2, 1, H_kv, L, D], a view
+        keys, values = span.cache.update(layer, position_start, kv)  # [1, H_kv, T, D] each, T = start + L
         if length == 1:
             # One query sees every cached position, so the query heads sharing a KV head can go in as a block of
             # queries against it: no head is repeated and no mask is needed. (SDPA's own GQA path for bf16 took
             # 8x longer at 128 positions and 30x at 2048.)
-            q = qkv[:, 0, :h].unflatten(1, (h_kv, h // h_kv))  # [B, H_kv, H / H_kv, D]
+            q = qkv[:, 0, :h].unflatten(1, (h_kv, h // h_kv))  # [1, H_kv, H / H_kv, D]
             out = F.scaled_dot_product_attention(q, keys, values)
-            return self.o_proj(out.view(b, 1, -1))  # [B, H_kv, H / H_kv, D] -> [B, 1, hidden]
-        q = qkv[:, :, :h].transpose(1, 2)  # [B, H, L, D]
+            return out.reshape(1, 1, -1)  # [1, H_kv, H / H_kv, D] -> [1, 1, H * D]
+        q = qkv[:, :, :h].transpose(1, 2)  # [1, H, L, D]
         if position_start == 0:
             mask, causal = None, True
         else:  # a chunk after cached positions: query i sees keys up to position_start + i
-            q_pos = torch.arange(position_start, position_start + length, device=x.device)
-            k_pos = torch.arange(position_start + length, device=x.device)
+            q_pos = torch.arange(position_start, position_start + length, device=qkv.device)
+            k_pos = torch.arange(position_start + length, device=qkv.device)
             mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [L, T]
         expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
-        out = grouped_attention(q, keys, values, mask, causal, expand)  # [B, H, L, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        out = grouped_attention(q, keys, values, mask, causal, expand)  # [1, H, L, D]
+        return out.transpose(1, 2).reshape(1, length, -1)
 
 
 class MLP(nn.Module):
@@ -278,8 +313,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, layer, position_start):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, position_start)  # x is the caller's
+    def forward(self, x, cos, sin, spans, layer):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, layer)  # x is the caller's
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -343,13 +378,21 @@ class Stage(nn.Module):
         return KVCache(list(range(self.start, self.end)), c.num_key_value_heads, c.head_dim, capacity,
                        dtype, device)
 
-    @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: KVCache, position_start: int) -> torch.Tensor:
-        """Run hidden states [B, L, hidden] at positions [position_start, +L) through every layer."""
-        cos, sin = self.rotary.tables(position_start, hidden.shape[1], hidden.dtype)
+        """Run one sequence's hidden states [1, L, hidden] at positions [position_start, +L) through every layer."""
+        return self.forward_batch(hidden, [Span(cache, position_start, hidden.shape[1])])
+
+    @torch.inference_mode()
+    def forward_batch(self, hidden: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """Run a ragged batch [1, rows, hidden], the spans' rows one after another, through every layer."""
+        if hidden.shape[0] != 1 or hidden.shape[1] != sum(s.length for s in spans):
+            raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
+                             f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
+        cos, sin = self.rotary.span_tables(spans, hidden.dtype)
         for key, layer in self.layers.items():
-            hidden = layer(hidden, cos, sin, cache, int(key), position_start)
-        cache.length = position_start + hidden.shape[1]
+            hidden = layer(hidden, cos, sin, spans, int(key))
+        for span in spans:
+            span.cache.length = span.start + span.length
         return hidden
 
 

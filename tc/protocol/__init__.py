@@ -42,8 +42,9 @@ from tc.protocol.messages import (
     Message,
     Ping,
     Pong,
-    RunDecode,
-    RunPrefill,
+    BatchEntry,
+    Release,
+    RunBatch,
 )
 from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire
 
@@ -77,8 +78,9 @@ __all__ = [
     "Pong",
     "ProtocolError",
     "ProtocolVersionMismatch",
-    "RunDecode",
-    "RunPrefill",
+    "BatchEntry",
+    "Release",
+    "RunBatch",
     "connect",
     "decode_body",
     "encode",

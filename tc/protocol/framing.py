@@ -8,7 +8,7 @@ A TCP stream between head and worker carries a sequence of frames::
 
 and every body is one envelope, a CBOR map with exactly four keys::
 
-    {"type": "RUN_DECODE", "request_id": "req-1" | null, "seq": 7, "payload": {...}}
+    {"type": "RUN_BATCH", "request_id": "req-1" | null, "seq": 7, "payload": {...}}
 
 ``type`` names a class in ``messages.MESSAGE_TYPES`` and ``payload`` holds that message's fields, checked
 strictly (see messages.py). ``request_id`` ties inference traffic to one generation; ``seq`` is the sender's

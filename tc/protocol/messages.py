@@ -25,7 +25,9 @@ from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, w
 
 # 2: ASSIGNMENT lost total_weight_bytes, which no worker could use (the head holds the plan, and shows planned
 #    beside loaded bytes from LOAD_COMPLETE)
-PROTOCOL_VERSION = 2
+# 3: batches: RUN_BATCH (many sequences, each with its own cache) replaced RUN_PREFILL and RUN_DECODE, RELEASE
+#    drops finished sequences' caches, and ASSIGNMENT says how many sequences a worker holds at once
+PROTOCOL_VERSION = 3
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -417,6 +419,7 @@ class Assignment(Message):
     config: dict[str, Any] = wire(_JsonMap())  # config.json's contents
     tensor_count: int = wire(COUNT)  # tensors in the layer range; a checkpoint with more has weights tc would skip
     threads: int | None = wire(_Optional(COUNT), default=None)  # torch threads, from the entry (None: worker's own)
+    max_sequences: int = wire(_Int(1), default=1)  # KV caches the worker holds at once: the head's max_batch
 
     def _validate(self) -> None:
         if self.layer_end_exclusive <= self.layer_start:
@@ -489,36 +492,74 @@ class Error(Message):
 @_message
 @dataclass(frozen=True)
 class ClearCache(Message):
-    """Head -> worker: drop the KV cache of the current request."""
+    """Head -> worker: drop every sequence's KV cache. No reply."""
 
     TYPE: ClassVar[str] = "CLEAR_CACHE"
 
 
 @_message
-@dataclass(frozen=True, eq=False, repr=False)
-class RunPrefill(Message):
-    """Head -> worker: run the stage over positions [position_start, position_start + seq) and fill the cache."""
+@dataclass(frozen=True)
+class Release(Message):
+    """Head -> worker: these sequences ended; drop their KV caches (unknown ones are ignored). No reply."""
 
-    TYPE: ClassVar[str] = "RUN_PREFILL"
+    TYPE: ClassVar[str] = "RELEASE"
+    sequences: tuple[int, ...] = wire(_TupleOf(COUNT))
+
+
+@_wire_struct
+@dataclass(frozen=True)
+class BatchEntry(WireStruct):
+    """One sequence's rows in a RUN_BATCH: positions [position_start, position_start + length).
+
+    position_start 0 starts the sequence: the worker makes it a fresh cache of cache_capacity positions (prompt +
+    max_tokens). Otherwise its cache must hold exactly position_start positions.
+    """
+
+    sequence: int = wire(COUNT)  # the head's id for the sequence, the key of its cache
     position_start: int = wire(COUNT)
-    cache_capacity: int = wire(COUNT)  # tokens the KV cache must hold for this request (prompt + max_tokens)
-    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]
+    length: int = wire(_Int(1))
+    cache_capacity: int = wire(_Int(1))
+
+    def _validate(self) -> None:
+        if self.position_start + self.length > self.cache_capacity:
+            raise ValueError(f"sequence {self.sequence}: positions up to {self.position_start + self.length} do not "
+                             f"fit its cache_capacity {self.cache_capacity}")
 
 
 @_message
 @dataclass(frozen=True, eq=False, repr=False)
-class RunDecode(Message):
-    """Head -> worker: run the stage for one new token at ``position``, appending to the cache."""
+class RunBatch(Message):
+    """Head -> worker: run the stage over a ragged batch, each entry against its own sequence's cache.
 
-    TYPE: ClassVar[str] = "RUN_DECODE"
-    position: int = wire(COUNT)
-    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, 1, hidden]
+    hidden_state holds the entries' rows one after another: a prompt chunk is an entry of its length, a decode
+    step an entry of length 1.
+    """
+
+    TYPE: ClassVar[str] = "RUN_BATCH"
+    entries: tuple[BatchEntry, ...] = wire(_TupleOf(_Struct(BatchEntry)))
+    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, sum of the entries' lengths, hidden]
+
+    def _validate(self) -> None:
+        if not self.entries:
+            raise ValueError("RunBatch has no entries")
+        sequences = [e.sequence for e in self.entries]
+        if len(set(sequences)) != len(sequences):
+            raise ValueError(f"RunBatch names a sequence twice: {sequences}")
+        rows = sum(e.length for e in self.entries)
+        if self.hidden_state.dim() != 3 or self.hidden_state.shape[0] != 1 or self.hidden_state.shape[1] != rows:
+            raise ValueError(f"RunBatch hidden_state has shape {list(self.hidden_state.shape)}; its entries need "
+                             f"[1, {rows}, hidden]")
+
+    @property
+    def is_decode(self) -> bool:
+        """Every entry is one position: a decode step (for step deadlines and metrics)."""
+        return all(e.length == 1 for e in self.entries)
 
 
 @_message
 @dataclass(frozen=True, eq=False, repr=False)
 class HiddenState(Message):
-    """Worker -> head: the stage's output for a RUN_PREFILL or RUN_DECODE."""
+    """Worker -> head: the stage's output for a RUN_BATCH, its rows in the same order."""
 
     TYPE: ClassVar[str] = "HIDDEN_STATE"
     hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]

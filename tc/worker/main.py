@@ -43,7 +43,7 @@ from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill)
+                                 LoadFailed, LoadProgress, Ping, Pong, Release, RunBatch)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
@@ -271,9 +271,9 @@ class Worker:
                 elif isinstance(msg, Assignment):
                     assigned = True
                     jobs.put(env)
-                elif isinstance(msg, (RunPrefill, RunDecode)) and not assigned:
+                elif isinstance(msg, RunBatch) and not assigned:
                     raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
-                elif isinstance(msg, (RunPrefill, RunDecode, ClearCache)):
+                elif isinstance(msg, (RunBatch, Release, ClearCache)):
                     jobs.put(env)
                 elif isinstance(msg, Error) and msg.code == ERROR_SHUTTING_DOWN:
                     log.warning("the head says: %s; rejoining", msg.message)
@@ -320,6 +320,9 @@ class Worker:
                 elif isinstance(msg, ClearCache):
                     if runtime is not None:
                         runtime.clear()
+                elif isinstance(msg, Release):
+                    if runtime is not None:
+                        runtime.release(msg.sequences)
                 elif runtime is None:
                     conn.send(Error(code="not_loaded", message=f"{msg.TYPE} before an ASSIGNMENT was loaded"),
                               env.request_id, env.seq)
@@ -343,11 +346,12 @@ class Worker:
         conn.close()
 
     @staticmethod
-    def infer(runtime: StageRuntime, msg: RunPrefill | RunDecode):
-        """Run one command; any failure (out of memory, a bad shape the checks missed, a bug) fails the request
-        only: the cache, the one state a failed step can spoil, is dropped, and the weights are untouched."""
+    def infer(runtime: StageRuntime, msg: RunBatch):
+        """Run one batch; any failure (out of memory, a bad shape the checks missed, a bug) fails that batch's
+        requests only: the caches, the one state a failed step can spoil, are dropped, and the weights are
+        untouched."""
         try:
-            return runtime.prefill(msg) if isinstance(msg, RunPrefill) else runtime.decode(msg)
+            return runtime.run(msg)
         except Exception as exc:
             log.exception("%s failed", msg.TYPE)
             runtime.clear()
@@ -402,7 +406,7 @@ class Worker:
         # the dtype it computes in after any fallback (fp16 asked of a CPU computes in fp32), not the one asked for
         conn.send(LoadComplete(load_seconds=loaded.load_seconds, weight_bytes=loaded.weight_bytes,
                                device=loaded.device, compute_dtype=compute_dtype_name(loaded.dtype)))
-        return StageRuntime(loaded)
+        return StageRuntime(loaded, max_sequences=assignment.max_sequences)
 
 
 def run_worker(args: argparse.Namespace) -> int:

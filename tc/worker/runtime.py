@@ -1,4 +1,4 @@
-"""One worker's share of the model: its layers, and the KV cache of the request in flight.
+"""One worker's share of the model: its layers, and a KV cache for each sequence in flight.
 
 Pure with respect to I/O: it takes protocol messages and returns replies; the connection lives in main.py.
 """
@@ -17,9 +17,9 @@ from .. import __version__
 from ..model.config import MODEL_TYPE, ConfigError, Qwen2Config
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
-from ..model.qwen2 import Stage, half_dtype, resolve_compute_dtype
+from ..model.qwen2 import Span, Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
-from ..protocol.messages import Assignment, HiddenState, InferenceError, RunDecode, RunPrefill
+from ..protocol.messages import Assignment, BatchEntry, HiddenState, InferenceError, RunBatch
 
 log = logging.getLogger(__name__)
 
@@ -118,68 +118,91 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
 
 
 class StageRuntime:
-    """Runs RUN_PREFILL / RUN_DECODE for one loaded stage, keeping one request's cache."""
+    """Runs RUN_BATCH for one loaded stage, keeping a KV cache per sequence, at most `max_sequences` of them."""
 
-    def __init__(self, loaded: LoadedStage, attention_budget_bytes: int = DEFAULT_ATTENTION_BUDGET_BYTES):
+    def __init__(self, loaded: LoadedStage, attention_budget_bytes: int = DEFAULT_ATTENTION_BUDGET_BYTES,
+                 max_sequences: int = 1):
         self.loaded = loaded
         self.attention_budget_bytes = attention_budget_bytes
+        self.max_sequences = max_sequences
         self.hidden_size = loaded.stage.config.hidden_size
         # A head asks for a cache of prompt + max_tokens positions, never more than the model's context: a
         # larger request is refused before it allocates anything.
         self.max_positions = loaded.stage.config.max_position_embeddings
-        self.cache: KVCache | None = None
+        self.caches: dict[int, KVCache] = {}
 
     def clear(self) -> None:
-        self.cache = None
+        self.caches.clear()
 
-    def _check_hidden(self, hidden: torch.Tensor, length: int | None) -> str | None:
-        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.hidden_size:
-            return f"hidden state has shape {list(hidden.shape)}; expected [1, L, {self.hidden_size}]"
-        if length is not None and hidden.shape[1] != length:
-            return f"a decode step carries one position, not {hidden.shape[1]}"
-        if hidden.shape[1] == 0:
-            return "hidden state has no positions"
+    def release(self, sequences: tuple[int, ...]) -> None:
+        for sequence in sequences:
+            self.caches.pop(sequence, None)
+
+    def _problem(self, msg: RunBatch) -> str | None:
+        """What makes this batch impossible to run, before anything is allocated (None: nothing)."""
+        hidden = msg.hidden_state
+        if hidden.shape[2] != self.hidden_size:
+            return f"hidden state has shape {list(hidden.shape)}; expected [1, rows, {self.hidden_size}]"
+        new = [e for e in msg.entries if e.position_start == 0 and e.sequence not in self.caches]
+        if len(self.caches) + len(new) > self.max_sequences:
+            return (f"the batch would hold {len(self.caches) + len(new)} sequences' caches; this worker was assigned "
+                    f"{self.max_sequences} (head.max_batch)")
+        for e in msg.entries:
+            if e.cache_capacity > self.max_positions:
+                return (f"sequence {e.sequence}: cache_capacity {e.cache_capacity} is over the model's context of "
+                        f"{self.max_positions} positions")
+            cache = self.caches.get(e.sequence)
+            if e.position_start != 0 and (cache is None or cache.length != e.position_start):
+                held = "no cache" if cache is None else f"a cache of {cache.length} positions"
+                return f"sequence {e.sequence} continues at position {e.position_start} but this worker holds {held}"
         return None
 
-    def _run(self, hidden: torch.Tensor, position: int) -> HiddenState:
-        assert self.cache is not None
+    def _pieces(self, entry: BatchEntry) -> list[tuple[int, int]]:
+        """(offset, length) pieces of an entry small enough for the attention budget (one piece, mostly)."""
+        if entry.length == 1:
+            return [(0, 1)]
+        step = prefill_chunk_positions(self.loaded.stage.config.num_attention_heads,
+                                       entry.position_start + entry.length, self.attention_budget_bytes)
+        return [(i, min(step, entry.length - i)) for i in range(0, entry.length, step)]
+
+    def run(self, msg: RunBatch) -> HiddenState | InferenceError:
+        problem = self._problem(msg)
+        if problem:
+            return InferenceError(message=problem)
         started = time.perf_counter()
-        x = hidden.to(device=self.loaded.device, dtype=self.loaded.dtype)  # [1, L, hidden]
-        length = x.shape[1]
-        step = length if length == 1 else prefill_chunk_positions(
-            self.loaded.stage.config.num_attention_heads, position + length, self.attention_budget_bytes)
-        # the copies back also synchronise the device
-        stage = self.loaded.stage
-        parts = [stage(x[:, i:i + step], self.cache, position + i).to("cpu") for i in range(0, length, step)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [1, L, hidden]
-        return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
-
-    def prefill(self, msg: RunPrefill) -> HiddenState | InferenceError:
-        problem = self._check_hidden(msg.hidden_state, None)
-        length = msg.hidden_state.shape[1] if problem is None else 0
-        if problem is None and msg.cache_capacity > self.max_positions:
-            problem = (f"cache_capacity {msg.cache_capacity} is over the model's context of {self.max_positions} "
-                       "positions")
-        if problem is None and msg.position_start + length > msg.cache_capacity:
-            problem = f"{msg.position_start + length} positions do not fit cache_capacity {msg.cache_capacity}"
-        if problem is None and msg.position_start != 0 and (self.cache is None or
-                                                            self.cache.length != msg.position_start):
-            problem = f"a prefill at position {msg.position_start} needs a cache holding exactly that many positions"
-        if problem:
-            return InferenceError(message=problem)
-        if msg.position_start == 0:  # a new request: a fresh cache sized for it
-            self.cache = self.loaded.stage.new_cache(msg.cache_capacity, self.loaded.dtype, self.loaded.device)
-        return self._run(msg.hidden_state, msg.position_start)
-
-    def decode(self, msg: RunDecode) -> HiddenState | InferenceError:
-        problem = self._check_hidden(msg.hidden_state, 1)
-        if problem is None and self.cache is None:
-            problem = "RUN_DECODE before any RUN_PREFILL: there is no request in flight"
-        if problem is None and msg.position != self.cache.length:
-            problem = f"RUN_DECODE for position {msg.position}, but the cache holds {self.cache.length} positions"
-        if problem:
-            return InferenceError(message=problem)
+        stage, device, dtype = self.loaded.stage, self.loaded.device, self.loaded.dtype
+        for e in msg.entries:
+            if e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
+                self.caches[e.sequence] = stage.new_cache(e.cache_capacity, dtype, device)
+        x = msg.hidden_state.to(device=device, dtype=dtype)  # [1, rows, hidden]
+        pieces = [self._pieces(e) for e in msg.entries]
         try:
-            return self._run(msg.hidden_state, msg.position)
+            if all(len(p) == 1 for p in pieces):
+                spans = [Span(self.caches[e.sequence], e.position_start, e.length) for e in msg.entries]
+                out = stage.forward_batch(x, spans).to("cpu")  # the copy back also synchronises the device
+            else:
+                out = self._run_in_passes(x, msg.entries, pieces)
         except CacheFullError as exc:
             return InferenceError(message=str(exc))
+        return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
+
+    def _run_in_passes(self, x: torch.Tensor, entries: tuple[BatchEntry, ...],
+                       pieces: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """A batch holding a prompt too long for one pass: pass k runs the k-th piece of every entry that has
+        one. Each piece sees the cache its entry's earlier pieces filled, so the result is one pass's."""
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
+        first_rows = [sum(e.length for e in entries[:i]) for i in range(len(entries))]
+        for k in range(max(len(p) for p in pieces)):
+            spans, rows = [], []
+            for e, p, first in zip(entries, pieces, first_rows):
+                if k < len(p):
+                    offset, length = p[k]
+                    spans.append(Span(self.caches[e.sequence], e.position_start + offset, length))
+                    rows.append((first + offset, length))
+            part = torch.cat([x[:, r:r + n] for r, n in rows], dim=1)
+            done = self.loaded.stage.forward_batch(part, spans).to("cpu")
+            at = 0
+            for r, n in rows:
+                out[:, r:r + n] = done[:, at:at + n]
+                at += n
+        return out

@@ -1,0 +1,66 @@
+"""How many sequences the batch may hold: each one costs a KV cache on every stage.
+
+A sequence's cache on a stage holds keys and values for its layers, for every position up to its capacity (prompt
++ max_tokens, at most the model's context). The plan counts the worst case, a sequence as long as the context:
+
+    bytes per slot on a stage = 2 (K and V) x its layers x kv_heads x head_dim x context x bytes per element
+
+where an element takes the stage's compute dtype (bf16 and fp16 two bytes, fp32 four; fp16 on a CPU computes in
+fp32). A node that declares max_memory_gb must hold its weights plus max_batch such slots. `head.max_batch`, when
+the topology sets it, must fit, or the head refuses to start with the numbers; left out, it is DEFAULT_MAX_BATCH
+or as many as the tightest node fits (at least one: caches are filled only as far as sequences really go, so a
+node may well serve more than the worst case says).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model.config import Qwen2Config
+from .planner import GIB, Plan, PlanError, Stage, format_bytes
+
+DEFAULT_MAX_BATCH = 8
+
+
+def element_bytes(dtype: str, device: str) -> int:
+    """Bytes of one cached element for a stage computing in `dtype` on `device`."""
+    if dtype == "bf16" or (dtype == "fp16" and device != "cpu"):
+        return 2
+    return 4
+
+
+def kv_bytes_per_slot(config: Qwen2Config, stage: Stage) -> int:
+    """Worst-case KV cache bytes of one sequence on `stage` (the module's docstring)."""
+    return (2 * stage.layer_count * config.num_key_value_heads * config.head_dim * config.max_position_embeddings
+            * element_bytes(stage.dtype, stage.device))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    max_batch: int
+    slot_bytes: dict[str, int]  # node id -> worst-case KV bytes per sequence
+
+    def describe(self) -> str:
+        per_node = ", ".join(f"{node} {format_bytes(n)}" for node, n in self.slot_bytes.items())
+        return f"up to {self.max_batch} sequences at once; KV cache per sequence at full context: {per_node}"
+
+
+def plan_batch(plan: Plan, config: Qwen2Config, asked: int | None) -> BatchPlan:
+    """The batch size the nodes' memory allows: `asked` (head.max_batch) if set, else the default as far as it
+    fits. Raises PlanError naming the node and the numbers when `asked` does not fit."""
+    slot_bytes = {stage.node_id: kv_bytes_per_slot(config, stage) for stage in plan.stages}
+    fits = DEFAULT_MAX_BATCH if asked is None else asked
+    for stage in plan.stages:
+        headroom = stage.headroom_bytes
+        if headroom is None:
+            continue
+        room = max(headroom, 0) // slot_bytes[stage.node_id]
+        if asked is not None and room < asked:
+            raise PlanError(
+                f"node {stage.node_id}: head.max_batch {asked} needs {format_bytes(asked * slot_bytes[stage.node_id])}"
+                f" of KV cache ({format_bytes(slot_bytes[stage.node_id])} per sequence for layers "
+                f"{stage.layers_text} at the model's {config.max_position_embeddings}-position context) beside "
+                f"{format_bytes(stage.weight_bytes)} of weights, but max_memory_gb is {stage.memory_bytes / GIB:.3g}"
+                f" ({format_bytes(stage.memory_bytes)}); its memory holds {room} sequence(s): lower head.max_batch "
+                "to that, raise max_memory_gb, or give the node fewer layers", stage.node_id)
+        fits = min(fits, room)
+    return BatchPlan(max(fits, 1), slot_bytes)

@@ -1,0 +1,410 @@
+"""Many requests at once: each sequence of a batch gets what it gets alone, streams keep flowing while prompts
+arrive, a cancelled one frees its place, and a lost worker's sequences all resume (in process and through real
+head and worker processes)."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, Request, write_topology
+from model_helpers import OurModel, assert_same_greedy_text
+from tc.batch_memory import kv_bytes_per_slot, plan_batch
+from tc.generation import Generator, LocalPipeline
+from tc.head.service import GenerationService, Readiness
+from tc.model.config import Qwen2Config
+from tc.model.tokenizer import TextTokenizer
+from tc.planner import GIB, NodeSpec, PlanError, make_plan
+from tc.sampling import SamplingParams
+from tiny_model import write_tiny_model
+
+PROMPTS = ["the quick brown fox", "def add(a, b):", "Once upon a time there", "1 2 3 4 5 6 7 8 9 10 11 12",
+           "import numpy as np", "Hello", "SELECT * FROM users WHERE", "a b c d e f g h i j k l m n o p q r s"]
+LENGTHS = [5, 17, 9, 30, 12, 3, 21, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=11, shards=2)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return OurModel(model_dir, splits=[2])  # two stages, as head + 2 workers split it
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return TextTokenizer.load(model_dir)
+
+
+class RecordingPipeline(LocalPipeline):
+    """The real stages; records each step's entries (sequence, start, length)."""
+
+    def __init__(self, stages: list, pause_s: float = 0.0):
+        super().__init__(stages)
+        self.pause_s = pause_s
+        self.steps: list[list[tuple[int, int, int]]] = []
+
+    def run(self, entries, hidden):
+        self.steps.append([(e.sequence, e.start, e.length) for e in entries])
+        time.sleep(self.pause_s)
+        return super().run(entries, hidden)
+
+
+def ready() -> Readiness:
+    return Readiness(1, ("w1",), ())
+
+
+def service_over(model, tokenizer, pipeline, **options) -> GenerationService:
+    return GenerationService("tiny", tokenizer, Generator(model.head, tokenizer, pipeline, torch.float32), ready,
+                             **options)
+
+
+def solo(model, tokenizer, prompt: str, params: SamplingParams):
+    return Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(tokenizer.encode(prompt), params)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def run_together(service: GenerationService, tokenizer, jobs: list[tuple[str, SamplingParams]], stream: bool):
+    """Every job at once from its own thread; returns their completions (streamed ones rebuilt from their steps)."""
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(jobs))
+
+    def one(i: int, prompt: str, params: SamplingParams) -> None:
+        try:
+            start.wait(10)
+            with service.open(tokenizer.encode(prompt), params) as generation:
+                if stream:
+                    steps = list(generation)
+                    completion = steps[-1].completion
+                    assert "".join(s.text for s in steps) == completion.text
+                    assert [t for s in steps for t in s.tokens] == list(completion.tokens)
+                    results[i] = completion
+                else:
+                    results[i] = generation.drain()
+        except BaseException as exc:  # re-raised in the test's thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s) in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for value in results.values():
+        if isinstance(value, BaseException):
+            raise value
+    return [results[i] for i in range(len(jobs))]
+
+
+# --- in process: the scheduler over the real layers -----------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_eight_requests_at_once_equal_their_solo_runs_token_for_token(model, tokenizer, stream):
+    pipeline = RecordingPipeline(model.stages)
+    service = service_over(model, tokenizer, pipeline, max_batch=8, prefill_chunk=8)
+    jobs = [(p, greedy(n)) for p, n in zip(PROMPTS, LENGTHS)]
+    got = run_together(service, tokenizer, jobs, stream)
+    for (prompt, params), completion in zip(jobs, got):
+        alone = solo(model, tokenizer, prompt, params)
+        assert_same_greedy_text(completion.text, alone)
+        for ours, theirs in zip(completion.tokens, alone.tokens):
+            if ours.id != theirs.id:
+                break  # a tie went the other way (assert_same_greedy_text): what follows is another text
+            assert ours.logprob.logprob == pytest.approx(theirs.logprob.logprob, abs=1e-4)
+    assert max(len(step) for step in pipeline.steps) >= 4, "the requests never shared a step"
+    assert not pipeline.caches, "every finished sequence's caches were released"
+    assert (service.running, service.queue_depth) == (0, 0)
+
+
+def test_a_seeded_sampled_request_writes_the_same_text_whatever_runs_beside_it(model, tokenizer):
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True,
+                            frequency_penalty=0.5, stop=("zzz",))
+    alone = solo(model, tokenizer, "Hello there", seeded)
+    service = service_over(model, tokenizer, LocalPipeline(model.stages), max_batch=4)
+    others = [(p, SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True)) for p, n in zip(PROMPTS, LENGTHS)]
+    got = run_together(service, tokenizer, [("Hello there", seeded)] + others[:3], stream=True)
+    assert got[0].text == alone.text and got[0].token_ids == alone.token_ids
+
+
+def test_a_long_prompt_arriving_mid_stream_is_read_in_chunks_between_its_tokens(model, tokenizer):
+    pipeline = RecordingPipeline(model.stages, pause_s=0.01)
+    service = service_over(model, tokenizer, pipeline, max_batch=4, prefill_chunk=16)
+    running = service.open(tokenizer.encode("Hello"), greedy(60))
+    running_id = pipeline.steps[0][0][0]
+    long_prompt = " ".join(str(i) for i in range(80))  # well over 100 tokens: several chunks of 16
+    long_ids = tokenizer.encode(long_prompt)
+    assert len(long_ids) > 5 * 16
+    arrived = threading.Event()
+
+    def later() -> None:
+        arrived.set()
+        service.complete(long_ids, greedy(3))
+
+    thread = threading.Thread(target=later)
+    with running:
+        steps = iter(running)
+        next(steps)
+        thread.start()
+        arrived.wait(10)
+        text = "".join(step.text for step in steps)
+    thread.join(60)
+    chunk_steps = [step for step in pipeline.steps if any(s != running_id and n > 1 for s, _, n in step)]
+    assert len(chunk_steps) >= 5  # the long prompt was read in chunks, not in one step
+    for step in chunk_steps:
+        assert sum(n for s, _, n in step if s != running_id) <= 16  # no chunk over prefill_chunk
+        assert any(s == running_id and n == 1 for s, _, n in step), \
+            "the running stream got no token in a step that read the prompt"
+    assert text  # and the running stream went on to its end
+    assert_same_greedy_text(running.completion.text, solo(model, tokenizer, "Hello", greedy(60)))
+
+
+def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(model, tokenizer):
+    pipeline = RecordingPipeline(model.stages, pause_s=0.005)
+    service = service_over(model, tokenizer, pipeline, max_batch=3)
+    keep = [("def add(a, b):", greedy(40)), ("import numpy as np", greedy(25))]
+    results: list = []
+    cancelled = service.open(tokenizer.encode("Hello"), greedy(200))
+    cancelled_id = pipeline.steps[-1][0][0]
+    thread = threading.Thread(target=lambda: results.extend(run_together(service, tokenizer, keep, stream=True)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while service.running < 3:
+        assert time.monotonic() < deadline, "the other requests never joined the batch"
+        time.sleep(0.005)
+    for _ in zip(range(3), cancelled):
+        pass
+    cancelled.close()
+    closed_at = len(pipeline.steps)
+    deadline = time.monotonic() + 30
+    while cancelled_id in pipeline.caches:
+        assert time.monotonic() < deadline, "the cancelled sequence's caches were never released"
+        time.sleep(0.005)
+    assert sum(any(s == cancelled_id for s, _, _ in step) for step in pipeline.steps[closed_at:]) <= 1
+    thread.join(60)
+    for (prompt, params), completion in zip(keep, results):
+        assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, params))
+    assert cancelled.outcome == "abandoned" and service.running == 0
+
+
+# --- the batch's memory -------------------------------------------------------------------------------------
+
+def test_kv_bytes_per_slot_and_max_batch_from_memory(model_dir):
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    layer = 1 << 20
+    nodes = [NodeSpec("a", "cpu", "fp32", None, None), NodeSpec("b", "cpu", "bf16", 8 * layer + 3 * (1 << 20), None)]
+    plan = make_plan(config.num_hidden_layers, [layer] * config.num_hidden_layers, nodes)
+    per_slot = 2 * 2 * config.num_key_value_heads * config.head_dim * config.max_position_embeddings  # 2 layers
+    assert kv_bytes_per_slot(config, plan.stages[0]) == per_slot * 4  # fp32
+    assert kv_bytes_per_slot(config, plan.stages[1]) == per_slot * 2  # bf16
+    fits = (8 * layer + 3 * (1 << 20) - plan.stages[1].weight_bytes) // (per_slot * 2)
+    assert plan_batch(plan, config, None).max_batch == min(8, fits)
+    assert plan_batch(plan, config, fits).max_batch == fits
+    with pytest.raises(PlanError, match=f"node b: head.max_batch {fits + 1} needs .* its memory holds {fits} "
+                                        "sequence"):
+        plan_batch(plan, config, fits + 1)
+    tight = make_plan(config.num_hidden_layers, [layer] * config.num_hidden_layers,
+                      [NodeSpec("a", "cpu", "fp32", int(0.5 * GIB), None)])
+    assert plan_batch(tight, config, None).max_batch >= 1
+
+
+def test_a_topology_whose_batch_cannot_fit_is_refused_with_the_numbers(tmp_path, model_dir):
+    from tc.head.main import run_plan
+    import argparse
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu", "max_memory_gb": 0.002}],
+                          head={"max_batch": 64})
+    with pytest.raises(PlanError, match="node a: head.max_batch 64 needs .* lower head.max_batch to that"):
+        run_plan(argparse.Namespace(topology=topo))
+    assert config.max_position_embeddings > 0
+
+
+# --- real processes: head + 2 workers ----------------------------------------------------------------------
+
+def stream_text(cluster: Cluster, body: dict) -> str:
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.api_port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    text = ""
+    for line in response:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += event["choices"][0]["text"] if event["choices"] else ""
+    conn.close()
+    return text
+
+
+def start_cluster(tmp_path, model_dir, **head) -> Cluster:
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes,
+                          head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 3, **head})
+    cluster = Cluster(topo, tmp_path)
+    cluster.start_head()
+    cluster.wait_api()
+    cluster.start_worker("a")
+    cluster.start_worker("b")
+    cluster.wait_ready()
+    return cluster
+
+
+def body_for(prompt: str, max_tokens: int) -> dict:
+    return {"model": "tiny-qwen", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def test_eight_requests_through_head_and_two_workers_equal_their_solo_runs(tmp_path, model_dir, model, tokenizer):
+    with start_cluster(tmp_path, model_dir, max_batch=8, prefill_chunk=8) as cluster:
+        texts: dict[int, str] = {}
+
+        def one(i: int) -> None:
+            body = body_for(PROMPTS[i], LENGTHS[i])
+            if i % 2:
+                texts[i] = stream_text(cluster, body)
+            else:
+                status, reply = cluster.post("/v1/completions", body, timeout=120)
+                texts[i] = reply["choices"][0]["text"] if status == 200 else f"HTTP {status}: {reply}"
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for i in range(8):
+            assert_same_greedy_text(texts[i], solo(model, tokenizer, PROMPTS[i], greedy(LENGTHS[i])))
+        status, info = cluster.get("/v1/cluster")
+        assert info["batch"]["slots"] == 8 and info["batch"]["in_use"] == 0 and info["plan"]["max_batch"] == 8
+        assert all(stage["kv_bytes_per_sequence"] > 0 for stage in info["plan"]["stages"])
+        import urllib.request
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert "tc_batch_size_bucket" in metrics and "tc_batch_slots 8.0" in metrics
+        sizes = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tc_batch_size_sum")]
+        counts = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tc_batch_size_count")]
+        assert sizes[0] / counts[0] > 1.5  # steps carried several sequences on average
+
+
+def test_a_killed_worker_with_several_sequences_in_flight_resumes_them_all(tmp_path, model_dir, model, tokenizer):
+    with start_cluster(tmp_path, model_dir, max_batch=4, resume=True, resume_grace_s=120) as cluster:
+        lengths = [150, 120, 100]
+        requests = [Request(cluster, body_for(PROMPTS[i], lengths[i])) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while cluster.get("/v1/cluster")[1]["batch"]["in_use"] < 3:
+            assert time.monotonic() < deadline, "the requests never shared the batch"
+            time.sleep(0.02)
+        b = cluster.workers.pop("b")
+        b.proc.send_signal(signal.SIGKILL)
+        b.stop()
+        cluster.start_worker("b", name="b-again")
+        for i, request in enumerate(requests):
+            status, body = request.wait(180)
+            assert status == 200, body
+            assert_same_greedy_text(body["choices"][0]["text"], solo(model, tokenizer, PROMPTS[i], greedy(lengths[i])))
+        log = cluster.head.output()
+        assert "request(s) resumed on a refilled pipeline" in log, log[-2000:]
+
+
+# --- n choices: sequences of one prompt, side by side ------------------------------------------------------
+
+def test_n_choices_whole_and_streamed_are_each_seeded_choice_alone(model, tokenizer):
+    from falcon import testing
+    from tc.head.api import create_app
+    pipeline = RecordingPipeline(model.stages)
+    client = testing.TestClient(create_app(service_over(model, tokenizer, pipeline, max_batch=4)))
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True}
+    whole = client.simulate_post("/v1/completions", json={**body, "n": 3}).json
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    for i, choice in enumerate(whole["choices"]):  # choice i is the request with seed 5 + i, alone
+        alone = client.simulate_post("/v1/completions", json={**body, "seed": 5 + i}).json
+        assert choice["text"] == alone["choices"][0]["text"]
+    assert len({c["text"] for c in whole["choices"]}) == 3
+    assert whole["usage"]["completion_tokens"] == 30 and whole["usage"]["prompt_tokens"] == \
+        len(tokenizer.encode("Once upon a time"))
+    assert any(len(step) == 3 for step in pipeline.steps), "the three choices never shared a step"
+    streamed = client.simulate_post("/v1/completions", json={**body, "n": 3, "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = ["", "", ""]
+    finished = set()
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finished.add(choice["index"])
+    assert texts == [c["text"] for c in whole["choices"]] and finished == {0, 1, 2}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert streamed.text.endswith("data: [DONE]\n\n")
+
+
+def test_n_choices_with_the_openai_client(model, tokenizer, model_dir):
+    import openai
+    from tc.head.api import create_app
+    from tc.head.http_server import start_http_server
+    chat_model = OurModel(model_dir, splits=[2])
+    service = service_over(chat_model, tokenizer, LocalPipeline(chat_model.stages), max_batch=4)
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=4)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="def f(x):", n=4, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        assert len({c.text for c in reply.choices}) == 1  # greedy: every choice is the same text
+        with pytest.raises(openai.BadRequestError, match="at most 4 sequences"):
+            client.completions.create(model="tiny", prompt="x", n=5, max_tokens=2)
+    finally:
+        server.stop()
+
+
+# --- micro-batches: stages at work at the same time -------------------------------------------------------
+
+def test_split_entries_cuts_a_batch_into_runs_of_about_equal_rows():
+    from tc.head.pipeline import split_entries
+    from tc.protocol.messages import BatchEntry
+
+    def lengths(rows: list[int], groups: int) -> list[list[int]]:
+        entries = [BatchEntry(sequence=i, position_start=0, length=n, cache_capacity=n) for i, n in enumerate(rows)]
+        runs = split_entries(entries, groups)
+        assert [e for run in runs for e in run] == entries  # in order, every entry once
+        return [[e.length for e in run] for run in runs]
+
+    assert lengths([1] * 8, 2) == [[1] * 4, [1] * 4]
+    assert lengths([1] * 8, 3) == [[1] * 3, [1] * 3, [1] * 2]
+    assert lengths([100, 1, 1], 2) == [[100], [1, 1]]
+    assert lengths([1, 1, 100], 2) == [[1, 1], [100]]
+    assert lengths([5], 2) == [[5]] and lengths([1, 1], 4) == [[1], [1]]
+
+
+def test_micro_batches_through_two_workers_give_each_request_its_solo_text(tmp_path, model_dir, model, tokenizer):
+    with start_cluster(tmp_path, model_dir, max_batch=8, micro_batches=2) as cluster:
+        texts: dict[int, str] = {}
+
+        def one(i: int) -> None:
+            texts[i] = stream_text(cluster, body_for(PROMPTS[i], LENGTHS[i]))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for i in range(6):
+            assert_same_greedy_text(texts[i], solo(model, tokenizer, PROMPTS[i], greedy(LENGTHS[i])))
+        import urllib.request
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        # a step of several sequences went to each worker as two groups: more hops than steps
+        hops = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("tc_stage_compute_seconds_count") and 'node="a"' in line)
+        steps = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("tc_batch_size_count"))
+        assert hops > steps, (hops, steps)
