@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the layer plan for a topology without starting anything")
     plan.add_argument("topology", type=Path)
+    plan.add_argument("--explain", action="store_true",
+                      help="add memory headroom and predicted time per stage and hop, predicted tokens/s, and what "
+                           "would most improve them (from nodes[].speed; the head's own speed is measured here)")
 
     gen = sub.add_parser("generate", help="run the whole model in this process (the single-machine baseline)")
     gen.add_argument("--model", required=True, type=Path, help="a local model directory")

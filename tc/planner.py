@@ -367,6 +367,7 @@ def node_specs(topology: Topology) -> list[NodeSpec]:
             dtype=entry.dtype or topology.dtype,
             memory_bytes=None if entry.max_memory_gb is None else int(round(entry.max_memory_gb * GIB)),
             pin=entry.layers,
+            speed=entry.speed,
         )
         for entry in topology.nodes
     ]

@@ -49,11 +49,13 @@ class Speed:
         """Seconds a prefill of `positions` positions through those layers takes here."""
         return layers * self.layer_overhead_s + weight_bytes * positions / self.prefill_bytes_per_s
 
-    def as_topology(self) -> dict[str, float]:
-        """The `speed:` mapping a topology file takes (GB/s and ms, rounded to what a measurement can tell)."""
-        return {"decode_gbps": _round3(self.decode_bytes_per_s / GB),
-                "prefill_gbps": _round3(self.prefill_bytes_per_s / GB),
-                "layer_ms": _round3(self.layer_overhead_s * 1000)}
+    def as_topology(self, rounded: bool = True) -> dict[str, float]:
+        """The `speed:` mapping a topology file takes, in GB/s and ms; `rounded` to three significant figures,
+        what a measurement on a shared machine can tell (a topology written back keeps every digit)."""
+        shown = _round3 if rounded else float
+        return {"decode_gbps": shown(self.decode_bytes_per_s / GB),
+                "prefill_gbps": shown(self.prefill_bytes_per_s / GB),
+                "layer_ms": shown(self.layer_overhead_s * 1000)}
 
     @classmethod
     def from_topology(cls, decode_gbps: float, prefill_gbps: float, layer_ms: float) -> Speed:

@@ -142,3 +142,24 @@ def test_forecast_without_speeds_says_what_is_missing():
     assert prediction.decode_tokens_per_s is None and prediction.bottleneck() is None
     assert "no speed known for a" in prediction.advice()
     assert "needs every node's speed" in explain(plan, prediction)
+
+
+def test_plan_explain_prints_the_timed_table(tmp_path, capsys):
+    """`tc plan --explain` on a real (tiny) model directory, with every speed from the topology."""
+    from tc.cli import main
+    from tests.cluster import write_topology
+    from tests.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    fast = {"decode_gbps": 50, "prefill_gbps": 5000, "layer_ms": 0.05}
+    slow = {"decode_gbps": 0.005, "prefill_gbps": 0.5, "layer_ms": 2}  # the tiny model's layers are small
+    topology = write_topology(tmp_path / "topology.yaml", model, [
+        {"id": "slow", "device": "cpu", "speed": slow}, {"id": "fast", "device": "cpu", "speed": fast},
+    ], head={"speed": fast})
+    assert main(["plan", "--explain", str(topology)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("slow ", "fast "))}
+    assert int(rows["slow"][4]) < int(rows["fast"][4])  # the slow node holds fewer layers
+    assert "predicted: decode" in out and "tokens/s" in out and "to improve: node slow holds" in out
+    assert main(["plan", str(topology)]) == 0  # without --explain: today's table
+    assert "decode ms" not in capsys.readouterr().out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tc.speed import LinkSpeed, Speed, fit_line
-from tc.worker import bench
+from tc import bench
 from tests.cluster import ROOT
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import signal
 import threading
 import time
@@ -18,7 +19,10 @@ from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
 from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
 from ..model_source import ModelSource
+from ..bench import DEFAULT_BENCH_DIR, measure_all
+from ..forecast import Forecast, HeadCost, explain, forecast
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
+from ..speed import Speed
 from ..topology import Topology, load_topology
 from .api import create_app
 from .http_server import HttpServer, start_http_server
@@ -36,12 +40,44 @@ def model_source(topology: Topology) -> ModelSource:
 
 
 def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
-    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load)."""
+    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load);
+    node speeds, where the topology gives them, split their runs by time."""
     shapes = expected_shapes(config)
     per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
                  for i in range(config.num_hidden_layers)]
     layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
     return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
+
+
+def head_weight_bytes(topology: Topology, config: Qwen2Config) -> int:
+    """Weight bytes the head reads for each token: the final norm and lm_head (the embedding's one row is
+    nothing beside it), lm_head in the head's weight mode (int8 under int4)."""
+    shapes = expected_shapes(config)
+    lm_head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])  # tied: the embedding serves
+    per_token = [("lm_head.weight", lm_head, 2), ("model.norm.weight", shapes["model.norm.weight"], 2)]
+    return layer_weight_bytes([per_token], quant.head_weight_mode(topology.quant), topology.group_size)[0]
+
+
+def hop_bytes_per_position(topology: Topology, config: Qwen2Config) -> int:
+    """One position of hidden states as the head sends it: hidden_size values in the compute dtype."""
+    return config.hidden_size * (4 if topology.dtype == "fp32" else 2)
+
+
+def head_speed(topology: Topology) -> Speed:
+    """The head machine's speed: the topology's head.speed, else measured here (cached, like a worker's)."""
+    if topology.head.speed is not None:
+        return topology.head.speed
+    if topology.head.threads:  # measured as the head will run: with its own threads
+        torch.set_num_threads(topology.head.threads)
+    mode = quant.head_weight_mode(topology.quant)
+    (figure,) = measure_all("cpu", platform.machine() or "cpu", (topology.dtype,), DEFAULT_BENCH_DIR,
+                            modes=(mode,))
+    return figure.speed
+
+
+def plan_forecast(topology: Topology, config: Qwen2Config, plan: Plan, speed: Speed | None) -> Forecast:
+    head = None if speed is None else HeadCost(head_weight_bytes(topology, config), speed)
+    return forecast(plan, hop_bytes_per_position(topology, config), head)
 
 
 def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
@@ -57,7 +93,10 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
     print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
-    print(plan.table())
+    if not args.explain:
+        print(plan.table())
+        return 0
+    print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))))
     return 0
 
 

@@ -45,7 +45,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHU
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
                                  LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill, SpeedFigure)
 from ..topology import GIB
-from .bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
+from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 

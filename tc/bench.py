@@ -1,4 +1,6 @@
-"""A worker's measurement of itself: what a layer costs on its device, per compute dtype and weight mode.
+"""A machine's measurement of itself: what a layer costs on its device, per compute dtype and weight mode.
+
+Workers measure themselves before HELLO; the head measures itself for its own share of a token.
 
 Theory of operation: `measure` times a probe, a generic pre-norm decoder layer (norm, q/k/v/o projections,
 attention over a short cache, a gated MLP) built from plain torch ops and quantized by the same
@@ -30,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import quant
-from ..model.qwen2 import COMPUTE_DTYPES, half_dtype
-from ..speed import Speed, fit_line
+from tc.model import quant
+from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
+from tc.speed import Speed, fit_line
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ def _write_cached(path: Path, speed: Speed) -> None:
 
 
 def measure_all(device: str, device_name: str, dtypes: tuple[str, ...], cache_dir: Path | None,
-                fresh: bool = False) -> tuple[Measured, ...]:
+                fresh: bool = False, modes: tuple[str, ...] = quant.WEIGHT_MODES) -> tuple[Measured, ...]:
     """Every (dtype, mode) figure for `device`, from the cache where it has one (unless `fresh`), else measured.
 
     `cache_dir` None measures without reading or writing any file.
@@ -187,7 +189,7 @@ def measure_all(device: str, device_name: str, dtypes: tuple[str, ...], cache_di
     threads = torch.get_num_threads()
     figures = []
     for dtype in dtypes:
-        for mode in quant.WEIGHT_MODES:
+        for mode in modes:
             path = None if cache_dir is None else Path(cache_dir) / cache_key(device, device_name, dtype, mode,
                                                                                threads)
             speed = None if path is None or fresh else _read_cached(path)
