@@ -51,7 +51,8 @@ TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtyp
             "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "heartbeat_s", "heartbeat_timeout_s", "resume",
              "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb", "step_timeout_s",
-             "step_timeout_factor", "speed")
+             "step_timeout_factor", "speed", "plan_from")
+PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
@@ -108,6 +109,7 @@ class HeadSettings:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # a step's bound: this floor + factor x its slowest recent
     step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
+    plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
 
     @property
     def silence_limit_s(self) -> float:
@@ -229,6 +231,8 @@ class Topology:
             head["step_timeout_factor"] = self.head.step_timeout_factor
         if self.head.speed is not None:
             head["speed"] = self.head.speed.as_topology(rounded=False)
+        if self.head.plan_from != "topology":
+            head["plan_from"] = self.head.plan_from
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -529,10 +533,12 @@ class _Parser:
         step_factor = self.step_factor(head.get("step_timeout_factor", DEFAULT_STEP_TIMEOUT_FACTOR),
                                        "head.step_timeout_factor")
         speed = self.optional(head, "speed", "head", self.speed)
+        plan_from = self.choice(head.get("plan_from", "topology"), "head.plan_from", PLAN_SOURCES, "plan source")
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
-                            step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, speed=speed)
+                            step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, speed=speed,
+                            plan_from=plan_from)
 
     def speed(self, value: object, path: str) -> Speed:
         example = "{decode_gbps: 12.5, prefill_gbps: 150, layer_ms: 0.3}"

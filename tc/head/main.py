@@ -8,7 +8,7 @@ import platform
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,10 +20,12 @@ from ..model.tokenizer import TextTokenizer
 from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
 from ..model_source import ModelSource
 from ..bench import DEFAULT_BENCH_DIR, measure_all
+from ..protocol.messages import Hello
 from ..forecast import Forecast, HeadCost, explain, forecast
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..speed import Speed
 from ..topology import Topology, load_topology
+from .admission import device_for, speed_for
 from .api import create_app
 from .http_server import HttpServer, start_http_server
 from .pipeline import RemotePipeline
@@ -39,14 +41,33 @@ def model_source(topology: Topology) -> ModelSource:
     return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
 
 
-def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
-    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load);
-    node speeds, where the topology gives them, split their runs by time."""
+def layer_bytes_of(topology: Topology, config: Qwen2Config) -> list[int]:
     shapes = expected_shapes(config)
     per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
                  for i in range(config.num_hidden_layers)]
-    layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
-    return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
+    return layer_weight_bytes(per_layer, topology.quant, topology.group_size)
+
+
+def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
+    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load);
+    node speeds, where the topology gives them, split their runs by time."""
+    return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config),
+                     node_specs(topology.without_spares()))
+
+
+def plan_from_workers(topology: Topology, config: Qwen2Config, hellos: dict[str, Hello]) -> Plan:
+    """The plan from the planned set's HELLOs: each node's speed as its worker measured it for the node's device,
+    dtype and the topology's weight mode (else the topology's nodes[].speed), and its memory as the topology
+    caps it, else as the worker's --max-memory-gb does. Raises PlanError."""
+    specs = []
+    for spec, entry in zip(node_specs(topology.without_spares()), topology.pipeline_nodes):
+        hello = hellos[entry.id]
+        figure = speed_for(hello, device_for(entry.device, hello), spec.dtype, topology.quant)
+        speed = spec.speed if figure is None else Speed(figure.decode_bytes_per_s, figure.prefill_bytes_per_s,
+                                                        figure.layer_overhead_s)
+        memory = spec.memory_bytes if spec.memory_bytes is not None else hello.max_memory_bytes
+        specs.append(replace(spec, speed=speed, memory_bytes=memory))
+    return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
 
 
 def head_weight_bytes(topology: Topology, config: Qwen2Config) -> int:
@@ -121,9 +142,18 @@ def start_head(topology: Topology) -> Head:
     started = time.perf_counter()
     if topology.head.threads:
         torch.set_num_threads(topology.head.threads)
-    source, config, plan = load_config_and_plan(topology)
-    log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
-             config.hidden_size, topology.quant, plan.table())
+    source, config, plan = load_config_and_plan(topology)  # checks the topology even when workers will plan
+    timed = topology.head.plan_from == "workers" or any(e.speed is not None for e in topology.nodes)
+    speed = head_speed(topology) if timed else None
+    waiting = topology.head.plan_from == "workers"
+    if waiting:
+        log.info("model %s: %d layers, hidden %d, weights %s; the plan is made from the workers' own speeds once "
+                 "all %d have joined", topology.model, config.num_hidden_layers, config.hidden_size, topology.quant,
+                 len(plan.stages))
+    else:
+        log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
+                 config.hidden_size, topology.quant,
+                 explain(plan, plan_forecast(topology, config, plan, speed)) if timed else plan.table())
     names = head_tensor_names(config)
     model_dir = source.fetch_tensors(names)
     source.fetch_tokenizer()
@@ -142,7 +172,14 @@ def start_head(topology: Topology) -> Head:
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
 
-    registry = WorkerRegistry(topology, plan, config)
+    def plan_once(hellos: dict[str, Hello]) -> Plan:
+        made = plan_from_workers(topology, config, hellos)
+        log.info("plan from the workers' measurements (fixed while the head runs):\n%s",
+                 explain(made, plan_forecast(topology, config, made, speed)))
+        return made
+
+    registry = WorkerRegistry(topology, None if waiting else plan, config,
+                              plan_once=plan_once if waiting else None)
     pipeline = RemotePipeline(registry, topology.head.resume, topology.head.resume_grace_s)
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,

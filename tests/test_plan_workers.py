@@ -1,0 +1,110 @@
+"""head.plan_from: workers — a real head plans once from its workers' HELLO speeds, then never again."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from cluster import Cluster, worker_hello, write_topology
+from tc.protocol.connection import Connection
+from tc.protocol.messages import Assignment, HelloAck, Ping, Pong, SpeedFigure
+from tiny_model import write_tiny_model
+
+NODES = [{"id": "slow", "device": "cpu"}, {"id": "fast", "device": "cpu"}]
+
+
+def figure(decode_gbps: float) -> SpeedFigure:
+    return SpeedFigure(device="cpu", dtype="fp32", quant="fp16", decode_bytes_per_s=decode_gbps * 1e9,
+                       prefill_bytes_per_s=decode_gbps * 1e10, layer_overhead_s=0.0)
+
+
+class HandWorker:
+    """A joined connection that says HELLO with chosen speeds and reads what the head sends (answering PINGs)."""
+
+    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float):
+        sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
+        self.conn = Connection(sock)
+        self.conn.send(worker_hello(node_id, speeds=(figure(decode_gbps),)))
+        assert isinstance(self.conn.recv().message, HelloAck)
+
+    def next_assignment(self, timeout: float) -> Assignment | None:
+        """The ASSIGNMENT the head sends within `timeout`, or None if it sends none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.conn.settimeout(left)
+            try:
+                message = self.conn.recv().message
+            except TimeoutError:
+                return None
+            if isinstance(message, Ping):
+                self.conn.send(Pong(nonce=message.nonce))
+            elif isinstance(message, Assignment):
+                return message
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_hidden_layers=8)
+
+
+def test_the_head_plans_once_every_node_has_joined_and_keeps_that_plan(tmp_path, model_dir):
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers", "heartbeat_s": 1,
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        slow = HandWorker(cluster, "slow", decode_gbps=1)
+        assert slow.next_assignment(1.5) is None  # no plan while "fast" has not joined
+        status, view = cluster.get("/v1/cluster")
+        assert status == 200 and view["plan"] is None
+        assert {n["id"]: n["state"] for n in view["nodes"]} == {"slow": "planning", "fast": "waiting"}
+
+        fast = HandWorker(cluster, "fast", decode_gbps=10)
+        got = {"fast": fast.next_assignment(10), "slow": slow.next_assignment(10)}
+        spans = {node: (a.layer_start, a.layer_end_exclusive) for node, a in got.items()}
+        assert spans == {"slow": (0, 1), "fast": (1, 8)}  # the ten-times slower node holds one layer
+        status, view = cluster.get("/v1/cluster")
+        assert [s["layers"] for s in view["plan"]["stages"]] == [[0, 1], [1, 8]]
+        assert all(s["predicted_decode_ms"] > 0 for s in view["plan"]["stages"])
+        assert "plan from the workers' measurements" in cluster.head.output()
+
+        # the slow worker leaves and comes back as a much faster machine: the plan is kept, not redone
+        slow.close()
+        deadline = time.monotonic() + 10
+        while cluster.get("/v1/cluster")[1]["nodes"][0]["state"] != "waiting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = HandWorker(cluster, "slow", decode_gbps=100)
+        assignment = again.next_assignment(10)
+        assert assignment is not None and (assignment.layer_start, assignment.layer_end_exclusive) == (0, 1)
+        again.close()
+        fast.close()
+
+
+def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        workers = []
+        for node_id in ("slow", "fast"):
+            sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
+            conn = Connection(sock)
+            conn.send(worker_hello(node_id))  # measured nothing
+            assert isinstance(conn.recv().message, HelloAck)
+            workers.append(conn)
+        spans = []
+        for conn in workers:
+            message = conn.recv().message
+            while not isinstance(message, Assignment):
+                message = conn.recv().message
+            spans.append((message.layer_start, message.layer_end_exclusive))
+            conn.close()
+        assert spans == [(0, 4), (4, 8)]
