@@ -2,13 +2,16 @@
 
 Workers measure themselves before HELLO; the head measures itself for its own share of a token.
 
-Theory of operation: `measure` times a probe, a generic pre-norm decoder layer (norm, q/k/v/o projections,
-attention over a short cache, a gated MLP) built from plain torch ops and quantized by the same
-`quantize_linears` the real layers go through, so the weight mode's own kernels run. It times a decode step at
-two widths, a small one whose time is nearly all fixed cost and a large one whose time is nearly all weights,
-and fits tc.speed's cost model through the two: the slope is the weight-streaming rate, the intercept the fixed
+Theory of operation: `measure` times a probe, a generic pre-norm decoder layer (norm, fused q/k/v and o
+projections, attention over a short cache, a gated MLP with fused gate/up) built from plain torch ops and then
+quantized and packed by the same `quantize_linears` and `pack_linears` the real layers go through, so the
+weight mode's own kernels run on products of a real layer's kind. It times a decode step at
+two widths, a small one whose time is nearly all fixed cost and a large one whose time is nearly all weights
+(run as a chain of copies holding STREAM_BYTES in all, so the weights come from memory, not from a cache, as a
+real stage's do), and fits tc.speed's cost model through the two: the slope is the weight-streaming rate, the intercept the fixed
 cost a layer adds. A prefill of PREFILL_POSITIONS positions through the large probe gives the matrix-multiply
-rate. Wall-clock medians, not the least time: on a shared machine the typical step is what a request will see.
+rate. Wall-clock medians: a spike from another process passes, while a machine held to a CPU quota stalls
+nearly every large step and shows as it is.
 
 The probe has no family's shapes: its widths are only how many bytes a layer streams, and the planner counts
 every real layer in those same bytes (tc.planner.layer_weight_bytes).
@@ -20,6 +23,7 @@ format version, or unreadable, is measured again.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import statistics
@@ -33,19 +37,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from tc.model import quant
+from tc.model.dense import pack_linears
 from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
 from tc.speed import Speed, fit_line
 
 log = logging.getLogger(__name__)
 
-BENCH_FORMAT = 1  # bump when the probe changes what a figure means: older cached files are measured again
+BENCH_FORMAT = 2  # bump when the probe changes what a figure means: older cached files are measured again
 DEFAULT_BENCH_DIR = Path.home() / ".cache" / "truecluster" / "bench"
 SMALL = (128, 512)  # (width, MLP width) of the probe whose decode step is nearly all fixed cost
 LARGE = (1024, 4096)  # 16.8 M weights: 34 MB in 16 bits, far over a cache, like a real layer
 HEAD_DIM = 64
 CACHE_POSITIONS = 64  # attention reads a short cache, as most of a short reply's steps do
 PREFILL_POSITIONS = 128
-DECODE_STEPS = 15
+STREAM_BYTES = 128 << 20  # several times a CPU's last-level cache: decode reads every weight from memory
+DECODE_STEPS = 10
 PREFILL_RUNS = 3
 
 
@@ -67,9 +73,8 @@ class _ProbeLayer(nn.Module):
         self.heads = max(1, width // HEAD_DIM)
         self.head_dim = width // self.heads
         make = lambda fan_out, fan_in: nn.Linear(fan_in, fan_out, bias=False, device=device, dtype=dtype)  # noqa: E731
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (make(width, width) for _ in range(4))
-        self.gate_proj, self.up_proj = make(mlp_width, width), make(mlp_width, width)
-        self.down_proj = make(width, mlp_width)
+        self.qkv_proj, self.o_proj = make(3 * width, width), make(width, width)
+        self.gate_up_proj, self.down_proj = make(2 * mlp_width, width), make(width, mlp_width)
         self.norm1 = nn.Parameter(torch.ones(width, device=device, dtype=dtype))
         self.norm2 = nn.Parameter(torch.ones(width, device=device, dtype=dtype))
         shape = (1, self.heads, CACHE_POSITIONS + PREFILL_POSITIONS, self.head_dim)  # [B, H, T, D]
@@ -80,22 +85,25 @@ class _ProbeLayer(nn.Module):
         length = x.shape[1]
         h = F.rms_norm(x, (x.shape[-1],), self.norm1)
         split = lambda t: t.view(1, length, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731  [1, H, L, D]
-        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
+        q, k, v = (split(t) for t in self.qkv_proj(h).chunk(3, dim=-1))
         self.k_cache[:, :, position:position + length] = k
         self.v_cache[:, :, position:position + length] = v
         keys, values = self.k_cache[:, :, :position + length], self.v_cache[:, :, :position + length]
         attn = F.scaled_dot_product_attention(q, keys, values, is_causal=length > 1 and position == 0)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(1, length, -1))  # [1, L, width]
         h = F.rms_norm(x, (x.shape[-1],), self.norm2)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 def _probe(width: int, mlp_width: int, dtype: torch.dtype, mode: str, group_size: int,
            device: torch.device) -> tuple[_ProbeLayer, int]:
     """A probe layer in weight mode `mode`, and its weight bytes as the planner counts them."""
     layer = _ProbeLayer(width, mlp_width, dtype, device)
+    layer.requires_grad_(False)
     quant.quantize_linears(layer, mode, group_size, half_dtype=half_dtype(device))
-    shapes = [(width, width)] * 4 + [(mlp_width, width)] * 2 + [(width, mlp_width)]
+    pack_linears(layer)  # what stays unquantized takes the fastest product this CPU has, as a real stage's does
+    shapes = [(3 * width, width), (width, width), (2 * mlp_width, width), (width, mlp_width)]
     nbytes = sum(quant.quantized_nbytes(shape, mode, group_size) for shape in shapes) + 2 * width * 2
     return layer, nbytes
 
@@ -112,10 +120,17 @@ def _median_s(fn: Callable[[], object], device: torch.device, runs: int) -> floa
     return statistics.median(times)
 
 
-def _decode_step_s(layer: _ProbeLayer, width: int, dtype: torch.dtype, device: torch.device) -> float:
+def _decode_step_s(layers: list[_ProbeLayer], width: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds a decode step takes per layer, through `layers` in turn."""
     x = torch.randn(1, 1, width, device=device).to(dtype)
     step = iter(range(10 ** 9))
-    return _median_s(lambda: layer(x, CACHE_POSITIONS - 1 - next(step) % 8), device, DECODE_STEPS)
+
+    def through_all() -> None:
+        position = CACHE_POSITIONS - 1 - next(step) % 8
+        for layer in layers:
+            layer(x, position)
+
+    return _median_s(through_all, device, DECODE_STEPS) / len(layers)
 
 
 def measure(device: str, dtype_name: str, mode: str, group_size: int = quant.DEFAULT_GROUP_SIZE) -> Speed:
@@ -132,8 +147,14 @@ def measure(device: str, dtype_name: str, mode: str, group_size: int = quant.DEF
     with torch.inference_mode():
         small, small_bytes = _probe(*SMALL, dtype, mode, group_size, dev)
         large, large_bytes = _probe(*LARGE, dtype, mode, group_size, dev)
-        small_s = _decode_step_s(small, SMALL[0], dtype, dev)
-        large_s = _decode_step_s(large, LARGE[0], dtype, dev)
+        copies = max(0, -(-STREAM_BYTES // large_bytes) - 1)
+        # a packed (blocked) weight cannot be copied, so an unquantized probe is built again; a quantized one is
+        # copied, which skips quantizing it again
+        chain = [large] + [_probe(*LARGE, dtype, mode, group_size, dev)[0] if mode == "fp16" else
+                           copy.deepcopy(large) for _ in range(copies)]
+        small_s = _decode_step_s([small], SMALL[0], dtype, dev)
+        large_s = _decode_step_s(chain, LARGE[0], dtype, dev)
+        del chain[1:]
         prompt = torch.randn(1, PREFILL_POSITIONS, LARGE[0], device=dev).to(dtype)
         prefill_s = _median_s(lambda: large(prompt, 0), dev, PREFILL_RUNS)
     overhead_s, seconds_per_byte = fit_line((small_bytes, small_s), (large_bytes, large_s))

@@ -147,8 +147,8 @@ def test_forecast_without_speeds_says_what_is_missing():
 def test_plan_explain_prints_the_timed_table(tmp_path, capsys):
     """`tc plan --explain` on a real (tiny) model directory, with every speed from the topology."""
     from tc.cli import main
-    from tests.cluster import write_topology
-    from tests.tiny_model import write_tiny_model
+    from cluster import write_topology
+    from tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model")
     fast = {"decode_gbps": 50, "prefill_gbps": 5000, "layer_ms": 0.05}

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tc.speed import LinkSpeed, Speed, fit_line
 from tc import bench
-from tests.cluster import ROOT
+from cluster import ROOT
+from throttle import Throttle
 
 
 def test_cost_model_is_overhead_plus_bytes_over_rate():
@@ -37,18 +37,27 @@ def test_fit_line_floors_a_negative_intercept():
         fit_line((2.0, 1.0), (1.0, 2.0))
 
 
-def test_measure_sees_a_slower_machine():
-    """Fewer threads on a CPU prefill more slowly: the measurement tells them apart (real timings)."""
-    threads = torch.get_num_threads()
-    if threads < 2:
-        pytest.skip("needs two torch threads to compare with one")
-    fast = bench.measure("cpu", "fp32", "fp16")
-    torch.set_num_threads(1)
+def _bench_decode_gbps(tmp_path, name: str, duty: float | None) -> float:
+    """`worker --bench` in its own process, held to `duty` of a core when given; its bf16 fp16 decode GB/s."""
+    proc = subprocess.Popen([sys.executable, "-m", "tc", "worker", "--bench", "--device", "cpu", "--threads", "1",
+                             "--bench-dir", str(tmp_path / name)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    throttle = Throttle(proc.pid, duty).start() if duty is not None else None
     try:
-        slow = bench.measure("cpu", "fp32", "fp16")
+        out, _ = proc.communicate(timeout=300)
     finally:
-        torch.set_num_threads(threads)
-    assert slow.prefill_bytes_per_s < fast.prefill_bytes_per_s
+        if throttle is not None:
+            throttle.stop()
+    assert proc.returncode == 0
+    row = next(line.split() for line in out.splitlines() if line.split()[:3] == ["cpu", "bf16", "fp16"])
+    return float(row[3])
+
+
+def test_a_worker_held_to_a_third_of_a_core_measures_itself_slower(tmp_path):
+    """The real means the unequal-workers benchmark uses: a CPU quota shows in the worker's own figures."""
+    full = _bench_decode_gbps(tmp_path, "full", None)
+    held = _bench_decode_gbps(tmp_path, "held", 0.3)
+    assert held < 0.6 * full, (held, full)
 
 
 def test_figures_are_cached_per_setting_and_a_foreign_file_is_measured_again(tmp_path):
