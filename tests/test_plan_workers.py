@@ -108,3 +108,27 @@ def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
             spans.append((message.layer_start, message.layer_end_exclusive))
             conn.close()
         assert spans == [(0, 4), (4, 8)]
+
+
+def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares(tmp_path, model_dir):
+    """Real worker processes measure themselves, the head plans from that, and after a request /v1/cluster shows
+    each node's predicted decode time beside the measured one, and the link's ping beside the hop it measured."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "heartbeat_s": 0.5, "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    bench_dir = tmp_path / "bench"  # shared: the second worker reads what the first measured
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        for node in NODES:
+            cluster.start_worker(node["id"], "--bench-dir", str(bench_dir))
+        cluster.wait_ready(timeout=300)
+        status, body = cluster.post("/v1/completions", {"model": model_dir.name, "prompt": "hello",
+                                                        "max_tokens": 6, "temperature": 0})
+        assert status == 200, body
+        time.sleep(1.5)  # a few heartbeats: the pings' round trips
+        _, view = cluster.get("/v1/cluster")
+    for node in view["nodes"]:
+        assert node["predicted_decode_ms"] > 0 and node["measured_decode_ms"] > 0, node
+        assert node["predicted_hop_ms"] > 0 and node["measured_hop_ms"] > 0, node
+    assert sum(s["layers"][1] - s["layers"][0] for s in view["plan"]["stages"]) == 8
+    assert "predicted: decode" in cluster.head.output()
