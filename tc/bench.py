@@ -4,14 +4,14 @@ Workers measure themselves before HELLO; the head measures itself for its own sh
 
 Theory of operation: `measure` times a probe, a generic pre-norm decoder layer (norm, fused q/k/v and o
 projections, attention over a short cache, a gated MLP with fused gate/up) built from plain torch ops and then
-quantized and packed by the same `quantize_linears` and `pack_linears` the real layers go through, so the
-weight mode's own kernels run on products of a real layer's kind. It times a decode step at
-two widths, a small one whose time is nearly all fixed cost and a large one whose time is nearly all weights
-(run as a chain of copies holding STREAM_BYTES in all, so the weights come from memory, not from a cache, as a
-real stage's do), and fits tc.speed's cost model through the two: the slope is the weight-streaming rate, the intercept the fixed
-cost a layer adds. A prefill of PREFILL_POSITIONS positions through the large probe gives the matrix-multiply
-rate. Wall-clock medians: a spike from another process passes, while a machine held to a CPU quota stalls
-nearly every large step and shows as it is.
+quantized and packed by the same `quantize_linears` and `pack_linears` the real layers go through, so the weight
+mode's own kernels run on products of a real layer's kind. It times a decode step at two widths, a small one whose
+time is nearly all fixed cost and a large one whose time is nearly all weights (run as a chain of copies holding
+STREAM_BYTES in all, so the weights come from memory, not from a cache, as a real stage's do), and fits tc.speed's
+cost model through the two: the slope is the weight-streaming rate, the intercept the fixed cost a layer adds. A
+prefill of PREFILL_POSITIONS positions through the large probe gives the matrix-multiply rate. Wall-clock medians:
+a spike from another process passes, while a machine held to a CPU quota stalls nearly every large step and shows
+as it is.
 
 The probe has no family's shapes: its widths are only how many bytes a layer streams, and the planner counts
 every real layer in those same bytes (tc.planner.layer_weight_bytes).

@@ -2,11 +2,11 @@
 
 Each planned node has a slot. A joining worker proves it knows the join token when the topology sets one
 (tc.protocol.auth), is matched to a slot (admission.py), sent its ASSIGNMENT, and is ready once it reports
-LOAD_COMPLETE. When the topology asks for a plan from the workers' own measurements (head.plan_from: workers),
-the registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held,
-then `plan_once` makes the plan from their HELLOs, once, and every held worker gets its ASSIGNMENT. From then on
-the plan never changes: a worker that rejoins gets the same layers, a spare a lost node's. A worker that joins as a spare entry stands by until some slot loses its worker, then is
-assigned that slot's layers.
+LOAD_COMPLETE. When the topology asks for a plan from the workers' own measurements (head.plan_from: workers), the
+registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held, then
+`plan_once` makes the plan from their HELLOs, once, and every held worker gets its ASSIGNMENT. From then on the
+plan never changes: a worker that rejoins gets the same layers, a spare a lost node's. A worker that joins as a
+spare entry stands by until some slot loses its worker, then is assigned that slot's layers.
 
 Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
 at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
