@@ -37,6 +37,7 @@ class StageForecast:
     prefill_s: float | None  # compute of a prefill of the forecast's prefill_positions
     hop_decode_s: float | None  # there and back with one position; None: the link was not measured
     hop_prefill_s: float | None
+    pinned: bool = False  # the topology pins its layers
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,13 @@ class Forecast:
         if name.startswith("link"):
             return (f"the {name} holds {pct} of the time: put that machine on a faster or nearer network, or "
                     "drop it from the pipeline")
-        return (f"{name} holds {pct} of the time: give it fewer layers (pin them elsewhere), quantize "
-                "(quant: int8 or int4), or give it a faster device")
+        stage = next(s for s in self.stages if f"node {s.node_id}" == name)
+        if stage.pinned:
+            return (f"{name} holds {pct} of the time: pin fewer layers on it, quantize (quant: int8 or int4), or "
+                    "give it a faster device")
+        # unpinned and timed: the split already gave it no more than its speed allows
+        return (f"{name} holds {pct} of the time, with no more layers than its speed allows: quantize (quant: "
+                "int8 or int4), give it a faster device, or add a node beside it")
 
 
 def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,
@@ -124,6 +130,7 @@ def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,
                                                                    prefill_positions),
             hop_decode_s=None if link is None else link.hop_s(hop_bytes_per_position),
             hop_prefill_s=None if link is None else link.hop_s(hop_bytes_per_position * prefill_positions),
+            pinned=stage.pinned,
         ))
     return Forecast(tuple(stages), None if head is None else head.decode_s, prefill_positions)
 

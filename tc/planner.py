@@ -63,6 +63,7 @@ class Stage:
     memory_bytes: int | None
     speed: Speed | None = None
     link: LinkSpeed | None = None
+    pinned: bool = False  # its range is the topology's pin, not the planner's choice
 
     @property
     def decode_s(self) -> float | None:
@@ -150,7 +151,7 @@ def make_plan(num_layers: int, layer_bytes: Sequence[int], nodes: Sequence[NodeS
     ranges = _assign_ranges(num_layers, list(layer_bytes), nodes)
     stages = tuple(
         Stage(node.id, node.device, node.dtype, start, end, sum(layer_bytes[start:end]), node.memory_bytes,
-              node.speed, node.link)
+              node.speed, node.link, node.pin is not None)
         for node, (start, end) in zip(nodes, ranges)
     )
     assert [s.start for s in stages] == [0] + [s.end for s in stages[:-1]] and stages[-1].end == num_layers

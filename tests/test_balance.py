@@ -133,7 +133,9 @@ def test_forecast_names_the_slowest_node_and_its_share():
     prediction = forecast(plan, 1792, HeadCost(1 * MB, CUDA))
     name, share = prediction.bottleneck()
     assert name == "node cpu" and share > 0.8
-    assert prediction.advice().startswith(f"node cpu holds {share * 100:.0f}% of the time: give it fewer layers")
+    assert prediction.advice().startswith(f"node cpu holds {share * 100:.0f}% of the time: pin fewer layers")
+    balanced = forecast(make_plan(24, LAYERS, [node("cpu", CPU), node("gpu", CUDA)]), 1792, HeadCost(1 * MB, CUDA))
+    assert "no more layers than its speed allows" in balanced.advice()
 
 
 def test_forecast_without_speeds_says_what_is_missing():
