@@ -452,7 +452,11 @@ def run_worker(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return REFUSED_EXIT
     if options.bench:
-        worker.measure_speeds()
+        try:
+            worker.measure_speeds()
+        except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
+            log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
+                        "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
     log.info("worker %s: device %s, %d torch threads, joining %s:%d%s", options.node_id or "(any entry)",
