@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..bench import DEFAULT_BENCH_DIR, measure_all
+from ..forecast import Forecast, HeadCost, explain, forecast
 from ..generation import Generator
 from ..model import quant
 from ..model.config import Qwen2Config
@@ -19,10 +21,8 @@ from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
 from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
 from ..model_source import ModelSource
-from ..bench import DEFAULT_BENCH_DIR, measure_all
-from ..protocol.messages import Hello
-from ..forecast import Forecast, HeadCost, explain, forecast
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
+from ..protocol.messages import Hello
 from ..speed import Speed
 from ..topology import Topology, load_topology
 from .admission import device_for, speed_for

@@ -34,6 +34,7 @@ from typing import Mapping
 import torch
 
 from .. import __version__
+from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
 from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import compute_dtype_name
 from ..model.weights import layer_tensor_names
@@ -45,7 +46,6 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHU
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
                                  LoadFailed, LoadProgress, Ping, Pong, RunDecode, RunPrefill, SpeedFigure)
 from ..topology import GIB
-from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 
