@@ -1,5 +1,9 @@
 """The worker process: join the head, load the assigned layers, serve them until told otherwise.
 
+Before its first join the worker measures what a layer costs on its device (tc.bench: every weight mode and
+native compute dtype, read back from the cache after the first time), and every HELLO carries the figures, for
+a head that plans from them. `--bench` prints them alone; `--no-bench` joins without.
+
 Two threads per connection: this one reads frames and answers PING at once (so a long prefill or a download
 never looks like a dead worker), and a compute thread runs loading and inference in order.
 
