@@ -132,3 +132,25 @@ def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares
         assert node["predicted_hop_ms"] > 0 and node["measured_hop_ms"] > 0, node
     assert sum(s["layers"][1] - s["layers"][0] for s in view["plan"]["stages"]) == 8
     assert "predicted: decode" in cluster.head.output()
+
+
+def test_a_spare_takes_the_lost_nodes_planned_layers(tmp_path, model_dir):
+    """A spare that stood by since before the plan existed takes over exactly the layers planned for a lost node."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, {"id": "sp", "device": "cpu", "spare": True}],
+                              head={"plan_from": "workers", "heartbeat_s": 1,
+                                    "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        spare = HandWorker(cluster, "sp", decode_gbps=50)  # stands by; its speed plays no part in the plan
+        slow = HandWorker(cluster, "slow", decode_gbps=1)
+        fast = HandWorker(cluster, "fast", decode_gbps=10)
+        assert fast.next_assignment(10) is not None
+        planned = slow.next_assignment(10)
+        assert planned is not None and (planned.layer_start, planned.layer_end_exclusive) == (0, 1)
+        assert spare.next_assignment(1) is None  # nothing lost yet
+        slow.close()
+        taken = spare.next_assignment(10)
+        assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == (0, 1)
+        spare.close()
+        fast.close()
