@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--listen-port", type=int, help="override head.listen's port")
 
     worker = sub.add_parser("worker", help="run a worker that joins a head and serves a range of layers")
-    worker.add_argument("--join", required=True, type=_host_port, metavar="HOST:PORT",
-                        help="the head's listen address")
+    worker.add_argument("--join", type=_host_port, metavar="HOST:PORT",
+                        help="the head's listen address (required unless --bench)")
     worker.add_argument("--node-id", help="the topology entry to fill (default: the first free one that fits)")
     worker.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     worker.add_argument("--hf-cache-dir", type=Path, help="HuggingFace cache directory for model downloads")
@@ -50,9 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rejoin when the head sends nothing for this long (default 30)")
     worker.add_argument("--max-frame-mb", type=_positive_float, metavar="MIB",
                         help="largest frame accepted from the head (default 256)")
+    worker.add_argument("--bench", action="store_true",
+                        help="measure what a layer costs on this machine's device, print it and exit (the figures "
+                             "a topology's nodes[].speed takes)")
+    worker.add_argument("--bench-dir", type=Path, metavar="DIR",
+                        help="where measured speeds are kept between starts (default ~/.cache/truecluster/bench)")
+    worker.add_argument("--no-bench", action="store_true",
+                        help="do not measure before joining: the head then plans this node without its speed")
 
     plan = sub.add_parser("plan", help="print the layer plan for a topology without starting anything")
     plan.add_argument("topology", type=Path)
+    plan.add_argument("--explain", action="store_true",
+                      help="add memory headroom and predicted time per stage and hop, predicted tokens/s, and what "
+                           "would most improve them (from nodes[].speed; the head's own speed is measured here)")
 
     gen = sub.add_parser("generate", help="run the whole model in this process (the single-machine baseline)")
     gen.add_argument("--model", required=True, type=Path, help="a local model directory")

@@ -12,9 +12,11 @@ Rules, in order:
 3. The pins cut the model into gaps (before the first pin, between two pins, after the last). Each gap goes
    to the unpinned nodes that sit between those pins in node order, as one run; a gap with no such nodes, or
    with more nodes than layers, has no plan.
-4. Within a run, layers are split on cumulative bytes: the node's share of the run's bytes is proportional
-   to its memory when every node of the run declares memory, else equal. Each cut is the layer boundary
-   nearest its target that still leaves every node at least one layer.
+4. Within a run whose every node has a speed (measured by its worker, or written in the topology), layers are
+   split by time (tc.balance): the slowest stage of the whole plan as fast as the memory limits allow, then
+   the least total time. Otherwise they are split on cumulative bytes: the node's share of the run's bytes
+   is proportional to its memory when every node of the run declares memory, else equal. Each cut is the
+   layer boundary nearest its target that still leaves every node at least one layer.
 5. Every stage must fit: its weight bytes may not exceed its node's memory, when that is known. The rest of
    the memory (`headroom_bytes`) is what the node has for its KV cache and activations.
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tc.balance import Runner, slowest_stage_bound, split_by_time
 from tc.model.quant import WEIGHT_MODES, quantized_nbytes
+from tc.speed import LinkSpeed, Speed
 from tc.topology import GIB, Topology
 
 MIB = 1 << 20
@@ -44,6 +48,8 @@ class NodeSpec:
     dtype: str
     memory_bytes: int | None  # None: unknown, so the node is trusted to fit what it gets
     pin: tuple[int, int] | None  # half-open [start, end)
+    speed: Speed | None = None  # None: not known, so its run is split by bytes
+    link: LinkSpeed | None = None  # the head's link to it, once measured
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,14 @@ class Stage:
     end: int  # exclusive
     weight_bytes: int
     memory_bytes: int | None
+    speed: Speed | None = None
+    link: LinkSpeed | None = None
+    pinned: bool = False  # its range is the topology's pin, not the planner's choice
+
+    @property
+    def decode_s(self) -> float | None:
+        """Predicted seconds of compute for one decode step of this stage, when its node's speed is known."""
+        return None if self.speed is None else self.speed.decode_s(self.weight_bytes, self.layer_count)
 
     @property
     def layer_count(self) -> int:
@@ -136,7 +150,8 @@ def make_plan(num_layers: int, layer_bytes: Sequence[int], nodes: Sequence[NodeS
     _check_pins(num_layers, nodes)
     ranges = _assign_ranges(num_layers, list(layer_bytes), nodes)
     stages = tuple(
-        Stage(node.id, node.device, node.dtype, start, end, sum(layer_bytes[start:end]), node.memory_bytes)
+        Stage(node.id, node.device, node.dtype, start, end, sum(layer_bytes[start:end]), node.memory_bytes,
+              node.speed, node.link, node.pin is not None)
         for node, (start, end) in zip(nodes, ranges)
     )
     assert [s.start for s in stages] == [0] + [s.end for s in stages[:-1]] and stages[-1].end == num_layers
@@ -190,6 +205,7 @@ def _check_pins(num_layers: int, nodes: Sequence[NodeSpec]) -> None:
 def _assign_ranges(num_layers: int, layer_bytes: list[int], nodes: Sequence[NodeSpec]) -> list[tuple[int, int]]:
     """One (start, end) per node, in node order: pins as given, each gap split among its run."""
     ranges: list[tuple[int, int] | None] = [node.pin for node in nodes]
+    gaps: list[tuple[int, int, list[int]]] = []  # (start, end, indices of the unpinned nodes splitting it)
     run: list[int] = []  # indices of the unpinned nodes since the last pin
     cursor = 0  # where the current gap starts
     previous: NodeSpec | None = None
@@ -200,14 +216,48 @@ def _assign_ranges(num_layers: int, layer_bytes: list[int], nodes: Sequence[Node
         gap_end = num_layers if node is None else node.pin[0]  # type: ignore[index]
         _check_gap(cursor, gap_end, [nodes[i] for i in run], previous, node, num_layers)
         if run:
-            for i, span in zip(run, _split_run(cursor, gap_end, layer_bytes, [nodes[i] for i in run])):
-                ranges[i] = span
+            gaps.append((cursor, gap_end, run))
         if node is not None:
             cursor = node.pin[1]  # type: ignore[index]
             previous = node
         run = []
+    bound = _slowest_stage_bound(layer_bytes, nodes, gaps)
+    for start, end, run in gaps:
+        members = [nodes[i] for i in run]
+        spans = None
+        if bound is not None and all(node.speed is not None for node in members):
+            timed = split_by_time(layer_bytes[start:end], _runners(members), bound)
+            spans = None if timed is None else [(start + a, start + b) for a, b in timed]
+        for i, span in zip(run, spans or _split_run(start, end, layer_bytes, members)):
+            ranges[i] = span
     assert all(r is not None for r in ranges)
     return ranges  # type: ignore[return-value]
+
+
+def _runners(nodes: Sequence[NodeSpec]) -> list[Runner]:
+    return [Runner(node.speed, node.memory_bytes) for node in nodes]  # type: ignore[arg-type]
+
+
+def _slowest_stage_bound(layer_bytes: list[int], nodes: Sequence[NodeSpec], gaps: list[tuple[int, int, list[int]]]
+                         ) -> float | None:
+    """The least time the plan's slowest stage can have: the largest of the pinned stages' times and each timed
+    run's own least maximum. A run may then use slack up to it to speed up its sum. None when nothing is timed
+    (no node has a speed) or the timed runs cannot fit their memory (the byte split then reports why)."""
+    worst = 0.0
+    timed = False
+    for node in nodes:
+        if node.pin is not None and node.speed is not None:
+            start, end = node.pin
+            worst = max(worst, node.speed.decode_s(sum(layer_bytes[start:end]), end - start))
+    for start, end, run in gaps:
+        members = [nodes[i] for i in run]
+        if all(node.speed is not None for node in members):
+            timed = True
+            run_bound = slowest_stage_bound(layer_bytes[start:end], _runners(members))
+            if run_bound == float("inf"):
+                return None
+            worst = max(worst, run_bound)
+    return worst if timed else None
 
 
 def _check_gap(start: int, end: int, run: list[NodeSpec], before: NodeSpec | None, after: NodeSpec | None,
@@ -318,6 +368,7 @@ def node_specs(topology: Topology) -> list[NodeSpec]:
             dtype=entry.dtype or topology.dtype,
             memory_bytes=None if entry.max_memory_gb is None else int(round(entry.max_memory_gb * GIB)),
             pin=entry.layers,
+            speed=entry.speed,
         )
         for entry in topology.nodes
     ]

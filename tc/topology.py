@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from tc.model.quant import DEFAULT_GROUP_SIZE, WEIGHT_MODES
+from tc.speed import SPEED_KEYS, Speed
 
 TOPOLOGY_VERSION = 1
 QUANT_MODES = WEIGHT_MODES
@@ -51,8 +52,9 @@ TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtyp
             "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "heartbeat_s",
              "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb",
-             "step_timeout_s", "step_timeout_factor")
-NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare")
+             "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
+PLAN_SOURCES = ("topology", "workers")
+NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
 
@@ -110,6 +112,8 @@ class HeadSettings:
     max_batch: int | None = None  # sequences generating at once; None: as many as memory allows, up to 8
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     micro_batches: int = 1  # groups a step's batch is cut into, so that stages work at the same time
+    speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
+    plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
 
     @property
     def silence_limit_s(self) -> float:
@@ -136,6 +140,7 @@ class NodeEntry:
     layers: tuple[int, int] | None  # pinned half-open [start, end)
     threads: int | None
     spare: bool = False  # outside the layer split: stands by to fill any lost entry
+    speed: Speed | None = None  # an operator's copy of the machine's `worker --bench` figures
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ class Topology:
                 item["threads"] = entry.threads
             if entry.spare:
                 item["spare"] = True
+            if entry.speed is not None:
+                item["speed"] = entry.speed.as_topology(rounded=False)
             nodes.append(item)
         head: dict[str, Any] = {
             "api": str(self.head.api),
@@ -232,6 +239,10 @@ class Topology:
             head["step_timeout_s"] = self.head.step_timeout_s
         if self.head.step_timeout_factor != DEFAULT_STEP_TIMEOUT_FACTOR:
             head["step_timeout_factor"] = self.head.step_timeout_factor
+        if self.head.speed is not None:
+            head["speed"] = self.head.speed.as_topology(rounded=False)
+        if self.head.plan_from != "topology":
+            head["plan_from"] = self.head.plan_from
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -534,11 +545,28 @@ class _Parser:
                                               "head.step_timeout_s", "seconds")
         step_factor = self.step_factor(head.get("step_timeout_factor", DEFAULT_STEP_TIMEOUT_FACTOR),
                                        "head.step_timeout_factor")
+        speed = self.optional(head, "speed", "head", self.speed)
+        plan_from = self.choice(head.get("plan_from", "topology"), "head.plan_from", PLAN_SOURCES, "plan source")
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
-                            prefill_chunk=prefill_chunk, micro_batches=micro_batches)
+                            prefill_chunk=prefill_chunk, micro_batches=micro_batches, speed=speed,
+                            plan_from=plan_from)
+
+    def speed(self, value: object, path: str) -> Speed:
+        example = "{decode_gbps: 12.5, prefill_gbps: 150, layer_ms: 0.3}"
+        hint = f"copy the line `tc.pyz worker --bench` prints on that machine, e.g. speed: {example}"
+        section = self.mapping(value, path, SPEED_KEYS, f"a mapping of {', '.join(SPEED_KEYS)}; {hint}")
+        missing = [key for key in SPEED_KEYS if section.get(key) is None]
+        if missing:
+            raise self.fail(path, f"lacks {', '.join(missing)}; {hint}")
+        decode = self.positive_number(section["decode_gbps"], f"{path}.decode_gbps", "GB/s")
+        prefill = self.positive_number(section["prefill_gbps"], f"{path}.prefill_gbps", "GB/s")
+        layer_ms = section["layer_ms"]
+        if not _is_number(layer_ms) or layer_ms < 0:
+            raise self.fail(f"{path}.layer_ms", f"expected a number of milliseconds >= 0, got {_describe(layer_ms)}")
+        return Speed.from_topology(decode, prefill, float(layer_ms))
 
     def step_factor(self, value: object, path: str) -> float:
         if not _is_number(value):
@@ -615,6 +643,7 @@ class _Parser:
             layers=layers,
             threads=self.optional(node, "threads", path, lambda v, p: self.integer(v, p, 1)),
             spare=spare,
+            speed=self.optional(node, "speed", path, self.speed),
         )
 
     def pin(self, value: object, path: str) -> tuple[int, int]:

@@ -81,7 +81,8 @@ def test_tokens_must_be_text_without_surrounding_space():
 # --- where the worker gets its token --------------------------------------------------------------------------
 
 def worker_args(**extra) -> argparse.Namespace:
-    flags = {"join_token_file": None, "head_timeout_s": None, "max_frame_mb": None, **extra}
+    flags = {"join_token_file": None, "head_timeout_s": None, "max_frame_mb": None, "no_bench": False,
+             "bench_dir": None, **extra}
     return argparse.Namespace(join=("127.0.0.1", 7001), node_id=None, device="cpu", hf_cache_dir=None,
                               max_memory_gb=None, retry_max_s=1.0, threads=None, **flags)
 

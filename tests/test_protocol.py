@@ -45,6 +45,7 @@ from tc.protocol import (
     tensor_from_wire,
     tensor_to_wire,
 )
+from tc.protocol.messages import SpeedFigure
 from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
 from tc.protocol.tensors import MAX_TENSOR_RANK
 
@@ -488,6 +489,36 @@ def test_older_peers_are_told_apart():
         FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_2)))
     with pytest.raises(ProtocolError, match="unknown message type 'RUN_DECODE'"):
         FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": good_tensor()})))
+
+
+SPEED = SpeedFigure(device="cuda:0", dtype="bf16", quant="int8", decode_bytes_per_s=9.5e11,
+                    prefill_bytes_per_s=4.0e13, layer_overhead_s=4e-5)
+
+
+def test_hello_carries_measured_speeds():
+    hello = make_hello(speeds=(SPEED,))
+    (env,) = FrameDecoder().feed(frame_of(envelope("HELLO", hello.to_payload())))
+    assert env.message == hello and env.message.speeds[0].decode_bytes_per_s == 9.5e11
+    assert make_hello().speeds == ()  # a worker that did not measure says so with none
+
+
+def test_protocol_2_hello_without_speeds_is_refused_by_its_version():
+    """Version 3 added HELLO.speeds: a version 2 HELLO lacks it, and is told apart by its version first."""
+    payload = make_hello().to_payload()
+    del payload["speeds"]
+    with pytest.raises(ProtocolVersionMismatch):
+        FrameDecoder().feed(frame_of(envelope("HELLO", {**payload, "protocol_version": 2})))
+    with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['speeds'\]"):
+        FrameDecoder().feed(frame_of(envelope("HELLO", payload)))
+
+
+@pytest.mark.parametrize("bad", [{"decode_bytes_per_s": 0}, {"prefill_bytes_per_s": -1.0},
+                                 {"layer_overhead_s": float("nan")}, {"dtype": "fp8"}])
+def test_a_speed_figure_out_of_range_is_the_peers_fault(bad):
+    payload = make_hello(speeds=(SPEED,)).to_payload()
+    payload["speeds"][0].update(bad)
+    with pytest.raises(ProtocolError, match=r"HELLO\.speeds\[0\]|SpeedFigure"):
+        FrameDecoder().feed(frame_of(envelope("HELLO", payload)))
 
 
 def good_tensor(**changes: Any) -> dict[str, Any]:

@@ -333,13 +333,43 @@ def test_round_trip_through_yaml(tmp_path: Path) -> None:
         ("model", "./m"), ("revision", "abc"), ("hf_cache_dir", "hf"), ("head.threads", 2),
         ("head.api", "[::1]:8000"), ("head.step_timeout_s", 5), ("head.step_timeout_factor", 3),
         ("nodes.0.dtype", "fp32"), ("nodes.0.threads", 4), ("nodes.2.layers", 20),
+        ("nodes.1.speed", {"decode_gbps": 61.37, "prefill_gbps": 4812.5, "layer_ms": 0.0913}),
+        ("head.speed", {"decode_gbps": 12, "prefill_gbps": 150.25, "layer_ms": 0}),
     )
     topo = parse_topology(data, tmp_path)
+    assert topo.nodes[1].speed.decode_bytes_per_s == pytest.approx(61.37e9) and topo.head.speed is not None
     assert parse_topology(topo.to_dict(), Path("/")) == topo
     path = tmp_path / "sub" / "again.yaml"
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False), encoding="utf-8")
     assert load_topology(path) == topo
+
+
+SPEED = {"decode_gbps": 12.5, "prefill_gbps": 150, "layer_ms": 0.3}
+
+
+@pytest.mark.parametrize("speed, where, words", [
+    ({**SPEED, "layer_ms": DELETE}, "nodes[0].speed", "lacks layer_ms"),
+    ({**SPEED, "decode_gbps": 0}, "nodes[0].speed.decode_gbps", "not positive"),
+    ({**SPEED, "layer_ms": -1}, "nodes[0].speed.layer_ms", ">= 0"),
+    ({**SPEED, "decode_gbs": 1}, "nodes[0].speed.decode_gbs", "did you mean 'decode_gbps'"),
+    (12.5, "nodes[0].speed", "worker --bench"),
+])
+def test_a_bad_speed_names_its_key(speed: Any, where: str, words: str) -> None:
+    if isinstance(speed, dict):
+        speed = {k: v for k, v in speed.items() if v is not DELETE}
+    with pytest.raises(TopologyError) as info:
+        parse_topology(changed(("nodes.0.speed", speed)), Path("/"))
+    assert info.value.key_path == where and words in str(info.value)
+
+
+def test_speeds_reach_the_planner(base_dir: Path) -> None:
+    from tc.planner import node_specs
+
+    topo = parse_topology(changed(("nodes.0.speed", SPEED)), base_dir)
+    specs = node_specs(topo)
+    assert specs[0].speed is not None and specs[0].speed.layer_overhead_s == pytest.approx(0.3e-3)
+    assert specs[2].speed is None
 
 
 def test_with_ports(base_dir: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import AbstractSet
 
 from ..planner import Plan, Stage, format_bytes
-from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
+from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello, SpeedFigure
 from ..topology import NodeEntry, Topology
 
 
@@ -54,6 +54,14 @@ def dtype_fallback(dtype: str, device: str, hello: Hello) -> str | None:
             "topology.yaml (nodes[].dtype)")
 
 
+def speed_for(hello: Hello, device: str, dtype: str, quant: str) -> SpeedFigure | None:
+    """The worker's own figure for computing in `dtype` with weights in `quant` on `device`, if it measured one."""
+    for figure in hello.speeds:
+        if (figure.device, figure.dtype, figure.quant) == (device, dtype, quant):
+            return figure
+    return None
+
+
 def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
     memory = worker_memory(hello, device_for(entry.device, hello))
@@ -64,17 +72,18 @@ def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | Non
     return None
 
 
-def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan) -> str | None:
+def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None) -> str | None:
     if not device_can_serve(entry.device, hello.devices):
         have = ", ".join(d.id for d in hello.devices)
         return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
-    if entry.spare:  # which layers a spare takes is known only when a node is lost
-        return None
+    if entry.spare or plan is None:  # which layers it gets is not known yet: a spare's when a node is lost,
+        return None                  # anyone's when the head plans once its planned set has joined
     return stage_fit_problem(entry, hello, plan.stage_for(entry.id))
 
 
-def choose_entry(hello: Hello, topology: Topology, plan: Plan, taken: AbstractSet[str]) -> NodeEntry:
-    """The entry this worker fills. Raises Refusal with a reason the operator can act on."""
+def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str]) -> NodeEntry:
+    """The entry this worker fills (`plan` None: not made yet, so no memory check). Raises Refusal with a reason
+    the operator can act on."""
     if hello.protocol_version != PROTOCOL_VERSION:
         raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {hello.tc_version}) and the head "
                       f"speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")

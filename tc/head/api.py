@@ -175,12 +175,17 @@ class ClusterView(Protocol):
         """One row per planned node: state, device, layers, memory, seconds since last heard."""
 
 
-def plan_body(plan: Plan, batch: BatchPlan) -> dict[str, Any]:
+def plan_body(plan: Plan | None, batch: BatchPlan) -> dict[str, Any] | None:
+    """The plan for /v1/cluster; None while the head waits for its workers to plan from their speeds."""
+    if plan is None:
+        return None
     return {"num_layers": plan.num_layers, "total_weight_bytes": plan.total_weight_bytes,
             "max_batch": batch.max_batch,
             "stages": [{"node_id": s.node_id, "layers": [s.start, s.end], "device": s.device, "dtype": s.dtype,
                         "weight_bytes": s.weight_bytes, "memory_bytes": s.memory_bytes,
-                        "kv_bytes_per_sequence": batch.slot_bytes[s.node_id]} for s in plan.stages]}
+                        "kv_bytes_per_sequence": batch.slot_bytes[s.node_id],
+                        "predicted_decode_ms": None if s.decode_s is None else round(s.decode_s * 1000, 3)}
+                       for s in plan.stages]}
 
 
 def _readiness_body(readiness: Readiness) -> dict[str, Any]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..bench import DEFAULT_BENCH_DIR, measure_all
+from ..forecast import Forecast, HeadCost, explain, forecast
 from ..generation import Generator
 from ..model import quant
 from ..model.config import Qwen2Config
@@ -20,7 +23,10 @@ from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_te
 from ..model_source import ModelSource
 from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
+from ..protocol.messages import Hello
+from ..speed import Speed
 from ..topology import Topology, load_topology
+from .admission import device_for, speed_for
 from .api import create_app
 from .http_server import HttpServer, start_http_server
 from .pipeline import RemotePipeline
@@ -36,13 +42,64 @@ def model_source(topology: Topology) -> ModelSource:
     return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
 
 
-def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
-    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load)."""
+def layer_bytes_of(topology: Topology, config: Qwen2Config) -> list[int]:
     shapes = expected_shapes(config)
     per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
                  for i in range(config.num_hidden_layers)]
-    layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
-    return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
+    return layer_weight_bytes(per_layer, topology.quant, topology.group_size)
+
+
+def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
+    """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load);
+    node speeds, where the topology gives them, split their runs by time."""
+    return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config),
+                     node_specs(topology.without_spares()))
+
+
+def plan_from_workers(topology: Topology, config: Qwen2Config, hellos: dict[str, Hello]) -> Plan:
+    """The plan from the planned set's HELLOs: each node's speed as its worker measured it for the node's device,
+    dtype and the topology's weight mode (else the topology's nodes[].speed), and its memory as the topology
+    caps it, else as the worker's --max-memory-gb does. Raises PlanError."""
+    specs = []
+    for spec, entry in zip(node_specs(topology.without_spares()), topology.pipeline_nodes):
+        hello = hellos[entry.id]
+        figure = speed_for(hello, device_for(entry.device, hello), spec.dtype, topology.quant)
+        speed = spec.speed if figure is None else Speed(figure.decode_bytes_per_s, figure.prefill_bytes_per_s,
+                                                        figure.layer_overhead_s)
+        memory = spec.memory_bytes if spec.memory_bytes is not None else hello.max_memory_bytes
+        specs.append(replace(spec, speed=speed, memory_bytes=memory))
+    return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
+
+
+def head_weight_bytes(topology: Topology, config: Qwen2Config) -> int:
+    """Weight bytes the head reads for each token: the final norm and lm_head (the embedding's one row is
+    nothing beside it), lm_head in the head's weight mode (int8 under int4)."""
+    shapes = expected_shapes(config)
+    lm_head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])  # tied: the embedding serves
+    per_token = [("lm_head.weight", lm_head, 2), ("model.norm.weight", shapes["model.norm.weight"], 2)]
+    return layer_weight_bytes([per_token], quant.head_weight_mode(topology.quant), topology.group_size)[0]
+
+
+def hop_bytes_per_position(topology: Topology, config: Qwen2Config) -> int:
+    """One position of hidden states as the head sends it: hidden_size values in the compute dtype."""
+    return config.hidden_size * (4 if topology.dtype == "fp32" else 2)
+
+
+def head_speed(topology: Topology) -> Speed:
+    """The head machine's speed: the topology's head.speed, else measured here (cached, like a worker's)."""
+    if topology.head.speed is not None:
+        return topology.head.speed
+    if topology.head.threads:  # measured as the head will run: with its own threads
+        torch.set_num_threads(topology.head.threads)
+    mode = quant.head_weight_mode(topology.quant)
+    (figure,) = measure_all("cpu", platform.machine() or "cpu", (topology.dtype,), DEFAULT_BENCH_DIR,
+                            modes=(mode,))
+    return figure.speed
+
+
+def plan_forecast(topology: Topology, config: Qwen2Config, plan: Plan, speed: Speed | None) -> Forecast:
+    head = None if speed is None else HeadCost(head_weight_bytes(topology, config), speed)
+    return forecast(plan, hop_bytes_per_position(topology, config), head)
 
 
 def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
@@ -58,7 +115,8 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
     print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
-    print(plan.table())
+    print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
+          else plan.table())
     print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")
     return 0
 
@@ -84,10 +142,20 @@ def start_head(topology: Topology) -> Head:
     started = time.perf_counter()
     if topology.head.threads:
         torch.set_num_threads(topology.head.threads)
-    source, config, plan = load_config_and_plan(topology)
-    log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
-             config.hidden_size, topology.quant, plan.table())
-    log.info("batch: %s", plan_batch(plan, config, topology.head.max_batch).describe())  # refuses before loading
+    source, config, plan = load_config_and_plan(topology)  # checks the topology even when workers will plan
+    timed = topology.head.plan_from == "workers" or any(e.speed is not None for e in topology.nodes)
+    speed = head_speed(topology) if timed else None
+    waiting = topology.head.plan_from == "workers"
+    if waiting:
+        log.info("model %s: %d layers, hidden %d, weights %s; the plan is made from the workers' own speeds once "
+                 "all %d have joined", topology.model, config.num_hidden_layers, config.hidden_size, topology.quant,
+                 len(plan.stages))
+    else:
+        log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
+                 config.hidden_size, topology.quant,
+                 explain(plan, plan_forecast(topology, config, plan, speed)) if timed else plan.table())
+    batch = plan_batch(plan, config, topology.head.max_batch)  # refuses a batch that cannot fit, before loading
+    log.info("batch: %s", batch.describe())
     names = head_tensor_names(config)
     model_dir = source.fetch_tensors(names)
     source.fetch_tokenizer()
@@ -106,7 +174,14 @@ def start_head(topology: Topology) -> Head:
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
 
-    registry = WorkerRegistry(topology, plan, config)
+    def plan_once(hellos: dict[str, Hello]) -> Plan:
+        made = plan_from_workers(topology, config, hellos)
+        log.info("plan from the workers' measurements (fixed while the head runs):\n%s",
+                 explain(made, plan_forecast(topology, config, made, speed)))
+        return made
+
+    registry = WorkerRegistry(topology, None if waiting else plan, config,
+                              plan_once=plan_once if waiting else None, batch=batch)
     pipeline = RemotePipeline(registry)
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,

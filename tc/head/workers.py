@@ -2,8 +2,11 @@
 
 Each planned node has a slot. A joining worker proves it knows the join token when the topology sets one
 (tc.protocol.auth), is matched to a slot (admission.py), sent its ASSIGNMENT, and is ready once it reports
-LOAD_COMPLETE. A worker that joins as a spare entry stands by until some slot loses its worker, then is
-assigned that slot's layers.
+LOAD_COMPLETE. When the topology asks for a plan from the workers' own measurements (head.plan_from: workers), the
+registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held, then
+`plan_once` makes the plan from their HELLOs, once, and every held worker gets its ASSIGNMENT. From then on the
+plan never changes: a worker that rejoins gets the same layers, a spare a lost node's. A worker that joins as a
+spare entry stands by until some slot loses its worker, then is assigned that slot's layers.
 
 Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
 at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import statistics
 from collections import deque
 import socket
 import threading
@@ -31,16 +35,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..batch_memory import plan_batch
+from ..batch_memory import BatchPlan, plan_batch
 from ..model.config import MODEL_TYPE, Qwen2Config
 from ..model.weights import layer_tensor_names
-from ..planner import Plan, Stage
+from ..planner import Plan, PlanError, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
                                  Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
                                  LoadFailed, LoadProgress, Message, Ping, Pong, Release, RunBatch)
+from ..speed import LinkSpeed
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
@@ -52,6 +57,7 @@ HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set: 
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
 MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
+RECENT_DECODES = 32  # decode steps per worker kept for /v1/cluster's measured times
 FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
 SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
@@ -89,6 +95,10 @@ class WorkerLink:
         self.close_reason = ""
         self.farewell = ""  # what the worker said before it left, if it said anything
         self.last_seen = time.monotonic()
+        self.pings_sent: dict[int, float] = {}  # nonce -> when, for the round trip its PONG measures
+        self.round_trip_s: float | None = None  # the least PING -> PONG time seen: the link's own latency
+        self.decode_compute_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the worker's own step time
+        self.decode_round_trip_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the same steps, seen from here
         self._pending_lock = threading.Lock()
         self._pending: tuple[str, int] | None = None  # (request_id, seq) of the command awaiting its reply
 
@@ -177,8 +187,23 @@ class WorkerLink:
             self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {sent.message.TYPE} of {positions} row(s) "
                         f"needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
-        self.steps.record(kind, positions, time.monotonic() - sent.at)
+        elapsed = time.monotonic() - sent.at
+        self.steps.record(kind, positions, elapsed)
+        if kind == "decode":
+            self.decode_compute_s.append(reply.message.compute_seconds)
+            self.decode_round_trip_s.append(elapsed)
         return reply.message
+
+    @property
+    def link_speed(self) -> LinkSpeed | None:
+        """The link as measured so far: the least ping round trip (bandwidth is not measured)."""
+        return None if self.round_trip_s is None else LinkSpeed(self.round_trip_s, None)
+
+    def pong(self, nonce: int) -> None:
+        sent = self.pings_sent.pop(nonce, None)
+        if sent is not None:
+            rtt = time.monotonic() - sent
+            self.round_trip_s = rtt if self.round_trip_s is None else min(self.round_trip_s, rtt)
 
 
 @dataclass(frozen=True)
@@ -205,11 +230,22 @@ class Slot:
 
 
 class WorkerRegistry:
-    def __init__(self, topology: Topology, plan: Plan, config: Qwen2Config, max_frame_bytes: int | None = None,
-                 on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S):
+    def __init__(self, topology: Topology, plan: Plan | None, config: Qwen2Config, max_frame_bytes: int | None = None,
+                 on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S,
+                 plan_once: Callable[[dict[str, Hello]], Plan] | None = None, batch: BatchPlan | None = None):
+        """`plan` None: make it with `plan_once(HELLO by node id)` when every planned node has a worker. `batch`:
+        the batch the head serves (default: planned from `plan` and head.max_batch)."""
+        if (plan is None) == (plan_once is None):
+            raise ValueError("give either a plan or plan_once, the function that makes it once workers join")
         self.topology, self.plan, self.config = topology, plan, config
-        self.batch = plan_batch(plan, config, topology.head.max_batch)  # PlanError when max_batch cannot fit
-        self.slots = {s.node_id: Slot(s.node_id) for s in plan.stages}
+        self.plan_once = plan_once
+        self.plan_problem = ""  # why plan_once failed, for operators; the workers keep waiting
+        if batch is None and plan is None:
+            raise ValueError("without a plan, give the batch the head serves (batch_memory.plan_batch)")
+        # PlanError when max_batch cannot fit; a plan made later is checked against the same max_batch
+        self.batch = batch if batch is not None else plan_batch(plan, config, topology.head.max_batch)
+        node_ids = [s.node_id for s in plan.stages] if plan is not None else [e.id for e in topology.pipeline_nodes]
+        self.slots = {node_id: Slot(node_id) for node_id in node_ids}
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified whenever a slot changes state
@@ -252,18 +288,22 @@ class WorkerRegistry:
         now = time.monotonic()
         with self.lock:
             rows = []
-            for stage in self.plan.stages:
-                slot = self.slots[stage.node_id]
+            for node_id, slot in self.slots.items():
+                stage = None if self.plan is None else self.plan.stage_for(node_id)
                 link = slot.link
                 rows.append({
-                    "id": stage.node_id, "state": slot.state, "detail": slot.detail,
-                    "layers": [stage.start, stage.end], "planned_device": stage.device, "dtype": stage.dtype,
-                    "planned_weight_bytes": stage.weight_bytes, "memory_bytes": stage.memory_bytes,
+                    "id": node_id, "state": slot.state, "detail": slot.detail,
+                    "layers": [stage.start, stage.end] if stage else None,
+                    "planned_device": stage.device if stage else self.topology.node(node_id).device,
+                    "dtype": stage.dtype if stage else None,
+                    "planned_weight_bytes": stage.weight_bytes if stage else None,
+                    "memory_bytes": stage.memory_bytes if stage else None,
                     "device": link.device if link else None,
                     "hostname": link.hostname if link else None,
                     "served_by": link.entry_id if link else None,
                     "loaded_weight_bytes": slot.loaded.weight_bytes if slot.loaded else None,
                     "seconds_since_heard": round(now - link.last_seen, 3) if link else None,
+                    **_times(stage, link),
                 })
             for entry_id, link in self.standby.items():  # the same keys, with no plan of their own
                 rows.append({
@@ -279,10 +319,9 @@ class WorkerRegistry:
         """The ready workers' links in pipeline order. Raises WorkerLost for the first missing one."""
         links = []
         with self.lock:
-            for stage in self.plan.stages:
-                slot = self.slots[stage.node_id]
+            for node_id, slot in self.slots.items():
                 if slot.state != "ready" or slot.link is None:
-                    raise WorkerLost(stage.node_id, slot.detail or "not connected")
+                    raise WorkerLost(node_id, slot.detail or "not connected")
                 links.append(slot.link)
         return links
 
@@ -423,9 +462,37 @@ class WorkerRegistry:
         if entry.spare:
             self.standby[entry.id] = link
             assignments = self._match_standby()
+        elif self.plan is None:
+            assignments = self._hold(self.slots[entry.id], link)
         else:
             assignments = [self._occupy(self.slots[entry.id], link)]
         return entry, link, assignments
+
+    def _hold(self, slot: Slot, link: WorkerLink) -> list[tuple[WorkerLink, Assignment]]:
+        """Under the lock, before the plan exists: `link` holds `slot`; once every slot is held, plan and return
+        every held worker's ASSIGNMENT (none before)."""
+        link.node_id = slot.node_id
+        slot.link, slot.state, slot.loaded, slot.joined_at = link, "planning", None, time.time()
+        slot.detail = "joined; the plan is made once every planned node has a worker"
+        slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
+        self.changed.notify_all()
+        if any(s.link is None for s in self.slots.values()):
+            return []
+        assert self.plan_once is not None
+        hellos = {node_id: s.link.hello for node_id, s in self.slots.items() if s.link is not None}
+        try:
+            plan = self.plan_once(hellos)
+            batch = plan_batch(plan, self.config, self.batch.max_batch)  # its nodes must hold the batch too
+        except PlanError as exc:
+            # the workers stay joined and waiting: replacing the one named (or fixing its limits) plans again
+            self.plan_problem = str(exc)
+            log.error("cannot plan from the joined workers: %s", exc)
+            for s in self.slots.values():
+                s.detail = f"no plan: {exc}"
+            return []
+        self.plan, self.batch = plan, batch
+        self.plan_problem = ""
+        return [self._occupy(s, s.link) for s in self.slots.values() if s.link is not None]
 
     def _occupy(self, slot: Slot, link: WorkerLink) -> tuple[WorkerLink, Assignment]:
         """Under the lock: give `slot` to `link`; returns the ASSIGNMENT to send it."""
@@ -438,7 +505,9 @@ class WorkerRegistry:
 
     def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
         """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers."""
-        assignments = []
+        assignments: list[tuple[WorkerLink, Assignment]] = []
+        if self.plan is None:  # nothing to take over before the plan exists
+            return assignments
         for slot in self.slots.values():
             if slot.link is not None or not slot.ever_lost:
                 continue
@@ -500,7 +569,7 @@ class WorkerRegistry:
                 if isinstance(msg, (HiddenState, InferenceError)):
                     link.deliver(env)
                 elif isinstance(msg, Pong):
-                    pass
+                    link.pong(msg.nonce)
                 elif isinstance(msg, (LoadProgress, LoadComplete, LoadFailed)) and link.node_id is None:
                     raise ProtocolError(f"{msg.TYPE} from a spare that was given nothing to load")
                 elif isinstance(msg, LoadProgress):
@@ -579,6 +648,7 @@ class WorkerRegistry:
         nonce = 0
         while not link.closed.wait(self.heartbeat_s):
             nonce += 1
+            link.pings_sent = {nonce: time.monotonic()}  # only the latest: a lost PONG must not leak entries
             try:
                 link.conn.send(Ping(nonce=nonce))
             except OSError as exc:
@@ -594,6 +664,21 @@ class WorkerRegistry:
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
+
+
+def _times(stage: Stage | None, link: WorkerLink | None) -> dict[str, float | None]:
+    """A node's predicted and measured decode times (ms) for /v1/cluster: its compute, and its hop."""
+    measured = list(link.decode_compute_s) if link else []
+    round_trips = list(link.decode_round_trip_s) if link else []
+    compute = statistics.median(measured) if measured else None
+    hop = statistics.median(r - c for r, c in zip(round_trips, measured)) if measured else None
+    predicted_hop = link.link_speed.hop_s(0) if link and link.link_speed else None
+    return {"predicted_decode_ms": _ms(stage.decode_s if stage else None), "measured_decode_ms": _ms(compute),
+            "predicted_hop_ms": _ms(predicted_hop), "measured_hop_ms": _ms(hop)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 class _Deadline:

@@ -26,7 +26,8 @@ from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, w
 # 2: ASSIGNMENT lost total_weight_bytes, which no worker could use (the head holds the plan, and shows planned
 #    beside loaded bytes from LOAD_COMPLETE)
 # 3: batches: RUN_BATCH (many sequences, each with its own cache) replaced RUN_PREFILL and RUN_DECODE, RELEASE
-#    drops finished sequences' caches, and ASSIGNMENT says how many sequences a worker holds at once
+#    drops finished sequences' caches, and ASSIGNMENT says how many sequences a worker holds at once; HELLO
+#    carries the worker's measured speeds (tc.worker.bench), which the planner balances layers with
 PROTOCOL_VERSION = 3
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
@@ -351,6 +352,24 @@ class DeviceInfo(WireStruct):
     free_memory: int | None = wire(_Optional(COUNT))
 
 
+@_wire_struct
+@dataclass(frozen=True)
+class SpeedFigure(WireStruct):
+    """What a layer costs on one of the worker's devices, computing in `dtype` with weights in `quant`
+    (tc.speed.Speed: rates in the planner's weight bytes per second, a fixed cost per layer in seconds)."""
+
+    device: str = wire(STR)
+    dtype: str = wire(DTYPE)
+    quant: str = wire(STR)
+    decode_bytes_per_s: float = wire(SECONDS)  # a finite number >= 0, like a duration; > 0 checked below
+    prefill_bytes_per_s: float = wire(SECONDS)
+    layer_overhead_s: float = wire(SECONDS)
+
+    def _validate(self) -> None:
+        if self.decode_bytes_per_s <= 0 or self.prefill_bytes_per_s <= 0:
+            raise ValueError(f"SpeedFigure for {self.device} {self.dtype} {self.quant}: rates must be > 0")
+
+
 # --- lifecycle -------------------------------------------------------------------------------------------------
 
 
@@ -372,6 +391,8 @@ class Hello(Message):
     compute_dtypes: tuple[str, ...] = wire(_TupleOf(DTYPE))  # native on selected_device; others fall back
     max_memory_bytes: int | None = wire(_Optional(COUNT))
     auth: bytes | None = wire(_Optional(BYTES), default=None)
+    # measured for selected_device in each native compute dtype and every weight mode; empty: not measured
+    speeds: tuple[SpeedFigure, ...] = wire(_TupleOf(_Struct(SpeedFigure)), default=())
 
     def _validate(self) -> None:
         ids = [d.id for d in self.devices]

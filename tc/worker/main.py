@@ -1,5 +1,9 @@
 """The worker process: join the head, load the assigned layers, serve them until told otherwise.
 
+Before its first join the worker measures what a layer costs on its device (tc.bench: every weight mode and
+native compute dtype, read back from the cache after the first time), and every HELLO carries the figures, for
+a head that plans from them. `--bench` prints them alone; `--no-bench` joins without.
+
 Two threads per connection: this one reads frames and answers PING at once (so a long prefill or a download
 never looks like a dead worker), and a compute thread runs loading and inference in order.
 
@@ -34,6 +38,7 @@ from typing import Mapping
 import torch
 
 from .. import __version__
+from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
 from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import compute_dtype_name
 from ..model.weights import layer_tensor_names
@@ -43,7 +48,7 @@ from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Ping, Pong, Release, RunBatch)
+                                 LoadFailed, LoadProgress, Ping, Pong, Release, RunBatch, SpeedFigure)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
@@ -81,6 +86,8 @@ class WorkerOptions:
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     threads: int | None = None  # --threads; when given, the topology entry's threads do not apply
+    bench: bool = True  # measure this machine (or read the cached figures) and say so in HELLO
+    bench_dir: Path | None = DEFAULT_BENCH_DIR  # where figures are kept between starts; None: not kept
 
 
 def _assignment_key(a: Assignment) -> tuple:
@@ -140,6 +147,8 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
         max_frame_bytes=(DEFAULT_MAX_FRAME_BYTES if not max_frame_mb else
                          int(_positive(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)") * MIB)),
         threads=args.threads or None,
+        bench=not args.no_bench,
+        bench_dir=args.bench_dir or DEFAULT_BENCH_DIR,
     )
 
 
@@ -155,6 +164,17 @@ class Worker:
         self._conn: Connection | None = None
         self._node_id: str | None = None
         self._compute_failure: str | None = None  # why this connection's compute thread ended it, if it did
+        self.speeds: tuple[SpeedFigure, ...] = ()  # what measure_speeds found; HELLO carries it
+
+    def measure_speeds(self, fresh: bool = False) -> tuple[Measured, ...]:
+        """Measure (or read back) this machine's speed on its device for HELLO; a few seconds the first time."""
+        name = next(d.name for d in self.devices if d.id == self.device)
+        figures = measure_all(self.device, name, compute_dtypes(self.device), self.options.bench_dir, fresh)
+        self.speeds = tuple(SpeedFigure(device=f.device, dtype=f.dtype, quant=f.quant,
+                                        decode_bytes_per_s=f.speed.decode_bytes_per_s,
+                                        prefill_bytes_per_s=f.speed.prefill_bytes_per_s,
+                                        layer_overhead_s=f.speed.layer_overhead_s) for f in figures)
+        return figures
 
     def hello(self, auth: bytes | None = None) -> Hello:
         summary = system_summary()
@@ -163,7 +183,7 @@ class Worker:
                      python_version=summary["python_version"], torch_version=summary["torch_version"],
                      devices=tuple(self.devices), selected_device=self.device,
                      compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes,
-                     auth=auth)
+                     auth=auth, speeds=self.speeds)
 
     def run(self) -> int:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
@@ -409,7 +429,28 @@ class Worker:
         return StageRuntime(loaded, max_sequences=assignment.max_sequences)
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    """`worker --bench`: measure this machine afresh (keeping the figures for the next start), print them, exit."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = select_device(args.device, detect_devices())
+    except DeviceError as exc:
+        log.error("%s", exc)
+        return REFUSED_EXIT
+    name = next(d.name for d in detect_devices(selected=device) if d.id == device)
+    bench_dir = None if args.no_bench else (args.bench_dir or DEFAULT_BENCH_DIR)
+    figures = measure_all(device, name, compute_dtypes(device), bench_dir, fresh=True)
+    print(bench_table(figures, torch.get_num_threads()))
+    return 0
+
+
 def run_worker(args: argparse.Namespace) -> int:
+    if args.bench:
+        return run_bench(args)
+    if args.join is None:
+        log.error("worker needs --join HOST:PORT (the head's listen address), or --bench to measure this machine")
+        return REFUSED_EXIT
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -418,6 +459,12 @@ def run_worker(args: argparse.Namespace) -> int:
     except (DeviceError, WorkerSetupError, ValueError) as exc:
         log.error("%s", exc)
         return REFUSED_EXIT
+    if options.bench:
+        try:
+            worker.measure_speeds()
+        except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
+            log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
+                        "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
     log.info("worker %s: device %s, %d torch threads, joining %s:%d%s", options.node_id or "(any entry)",

@@ -1,0 +1,89 @@
+"""The worker's self-measurement: real timings on this machine's CPU, the cache, and `worker --bench`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tc.speed import LinkSpeed, Speed, fit_line
+from tc import bench
+from cluster import ROOT
+from throttle import Throttle
+
+
+def test_cost_model_is_overhead_plus_bytes_over_rate():
+    speed = Speed(decode_bytes_per_s=1e9, prefill_bytes_per_s=1e11, layer_overhead_s=1e-4)
+    assert speed.decode_s(30_000_000, 3) == pytest.approx(3e-4 + 0.03)
+    assert speed.prefill_s(30_000_000, 3, 100) == pytest.approx(3e-4 + 0.03)
+    assert Speed.from_topology(**speed.as_topology()) == speed
+    assert LinkSpeed(0.001, 1e8).hop_s(1_000_000) == pytest.approx(0.001 + 0.02)
+    assert LinkSpeed(0.001, None).hop_s(1_000_000) == 0.001
+
+
+@pytest.mark.parametrize("bad", [dict(decode_bytes_per_s=0.0), dict(prefill_bytes_per_s=float("inf")),
+                                 dict(layer_overhead_s=-1.0)])
+def test_a_speed_out_of_range_is_refused(bad):
+    fields = {**dict(decode_bytes_per_s=1e9, prefill_bytes_per_s=1e9, layer_overhead_s=0.0), **bad}
+    with pytest.raises(ValueError, match="Speed"):
+        Speed(**fields)
+
+
+def test_fit_line_floors_a_negative_intercept():
+    assert fit_line((1.0, 2.0), (3.0, 6.0)) == (0.0, 2.0)
+    assert fit_line((0.0, 1.0), (10.0, 2.0)) == pytest.approx((1.0, 0.1))
+    with pytest.raises(ValueError):
+        fit_line((2.0, 1.0), (1.0, 2.0))
+
+
+def _bench_decode_gbps(tmp_path, name: str, duty: float | None) -> float:
+    """`worker --bench` in its own process, held to `duty` of a core when given; its bf16 fp16 decode GB/s."""
+    proc = subprocess.Popen([sys.executable, "-m", "tc", "worker", "--bench", "--device", "cpu", "--threads", "1",
+                             "--bench-dir", str(tmp_path / name)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    throttle = Throttle(proc.pid, duty).start() if duty is not None else None
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if throttle is not None:
+            throttle.stop()
+    assert proc.returncode == 0
+    row = next(line.split() for line in out.splitlines() if line.split()[:3] == ["cpu", "bf16", "fp16"])
+    return float(row[3])
+
+
+def test_a_worker_held_to_a_third_of_a_core_measures_itself_slower(tmp_path):
+    """The real means the unequal-workers benchmark uses: a CPU quota shows in the worker's own figures."""
+    full = _bench_decode_gbps(tmp_path, "full", None)
+    held = _bench_decode_gbps(tmp_path, "held", 0.3)
+    assert held < 0.6 * full, (held, full)
+
+
+def test_figures_are_cached_per_setting_and_a_foreign_file_is_measured_again(tmp_path):
+    first = bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path)
+    assert {f.quant for f in first} == {"fp16", "int8", "int4"}
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == 3 and all("fp32" in f.name and "test_cpu" in f.name for f in files)
+    assert bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path) == first  # read back, not measured
+    stale = files[0]
+    stale.write_text(json.dumps({**json.loads(stale.read_text()), "format": bench.BENCH_FORMAT + 1}))
+    again = bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path)
+    assert again != first  # one figure was measured afresh (timings never repeat to the last bit)
+    assert json.loads(stale.read_text())["format"] == bench.BENCH_FORMAT
+    stale.write_text("{not json")
+    assert len(bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path)) == 3
+
+
+def test_worker_bench_prints_the_figures_and_the_topology_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tc", "worker", "--bench", "--device", "cpu", "--threads", "1",
+                          "--bench-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "decode GB/s" in out.stdout and "speed: {decode_gbps:" in out.stdout
+    assert len(list(tmp_path.glob("*-t1-*.json"))) == 6  # bf16 and fp32, three weight modes each
+
+
+def test_worker_without_join_or_bench_says_what_to_give():
+    out = subprocess.run([sys.executable, "-m", "tc", "worker"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "--join" in out.stderr and "--bench" in out.stderr

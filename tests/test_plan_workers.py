@@ -1,0 +1,156 @@
+"""head.plan_from: workers — a real head plans once from its workers' HELLO speeds, then never again."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from cluster import Cluster, worker_hello, write_topology
+from tc.protocol.connection import Connection
+from tc.protocol.messages import Assignment, HelloAck, Ping, Pong, SpeedFigure
+from tiny_model import write_tiny_model
+
+NODES = [{"id": "slow", "device": "cpu"}, {"id": "fast", "device": "cpu"}]
+
+
+def figure(decode_gbps: float) -> SpeedFigure:
+    return SpeedFigure(device="cpu", dtype="fp32", quant="fp16", decode_bytes_per_s=decode_gbps * 1e9,
+                       prefill_bytes_per_s=decode_gbps * 1e10, layer_overhead_s=0.0)
+
+
+class HandWorker:
+    """A joined connection that says HELLO with chosen speeds and reads what the head sends (answering PINGs)."""
+
+    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float):
+        sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
+        self.conn = Connection(sock)
+        self.conn.send(worker_hello(node_id, speeds=(figure(decode_gbps),)))
+        assert isinstance(self.conn.recv().message, HelloAck)
+
+    def next_assignment(self, timeout: float) -> Assignment | None:
+        """The ASSIGNMENT the head sends within `timeout`, or None if it sends none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.conn.settimeout(left)
+            try:
+                message = self.conn.recv().message
+            except TimeoutError:
+                return None
+            if isinstance(message, Ping):
+                self.conn.send(Pong(nonce=message.nonce))
+            elif isinstance(message, Assignment):
+                return message
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_hidden_layers=8)
+
+
+def test_the_head_plans_once_every_node_has_joined_and_keeps_that_plan(tmp_path, model_dir):
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers", "heartbeat_s": 1,
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        slow = HandWorker(cluster, "slow", decode_gbps=1)
+        assert slow.next_assignment(1.5) is None  # no plan while "fast" has not joined
+        status, view = cluster.get("/v1/cluster")
+        assert status == 200 and view["plan"] is None
+        assert {n["id"]: n["state"] for n in view["nodes"]} == {"slow": "planning", "fast": "waiting"}
+
+        fast = HandWorker(cluster, "fast", decode_gbps=10)
+        got = {"fast": fast.next_assignment(10), "slow": slow.next_assignment(10)}
+        spans = {node: (a.layer_start, a.layer_end_exclusive) for node, a in got.items()}
+        assert spans == {"slow": (0, 1), "fast": (1, 8)}  # the ten-times slower node holds one layer
+        status, view = cluster.get("/v1/cluster")
+        assert [s["layers"] for s in view["plan"]["stages"]] == [[0, 1], [1, 8]]
+        assert all(s["predicted_decode_ms"] > 0 for s in view["plan"]["stages"])
+        assert "plan from the workers' measurements" in cluster.head.output()
+
+        # the slow worker leaves and comes back as a much faster machine: the plan is kept, not redone
+        slow.close()
+        deadline = time.monotonic() + 10
+        while cluster.get("/v1/cluster")[1]["nodes"][0]["state"] != "waiting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = HandWorker(cluster, "slow", decode_gbps=100)
+        assignment = again.next_assignment(10)
+        assert assignment is not None and (assignment.layer_start, assignment.layer_end_exclusive) == (0, 1)
+        again.close()
+        fast.close()
+
+
+def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        workers = []
+        for node_id in ("slow", "fast"):
+            sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
+            conn = Connection(sock)
+            conn.send(worker_hello(node_id))  # measured nothing
+            assert isinstance(conn.recv().message, HelloAck)
+            workers.append(conn)
+        spans = []
+        for conn in workers:
+            message = conn.recv().message
+            while not isinstance(message, Assignment):
+                message = conn.recv().message
+            spans.append((message.layer_start, message.layer_end_exclusive))
+            conn.close()
+        assert spans == [(0, 4), (4, 8)]
+
+
+def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares(tmp_path, model_dir):
+    """Real worker processes measure themselves, the head plans from that, and after a request /v1/cluster shows
+    each node's predicted decode time beside the measured one, and the link's ping beside the hop it measured."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "heartbeat_s": 0.5, "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    bench_dir = tmp_path / "bench"  # shared: the second worker reads what the first measured
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        for node in NODES:
+            cluster.start_worker(node["id"], "--bench-dir", str(bench_dir))
+        cluster.wait_ready(timeout=300)
+        status, body = cluster.post("/v1/completions", {"model": model_dir.name, "prompt": "hello",
+                                                        "max_tokens": 6, "temperature": 0})
+        assert status == 200, body
+        time.sleep(1.5)  # a few heartbeats: the pings' round trips
+        _, view = cluster.get("/v1/cluster")
+    for node in view["nodes"]:
+        assert node["predicted_decode_ms"] > 0 and node["measured_decode_ms"] > 0, node
+        assert node["predicted_hop_ms"] > 0 and node["measured_hop_ms"] > 0, node
+    assert sum(s["layers"][1] - s["layers"][0] for s in view["plan"]["stages"]) == 8
+    assert "predicted: decode" in cluster.head.output()
+
+
+def test_a_spare_takes_the_lost_nodes_planned_layers(tmp_path, model_dir):
+    """A spare that stood by since before the plan existed takes over exactly the layers planned for a lost node."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, {"id": "sp", "device": "cpu", "spare": True}],
+                              head={"plan_from": "workers", "heartbeat_s": 1,
+                                    "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        spare = HandWorker(cluster, "sp", decode_gbps=50)  # stands by; its speed plays no part in the plan
+        slow = HandWorker(cluster, "slow", decode_gbps=1)
+        fast = HandWorker(cluster, "fast", decode_gbps=10)
+        assert fast.next_assignment(10) is not None
+        planned = slow.next_assignment(10)
+        assert planned is not None and (planned.layer_start, planned.layer_end_exclusive) == (0, 1)
+        assert spare.next_assignment(1) is None  # nothing lost yet
+        slow.close()
+        taken = spare.next_assignment(10)
+        assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == (0, 1)
+        spare.close()
+        fast.close()
