@@ -109,8 +109,12 @@ REFUSED = {
     "v5 yarn": (v5(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                     "original_max_position_embeddings": 32768}),
                 r"rope_parameters\.rope_type = 'yarn'.*rope scaling is not supported"),
-    "v5 linear": (v5(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
-                  r"rope_parameters\.rope_type = 'linear'"),
+    "linear without a factor": (v5(rope_parameters={"rope_type": "linear", "rope_theta": 1e6}),
+                                r"rope_parameters\.factor = None; rope_type 'linear' needs it"),
+    "llama3 with a key it does not read": (
+        v5(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_theta": 1e6, "beta_fast": 32}),
+        r"rope_parameters\.beta_fast = 32, which tc does not apply with rope_type 'llama3'"),
     "v4 dynamic (old 'type' key)": (v4(rope_scaling={"type": "dynamic", "factor": 2.0}),
                                     r"rope_scaling\.type = 'dynamic'.*rope scaling is not supported"),
     "v4 yarn": (v4(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
@@ -126,7 +130,12 @@ REFUSED = {
     "a zero theta": (v5(rope_parameters={"rope_type": "default", "rope_theta": 0}), r"rope_theta = 0"),
     "sliding window": (v4(use_sliding_window=True), r"use_sliding_window = True.*sliding window attention"),
     "gelu": (v4(hidden_act="gelu"), r"hidden_act = 'gelu'.*silu"),
-    "a head_dim of its own": (v4(head_dim=32), r"head_dim = 32.*hidden_size / num_attention_heads = 16"),
+    "an odd head_dim": (v4(head_dim=15), r"head_dim = 15; rotary embeddings need a positive even head size"),
+    "an unknown architecture": (v4(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
+                                r"unsupported model: model_type='gpt_neox', architectures=\['GPTNeoXForCausalLM'\]; "
+                                r"tc runs Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"),
+    "a known family with another head": (v4(architectures=["Qwen2ForSequenceClassification"]),
+                                         r"architectures=\['Qwen2ForSequenceClassification'\]; tc runs"),
 }
 
 

@@ -13,10 +13,10 @@ import torch
 
 from ..generation import Generator
 from ..model import quant
-from ..model.config import Qwen2Config
+from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
-from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
+from ..model.weights import WeightIndex, head_tensor_names, layer_shapes, layer_prefix
 from ..model_source import ModelSource
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..topology import Topology, load_topology
@@ -35,19 +35,20 @@ def model_source(topology: Topology) -> ModelSource:
     return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
 
 
-def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
+def build_plan(topology: Topology, config: ModelConfig) -> Plan:
     """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load)."""
-    shapes = expected_shapes(config)
-    per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
+    per_layer = [[(layer_prefix(i) + name, shape, 2) for name, shape in layer_shapes(config, i).items()]
                  for i in range(config.num_hidden_layers)]
     layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
     return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
 
 
-def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
+def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, Plan]:
+    """The model's config (through its family's registry entry: an architecture tc does not run is refused here,
+    before anything starts) and the plan. Raises ConfigError, WeightsError, PlanError."""
     source = model_source(topology)
     config_dir = source.config_dir()
-    config = Qwen2Config.from_file(config_dir / "config.json")
+    config = ModelConfig.from_file(config_dir / "config.json")
     if topology.model_is_local:  # headers are on this disk: check them before promising a plan
         WeightIndex.open(config_dir).validate(config)
     return source, config, build_plan(topology, config)
@@ -56,7 +57,8 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, 
 def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
-    print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
+    print(f"model {topology.model} ({config.model_type}): {config.num_hidden_layers} layers, weights "
+          f"{topology.quant}")
     print(plan.table())
     return 0
 
