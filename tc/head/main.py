@@ -16,7 +16,7 @@ from ..model import quant
 from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
-from ..model.weights import WeightIndex, head_tensor_names, layer_shapes, layer_prefix
+from ..model.weights import WeightIndex, head_tensor_names, is_quantized, layer_prefix, layer_shapes
 from ..model_source import ModelSource
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..topology import Topology, load_topology
@@ -39,7 +39,7 @@ def build_plan(topology: Topology, config: ModelConfig) -> Plan:
     """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load)."""
     per_layer = [[(layer_prefix(i) + name, shape, 2) for name, shape in layer_shapes(config, i).items()]
                  for i in range(config.num_hidden_layers)]
-    layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size)
+    layer_bytes = layer_weight_bytes(per_layer, topology.quant, topology.group_size, quantized=is_quantized)
     return make_plan(config.num_hidden_layers, layer_bytes, node_specs(topology.without_spares()))
 
 

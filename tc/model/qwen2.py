@@ -397,6 +397,13 @@ def _give_back_freed_memory() -> None:
     trim(0)
 
 
+def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | None:
+    """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
+    if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
+        return None
+    return Rotary(config.head_dim, config.local_rope, device)
+
+
 class Stage(nn.Module):
     """Decoder layers [start, end) of a model: one worker's share of the pipeline."""
 
@@ -408,6 +415,7 @@ class Stage(nn.Module):
         # keyed by global layer number, so state-dict names match the checkpoint's
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
         self.rotary = Rotary(config.head_dim, config.rope, device)
+        self.local_rotary = _local_rotary(config, device)
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, start: int, end: int,
@@ -436,6 +444,7 @@ class Stage(nn.Module):
             if progress is not None:
                 progress(done, end - start)
         stage.rotary = Rotary(config.head_dim, config.rope, device)
+        stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
@@ -447,7 +456,12 @@ class Stage(nn.Module):
     def forward(self, hidden: torch.Tensor, cache: KVCache, position_start: int) -> torch.Tensor:
         """Run hidden states [B, L, hidden] at positions [position_start, +L) through every layer."""
         cos, sin = self.rotary.tables(position_start, hidden.shape[1], hidden.dtype)
+        local = (cos, sin) if self.local_rotary is None else \
+            self.local_rotary.tables(position_start, hidden.shape[1], hidden.dtype)  # sliding layers' own (Gemma 3)
         for key, layer in self.layers.items():
+            if layer.self_attn.window is not None:
+                hidden = layer(hidden, *local, cache, int(key), position_start)
+                continue
             hidden = layer(hidden, cos, sin, cache, int(key), position_start)
         cache.length = position_start + hidden.shape[1]
         return hidden

@@ -87,6 +87,12 @@ def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
+    """Whether a layer tensor loads into a linear layer that quantization replaces: every 2-D weight but a
+    router's (`<block>.gate.weight`, which a mixture of experts keeps in the compute dtype: model/moe.py)."""
+    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(".gate.weight")
+
+
 def _mlp_shapes(prefix: str, hidden: int, inner: int, bias: bool,
                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
     gate, up, down = names

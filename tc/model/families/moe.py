@@ -18,7 +18,9 @@ def _sparse_layers(data: dict[str, Any], layers: int) -> tuple[bool, ...]:
 
 def _qwen_experts(data: dict[str, Any], family: str, shared: bool) -> Experts:
     values = common_fields(data, family)
-    return Experts(count=require(data, "num_experts", int, family), top_k=require(data, "num_experts_per_tok"),
+    # Qwen's published files say num_experts; transformers 5.x writes Mixtral's name, num_local_experts
+    count_key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
+    return Experts(count=require(data, count_key, int, family), top_k=require(data, "num_experts_per_tok"),
                    intermediate_size=require(data, "moe_intermediate_size"),
                    normalize_top_k=bool(data.get("norm_topk_prob", False)),
                    shared_intermediate_size=require(data, "shared_expert_intermediate_size") if shared else 0,
