@@ -24,7 +24,7 @@ from torch import nn
 from .config import ModelConfig, Rope
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
-from .rope import inv_freq
+from .rope import attention_scaling, inv_freq
 from .weights import WeightIndex, head_tensor_names, layer_tensor_names
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,7 @@ class Rotary:
     def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str):
         rope = rope if isinstance(rope, Rope) else Rope(float(rope))
         self.inv_freq = inv_freq(rope, head_dim, device)  # [D/2], scaled as the config says
+        self.attention_scaling = attention_scaling(rope)  # YaRN's factor on cos and sin; 1 otherwise
         self.size = 0  # positions the tables cover
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -224,6 +225,8 @@ class Rotary:
             freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
             cos, sin = emb.cos(), emb.sin()
+            if self.attention_scaling != 1.0:
+                cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
             sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
             self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
         cos, sin = self._tables[dtype]
