@@ -184,3 +184,19 @@ def test_a_family_setting_tc_would_ignore_is_refused():
                                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 320,
                                "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
                                "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}})
+
+
+def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
+    """Published Gemma 2 and 3 config.json files (written by transformers 4.x) list no layer_types."""
+    shapes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 320, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16, "sliding_window": 512}
+    gemma2 = ModelConfig.from_dict({"architectures": ["Gemma2ForCausalLM"], **shapes, "rope_theta": 10000.0})
+    assert gemma2.sliding_windows == (512, None) * 6
+    gemma3 = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], **shapes, "sliding_window_pattern": 6,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.sliding_windows == (512, 512, 512, 512, 512, None) * 2
+    assert (gemma3.rope.theta, gemma3.rope.type, gemma3.local_rope.theta, gemma3.local_rope.type) == \
+        (1e6, "linear", 10000.0, "default")
+    assert gemma3.layer_rope(0) == gemma3.local_rope and gemma3.layer_rope(5) == gemma3.rope

@@ -317,7 +317,8 @@ class Attention(nn.Module):
             scale = self.scale if self.scale is not None else self.head_dim ** -0.5
             out = softcapped_attention(q, keys, values, mask, scale, self.softcap)
         else:
-            out = grouped_attention(q, keys, values, mask, False, True, self.scale)
+            expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
+            out = grouped_attention(q, keys, values, mask, False, expand, self.scale)
         return out.transpose(1, 2).reshape(b, length, -1)
 
 

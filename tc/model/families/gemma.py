@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig, common_fields, layer_windows, require
 from ..rope import parse_rope
 
 
-def _gemma(data: dict[str, Any], family: str) -> dict[str, Any]:
+def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool]) -> dict[str, Any]:
+    """The fields Gemma 2 and 3 share; `slides(layer)` says which layers slide when config.json (as 4.x wrote
+    it) lists no layer_types."""
     values = common_fields(data, family, tie_default=True, act_key="hidden_activation")
     scalar = require(data, "query_pre_attn_scalar", (int, float), family)
     windows = layer_windows(data, values["num_hidden_layers"])
     if not windows and data.get("sliding_window") is not None and data.get("layer_types") is None:
-        # 4.x files list no layer_types: Gemma 2 alternates sliding (even layers) and global attention
-        windows = tuple(require(data, "sliding_window") if i % 2 == 0 else None
+        windows = tuple(require(data, "sliding_window") if slides(i) else None
                         for i in range(values["num_hidden_layers"]))
     return {**values, "norm_offset": 1.0, "sandwich_norms": True, "embedding_scale": math.sqrt(values["hidden_size"]),
             "attn_scale": float(scalar) ** -0.5, "sliding_windows": windows}
@@ -31,7 +32,8 @@ def _cap(data: dict[str, Any], key: str) -> float | None:
 
 
 def parse_gemma2(data: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**_gemma(data, "gemma2"), qkv_bias=bool(data.get("attention_bias", False)),
+    # Gemma 2 alternates: even layers slide, odd ones attend globally
+    return ModelConfig(**_gemma(data, "gemma2", lambda i: i % 2 == 0), qkv_bias=bool(data.get("attention_bias", False)),
                        o_bias=bool(data.get("attention_bias", False)),
                        attn_softcap=_cap(data, "attn_logit_softcapping"),
                        final_softcap=_cap(data, "final_logit_softcapping"))
@@ -41,7 +43,12 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
     params = data.get("rope_parameters")
     per_type = isinstance(params, dict) and "full_attention" in params
     # the per-layer-type rope dict is read below; the rest as every family's
-    values = _gemma({k: v for k, v in data.items() if not (per_type and k == "rope_parameters")}, "gemma3_text")
+    # Gemma 3: every sliding_window_pattern-th layer attends globally, the others slide
+    pattern = data.get("sliding_window_pattern", 6)
+    if type(pattern) is not int or pattern < 1:
+        raise ConfigError(f"config.json sets sliding_window_pattern = {pattern!r}; expected a positive integer")
+    values = _gemma({k: v for k, v in data.items() if not (per_type and k == "rope_parameters")}, "gemma3_text",
+                    lambda i: (i + 1) % pattern != 0)
     values["source"] = copy.deepcopy(data)
     rope, local = values["rope"], values["rope"]
     if per_type:  # 5.x: one rope per layer type
