@@ -67,6 +67,7 @@ def test_fp32_logits_and_greedy_tokens_match_transformers(family_dirs, name):
     assert list(result.token_ids) == hf_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_head_and_two_workers_generate_what_transformers_does(tmp_path, family_dirs, name):
     model_dir = family_dirs(name)

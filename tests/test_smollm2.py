@@ -10,7 +10,7 @@ from model_helpers import OurModel, hf_logits
 from tc.model.config import ModelConfig
 from tc.model.tokenizer import TextTokenizer
 
-pytestmark = pytest.mark.demo
+pytestmark = [pytest.mark.demo, pytest.mark.slow]
 
 PROMPT = "The three primary colors are"
 NEW_TOKENS = 24
