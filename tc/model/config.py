@@ -143,7 +143,8 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
             raise ConfigError(f"config.json sets {key} = {values[key]!r}; it must be positive")
     values["rms_norm_eps"] = float(require(data, "rms_norm_eps", float, family))
     kv = data.get("num_key_value_heads")
-    values["num_key_value_heads"] = values["num_attention_heads"] if kv is None else require(data, "num_key_value_heads")
+    values["num_key_value_heads"] = (values["num_attention_heads"] if kv is None  # no GQA: a KV head per head
+                                     else require(data, "num_key_value_heads"))
     heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
     if kv_heads <= 0 or heads % kv_heads:
         raise ConfigError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "

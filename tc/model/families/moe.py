@@ -44,7 +44,8 @@ def parse_qwen3_moe(data: dict[str, Any]) -> ModelConfig:
 def parse_mixtral(data: dict[str, Any]) -> ModelConfig:
     values = common_fields(data, "mixtral")
     window = None if data.get("sliding_window") is None else require(data, "sliding_window")
-    experts = Experts(count=require(data, "num_local_experts", int, "mixtral"), top_k=require(data, "num_experts_per_tok"),
+    experts = Experts(count=require(data, "num_local_experts", int, "mixtral"),
+                      top_k=require(data, "num_experts_per_tok"),
                       intermediate_size=values["intermediate_size"], normalize_top_k=True,
                       block_name="block_sparse_moe", projections=("w1", "w3", "w2"))
     return ModelConfig(**values, experts=experts,
