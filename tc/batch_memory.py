@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model.config import Qwen2Config
+from .model.config import ModelConfig
 from .planner import GIB, Plan, PlanError, Stage, format_bytes
 
 DEFAULT_MAX_BATCH = 8
@@ -28,7 +28,7 @@ def element_bytes(dtype: str, device: str) -> int:
     return 4
 
 
-def kv_bytes_per_slot(config: Qwen2Config, stage: Stage) -> int:
+def kv_bytes_per_slot(config: ModelConfig, stage: Stage) -> int:
     """Worst-case KV cache bytes of one sequence on `stage` (the module's docstring)."""
     return (2 * stage.layer_count * config.num_key_value_heads * config.head_dim * config.max_position_embeddings
             * element_bytes(stage.dtype, stage.device))
@@ -44,7 +44,7 @@ class BatchPlan:
         return f"up to {self.max_batch} sequences at once; KV cache per sequence at full context: {per_node}"
 
 
-def plan_batch(plan: Plan, config: Qwen2Config, asked: int | None) -> BatchPlan:
+def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
     """The batch size the nodes' memory allows: `asked` (head.max_batch) if set, else the default as far as it
     fits. Raises PlanError naming the node and the numbers when `asked` does not fit."""
     slot_bytes = {stage.node_id: kv_bytes_per_slot(config, stage) for stage in plan.stages}

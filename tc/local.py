@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .generation import Generator, LocalPipeline
 from .model import quant as quantization
-from .model.config import Qwen2Config
+from .model.config import ModelConfig
 from .model.qwen2 import HeadModel, Stage, half_dtype, resolve_compute_dtype
 from .model.tokenizer import TextTokenizer
 from .model.weights import WeightIndex
@@ -25,7 +25,7 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     Raises QuantizationError for an unknown weight mode or group size.
     """
     started = time.perf_counter()
-    config = Qwen2Config.from_file(Path(model_dir) / "config.json")
+    config = ModelConfig.from_file(Path(model_dir) / "config.json")
     index = WeightIndex.open(model_dir)
     index.validate(config)
     torch_dtype = resolve_compute_dtype(dtype, device)

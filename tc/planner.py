@@ -23,7 +23,7 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tc.balance import Runner, slowest_stage_bound, split_by_time
 from tc.model.quant import WEIGHT_MODES, quantized_nbytes
@@ -329,15 +329,21 @@ def _span(start: int, end: int) -> str:
     return f"{start}" if end == start + 1 else f"{start}-{end - 1}"
 
 
+def _is_projection(name: str, shape: Sequence[int]) -> bool:
+    return len(shape) == 2 and name.endswith("_proj.weight")
+
+
 def layer_weight_bytes(
-    tensor_shapes_by_layer: Sequence[Sequence[tuple[str, Sequence[int], int]]], quant: str, group_size: int
+    tensor_shapes_by_layer: Sequence[Sequence[tuple[str, Sequence[int], int]]], quant: str, group_size: int,
+    quantized: Callable[[str, Sequence[int]], bool] = _is_projection,
 ) -> list[int]:
     """Bytes each layer's weights take in memory once loaded in weight mode `quant`.
 
     Input: per layer, (tensor name, shape, stored bytes per element) as the safetensors headers give them.
-    2-D `*_proj.weight` tensors are what tc quantizes, so they count as `quantized_nbytes`; everything else
-    (norms, biases) is kept in 16-bit, two bytes an element, whatever the checkpoint stored. The stored width
-    is therefore not used; it is accepted so callers can pass header entries as they are.
+    Tensors for which `quantized(name, shape)` holds are what tc quantizes (by default 2-D `*_proj.weight`; the
+    model's own rule is model.weights.is_quantized), so they count as `quantized_nbytes`; everything else
+    (norms, biases, routers) is kept in 16-bit, two bytes an element, whatever the checkpoint stored. The stored
+    width is therefore not used; it is accepted so callers can pass header entries as they are.
     Raises ValueError for an unknown weight mode.
     """
     if quant not in WEIGHT_MODES:
@@ -348,7 +354,7 @@ def layer_weight_bytes(
     for tensors in tensor_shapes_by_layer:
         total = 0
         for name, shape, _stored_bytes in tensors:
-            if len(shape) == 2 and name.endswith("_proj.weight"):
+            if quantized(name, shape):
                 total += quantized_nbytes((int(shape[0]), int(shape[1])), quant, group_size)
             else:
                 numel = 1

@@ -37,6 +37,11 @@ def demo_model_dir() -> Path:
     return builder().build_demo_model()
 
 
+def smollm2_dir() -> Path:
+    """The SmolLM2-135M-Instruct model dir (Llama architecture), built if missing (needs transformers)."""
+    return builder().build_smollm2()
+
+
 def gguf_path() -> Path:
     """The verified source GGUF the demo model is built from, fetched if missing."""
     return builder().fetch_gguf()

@@ -24,3 +24,10 @@ def demo_model_dir() -> Path:
     from _demo import demo_model_dir as build
 
     return build()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from _demo import smollm2_dir as build
+
+    return build()

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tc.generation import LocalPipeline
-from tc.model.config import Qwen2Config
+from tc.model.config import ModelConfig
 from tc.model.qwen2 import HeadModel, Stage
 from tc.model.weights import WeightIndex, layer_tensor_names
 from tc.protocol.messages import Assignment
@@ -53,7 +53,7 @@ class GatedPipeline(LocalPipeline):
 class OurModel:
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, splits: list[int] | None = None,
                  pack: bool | None = None):
-        self.config = Qwen2Config.from_file(Path(model_dir) / "config.json")
+        self.config = ModelConfig.from_file(Path(model_dir) / "config.json")
         self.index = WeightIndex.open(model_dir)
         self.index.validate(self.config)
         self.dtype = dtype
@@ -98,8 +98,9 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def local_assignment(model_dir: Path, start: int, end: int, **changes) -> Assignment:
     """The ASSIGNMENT a head sends for layers [start, end) of the model directory on this machine, fp16 in fp32;
     `changes` replaces any field."""
-    config = Qwen2Config.from_file(Path(model_dir) / "config.json")
-    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu", architecture="qwen2",
+    config = ModelConfig.from_file(Path(model_dir) / "config.json")
+    fields = dict(model_id=str(model_dir), model_source="local", revision=None, device="cpu",
+                  architecture=config.model_type,
                   quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start, layer_end_exclusive=end,
-                  config=config.to_dict(), tensor_count=len(layer_tensor_names(start, end)))
+                  config=config.to_dict(), tensor_count=len(layer_tensor_names(config, start, end)))
     return Assignment(**{**fields, **changes})

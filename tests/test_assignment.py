@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from cluster import ROOT, Cluster, Process, write_topology
 from tc.head.admission import dtype_fallback
 from model_helpers import local_assignment
-from tc.model.config import ConfigError
+from tc.model.config import ConfigError, ModelConfig
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
 from tc.worker.runtime import load_assignment
@@ -74,7 +74,16 @@ def test_a_matching_assignment_loads(model_dir):
 
 
 def test_an_architecture_the_worker_does_not_run_is_refused(model_dir):
-    with pytest.raises(ConfigError, match=r"architecture 'llama'; this worker .* runs 'qwen2' only"):
+    config = {**ModelConfig.from_file(model_dir / "config.json").to_dict(), "model_type": "gpt_neox",
+              "architectures": ["GPTNeoXForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"architectures=\['GPTNeoXForCausalLM'\]; tc runs Qwen2ForCausalLM, "
+                                          r"LlamaForCausalLM, .*MixtralForCausalLM"):
+        load_assignment(local_assignment(model_dir, 0, 2, architecture="gpt_neox", config=config), model_dir, "cpu")
+
+
+def test_an_architecture_that_disagrees_with_the_config_is_refused(model_dir):
+    with pytest.raises(ConfigError, match=r"architecture 'llama', and this worker .* reads its config.json as "
+                                          r"'qwen2'"):
         load_assignment(local_assignment(model_dir, 0, 2, architecture="llama"), model_dir, "cpu")
 
 
@@ -100,7 +109,7 @@ def test_layer_tensors_in_a_shard_left_unread_are_refused_too(tmp_path):
     index = json.loads(index_path.read_text())
     index["weight_map"]["model.layers.1.self_attn.q_norm.weight"] = "extra.safetensors"
     index_path.write_text(json.dumps(index))
-    names = layer_tensor_names(0, 2)
+    names = layer_tensor_names(ModelConfig.from_file(model_dir / "config.json"), 0, 2)
     assert {info.file.name for info in WeightIndex.open(model_dir, only=names).tensors.values()} == {
         "model-00001-of-00002.safetensors"}  # the worker reads no other shard...
     with pytest.raises(WeightsError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):

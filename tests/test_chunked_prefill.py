@@ -30,7 +30,7 @@ def load(model_dir, start: int, end: int, budget: int) -> StageRuntime:
     msg = Assignment(model_id=str(model_dir), model_source="local", revision=None, device="cpu",
                      architecture="qwen2", quant="fp16", group_size=128, compute_dtype="fp32", layer_start=start,
                      layer_end_exclusive=end, config=config.to_dict(),
-                     tensor_count=len(layer_tensor_names(start, end)))
+                     tensor_count=len(layer_tensor_names(config, start, end)))
     return StageRuntime(load_assignment(msg, model_dir, "cpu"), attention_budget_bytes=budget, max_sequences=4)
 
 

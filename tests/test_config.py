@@ -106,15 +106,20 @@ def v4(**changes) -> dict:
 
 
 REFUSED = {
-    "v5 yarn": (v5(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                    "original_max_position_embeddings": 32768}),
-                r"rope_parameters\.rope_type = 'yarn'.*rope scaling is not supported"),
-    "v5 linear": (v5(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
-                  r"rope_parameters\.rope_type = 'linear'"),
-    "v4 dynamic (old 'type' key)": (v4(rope_scaling={"type": "dynamic", "factor": 2.0}),
-                                    r"rope_scaling\.type = 'dynamic'.*rope scaling is not supported"),
-    "v4 yarn": (v4(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
-                r"rope_scaling\.rope_type = 'yarn'"),
+    "v5 longrope": (v5(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "long_factor": [1.0],
+                                        "short_factor": [1.0]}),
+                    r"rope_parameters\.rope_type = 'longrope'.*rope scaling is not supported"),
+    "v4 longrope (old 'type' key)": (v4(rope_scaling={"type": "longrope", "long_factor": [1.0]}),
+                                     r"rope_scaling\.type = 'longrope'.*rope scaling is not supported"),
+    "dynamic from a shorter original context": (
+        v4(rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}),
+        r"original_max_position_embeddings = 64 below max_position_embeddings = 256"),
+    "linear without a factor": (v5(rope_parameters={"rope_type": "linear", "rope_theta": 1e6}),
+                                r"rope_parameters\.factor = None; rope_type 'linear' needs it"),
+    "llama3 with a key it does not read": (
+        v5(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_theta": 1e6, "beta_fast": 32}),
+        r"rope_parameters\.beta_fast = 32, which tc does not apply with rope_type 'llama3'"),
     "a factor on default rope": (v5(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "factor": 2.0}),
                                  r"rope_parameters\.factor = 2\.0"),
     "per-layer-type rope": (v5(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
@@ -126,7 +131,12 @@ REFUSED = {
     "a zero theta": (v5(rope_parameters={"rope_type": "default", "rope_theta": 0}), r"rope_theta = 0"),
     "sliding window": (v4(use_sliding_window=True), r"use_sliding_window = True.*sliding window attention"),
     "gelu": (v4(hidden_act="gelu"), r"hidden_act = 'gelu'.*silu"),
-    "a head_dim of its own": (v4(head_dim=32), r"head_dim = 32.*hidden_size / num_attention_heads = 16"),
+    "an odd head_dim": (v4(head_dim=15), r"head_dim = 15; rotary embeddings need a positive even head size"),
+    "an unknown architecture": (v4(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
+                                r"unsupported model: model_type='gpt_neox', architectures=\['GPTNeoXForCausalLM'\]; "
+                                r"tc runs Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"),
+    "a known family with another head": (v4(architectures=["Qwen2ForSequenceClassification"]),
+                                         r"architectures=\['Qwen2ForSequenceClassification'\]; tc runs"),
 }
 
 
@@ -145,8 +155,10 @@ def test_what_tc_cannot_honour_is_refused_by_name(case):
     v4(head_dim=16, partial_rotary_factor=1.0),  # what tc computes anyway
     v5(rope_theta=QWEN25_THETA),  # both layouts, agreeing
     v5(rope_parameters={"rope_theta": QWEN25_THETA}),  # rope_type absent means default
+    v4(rope_scaling={"type": "dynamic", "factor": 2.0}),  # old 'type' key; plain inside the context
+    v4(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen2.5's
 ], ids=["v4", "v4 default scaling", "sliding window off", "no hidden_act", "matching head_dim", "both layouts",
-        "no rope_type"])
+        "no rope_type", "v4 dynamic", "v4 yarn"])
 def test_what_tc_can_honour_loads(data):
     data = {k: v for k, v in data.items() if v is not _ABSENT}
     assert Qwen2Config.from_dict(data).rope_theta == QWEN25_THETA

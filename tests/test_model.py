@@ -66,7 +66,7 @@ def test_fused_layers_hold_the_checkpoint_rows(tiny_model_dir):
     config = Qwen2Config.from_file(tiny_model_dir / "config.json")
     index = WeightIndex.open(tiny_model_dir)
     layer = OurModel(tiny_model_dir).stages[0].layers["1"]
-    state = index.load(layer_tensor_names(1, 2))
+    state = index.load(layer_tensor_names(config, 1, 2))
     rows = lambda names: torch.cat([state[f"model.layers.1.{n}"] for n in names])  # noqa: E731
     attn, mlp = layer.self_attn, layer.mlp
     assert torch.equal(attn.qkv_proj.weight, rows([f"self_attn.{p}_proj.weight" for p in "qkv"]))
@@ -103,10 +103,10 @@ def test_bf16_follows_fp32(tiny_model_dir):
 def test_layer_range_reads_only_its_bytes(tmp_path):
     model_dir = write_tiny_model(tmp_path / "m", seed=1)
     config = Qwen2Config.from_file(model_dir / "config.json")
-    clean = WeightIndex.open(model_dir).load(layer_tensor_names(1, 3))
+    clean = WeightIndex.open(model_dir).load(layer_tensor_names(config, 1, 3))
     # overwrite every byte outside layers [1, 3) (other layers, head tensors) with garbage
     index = WeightIndex.open(model_dir)
-    keep = set(layer_tensor_names(1, 3))
+    keep = set(layer_tensor_names(config, 1, 3))
     with open(model_dir / "model.safetensors", "r+b") as f:
         for info in index.tensors.values():
             if info.name not in keep:
@@ -114,7 +114,7 @@ def test_layer_range_reads_only_its_bytes(tmp_path):
                 f.write(b"\xff" * info.nbytes)  # NaN in every float format
     index = WeightIndex.open(model_dir)
     index.validate(config)  # headers are intact, so the model is still accepted
-    loaded = index.load(layer_tensor_names(1, 3))
+    loaded = index.load(layer_tensor_names(config, 1, 3))
     assert loaded.keys() == clean.keys()
     assert all(torch.equal(loaded[n], clean[n]) for n in clean)
     assert torch.isnan(index.load(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"]).all()

@@ -16,10 +16,11 @@ from ..bench import DEFAULT_BENCH_DIR, measure_all
 from ..forecast import Forecast, HeadCost, explain, forecast
 from ..generation import Generator
 from ..model import quant
-from ..model.config import Qwen2Config
+from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer
-from ..model.weights import LAYER_TENSORS, WeightIndex, expected_shapes, head_tensor_names, layer_prefix
+from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is_quantized, layer_prefix,
+                             layer_shapes)
 from ..model_source import ModelSource
 from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
@@ -42,21 +43,21 @@ def model_source(topology: Topology) -> ModelSource:
     return ModelSource(topology.model, topology.model_is_local, topology.revision, topology.hf_cache_dir)
 
 
-def layer_bytes_of(topology: Topology, config: Qwen2Config) -> list[int]:
-    shapes = expected_shapes(config)
-    per_layer = [[(layer_prefix(i) + s, shapes[layer_prefix(i) + s], 2) for s in LAYER_TENSORS]
+def layer_bytes_of(topology: Topology, config: ModelConfig) -> list[int]:
+    """Each layer's weight bytes in the topology's weight mode, from config.json's shapes."""
+    per_layer = [[(layer_prefix(i) + name, shape, 2) for name, shape in layer_shapes(config, i).items()]
                  for i in range(config.num_hidden_layers)]
-    return layer_weight_bytes(per_layer, topology.quant, topology.group_size)
+    return layer_weight_bytes(per_layer, topology.quant, topology.group_size, quantized=is_quantized)
 
 
-def build_plan(topology: Topology, config: Qwen2Config) -> Plan:
+def build_plan(topology: Topology, config: ModelConfig) -> Plan:
     """The static plan: layer sizes follow from config.json's shapes (checked against the headers on load);
     node speeds, where the topology gives them, split their runs by time."""
     return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config),
                      node_specs(topology.without_spares()))
 
 
-def plan_from_workers(topology: Topology, config: Qwen2Config, hellos: dict[str, Hello]) -> Plan:
+def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str, Hello]) -> Plan:
     """The plan from the planned set's HELLOs: each node's speed as its worker measured it for the node's device,
     dtype and the topology's weight mode (else the topology's nodes[].speed), and its memory as the topology
     caps it, else as the worker's --max-memory-gb does. Raises PlanError."""
@@ -71,7 +72,7 @@ def plan_from_workers(topology: Topology, config: Qwen2Config, hellos: dict[str,
     return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
 
 
-def head_weight_bytes(topology: Topology, config: Qwen2Config) -> int:
+def head_weight_bytes(topology: Topology, config: ModelConfig) -> int:
     """Weight bytes the head reads for each token: the final norm and lm_head (the embedding's one row is
     nothing beside it), lm_head in the head's weight mode (int8 under int4)."""
     shapes = expected_shapes(config)
@@ -80,7 +81,7 @@ def head_weight_bytes(topology: Topology, config: Qwen2Config) -> int:
     return layer_weight_bytes([per_token], quant.head_weight_mode(topology.quant), topology.group_size)[0]
 
 
-def hop_bytes_per_position(topology: Topology, config: Qwen2Config) -> int:
+def hop_bytes_per_position(topology: Topology, config: ModelConfig) -> int:
     """One position of hidden states as the head sends it: hidden_size values in the compute dtype."""
     return config.hidden_size * (4 if topology.dtype == "fp32" else 2)
 
@@ -97,15 +98,17 @@ def head_speed(topology: Topology) -> Speed:
     return figure.speed
 
 
-def plan_forecast(topology: Topology, config: Qwen2Config, plan: Plan, speed: Speed | None) -> Forecast:
+def plan_forecast(topology: Topology, config: ModelConfig, plan: Plan, speed: Speed | None) -> Forecast:
     head = None if speed is None else HeadCost(head_weight_bytes(topology, config), speed)
     return forecast(plan, hop_bytes_per_position(topology, config), head)
 
 
-def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, Plan]:
+def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, Plan]:
+    """The model's config (through its family's registry entry: an architecture tc does not run is refused here,
+    before anything starts) and the plan. Raises ConfigError, WeightsError, PlanError."""
     source = model_source(topology)
     config_dir = source.config_dir()
-    config = Qwen2Config.from_file(config_dir / "config.json")
+    config = ModelConfig.from_file(config_dir / "config.json")
     if topology.model_is_local:  # headers are on this disk: check them before promising a plan
         WeightIndex.open(config_dir).validate(config)
     return source, config, build_plan(topology, config)
@@ -114,7 +117,8 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, Qwen2Config, 
 def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
-    print(f"model {topology.model}: {config.num_hidden_layers} layers, weights {topology.quant}")
+    print(f"model {topology.model} ({config.model_type}): {config.num_hidden_layers} layers, weights "
+          f"{topology.quant}")
     print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
           else plan.table())
     print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch_memory import BatchPlan, plan_batch
-from ..model.config import MODEL_TYPE, Qwen2Config
+from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..planner import Plan, PlanError, Stage
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
@@ -230,7 +230,7 @@ class Slot:
 
 
 class WorkerRegistry:
-    def __init__(self, topology: Topology, plan: Plan | None, config: Qwen2Config, max_frame_bytes: int | None = None,
+    def __init__(self, topology: Topology, plan: Plan | None, config: ModelConfig, max_frame_bytes: int | None = None,
                  on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S,
                  plan_once: Callable[[dict[str, Hello]], Plan] | None = None, batch: BatchPlan | None = None):
         """`plan` None: make it with `plan_once(HELLO by node id)` when every planned node has a worker. `batch`:
@@ -546,10 +546,10 @@ class WorkerRegistry:
             log.warning("worker %s: %s", link.name, fallback)
         return Assignment(model_id=self.topology.model,
                           model_source="local" if self.topology.model_is_local else "hub",
-                          revision=self.topology.revision, device=link.device, architecture=MODEL_TYPE,
+                          revision=self.topology.revision, device=link.device, architecture=self.config.model_type,
                           quant=self.topology.quant, group_size=self.topology.group_size, compute_dtype=stage.dtype,
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
-                          tensor_count=len(layer_tensor_names(stage.start, stage.end)),
+                          tensor_count=len(layer_tensor_names(self.config, stage.start, stage.end)),
                           threads=self.topology.node(link.entry_id).threads,
                           max_sequences=self.batch.max_batch)
 

@@ -1,89 +1,104 @@
-"""Qwen2 model configuration, read from a HuggingFace config.json.
+"""A decoder-only model's configuration, read from a HuggingFace config.json through its family.
 
-Field names are the config.json keys, so a reader can check one against the other.
+`ModelConfig` says how to build the layers, in tc's own terms (biases, norms, rotary embedding, sliding windows,
+experts); each family module in `tc.model.families` maps its config.json keys onto it, and refuses by name
+whatever transformers would honour and tc would silently ignore. Field names that exist in config.json keep
+their config.json names, so a reader can check one against the other.
 
-Two layouts are in use. transformers 4.x writes the rotary base at the top level (`rope_theta`) beside
-`rope_scaling` (null, or a dict naming a scaling type); transformers 5.x writes `rope_parameters`
-({rope_type, rope_theta, ...}) instead. Both are read. Whatever tc would compute differently from
-transformers (scaled RoPE, sliding window attention, another activation) is refused by name rather than run
-wrongly.
+The config that crosses the wire (ASSIGNMENT) is config.json's own dict (`to_dict`), which the worker parses
+through the same family: the two ends cannot disagree about a field one of them derived.
 """
 from __future__ import annotations
 
+import copy
 import json
-import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODEL_TYPE = "qwen2"
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
-# What transformers takes when config.json names no rotary base, in both layouts: 4.x's Qwen2Config defaults
-# rope_theta to 10000.0, and 5.x's falls back to RotaryEmbeddingConfigMixin.default_theta, also 10000.0.
-DEFAULT_ROPE_THETA = 10000.0
-# Keys a plain-RoPE rope_scaling / rope_parameters dict may hold ("type" is the older spelling of "rope_type").
-# Anything else there (factor, partial_rotary_factor, per-layer-type dicts) changes RoPE in ways tc does not.
-PLAIN_ROPE_KEYS = ("rope_type", "type", "rope_theta")
-ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")
+from .errors import ConfigError
+from .rope import DEFAULT_ROPE_THETA, Rope, parse_rope
 
+__all__ = ["ConfigError", "DEFAULT_ROPE_THETA", "Experts", "ModelConfig", "Qwen2Config", "Rope", "rope_theta"]
 
-class ConfigError(ValueError):
-    """config.json is missing, unreadable, or describes a model tc cannot run."""
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what MLP computes (transformers' ACT2FN names)
 
 
 @dataclass(frozen=True)
-class Qwen2Config:
+class Experts:
+    """A mixture-of-experts feed-forward: a router picks `top_k` of `count` experts per token."""
+
+    count: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize_top_k: bool  # renormalise the chosen experts' weights to sum to one
+    shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False); () means every layer
+    # checkpoint names: the layer's block ("mlp", Mixtral's "block_sparse_moe") and each expert's gate, up and
+    # down projections (Mixtral's w1, w3, w2)
+    block_name: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # the family's registry key, config.json's model_type
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
     tie_word_embeddings: bool
+    rope: Rope
+    hidden_act: str = "silu"
+    qkv_bias: bool = False  # biases on q/k/v_proj (Qwen2)
+    o_bias: bool = False  # a bias on o_proj (Llama's attention_bias sets both)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorms scale by (offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and the MLP too, and one before the MLP
+    embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size), in the compute dtype)
+    attn_scale: float | None = None  # scores times this (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits likewise (Gemma 2)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: keys within this many positions, None: all; ()
+    local_rope: Rope | None = None  # the rotary embedding of sliding-window layers, where it differs (Gemma 3)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused already (Phi-3)
+    experts: Experts | None = None
+    source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to every position)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def layer_rope(self, layer: int) -> Rope:
+        """The rotary embedding `layer` uses."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
+
+    def has_experts(self, layer: int) -> bool:
+        return self.experts is not None and (not self.experts.layers or self.experts.layers[layer])
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Qwen2Config":
-        """Build from config.json's dict (either transformers layout). Raises ConfigError naming what is wrong."""
-        archs = data.get("architectures") or []
-        model_type = data.get("model_type")
-        if model_type != MODEL_TYPE and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ConfigError(
-                f"unsupported model: model_type={model_type!r}, architectures={archs!r}; "
-                "tc runs Qwen2/Qwen2.5 causal LMs (model_type 'qwen2')"
-            )
-        _refuse_unsupported(data)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name == "rope_theta":
-                values[f.name] = rope_theta(data)
-            elif f.name in data:
-                values[f.name] = data[f.name]
-            elif f.name == "num_key_value_heads":
-                values[f.name] = data["num_attention_heads"]
-            elif f.name == "tie_word_embeddings":
-                values[f.name] = False  # HF's Qwen2Config default
-            else:
-                raise ConfigError(f"config.json has no {f.name!r}; is this a Qwen2 model?")
-        config = cls(**values)
-        if config.hidden_size % config.num_attention_heads:
-            raise ConfigError("hidden_size must be a multiple of num_attention_heads")
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-        head_dim = data.get("head_dim")
-        if head_dim is not None and head_dim != config.head_dim:
-            raise ConfigError(f"config.json sets head_dim = {head_dim!r}, but tc's Qwen2 uses hidden_size / "
-                              f"num_attention_heads = {config.head_dim}; this checkpoint is not one tc can run")
-        return config
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Build from config.json's dict (either transformers layout) through its family.
+
+        Raises ConfigError naming what is wrong: an architecture tc does not run (naming those it does), a
+        missing key, a setting tc would not honour.
+        """
+        from .families import parse_config  # the families build ModelConfigs, so they import this module
+
+        return parse_config(data)
 
     @classmethod
-    def from_file(cls, path: Path) -> "Qwen2Config":
+    def from_file(cls, path: Path) -> "ModelConfig":
         """Read config.json at `path`. Raises ConfigError."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -94,57 +109,90 @@ class Qwen2Config:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as config.json names them (what crosses the wire in ASSIGNMENT), in the 4.x layout."""
-        return {"model_type": MODEL_TYPE, **asdict(self)}
+        """config.json's dict as read (what crosses the wire in ASSIGNMENT): from_dict(to_dict()) == self."""
+        return copy.deepcopy(self.source)
 
 
-def _refuse_unsupported(data: dict[str, Any]) -> None:
-    """Raise ConfigError for a setting transformers would honour and tc's Qwen2 would silently ignore."""
-    hidden_act = data.get("hidden_act", "silu")  # transformers' default
-    if hidden_act != "silu":
-        raise ConfigError(f"config.json sets hidden_act = {hidden_act!r}; tc's Qwen2 MLP computes silu only")
-    if data.get("use_sliding_window"):
-        raise ConfigError(f"config.json sets use_sliding_window = {data['use_sliding_window']!r}; sliding window "
-                          "attention is not implemented in tc (every layer attends to the whole context)")
+# The name this class had while tc ran Qwen2 alone.
+Qwen2Config = ModelConfig
+
+
+def require(data: dict[str, Any], key: str, kind: type | tuple[type, ...] = int, family: str = "this") -> Any:
+    """config.json's `key`, which must be there and of `kind`. Raises ConfigError naming it."""
+    if key not in data or data[key] is None:
+        raise ConfigError(f"config.json has no {key!r}; is this a {family} model?")
+    value = data[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) or (float in kinds and type(value) is int)
+    if type(value) is bool or not ok:
+        raise ConfigError(f"config.json sets {key} = {value!r}; expected {' or '.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
+                  act_key: str = "hidden_act") -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way, from config.json's dict.
+
+    Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
+    """
+    values: dict[str, Any] = {"model_type": family}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "max_position_embeddings"):
+        values[key] = require(data, key, int, family)
+        if values[key] <= 0:
+            raise ConfigError(f"config.json sets {key} = {values[key]!r}; it must be positive")
+    values["rms_norm_eps"] = float(require(data, "rms_norm_eps", float, family))
+    kv = data.get("num_key_value_heads")
+    values["num_key_value_heads"] = (values["num_attention_heads"] if kv is None  # no GQA: a KV head per head
+                                     else require(data, "num_key_value_heads"))
+    heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ConfigError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
+                          f"({kv_heads})")
+    head_dim = data.get("head_dim")
+    if head_dim is None:  # transformers derives it the same way when config.json names none
+        if values["hidden_size"] % heads:
+            raise ConfigError("hidden_size must be a multiple of num_attention_heads when config.json sets no "
+                              "head_dim")
+        head_dim = values["hidden_size"] // heads
+    values["head_dim"] = require({"head_dim": head_dim}, "head_dim")
+    if head_dim <= 0 or head_dim % 2:
+        raise ConfigError(f"head_dim = {head_dim!r}; rotary embeddings need a positive even head size")
+    tie = data.get("tie_word_embeddings")
+    values["tie_word_embeddings"] = tie_default if tie is None else bool(tie)
+    act = data.get(act_key) or "silu"  # transformers' default for every family that names none
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"config.json sets {act_key} = {act!r}; tc's MLP computes {', '.join(ACTIVATIONS)} only")
+    values["hidden_act"] = act
     partial = data.get("partial_rotary_factor")
     if partial is not None and partial != 1.0:
         raise ConfigError(f"config.json sets partial_rotary_factor = {partial!r}; tc rotates the whole head")
+    values["rope"] = parse_rope(data)
+    values["source"] = copy.deepcopy(data)
+    return values
 
 
 def rope_theta(data: dict[str, Any]) -> float:
-    """The rotary base config.json gives, from either layout. Raises ConfigError for RoPE tc cannot compute.
-
-    A base given in more than one place must agree; none at all means DEFAULT_ROPE_THETA, as in transformers.
-    """
-    found: dict[str, Any] = {}
-    if data.get("rope_theta") is not None:
-        found["rope_theta"] = data["rope_theta"]
-    for key in ROPE_LAYOUTS:
-        rope = data.get(key)
-        if rope is None:  # 4.x writes "rope_scaling": null for plain RoPE
-            continue
-        if not isinstance(rope, dict):
-            raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
-                              '{"rope_type": "default", "rope_theta": 1000000.0}')
-        _check_plain_rope(key, rope)
-        if rope.get("rope_theta") is not None:
-            found[f"{key}.rope_theta"] = rope["rope_theta"]
-    for where, value in found.items():
-        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"config.json sets {where} = {value!r}; the rotary base must be a positive number")
-    if len({float(v) for v in found.values()}) > 1:
-        given = ", ".join(f"{where} = {value!r}" for where, value in found.items())
-        raise ConfigError(f"config.json gives two rotary bases ({given}); keep one of them")
-    return float(next(iter(found.values()), DEFAULT_ROPE_THETA))
+    """The rotary base config.json gives, from either layout (see rope.parse_rope). Raises ConfigError."""
+    return parse_rope(data).theta
 
 
-def _check_plain_rope(key: str, rope: dict[str, Any]) -> None:
-    for type_key in ("rope_type", "type"):
-        rope_type = rope.get(type_key, "default")
-        if rope_type != "default":
-            raise ConfigError(f"config.json sets {key}.{type_key} = {rope_type!r}; tc computes plain RoPE only "
-                              "(rope_type 'default'): rope scaling is not supported yet")
-    for name, value in rope.items():
-        if name not in PLAIN_ROPE_KEYS:
-            raise ConfigError(f"config.json sets {key}.{name} = {value!r}, which tc does not apply; tc computes "
-                              f"plain RoPE from {', '.join(PLAIN_ROPE_KEYS)} only")
+def layer_windows(data: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from 5.x's `layer_types` ("sliding_attention" / "full_attention") and
+    `sliding_window`; () when no layer slides. Raises ConfigError for a layer type tc does not know."""
+    types = data.get("layer_types")
+    window = data.get("sliding_window")
+    if types is None:
+        return ()
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ConfigError(f"config.json's layer_types must list one type per layer ({num_layers}), got {types!r}")
+    windows: list[int | None] = []
+    for kind in types:
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            windows.append(require(data, "sliding_window"))
+        else:
+            raise ConfigError(f"config.json's layer_types holds {kind!r}; tc runs full_attention and "
+                              "sliding_attention layers")
+    return tuple(windows) if any(w is not None for w in windows) and window is not None else ()

@@ -1,4 +1,8 @@
-"""Qwen2 in plain PyTorch, cut for pipeline stages.
+"""The decoder every family builds (Qwen2 was the first), in plain PyTorch, cut for pipeline stages.
+
+What differs between families (biases, q/k norms, Gemma's norms and soft-capping, sliding windows, rotary
+scaling, experts) is decided when a layer is built, from its ModelConfig (tc/model/config.py); the forward
+passes only test what the layer was built with.
 
 The head runs `HeadModel` (embedding, final norm, lm_head); each worker runs one `Stage`, a contiguous
 half-open range [start, end) of decoder layers keyed by their global layer numbers. Module attribute names are
@@ -24,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Qwen2Config
+from .config import ModelConfig, Rope
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
+from .rope import attention_scaling, inv_freq
 from .weights import WeightIndex, head_tensor_names, layer_tensor_names
 
 log = logging.getLogger(__name__)
@@ -142,7 +147,7 @@ def expand_kv_heads_on(device_type: str) -> bool:
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      causal: bool, expand_kv: bool) -> torch.Tensor:
+                      causal: bool, expand_kv: bool, scale: float | None = None) -> torch.Tensor:
     """SDPA of q [B, H, L, D] against keys, values [B, H_kv, T, D], H a multiple of H_kv -> [B, H, L, D].
 
     expand_kv repeats each KV head for its H / H_kv query heads (what enable_gqa does inside SDPA), for the
@@ -155,28 +160,64 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         values = values.repeat_interleave(repeats, dim=1)
         grouped = False
     if grouped:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                              scale=scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores pass through cap * tanh(scores / cap) before the softmax (Gemma 2), which SDPA
+    cannot do: q [B, H, L, D], keys and values [B, H_kv, T, D], mask [L, T] of visible keys -> [B, H, L, D].
+    The softmax runs in fp32, as transformers' eager attention does."""
+    repeats = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)  # [B, H, T, D]
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * (scale / cap)) * cap  # [B, H, L, T]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+
+
+def visible_keys(position_start: int, length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[L, T] mask of the keys each query of positions [position_start, +L) sees: every earlier position and
+    itself, or with a sliding window only those less than `window` positions back (transformers' rule)."""
+    q_pos = torch.arange(position_start, position_start + length, device=device)[:, None]
+    k_pos = torch.arange(position_start + length, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """RMS normalisation, scaled by its weight, or by (offset + weight) where a family stores weight - offset
+    (Gemma's offset 1, which scales in fp32 before rounding, as its reference does)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         # normalise in fp32 as the reference does (one fused op, the same bits as its five), then scale in the
         # compute dtype
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
+def norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
+    """An RMSNorm of the family's kind over `size` features (default: the hidden size)."""
+    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_offset)
+
+
 class Rotary:
     """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device | str):
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str):
+        rope = rope if isinstance(rope, Rope) else Rope(float(rope))
+        self.inv_freq = inv_freq(rope, head_dim, device)  # [D/2], scaled as the config says
+        self.attention_scaling = attention_scaling(rope)  # YaRN's factor on cos and sin; 1 otherwise
         self.size = 0  # positions the tables cover
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -191,6 +232,8 @@ class Rotary:
             freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
             cos, sin = emb.cos(), emb.sin()
+            if self.attention_scaling != 1.0:
+                cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
             sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
             self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
         cos, sin = self._tables[dtype]
@@ -239,14 +282,21 @@ class Attention(nn.Module):
     # forces the choice, so the two ways can be compared on any machine
     expand_kv: bool | None = None
 
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        hidden, kv = config.hidden_size, self.n_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, hidden + 2 * kv, bias=True)  # q_proj, k_proj, v_proj, fused on loading
-        self.o_proj = Linear(hidden, hidden, bias=False)
+        hidden, q, kv = config.hidden_size, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        # q_proj, k_proj, v_proj, fused on loading (or already fused in the checkpoint)
+        self.qkv_proj = Linear(hidden, q + 2 * kv, bias=config.qkv_bias)
+        self.o_proj = Linear(q, hidden, bias=config.o_bias)
+        # Qwen3 and Gemma 3 normalise each query and key head before rotating it
+        self.q_norm = norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = norm(config, self.head_dim) if config.qk_norm else None
+        self.scale = config.attn_scale  # None: SDPA's own head_dim ** -0.5
+        self.softcap = config.attn_softcap
+        self.window = config.window(layer)
         self.register_load_state_dict_pre_hook(
             lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "qkv_proj",
                                                               ("q_proj", "k_proj", "v_proj"), ("weight", "bias")))
@@ -256,6 +306,8 @@ class Attention(nn.Module):
         _, rows, _ = x.shape  # [1, rows, hidden]: the spans' rows one after another
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(1, rows, h + 2 * h_kv, d)  # [1, rows, heads, D]: q heads, k heads, v heads
+        if self.q_norm is not None:
+            qkv = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h:h + h_kv]), qkv[:, :, h + h_kv:]), 2)
         rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
         if len(spans) == 1:
             return self.o_proj(self._attend(qkv, spans[0], layer))
@@ -271,12 +323,14 @@ class Attention(nn.Module):
         h, h_kv = self.n_heads, self.n_kv_heads
         kv = qkv[:, :, h:].unflatten(2, (2, h_kv)).permute(2, 0, 3, 1, 4)  # [2, 1, H_kv, L, D], a view
         keys, values = span.cache.update(layer, position_start, kv)  # [1, H_kv, T, D] each, T = start + L
+        if self.window is not None or self.softcap is not None:
+            return self._attend_masked(qkv[:, :, :h].transpose(1, 2), keys, values, position_start)
         if length == 1:
             # One query sees every cached position, so the query heads sharing a KV head can go in as a block of
             # queries against it: no head is repeated and no mask is needed. (SDPA's own GQA path for bf16 took
             # 8x longer at 128 positions and 30x at 2048.)
             q = qkv[:, 0, :h].unflatten(1, (h_kv, h // h_kv))  # [1, H_kv, H / H_kv, D]
-            out = F.scaled_dot_product_attention(q, keys, values)
+            out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale)
             return out.reshape(1, 1, -1)  # [1, H_kv, H / H_kv, D] -> [1, 1, H * D]
         q = qkv[:, :, :h].transpose(1, 2)  # [1, H, L, D]
         if position_start == 0:
@@ -286,36 +340,86 @@ class Attention(nn.Module):
             k_pos = torch.arange(position_start + length, device=qkv.device)
             mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [L, T]
         expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
-        out = grouped_attention(q, keys, values, mask, causal, expand)  # [1, H, L, D]
+        out = grouped_attention(q, keys, values, mask, causal, expand, self.scale)  # [1, H, L, D]
         return out.transpose(1, 2).reshape(1, length, -1)
+
+    def _attend_masked(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       position_start: int) -> torch.Tensor:
+        """Attention of q [B, H, L, D] through a sliding window and/or soft-capped scores -> [B, L, H * D]."""
+        b, _, length, _ = q.shape
+        mask = visible_keys(position_start, length, self.window, q.device)  # [L, T]
+        if self.softcap is not None:
+            scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+            out = softcapped_attention(q, keys, values, mask, scale, self.softcap)
+        else:
+            expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
+            out = grouped_attention(q, keys, values, mask, False, expand, self.scale)
+        return out.transpose(1, 2).reshape(b, length, -1)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Qwen2Config):
+    """The gated feed-forward: down(act(gate(x)) * up(x)). `names` are the checkpoint's names for gate, up and
+    down (Mixtral's experts call them w1, w3, w2)."""
+
+    def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(hidden, 2 * inner, bias=False)  # gate_proj, up_proj, fused on loading
-        self.down_proj = Linear(inner, hidden, bias=False)
-        self.register_load_state_dict_pre_hook(
-            lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "gate_up_proj",
-                                                              ("gate_proj", "up_proj"), ("weight",)))
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
+        bias = config.mlp_bias if bias is None else bias
+        self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)  # gate_proj, up_proj, fused on loading
+        self.down_proj = Linear(inner, hidden, bias=bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig allows these two)
+        gate, up, down = names
+        suffixes = ("weight", "bias") if bias else ("weight",)
+
+        def rename(module, state_dict, prefix, *_):  # noqa: ANN001 - load_state_dict's pre-hook signature
+            _fuse_rows(state_dict, prefix, "gate_up_proj", (gate, up), suffixes)
+            for suffix in suffixes:
+                if f"{prefix}{down}.{suffix}" in state_dict and down != "down_proj":
+                    state_dict[f"{prefix}down_proj.{suffix}"] = state_dict.pop(f"{prefix}{down}.{suffix}")
+        self.register_load_state_dict_pre_hook(rename)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
-        return self.down_proj(F.silu(gate, inplace=True) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = norm(config)
+        self.self_attn = Attention(config, layer)
+        # the norm before the MLP; with sandwich norms (Gemma) the one after attention, and two more around the MLP
+        self.post_attention_layernorm = norm(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config)
+            self.post_feedforward_layernorm = norm(config)
+        if config.has_experts(layer):
+            from .moe import SparseMoE  # the experts build on MLP above
+
+            self.mlp = SparseMoE(config)
+            block = config.experts.block_name  # type: ignore[union-attr]
+            if block != "mlp":  # the checkpoint's name for the block (Mixtral's block_sparse_moe)
+                self.register_load_state_dict_pre_hook(
+                    lambda module, state_dict, prefix, *_: _rename_prefix(state_dict, prefix + block + ".",
+                                                                          prefix + "mlp."))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, spans, layer):
+        if self.sandwich:
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, spans, layer)
+            h = x + self.post_attention_layernorm(attn)
+            return h.add_(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, layer)  # x is the caller's
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+
+def _rename_prefix(state_dict: dict, old: str, new: str) -> None:
+    for name in [n for n in state_dict if n.startswith(old)]:
+        state_dict[new + name[len(old):]] = state_dict.pop(name)
 
 
 def _give_back_freed_memory() -> None:
@@ -332,20 +436,28 @@ def _give_back_freed_memory() -> None:
     trim(0)
 
 
-class Stage(nn.Module):
-    """Decoder layers [start, end) of a Qwen2 model: one worker's share of the pipeline."""
+def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | None:
+    """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
+    if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
+        return None
+    return Rotary(config.head_dim, config.local_rope, device)
 
-    def __init__(self, config: Qwen2Config, start: int, end: int, device: torch.device | str = "cpu"):
+
+class Stage(nn.Module):
+    """Decoder layers [start, end) of a model: one worker's share of the pipeline."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, device: torch.device | str = "cpu"):
         super().__init__()
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer range [{start}, {end}) is not inside [0, {config.num_hidden_layers})")
         self.config, self.start, self.end = config, start, end
         # keyed by global layer number, so state-dict names match the checkpoint's
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(start, end)})
-        self.rotary = Rotary(config.head_dim, config.rope_theta, device)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
+        self.rotary = Rotary(config.head_dim, config.rope, device)
+        self.local_rotary = _local_rotary(config, device)
 
     @classmethod
-    def load(cls, config: Qwen2Config, index: WeightIndex, start: int, end: int,
+    def load(cls, config: ModelConfig, index: WeightIndex, start: int, end: int,
              dtype: torch.dtype, device: torch.device | str = "cpu",
              prepare: Callable[[nn.Module], None] | None = None,
              progress: Callable[[int, int], None] | None = None, pack: bool | None = None) -> "Stage":
@@ -358,7 +470,7 @@ class Stage(nn.Module):
         with torch.device("meta"):
             stage = cls(config, start, end)
         for done, i in enumerate(range(start, end), 1):
-            tensors = index.load(layer_tensor_names(i, i + 1), dtype=dtype)
+            tensors = index.load(layer_tensor_names(config, i, i + 1), dtype=dtype)
             state = {name.removeprefix(f"model.layers.{i}."): t.to(device) for name, t in tensors.items()}
             layer = stage.layers[str(i)]
             layer.load_state_dict(state, strict=True, assign=True)
@@ -370,7 +482,8 @@ class Stage(nn.Module):
             _give_back_freed_memory()
             if progress is not None:
                 progress(done, end - start)
-        stage.rotary = Rotary(config.head_dim, config.rope_theta, device)
+        stage.rotary = Rotary(config.head_dim, config.rope, device)
+        stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
@@ -389,7 +502,12 @@ class Stage(nn.Module):
             raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
         cos, sin = self.rotary.span_tables(spans, hidden.dtype)
+        local = (cos, sin) if self.local_rotary is None else \
+            self.local_rotary.span_tables(spans, hidden.dtype)  # sliding layers' own (Gemma 3)
         for key, layer in self.layers.items():
+            if layer.self_attn.window is not None:
+                hidden = layer(hidden, *local, spans, int(key))
+                continue
             hidden = layer(hidden, cos, sin, spans, int(key))
         for span in spans:
             span.cache.length = span.start + span.length
@@ -399,15 +517,17 @@ class Stage(nn.Module):
 class HeadModel(nn.Module):
     """What the head owns: token embedding, final norm and lm_head (tied to the embedding or not)."""
 
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embedding_scale = config.embedding_scale  # Gemma: sqrt(hidden), rounded to the compute dtype
+        self.final_softcap = config.final_softcap
 
     @classmethod
-    def load(cls, config: Qwen2Config, index: WeightIndex, dtype: torch.dtype,
+    def load(cls, config: ModelConfig, index: WeightIndex, dtype: torch.dtype,
              device: torch.device | str = "cpu", pack: bool | None = False) -> "HeadModel":
         """The head's tensors from the checkpoint.
 
@@ -429,9 +549,15 @@ class HeadModel(nn.Module):
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)  # [B, L] -> [B, L, hidden]
+        hidden = self.embed_tokens(token_ids)  # [B, L] -> [B, L, hidden]
+        if self.embedding_scale is not None:
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, L, vocab] for final hidden states [B, L, hidden]."""
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

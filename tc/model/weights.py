@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .config import Qwen2Config
+from .config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,22 +26,6 @@ _DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
     "F16": (torch.float16, 2),
     "BF16": (torch.bfloat16, 2),
 }
-
-LAYER_TENSORS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.q_proj.bias",
-    "self_attn.k_proj.weight",
-    "self_attn.k_proj.bias",
-    "self_attn.v_proj.weight",
-    "self_attn.v_proj.bias",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-
 
 class WeightsError(ValueError):
     """The model's safetensors are missing, malformed, or do not match config.json."""
@@ -65,12 +49,68 @@ def layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
 
-def layer_tensor_names(start: int, end: int) -> list[str]:
-    """HF names of every tensor in layers [start, end)."""
-    return [layer_prefix(i) + suffix for i in range(start, end) for suffix in LAYER_TENSORS]
+def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of decoder layer `layer`, by its name under the layer's prefix, with the shape config.json
+    implies. What a family's checkpoint holds follows from its ModelConfig alone (its biases, norms, experts and
+    whether it stores q/k/v and gate/up fused), so a new family adds no names here."""
+    c = config
+    h, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    parts = {"qkv_proj": q + 2 * kv} if c.fused_checkpoint else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    for part, rows in parts.items():
+        shapes[f"self_attn.{part}.weight"] = (rows, h)
+        if c.qkv_bias:
+            shapes[f"self_attn.{part}.bias"] = (rows,)
+    shapes["self_attn.o_proj.weight"] = (h, q)
+    if c.o_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)
+    if c.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if c.sandwich_norms:
+        shapes.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    if c.has_experts(layer):
+        assert c.experts is not None
+        e = c.experts
+        block = e.block_name
+        shapes[f"{block}.gate.weight"] = (e.count, h)  # the router
+        for i in range(e.count):
+            shapes.update(_mlp_shapes(f"{block}.experts.{i}", h, e.intermediate_size, False, e.projections))
+        if e.shared_intermediate_size:
+            shapes.update(_mlp_shapes(f"{block}.shared_expert", h, e.shared_intermediate_size, False))
+            shapes[f"{block}.shared_expert_gate.weight"] = (1, h)
+    elif c.fused_checkpoint:
+        shapes.update({"mlp.gate_up_proj.weight": (2 * c.intermediate_size, h),
+                       "mlp.down_proj.weight": (h, c.intermediate_size)})
+    else:
+        shapes.update(_mlp_shapes("mlp", h, c.intermediate_size, c.mlp_bias))
+    return shapes
 
 
-def head_tensor_names(config: Qwen2Config) -> list[str]:
+def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
+    """Whether a layer tensor loads into a linear layer that quantization replaces: every 2-D weight but a
+    router's (`<block>.gate.weight`, which a mixture of experts keeps in the compute dtype: model/moe.py)."""
+    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(".gate.weight")
+
+
+def _mlp_shapes(prefix: str, hidden: int, inner: int, bias: bool,
+                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+    gate, up, down = names
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.{gate}.weight": (inner, hidden),
+                                          f"{prefix}.{up}.weight": (inner, hidden),
+                                          f"{prefix}.{down}.weight": (hidden, inner)}
+    if bias:
+        shapes.update({f"{prefix}.{gate}.bias": (inner,), f"{prefix}.{up}.bias": (inner,),
+                       f"{prefix}.{down}.bias": (hidden,)})
+    return shapes
+
+
+def layer_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
+    """Checkpoint names of every tensor in layers [start, end)."""
+    return [layer_prefix(i) + suffix for i in range(start, end) for suffix in layer_shapes(config, i)]
+
+
+def head_tensor_names(config: ModelConfig) -> list[str]:
     """The tensors the head owns: the embedding, the final norm, and lm_head unless tied."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
@@ -78,33 +118,17 @@ def head_tensor_names(config: Qwen2Config) -> list[str]:
     return names
 
 
-def expected_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen2 model needs, with the shape config.json implies."""
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with the shape config.json implies."""
+    h = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.norm.weight": (h,),
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (h, h),
-        "self_attn.q_proj.bias": (h,),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (h, h),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (config.intermediate_size, h),
-        "mlp.up_proj.weight": (config.intermediate_size, h),
-        "mlp.down_proj.weight": (h, config.intermediate_size),
-    }
-    assert set(per_layer) == set(LAYER_TENSORS)
     for i in range(config.num_hidden_layers):
-        for suffix, shape in per_layer.items():
-            shapes[layer_prefix(i) + suffix] = shape
+        shapes.update({layer_prefix(i) + suffix: shape for suffix, shape in layer_shapes(config, i).items()})
     return shapes
 
 
@@ -179,7 +203,7 @@ class WeightIndex:
                     raise WeightsError(f"{index_path}: {name} is listed in {file} but not stored there")
         return cls(tensors, declared=weight_map)
 
-    def validate(self, config: Qwen2Config, only: Iterable[str] | None = None) -> None:
+    def validate(self, config: ModelConfig, only: Iterable[str] | None = None) -> None:
         """Check every tensor the model needs (or those in `only`) exists with the shape config.json implies."""
         shapes = expected_shapes(config)
         for name in (shapes if only is None else only):

@@ -41,6 +41,7 @@ from .. import __version__
 from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
 from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import compute_dtype_name
+from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
@@ -403,7 +404,8 @@ class Worker:
             try:
                 source = ModelSource(assignment.model_id, is_local=assignment.model_source == "local",
                                      revision=assignment.revision, cache_dir=self.options.hf_cache_dir)
-                model_dir = source.fetch_tensors(layer_tensor_names(start, end))
+                model_dir = source.fetch_tensors(
+                    layer_tensor_names(ModelConfig.from_dict(assignment.config), start, end))
 
                 def progress(done: int, total: int) -> None:
                     log.info("loaded layer %d/%d", done, total)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .. import __version__
-from ..model.config import MODEL_TYPE, ConfigError, Qwen2Config
+from ..model.config import ConfigError, ModelConfig
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
 from ..model.qwen2 import Span, Stage, half_dtype, resolve_compute_dtype
@@ -79,12 +79,12 @@ def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
     found = index.declared_in_layers(start, end)
     if len(found) == assignment.tensor_count:
         return
-    unknown = sorted(set(found) - set(layer_tensor_names(start, end)))
+    unknown = sorted(set(found) - set(layer_tensor_names(ModelConfig.from_dict(assignment.config), start, end)))
     if unknown:
         shown = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
-        raise WeightsError(f"layers {start}-{end - 1} of this checkpoint hold tensors tc's Qwen2 does not use "
-                           f"({shown}); it is not a plain Qwen2 checkpoint, and running it without them would "
-                           "compute the wrong thing")
+        raise WeightsError(f"layers {start}-{end - 1} of this checkpoint hold tensors tc's {assignment.architecture} "
+                           f"does not use ({shown}); it is not a plain {assignment.architecture} checkpoint, and "
+                           "running it without them would compute the wrong thing")
     raise WeightsError(f"the head planned {assignment.tensor_count} tensors for layers {start}-{end - 1} and this "
                        f"worker (tc {__version__}) finds {len(found)}; run the same tc release on the head and "
                        "every worker")
@@ -98,13 +98,13 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     not match the assignment.
     """
     started = time.perf_counter()
-    if assignment.architecture != MODEL_TYPE:
-        raise ConfigError(f"the head assigns a model of architecture {assignment.architecture!r}; this worker (tc "
-                          f"{__version__}) runs {MODEL_TYPE!r} only. Run the same tc release on the head and every "
-                          "worker")
-    config = Qwen2Config.from_dict(assignment.config)
+    config = ModelConfig.from_dict(assignment.config)  # raises ConfigError for a family this release lacks
+    if assignment.architecture != config.model_type:
+        raise ConfigError(f"the head assigns a model of architecture {assignment.architecture!r}, and this worker "
+                          f"(tc {__version__}) reads its config.json as {config.model_type!r}. Run the same tc "
+                          "release on the head and every worker")
     start, end = assignment.layer_start, assignment.layer_end_exclusive
-    names = layer_tensor_names(start, end)
+    names = layer_tensor_names(config, start, end)
     index = WeightIndex.open(model_dir, only=names)
     index.validate(config, only=names)
     check_layer_tensors(index, assignment)

@@ -1,0 +1,19 @@
+"""Qwen2 / Qwen2.5: biases on q, k and v; no other difference from Llama."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigError, ModelConfig, common_fields
+
+
+def refuse_sliding_window(data: dict[str, Any], family: str) -> None:
+    """Qwen's use_sliding_window slides from max_window_layers on, which no released checkpoint turns on."""
+    if data.get("use_sliding_window"):
+        raise ConfigError(f"config.json sets use_sliding_window = {data['use_sliding_window']!r}; sliding window "
+                          f"attention is not implemented for {family} in tc (every layer attends to the whole "
+                          "context)")
+
+
+def parse(data: dict[str, Any]) -> ModelConfig:
+    refuse_sliding_window(data, "qwen2")
+    return ModelConfig(**common_fields(data, "qwen2"), qkv_bias=True)

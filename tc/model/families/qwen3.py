@@ -1,0 +1,13 @@
+"""Qwen3: an RMSNorm over each query and key head (q_norm, k_norm), no q/k/v bias, its own head_dim."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ModelConfig, common_fields
+from .qwen2 import refuse_sliding_window
+
+
+def parse(data: dict[str, Any]) -> ModelConfig:
+    refuse_sliding_window(data, "qwen3")
+    bias = bool(data.get("attention_bias", False))
+    return ModelConfig(**common_fields(data, "qwen3"), qkv_bias=bias, o_bias=bias, qk_norm=True)

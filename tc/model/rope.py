@@ -1,0 +1,203 @@
+"""Rotary position embedding parameters: what config.json says, and the inverse frequencies it implies.
+
+Two layouts are in use. transformers 4.x writes the rotary base at the top level (`rope_theta`) beside
+`rope_scaling` (null, or a dict naming a scaling type); transformers 5.x writes `rope_parameters`
+({rope_type, rope_theta, ...}) instead. Both are read, and a base given in both places must agree.
+
+Scaling types tc computes, each as transformers' ROPE_INIT_FUNCTIONS does: `default`, `linear` (frequencies
+divided by `factor`), `llama3` (low frequencies divided by `factor`, high ones kept, a smooth ramp between),
+`yarn` (the same idea with YaRN's ramp, and cos/sin scaled by an attention factor) and `dynamic` (NTK scaling,
+which transformers applies only to sequences longer than max_position_embeddings: tc never runs one, since a
+request's cache is capped at that context, so inside it dynamic RoPE is plain RoPE). Anything else
+(`longrope`, partial rotary, a dynamic scaling from an original context shorter than the model's) is refused by
+name rather than run wrongly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+# What transformers takes when config.json names no rotary base, in both layouts: 4.x's configs default
+# rope_theta to 10000.0, and 5.x's fall back to RotaryEmbeddingConfigMixin.default_theta, also 10000.0.
+DEFAULT_ROPE_THETA = 10000.0
+ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")
+# The keys each scaling type reads ("type" is the older spelling of "rope_type"); any other key changes RoPE in
+# a way tc does not compute, so it is refused.
+COMMON_KEYS = ("rope_type", "type", "rope_theta")
+SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+# keys a type may leave out, and transformers' default for each (None: derived, see attention_scaling)
+OPTIONAL_KEYS = {
+    "dynamic": {"original_max_position_embeddings": None},
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None, "mscale_all_dim": None,
+             "truncate": True},
+}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its base, and its scaling type with that type's parameters (sorted (key, value))."""
+
+    theta: float
+    type: str = "default"
+    params: tuple[tuple[str, float], ...] = ()
+
+    def param(self, name: str, default: float | None = None) -> float:
+        value = dict(self.params).get(name, default)
+        assert value is not None, f"{self.type} rope without {name}"
+        return value
+
+
+def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta") -> Rope:
+    """The rotary embedding config.json gives, from either layout. Raises ConfigError for RoPE tc cannot compute.
+
+    `theta_key` names the top-level base (Gemma 3's sliding layers read `rope_local_base_freq`).
+    """
+    found: dict[str, Any] = {}
+    if data.get(theta_key) is not None:
+        found[theta_key] = data[theta_key]
+    scaling: tuple[str, dict[str, Any]] | None = None
+    for key in ROPE_LAYOUTS:
+        rope = data.get(key)
+        if rope is None:  # 4.x writes "rope_scaling": null for plain RoPE
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
+                              '{"rope_type": "default", "rope_theta": 1000000.0}')
+        rope_type = _scaling_type(key, rope)
+        if rope_type != "default":
+            if scaling is not None and (scaling[1] != rope):
+                raise ConfigError(f"config.json sets both {scaling[0]} and {key} to different rope scalings; "
+                                  "keep one of them")
+            scaling = (key, rope)
+        if rope.get("rope_theta") is not None:
+            found[f"{key}.rope_theta"] = rope["rope_theta"]
+    for where, value in found.items():
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"config.json sets {where} = {value!r}; the rotary base must be a positive number")
+    if len({float(v) for v in found.values()}) > 1:
+        given = ", ".join(f"{where} = {value!r}" for where, value in found.items())
+        raise ConfigError(f"config.json gives two rotary bases ({given}); keep one of them")
+    theta = float(next(iter(found.values()), DEFAULT_ROPE_THETA))
+    if scaling is None:
+        return Rope(theta)
+    key, rope = scaling
+    rope_type = _scaling_type(key, rope)
+    params = []
+    for name in SCALING_KEYS[rope_type]:
+        value = rope.get(name)
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"config.json sets {key}.{name} = {value!r}; rope_type {rope_type!r} needs it to be "
+                              "a positive number")
+        params.append((name, float(value)))
+    for name, default in OPTIONAL_KEYS.get(rope_type, {}).items():
+        value = rope.get(name, default)
+        if value is None:
+            continue
+        if type(value) not in (bool, int, float) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"config.json sets {key}.{name} = {value!r}; expected a non-negative number")
+        params.append((name, float(value)))
+    if rope_type == "llama3" and dict(params)["high_freq_factor"] <= dict(params)["low_freq_factor"]:
+        raise ConfigError(f"config.json sets {key}.high_freq_factor <= low_freq_factor; llama3 rope scaling needs "
+                          "high_freq_factor > low_freq_factor")
+    if rope_type == "dynamic":
+        # transformers grows the base only past original_max_position_embeddings (default: the model's
+        # context), which tc never reaches when they are the same; refused when the file says otherwise
+        original = dict(params).get("original_max_position_embeddings")
+        context = data.get("max_position_embeddings")
+        if original is not None and original != context:
+            raise ConfigError(f"config.json sets {key}.original_max_position_embeddings = {original:g} below "
+                              f"max_position_embeddings = {context!r}: dynamic rope scaling would change inside the "
+                              "context tc serves, which tc does not compute")
+    return Rope(theta, rope_type, tuple(params))
+
+
+def _scaling_type(key: str, rope: dict[str, Any]) -> str:
+    """The scaling type `rope` names, after checking tc computes it and that it holds no key tc would ignore."""
+    types = {rope[k] for k in ("rope_type", "type") if k in rope}
+    if len(types) > 1:
+        raise ConfigError(f"config.json sets {key}.rope_type and {key}.type to different values {sorted(types)}")
+    rope_type = next(iter(types), "default")
+    if rope_type not in SCALING_KEYS:
+        raise ConfigError(f"config.json sets {key}.{'rope_type' if 'rope_type' in rope else 'type'} = "
+                          f"{rope_type!r}; tc computes rope types {', '.join(map(repr, SCALING_KEYS))} only: this "
+                          "rope scaling is not supported yet")
+    allowed = COMMON_KEYS + SCALING_KEYS[rope_type] + tuple(OPTIONAL_KEYS.get(rope_type, ()))
+    for name, value in rope.items():
+        if name == "partial_rotary_factor" and value == 1.0:
+            continue  # what tc computes anyway: the whole head rotates
+        if name not in allowed:
+            raise ConfigError(f"config.json sets {key}.{name} = {value!r}, which tc does not apply with rope_type "
+                              f"{rope_type!r}; tc reads {', '.join(allowed)} there")
+    return rope_type
+
+
+def inv_freq(rope: Rope, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The inverse frequencies [D/2] of `rope` for heads of `head_dim`, computed as transformers does (fp32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    freq = 1.0 / (rope.theta ** exponents)  # [D/2]
+    if rope.type == "linear":
+        return freq / rope.param("factor")
+    if rope.type == "llama3":
+        factor, low, high = rope.param("factor"), rope.param("low_freq_factor"), rope.param("high_freq_factor")
+        old_context = rope.param("original_max_position_embeddings")
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / freq
+        # wavelengths longer than the trained context are stretched by `factor`, shorter ones than
+        # old_context / high kept, and those between blended by where they fall
+        scaled = torch.where(wavelen > low_wavelen, freq / factor, freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, freq)
+    assert rope.type in ("default", "dynamic"), rope.type  # dynamic: plain inside the context (module docstring)
+    return freq
+
+
+def attention_scaling(rope: Rope) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor, 1 for every other type."""
+    if rope.type != "yarn":
+        return 1.0
+    given = dict(rope.params).get("attention_factor")
+    if given is not None:
+        return given
+    factor, mscale, mscale_all = rope.param("factor"), rope.param("mscale", 0.0), rope.param("mscale_all_dim", 0.0)
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all))
+    return get_mscale(factor)
+
+
+def _yarn_inv_freq(rope: Rope, dim: int, freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those turning more than beta_fast times kept, with a linear ramp between."""
+    factor, original = rope.param("factor"), rope.param("original_max_position_embeddings")
+    beta_fast, beta_slow = rope.param("beta_fast"), rope.param("beta_slow")
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.param("truncate"):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=freq.device) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, device=freq.device).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # [D/2]: 1 where the frequency is kept as it is
+    return interpolation * (1 - keep) + extrapolation * keep

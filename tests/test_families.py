@@ -1,0 +1,244 @@
+"""Every model family against transformers' own implementation, on tiny random-weight models (fixed seed).
+
+Each family: fp32 logits equal to transformers' (< 1e-4) from one prefill and from a prefill plus cached decode
+steps, greedy continuations identical, in one process and through a real head and two real worker processes;
+partial loading reads only the assigned layers' bytes; quantized weights load (experts included) and follow fp32.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cluster import ROOT, Cluster, write_topology
+from model_helpers import OurModel, hf_logits
+from tc.generation import Generator
+from tc.model.config import ConfigError, ModelConfig
+from tc.model.quant import Int4Linear, Int8Linear
+from tc.model.qwen2 import Stage
+from tc.model.tokenizer import TextTokenizer
+from tc.model.weights import WeightIndex, layer_tensor_names
+from tc.sampling import SamplingParams
+from tiny_families import FAMILIES, hf_family_model, write_family_model
+
+PROMPT = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120, 64, 3]  # longer than every tiny sliding window
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """One model directory per family, written on first use."""
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = write_family_model(tmp_path_factory.mktemp(name), name, seed=1)
+        return made[name]
+    return get
+
+
+def hf_greedy(model_dir, ids: list[int], new_tokens: int) -> list[int]:
+    model = hf_family_model(model_dir)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def our_greedy(model: OurModel, model_dir, ids: list[int], new_tokens: int):
+    generator = Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+    return generator.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fp32_logits_and_greedy_tokens_match_transformers(family_dirs, name):
+    model_dir = family_dirs(name)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    assert config.num_hidden_layers == 4 and config.num_key_value_heads < config.num_attention_heads
+    ref = hf_logits(hf_family_model(model_dir), PROMPT)
+    ours = OurModel(model_dir, splits=[2])  # two stages, as two workers hold them
+    assert (ours.full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+    assert (ours.cached_logits(PROMPT, split=4) - ref).abs().max().item() < 1e-4  # decode past the window
+    result = our_greedy(ours, model_dir, PROMPT, NEW_TOKENS)
+    assert list(result.token_ids) == hf_greedy(model_dir, PROMPT, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_batches_sequences_as_each_runs_alone(family_dirs, name):
+    """Three sequences of different lengths side by side (a ragged batch, as the head's scheduler sends): a long
+    prompt past the sliding windows, a short one, and decode steps; each sequence's rows equal its solo run's."""
+    from tc.generation import Entry, LocalPipeline
+    model = OurModel(family_dirs(name))
+    prompts = [PROMPT * 2, PROMPT[:3], PROMPT[4:]]
+    embed = [model.head.embed(torch.tensor([p])) for p in prompts]
+    alone = []
+    for ids, x in zip(prompts, embed):
+        solo = LocalPipeline(model.stages)
+        first = solo.run([Entry(1, 0, len(ids) - 1, len(ids))], x[:, :-1])
+        alone.append(torch.cat([first, solo.run([Entry(1, len(ids) - 1, 1, len(ids))], x[:, -1:])], dim=1))
+    batch = LocalPipeline(model.stages)
+    entries = [Entry(i, 0, len(ids) - 1, len(ids)) for i, ids in enumerate(prompts)]
+    first = batch.run(entries, torch.cat([x[:, :-1] for x in embed], dim=1))
+    steps = batch.run([Entry(i, len(ids) - 1, 1, len(ids)) for i, ids in enumerate(prompts)],
+                      torch.cat([x[:, -1:] for x in embed], dim=1))
+    rows = 0
+    for i, ids in enumerate(prompts):
+        got = torch.cat([first[:, rows:rows + len(ids) - 1], steps[:, i:i + 1]], dim=1)
+        rows += len(ids) - 1
+        torch.testing.assert_close(got, alone[i], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_follows_fp32(family_dirs, name):
+    """bf16 rounds at other points than fp32 (Gemma's norms scale in fp32, soft-capping and masks meet bf16 scores):
+    it must stay close, from one prefill and through cached decode steps (measured: under 3% of the largest
+    logit)."""
+    model_dir = family_dirs(name)
+    fp32 = OurModel(model_dir).full_logits(PROMPT)
+    bf16 = OurModel(model_dir, torch.bfloat16, splits=[2])
+    scale = fp32.abs().max().item()
+    assert (bf16.full_logits(PROMPT) - fp32).abs().max().item() < 0.05 * scale
+    assert (bf16.cached_logits(PROMPT, split=4) - fp32).abs().max().item() < 0.05 * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_head_and_two_workers_generate_what_transformers_does(tmp_path, family_dirs, name):
+    model_dir = family_dirs(name)
+    tokenizer = TextTokenizer.load(model_dir)
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt)
+    # the text a generation streams holds back a trailing partial UTF-8 character, so the expected text is what
+    # tc's own generator makes of transformers' tokens: the tokens are checked equal, then the cluster's text
+    local = our_greedy(OurModel(model_dir), model_dir, ids, NEW_TOKENS)
+    assert list(local.token_ids) == hf_greedy(model_dir, ids, NEW_TOKENS)
+    expected = local.text
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"},
+                                                           {"id": "b", "device": "cpu"}])
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_all(["a", "b"])
+        status, body = cluster.post("/v1/completions", {"model": model_dir.name, "prompt": prompt,
+                                                        "max_tokens": NEW_TOKENS, "temperature": 0,
+                                                        "ignore_eos": True})
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        head_log = cluster.head.output()
+        assert "assigned layers 0-1" in head_log and "assigned layers 2-3" in head_log
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "mixtral", "qwen2-moe"])
+def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
+    """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""
+    import shutil
+
+    model_dir = shutil.copytree(family_dirs(name), tmp_path / name)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    keep = set(layer_tensor_names(config, 1, 3))
+    hidden = torch.randn(1, len(PROMPT), config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def run_stage():
+        stage = Stage.load(config, WeightIndex.open(model_dir), 1, 3, torch.float32)
+        return stage(hidden, stage.new_cache(len(PROMPT), torch.float32, "cpu"), 0)
+
+    clean = run_stage()
+    index = WeightIndex.open(model_dir)
+    assert keep <= set(index.tensors) and len(keep) < len(index.tensors)
+    for info in index.tensors.values():
+        if info.name not in keep:
+            with open(info.file, "r+b") as f:
+                f.seek(info.start)
+                f.write(b"\xff" * info.nbytes)  # NaN in every float format
+    assert torch.equal(run_stage(), clean)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.isnan(index.load([norm])[norm]).all()  # the bytes left out really are garbage
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_quantized_weights_and_experts_follow_fp32(family_dirs, name, quant):
+    from tc.local import load_local_generator
+
+    model_dir = family_dirs(name)
+    generator = load_local_generator(model_dir, dtype="fp32", quant=quant, group_size=32)
+    stage = generator.pipeline.stages[0]
+    kind = Int8Linear if quant == "int8" else Int4Linear
+    assert not any(isinstance(m, torch.nn.Linear) for m in stage.modules())  # every linear layer quantized
+    config = ModelConfig.from_file(model_dir / "config.json")
+    if config.experts is not None:
+        experts = [m for n, m in stage.named_modules() if ".experts." in n and isinstance(m, kind)]
+        assert len(experts) >= config.experts.count * 2  # gate_up and down of every expert of a sparse layer
+        assert not any(isinstance(m, kind) for n, m in stage.named_modules() if n.endswith("mlp.gate"))  # router
+    ours = generator.head.logits(generator.pipeline.prefill(generator.head.embed(torch.tensor([PROMPT])),
+                                                            len(PROMPT)))[0]
+    ref = OurModel(model_dir).full_logits(PROMPT)
+    tolerance = 0.05 if quant == "int8" else 0.3
+    assert (ours - ref).abs().max().item() < tolerance * ref.abs().max().item()
+
+
+def test_planned_bytes_count_experts_as_quantized(family_dirs, tmp_path):
+    """The plan's layer bytes in int8 are what the loaded layers hold, experts and router included."""
+    from tc.head.main import build_plan
+    from tc.topology import load_topology
+    from tc.worker.runtime import stage_weight_bytes
+
+    model_dir = family_dirs("mixtral")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    topo = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                        quant="int8", dtype="bf16"))
+    planned = build_plan(topo, config).stages[0].weight_bytes
+    from tc.local import load_local_generator
+
+    stage = load_local_generator(model_dir, dtype="bf16", quant="int8").pipeline.stages[0]
+    loaded = stage_weight_bytes(stage)
+    assert abs(planned - loaded) <= 0.02 * loaded, (planned, loaded)
+
+
+def test_an_unknown_architecture_is_refused_by_plan_naming_the_supported(family_dirs, tmp_path):
+    model_dir = tmp_path / "neox"
+    import shutil
+
+    shutil.copytree(family_dirs("llama"), model_dir)
+    data = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**data, "architectures": ["GPTNeoXForCausalLM"],
+                                                       "model_type": "gpt_neox"}))
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    for command in (["plan", str(topo)], ["head", str(topo)]):
+        done = subprocess.run([sys.executable, "-m", "tc", *command], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode != 0
+        assert "architectures=['GPTNeoXForCausalLM']" in done.stderr, done.stderr
+        assert "LlamaForCausalLM" in done.stderr and "MixtralForCausalLM" in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_the_wire_copy_of_every_family_config_gives_the_same_config(family_dirs):
+    for name in FAMILIES:
+        config = ModelConfig.from_file(family_dirs(name) / "config.json")
+        assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_a_family_setting_tc_would_ignore_is_refused():
+    with pytest.raises(ConfigError, match="rope_scaling.type = 'longrope'; tc computes rope types"):
+        ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 320,
+                               "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                               "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}})
+
+
+def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
+    """Published Gemma 2 and 3 config.json files (written by transformers 4.x) list no layer_types."""
+    shapes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 320, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16, "sliding_window": 512}
+    gemma2 = ModelConfig.from_dict({"architectures": ["Gemma2ForCausalLM"], **shapes, "rope_theta": 10000.0})
+    assert gemma2.sliding_windows == (512, None) * 6
+    gemma3 = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], **shapes, "sliding_window_pattern": 6,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.sliding_windows == (512, 512, 512, 512, 512, None) * 2
+    assert (gemma3.rope.theta, gemma3.rope.type, gemma3.local_rope.theta, gemma3.local_rope.type) == \
+        (1e6, "linear", 10000.0, "default")
+    assert gemma3.layer_rope(0) == gemma3.local_rope and gemma3.layer_rope(5) == gemma3.rope

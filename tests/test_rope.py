@@ -1,0 +1,69 @@
+"""Rotary scaling as config.json carries it: our inverse frequencies and cos/sin factor against transformers'
+own ROPE_INIT_FUNCTIONS, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tc.model.config import ConfigError
+from tc.model.qwen2 import Rotary
+from tc.model.rope import attention_scaling, inv_freq, parse_rope
+
+HEAD_DIM = 64
+CONTEXT = 4096
+SCALINGS = {
+    "default": {"rope_type": "default", "rope_theta": 1e6},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3 (Llama 3.1's)": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "yarn (Qwen2.5's)": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "rope_theta": 1e6},
+    "yarn with betas and mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                                   "beta_fast": 16, "beta_slow": 2, "mscale": 0.7, "mscale_all_dim": 0.5,
+                                   "rope_theta": 10000.0},
+    "yarn with its attention factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                       "attention_factor": 1.2, "truncate": False, "rope_theta": 1e6},
+}
+
+
+def hf_rope(parameters: dict) -> tuple[torch.Tensor, float]:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, max_position_embeddings=CONTEXT,
+                         rope_parameters=dict(parameters))
+    kind = parameters["rope_type"]
+    if kind == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    return ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_inverse_frequencies_and_factor_equal_transformers(name):
+    rope = parse_rope({"rope_parameters": SCALINGS[name], "max_position_embeddings": CONTEXT})
+    want_freq, want_factor = hf_rope(SCALINGS[name])
+    assert torch.equal(inv_freq(rope, HEAD_DIM), want_freq)
+    assert attention_scaling(rope) == pytest.approx(want_factor, rel=0, abs=0)
+
+
+def test_the_tables_carry_yarns_factor():
+    rope = parse_rope({"rope_parameters": SCALINGS["yarn (Qwen2.5's)"], "max_position_embeddings": CONTEXT})
+    cos, _ = Rotary(HEAD_DIM, rope, "cpu").tables(0, 1, torch.float32)
+    assert attention_scaling(rope) > 1 and cos[0, 0, 0].item() == pytest.approx(attention_scaling(rope))
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, r"original_max_position_embeddings = None"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, r"high_freq_factor <= low_freq_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": "32"},
+     r"beta_fast = '32'"),
+    ({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}, r"low_freq_factor = 1\.0, which tc does not "
+                                                                      r"apply with rope_type 'linear'"),
+])
+def test_an_incomplete_or_foreign_scaling_is_refused(parameters, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_rope({"rope_parameters": parameters, "max_position_embeddings": CONTEXT})

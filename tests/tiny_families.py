@@ -1,0 +1,90 @@
+"""Tiny random-weight models of every family tc runs, written by transformers' own classes (fixed seed).
+
+Each is a complete model directory (save_pretrained's config.json and safetensors, plus the byte tokenizer of
+tiny_model.py), with several layers and grouped-query attention, and weights drawn large enough that logits differ
+clearly between tokens (transformers' own init, std 0.02, leaves near-ties that rounding could flip).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tiny_model import CHATML_TEMPLATE, byte_tokenizer
+
+SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, eos_token_id=256,
+              bos_token_id=None, pad_token_id=None)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# name: (transformers config class, model class, config arguments beyond SHAPES)
+FAMILIES = {
+    "qwen2-own-head-dim": ("Qwen2Config", "Qwen2ForCausalLM", dict(head_dim=32)),
+    "qwen2-linear-rope": ("Qwen2Config", "Qwen2ForCausalLM",
+                          dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6})),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": 1e6})),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict()),
+    "llama-dynamic-rope": ("LlamaConfig", "LlamaForCausalLM",
+                           dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
+    "llama3-rope-tied": ("LlamaConfig", "LlamaForCausalLM",
+                         dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=32, sliding_window=5, query_pre_attn_scalar=24, sliding_window_pattern=2,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(**MOE, shared_expert_intermediate_size=48, mlp_only_layers=[2])),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**MOE, norm_topk_prob=True, head_dim=32)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2)),
+}
+
+
+def hf_classes(name: str):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    return getattr(transformers, config_cls), getattr(transformers, model_cls), extra
+
+
+@torch.no_grad()
+def write_family_model(path: Path, name: str, seed: int = 0, **changes) -> Path:
+    """Write the tiny model `name` of FAMILIES to `path` (fp32 safetensors) and return the directory."""
+    config_cls, model_cls, extra = hf_classes(name)
+    config = config_cls(**{**SHAPES, **extra, **changes})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    for pname, param in model.named_parameters():
+        if param.dim() == 1:  # norms (around 1, or around 0 where the family adds the 1) and biases
+            base = 0.0 if "norm" not in pname or name.startswith("gemma") else 1.0
+            param.copy_(base + 0.1 * torch.randn(param.shape, generator=g))
+        else:
+            scale = 1.0 if "embed_tokens" in pname else 0.08
+            param.copy_(torch.randn(param.shape, generator=g) * scale)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+    }))
+    return path
+
+
+def hf_family_model(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
