@@ -69,6 +69,28 @@ def test_openai_client_gets_a_parsed_weather_call(weather_call):
     assert json.loads(call.function.arguments) == {"location": "Paris"}
 
 
+def test_the_async_client_gets_the_same_call_two_at_once(cluster, weather_call):
+    """openai.AsyncOpenAI, as async apps use it: two requests in flight at once (they share the batch)."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def ask_twice():
+        client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL], temperature=0, max_tokens=64)
+                for _ in range(2)))
+        finally:
+            await client.close()
+
+    want = weather_call.choices[0].message.tool_calls[0].function
+    for reply in asyncio.run(ask_twice()):
+        assert reply.choices[0].finish_reason == "tool_calls"
+        (call,) = reply.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (want.name, json.loads(want.arguments))
+
+
 def test_streamed_call_deltas_join_into_the_same_call(client, weather_call):
     calls: dict[int, dict] = {}
     finish = None
