@@ -160,3 +160,26 @@ def test_without_the_grammar_engine_response_format_names_the_package(generator,
                                              "tools": [PING], "tool_choice": "required", "max_tokens": 3})
     assert reply.status_code == 200, reply.text
     assert reply.json["choices"][0]["message"]["content"] is not None  # a random model's text is no call
+
+
+def test_a_number_the_schema_leaves_unbounded_cannot_run_on_for_ever(generator):
+    """The grammar stops an unbounded number at NUMBER_BOUND: a model that only writes digits must close it."""
+    from tc.constraint import NUMBER_BOUND, GrammarEngine, bound_numbers
+    schema = {"type": "object", "properties": {"n": {"type": "number"}, "k": {"type": "integer", "maximum": 7}},
+              "required": ["n", "k"], "additionalProperties": False}
+    assert bound_numbers(schema)["properties"]["n"] == {"type": "number", "minimum": -NUMBER_BOUND,
+                                                        "maximum": NUMBER_BOUND}
+    assert bound_numbers(schema)["properties"]["k"] == {"type": "integer", "minimum": -NUMBER_BOUND, "maximum": 7}
+    tokenizer = generator.tokenizer
+    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+                                tokenizer.eos_token_ids)
+    state = engine.json_schema(schema).start()
+    digits = {str(d): tokenizer.encode(str(d))[0] for d in range(10)}
+    for token in tokenizer.encode('{"n": 1'):
+        assert state.allowed()[token]
+        state.advance(token)
+    written = 1
+    while written < 100 and state.allowed()[digits["9"]]:  # a model that wants only nines
+        state.advance(digits["9"])
+        written += 1
+    assert written <= len(str(NUMBER_BOUND))  # the grammar closed the number before it passed the bound
