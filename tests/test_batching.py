@@ -245,6 +245,22 @@ def stream_text(cluster: Cluster, body: dict) -> str:
     return text
 
 
+def in_threads(work, count: int) -> None:
+    """work(0) .. work(count - 1), each in a thread of its own, all at once; waits for them (2 minutes at most)."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+
+
+def scrape(cluster: Cluster) -> str:
+    """The head's /metrics text."""
+    import urllib.request
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 def start_cluster(tmp_path, model_dir, **head) -> Cluster:
     nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes,
@@ -274,19 +290,13 @@ def test_eight_requests_through_head_and_two_workers_equal_their_solo_runs(tmp_p
                 status, reply = cluster.post("/v1/completions", body, timeout=120)
                 texts[i] = reply["choices"][0]["text"] if status == 200 else f"HTTP {status}: {reply}"
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        in_threads(one, 8)
         for i in range(8):
             assert_same_greedy_text(texts[i], solo(model, tokenizer, PROMPTS[i], greedy(LENGTHS[i])))
         status, info = cluster.get("/v1/cluster")
         assert info["batch"]["slots"] == 8 and info["batch"]["in_use"] == 0 and info["plan"]["max_batch"] == 8
         assert all(stage["kv_bytes_per_sequence"] > 0 for stage in info["plan"]["stages"])
-        import urllib.request
-        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
+        metrics = scrape(cluster)
         assert "tc_batch_size_bucket" in metrics and "tc_batch_slots 8.0" in metrics
         sizes = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tc_batch_size_sum")]
         counts = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tc_batch_size_count")]
@@ -392,16 +402,10 @@ def test_micro_batches_through_two_workers_give_each_request_its_solo_text(tmp_p
         def one(i: int) -> None:
             texts[i] = stream_text(cluster, body_for(PROMPTS[i], LENGTHS[i]))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        in_threads(one, 6)
         for i in range(6):
             assert_same_greedy_text(texts[i], solo(model, tokenizer, PROMPTS[i], greedy(LENGTHS[i])))
-        import urllib.request
-        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
+        metrics = scrape(cluster)
         # a step of several sequences went to each worker as two groups: more hops than steps
         hops = sum(float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("tc_stage_compute_seconds_count") and 'node="a"' in line)

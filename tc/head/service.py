@@ -108,7 +108,6 @@ class _Request:
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.abandoned = False  # the client went away: the loop drops it at the next step boundary
-        self.done = False  # finished, failed or dropped: no more steps will come
 
     @property
     def queue_wait_s(self) -> float:
@@ -415,14 +414,11 @@ class GenerationService:
             self.metrics.observe_step(phase, self.step_hops())
 
     def _release(self, requests: list[_Request]) -> None:
-        for request in requests:
-            request.done = True
         if requests:  # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
             self.generator.pipeline.release([r.sequence.id for r in requests])
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for request in requests:
-            request.done = True
             request.outbox.put(exc)
 
     def _take_everyone(self) -> list[_Request]:
