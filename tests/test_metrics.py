@@ -96,7 +96,7 @@ def test_node_up_follows_readiness(generator):
 def test_each_app_has_its_own_registry(generator):
     first, _ = make_client(generator)
     second, _ = make_client(generator)
-    first.simulate_post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    first.simulate_post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "ignore_eos": True})
     assert value(scrape(first), "tc_generations_total", outcome="length") == 1
     assert value(scrape(second), "tc_generations_total", outcome="length") == 0
     assert "tc_generations_total" not in prometheus_client.generate_latest().decode()  # the global one is untouched
