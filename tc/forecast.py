@@ -7,6 +7,8 @@ positions costs the same terms with each stage's prefill time and hops carrying 
 
 Terms not known (a node without a speed, a link not measured) are shown as such; the prediction then needs
 every stage's speed, and counts unmeasured links as free (on a LAN a decode hop is well under a millisecond).
+The head measures each link as its worker joins (tc.head.workers: empty PINGs for the round trip, PINGs carrying a
+prefill's hidden states for the bandwidth), before a plan made from the workers' figures.
 """
 from __future__ import annotations
 
@@ -112,6 +114,11 @@ class Forecast:
         # unpinned and timed: the split already gave it no more than its speed allows
         return (f"{name} holds {pct} of the time, with no more layers than its speed allows: quantize (quant: "
                 "int8 or int4), give it a faster device, or add a node beside it")
+
+
+def hop_bytes_per_position(hidden_size: int, dtype: str) -> int:
+    """One position of hidden states as the head sends it: hidden_size values in the compute dtype."""
+    return hidden_size * (4 if dtype == "fp32" else 2)
 
 
 def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,

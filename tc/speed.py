@@ -75,6 +75,22 @@ class LinkSpeed:
             return self.round_trip_s
         return self.round_trip_s + 2 * payload_bytes / self.bytes_per_s
 
+    @classmethod
+    def from_probes(cls, small_s: list[float], large_s: list[float], payload_bytes: int) -> LinkSpeed | None:
+        """The link from timed echoes: `small_s` round trips of empty PINGs, `large_s` of PINGs whose payload
+        of `payload_bytes` the PONG echoes (so 2 x payload_bytes crossed the link). The least time of each
+        (the link's own cost, without the scheduling noise others add). None without a small one; bandwidth
+        None without a large one, or when the large ones were no slower (the link outruns what we can time)."""
+        if not small_s:
+            return None
+        round_trip = min(small_s)
+        extra = min(large_s) - round_trip if large_s else 0.0
+        return cls(round_trip, 2 * payload_bytes / extra if extra > 0 and payload_bytes > 0 else None)
+
+    def describe(self) -> str:
+        rate = "bandwidth not measured" if self.bytes_per_s is None else f"{self.bytes_per_s / GB:.2f} GB/s"
+        return f"round trip {self.round_trip_s * 1000:.2f} ms, {rate}"
+
 
 def fit_line(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
     """(intercept, slope) of the line through two (x, y) points; the slope is floored so a rate stays finite.

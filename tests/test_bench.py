@@ -87,3 +87,17 @@ def test_worker_without_join_or_bench_says_what_to_give():
     out = subprocess.run([sys.executable, "-m", "tc", "worker"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "--join" in out.stderr and "--bench" in out.stderr
+
+
+def test_a_link_is_fitted_from_its_fastest_echoes():
+    # 3 empty PINGs (the least is the latency), 3 carrying 1 MB each way (the least, less the latency, is 2 MB)
+    link = LinkSpeed.from_probes([0.0004, 0.0002, 0.0009], [0.0032, 0.0022, 0.0050], 1_000_000)
+    assert link.round_trip_s == pytest.approx(0.0002)
+    assert link.bytes_per_s == pytest.approx(2_000_000 / 0.002)
+    assert link.hop_s(1792) == pytest.approx(0.0002 + 2 * 1792 / 1e9)
+    assert "1.00 GB/s" in link.describe()
+    # no echo at all: nothing known; no large echo, or none slower than the small ones: latency alone
+    assert LinkSpeed.from_probes([], [], 1_000_000) is None
+    assert LinkSpeed.from_probes([0.001], [], 1_000_000) == LinkSpeed(0.001, None)
+    assert LinkSpeed.from_probes([0.001], [0.0009], 1_000_000) == LinkSpeed(0.001, None)
+    assert "bandwidth not measured" in LinkSpeed(0.001, None).describe()

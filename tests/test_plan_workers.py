@@ -1,13 +1,17 @@
 """head.plan_from: workers — a real head plans once from its workers' HELLO speeds, then never again."""
 from __future__ import annotations
 
+import queue
+import re
 import socket
+import threading
 import time
 
 import pytest
 
 from cluster import Cluster, worker_hello, write_topology
 from tc.protocol.connection import Connection
+from tc.protocol.errors import ConnectionClosed
 from tc.protocol.messages import Assignment, HelloAck, Ping, Pong, SpeedFigure
 from tiny_model import write_tiny_model
 
@@ -20,30 +24,36 @@ def figure(decode_gbps: float) -> SpeedFigure:
 
 
 class HandWorker:
-    """A joined connection that says HELLO with chosen speeds and reads what the head sends (answering PINGs)."""
+    """A joined connection that says HELLO with chosen speeds; its reader answers every PING at once (echoing the
+    payload, as a real worker's reader does, so the head can probe the link) and keeps each ASSIGNMENT."""
 
-    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float):
+    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float | None):
+        """`decode_gbps` None: a worker that measured nothing."""
         sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
         self.conn = Connection(sock)
-        self.conn.send(worker_hello(node_id, speeds=(figure(decode_gbps),)))
+        self.conn.send(worker_hello(node_id, speeds=() if decode_gbps is None else (figure(decode_gbps),)))
         assert isinstance(self.conn.recv().message, HelloAck)
+        self.conn.settimeout(None)
+        self.assignments: queue.Queue[Assignment] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv().message
+                if isinstance(message, Ping):
+                    self.conn.send(Pong(nonce=message.nonce, payload=message.payload))
+                elif isinstance(message, Assignment):
+                    self.assignments.put(message)
+        except (ConnectionClosed, OSError):
+            pass
 
     def next_assignment(self, timeout: float) -> Assignment | None:
         """The ASSIGNMENT the head sends within `timeout`, or None if it sends none."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            self.conn.settimeout(left)
-            try:
-                message = self.conn.recv().message
-            except TimeoutError:
-                return None
-            if isinstance(message, Ping):
-                self.conn.send(Pong(nonce=message.nonce))
-            elif isinstance(message, Assignment):
-                return message
+        try:
+            return self.assignments.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         self.conn.close()
@@ -93,20 +103,13 @@ def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
     with Cluster(topology, tmp_path) as cluster:
         cluster.start_head()
         cluster.wait_api()
-        workers = []
-        for node_id in ("slow", "fast"):
-            sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
-            conn = Connection(sock)
-            conn.send(worker_hello(node_id))  # measured nothing
-            assert isinstance(conn.recv().message, HelloAck)
-            workers.append(conn)
+        workers = [HandWorker(cluster, node_id, decode_gbps=None) for node_id in ("slow", "fast")]
         spans = []
-        for conn in workers:
-            message = conn.recv().message
-            while not isinstance(message, Assignment):
-                message = conn.recv().message
+        for worker in workers:
+            message = worker.next_assignment(10)
+            assert message is not None
             spans.append((message.layer_start, message.layer_end_exclusive))
-            conn.close()
+            worker.close()
         assert spans == [(0, 4), (4, 8)]
 
 
@@ -131,7 +134,13 @@ def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares
         assert node["predicted_decode_ms"] > 0 and node["measured_decode_ms"] > 0, node
         assert node["predicted_hop_ms"] > 0 and node["measured_hop_ms"] > 0, node
     assert sum(s["layers"][1] - s["layers"][0] for s in view["plan"]["stages"]) == 8
-    assert "predicted: decode" in cluster.head.output()
+    output = cluster.head.output()
+    assert "predicted: decode" in output
+    # each link was probed (latency and bandwidth) before the plan, so its hops are in the prediction
+    for node in NODES:
+        assert re.search(rf"link to worker {node['id']}: round trip [0-9.]+ ms, [0-9.]+ GB/s", output), output
+        assert output.index(f"link to worker {node['id']}") < output.index("plan from the workers' measurements")
+    assert "not measured" not in output  # what the plan's table says of a link it counts as free
 
 
 def test_a_spare_takes_the_lost_nodes_planned_layers(tmp_path, model_dir):

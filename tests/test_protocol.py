@@ -142,6 +142,8 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "load-failed": lambda: LoadFailed(reason="out of memory on cuda:0: é ✓"),
     "ping": lambda: Ping(nonce=2**64 - 1),
     "pong": lambda: Pong(nonce=0),
+    "ping-probe": lambda: Ping(nonce=3, payload=bytes(range(256)) * 4096),
+    "pong-probe": lambda: Pong(nonce=3, payload=b"\x00" * 100_000),
     "error": lambda: Error(code="hello_refused", message="node id 'x' is not in the topology"),
     "clear-cache": ClearCache,
     "release": lambda: Release(sequences=(3, 2**63)),
@@ -208,7 +210,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -237,7 +239,8 @@ def test_envelope_fields_round_trip(request_id, seq):
 def test_header_is_big_endian_body_length():
     frame = encode(Ping(5))
     assert struct.unpack(">Q", frame[:8])[0] == len(frame) - 8
-    assert cbor2.loads(frame[8:]) == {"type": "PING", "request_id": None, "seq": 0, "payload": {"nonce": 5}}
+    assert cbor2.loads(frame[8:]) == {"type": "PING", "request_id": None, "seq": 0,
+                                      "payload": {"nonce": 5, "payload": b""}}
 
 
 def stream_of_frames() -> tuple[bytes, list[Message]]:
@@ -402,9 +405,10 @@ def hello_payload(**changes: Any) -> dict[str, Any]:
 BAD_PAYLOADS = {
     "missing field": ("PING", {}, ["PING", "nonce"]),
     "extra field": ("PING", {"nonce": 1, "nonse": 2}, ["PING", "nonse"]),
-    "str for int": ("PING", {"nonce": "1"}, ["PING.nonce"]),
-    "bool for int": ("PONG", {"nonce": True}, ["PONG.nonce"]),
-    "negative count": ("PING", {"nonce": -1}, ["PING.nonce"]),
+    "str for int": ("PING", {"nonce": "1", "payload": b""}, ["PING.nonce"]),
+    "bool for int": ("PONG", {"nonce": True, "payload": b""}, ["PONG.nonce"]),
+    "negative count": ("PING", {"nonce": -1, "payload": b""}, ["PING.nonce"]),
+    "str for payload bytes": ("PONG", {"nonce": 1, "payload": "x"}, ["PONG.payload", "byte string"]),
     "float for int": ("LOAD_PROGRESS", {"stage": "x", "done": 1.0, "total": 2}, ["LOAD_PROGRESS.done"]),
     "str for float": (
         "LOAD_COMPLETE",
@@ -474,13 +478,16 @@ def test_hello_with_another_protocol_version_says_so_first():
 
 
 def test_older_peers_are_told_apart():
-    """A version 1 or 2 HELLO is refused by its version, before anything else is read. Version 2 dropped
+    """A HELLO of versions 1-3 is refused by its version, before anything else is read. Version 2 dropped
     ASSIGNMENT.total_weight_bytes and version 3 added max_sequences: an older ASSIGNMENT is refused by its fields,
-    and an old RUN_DECODE by its type, never half-read."""
-    for old in (1, 2):
+    and an old RUN_DECODE by its type, never half-read; version 4's PING and PONG carry a payload, which an older
+    one lacks."""
+    for old in (1, 2, 3):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 3)
+        assert (info.value.peer_version, info.value.our_version) == (old, 4)
+    with pytest.raises(ProtocolError, match=r"PONG .*payload"):
+        FrameDecoder().feed(frame_of(envelope("PONG", {"nonce": 1})))
     version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items() if k != "max_sequences"}
     with pytest.raises(ProtocolError, match=r"ASSIGNMENT has unknown field\(s\) \['total_weight_bytes'\]"):
         FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_1)))

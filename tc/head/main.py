@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..bench import DEFAULT_BENCH_DIR, measure_all
-from ..forecast import Forecast, HeadCost, explain, forecast
+from ..forecast import Forecast, HeadCost, explain, forecast, hop_bytes_per_position
 from ..generation import Generator
 from ..model import quant
 from ..model.config import ModelConfig
@@ -25,7 +25,7 @@ from ..model_source import ModelSource
 from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
-from ..speed import Speed
+from ..speed import LinkSpeed, Speed
 from ..topology import Topology, load_topology
 from .admission import device_for, speed_for
 from .api import create_app
@@ -57,10 +57,11 @@ def build_plan(topology: Topology, config: ModelConfig) -> Plan:
                      node_specs(topology.without_spares()))
 
 
-def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str, Hello]) -> Plan:
+def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str, Hello],
+                      links: dict[str, LinkSpeed | None] | None = None) -> Plan:
     """The plan from the planned set's HELLOs: each node's speed as its worker measured it for the node's device,
-    dtype and the topology's weight mode (else the topology's nodes[].speed), and its memory as the topology
-    caps it, else as the worker's --max-memory-gb does. Raises PlanError."""
+    dtype and the topology's weight mode (else the topology's nodes[].speed), its memory as the topology caps it,
+    else as the worker's --max-memory-gb does, and its link as the head measured it. Raises PlanError."""
     specs = []
     for spec, entry in zip(node_specs(topology.without_spares()), topology.pipeline_nodes):
         hello = hellos[entry.id]
@@ -68,7 +69,7 @@ def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str,
         speed = spec.speed if figure is None else Speed(figure.decode_bytes_per_s, figure.prefill_bytes_per_s,
                                                         figure.layer_overhead_s)
         memory = spec.memory_bytes if spec.memory_bytes is not None else hello.max_memory_bytes
-        specs.append(replace(spec, speed=speed, memory_bytes=memory))
+        specs.append(replace(spec, speed=speed, memory_bytes=memory, link=(links or {}).get(entry.id)))
     return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
 
 
@@ -79,11 +80,6 @@ def head_weight_bytes(topology: Topology, config: ModelConfig) -> int:
     lm_head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])  # tied: the embedding serves
     per_token = [("lm_head.weight", lm_head, 2), ("model.norm.weight", shapes["model.norm.weight"], 2)]
     return layer_weight_bytes([per_token], quant.head_weight_mode(topology.quant), topology.group_size)[0]
-
-
-def hop_bytes_per_position(topology: Topology, config: ModelConfig) -> int:
-    """One position of hidden states as the head sends it: hidden_size values in the compute dtype."""
-    return config.hidden_size * (4 if topology.dtype == "fp32" else 2)
 
 
 def head_speed(topology: Topology) -> Speed:
@@ -100,7 +96,7 @@ def head_speed(topology: Topology) -> Speed:
 
 def plan_forecast(topology: Topology, config: ModelConfig, plan: Plan, speed: Speed | None) -> Forecast:
     head = None if speed is None else HeadCost(head_weight_bytes(topology, config), speed)
-    return forecast(plan, hop_bytes_per_position(topology, config), head)
+    return forecast(plan, hop_bytes_per_position(config.hidden_size, topology.dtype), head)
 
 
 def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, Plan]:
@@ -178,8 +174,8 @@ def start_head(topology: Topology) -> Head:
     log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
              time.perf_counter() - started)
 
-    def plan_once(hellos: dict[str, Hello]) -> Plan:
-        made = plan_from_workers(topology, config, hellos)
+    def plan_once(hellos: dict[str, Hello], links: dict[str, LinkSpeed | None]) -> Plan:
+        made = plan_from_workers(topology, config, hellos, links)
         log.info("plan from the workers' measurements (fixed while the head runs):\n%s",
                  explain(made, plan_forecast(topology, config, made, speed)))
         return made

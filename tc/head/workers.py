@@ -3,13 +3,15 @@
 Each planned node has a slot. A joining worker proves it knows the join token when the topology sets one
 (tc.protocol.auth), is matched to a slot (admission.py), sent its ASSIGNMENT, and is ready once it reports
 LOAD_COMPLETE. When the topology asks for a plan from the workers' own measurements (head.plan_from: workers), the
-registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held, then
-`plan_once` makes the plan from their HELLOs, once, and every held worker gets its ASSIGNMENT. From then on the
+registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held and
+every held worker's link has been probed, then `plan_once` makes the plan from their HELLOs and links, once, and
+every held worker gets its ASSIGNMENT. From then on the
 plan never changes: a worker that rejoins gets the same layers, a spare a lost node's. A worker that joins as a
 spare entry stands by until some slot loses its worker, then is assigned that slot's layers.
 
 Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
-at once, and a pinger. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
+at once, and a pinger, which first probes the link (empty PINGs for its round trip, PINGs carrying a prefill's
+hidden states for its bandwidth: what the plan's hops cost), then keeps it alive. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
 than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. A worker
 whose compute hangs still answers pings, so each inference step also has a bound of its own, from the worker's
 measured step times (step_deadline.py); the request that waits past it drops the worker the same way. Dropping
@@ -25,6 +27,7 @@ asked for, a hidden state of the wrong shape) closes that one connection with an
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import statistics
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch_memory import BatchPlan, plan_batch
+from ..forecast import hop_bytes_per_position
 from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..planner import Plan, PlanError, Stage
@@ -61,6 +65,11 @@ RECENT_DECODES = 32  # decode steps per worker kept for /v1/cluster's measured t
 FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
 SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
+PROBE_ECHOES = 3  # PINGs of each size when a link is probed: the least time of each is the link's own
+PROBE_TIMEOUT_S = 5.0  # the longest wait for one probe's PONG; a worker that does not answer is left unmeasured
+PROBE_POSITIONS = 512  # the large probe carries this many positions of hidden states: one prefill's frame
+PING_FORGET_S = 60.0  # a PING unanswered this long is forgotten
+PROBE_FRAME_MARGIN = 4096  # the envelope around a probe's payload
 
 
 class _Stopping(Exception):
@@ -95,8 +104,13 @@ class WorkerLink:
         self.close_reason = ""
         self.farewell = ""  # what the worker said before it left, if it said anything
         self.last_seen = time.monotonic()
-        self.pings_sent: dict[int, float] = {}  # nonce -> when, for the round trip its PONG measures
-        self.round_trip_s: float | None = None  # the least PING -> PONG time seen: the link's own latency
+        self._pongs = threading.Condition()  # guards the ping bookkeeping below; notified by each PONG
+        self._nonces = itertools.count(1)
+        self._pings_sent: dict[int, tuple[float, bool]] = {}  # nonce -> (when, awaited by `round_trip`)
+        self._answered: dict[int, float] = {}  # nonce -> round trip, for a `round_trip` call waiting on it
+        self.round_trip_s: float | None = None  # the least empty PING -> PONG time seen: the link's own latency
+        self.bytes_per_s: float | None = None  # from the link probe (`measure`), once it has run
+        self.probed = threading.Event()  # the link probe has run (whatever it found)
         self.decode_compute_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the worker's own step time
         self.decode_round_trip_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the same steps, seen from here
         self._pending_lock = threading.Lock()
@@ -114,6 +128,8 @@ class WorkerLink:
             self.closed.set()
             self.replies.put(_LOST)
             self.conn.close()
+            with self._pongs:
+                self._pongs.notify_all()  # a probe waiting for a PONG gives up at once
 
     def refuse(self, problem: str) -> None:
         """Close for a protocol violation, telling the worker why first (best effort)."""
@@ -196,14 +212,61 @@ class WorkerLink:
 
     @property
     def link_speed(self) -> LinkSpeed | None:
-        """The link as measured so far: the least ping round trip (bandwidth is not measured)."""
-        return None if self.round_trip_s is None else LinkSpeed(self.round_trip_s, None)
+        """The link as measured so far: the least empty-ping round trip, and the probe's bandwidth."""
+        return None if self.round_trip_s is None else LinkSpeed(self.round_trip_s, self.bytes_per_s)
 
-    def pong(self, nonce: int) -> None:
-        sent = self.pings_sent.pop(nonce, None)
-        if sent is not None:
-            rtt = time.monotonic() - sent
-            self.round_trip_s = rtt if self.round_trip_s is None else min(self.round_trip_s, rtt)
+    def ping(self, payload: bytes = b"", awaited: bool = False) -> int:
+        """Send a PING; returns its nonce. Raises OSError when the send fails."""
+        nonce = next(self._nonces)
+        now = time.monotonic()
+        with self._pongs:
+            # a PONG that never comes must not leave its entry behind for the life of the link
+            self._pings_sent = {n: sent for n, sent in self._pings_sent.items() if now - sent[0] < PING_FORGET_S}
+            self._pings_sent[nonce] = (now, awaited)
+        self.conn.send(Ping(nonce=nonce, payload=payload))
+        return nonce
+
+    def pong(self, nonce: int, payload: bytes) -> None:
+        with self._pongs:
+            sent = self._pings_sent.pop(nonce, None)
+            if sent is None:
+                return
+            rtt = time.monotonic() - sent[0]
+            if not payload:
+                self.round_trip_s = rtt if self.round_trip_s is None else min(self.round_trip_s, rtt)
+            if sent[1]:
+                self._answered[nonce] = rtt
+                self._pongs.notify_all()
+
+    def round_trip(self, payload: bytes, timeout_s: float) -> float | None:
+        """Seconds from a PING with `payload` to its PONG; None if none came within `timeout_s` or the link
+        closed. Raises OSError when the send fails."""
+        nonce = self.ping(payload, awaited=True)
+        with self._pongs:
+            self._pongs.wait_for(lambda: nonce in self._answered or self.closed.is_set(), timeout_s)
+            self._pings_sent.pop(nonce, None)
+            return self._answered.pop(nonce, None)
+
+    def measure(self, payload_bytes: int, timeout_s: float) -> LinkSpeed | None:
+        """Probe the link: a few empty PINGs for its latency, then a few carrying `payload_bytes` (a prefill's
+        hidden states) for its bandwidth. Sets what `link_speed` reports and `probed`; returns the link, or None
+        when the worker did not answer. Raises OSError when a send fails."""
+        small: list[float] = []
+        large: list[float] = []
+        sizes = ((small, b""), (large, bytes(payload_bytes))) if payload_bytes else ((small, b""),)
+        for times, payload in sizes:
+            for _ in range(PROBE_ECHOES):
+                rtt = self.round_trip(payload, timeout_s)
+                if rtt is None:  # no answer: sending more (a large payload) to a worker not reading would block
+                    break
+                times.append(rtt)
+            if len(times) < PROBE_ECHOES:
+                break
+        found = LinkSpeed.from_probes(small, large, payload_bytes)
+        if found is not None:  # the small PONGs set round_trip_s already
+            self.bytes_per_s = found.bytes_per_s
+        self.probed.set()
+        return self.link_speed
 
 
 @dataclass(frozen=True)
@@ -232,9 +295,11 @@ class Slot:
 class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan | None, config: ModelConfig, max_frame_bytes: int | None = None,
                  on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S,
-                 plan_once: Callable[[dict[str, Hello]], Plan] | None = None, batch: BatchPlan | None = None):
-        """`plan` None: make it with `plan_once(HELLO by node id)` when every planned node has a worker. `batch`:
-        the batch the head serves (default: planned from `plan` and head.max_batch)."""
+                 plan_once: Callable[[dict[str, Hello], dict[str, LinkSpeed | None]], Plan] | None = None,
+                 batch: BatchPlan | None = None):
+        """`plan` None: make it with `plan_once(HELLO by node id, link by node id)` when every planned node has a
+        worker whose link has been probed. `batch`: the batch the head serves (default: planned from `plan` and
+        head.max_batch)."""
         if (plan is None) == (plan_once is None):
             raise ValueError("give either a plan or plan_once, the function that makes it once workers join")
         self.topology, self.plan, self.config = topology, plan, config
@@ -258,6 +323,9 @@ class WorkerRegistry:
         self.silence_limit_s = settings.silence_limit_s
         self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
         self.handshake_timeout_s = handshake_timeout_s
+        # one prefill's frame of hidden states, within what a frame may carry
+        self.hop_bytes = hop_bytes_per_position(config.hidden_size, topology.dtype)
+        self.probe_bytes = min(self.hop_bytes * PROBE_POSITIONS, self.max_frame_bytes - PROBE_FRAME_MARGIN)
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
@@ -303,7 +371,7 @@ class WorkerRegistry:
                     "served_by": link.entry_id if link else None,
                     "loaded_weight_bytes": slot.loaded.weight_bytes if slot.loaded else None,
                     "seconds_since_heard": round(now - link.last_seen, 3) if link else None,
-                    **_times(stage, link),
+                    **_times(stage, link, self.hop_bytes),
                 })
             for entry_id, link in self.standby.items():  # the same keys, with no plan of their own
                 rows.append({
@@ -473,15 +541,21 @@ class WorkerRegistry:
         every held worker's ASSIGNMENT (none before)."""
         link.node_id = slot.node_id
         slot.link, slot.state, slot.loaded, slot.joined_at = link, "planning", None, time.time()
-        slot.detail = "joined; the plan is made once every planned node has a worker"
+        slot.detail = "joined; the plan is made once every planned node has a worker and its link is measured"
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
-        if any(s.link is None for s in self.slots.values()):
+        return self._plan_if_ready()
+
+    def _plan_if_ready(self) -> list[tuple[WorkerLink, Assignment]]:
+        """Under the lock, while there is no plan yet: once every slot is held by a worker whose link has been
+        probed, make the plan and return every held worker's ASSIGNMENT (none before, or once planned)."""
+        if self.plan is not None or any(s.link is None or not s.link.probed.is_set() for s in self.slots.values()):
             return []
         assert self.plan_once is not None
         hellos = {node_id: s.link.hello for node_id, s in self.slots.items() if s.link is not None}
+        links = {node_id: s.link.link_speed for node_id, s in self.slots.items() if s.link is not None}
         try:
-            plan = self.plan_once(hellos)
+            plan = self.plan_once(hellos, links)
             batch = plan_batch(plan, self.config, self.batch.max_batch)  # its nodes must hold the batch too
         except PlanError as exc:
             # the workers stay joined and waiting: replacing the one named (or fixing its limits) plans again
@@ -555,8 +629,8 @@ class WorkerRegistry:
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:
+        self._send_assignments(assignments)  # before the first PING: a worker planned already starts loading
         threading.Thread(target=self._ping_loop, args=(link,), name=f"ping-{link.entry_id}", daemon=True).start()
-        self._send_assignments(assignments)
         self._read_loop(link)
 
     def _read_loop(self, link: WorkerLink) -> None:
@@ -569,7 +643,7 @@ class WorkerRegistry:
                 if isinstance(msg, (HiddenState, InferenceError)):
                     link.deliver(env)
                 elif isinstance(msg, Pong):
-                    link.pong(msg.nonce)
+                    link.pong(msg.nonce, msg.payload)
                 elif isinstance(msg, (LoadProgress, LoadComplete, LoadFailed)) and link.node_id is None:
                     raise ProtocolError(f"{msg.TYPE} from a spare that was given nothing to load")
                 elif isinstance(msg, LoadProgress):
@@ -644,16 +718,27 @@ class WorkerRegistry:
 
     def _ping_loop(self, link: WorkerLink) -> None:
         # One per link: a ping blocked on a worker that stopped reading holds up only this thread, and the watch
-        # thread's close() wakes it.
-        nonce = 0
-        while not link.closed.wait(self.heartbeat_s):
-            nonce += 1
-            link.pings_sent = {nonce: time.monotonic()}  # only the latest: a lost PONG must not leak entries
-            try:
-                link.conn.send(Ping(nonce=nonce))
-            except OSError as exc:
-                self._lost(link, f"ping failed: {exc}")
-                return
+        # thread's close() wakes it. It first probes the link, then keeps it alive.
+        try:
+            self._probe(link)
+            while not link.closed.wait(self.heartbeat_s):
+                link.ping()
+        except OSError as exc:
+            self._lost(link, f"ping failed: {exc}")
+
+    def _probe(self, link: WorkerLink) -> None:
+        """Measure the link's latency and bandwidth (what the plan's hops cost); the last probe of the planned
+        set makes the plan when the head waits for one. Raises OSError when a send fails."""
+        probe_bytes = max(0, min(self.probe_bytes, link.hello.max_frame_bytes - PROBE_FRAME_MARGIN))
+        speed = link.measure(probe_bytes, PROBE_TIMEOUT_S)
+        if speed is not None:
+            log.info("link to worker %s: %s (%d-byte probe)", link.name, speed.describe(), probe_bytes)
+        elif not link.closed.is_set():
+            log.warning("worker %s did not answer the link probe within %gs; its hops count as free in the plan",
+                        link.name, PROBE_TIMEOUT_S)
+        with self.lock:
+            assignments = self._plan_if_ready()
+        self._send_assignments(assignments)
 
     def _watch_loop(self) -> None:
         period = min(self.heartbeat_s, self.silence_limit_s / 4)
@@ -666,13 +751,13 @@ class WorkerRegistry:
                                      "the worker is stopped, hung or unreachable")
 
 
-def _times(stage: Stage | None, link: WorkerLink | None) -> dict[str, float | None]:
+def _times(stage: Stage | None, link: WorkerLink | None, hop_bytes: int) -> dict[str, float | None]:
     """A node's predicted and measured decode times (ms) for /v1/cluster: its compute, and its hop."""
     measured = list(link.decode_compute_s) if link else []
     round_trips = list(link.decode_round_trip_s) if link else []
     compute = statistics.median(measured) if measured else None
     hop = statistics.median(r - c for r, c in zip(round_trips, measured)) if measured else None
-    predicted_hop = link.link_speed.hop_s(0) if link and link.link_speed else None
+    predicted_hop = link.link_speed.hop_s(hop_bytes) if link and link.link_speed else None
     return {"predicted_decode_ms": _ms(stage.decode_s if stage else None), "measured_decode_ms": _ms(compute),
             "predicted_hop_ms": _ms(predicted_hop), "measured_hop_ms": _ms(hop)}
 

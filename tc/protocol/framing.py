@@ -37,13 +37,10 @@ from dataclasses import dataclass
 
 from tc.protocol.cbor import CBOR_INT_MAX, BytesLike, decode_cbor, encode_cbor_parts
 from tc.protocol.errors import FrameTooLarge, ProtocolError
-from tc.protocol.messages import MESSAGE_TYPES, Message
+from tc.protocol.messages import DEFAULT_MAX_FRAME_BYTES, MESSAGE_TYPES, Message
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size  # 8
-
-# A 32k-token prefill of a 896-wide model in fp32 is 117 MB; 256 MiB leaves room for that and its envelope.
-DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 _ENVELOPE_KEYS = ("type", "request_id", "seq", "payload")
 _ENVELOPE_KEY_SET = frozenset(_ENVELOPE_KEYS)

@@ -28,9 +28,14 @@ from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, w
 # 3: batches: RUN_BATCH (many sequences, each with its own cache) replaced RUN_PREFILL and RUN_DECODE, RELEASE
 #    drops finished sequences' caches, and ASSIGNMENT says how many sequences a worker holds at once; HELLO
 #    carries the worker's measured speeds (tc.worker.bench), which the planner balances layers with
-PROTOCOL_VERSION = 3
+# 4: PING carries a payload that PONG echoes, so the head measures each link's bandwidth as well as its latency;
+#    HELLO says the largest frame the worker reads, so the probe fits it
+PROTOCOL_VERSION = 4
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
+
+# A 32k-token prefill of a 896-wide model in fp32 is 117 MB; 256 MiB leaves room for that and its envelope.
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 # Codes carried by ERROR. The receiver shows the message; the code lets it act without parsing prose.
 ERROR_HELLO_REFUSED = "hello_refused"
@@ -117,6 +122,9 @@ class _Bytes(_Kind):
         if type(value) is not bytes:
             raise TypeError(f"{where} must be bytes, got {_type_name(value)}")
         return value
+
+    def summary(self, value: bytes) -> str:
+        return repr(value) if len(value) <= 32 else f"<{len(value)} bytes>"  # a link probe's payload is ~1 MB
 
     def from_wire(self, value: Any, where: str) -> bytes:
         # The decoder hands byte strings over as views of the frame; the message must own its bytes.
@@ -393,6 +401,8 @@ class Hello(Message):
     auth: bytes | None = wire(_Optional(BYTES), default=None)
     # measured for selected_device in each native compute dtype and every weight mode; empty: not measured
     speeds: tuple[SpeedFigure, ...] = wire(_TupleOf(_Struct(SpeedFigure)), default=())
+    # the largest frame this worker reads: the head sizes its link probe within it
+    max_frame_bytes: int = wire(COUNT, default=DEFAULT_MAX_FRAME_BYTES)
 
     def _validate(self) -> None:
         ids = [d.id for d in self.devices]
@@ -484,8 +494,12 @@ class LoadFailed(Message):
 @_message
 @dataclass(frozen=True)
 class Ping(Message):
+    """Head -> worker: answer with a PONG of the same nonce and payload. An empty payload is a heartbeat; a large
+    one (the size of a prefill's hidden states) measures the link's bandwidth."""
+
     TYPE: ClassVar[str] = "PING"
     nonce: int = wire(COUNT)
+    payload: bytes = wire(BYTES, default=b"")
 
 
 @_message
@@ -493,6 +507,7 @@ class Ping(Message):
 class Pong(Message):
     TYPE: ClassVar[str] = "PONG"
     nonce: int = wire(COUNT)
+    payload: bytes = wire(BYTES, default=b"")  # the PING's, echoed
 
 
 @_message

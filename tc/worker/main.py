@@ -184,7 +184,7 @@ class Worker:
                      python_version=summary["python_version"], torch_version=summary["torch_version"],
                      devices=tuple(self.devices), selected_device=self.device,
                      compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes,
-                     auth=auth, speeds=self.speeds)
+                     auth=auth, speeds=self.speeds, max_frame_bytes=self.options.max_frame_bytes)
 
     def run(self) -> int:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
@@ -288,7 +288,7 @@ class Worker:
                     return True
                 msg = env.message
                 if isinstance(msg, Ping):
-                    conn.send(Pong(nonce=msg.nonce))
+                    conn.send(Pong(nonce=msg.nonce, payload=msg.payload))
                 elif isinstance(msg, Assignment):
                     assigned = True
                     jobs.put(env)
