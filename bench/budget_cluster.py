@@ -1,0 +1,127 @@
+"""Where a decode token's time goes through head + N workers: the head's own work, each stage, each hop.
+
+Starts the head and N workers on loopback (real processes, tc's own CLI, the demo model), warms up, then runs one
+greedy completion of --tokens tokens and reads the head's /metrics before and after it. Per decode step:
+
+- step: the head's whole decode step (tc_decode_step_seconds: pipeline and sampling);
+- node X: the stage's compute as its worker reports it (tc_stage_compute_seconds);
+- hop X: the round trip to that worker less its compute (tc_hop_network_seconds): framing, the socket, and the
+  threads that hand a frame on at both ends: what the network would cost beside the software;
+- head: the step less every stage and hop (embedding, final norm, lm_head, sampling, the relay's own work);
+- wall: the request's decode time per token as the client sees it (total less the first token's time).
+
+Every setting given to --omp-wait-policy (default: as the environment has it, and passive) runs in turn in the
+same invocation, so their figures compare. Within a stage, bench/profile_step.py splits the compute further.
+
+    python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2]
+                                   [--omp-wait-policy unset passive]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from cluster import Cluster, write_topology  # noqa: E402
+
+PROMPT = ("# A small HTTP client\nimport json\nimport urllib.request\n\n\ndef fetch_json(url, timeout=10):\n"
+          '    """Fetch a URL and decode its JSON body, raising ValueError on a non-200 status."""\n')
+
+
+def scrape(cluster: Cluster) -> dict[tuple[str, str], float]:
+    """(series, node) -> value for the decode step's sum and count and each node's compute and hop sums and
+    counts in the decode phase."""
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    wanted = {"tc_decode_step_seconds", "tc_stage_compute_seconds", "tc_hop_network_seconds"}
+    values: dict[tuple[str, str], float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith(("_sum", "_count")) or sample.labels.get("phase", "decode") != "decode":
+                continue
+            values[(sample.name, sample.labels.get("node", ""))] += sample.value
+    return values
+
+
+def timed_completion(cluster: Cluster, model: str, max_tokens: int) -> float:
+    started = time.perf_counter()
+    status, body = cluster.post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True})
+    if status != 200:
+        raise RuntimeError(f"request failed: {status} {body}")
+    return time.perf_counter() - started
+
+
+def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, policy: str) -> dict:
+    env = {} if policy == "unset" else {"OMP_WAIT_POLICY": policy.upper()}  # unset: as this environment has it
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        nodes = [{"id": f"w{i + 1}", "device": "cpu", "threads": threads} for i in range(workers)]
+        topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype="bf16",
+                                  head={"threads": threads})
+        with Cluster(topology, tmp_path, env=env) as cluster:
+            cluster.start_head()
+            cluster.wait_api(timeout=300)
+            for node in nodes:
+                cluster.start_worker(node["id"], "--no-bench")
+            cluster.wait_ready(timeout=600)
+            timed_completion(cluster, model_dir.name, 8)  # warm-up
+            first = min(timed_completion(cluster, model_dir.name, 1) for _ in range(2))
+            before = scrape(cluster)
+            total = timed_completion(cluster, model_dir.name, tokens)
+            after = scrape(cluster)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    steps = delta[("tc_decode_step_seconds_count", "")]
+    per_step = {"step": delta[("tc_decode_step_seconds_sum", "")] / steps}
+    node_ids = [n["id"] for n in nodes]
+    for node in node_ids:
+        per_step[f"node {node}"] = delta[("tc_stage_compute_seconds_sum", node)] / steps
+        per_step[f"hop {node}"] = delta[("tc_hop_network_seconds_sum", node)] / steps
+    per_step["head"] = per_step["step"] - sum(v for k, v in per_step.items() if k.startswith(("node", "hop")))
+    per_step["wall"] = (total - first) / (tokens - 1)
+    return per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quants", nargs="+", default=["int4", "fp16"], choices=["fp16", "int8", "int4"])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="threads of the head and of each worker")
+    parser.add_argument("--omp-wait-policy", nargs="+", default=["unset", "passive"],
+                        choices=["unset", "active", "passive"])
+    args = parser.parse_args()
+    from _demo import demo_model_dir
+
+    model_dir = demo_model_dir()
+    load_before = os.getloadavg()[0]
+    rows = []
+    for quant in args.quants:
+        for policy in args.omp_wait_policy:
+            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, policy)
+            rows.append((quant, policy, figures))
+            print(f"  {quant} OMP_WAIT_POLICY {policy}: {1 / figures['wall']:.1f} tok/s", file=sys.stderr)
+    print(f"\ndemo model, head + {args.workers} workers on loopback, bf16 compute, {args.threads} threads each, "
+          f"{args.tokens} new tokens greedy; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+    columns = list(rows[0][2])
+    print(f"{'weights':7s} {'OMP policy':10s} {'tok/s':>6s}  " + "  ".join(f"{c:>9s}" for c in columns) + "  (ms)")
+    for quant, policy, figures in rows:
+        print(f"{quant:7s} {policy:10s} {1 / figures['wall']:6.1f}  "
+              + "  ".join(f"{figures[c] * 1000:9.2f}" for c in columns))
+
+
+if __name__ == "__main__":
+    main()
