@@ -144,3 +144,25 @@ def test_the_head_packs_its_lm_head_only_when_asked(tiny_model_dir):
     # by default not: the head process quantizes its lm_head after loading in int8 and int4
     assert isinstance(HeadModel.load(config, index, torch.bfloat16).lm_head, Linear)
     assert isinstance(HeadModel.load(config, index, torch.bfloat16, pack=True).lm_head, PackedLinear)
+
+
+@pytest.mark.parametrize("quant, kind", [("fp16", None), ("int8", Int8Linear), ("int4", Int8Linear)])
+def test_the_head_process_packs_an_lm_head_that_stays_in_bf16_where_that_is_faster(tmp_path, tiny_model_dir, quant,
+                                                                                   kind):
+    """As the single-process generator does: a bf16 lm_head takes the blocked layout where this CPU's probe finds
+    it faster; a quantized one (int8 under int4 too) is quantized instead."""
+    from cluster import write_topology
+    from tc.head.main import start_head
+    from tc.topology import load_topology
+
+    path = write_topology(tmp_path / "t.yaml", tiny_model_dir, [{"id": "a", "device": "cpu"}], quant=quant,
+                          dtype="bf16")
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    try:
+        lm_head = head.service.generator.head.lm_head
+        if kind is None:
+            faster = packed_is_faster(lm_head.out_features, lm_head.in_features, torch.bfloat16)
+            kind = PackedLinear if faster else Linear
+        assert type(lm_head) is kind
+    finally:
+        head.stop()
