@@ -10,11 +10,12 @@ greedy completion of --tokens tokens and reads the head's /metrics before and af
 - head: the step less every stage and hop (embedding, final norm, lm_head, sampling, the relay's own work);
 - wall: the request's decode time per token as the client sees it (total less the first token's time).
 
-Every setting given to --omp-wait-policy (default: as the environment has it, and passive) runs in turn in the
-same invocation, so their figures compare. Within a stage, bench/profile_step.py splits the compute further.
+Each --env setting (default: the environment as it is, then OpenMP told to sleep at once when idle, then to spin
+briefly) runs in turn in the same invocation, so their figures compare: processes that share cores take each
+other's time when idle OpenMP threads spin. Within a stage, bench/profile_step.py splits the compute further.
 
     python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2]
-                                   [--omp-wait-policy unset passive]
+                                   [--env - OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000]
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def timed_completion(cluster: Cluster, model: str, max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, policy: str) -> dict:
-    env = {} if policy == "unset" else {"OMP_WAIT_POLICY": policy.upper()}  # unset: as this environment has it
+def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, setting: str) -> dict:
+    env = dict([setting.split("=", 1)]) if "=" in setting else {}  # "-": as this environment has it
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": f"w{i + 1}", "device": "cpu", "threads": threads} for i in range(workers)]
@@ -101,8 +102,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="threads of the head and of each worker")
-    parser.add_argument("--omp-wait-policy", nargs="+", default=["unset", "passive"],
-                        choices=["unset", "active", "passive"])
+    parser.add_argument("--env", nargs="+", default=["-", "OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000"],
+                        help="VAR=VALUE for every process of one run (- for none); one run each")
     args = parser.parse_args()
     from _demo import demo_model_dir
 
@@ -110,16 +111,17 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = []
     for quant in args.quants:
-        for policy in args.omp_wait_policy:
-            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, policy)
-            rows.append((quant, policy, figures))
-            print(f"  {quant} OMP_WAIT_POLICY {policy}: {1 / figures['wall']:.1f} tok/s", file=sys.stderr)
+        for setting in args.env:
+            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting)
+            rows.append((quant, setting, figures))
+            print(f"  {quant} {setting}: {1 / figures['wall']:.1f} tok/s", file=sys.stderr)
     print(f"\ndemo model, head + {args.workers} workers on loopback, bf16 compute, {args.threads} threads each, "
           f"{args.tokens} new tokens greedy; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
     columns = list(rows[0][2])
-    print(f"{'weights':7s} {'OMP policy':10s} {'tok/s':>6s}  " + "  ".join(f"{c:>9s}" for c in columns) + "  (ms)")
-    for quant, policy, figures in rows:
-        print(f"{quant:7s} {policy:10s} {1 / figures['wall']:6.1f}  "
+    width = max(len(setting) for _, setting, _ in rows)
+    print(f"{'weights':7s} {'env':{width}s} {'tok/s':>6s}  " + "  ".join(f"{c:>9s}" for c in columns) + "  (ms)")
+    for quant, setting, figures in rows:
+        print(f"{quant:7s} {setting:{width}s} {1 / figures['wall']:6.1f}  "
               + "  ".join(f"{figures[c] * 1000:9.2f}" for c in columns))
 
 
