@@ -77,7 +77,7 @@ def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int,
             cluster.start_head()
             cluster.wait_api(timeout=300)
             for node in nodes:
-                cluster.start_worker(node["id"], "--no-bench")
+                cluster.start_worker(node["id"], "--no-bench", "--threads", str(threads))  # the last --threads wins
             cluster.wait_ready(timeout=600)
             timed_completion(cluster, model_dir.name, 8)  # warm-up
             first = min(timed_completion(cluster, model_dir.name, 1) for _ in range(2))

@@ -1,6 +1,10 @@
+import os
 import sys
 
 from tc.deps import missing_message, missing_native_packages
+from tc.openmp import settle_openmp
+
+settle_openmp(os.environ)  # before torch loads libgomp, which reads it once (tc/openmp.py)
 
 missing = missing_native_packages()
 if missing:
