@@ -5,11 +5,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from tc.openmp import SPIN_COUNT, settle_openmp
+from tc.openmp import SPIN_COUNT, on_own_thread, settle_openmp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,3 +49,32 @@ def test_the_setting_is_in_the_environment_when_torch_is_first_imported(own, see
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"at torch import: {seen}\n" in done.stdout, done.stdout
+
+
+def test_work_on_its_own_thread_returns_or_raises_as_if_called_here():
+    assert on_own_thread(lambda: 42, "answer") == 42
+
+    def fail() -> None:
+        raise ValueError("no such layer")
+
+    with pytest.raises(ValueError, match="no such layer"):
+        on_own_thread(fail, "failing")
+
+
+def test_the_openmp_threads_a_one_off_job_started_end_with_it():
+    """What on_own_thread is for: the pool of threads a parallel region starts lives as long as the thread that
+    ran it, so one-off work done this way leaves no pool behind for the compute thread to share the cores with."""
+    import torch
+
+    def os_threads() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
+
+    if not Path("/proc/self/task").is_dir() or torch.get_num_threads() < 2:
+        pytest.skip("needs /proc and at least 2 torch threads")
+    before = os_threads()
+    seen = on_own_thread(lambda: (torch.ones(8_000_000).mul_(1.5).sum(), os_threads())[1], "one-off")
+    assert len(seen - before) >= 2  # the job's own thread, and the pool its parallel region started
+    deadline = time.monotonic() + 5
+    while os_threads() & (seen - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os_threads() & (seen - before), "threads the job started outlived it"

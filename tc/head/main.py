@@ -22,6 +22,7 @@ from ..model.tokenizer import TextTokenizer
 from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is_quantized, layer_prefix,
                              layer_shapes)
 from ..model_source import ModelSource
+from ..openmp import on_own_thread
 from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
@@ -144,7 +145,8 @@ def start_head(topology: Topology) -> Head:
         torch.set_num_threads(topology.head.threads)
     source, config, plan = load_config_and_plan(topology)  # checks the topology even when workers will plan
     timed = topology.head.plan_from == "workers" or any(e.speed is not None for e in topology.nodes)
-    speed = head_speed(topology) if timed else None
+    # one-off torch work runs on threads that end, so the scheduler's thread holds the process's only OpenMP pool
+    speed = on_own_thread(lambda: head_speed(topology), "head-speed") if timed else None
     waiting = topology.head.plan_from == "workers"
     if waiting:
         log.info("model %s: %d layers, hidden %d, weights %s; the plan is made from the workers' own speeds once "
@@ -163,10 +165,15 @@ def start_head(topology: Topology) -> Head:
     index.validate(config, only=names)
     dtype = resolve_compute_dtype(topology.dtype, "cpu")
     head_mode = quant.head_weight_mode(topology.quant)
-    # an lm_head that stays in the compute dtype takes the fastest product this CPU has (blocked bf16: ~40% less
-    # time a token, for the matrix held twice while it packs); a quantized one has nothing to pack
-    head_model = HeadModel.load(config, index, dtype, pack=None if head_mode == "fp16" else False)
-    quant.quantize_linears(head_model, head_mode, topology.group_size)
+
+    def load_head_model() -> HeadModel:
+        # an lm_head that stays in the compute dtype takes the fastest product this CPU has (blocked bf16: ~40%
+        # less time a token, for the matrix held twice while it packs); a quantized one has nothing to pack
+        loaded = HeadModel.load(config, index, dtype, pack=None if head_mode == "fp16" else False)
+        quant.quantize_linears(loaded, head_mode, topology.group_size)
+        return loaded
+
+    head_model = on_own_thread(load_head_model, "head-load")
     tokenizer = TextTokenizer.load(model_dir, chat_template=topology.chat_template)
     if tokenizer.chat_templates is not None:
         log.info("chat template from %s", tokenizer.chat_templates.source)

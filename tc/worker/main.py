@@ -52,6 +52,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHU
                                  LoadFailed, LoadProgress, Ping, Pong, Release, RunBatch, SpeedFigure)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
+from ..openmp import on_own_thread
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 
 log = logging.getLogger(__name__)
@@ -463,7 +464,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return REFUSED_EXIT
     if options.bench:
         try:
-            worker.measure_speeds()
+            on_own_thread(worker.measure_speeds, "speed-probe")  # no OpenMP pool left beside the compute thread's
         except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
             log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
                         "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
