@@ -104,6 +104,23 @@ def test_parts_of_other_widths_are_not_stacked(tiny_model_dir):
         list(index.row_slabs(["model.layers.0.mlp.w9.weight"], torch.float32))
 
 
+@pytest.mark.parametrize("quant", ["fp16", "int8"])
+def test_a_stage_refuses_a_tensor_that_does_not_fit_its_layer(tmp_path, quant):
+    from safetensors.torch import load_file, save_file
+
+    from tc.model.quant import Quantization
+    from tc.model.qwen2 import Stage
+
+    model_dir = write_tiny_model(tmp_path, seed=2)
+    state = load_file(model_dir / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(state, model_dir / "model.safetensors")
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    with pytest.raises(WeightsError, match=r"mlp.gate_up_proj.weight stack to \[260, 64\]; the layer config.json "
+                                           r"describes holds \[320, 64\]"):
+        Stage.load(config, WeightIndex.open(model_dir), 0, 2, torch.float32, quantization=Quantization(quant))
+
+
 def test_quantizing_fused_rows_gives_each_part_its_own_codes():
     # why fusing before quantizing changes nothing: int8 scales are per row and int4 groups lie along a row
     gen = torch.Generator().manual_seed(0)
