@@ -14,7 +14,6 @@ check of this script, not of a device).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import tempfile
@@ -66,9 +65,8 @@ def modes_for(device: str) -> list[tuple[str, str]]:
 
 
 def load_stage(config: Qwen2Config, index: WeightIndex, device: str, quant: str, dtype: torch.dtype) -> Stage:
-    prepare = functools.partial(quantization.quantize_linears, mode=quant,
-                                group_size=quantization.DEFAULT_GROUP_SIZE, half_dtype=half_dtype(device))
-    return Stage.load(config, index, 0, config.num_hidden_layers, dtype, device, prepare=prepare)
+    return Stage.load(config, index, 0, config.num_hidden_layers, dtype, device,
+                      quantization.Quantization(quant, quantization.DEFAULT_GROUP_SIZE, half_dtype(device)))
 
 
 def kernel_paths(module: torch.nn.Module) -> str:

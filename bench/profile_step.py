@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import statistics
 import subprocess
 import sys
@@ -101,8 +102,12 @@ class Setup:
         qwen2, quant, weights = code["qwen2"], code["quant"], code["weights"]
         self.config = code["config"].Qwen2Config.from_file(model_dir / "config.json")
         index = weights.WeightIndex.open(model_dir)
-        prepare = None if mode == "fp16" else (lambda layer: quant.quantize_linears(layer, mode, group_size))
-        self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu", prepare=prepare)
+        if "quantization" in inspect.signature(qwen2.Stage.load).parameters:  # weights quantized as they stream in
+            self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu",
+                                          quant.Quantization(mode, group_size))
+        else:  # a revision from before: each layer quantized after it loaded
+            prepare = None if mode == "fp16" else (lambda layer: quant.quantize_linears(layer, mode, group_size))
+            self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu", prepare=prepare)
         self.head = qwen2.HeadModel.load(self.config, index, dtype)  # as the head process loads it
         self.dense = code.get("dense")
         if mode != "fp16":

@@ -1,7 +1,6 @@
 """The whole model in one process: the baseline the cluster is measured against."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -34,10 +33,9 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"),
                           pack=None if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
     quantization.quantize_linears(head, head_mode, group_size)
-    # each layer is quantized as it loads (a no-op for fp16), as a worker does
-    prepare = functools.partial(quantization.quantize_linears, mode=quant, group_size=group_size,
-                                half_dtype=half_dtype(device))
-    stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device, prepare=prepare)
+    # each weight is quantized as it loads (nothing to do for fp16), as a worker does
+    stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device,
+                       quantization.Quantization(quant, group_size, half_dtype(device)))
     tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
              quant, time.perf_counter() - started)

@@ -11,7 +11,7 @@ from model_helpers import OurModel
 from tc.generation import LocalPipeline
 from tc.model.config import Qwen2Config
 from tc.model.quant import (QuantizationError, dequantize_int4, int8_device_speed_probe, int8_kernel_shape_ok,
-                            int8_paths_by_speed, quantize_int4, quantize_linears, quantized_nbytes)
+                            int8_paths_by_speed, Quantization, quantize_int4, quantized_nbytes)
 from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
                             must_expand_kv_heads, sdpa_has_enable_gqa, torch_release, Stage)
 from tc.model.weights import WeightIndex
@@ -188,7 +188,7 @@ def test_a_device_without_bf16_quantizes_and_runs_without_ever_touching_bf16(tin
 
     def quantized(dtype: torch.dtype, half: torch.dtype) -> Stage:
         return Stage.load(config, index, 0, config.num_hidden_layers, dtype, "cpu", pack=False,
-                          prepare=lambda layer: quantize_linears(layer, mode, 32, use_kernel=False, half_dtype=half))
+                          quantization=Quantization(mode, 32, half, use_kernel=False))
 
     seen = DtypesSeen()
     with seen:

@@ -178,6 +178,33 @@ def test_quantized_weights_and_experts_follow_fp32(family_dirs, name, quant):
     assert (ours - ref).abs().max().item() < tolerance * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_weights_quantized_as_they_stream_in_hold_the_bits_of_the_loaded_layers_quantized(family_dirs, name, quant,
+                                                                                          monkeypatch):
+    """A stage whose weights are quantized slab by slab while they load (slabs of a few rows here, crossing the
+    boundaries between q, k and v and between gate and up) equals the stage loaded in 16 bits and then quantized,
+    bit for bit: experts, fused and unfused checkpoints, biases, routers, norms and all."""
+    from tc.model import weights
+    from tc.model.quant import Quantization, quantize_linears
+
+    model_dir = family_dirs(name)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    index = WeightIndex.open(model_dir)
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = Stage.load(config, index, 1, 3, dtype, pack=False)
+        quantize_linears(loaded, quant, 32)
+        monkeypatch.setattr(weights, "SLAB_BYTES", 5 * config.hidden_size * 4)  # 5 rows of fp32, 10 of bf16
+        streamed = Stage.load(config, index, 1, 3, dtype, pack=False, quantization=Quantization(quant, 32))
+        monkeypatch.undo()
+        assert [(n, type(m)) for n, m in streamed.named_modules()] == [(n, type(m)) for n, m in loaded.named_modules()]
+        want = dict([*loaded.named_parameters(), *loaded.named_buffers()])
+        got = dict([*streamed.named_parameters(), *streamed.named_buffers()])
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), (dtype, key)
+
+
 def test_planned_bytes_count_experts_as_quantized(family_dirs, tmp_path):
     """The plan's layer bytes in int8 are what the loaded layers hold, experts and router included."""
     from tc.head.main import build_plan

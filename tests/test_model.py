@@ -75,6 +75,52 @@ def test_fused_layers_hold_the_checkpoint_rows(tiny_model_dir):
     assert attn.qkv_proj.weight.shape[0] == config.hidden_size + 2 * config.num_key_value_heads * config.head_dim
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the checkpoint's own, and a cast
+def test_parts_read_into_one_tensor_or_slab_by_slab_are_their_rows_one_after_another(tiny_model_dir, dtype):
+    index = WeightIndex.open(tiny_model_dir)
+    names = [f"model.layers.2.self_attn.{p}_proj.weight" for p in "qkv"]
+    state = index.load(names)
+    want = torch.cat([state[n].to(dtype) for n in names])
+    assert index.stacked_shape(names) == tuple(want.shape)
+    got = index.load_rows(names, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    row_bytes = want.shape[1] * 4  # the checkpoint is fp32
+    slabs = list(index.row_slabs(names, dtype, slab_bytes=3 * row_bytes))
+    firsts, at = [], 0
+    for n in names:  # a part's last slab may be short, and the next part starts a slab of its own
+        firsts += range(at, at + state[n].shape[0], 3)
+        at += state[n].shape[0]
+    assert [row for row, _ in slabs] == firsts
+    assert all(slab.dtype == dtype and slab.shape[0] <= 3 for _, slab in slabs)
+    assert torch.equal(torch.cat([slab for _, slab in slabs]), want)
+
+
+def test_parts_of_other_widths_are_not_stacked(tiny_model_dir):
+    index = WeightIndex.open(tiny_model_dir)
+    names = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(WeightsError, match="cannot stack the rows"):
+        index.load_rows(names, torch.float32)
+    with pytest.raises(WeightsError, match="missing tensor model.layers.0.mlp.w9.weight"):
+        list(index.row_slabs(["model.layers.0.mlp.w9.weight"], torch.float32))
+
+
+@pytest.mark.parametrize("quant", ["fp16", "int8"])
+def test_a_stage_refuses_a_tensor_that_does_not_fit_its_layer(tmp_path, quant):
+    from safetensors.torch import load_file, save_file
+
+    from tc.model.quant import Quantization
+    from tc.model.qwen2 import Stage
+
+    model_dir = write_tiny_model(tmp_path, seed=2)
+    state = load_file(model_dir / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(state, model_dir / "model.safetensors")
+    config = Qwen2Config.from_file(model_dir / "config.json")
+    with pytest.raises(WeightsError, match=r"mlp.gate_up_proj.weight stack to \[260, 64\]; the layer config.json "
+                                           r"describes holds \[320, 64\]"):
+        Stage.load(config, WeightIndex.open(model_dir), 0, 2, torch.float32, quantization=Quantization(quant))
+
+
 def test_quantizing_fused_rows_gives_each_part_its_own_codes():
     # why fusing before quantizing changes nothing: int8 scales are per row and int4 groups lie along a row
     gen = torch.Generator().manual_seed(0)

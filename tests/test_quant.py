@@ -162,6 +162,82 @@ def test_quantizing_in_slabs_changes_nothing(monkeypatch, group_size):
         assert torch.equal(getattr(whole4, name), getattr(slab4, name))
 
 
+@pytest.mark.parametrize("cut", [[0, 300], [0, 1, 2, 300], [0, 7, 8, 150, 299, 300], [0, 0, 5, 5, 300]])
+def test_a_weight_streamed_in_slabs_of_any_rows_quantizes_as_the_whole(cut):
+    w = weight("outliers", (300, 200)).bfloat16()
+    slabs = [(a, w[a:b]) for a, b in zip(cut, cut[1:])]
+    whole8, slab8 = quantize_int8(w), quant.quantize_int8_slabs(slabs, (300, 200), "cpu")
+    assert torch.equal(whole8.qweight, slab8.qweight) and torch.equal(whole8.scale, slab8.scale)
+    whole4, slab4 = quantize_int4(w, 64), quant.quantize_int4_slabs(iter(slabs), (300, 200), "cpu", 64)
+    for name in ("packed", "scales", "zeros"):
+        assert torch.equal(getattr(whole4, name), getattr(slab4, name))
+
+
+@pytest.mark.parametrize("slabs, match", [
+    ([(0, torch.zeros(4, 8))], "first 4 rows of a weight of 6"),  # rows missing at the end
+    ([(0, torch.zeros(4, 8)), (3, torch.zeros(3, 8))], "at row 3"),  # overlapping
+    ([(0, torch.zeros(2, 8)), (4, torch.zeros(4, 8))], "at row 4"),  # a gap
+    ([(0, torch.zeros(6, 7))], "shape"),  # other columns
+    ([(0, torch.zeros(4, 8)), (4, torch.zeros(4, 8))], "at row 4"),  # past the last row
+    ([(0, torch.zeros(6, 8, dtype=torch.int32))], "floating-point"),
+])
+def test_slabs_that_do_not_tile_the_weight_are_refused(slabs, match):
+    with pytest.raises(QuantizationError, match=match):
+        quant.quantize_int8_slabs(slabs, (6, 8), "cpu")
+    with pytest.raises(QuantizationError, match=match):
+        quant.quantize_int4_slabs(slabs, (6, 8), "cpu", 8)
+
+
+def test_nan_in_a_later_slab_is_named_by_its_row_in_the_whole_weight():
+    w = weight("normal", (40, 64))
+    w[33, 5] = float("nan")
+    with pytest.raises(QuantizationError, match="rows 30..39"):
+        quant.quantize_int8_slabs([(0, w[:30]), (30, w[30:])], (40, 64), "cpu")
+
+
+def test_quantization_refuses_what_quantize_linears_refuses():
+    with pytest.raises(QuantizationError, match="unknown weight mode"):
+        quant.Quantization("int3")
+    with pytest.raises(QuantizationError, match="group_size"):
+        quant.Quantization("int4", 5)
+    assert quant.Quantization("int8", 5).quantizes and not quant.Quantization("fp16").quantizes
+
+
+@pytest.mark.skipif(not HAS_INT4_KERNEL, reason="no int4 packed kernel in this torch build")
+def test_packing_in_place_writes_the_kernel_layout_over_the_codes(monkeypatch):
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 64 * 256)  # slabs of 64 rows, the last one partial
+    w = weight("normal", (64 * 5 + 16, 256))
+    beside = Int4Linear(quantize_int4(w, 64), use_kernel=True)
+    given = quantize_int4(w, 64)
+    codes = given.packed.data_ptr()
+    over = Int4Linear(given, use_kernel=True, pack_in_place=True)
+    assert over.packed.data_ptr() == codes  # one matrix of codes, not two
+    assert torch.equal(over.packed, beside.packed)
+    x = torch.randn(3, 256)
+    assert torch.equal(over(x), beside(x))
+
+
+@pytest.mark.skipif(not HAS_INT4_KERNEL, reason="no int4 packed kernel in this torch build")
+def test_a_packer_refusal_after_packing_in_place_is_an_error_not_a_fallback(monkeypatch):
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 64 * 256)
+    kernel = int4_kernel_available("cpu")
+    slabs = []
+    real = type(kernel)._pack_slab
+
+    def refuse_the_second(self, packed):
+        slabs.append(packed.shape[0])
+        if len(slabs) == 2:
+            raise RuntimeError("refused")
+        return real(self, packed)
+
+    monkeypatch.setattr(type(kernel), "_pack_slab", refuse_the_second)
+    with pytest.raises(KernelUnavailableError, match="rows 64..127 .* after packing the rows before them"):
+        Int4Linear(quantize_int4(weight("normal", (256, 256)), 64), pack_in_place=True)
+    slabs.clear()
+    fallback = Int4Linear(quantize_int4(weight("normal", (256, 256)), 64))  # beside the codes: they are still there
+    assert not fallback.uses_kernel
+
+
 @pytest.mark.skipif(not HAS_INT4_KERNEL, reason="no int4 packed kernel in this torch build")
 def test_kernel_packing_in_slabs_matches_packing_whole(monkeypatch):
     lin = make_linear(64 * 5 + 16, 256, False, torch.float32)  # the last slab is a partial block

@@ -40,7 +40,7 @@ class SparseMoE(nn.Module):
         e = config.experts
         assert e is not None
         self.gate = Router(config.hidden_size, e.count, e.top_k, e.normalize_top_k)
-        self.experts = nn.ModuleList(MLP(config, e.intermediate_size, False, e.projections) for _ in range(e.count))
+        self.experts = nn.ModuleList(MLP(config, e.intermediate_size, False) for _ in range(e.count))
         if e.shared_intermediate_size:
             self.shared_expert = MLP(config, e.shared_intermediate_size, False)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)

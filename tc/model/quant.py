@@ -35,6 +35,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ PREFILL_MIN_ROWS = 64  # activation rows from which an int8 product may take the
 DENSE_PREFILL_PROBE_ROWS = 128  # ... if the probe finds it DENSE_PREFILL_MIN_GAIN times faster for this many
 DENSE_PREFILL_MIN_GAIN = 1.25
 _ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
-_CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time so float temporaries stay ~16 MiB
+_CHUNK_ELEMENTS = 1 << 20  # quantize this many weights at a time: float temporaries of 4 MiB (faster than 16)
 _INT8_DENSE_SLAB_ROWS = 4096  # rows of int8 codes converted at a time by the portable path
 
 
@@ -119,11 +120,16 @@ def _check_group_size(group_size: int) -> None:
 
 
 def _check_weight(w: torch.Tensor) -> tuple[int, int]:
-    if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] == 0:
-        raise QuantizationError(f"expected a non-empty 2-D weight [out, in], got shape {tuple(w.shape)}")
+    shape = _check_shape(tuple(w.shape))
     if not w.is_floating_point():
         raise QuantizationError(f"expected a floating-point weight, got {w.dtype}")
-    return int(w.shape[0]), int(w.shape[1])
+    return shape
+
+
+def _check_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+        raise QuantizationError(f"expected a non-empty 2-D weight [out, in], got shape {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
 
 
 def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
@@ -131,13 +137,39 @@ def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
-def _float_rows(w: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of w as float32; raises QuantizationError if any is NaN or infinite."""
+def _float_rows(w: torch.Tensor, r0: int, r1: int, first_row: int = 0) -> torch.Tensor:
+    """Rows [r0, r1) of w as float32; raises QuantizationError if any is NaN or infinite (naming them as rows of
+    the whole weight, whose row `first_row` is w's first)."""
     chunk = w[r0:r1].float()  # [n, in]
     if not bool(torch.isfinite(chunk).all()):
-        raise QuantizationError(f"the weight has NaN or infinite values in rows {r0}..{r1 - 1}; "
-                                "the checkpoint is damaged or was saved in a dtype that overflowed")
+        raise QuantizationError(f"the weight has NaN or infinite values in rows {first_row + r0}..{first_row + r1 - 1}"
+                                "; the checkpoint is damaged or was saved in a dtype that overflowed")
     return chunk
+
+
+RowSlabs = Iterable[tuple[int, torch.Tensor]]  # (first row, rows [n, in]) of one weight, in order, covering it
+
+
+def _float_chunks(slabs: RowSlabs, shape: tuple[int, int], width: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(r0, r1, rows [r0, r1) as float32) of a weight of `shape` that arrives as `slabs`, at most _CHUNK_ELEMENTS
+    values of `width` columns at a time whatever the slabs' size, so the float temporaries stay bounded.
+
+    Raises QuantizationError for slabs that are not float, have other columns, or do not tile the rows in order.
+    """
+    rows, cols = shape
+    at = 0
+    for first, slab in slabs:
+        if first != at or slab.dim() != 2 or slab.shape[1] != cols or first + slab.shape[0] > rows:
+            raise QuantizationError(f"a slab of shape {tuple(slab.shape)} at row {first} does not continue a "
+                                    f"[{rows}, {cols}] weight after its first {at} rows; slabs must tile its rows "
+                                    "in order")
+        if not slab.is_floating_point():
+            raise QuantizationError(f"expected a floating-point weight, got {slab.dtype}")
+        for r0, r1 in _row_chunks(slab.shape[0], width):
+            yield first + r0, first + r1, _float_rows(slab, r0, r1, first)
+        at = first + slab.shape[0]
+    if at != rows:
+        raise QuantizationError(f"the slabs hold the first {at} rows of a weight of {rows}")
 
 
 # ---------------------------------------------------------------------------------------------------- int8
@@ -166,11 +198,18 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     Works on the weight's device; computes in float32, a slab of rows at a time.
     Raises QuantizationError for a weight that is not a non-empty 2-D float tensor.
     """
-    rows, cols = _check_weight(w)
-    qweight = torch.empty(rows, cols, dtype=torch.int8, device=w.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=w.device)
-    for r0, r1 in _row_chunks(rows, cols):
-        chunk = _float_rows(w, r0, r1)  # [n, in]
+    return quantize_int8_slabs([(0, w)], _check_weight(w), w.device)
+
+
+def quantize_int8_slabs(slabs: RowSlabs, shape: tuple[int, int], device: torch.device | str) -> Int8Weight:
+    """quantize_int8 of a weight of `shape` that arrives a slab of rows at a time (each row's codes and scale
+    depend on that row alone, so the result is the same bits whatever the slabs), on `device`: a caller that
+    reads the slabs from a file never holds the whole float weight.
+    Raises QuantizationError for an empty shape or slabs that do not tile it (see _float_chunks)."""
+    rows, cols = _check_shape(shape)
+    qweight = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    scale = torch.empty(rows, dtype=torch.float32, device=device)
+    for r0, r1, chunk in _float_chunks(slabs, (rows, cols), cols):  # chunk [n, in]
         s = chunk.abs().amax(dim=1) / INT8_MAX  # [n]
         divisor = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row quantizes to zeros
         qweight[r0:r1] = torch.round(chunk / divisor[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -276,16 +315,26 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     float16.
     """
     _check_group_size(group_size)
+    return quantize_int4_slabs([(0, w)], _check_weight(w), w.device, group_size, param_dtype)
+
+
+def quantize_int4_slabs(slabs: RowSlabs, shape: tuple[int, int], device: torch.device | str,
+                        group_size: int = DEFAULT_GROUP_SIZE, param_dtype: torch.dtype = INT4_PARAM_DTYPE
+                        ) -> Int4Weight:
+    """quantize_int4 of a weight of `shape` that arrives a slab of rows at a time (groups run along a row, so the
+    result is the same bits whatever the slabs), on `device`: a caller that reads the slabs from a file never
+    holds the whole float weight.
+    Raises what quantize_int4 does, and QuantizationError for slabs that do not tile the shape (_float_chunks)."""
+    _check_group_size(group_size)
     if param_dtype not in INT4_PARAM_DTYPES:
         raise QuantizationError(f"int4 scales can be {' or '.join(map(str, INT4_PARAM_DTYPES))}, not {param_dtype}")
-    rows, cols = _check_weight(w)
+    rows, cols = _check_shape(shape)
     groups = -(-cols // group_size)
     padded = groups * group_size
-    packed = torch.empty(rows, padded // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(rows, groups, dtype=param_dtype, device=w.device)
-    zeros = torch.empty(rows, groups, dtype=param_dtype, device=w.device)
-    for r0, r1 in _row_chunks(rows, padded):
-        chunk = _float_rows(w, r0, r1)  # [n, in]
+    packed = torch.empty(rows, padded // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(rows, groups, dtype=param_dtype, device=device)
+    zeros = torch.empty(rows, groups, dtype=param_dtype, device=device)
+    for r0, r1, chunk in _float_chunks(slabs, (rows, cols), padded):  # chunk [n, in]
         if padded > cols:
             chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, padded - cols)], dim=1)  # [n, padded]
         codes, s, z = _int4_codes_and_params(chunk.reshape(r1 - r0, groups, group_size), param_dtype)
@@ -499,20 +548,32 @@ class _Int4Kernel:
     device_type: str
     high_nibble_even: bool  # GPU packer input: uint8 [N, K/2], even column in the high nibble (gpt-fast order)
 
-    def pack(self, packed: torch.Tensor) -> torch.Tensor:
+    def pack(self, packed: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """Int4Weight.packed uint8 [N, K/2] -> the kernel's packed weight; N*K/2 bytes in every layout.
 
         On CPU it packs a slab of rows at a time so the int32 codes the packer takes never exist for the whole
         matrix: the CPU packer lays rows out in independent blocks of 32 or 64, so slabs whose row count is a
         multiple of 64 pack to consecutive slices of the whole result. GPU layouts are packed in one go (their
         row tiling is not something to rely on, and a GPU holds the uint8 codes easily).
+
+        in_place (CPU): write each packed slab over the codes it was made from (the same rows of the same
+        [N, K/2] bytes, already read), so the matrix is never held twice; `packed` is then the result. Raises
+        KernelUnavailableError if the packer refuses a slab after earlier ones were written over (their codes are
+        gone: there is no portable path to fall back to), RuntimeError if it refuses the first.
         """
         rows, half_k = packed.shape
         step = max(64, (_CHUNK_ELEMENTS // (half_k * 2)) // 64 * 64) if self.device_type == "cpu" else rows
-        out: torch.Tensor | None = None
+        out: torch.Tensor | None = packed if in_place and step < rows else None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            part = self._pack_slab(packed[r0:r1])
+            try:
+                part = self._pack_slab(packed[r0:r1])
+            except RuntimeError as exc:
+                if out is packed and r0 > 0:
+                    raise KernelUnavailableError(f"the int4 packer refused rows {r0}..{r1 - 1} of a [{rows}, "
+                                                 f"{2 * half_k}] weight after packing the rows before them in "
+                                                 f"place: {exc}; quantize it with use_kernel=False") from exc
+                raise
             if r1 - r0 == rows:
                 return part
             if out is None:
@@ -741,8 +802,11 @@ class Int4Linear(_QuantLinear):
     needed padding, so the padding columns contribute nothing.
     """
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None):
-        """Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
+                 pack_in_place: bool = False):
+        """pack_in_place: the caller gives `weight` up (made for this module alone), so on a CPU the kernel layout
+        is written over its codes instead of beside them (_Int4Kernel.pack); `weight` must not be read after.
+        Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
@@ -764,7 +828,9 @@ class Int4Linear(_QuantLinear):
         if self.uses_kernel:
             assert kernel is not None
             try:
-                kernel_packed = kernel.pack(weight.packed)
+                kernel_packed = kernel.pack(weight.packed, in_place=pack_in_place)
+            except KernelUnavailableError:
+                raise  # refused halfway through packing in place: the portable codes are gone
             except RuntimeError as exc:  # the probe passed on its small matrix, but this shape is refused
                 if use_kernel:
                     raise KernelUnavailableError(f"the int4 packer refused {weight.shape}: {exc}") from exc
@@ -803,24 +869,60 @@ class Int4Linear(_QuantLinear):
         return self._finish(y, x)
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How linear layers are quantized: the weight mode, the int4 group size, the 16-bit float type the device has
+    (qwen2.half_dtype: int4 scales and zero points are kept in it and the packed int8 kernel computes in it, so
+    nothing asks a device for a dtype it lacks, bfloat16 on MPS before macOS 14), and use_kernel as
+    Int8Linear/Int4Linear take it. Mode "fp16" quantizes nothing.
+
+    `quantize_linears` applies it to a built module; Stage.load applies it to each weight as its rows stream from
+    the checkpoint (`linear`), so no layer ever exists whole in 16 bits.
+    Raises QuantizationError for an unknown mode or, in int4, a bad group size.
+    """
+
+    mode: str
+    group_size: int = DEFAULT_GROUP_SIZE
+    half_dtype: torch.dtype = torch.bfloat16
+    use_kernel: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in WEIGHT_MODES:
+            raise QuantizationError(f"unknown weight mode {self.mode!r}; expected one of {WEIGHT_MODES}")
+        if self.mode == "int4":
+            _check_group_size(self.group_size)
+
+    @property
+    def quantizes(self) -> bool:
+        return self.mode != "fp16"
+
+    def linear(self, slabs: RowSlabs, shape: tuple[int, int], device: torch.device | str, bias: torch.Tensor | None,
+               prefill_dtype: torch.dtype) -> "Int8Linear | Int4Linear":
+        """The quantized module, on `device`, for a weight of `shape` whose rows arrive as `slabs` (see
+        quantize_*_slabs); `bias` is kept as it is, and prefill_dtype is the dtype the layer computes in (see
+        Int8Linear). The weight is made here for the module alone, so int4 codes take the CPU kernel's layout where
+        they lie instead of beside a copy (Int4Linear's pack_in_place).
+        Raises QuantizationError for mode fp16 or slabs that do not tile `shape`."""
+        if self.mode == "int8":
+            return Int8Linear(quantize_int8_slabs(slabs, shape, device), bias, use_kernel=self.use_kernel,
+                              prefill_dtype=prefill_dtype, kernel_dtype=self.half_dtype)
+        if self.mode == "int4":
+            return Int4Linear(quantize_int4_slabs(slabs, shape, device, self.group_size, self.half_dtype), bias,
+                              use_kernel=self.use_kernel, pack_in_place=True)
+        raise QuantizationError("weight mode fp16 quantizes nothing")
+
+
 def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *,
                      use_kernel: bool | None = None, half_dtype: torch.dtype = torch.bfloat16) -> None:
     """Replace every linear layer below `module` (nn.Linear, or a dense.PackedLinear) by its int8/int4
-    counterpart, in place, on the layer's device.
-
-    half_dtype is the 16-bit float type the device has (qwen2.half_dtype): int4 scales and zero points are kept
-    in it and the packed int8 kernel computes in it, so nothing asks a device for a dtype it lacks (bfloat16 on
-    MPS before macOS 14).
+    counterpart, in place, on the layer's device, as `Quantization(mode, group_size, half_dtype, use_kernel)` says.
 
     mode "fp16" leaves the module as it is. Raises QuantizationError for an unknown mode, a bad group size, or a
     bare linear layer passed as `module` (there is no parent to put the replacement in; wrap it).
     """
-    if mode not in WEIGHT_MODES:
-        raise QuantizationError(f"unknown weight mode {mode!r}; expected one of {WEIGHT_MODES}")
-    if mode == "fp16":
+    quantization = Quantization(mode, group_size, half_dtype, use_kernel)
+    if not quantization.quantizes:
         return
-    if mode == "int4":
-        _check_group_size(group_size)
     if isinstance(module, (nn.Linear, PackedLinear)):
         raise QuantizationError("quantize_linears replaces Linears inside a module; wrap a bare nn.Linear "
                                 "(e.g. nn.Sequential(linear)) or call Int8Linear/Int4Linear.from_linear")
@@ -832,11 +934,7 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = DEFAULT_GRO
             if id(child) not in replacements:
                 # a packed layer gives its plain weight back; the codes are the same as for the unpacked layer
                 w = child.dense_weight() if isinstance(child, PackedLinear) else child.weight.detach()
-                if mode == "int8":
-                    replacements[id(child)] = Int8Linear(quantize_int8(w), child.bias, use_kernel=use_kernel,
-                                                         prefill_dtype=w.dtype, kernel_dtype=half_dtype)
-                else:
-                    replacements[id(child)] = Int4Linear(quantize_int4(w, group_size, half_dtype), child.bias,
-                                                         use_kernel=use_kernel)
+                replacements[id(child)] = quantization.linear([(0, w)], _check_weight(w), w.device, child.bias,
+                                                              w.dtype)
             setattr(parent, name, replacements[id(child)])
     log.debug("quantized %d linear layers to %s", len(replacements), mode)

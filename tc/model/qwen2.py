@@ -7,8 +7,9 @@ passes only test what the layer was built with.
 The head runs `HeadModel` (embedding, final norm, lm_head); each worker runs one `Stage`, a contiguous
 half-open range [start, end) of decoder layers keyed by their global layer numbers. Module attribute names are
 the safetensors key names, so a checkpoint loads with no renaming, except two fused layers: q/k/v_proj load into
-one qkv_proj and gate/up_proj into one gate_up_proj (a load_state_dict pre-hook concatenates their rows), so a
-decode step runs four products per layer instead of seven.
+one qkv_proj and gate/up_proj into one gate_up_proj (their rows one after another; weights.layer_sources says
+which checkpoint tensors fill which tensor of a layer), so a decode step runs four products per layer instead of
+seven.
 
 A stage runs a ragged batch: the rows of several sequences, each a `Span` of consecutive positions with its own
 KV cache, side by side in one [1, rows, hidden] tensor. Every product runs once over all the rows (a decode step
@@ -32,7 +33,8 @@ from .config import ModelConfig, Rope
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .rope import attention_scaling, inv_freq
-from .weights import WeightIndex, head_tensor_names, layer_tensor_names
+from .quant import Quantization
+from .weights import WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources
 
 log = logging.getLogger(__name__)
 
@@ -257,17 +259,6 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x.mul_(cos).add_(swapped.mul_(sin))
 
 
-def _fuse_rows(state_dict: dict, prefix: str, fused: str, parts: tuple[str, ...], suffixes: tuple[str, ...]) -> None:
-    """Replace the checkpoint's linear layers `parts` under `prefix` by one layer `fused` whose rows are theirs,
-    one after another. Each output row depends on its own weight row alone (int8 scales per row and int4 groups
-    along a row too), so the fused layer computes exactly what the parts did, in one product instead of several.
-    A part missing from `state_dict` leaves it as it is, for load_state_dict to report."""
-    for suffix in suffixes:
-        names = [f"{prefix}{part}.{suffix}" for part in parts]
-        if all(name in state_dict for name in names):
-            state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(name) for name in names])
-
-
 @dataclass(frozen=True)
 class Span:
     """One sequence's rows in a ragged batch: `length` positions from `start`, stored in and attending to `cache`."""
@@ -297,9 +288,6 @@ class Attention(nn.Module):
         self.scale = config.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.softcap = config.attn_softcap
         self.window = config.window(layer)
-        self.register_load_state_dict_pre_hook(
-            lambda module, state_dict, prefix, *_: _fuse_rows(state_dict, prefix, "qkv_proj",
-                                                              ("q_proj", "k_proj", "v_proj"), ("weight", "bias")))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
                 layer: int) -> torch.Tensor:
@@ -358,26 +346,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated feed-forward: down(act(gate(x)) * up(x)). `names` are the checkpoint's names for gate, up and
-    down (Mixtral's experts call them w1, w3, w2)."""
+    """The gated feed-forward: down(act(gate(x)) * up(x)), gate and up as one product."""
 
-    def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool | None = None,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool | None = None):
         super().__init__()
         hidden, inner = config.hidden_size, inner or config.intermediate_size
         bias = config.mlp_bias if bias is None else bias
         self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)  # gate_proj, up_proj, fused on loading
         self.down_proj = Linear(inner, hidden, bias=bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig allows these two)
-        gate, up, down = names
-        suffixes = ("weight", "bias") if bias else ("weight",)
-
-        def rename(module, state_dict, prefix, *_):  # noqa: ANN001 - load_state_dict's pre-hook signature
-            _fuse_rows(state_dict, prefix, "gate_up_proj", (gate, up), suffixes)
-            for suffix in suffixes:
-                if f"{prefix}{down}.{suffix}" in state_dict and down != "down_proj":
-                    state_dict[f"{prefix}down_proj.{suffix}"] = state_dict.pop(f"{prefix}{down}.{suffix}")
-        self.register_load_state_dict_pre_hook(rename)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
@@ -399,12 +376,7 @@ class DecoderLayer(nn.Module):
         if config.has_experts(layer):
             from .moe import SparseMoE  # the experts build on MLP above
 
-            self.mlp = SparseMoE(config)
-            block = config.experts.block_name  # type: ignore[union-attr]
-            if block != "mlp":  # the checkpoint's name for the block (Mixtral's block_sparse_moe)
-                self.register_load_state_dict_pre_hook(
-                    lambda module, state_dict, prefix, *_: _rename_prefix(state_dict, prefix + block + ".",
-                                                                          prefix + "mlp."))
+            self.mlp = SparseMoE(config)  # whatever the checkpoint calls the block (Mixtral's block_sparse_moe)
         else:
             self.mlp = MLP(config)
 
@@ -417,23 +389,55 @@ class DecoderLayer(nn.Module):
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
-def _rename_prefix(state_dict: dict, old: str, new: str) -> None:
-    for name in [n for n in state_dict if n.startswith(old)]:
-        state_dict[new + name[len(old):]] = state_dict.pop(name)
-
-
 def _give_back_freed_memory() -> None:
     """Return the C heap's free pages to the OS, where the C library is glibc (a no-op elsewhere).
 
-    Loading frees each layer's checkpoint copy after its fused and packed copies are allocated; glibc keeps such
-    holes in its heap instead of unmapping them, and a 12-layer bf16 stage held ~100 MB of them (RSS 698 MB for
-    358 MB of weights, 598 MB when each layer gives them back, as the unpacked stage had).
+    Loading frees what it read through (slabs and float temporaries of quantized weights, a plain weight once its
+    packed copy is allocated) between allocations it keeps; glibc keeps such holes in its heap instead of
+    unmapping them, and a 12-layer bf16 stage held ~100 MB of them (RSS 698 MB for 358 MB of weights, 598 MB when
+    each layer gives them back, as the unpacked stage had).
     """
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict[str, dict[str, tuple[int, ...]]],
+                dtype: torch.dtype, device: torch.device | str, quantization: Quantization | None) -> None:
+    """Fill a layer built on the meta device from the checkpoint tensors named `prefix` + each source.
+
+    Everything that stays in `dtype` (norms, biases, routers, and every weight without quantization) comes first,
+    each tensor read straight into its place; then each linear weight to quantize streams in by slabs of rows and
+    replaces its Linear by the quantized module, the bias loaded before kept as it is.
+    """
+    quantize = quantization is not None and quantization.quantizes
+    streamed: list[tuple[str, list[str]]] = []
+    for target, parts in sources.items():
+        names = [prefix + part for part in parts]
+        path, _, attr = target.rpartition(".")
+        module = layer.get_submodule(path)
+        _check_fits(target, getattr(module, attr), index.stacked_shape(names))
+        if quantize and isinstance(module, nn.Linear) and attr == "weight":
+            streamed.append((path, names))
+            continue
+        setattr(module, attr, nn.Parameter(index.load_rows(names, dtype).to(device), requires_grad=False))
+    for path, names in streamed:
+        assert quantization is not None
+        linear = layer.get_submodule(path)
+        slabs = ((row, slab.to(device)) for row, slab in index.row_slabs(names, dtype))
+        quantized = quantization.linear(slabs, tuple(linear.weight.shape), device, linear.bias, dtype)
+        parent, _, name = path.rpartition(".")
+        setattr(layer.get_submodule(parent), name, quantized)
+    unfilled = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+    assert not unfilled, f"weights.layer_sources names no checkpoint tensor for {unfilled}"
+
+
+def _check_fits(target: str, built: torch.Tensor, stored: tuple[int, ...]) -> None:
+    if tuple(built.shape) != stored:
+        raise WeightsError(f"the checkpoint's tensors for {target} stack to {list(stored)}; the layer config.json "
+                           f"describes holds {list(built.shape)}. The checkpoint does not match config.json")
 
 
 def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | None:
@@ -458,26 +462,22 @@ class Stage(nn.Module):
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, start: int, end: int,
-             dtype: torch.dtype, device: torch.device | str = "cpu",
-             prepare: Callable[[nn.Module], None] | None = None,
+             dtype: torch.dtype, device: torch.device | str = "cpu", quantization: Quantization | None = None,
              progress: Callable[[int, int], None] | None = None, pack: bool | None = None) -> "Stage":
-        """Build layers [start, end) from the checkpoint, reading only their bytes.
+        """Build layers [start, end) from the checkpoint, reading only their bytes, in `dtype` on `device`.
 
-        Layers load one at a time, and `prepare` (quantization) runs on each before the next is read, so the
-        peak memory is the prepared stage plus one unprepared layer. The linear layers left unquantized then take
-        the fastest product this CPU has for their shape (`dense.pack_linears`; `pack` as its `force`).
+        Layers load one at a time. With `quantization`, each linear weight is quantized as its rows stream from the
+        file, a slab of at most weights.SLAB_BYTES at a time, so the peak memory is the quantized stage plus one
+        slab and its float temporaries: no layer, and no linear layer, is ever whole in 16 bits. The linear layers
+        left unquantized then take the fastest product this CPU has for their shape (`dense.pack_linears`; `pack`
+        as its `force`).
+        Raises WeightsError for a checkpoint tensor that is missing or does not fit the layer config.json implies.
         """
         with torch.device("meta"):
             stage = cls(config, start, end)
         for done, i in enumerate(range(start, end), 1):
-            tensors = index.load(layer_tensor_names(config, i, i + 1), dtype=dtype)
-            state = {name.removeprefix(f"model.layers.{i}."): t.to(device) for name, t in tensors.items()}
             layer = stage.layers[str(i)]
-            layer.load_state_dict(state, strict=True, assign=True)
-            del tensors, state  # the fused layers' parts, freed before anything else is allocated
-            layer.requires_grad_(False)
-            if prepare is not None:
-                prepare(layer)
+            _load_layer(layer, index, layer_prefix(i), layer_sources(config, i), dtype, device, quantization)
             pack_linears(layer, force=pack)
             _give_back_freed_memory()
             if progress is not None:

@@ -3,15 +3,17 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor name to
 {dtype, shape, data_offsets}, then the raw bytes. We parse the headers ourselves so that planning needs no
 weight bytes at all, and loading a layer range reads only that range's byte spans (plain reads into ordinary
-memory: decoding from copied weights ran about 10% faster than from memory-mapped ones).
+memory: decoding from copied weights ran about 10% faster than from memory-mapped ones). Tensors fused into one
+are read straight into their rows of it, and a weight quantized as it loads is read a slab of rows at a time.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import BinaryIO, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -20,6 +22,7 @@ from .config import ModelConfig
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+SLAB_BYTES = 4 << 20  # a weight quantized while it loads streams from its file this many bytes of rows at a time
 
 _DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
     "F32": (torch.float32, 4),
@@ -49,42 +52,65 @@ def layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
 
-def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of decoder layer `layer`, by its name under the layer's prefix, with the shape config.json
-    implies. What a family's checkpoint holds follows from its ModelConfig alone (its biases, norms, experts and
-    whether it stores q/k/v and gate/up fused), so a new family adds no names here."""
+def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Every tensor of decoder layer `layer` as tc builds it (model/qwen2.py's names under the layer) -> the
+    checkpoint tensors (names under the layer's prefix, with the shapes config.json implies) whose rows it holds,
+    one after another.
+
+    Module attribute names are the checkpoint's, so most tensors come from one tensor of the same name. The
+    exceptions: q/k/v_proj fill one qkv_proj and gate/up_proj one gate_up_proj (a step runs four products per
+    layer instead of seven; a family whose checkpoint stores them fused, Phi-3, fills them from one tensor each),
+    and a mixture of experts' block is `mlp` whatever the checkpoint calls it (Mixtral's block_sparse_moe, whose
+    experts call their projections w1, w3, w2). What a family's checkpoint holds follows from its ModelConfig
+    alone (its biases, norms, experts and fused tensors), so a new family adds no names here.
+    """
     c = config
     h, d = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    sources: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def same(name: str, shape: tuple[int, ...]) -> None:
+        sources[name] = {name: shape}
+
+    same("input_layernorm.weight", (h,))
+    same("post_attention_layernorm.weight", (h,))
     parts = {"qkv_proj": q + 2 * kv} if c.fused_checkpoint else {"q_proj": q, "k_proj": kv, "v_proj": kv}
-    for part, rows in parts.items():
-        shapes[f"self_attn.{part}.weight"] = (rows, h)
-        if c.qkv_bias:
-            shapes[f"self_attn.{part}.bias"] = (rows,)
-    shapes["self_attn.o_proj.weight"] = (h, q)
+    sources["self_attn.qkv_proj.weight"] = {f"self_attn.{part}.weight": (rows, h) for part, rows in parts.items()}
+    if c.qkv_bias:
+        sources["self_attn.qkv_proj.bias"] = {f"self_attn.{part}.bias": (rows,) for part, rows in parts.items()}
+    same("self_attn.o_proj.weight", (h, q))
     if c.o_bias:
-        shapes["self_attn.o_proj.bias"] = (h,)
+        same("self_attn.o_proj.bias", (h,))
     if c.qk_norm:
-        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        same("self_attn.q_norm.weight", (d,))
+        same("self_attn.k_norm.weight", (d,))
     if c.sandwich_norms:
-        shapes.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+        same("pre_feedforward_layernorm.weight", (h,))
+        same("post_feedforward_layernorm.weight", (h,))
     if c.has_experts(layer):
         assert c.experts is not None
         e = c.experts
         block = e.block_name
-        shapes[f"{block}.gate.weight"] = (e.count, h)  # the router
+        sources["mlp.gate.weight"] = {f"{block}.gate.weight": (e.count, h)}  # the router
         for i in range(e.count):
-            shapes.update(_mlp_shapes(f"{block}.experts.{i}", h, e.intermediate_size, False, e.projections))
+            sources.update(_mlp_sources(f"mlp.experts.{i}", f"{block}.experts.{i}", h, e.intermediate_size, False,
+                                        e.projections))
         if e.shared_intermediate_size:
-            shapes.update(_mlp_shapes(f"{block}.shared_expert", h, e.shared_intermediate_size, False))
-            shapes[f"{block}.shared_expert_gate.weight"] = (1, h)
+            sources.update(_mlp_sources("mlp.shared_expert", f"{block}.shared_expert", h, e.shared_intermediate_size,
+                                        False))
+            sources["mlp.shared_expert_gate.weight"] = {f"{block}.shared_expert_gate.weight": (1, h)}
     elif c.fused_checkpoint:
-        shapes.update({"mlp.gate_up_proj.weight": (2 * c.intermediate_size, h),
-                       "mlp.down_proj.weight": (h, c.intermediate_size)})
+        same("mlp.gate_up_proj.weight", (2 * c.intermediate_size, h))
+        same("mlp.down_proj.weight", (h, c.intermediate_size))
     else:
-        shapes.update(_mlp_shapes("mlp", h, c.intermediate_size, c.mlp_bias))
-    return shapes
+        sources.update(_mlp_sources("mlp", "mlp", h, c.intermediate_size, c.mlp_bias))
+    return sources
+
+
+def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of decoder layer `layer`, by its name under the layer's prefix, with the shape
+    config.json implies (the parts of `layer_sources`)."""
+    return {name: shape for parts in layer_sources(config, layer).values() for name, shape in parts.items()}
 
 
 def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
@@ -93,16 +119,19 @@ def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
     return len(shape) == 2 and name.endswith(".weight") and not name.endswith(".gate.weight")
 
 
-def _mlp_shapes(prefix: str, hidden: int, inner: int, bias: bool,
-                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+def _mlp_sources(target: str, prefix: str, hidden: int, inner: int, bias: bool,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                 ) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The gated MLP `target` (gate_up_proj, down_proj) from the checkpoint's projections `names` under `prefix`."""
     gate, up, down = names
-    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.{gate}.weight": (inner, hidden),
-                                          f"{prefix}.{up}.weight": (inner, hidden),
-                                          f"{prefix}.{down}.weight": (hidden, inner)}
+    sources: dict[str, dict[str, tuple[int, ...]]] = {
+        f"{target}.gate_up_proj.weight": {f"{prefix}.{gate}.weight": (inner, hidden),
+                                          f"{prefix}.{up}.weight": (inner, hidden)},
+        f"{target}.down_proj.weight": {f"{prefix}.{down}.weight": (hidden, inner)}}
     if bias:
-        shapes.update({f"{prefix}.{gate}.bias": (inner,), f"{prefix}.{up}.bias": (inner,),
-                       f"{prefix}.{down}.bias": (hidden,)})
-    return shapes
+        sources[f"{target}.gate_up_proj.bias"] = {f"{prefix}.{gate}.bias": (inner,), f"{prefix}.{up}.bias": (inner,)}
+        sources[f"{target}.down_proj.bias"] = {f"{prefix}.{down}.bias": (hidden,)}
+    return sources
 
 
 def layer_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
@@ -230,26 +259,89 @@ class WeightIndex:
         """Read exactly the named tensors' bytes (nothing else), optionally cast to `dtype`."""
         by_file: dict[Path, list[TensorInfo]] = {}
         for name in names:
-            try:
-                info = self.tensors[name]
-            except KeyError:
-                raise WeightsError(f"missing tensor {name}") from None
+            info = self._checked(name)
             by_file.setdefault(info.file, []).append(info)
         out: dict[str, torch.Tensor] = {}
         for path, infos in by_file.items():
             with open(path, "rb") as f:
                 for info in sorted(infos, key=lambda i: i.start):  # sequential reads
-                    torch_dtype, itemsize = _DTYPES[info.dtype]
-                    numel = 1
-                    for d in info.shape:
-                        numel *= d
-                    if numel * itemsize != info.nbytes:
-                        raise WeightsError(f"tensor {info.name}: byte span does not match its shape")
-                    buf = bytearray(info.nbytes)
-                    f.seek(info.start)
-                    if f.readinto(buf) != info.nbytes:
-                        raise WeightsError(f"{path}: truncated while reading {info.name}")
-                    tensor = torch.frombuffer(buf, dtype=torch_dtype).reshape(info.shape) if numel else \
-                        torch.empty(info.shape, dtype=torch_dtype)
+                    tensor = torch.empty(info.shape, dtype=_DTYPES[info.dtype][0])
+                    _read_into(f, info, info.start, tensor)
                     out[info.name] = tensor.to(dtype) if dtype is not None else tensor
         return out
+
+    def stacked_shape(self, names: Sequence[str]) -> tuple[int, ...]:
+        """The shape of the named tensors' rows one after another (see load_rows). Raises WeightsError for a
+        missing tensor or tensors whose rows differ in shape."""
+        infos = self._stackable(names)
+        return (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
+
+    def load_rows(self, names: Sequence[str], dtype: torch.dtype) -> torch.Tensor:
+        """The named tensors' rows one after another in one new tensor of `dtype` (q, k and v_proj into one
+        qkv_proj; a single name gives that tensor). A part stored in `dtype` is read straight into its rows,
+        so nothing is held twice; another is read, then cast into them as .to(dtype) would.
+        Raises WeightsError for a missing, truncated or mismatched tensor."""
+        out = torch.empty(self.stacked_shape(names), dtype=dtype)
+        at = 0
+        for info in self._stackable(names):
+            rows = out[at:at + info.shape[0]]
+            with open(info.file, "rb") as f:
+                if _DTYPES[info.dtype][0] == dtype:
+                    _read_into(f, info, info.start, rows)
+                else:
+                    stored = torch.empty(info.shape, dtype=_DTYPES[info.dtype][0])
+                    _read_into(f, info, info.start, stored)
+                    rows.copy_(stored)
+            at += info.shape[0]
+        return out
+
+    def row_slabs(self, names: Sequence[str], dtype: torch.dtype,
+                  slab_bytes: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """The rows load_rows(names, dtype) would hold, as (first row, slab) pieces of at most `slab_bytes` as
+        stored (one row at least), read in order, each into a buffer of its own: a consumer that keeps no slab
+        (a quantizer) holds one slab at a time, however large the tensors. slab_bytes defaults to SLAB_BYTES.
+        Raises WeightsError for a missing, truncated or mismatched tensor."""
+        slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
+        at = 0
+        for info in self._stackable(names):
+            stored = _DTYPES[info.dtype][0]
+            rows = info.shape[0]
+            row_bytes = info.nbytes // rows if rows else 0
+            step = max(1, slab_bytes // row_bytes) if row_bytes else max(1, rows)
+            with open(info.file, "rb") as f:
+                for r0 in range(0, rows, step):
+                    r1 = min(rows, r0 + step)
+                    slab = torch.empty((r1 - r0, *info.shape[1:]), dtype=stored)
+                    _read_into(f, info, info.start + r0 * row_bytes, slab)
+                    yield at + r0, slab.to(dtype)
+            at += rows
+
+    def _checked(self, name: str) -> TensorInfo:
+        """The tensor's entry, its byte span checked against its shape and dtype."""
+        try:
+            info = self.tensors[name]
+        except KeyError:
+            raise WeightsError(f"missing tensor {name}") from None
+        if info.dtype not in _DTYPES:
+            raise WeightsError(f"tensor {name} is stored as {info.dtype}; tc reads F32, F16 and BF16")
+        if math.prod(info.shape) * _DTYPES[info.dtype][1] != info.nbytes:
+            raise WeightsError(f"tensor {info.name}: byte span does not match its shape")
+        return info
+
+    def _stackable(self, names: Sequence[str]) -> list[TensorInfo]:
+        infos = [self._checked(name) for name in names]
+        if not infos or any(not info.shape or info.shape[1:] != infos[0].shape[1:] for info in infos):
+            raise WeightsError(f"cannot stack the rows of {list(names)}: their shapes are "
+                               f"{[list(info.shape) for info in infos]}")
+        return infos
+
+
+def _read_into(f: BinaryIO, info: TensorInfo, offset: int, tensor: torch.Tensor) -> None:
+    """Fill contiguous `tensor` with the bytes of `info`'s file from `offset` on, by a plain read into memory the
+    tensor owns. The file is never mapped, so RSS counts no page of it: freeing a slab or a part that was read
+    gives its memory back, where a mapping's pages once touched would count until unmapped."""
+    assert tensor.is_contiguous()
+    view = tensor.reshape(-1).view(torch.uint8).numpy()  # [nbytes], writes land in the tensor
+    f.seek(offset)
+    if f.readinto(view) != view.nbytes:
+        raise WeightsError(f"{info.file}: truncated while reading {info.name}")

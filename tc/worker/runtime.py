@@ -4,7 +4,6 @@ Pure with respect to I/O: it takes protocol messages and returns replies; the co
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -95,7 +94,7 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     """Load (and quantize) the assigned layers from `model_dir` onto `device`.
 
     Raises ConfigError for an architecture or config.json tc cannot run, WeightsError for a checkpoint that does
-    not match the assignment.
+    not match the assignment, QuantizationError for a weight mode or group size tc cannot quantize.
     """
     started = time.perf_counter()
     config = ModelConfig.from_dict(assignment.config)  # raises ConfigError for a family this release lacks
@@ -109,11 +108,10 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     index.validate(config, only=names)
     check_layer_tensors(index, assignment)
     dtype = resolve_compute_dtype(assignment.compute_dtype, device)
-    # each layer is quantized right after it loads (a no-op for fp16), so no 16-bit copy of the stage builds up;
+    # each weight is quantized as it streams in (nothing to do for fp16), so no 16-bit copy of a layer builds up;
     # int4 scales and the int8 kernel use fp16 where the device has no bf16
-    prepare = functools.partial(quant.quantize_linears, mode=assignment.quant, group_size=assignment.group_size,
-                                half_dtype=half_dtype(device))
-    stage = Stage.load(config, index, start, end, dtype, device, prepare=prepare, progress=progress)
+    quantization = quant.Quantization(assignment.quant, assignment.group_size, half_dtype(device))
+    stage = Stage.load(config, index, start, end, dtype, device, quantization, progress=progress)
     return LoadedStage(stage, dtype, device, stage_weight_bytes(stage), time.perf_counter() - started)
 
 
