@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from cluster import Process, write_topology  # noqa: E402
+from tc.generation import Entry  # noqa: E402
 from tc.head.main import start_head  # noqa: E402
 from tc.topology import load_topology  # noqa: E402
 
@@ -39,8 +40,8 @@ def negative_log_likelihood(head, ids: list[int], window: int) -> tuple[float, i
         if len(chunk) < 2:
             break
         with torch.inference_mode():
-            hidden = generator.pipeline.prefill(generator.head.embed(torch.tensor([chunk[:-1]])),
-                                                capacity=len(chunk))
+            window_entry = Entry(sequence=0, start=0, length=len(chunk) - 1, capacity=len(chunk))  # a fresh cache
+            hidden = generator.pipeline.run([window_entry], generator.head.embed(torch.tensor([chunk[:-1]])))
             targets = torch.tensor(chunk[1:])
             for a in range(0, hidden.shape[1], 256):  # logits for 256 positions at a time: 150 MB, not 3 GB
                 logits = generator.head.logits(hidden[:, a:a + 256].to(generator.dtype))[0]
