@@ -83,6 +83,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from .local import load_local_generator
     from .sampling import SamplingParams
 
+    try:  # checked before the model loads: a bad value should not cost the wait
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     generator = load_local_generator(args.model, args.dtype)
@@ -90,8 +96,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = generator.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = generator.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
     result = generator.generate(ids, params, on_text=lambda piece: print(piece, end="", flush=True))
     print()
     print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "

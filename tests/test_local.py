@@ -1,6 +1,11 @@
 """The single-process generator in each weight mode: quantized while loading, as a cluster's workers and head do."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +13,8 @@ from model_helpers import OurModel
 from tc.local import load_local_generator
 from tc.model.quant import Int4Linear, Int8Linear, QuantizationError, quantize_linears
 from tc.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("quant,layer_cls", [("int8", Int8Linear), ("int4", Int4Linear)])
@@ -30,3 +37,13 @@ def test_layers_in_the_mode_and_the_lm_head_in_the_head_mode(tiny_model_dir, qua
 def test_an_unknown_mode_is_refused(tiny_model_dir):
     with pytest.raises(QuantizationError, match="int3"):
         load_local_generator(tiny_model_dir, "fp32", quant="int3")
+
+
+@pytest.mark.parametrize("flag, value, named", [("--top-p", "0", "top_p"), ("--temperature", "-1", "temperature")])
+def test_generate_refuses_a_bad_sampling_value_in_one_line_before_loading(tiny_model_dir, flag, value, named):
+    done = subprocess.run([sys.executable, "-m", "tc", "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+                           flag, value], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "loaded" not in done.stderr  # refused before the model was read
