@@ -1,6 +1,7 @@
 """Time one linear layer per weight mode and path, on Qwen2.5-0.5B's projection shapes.
 
-For each shape [out, in] and each input x of [1, 1, in] (decode) and [1, 128, in] (prefill), prints microseconds
+For each shape [out, in] and each input x of [1, 1, in] (decode), [1, 8, in] (batch8: a decode step of eight
+sequences, --modes decode,batch8) and [1, 128, in] (prefill), prints microseconds
 per call for bf16 nn.Linear, bf16 in oneDNN's blocked layout (dense.PackedLinear), fp32 nn.Linear, Int8Linear
 and Int4Linear on their portable and packed-kernel paths, and Int8Linear as it chooses by itself (the kernel, or
 for prefill the codes converted for a dense product; quant.int8_dense_prefill_is_faster), activations in bf16 for
@@ -10,7 +11,7 @@ do when a whole model decodes; --hot calls a single copy instead.
 Each figure is the 10th percentile of single-call times, taken round-robin across the variants, as the machine
 may be shared (see time_interleaved).
 
-    python bench/bench_quant_kernels.py [--threads 2] [--shapes 896x896,4864x896] [--modes decode,prefill]
+    python bench/bench_quant_kernels.py [--threads 2] [--shapes 896x896,4864x896] [--modes decode,batch8,prefill]
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ SHAPES = {  # name -> (out_features, in_features), Qwen2.5-0.5B; the model runs 
     "lm_head 151936x896": (151936, 896),
 }
 COLD_WORKING_SET = 256 << 20  # bytes of bf16 weights to rotate through: several times any L3 cache
-INPUTS = {"decode": 1, "prefill": 128}  # positions per call
+INPUTS = {"decode": 1, "batch8": 8, "prefill": 128}  # positions per call; batch8: 8 sequences decoding at once
 VARIANTS = ("bf16", "bf16 blocked", "fp32", "int8 portable", "int8 packed", "int8 chosen", "int4 portable",
             "int4 packed")
 
