@@ -1,8 +1,8 @@
 """Round-trip latency of the wire protocol over loopback TCP.
 
-An echo process plays the worker: it connects to this process (the head), receives RUN_DECODE / RUN_PREFILL
-and answers HIDDEN_STATE with the same tensor, so one round trip is two frames, each encoded, sent, received and
-decoded. A separate process, as in a real cluster, so the two ends do not share a GIL. Also prints the pure
+An echo process plays the worker: it connects to this process (the head), receives RUN_BATCH (one decode row,
+or a 512-row prefill) and answers HIDDEN_STATE with the same tensor, so one round trip is two frames, each
+encoded, sent, received and decoded. A separate process, as in a real cluster, so the two ends do not share a GIL. Also prints the pure
 encode and decode cost of each frame, without sockets, to show what the socket itself adds.
 
     python bench/bench_protocol.py [--rounds 2000]
