@@ -136,9 +136,11 @@ def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares
     assert sum(s["layers"][1] - s["layers"][0] for s in view["plan"]["stages"]) == 8
     output = cluster.head.output()
     assert "predicted: decode" in output
-    # each link was probed (latency and bandwidth) before the plan, so its hops are in the prediction
+    # each link was probed before the plan, so its hops are in the prediction. Its bandwidth is measured unless
+    # the large echoes were no slower than the small ones (a loopback link can outrun the timing on a busy machine)
     for node in NODES:
-        assert re.search(rf"link to worker {node['id']}: round trip [0-9.]+ ms, [0-9.]+ GB/s", output), output
+        assert re.search(rf"link to worker {node['id']}: round trip [0-9.]+ ms, ([0-9.]+ GB/s|bandwidth not "
+                         "measured)", output), output
         assert output.index(f"link to worker {node['id']}") < output.index("plan from the workers' measurements")
     assert "not measured" not in output  # what the plan's table says of a link it counts as free
 

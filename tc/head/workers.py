@@ -65,7 +65,7 @@ RECENT_DECODES = 32  # decode steps per worker kept for /v1/cluster's measured t
 FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
 SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
-PROBE_ECHOES = 3  # PINGs of each size when a link is probed: the least time of each is the link's own
+PROBE_ECHOES = 5  # PINGs of each size when a link is probed: the least time of each is the link's own
 PROBE_TIMEOUT_S = 5.0  # the longest wait for one probe's PONG; a worker that does not answer is left unmeasured
 PROBE_POSITIONS = 512  # the large probe carries this many positions of hidden states: one prefill's frame
 PING_FORGET_S = 60.0  # a PING unanswered this long is forgotten
@@ -253,15 +253,13 @@ class WorkerLink:
         when the worker did not answer. Raises OSError when a send fails."""
         small: list[float] = []
         large: list[float] = []
-        sizes = ((small, b""), (large, bytes(payload_bytes))) if payload_bytes else ((small, b""),)
-        for times, payload in sizes:
-            for _ in range(PROBE_ECHOES):
-                rtt = self.round_trip(payload, timeout_s)
-                if rtt is None:  # no answer: sending more (a large payload) to a worker not reading would block
-                    break
-                times.append(rtt)
-            if len(times) < PROBE_ECHOES:
+        # small and large take turns, so that whatever else the machines do hits both alike
+        turn = ((small, b""), (large, bytes(payload_bytes))) if payload_bytes else ((small, b""),)
+        for times, payload in turn * PROBE_ECHOES:
+            rtt = self.round_trip(payload, timeout_s)
+            if rtt is None:  # no answer: sending more (a large payload) to a worker not reading would block
                 break
+            times.append(rtt)
         found = LinkSpeed.from_probes(small, large, payload_bytes)
         if found is not None:  # the small PONGs set round_trip_s already
             self.bytes_per_s = found.bytes_per_s
