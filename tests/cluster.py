@@ -20,9 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on loopback now (each socket stays bound until all are chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def write_topology(path: Path, model: str | Path, nodes: list[dict], **settings) -> Path:
@@ -76,7 +86,8 @@ class Cluster:
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             self.env = {"PYTHONPATH": path, **self.env}
         self.tc = tc or [sys.executable, "-m", "tc"]
-        self.api_port, self.listen_port = free_port(), free_port()
+        # two ports at once, held together while chosen: one free port asked for twice can come back twice
+        self.api_port, self.listen_port = free_ports(2)
         # where the test reaches the API, where workers reach the head, and a command prefix for the head
         # (e.g. ip netns exec NS) for tests that put processes in network namespaces
         self.api_host, self.join_host, self.head_prefix = api_host, join_host, list(head_prefix)
