@@ -35,9 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from cluster import Cluster, write_topology  # noqa: E402
-
-PROMPT = ("# A small HTTP client\nimport json\nimport urllib.request\n\n\ndef fetch_json(url, timeout=10):\n"
-          '    """Fetch a URL and decode its JSON body, raising ValueError on a non-200 status."""\n')
+from plan_runs import PROMPT  # noqa: E402  (the prompt the other cluster benches use)
 
 
 def scrape(cluster: Cluster) -> dict[tuple[str, str], float]:

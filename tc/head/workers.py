@@ -3,20 +3,20 @@
 Each planned node has a slot. A joining worker proves it knows the join token when the topology sets one
 (tc.protocol.auth), is matched to a slot (admission.py), sent its ASSIGNMENT, and is ready once it reports
 LOAD_COMPLETE. When the topology asks for a plan from the workers' own measurements (head.plan_from: workers), the
-registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held and
-every held worker's link has been probed, then `plan_once` makes the plan from their HELLOs and links, once, and
-every held worker gets its ASSIGNMENT. From then on the
-plan never changes: a worker that rejoins gets the same layers, a spare a lost node's. A worker that joins as a
-spare entry stands by until some slot loses its worker, then is assigned that slot's layers.
+registry starts without a plan: each joining worker holds its slot ("planning") until every slot is held and every
+held worker's link has been probed, then `plan_once` makes the plan from their HELLOs and links, once, and every
+held worker gets its ASSIGNMENT. From then on the plan never changes: a worker that rejoins gets the same layers, a
+spare a lost node's. A worker that joins as a spare entry stands by until some slot loses its worker, then is
+assigned that slot's layers.
 
-Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket
-at once, and a pinger, which first probes the link (empty PINGs for its round trip, PINGs carrying a prefill's
-hidden states for its bandwidth: what the plan's hops cost), then keeps it alive. One watch thread drops any worker that has been silent (no reply, no PONG) for longer
-than the topology's heartbeat_timeout_s: a stopped process or a cut link, whose socket never closes. A worker
-whose compute hangs still answers pings, so each inference step also has a bound of its own, from the worker's
-measured step times (step_deadline.py); the request that waits past it drops the worker the same way. Dropping
-closes the socket, which also wakes a thread blocked sending to it. Losing a worker frees its slot for the next
-worker that joins: the head never needs a restart.
+Threads per admitted worker: a reader that routes replies to whoever waits on them and notices a closed socket at
+once, and a pinger, which first probes the link (empty PINGs for its round trip, PINGs carrying a prefill's hidden
+states for its bandwidth: what the plan's hops cost), then keeps it alive. One watch thread drops any worker that
+has been silent (no reply, no PONG) for longer than the topology's heartbeat_timeout_s: a stopped process or a cut
+link, whose socket never closes. A worker whose compute hangs still answers pings, so each inference step also has
+a bound of its own, from the worker's measured step times (step_deadline.py); the request that waits past it drops
+the worker the same way. Dropping closes the socket, which also wakes a thread blocked sending to it. Losing a
+worker frees its slot for the next worker that joins: the head never needs a restart.
 
 A joining peer has HELLO_TIMEOUT_S for its whole handshake, however it paces its bytes; at most
 MAX_PENDING_HANDSHAKES are in progress at once. Stopping tells every worker (an ERROR shutting_down) before
@@ -321,9 +321,7 @@ class WorkerRegistry:
         self.silence_limit_s = settings.silence_limit_s
         self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
         self.handshake_timeout_s = handshake_timeout_s
-        # one prefill's frame of hidden states, within what a frame may carry
         self.hop_bytes = hop_bytes_per_position(config.hidden_size, topology.dtype)
-        self.probe_bytes = min(self.hop_bytes * PROBE_POSITIONS, self.max_frame_bytes - PROBE_FRAME_MARGIN)
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
@@ -529,20 +527,19 @@ class WorkerRegistry:
             self.standby[entry.id] = link
             assignments = self._match_standby()
         elif self.plan is None:
-            assignments = self._hold(self.slots[entry.id], link)
+            self._hold(self.slots[entry.id], link)  # its ASSIGNMENT comes once the plan is made (_plan_if_ready)
         else:
             assignments = [self._occupy(self.slots[entry.id], link)]
         return entry, link, assignments
 
-    def _hold(self, slot: Slot, link: WorkerLink) -> list[tuple[WorkerLink, Assignment]]:
-        """Under the lock, before the plan exists: `link` holds `slot`; once every slot is held, plan and return
-        every held worker's ASSIGNMENT (none before)."""
+    def _hold(self, slot: Slot, link: WorkerLink) -> None:
+        """Under the lock, before the plan exists: `link` holds `slot` until the plan is made, which waits for its
+        link's probe (`_probe` then calls `_plan_if_ready`)."""
         link.node_id = slot.node_id
         slot.link, slot.state, slot.loaded, slot.joined_at = link, "planning", None, time.time()
         slot.detail = "joined; the plan is made once every planned node has a worker and its link is measured"
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
-        return self._plan_if_ready()
 
     def _plan_if_ready(self) -> list[tuple[WorkerLink, Assignment]]:
         """Under the lock, while there is no plan yet: once every slot is held by a worker whose link has been
@@ -727,7 +724,9 @@ class WorkerRegistry:
     def _probe(self, link: WorkerLink) -> None:
         """Measure the link's latency and bandwidth (what the plan's hops cost); the last probe of the planned
         set makes the plan when the head waits for one. Raises OSError when a send fails."""
-        probe_bytes = max(0, min(self.probe_bytes, link.hello.max_frame_bytes - PROBE_FRAME_MARGIN))
+        # one prefill's frame of hidden states, within what both ends' frames may carry
+        frame_cap = min(self.max_frame_bytes, link.hello.max_frame_bytes)
+        probe_bytes = max(0, min(self.hop_bytes * PROBE_POSITIONS, frame_cap - PROBE_FRAME_MARGIN))
         speed = link.measure(probe_bytes, PROBE_TIMEOUT_S)
         if speed is not None:
             log.info("link to worker %s: %s (%d-byte probe)", link.name, speed.describe(), probe_bytes)
