@@ -90,6 +90,18 @@ class FakeWorker:
         assignment = self.next(Assignment)
         self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu",
                                     compute_dtype=assignment.compute_dtype))
+        self.answer_the_link_probe()
+
+    def answer_the_link_probe(self, quiet_s: float = 0.5) -> None:
+        """Answer PINGs until none comes for `quiet_s` (well under the heartbeat): the head's probe of this link,
+        sent as the worker joins, is then over, and no probe frame is still in flight when the test misbehaves."""
+        while True:
+            try:
+                env = self.conn.recv(timeout=quiet_s)
+            except TimeoutError:
+                return
+            assert isinstance(env.message, Ping), env.message
+            self.conn.send(Pong(env.message.nonce, env.message.payload))
 
     def next(self, kind: type, timeout: float = 30):
         """The next message of `kind`, answering PINGs on the way (the head would drop a silent worker)."""
@@ -97,7 +109,7 @@ class FakeWorker:
         while True:
             env = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
             if isinstance(env.message, Ping):
-                self.conn.send(Pong(env.message.nonce))
+                self.conn.send(Pong(env.message.nonce, env.message.payload))
                 continue
             assert isinstance(env.message, kind), env.message
             self.last = env
