@@ -30,6 +30,13 @@ HAS_INT8_KERNEL = int8_kernel_available("cpu")
 HAS_INT4_KERNEL = int4_kernel_available("cpu") is not None
 
 
+@pytest.fixture
+def without_native(monkeypatch):
+    """Layers built inside choose between PyTorch's kernels and the portable path only (no native kernels), as
+    on a machine without a C compiler."""
+    monkeypatch.setattr(quant.native, "faster_than_torch", lambda mode: False)
+
+
 def weight(kind: str, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     """Synthetic weights covering what real checkpoints and corner cases look like."""
     gen = torch.Generator().manual_seed(seed)
@@ -218,7 +225,7 @@ def test_packing_in_place_writes_the_kernel_layout_over_the_codes(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_INT4_KERNEL, reason="no int4 packed kernel in this torch build")
-def test_a_packer_refusal_after_packing_in_place_is_an_error_not_a_fallback(monkeypatch):
+def test_a_packer_refusal_after_packing_in_place_is_an_error_not_a_fallback(monkeypatch, without_native):
     monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 64 * 256)
     kernel = int4_kernel_available("cpu")
     slabs = []
@@ -404,8 +411,15 @@ def test_kernel_demanded_where_there_is_none_is_a_clear_error():
 @pytest.mark.skipif(not (HAS_INT8_KERNEL and HAS_INT4_KERNEL), reason="no packed kernels in this torch build")
 def test_default_path_on_cpu_is_the_kernel_for_model_shapes():
     lin = make_linear(128, 896, True, torch.bfloat16)
-    assert Int8Linear.from_linear(lin).uses_kernel
-    assert Int4Linear.from_linear(lin).uses_kernel
+    for mode, layer in (("int8", Int8Linear.from_linear(lin)), ("int4", Int4Linear.from_linear(lin))):
+        assert layer.path == ("native" if quant.native.faster_than_torch(mode) else "kernel")
+        assert layer.uses_kernel is (layer.path == "kernel")
+
+
+def test_without_native_kernels_the_default_path_is_pytorchs_kernel(without_native):
+    lin = make_linear(128, 896, True, torch.bfloat16)
+    assert Int8Linear.from_linear(lin).path == ("kernel" if HAS_INT8_KERNEL else "portable")
+    assert Int4Linear.from_linear(lin).path == ("kernel" if HAS_INT4_KERNEL else "portable")
 
 
 def aten_has(name: str) -> bool:
@@ -465,7 +479,7 @@ def test_casting_a_quantized_model_keeps_the_scales_dtype():
 
 
 @pytest.mark.skipif(not HAS_INT8_KERNEL, reason="no int8 packed kernel in this torch build")
-def test_a_moved_int8_layer_takes_the_path_its_new_device_offers():
+def test_a_moved_int8_layer_takes_the_path_its_new_device_offers(without_native):
     m = Int8Linear.from_linear(make_linear(64, 256, False, torch.float32))
     assert m.uses_kernel
     m.to("meta")  # a device type without the kernel

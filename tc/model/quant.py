@@ -8,11 +8,14 @@ as fields. `quantize_*` and `dequantize_*` are pure functions between such value
 dequantize functions are the reference that every faster path is checked against.
 
 `Int8Linear` and `Int4Linear` are drop-in replacements for `nn.Linear`. Decode is memory-bound, so reading fewer
-weight bytes per token is where the speed comes from. Each module therefore runs one of two paths:
+weight bytes per token is where the speed comes from. Each module therefore runs one of three paths (`path`):
 
 - portable: plain PyTorch ops on the stored codes (works on every device PyTorch supports);
 - packed kernel: PyTorch's own weight-only kernels (`aten._weight_int8pack_mm`, and the `_weight_int4pack_mm`
-  family), which read the codes directly and never build a float copy of the weight.
+  family), which read the codes directly and never build a float copy of the weight;
+- native: on x86-64 CPUs, products compiled for the machine at run time that also quantize the activations and
+  multiply codes by codes (tc/model/native.py): taken by default (use_kernel=None) where they build, agree with
+  their reference and beat the packed kernel in a probe; use_kernel=True or False asks for one of the other two.
 
 Whether a device (cpu, cuda:N, mps) has a working kernel is decided once per process by a tiny probe that runs
 the kernel and compares it with the dequantize reference (`int8_kernel_available`, `int4_kernel_available`);
@@ -35,12 +38,13 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .dense import PROBE_ROWS, PackedLinear
 from .probe import one_thread, race
 
@@ -363,17 +367,21 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
     return deq.view(out, w.padded_in_features)[:, :cols].to(dtype)
 
 
-def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                rows_of: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """(x2 [M, in] @ qweight.T) * scale in x2's dtype, converting the codes _INT8_DENSE_SLAB_ROWS rows at a time, so
     the converted copy stays small whatever the matrix (an lm_head's would be hundreds of MB). Rows are
-    independent, so slabs give the same bits as the whole."""
-    rows, dtype = qweight.shape[0], x2.dtype
+    independent, so slabs give the same bits as the whole. rows_of(qweight, r0, r1) gives rows [r0, r1) as plain
+    [rows, in] codes where qweight is in another layout (native.untile_int8)."""
+    rows, dtype = scale.shape[0], x2.dtype
+    if rows_of is None:
+        rows_of = lambda w, r0, r1: w[r0:r1]  # noqa: E731
     if rows <= _INT8_DENSE_SLAB_ROWS:
-        return F.linear(x2, qweight.to(dtype)) * scale.to(dtype)
+        return F.linear(x2, rows_of(qweight, 0, rows).to(dtype)) * scale.to(dtype)
     y = x2.new_empty(x2.shape[0], rows)  # [M, out]
     for r0 in range(0, rows, _INT8_DENSE_SLAB_ROWS):
         r1 = min(rows, r0 + _INT8_DENSE_SLAB_ROWS)
-        torch.mul(F.linear(x2, qweight[r0:r1].to(dtype)), scale[r0:r1].to(dtype), out=y[:, r0:r1])
+        torch.mul(F.linear(x2, rows_of(qweight, r0, r1).to(dtype)), scale[r0:r1].to(dtype), out=y[:, r0:r1])
     return y
 
 
@@ -659,7 +667,8 @@ class _QuantLinear(nn.Module):
 
     in_features: int
     out_features: int
-    uses_kernel: bool
+    uses_kernel: bool  # PyTorch's packed kernel
+    path: str  # "native", "kernel" (PyTorch's packed kernel) or "portable"
     _fixed_dtypes: dict[str, torch.dtype]  # buffer name -> dtype it must keep
     _kernel_device_type: str | None  # set when the buffers are in a device-specific kernel layout
 
@@ -703,7 +712,7 @@ class _QuantLinear(nn.Module):
         """Hook for a subclass whose path depends on the device its buffers are on."""
 
     def extra_repr(self) -> str:
-        path = "packed kernel" if self.uses_kernel else "portable"
+        path = {"kernel": "packed kernel"}.get(self.path, self.path)
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}, path={path}"
 
@@ -722,8 +731,9 @@ class Int8Linear(_QuantLinear):
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
                  prefill_dtype: torch.dtype | None = None, dense_prefill: bool | None = None,
-                 kernel_dtype: torch.dtype = _KERNEL_DTYPE):
+                 kernel_dtype: torch.dtype = _KERNEL_DTYPE, tile_in_place: bool = False):
         """kernel_dtype: what the packed kernel computes in (bfloat16, or float16 on a device without it).
+        tile_in_place: the caller gives `weight` up, so the native path re-lays its codes out where they lie.
         Raises KernelUnavailableError if use_kernel=True and the device or shape has no int8 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -731,13 +741,34 @@ class Int8Linear(_QuantLinear):
         self._prefill_dtype, self._dense_prefill = prefill_dtype, dense_prefill
         self._kernel_dtype = kernel_dtype
         self._device = str(weight.qweight.device)
-        self.uses_kernel = self._choose_path(self._device)
-        self._kernel_device_type = None  # int8 codes are the same on both paths and every device
         self._fixed_dtypes = {"scale": torch.float32}
+        if (use_kernel is None and weight.qweight.device.type == "cpu"
+                and native.shape_ok_int8(self.out_features, self.in_features) and native.faster_than_torch("int8")):
+            self._init_native(weight, bias, tile_in_place)
+            return
+        self.uses_kernel = self._choose_path(self._device)
+        self.path = "kernel" if self.uses_kernel else "portable"
+        self._kernel_device_type = None  # int8 codes are the same on both paths and every device
         qweight = weight.qweight
         if qweight.data_ptr() % _ALIGNMENT or not qweight.is_contiguous():
             qweight = qweight.clone(memory_format=torch.contiguous_format)  # the kernel's aligned loads
         self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", weight.scale)
+        self._init_bias(bias)
+
+    def _init_native(self, weight: Int8Weight, bias: torch.Tensor | None, in_place: bool) -> None:
+        """Codes in the native kernels' tiled layout (native.tile_int8); prefill-sized products in the prefill
+        dtype may convert them and multiply densely instead, where a probe finds that faster."""
+        self.path, self.uses_kernel = "native", False
+        self._kernel_device_type = "cpu"  # the tiled layout is for this CPU's kernels
+        self._native = native.kernels()
+        dense = self._dense_prefill
+        if dense is None:
+            dense = self._prefill_dtype is not None and native.dense_prefill_is_faster(
+                min(self.out_features, PROBE_ROWS), self.in_features, self._prefill_dtype)
+        self.dense_prefill_dtype = self._prefill_dtype if dense else None
+        qweight = weight.qweight if in_place else weight.qweight.clone()
+        self.register_buffer("qweight", native.tile_int8(qweight.contiguous()))
         self.register_buffer("scale", weight.scale)
         self._init_bias(bias)
 
@@ -768,7 +799,7 @@ class Int8Linear(_QuantLinear):
     def _after_apply(self) -> None:
         # the codes mean the same everywhere, so a moved layer just picks the path its new device offers
         device = str(self._buffers["qweight"].device)
-        if device != self._device:
+        if device != self._device and self.path != "native":
             self._device = device
             self.uses_kernel = self._choose_path(device)
 
@@ -777,13 +808,19 @@ class Int8Linear(_QuantLinear):
                     dense_prefill: bool | None = None, kernel_dtype: torch.dtype = _KERNEL_DTYPE) -> "Int8Linear":
         """Quantize `linear`'s weight on its device; the bias is kept as it is. Its dtype is the prefill dtype."""
         return cls(quantize_int8(linear.weight.detach()), linear.bias, use_kernel=use_kernel,
-                   prefill_dtype=linear.weight.dtype, dense_prefill=dense_prefill, kernel_dtype=kernel_dtype)
+                   prefill_dtype=linear.weight.dtype, dense_prefill=dense_prefill, kernel_dtype=kernel_dtype,
+                   tile_in_place=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if self.uses_kernel and (x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype):
+        if self.path == "native":
+            if x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype:
+                y = self._native.int8_linear(x2, qweight, scale)
+            else:
+                y = _int8_dense(x2, qweight, scale, native.untile_int8)
+        elif self.uses_kernel and (x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype):
             y = _int8_kernel(x2, qweight, scale, self._kernel_dtype)
         elif x.dtype == torch.float16:
             # x @ q.T can pass fp16's 65504 before the scale brings it down, so scale the weight instead
@@ -812,9 +849,16 @@ class Int4Linear(_QuantLinear):
         self.group_size = weight.group_size
         self.padded_in_features = weight.padded_in_features
         device_type = weight.packed.device.type
-        shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
         # the kernels read bfloat16 scales: float16 ones (a device without bfloat16) take the portable path
         params_ok = weight.scales.dtype == _KERNEL_DTYPE
+        self._fixed_dtypes = {"scales": weight.scales.dtype, "zeros": weight.scales.dtype,
+                              "scales_and_zeros": _KERNEL_DTYPE}
+        if (use_kernel is None and device_type == "cpu" and params_ok
+                and native.shape_ok_int4(self.out_features, self.padded_in_features, self.group_size)
+                and native.faster_than_torch("int4")):
+            self._init_native(weight, bias, pack_in_place)
+            return
+        shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
         kernel = int4_kernel_available(str(weight.packed.device)) if shape_ok and params_ok else None
         self.uses_kernel = _resolve_use_kernel(
             use_kernel, kernel is not None,
@@ -822,8 +866,7 @@ class Int4Linear(_QuantLinear):
             + ("" if shape_ok else f" (needs group size in {INT4_KERNEL_GROUP_SIZES} and out_features a "
                                    "multiple of 16)")
             + ("" if params_ok else f" (the kernels read {_KERNEL_DTYPE} scales, not {weight.scales.dtype})"))
-        self._fixed_dtypes = {"scales": weight.scales.dtype, "zeros": weight.scales.dtype,
-                              "scales_and_zeros": _KERNEL_DTYPE}
+        self.path = "kernel" if self.uses_kernel else "portable"
         kernel_packed = None
         if self.uses_kernel:
             assert kernel is not None
@@ -837,6 +880,7 @@ class Int4Linear(_QuantLinear):
                 log.warning("int4 packer refused %s on %s (%s); this layer takes the portable path",
                             weight.shape, device_type, exc)
                 self.uses_kernel = False
+                self.path = "portable"
         if kernel_packed is not None:
             assert kernel is not None
             self._kernel = kernel
@@ -848,6 +892,18 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("packed", weight.packed)
             self.register_buffer("scales", weight.scales)
             self.register_buffer("zeros", weight.zeros)
+        self._init_bias(bias)
+
+    def _init_native(self, weight: Int4Weight, bias: torch.Tensor | None, in_place: bool) -> None:
+        """Buffers in the native kernels' tiled layout (native.tile_int4), over the codes where `in_place`."""
+        self.path, self.uses_kernel = "native", False
+        self._kernel_device_type = "cpu"
+        self._native = native.kernels()
+        packed = weight.packed if in_place else weight.packed.clone()
+        packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
         self._init_bias(bias)
 
     @classmethod
@@ -862,7 +918,9 @@ class Int4Linear(_QuantLinear):
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]; weights there: any
-        if self.uses_kernel:
+        if self.path == "native":
+            y = self._native.int4_linear(x2, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size)
+        elif self.uses_kernel:
             y = self._kernel.mm(x2, buffers["packed"], self.group_size, buffers["scales_and_zeros"])
         else:
             y = _int4_portable_linear(x2, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size)
@@ -905,7 +963,7 @@ class Quantization:
         Raises QuantizationError for mode fp16 or slabs that do not tile `shape`."""
         if self.mode == "int8":
             return Int8Linear(quantize_int8_slabs(slabs, shape, device), bias, use_kernel=self.use_kernel,
-                              prefill_dtype=prefill_dtype, kernel_dtype=self.half_dtype)
+                              prefill_dtype=prefill_dtype, kernel_dtype=self.half_dtype, tile_in_place=True)
         if self.mode == "int4":
             return Int4Linear(quantize_int4_slabs(slabs, shape, device, self.group_size, self.half_dtype), bias,
                               use_kernel=self.use_kernel, pack_in_place=True)

@@ -1,0 +1,345 @@
+"""int4 and int8 products built for this CPU at run time: the fastest weight-only path on x86-64 machines.
+
+Theory of operation
+-------------------
+PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) convert every weight to float
+before multiplying, so on a CPU they are bound by arithmetic, not by memory: 12-17 GB/s of weights where the
+machine streams 23, and their time grows with every activation row (8 rows cost 3-5x one). llama.cpp is faster
+because it quantizes the activations to int8 as well and multiplies codes by codes with the CPU's integer
+dot-product instructions. `qdot.c` (next to this file) does the same for tc's own int4 and int8 weights: the
+activations are quantized per row and per group of columns, and tiles of 8 weight rows meet up to 8 activation
+rows in registers, so a batch reads each weight once.
+
+It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c` once per machine with the C
+compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native -fopenmp), caches the library under
+~/.cache/truecluster/kernels keyed by the source, the compiler and the CPU, loads it with ctypes, and checks it
+against the reference on small matrices. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or
+another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual
+name, which PyTorch has already loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0 turns
+the whole path off.
+
+What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
+columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
+dequantized W.T`, to float rounding. Blocks of 32 rather than the weights' groups of 128 because hidden states
+have outlier channels, which coarsen every other value of their block: on the demo model (bench/perplexity.py)
+blocks of 128 cost int8 weights +0.45% perplexity against PyTorch's kernel's +0.02%.
+
+Layouts (same bytes as quant.py's portable ones, so quantized_nbytes still holds): int4 codes as
+[N/8, K/8, 8, 4] bytes, byte (t, kb, r, b) holding column 8kb+b of row 8t+r in its low nibble and column
+8kb+4+b in its high one, with scales and zeros as [N/8, groups, 8]; int8 codes as [N/8, K/4, 8, 4].
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .probe import one_thread, race
+
+log = logging.getLogger(__name__)
+
+ABI = 2  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+TILE_ROWS = 8  # weight rows per tile: out_features must be a multiple
+ACTIVATION_GROUP = 32  # qdot.c's XGROUP: activations are quantized per this many columns
+MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native path is preferred
+_SLAB_BYTES = 1 << 20  # weight bytes re-laid out at a time
+
+_VOID_P, _INT = ctypes.c_void_p, ctypes.c_int
+
+
+def shape_ok_int4(out_features: int, padded_in: int, group_size: int) -> bool:
+    return out_features % TILE_ROWS == 0 and group_size % ACTIVATION_GROUP == 0 and padded_in % group_size == 0
+
+
+def shape_ok_int8(out_features: int, in_features: int) -> bool:
+    return out_features % TILE_ROWS == 0 and in_features % ACTIVATION_GROUP == 0
+
+
+class Kernels:
+    """The loaded library: products on tensors in the layouts above."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._int4 = lib.tc_int4_linear
+        self._int4.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _VOID_P, _INT, _INT]
+        self._int4.restype = _INT
+        self._int8 = lib.tc_int8_linear
+        self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT]
+        self._int8.restype = _INT
+        self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
+        if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
+            raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
+                               f"expected {ACTIVATION_GROUP}")
+
+    def int4_linear(self, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+        """x2 [M, K] (bfloat16 stays bfloat16, anything else computes and returns float32) @ W^T -> [M, N]."""
+        x2, bf16 = _activations(x2)
+        m, k = x2.shape
+        n = packed.shape[0] * TILE_ROWS
+        y = torch.empty(m, n, dtype=x2.dtype)
+        if self._int4(x2.data_ptr(), bf16, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
+                      group_size, y.data_ptr(), bf16, torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
+        return y
+
+    def int8_linear(self, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] @ W^T for W int8 in the tiled layout with a float32 scale per row -> [M, N]."""
+        x2, bf16 = _activations(x2)
+        m, k = x2.shape
+        n = scale.shape[0]
+        y = torch.empty(m, n, dtype=x2.dtype)
+        if self._int8(x2.data_ptr(), bf16, m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), bf16,
+                      torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
+        return y
+
+
+def _activations(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if x2.dtype != torch.bfloat16 and x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2.contiguous(), int(x2.dtype == torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+
+def tile_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Portable int4 buffers (quant.Int4Weight: packed [N, K/2], scales and zeros [N, groups]) -> the tiled layout.
+
+    The codes are re-laid out where they lie, a slab of rows at a time (a slab of whole tiles takes the same bytes
+    in both layouts), so `packed` is the result and must not be read as portable codes after."""
+    rows, half_k = packed.shape
+    k = 2 * half_k
+    step = max(TILE_ROWS, _SLAB_BYTES // half_k // TILE_ROWS * TILE_ROWS)
+    for r0 in range(0, rows, step):
+        slab = packed[r0:r0 + step]
+        n = slab.shape[0]
+        low, high = slab & 0x0F, slab >> 4  # [n, K/2]: even and odd columns
+        codes = torch.stack([low, high], dim=-1).view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)  # (col 8kb+4h+b)
+        tiled = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [n/8, 8, K/8, 4]
+        slab.view(-1).copy_(tiled.permute(0, 2, 1, 3).reshape(-1))
+    groups = scales.shape[1]
+    return (packed.view(rows // TILE_ROWS, k // 8, TILE_ROWS, 4), _tile_rows(scales, groups),
+            _tile_rows(zeros, groups))
+
+
+def _tile_rows(params: torch.Tensor, groups: int) -> torch.Tensor:
+    return params.view(-1, TILE_ROWS, groups).transpose(1, 2).contiguous()  # [N/8, groups, 8]
+
+
+def tile_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> the tiled layout, in place (see tile_int4)."""
+    rows, k = qweight.shape
+    step = max(TILE_ROWS, _SLAB_BYTES // k // TILE_ROWS * TILE_ROWS)
+    for r0 in range(0, rows, step):
+        slab = qweight[r0:r0 + step]
+        n = slab.shape[0]
+        slab.view(-1).copy_(slab.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(-1))
+    return qweight.view(rows // TILE_ROWS, k // 4, TILE_ROWS, 4)
+
+
+def untile_int8(tiled: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) (multiples of 8, or the end) of a tiled int8 weight as plain [r1 - r0, K] codes (a copy)."""
+    t0, t1 = r0 // TILE_ROWS, -(-r1 // TILE_ROWS)
+    part = tiled[t0:t1]  # [tiles, K/4, 8, 4]
+    return part.permute(0, 2, 1, 3).reshape((t1 - t0) * TILE_ROWS, -1)
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def quantize_activations(x2: torch.Tensor, group: int = ACTIVATION_GROUP) -> torch.Tensor:
+    """x2 [M, K] as the kernels see it: quantized to int8 per row and `group` columns, and back, in float32."""
+    x = x2.float()
+    g = x.view(x.shape[0], -1, group)  # [M, groups, group]
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # as qdot.c computes it, in float32
+    return (torch.round(g * inverse) * (amax / 127)).view_as(x)
+
+
+# ------------------------------------------------------------------------------------------------- building
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_key() -> str:
+    """The CPU's model and flags: -march=native code built on one CPU may not run on another."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _build(source: bytes, compiler: str) -> Path:
+    """The compiled library for `source`, from the cache or built into it (atomically: several processes may
+    start at once). Raises RuntimeError with the compiler's first error line if it fails."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_key().encode()]))
+    path = CACHE_DIR / f"qdot-{key.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        src, out = Path(tmp) / "qdot.c", Path(tmp) / "qdot.so"
+        src.write_bytes(source)
+        done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+            raise RuntimeError(f"{compiler} failed: {first}")
+        os.replace(out, path)
+    return path
+
+
+def _check(kernels: Kernels) -> float:
+    """The worst relative error of the library against the references over a few shapes, groups and row counts."""
+    from . import quant  # quant imports this module
+
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for rows, cols, group in ((16, 256, 64), (24, 384, 128)):
+        w = torch.randn(rows, cols, generator=gen)
+        q4 = quant.quantize_int4(w, group)
+        q8 = quant.quantize_int8(w)
+        packed, scales, zeros = tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+        qweight = tile_int8(q8.qweight.clone())
+        for m in (1, 5, 11):  # one pass, remainders
+            x = torch.randn(m, cols, generator=gen)
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                ref4 = quantize_activations(xd) @ quant.dequantize_int4(q4).T
+                ref8 = quantize_activations(xd) @ quant.dequantize_int8(q8).T
+                got4 = kernels.int4_linear(xd, packed, scales, zeros, group).float()
+                got8 = kernels.int8_linear(xd, qweight, q8.scale).float()
+                # bf16 outputs round to 2^-9; float32 ones agree to float summation order
+                for got, ref in ((got4, ref4), (got8, ref8)):
+                    worst = max(worst, float((got - ref).norm() / ref.norm()))
+    return worst
+
+
+@functools.lru_cache(maxsize=None)
+def kernels() -> Kernels | None:
+    """The native kernels of this machine, built and checked once per process, or None (logged once) where they
+    cannot be: turned off, not x86-64, no C compiler, a failed build, or a result that disagrees."""
+    if os.environ.get("TC_NATIVE_KERNELS", "1") == "0":
+        log.info("native int4/int8 kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("native int4/int8 kernels: none for %s; using PyTorch's", platform.machine())
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("native int4/int8 kernels: no C compiler found (set CC, or install gcc); using PyTorch's")
+        return None
+    try:
+        source = resources.files(__package__).joinpath("qdot.c").read_bytes()
+        path = _build(source, compiler)
+        lib = ctypes.CDLL(str(path))
+        if lib.tc_qdot_abi() != ABI:
+            raise RuntimeError(f"{path} has ABI {lib.tc_qdot_abi()}, expected {ABI}")
+        loaded = Kernels(lib, path)
+        err = _check(loaded)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        log.info("native int4/int8 kernels: unavailable (%s); using PyTorch's", exc)
+        return None
+    if err > 1e-2:
+        log.warning("native int4/int8 kernels: disagree with the reference (relative error %.1e); using PyTorch's",
+                    err)
+        return None
+    log.info("native int4/int8 kernels: built (%s, %d rows per pass, relative error %.1e)", path.name,
+             loaded.rows_per_pass, err)
+    return loaded
+
+
+# -------------------------------------------------------------------------------------------------- probes
+
+
+@functools.lru_cache(maxsize=None)
+def faster_than_torch(mode: str) -> bool:
+    """Whether the native `mode` ("int4" or "int8") product beats PyTorch's packed kernel on this CPU by MIN_GAIN,
+    timed once per process on one thread for one decode row and for 8 rows (a batch) on a 4096 x 1024 weight.
+    Where PyTorch has no kernel for the mode, the native one is taken."""
+    from . import quant
+
+    native = kernels()
+    if native is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 1024, generator=gen)
+    if mode == "int4":
+        torch_kernel = quant.int4_kernel_available("cpu")
+        q4 = quant.quantize_int4(w, quant.DEFAULT_GROUP_SIZE)
+        packed, scales, zeros = tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+        ours = lambda x: native.int4_linear(x, packed, scales, zeros, q4.group_size)  # noqa: E731
+        if torch_kernel is None:
+            return True
+        try:
+            kpacked = torch_kernel.pack(q4.packed)
+        except RuntimeError:  # PyTorch's packer refuses what its probe took: nothing to compare with
+            return True
+        sz = quant._scales_and_zeros(q4.scales, q4.zeros)
+        theirs = lambda x: torch_kernel.mm(x, kpacked, q4.group_size, sz)  # noqa: E731
+    else:
+        if not quant.int8_kernel_available("cpu"):
+            return True
+        q8 = quant.quantize_int8(w)
+        qweight = tile_int8(q8.qweight.clone())
+        ours = lambda x: native.int8_linear(x, qweight, q8.scale)  # noqa: E731
+        theirs = lambda x: quant._int8_kernel(x, q8.qweight, q8.scale)  # noqa: E731
+    times = []
+    for rows in (1, 8):
+        x = torch.randn(rows, 1024, generator=gen).bfloat16()
+        with one_thread():
+            times.append(race([lambda: ours(x), lambda: theirs(x)], 5))
+    gain = min(theirs_s / ours_s for ours_s, theirs_s in times)
+    log.info("native %s kernel: %.0f / %.0f us for 1 / 8 rows, PyTorch's %.0f / %.0f us: %s", mode,
+             times[0][0] * 1e6, times[1][0] * 1e6, times[0][1] * 1e6, times[1][1] * 1e6,
+             "native" if gain >= MIN_GAIN else "PyTorch's")
+    return gain >= MIN_GAIN
+
+
+@functools.lru_cache(maxsize=None)
+def dense_prefill_is_faster(rows: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a prefill-sized int8 product (quant.DENSE_PREFILL_PROBE_ROWS activation rows in `dtype`) runs
+    quant.DENSE_PREFILL_MIN_GAIN times faster by converting the codes and multiplying densely than natively
+    (timed once per shape on one thread, as quant.int8_dense_prefill_is_faster does for PyTorch's kernel)."""
+    from . import quant
+
+    native = kernels()
+    if native is None or not shape_ok_int8(rows, in_features):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-quant.INT8_MAX, quant.INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen)
+    scale = torch.rand(rows, generator=gen) / quant.INT8_MAX
+    qweight = tile_int8(codes)
+    x = torch.randn(quant.DENSE_PREFILL_PROBE_ROWS, in_features, generator=gen).to(dtype)
+    with one_thread():
+        native_s, dense_s = race([lambda: native.int8_linear(x, qweight, scale),
+                                  lambda: quant._int8_dense(x, qweight, scale, untile_int8)], 3)
+    faster = native_s >= quant.DENSE_PREFILL_MIN_GAIN * dense_s
+    log.info("int8 [%d, %d] x %d rows of %s: native %.0f us, codes converted + dense product %.0f us: %s", rows,
+             in_features, quant.DENSE_PREFILL_PROBE_ROWS, dtype, native_s * 1e6, dense_s * 1e6,
+             "dense" if faster else "native")
+    return faster

@@ -1,0 +1,247 @@
+/* Weight-only quantized products for x86-64 CPUs: int4 and int8 weights times activations quantized to int8.
+
+   Built at run time by tc/model/native.py with the machine's C compiler (-O3 -march=native -fopenmp) and loaded
+   with ctypes; see that module for why and for what it is checked against.
+
+   Both products work on tiles of 8 weight rows laid out so that one 32-byte vector holds 4 consecutive columns
+   of each of the 8 rows: a u8 x s8 dot-product instruction (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd) then
+   adds 4 products into each of 8 int32 lanes, one lane per weight row, against the same 4 activation codes
+   broadcast to every lane. Nothing is ever summed across lanes, and every weight vector loaded serves up to MR
+   activation rows at once, which is what makes a batch of rows cost little more than one.
+
+   Activations are quantized per row and per XGROUP columns: xq = round(x / xs), xs = max|x| / 127 over the
+   block (small blocks, as llama.cpp's Q8_0: a large activation in one channel coarsens only its own block). The result is then exactly (up to float summation order) the product of the dequantized
+   activations with the dequantized weights, which is the reference the Python side checks against. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "these kernels need AVX2 and FMA"
+#endif
+
+#define TC_QDOT_ABI 2
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#if defined(__AVX512VL__)
+#define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
+#else
+#define MR 4 /* ... 16 registers */
+#endif
+#define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
+#define XGROUP 32 /* activation columns per quantization block */
+
+int tc_qdot_abi(void) { return TC_QDOT_ABI; }
+
+int tc_qdot_rows_per_pass(void) { return MR; }
+
+int tc_qdot_activation_group(void) { return XGROUP; }
+
+ALWAYS_INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    /* pairs of u8 x s8 products fit int16 here: int4 codes are < 16, and dot_s8s8 keeps |u| <= 127 */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define S8_OFFSET 128 /* dot_s8s8 adds 128 * sum(x): its unsigned operand is w + 128 */
+ALWAYS_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
+    return dot_u8s8(acc, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+}
+#else
+#define S8_OFFSET 0
+ALWAYS_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
+    return dot_u8s8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+#endif
+
+ALWAYS_INLINE __m256 bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+ALWAYS_INLINE __m256 load8(const void* x, int bf16, size_t i) {
+    return bf16 ? bf16x8((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i);
+}
+
+ALWAYS_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
+    if (!bf16) {
+        _mm256_storeu_ps((float*)y + i, v);
+        return;
+    }
+    /* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128((__m128i*)((uint16_t*)y + i), packed);
+}
+
+ALWAYS_INLINE __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Row m of x -> its codes and, per XGROUP columns, xs (scale) and xqsum (sum of codes). */
+static void quantize_row(const void* x, int bf16, int m, int K, int8_t* xq, float* xs, int32_t* xqsum) {
+    int B = K / XGROUP;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < B; b++) {
+        size_t at = (size_t)m * K + (size_t)b * XGROUP;
+        __m256 v[XGROUP / 8], vmax = _mm256_setzero_ps();
+        for (int i = 0; i < XGROUP / 8; i++) {
+            v[i] = load8(x, bf16, at + 8 * i);
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i sum = _mm256_setzero_si256();
+        int32_t lanes[XGROUP];
+        for (int i = 0; i < XGROUP / 8; i++) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)); /* rounds to nearest even */
+            sum = _mm256_add_epi32(sum, q);
+            _mm256_storeu_si256((__m256i*)(lanes + 8 * i), q);
+        }
+        for (int l = 0; l < XGROUP; l++) xq[at + l] = (int8_t)lanes[l];
+        _mm256_storeu_si256((__m256i*)lanes, sum);
+        int32_t total = 0;
+        for (int l = 0; l < 8; l++) total += lanes[l];
+        xs[m * B + b] = amax / 127.f;
+        xqsum[m * B + b] = total;
+    }
+}
+
+/* int4 tile t = weight rows 8t..8t+7: packed bytes [N/8, K/8, 8, 4], byte (t, kb, r, b) holding the code of
+   W[8t+r, 8kb+b] in its low nibble and of W[8t+r, 8kb+4+b] in its high one (w = (c - 8) * scale + zero);
+   scales and zeros bf16 [N/8, K/group, 8]. Activation rows m0..m0+mr-1, mr <= MR. */
+ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+                             const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int G, int group,
+                             int t, int m0, int N, void* y, int y_bf16) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const uint8_t* wt = packed + (size_t)t * 4 * K;
+    const int B = K / XGROUP, BPG = group / XGROUP;
+    __m256 acc[MR];
+    for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256 s = bf16x8(scales + ((size_t)t * G + g) * 8);
+        __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + ((size_t)t * G + g) * 8));
+        float xsum[MR] = {0}; /* sum of the dequantized activations over the group, for the zero points */
+        for (int b = g * BPG; b < (g + 1) * BPG; b++) {
+            __m256i lo_acc[MR], hi_acc[MR]; /* two independent chains per row keep the dot-product unit busy */
+            for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
+            for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
+                __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                for (int j = 0; j < mr; j++) {
+                    const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
+                    lo_acc[j] = dot_u8s8(lo_acc[j], lo, bcast4(xp));
+                    hi_acc[j] = dot_u8s8(hi_acc[j], hi, bcast4(xp + 4));
+                }
+            }
+            for (int j = 0; j < mr; j++) {
+                float scale = xs[(m0 + j) * B + b];
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo_acc[j], hi_acc[j]));
+                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(scale)), acc[j]);
+                xsum[j] += scale * (float)xqsum[(m0 + j) * B + b];
+            }
+        }
+        for (int j = 0; j < mr; j++) acc[j] = _mm256_fmadd_ps(zc, _mm256_set1_ps(xsum[j]), acc[j]);
+    }
+    for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, acc[j]);
+}
+
+/* int8 tile t: qweight bytes [N/8, K/4, 8, 4], byte (t, kb, r, b) = W[8t+r, 4kb+b]; a float scale per row. */
+ALWAYS_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+                             const int8_t* qweight, const float* wscale, int t, int m0, int N, void* y, int y_bf16) {
+    const int8_t* wt = qweight + (size_t)t * 8 * K;
+    const int B = K / XGROUP;
+    __m256 acc[MR];
+    for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < B; b++) {
+        __m256i iacc[MR];
+        for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
+        for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+            for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
+        }
+        for (int j = 0; j < mr; j++) {
+            int mb = (m0 + j) * B + b;
+            __m256i dot = _mm256_sub_epi32(iacc[j], _mm256_set1_epi32(S8_OFFSET * xqsum[mb]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[mb]), acc[j]);
+        }
+    }
+    __m256 ws = _mm256_loadu_ps(wscale + (size_t)t * 8);
+    for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, _mm256_mul_ps(acc[j], ws));
+}
+
+/* Scratch for the activation codes, one per calling thread, grown as needed and kept. */
+static __thread void* scratch;
+static __thread size_t scratch_bytes;
+
+static void* scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+/* Quantize x's rows, then run CALL(r) on every tile and every group of r <= MR rows, in one parallel region. */
+#define PRODUCT(CALL)                                                                                         \
+    size_t codes = ((size_t)M * K + 63) / 64 * 64, blocks = (size_t)M * (K / XGROUP);                        \
+    int8_t* xq = (int8_t*)scratch_for(codes + blocks * 8);                                                    \
+    if (!xq) return -1;                                                                                       \
+    float* xs = (float*)(xq + codes);                                                                         \
+    int32_t* xqsum = (int32_t*)(xs + blocks);                                                                 \
+    _Pragma("omp parallel num_threads(nthreads)") {                                                           \
+        _Pragma("omp for schedule(static)") for (int m = 0; m < M; m++)                                       \
+            quantize_row(x, x_bf16, m, K, xq, xs, xqsum);                                                     \
+        for (int mb = 0; mb < M; mb += MB) {                                                                  \
+            int m1 = mb + MB < M ? mb + MB : M;                                                               \
+            _Pragma("omp for schedule(static) nowait") for (int t = 0; t < N / 8; t++) {                      \
+                int m0 = mb;                                                                                  \
+                for (; m0 + MR <= m1; m0 += MR) CALL(MR);                                                     \
+                switch (m1 - m0) {                                                                            \
+                    REMAINDERS(CALL)                                                                          \
+                    case 3: CALL(3); break;                                                                   \
+                    case 2: CALL(2); break;                                                                   \
+                    case 1: CALL(1); break;                                                                   \
+                    default: break;                                                                           \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    return 0;
+
+#if MR == 8
+#define REMAINDERS(CALL) case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; case 4: CALL(4); break;
+#else
+#define REMAINDERS(CALL)
+#endif
+
+/* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
+   N a multiple of 8, group a multiple of XGROUP dividing K. Returns 0, or -1 if scratch memory ran out. */
+int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
+                   const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads) {
+    int G = K / group;
+#define INT4_CALL(R) int4_tile(R, xq, xs, xqsum, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16)
+    PRODUCT(INT4_CALL)
+}
+
+/* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP. Returns 0, or -1 if
+   scratch memory ran out. */
+int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
+                   void* y, int y_bf16, int nthreads) {
+#define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16)
+    PRODUCT(INT8_CALL)
+}

@@ -1,0 +1,184 @@
+"""The run-time-built int4/int8 kernels: exact against their reference, their layouts, their fallbacks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tc.model import native, quant
+from tc.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantized_nbytes
+
+KERNELS = native.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no native kernels on this machine (see the log)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen) * 0.02 + 0.001 * torch.arange(cols) / cols  # not centred
+
+
+def activations(rows: int, cols: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(rows, cols, generator=gen)
+    x[:, 3] *= 40  # an outlier channel, as real hidden states have
+    if rows > 1:
+        x[1, :] = 0  # a row of zeros: its scale is zero
+    return x.to(dtype)
+
+
+def relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 65, 130])  # one pass, remainders, past an activation block
+@pytest.mark.parametrize("group", [32, 64, 128, 384])
+def test_int4_equals_its_reference(rows, group):
+    w = weights(48, 384, rows)
+    q = quantize_int4(w, group)
+    packed, scales, zeros = native.tile_int4(q.packed.clone(), q.scales, q.zeros)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(rows, 384, rows, dtype)
+        ref = native.quantize_activations(x).double() @ quant.dequantize_int4(q).double().T
+        got = KERNELS.int4_linear(x, packed, scales, zeros, group)
+        assert got.dtype == dtype and got.shape == (rows, 48)
+        # float32: float summation order only; bfloat16: one rounding of the output (2^-9 relative)
+        assert relative(got, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
+        # against unquantized activations: int8 rounding, coarser in the block of the 40x outlier channel
+        exact = x.double() @ quant.dequantize_int4(q).double().T
+        assert relative(got, exact) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 70])
+@pytest.mark.parametrize("cols", [384, 160, 896])
+def test_int8_equals_its_reference(rows, cols):
+    w = weights(40, cols, cols)
+    q = quantize_int8(w)
+    qweight = native.tile_int8(q.qweight.clone())
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(rows, cols, rows, dtype)
+        ref = native.quantize_activations(x).double() @ quant.dequantize_int8(q).double().T
+        got = KERNELS.int8_linear(x, qweight, q.scale)
+        assert relative(got, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_shapes_the_kernels_take():
+    assert native.shape_ok_int4(64, 256, 128) and native.shape_ok_int4(8, 96, 32)
+    assert not native.shape_ok_int4(60, 256, 128)  # rows come in tiles of 8
+    assert not native.shape_ok_int4(64, 96, 48)  # groups hold whole activation blocks of 32
+    assert native.shape_ok_int8(8, 96) and not native.shape_ok_int8(8, 100) and not native.shape_ok_int8(12, 96)
+
+
+def test_layouts_keep_every_code_and_take_the_same_bytes():
+    w = weights(24, 256, 0)
+    q4 = quantize_int4(w, 64)
+    packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+    assert packed.numel() == q4.packed.numel() and scales.numel() == q4.scales.numel()
+    codes = quant.unpack_int4(q4.packed)  # [24, 256]
+    tiled = packed.view(3, 256 // 8, 8, 4)  # (tile, column block, row, byte)
+    for row, col in ((0, 0), (5, 4), (9, 130), (23, 255)):
+        byte = int(tiled[row // 8, col // 8, row % 8, col % 4])
+        assert (byte >> 4 if col % 8 >= 4 else byte & 0x0F) == int(codes[row, col])
+    assert torch.equal(scales[1, 2], q4.scales[8:16, 2])
+    q8 = quantize_int8(w)
+    tiled8 = native.tile_int8(q8.qweight.clone())
+    assert torch.equal(native.untile_int8(tiled8, 0, 24), q8.qweight)
+    assert torch.equal(native.untile_int8(tiled8, 8, 16), q8.qweight[8:16])
+
+
+def test_tiling_works_in_place_a_slab_at_a_time(monkeypatch):
+    monkeypatch.setattr(native, "_SLAB_BYTES", 128 * 40)  # slabs of 40 rows of 128 bytes, the last one partial
+    w = weights(96, 256, 1)
+    in_slabs = native.tile_int4(quantize_int4(w, 64).packed.clone(), *(quantize_int4(w, 64).scales,) * 2)[0]
+    monkeypatch.setattr(native, "_SLAB_BYTES", 1 << 20)
+    given = quantize_int4(w, 64).packed
+    at = given.data_ptr()
+    at_once = native.tile_int4(given, *(quantize_int4(w, 64).scales,) * 2)[0]
+    assert at_once.data_ptr() == at and torch.equal(at_once, in_slabs)
+
+
+@needs_kernels
+def test_layers_take_the_native_path_where_it_wins_and_keep_their_sizes():
+    lin = torch.nn.Linear(384, 64, bias=True).bfloat16()
+    for mode, layer in (("int4", Int4Linear.from_linear(lin, 128)), ("int8", Int8Linear.from_linear(lin))):
+        if not native.faster_than_torch(mode):
+            pytest.skip(f"PyTorch's {mode} kernel is as fast here")
+        assert layer.path == "native" and not layer.uses_kernel
+        held = sum(b.numel() * b.element_size() for name, b in layer.named_buffers() if name != "bias")
+        assert held == quantized_nbytes((64, 384), mode, 128)
+        x = torch.randn(5, 384).bfloat16()
+        w = quant.dequantize_int4(quantize_int4(lin.weight.detach(), 128)) if mode == "int4" else \
+            quant.dequantize_int8(quantize_int8(lin.weight.detach()))
+        ref = x.float() @ w.T + lin.bias.detach().float()
+        assert layer(x).dtype == torch.bfloat16 and relative(layer(x), ref) < 2e-2
+        with pytest.raises(quant.QuantizationError, match="quantize it there"):
+            layer.to("meta")
+
+
+@needs_kernels
+def test_int8_prefill_rows_take_the_path_the_probe_chose():
+    lin = torch.nn.Linear(256, 64, bias=False).bfloat16()
+    dense = Int8Linear.from_linear(lin, dense_prefill=True)
+    natively = Int8Linear.from_linear(lin, dense_prefill=False)
+    if dense.path != "native":
+        pytest.skip("PyTorch's int8 kernel is as fast here")
+    x = torch.randn(quant.PREFILL_MIN_ROWS, 256).bfloat16()
+    assert dense.dense_prefill_dtype == torch.bfloat16 and natively.dense_prefill_dtype is None
+    ref = x.float() @ quant.dequantize_int8(quantize_int8(lin.weight.detach())).T
+    assert relative(dense(x), ref) < 1e-2 and relative(natively(x), ref) < 2e-2
+    assert not torch.equal(dense(x), natively(x))  # two different paths, both right
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+PROBE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from tc.model import native, quant
+layer = quant.Int4Linear.from_linear(torch.nn.Linear(256, 64), 64)
+print("kernels:", native.kernels() is not None, "path:", layer.path, "finite:", bool(layer(torch.randn(2, 256)).isfinite().all()))
+"""
+
+
+def test_turned_off_the_layers_run_on_pytorchs_kernels():
+    done = run_python(PROBE, TC_NATIVE_KERNELS="0")
+    assert done.returncode == 0, done.stderr
+    assert "off (TC_NATIVE_KERNELS=0)" in done.stdout
+    assert "kernels: False" in done.stdout and "path: native" not in done.stdout and "finite: True" in done.stdout
+
+
+def test_without_a_compiler_the_layers_run_on_pytorchs_kernels(tmp_path):
+    # HOME elsewhere: no cached library to find; PATH without any compiler; CC one that does not exist
+    done = run_python(PROBE, HOME=str(tmp_path), PATH=os.path.dirname(sys.executable), CC="no-such-cc")
+    assert done.returncode == 0, done.stderr
+    assert "no C compiler found" in done.stdout and "kernels: False" in done.stdout and "finite: True" in done.stdout
+
+
+@needs_kernels
+def test_a_failed_build_says_why_and_falls_back(tmp_path):
+    fails = tmp_path / "cc"
+    fails.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\necho 'qdot.c:1: error: broken' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    done = run_python(PROBE, HOME=str(tmp_path), CC=str(fails))
+    assert done.returncode == 0, done.stderr
+    assert "unavailable" in done.stdout and "error: broken" in done.stdout and "kernels: False" in done.stdout
+
+
+@needs_kernels
+def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
+    first = run_python(PROBE, HOME=str(tmp_path))
+    built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("qdot-*.so"))
+    assert first.returncode == 0 and "kernels: True" in first.stdout and len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second = run_python(PROBE, HOME=str(tmp_path))
+    assert second.returncode == 0 and "kernels: True" in second.stdout
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert not [p for p in built[0].parent.iterdir() if p.is_dir()]  # no build directory left behind
