@@ -67,6 +67,14 @@ def test_int8_equals_its_reference(rows, cols):
         assert relative(got, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
 
 
+@needs_kernels
+def test_the_avx2_build_without_vnni_agrees_too():
+    # the code path of CPUs with AVX2 but neither VNNI nor AVX-512 (vpmaddubsw, 4 rows per pass), built here
+    avx2 = native.load(native._compiler(), "haswell")
+    assert avx2.rows_per_pass == 4
+    assert native.check(avx2) < 1e-2
+
+
 def test_shapes_the_kernels_take():
     assert native.shape_ok_int4(64, 256, 128) and native.shape_ok_int4(8, 96, 32)
     assert not native.shape_ok_int4(60, 256, 128)  # rows come in tiles of 8

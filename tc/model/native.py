@@ -48,9 +48,9 @@ from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
-ABI = 2  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
 TILE_ROWS = 8  # weight rows per tile: out_features must be a multiple
 ACTIVATION_GROUP = 32  # qdot.c's XGROUP: activations are quantized per this many columns
@@ -192,11 +192,12 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
-def _build(source: bytes, compiler: str) -> Path:
+def _build(source: bytes, compiler: str, march: str = "native") -> Path:
     """The compiled library for `source`, from the cache or built into it (atomically: several processes may
     start at once). Raises RuntimeError with the compiler's first error line if it fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_key().encode()]))
+    flags = (*FLAGS, f"-march={march}")
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
     path = CACHE_DIR / f"qdot-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
@@ -204,7 +205,7 @@ def _build(source: bytes, compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
         src, out = Path(tmp) / "qdot.c", Path(tmp) / "qdot.so"
         src.write_bytes(source)
-        done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", str(out), str(src)], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
@@ -213,7 +214,7 @@ def _build(source: bytes, compiler: str) -> Path:
     return path
 
 
-def _check(kernels: Kernels) -> float:
+def check(kernels: Kernels) -> float:
     """The worst relative error of the library against the references over a few shapes, groups and row counts."""
     from . import quant  # quant imports this module
 
@@ -239,6 +240,17 @@ def _check(kernels: Kernels) -> float:
     return worst
 
 
+def load(compiler: str, march: str = "native") -> Kernels:
+    """qdot.c built for `march` by `compiler` (or found in the cache) and loaded; unchecked. Raises OSError or
+    RuntimeError where that fails."""
+    source = resources.files(__package__).joinpath("qdot.c").read_bytes()
+    path = _build(source, compiler, march)
+    lib = ctypes.CDLL(str(path))
+    if lib.tc_qdot_abi() != ABI:
+        raise RuntimeError(f"{path} has ABI {lib.tc_qdot_abi()}, expected {ABI}")
+    return Kernels(lib, path)
+
+
 @functools.lru_cache(maxsize=None)
 def kernels() -> Kernels | None:
     """The native kernels of this machine, built and checked once per process, or None (logged once) where they
@@ -254,13 +266,8 @@ def kernels() -> Kernels | None:
         log.info("native int4/int8 kernels: no C compiler found (set CC, or install gcc); using PyTorch's")
         return None
     try:
-        source = resources.files(__package__).joinpath("qdot.c").read_bytes()
-        path = _build(source, compiler)
-        lib = ctypes.CDLL(str(path))
-        if lib.tc_qdot_abi() != ABI:
-            raise RuntimeError(f"{path} has ABI {lib.tc_qdot_abi()}, expected {ABI}")
-        loaded = Kernels(lib, path)
-        err = _check(loaded)
+        loaded = load(compiler)
+        err = check(loaded)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         log.info("native int4/int8 kernels: unavailable (%s); using PyTorch's", exc)
         return None
@@ -268,7 +275,7 @@ def kernels() -> Kernels | None:
         log.warning("native int4/int8 kernels: disagree with the reference (relative error %.1e); using PyTorch's",
                     err)
         return None
-    log.info("native int4/int8 kernels: built (%s, %d rows per pass, relative error %.1e)", path.name,
+    log.info("native int4/int8 kernels: built (%s, %d rows per pass, relative error %.1e)", loaded.path.name,
              loaded.rows_per_pass, err)
     return loaded
 

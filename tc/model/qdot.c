@@ -22,7 +22,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 2
+#define TC_QDOT_ABI 3
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
@@ -136,7 +136,10 @@ ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, co
         __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + ((size_t)t * G + g) * 8));
         float xsum[MR] = {0}; /* sum of the dequantized activations over the group, for the zero points */
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
-            __m256i lo_acc[MR], hi_acc[MR]; /* two independent chains per row keep the dot-product unit busy */
+            /* a few rows get two independent chains each (low and high nibbles) to keep the dot-product unit
+               busy; many rows have chains enough, and their registers are needed for the accumulators */
+            const int split = mr <= 4;
+            __m256i lo_acc[MR], hi_acc[MR];
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
@@ -144,12 +147,15 @@ ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, co
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
                     lo_acc[j] = dot_u8s8(lo_acc[j], lo, bcast4(xp));
-                    hi_acc[j] = dot_u8s8(hi_acc[j], hi, bcast4(xp + 4));
+                    if (split)
+                        hi_acc[j] = dot_u8s8(hi_acc[j], hi, bcast4(xp + 4));
+                    else
+                        lo_acc[j] = dot_u8s8(lo_acc[j], hi, bcast4(xp + 4));
                 }
             }
             for (int j = 0; j < mr; j++) {
                 float scale = xs[(m0 + j) * B + b];
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo_acc[j], hi_acc[j]));
+                __m256 dot = _mm256_cvtepi32_ps(split ? _mm256_add_epi32(lo_acc[j], hi_acc[j]) : lo_acc[j]);
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(scale)), acc[j]);
                 xsum[j] += scale * (float)xqsum[(m0 + j) * B + b];
             }
@@ -245,3 +251,4 @@ int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweigh
 #define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16)
     PRODUCT(INT8_CALL)
 }
+
