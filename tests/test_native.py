@@ -143,8 +143,9 @@ def test_int8_prefill_rows_take_the_path_the_probe_chose():
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}  # what this run was told: not the child
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+                          env={**base, **env})
 
 
 PROBE = """
@@ -152,7 +153,8 @@ import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 from tc.model import native, quant
 layer = quant.Int4Linear.from_linear(torch.nn.Linear(256, 64), 64)
-print("kernels:", native.kernels() is not None, "path:", layer.path, "finite:", bool(layer(torch.randn(2, 256)).isfinite().all()))
+finite = bool(layer(torch.randn(2, 256)).isfinite().all())
+print("kernels:", native.kernels() is not None, "path:", layer.path, "finite:", finite)
 """
 
 
@@ -164,8 +166,9 @@ def test_turned_off_the_layers_run_on_pytorchs_kernels():
 
 
 def test_without_a_compiler_the_layers_run_on_pytorchs_kernels(tmp_path):
-    # HOME elsewhere: no cached library to find; PATH without any compiler; CC one that does not exist
-    done = run_python(PROBE, HOME=str(tmp_path), PATH=os.path.dirname(sys.executable), CC="no-such-cc")
+    # HOME elsewhere: no cached library to find; PATH an empty directory; CC one that does not exist
+    (tmp_path / "bin").mkdir()
+    done = run_python(PROBE, HOME=str(tmp_path), PATH=str(tmp_path / "bin"), CC="no-such-cc")
     assert done.returncode == 0, done.stderr
     assert "no C compiler found" in done.stdout and "kernels: False" in done.stdout and "finite: True" in done.stdout
 
@@ -173,7 +176,8 @@ def test_without_a_compiler_the_layers_run_on_pytorchs_kernels(tmp_path):
 @needs_kernels
 def test_a_failed_build_says_why_and_falls_back(tmp_path):
     fails = tmp_path / "cc"
-    fails.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\necho 'qdot.c:1: error: broken' >&2\nexit 1\n")
+    fails.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\n"
+                     "echo 'qdot.c:1: error: broken' >&2\nexit 1\n")
     fails.chmod(0o755)
     done = run_python(PROBE, HOME=str(tmp_path), CC=str(fails))
     assert done.returncode == 0, done.stderr

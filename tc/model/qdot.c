@@ -10,8 +10,9 @@
    activation rows at once, which is what makes a batch of rows cost little more than one.
 
    Activations are quantized per row and per XGROUP columns: xq = round(x / xs), xs = max|x| / 127 over the
-   block (small blocks, as llama.cpp's Q8_0: a large activation in one channel coarsens only its own block). The result is then exactly (up to float summation order) the product of the dequantized
-   activations with the dequantized weights, which is the reference the Python side checks against. */
+   block (small blocks, as llama.cpp's Q8_0: a large activation in one channel coarsens only its own block).
+   The result is then exactly (up to float summation order) the product of the dequantized activations with the
+   dequantized weights, which is the reference the Python side checks against. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
