@@ -3,9 +3,10 @@
 For each shape [out, in] and each input x of [1, 1, in] (decode), [1, 8, in] (batch8: a decode step of eight
 sequences, --modes decode,batch8) and [1, 128, in] (prefill), prints microseconds
 per call for bf16 nn.Linear, bf16 in oneDNN's blocked layout (dense.PackedLinear), fp32 nn.Linear, Int8Linear
-and Int4Linear on their portable and packed-kernel paths, and Int8Linear as it chooses by itself (the kernel, or
-for prefill the codes converted for a dense product; quant.int8_dense_prefill_is_faster), activations in bf16 for
-the quantized modules, and each one's speed-up over bf16 nn.Linear (>1 is faster).
+and Int4Linear on their portable and PyTorch packed-kernel paths and on tc's native products (tc/model/native.py;
+n/a where they do not build or lose their probe), and Int8Linear as it chooses between PyTorch's kernel and a
+dense product for prefill (quant.int8_dense_prefill_is_faster), activations in bf16 for the quantized modules,
+and each one's speed-up over bf16 nn.Linear (>1 is faster).
 By default each variant rotates through enough copies of its layer that the weights come from memory, as they
 do when a whole model decodes; --hot calls a single copy instead.
 Each figure is the 10th percentile of single-call times, taken round-robin across the variants, as the machine
@@ -46,8 +47,8 @@ SHAPES = {  # name -> (out_features, in_features), Qwen2.5-0.5B; the model runs 
 }
 COLD_WORKING_SET = 256 << 20  # bytes of bf16 weights to rotate through: several times any L3 cache
 INPUTS = {"decode": 1, "batch8": 8, "prefill": 128}  # positions per call; batch8: 8 sequences decoding at once
-VARIANTS = ("bf16", "bf16 blocked", "fp32", "int8 portable", "int8 packed", "int8 chosen", "int4 portable",
-            "int4 packed")
+VARIANTS = ("bf16", "bf16 blocked", "fp32", "int8 portable", "int8 packed", "int8 chosen", "int8 native",
+            "int4 portable", "int4 packed", "int4 native")
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], budget_s: float, rounds: int = 7
@@ -90,6 +91,9 @@ def build(variant: str, linear32: nn.Linear) -> tuple[nn.Module, torch.dtype] | 
     mode, path = variant.split()
     kernel = path != "portable"
     lin16 = _cast(linear32, torch.bfloat16)
+    if path == "native":  # the default path, where the native product builds and wins its probe
+        module = Int8Linear.from_linear(lin16) if mode == "int8" else Int4Linear.from_linear(lin16, 128)
+        return (module, torch.bfloat16) if module.path == "native" else None
     if mode == "int8":
         if kernel and not int8_kernel_available("cpu"):
             return None

@@ -75,6 +75,13 @@ def test_the_avx2_build_without_vnni_agrees_too():
     assert native.check(avx2) < 1e-2
 
 
+def test_float32_layers_keep_their_activations_unquantized():
+    lin = torch.nn.Linear(256, 64)  # float32: the reference dtype
+    assert Int4Linear.from_linear(lin, 64).path != "native" and Int8Linear.from_linear(lin).path != "native"
+    assert not quant.native_allowed(torch.float32) and quant.native_allowed(torch.bfloat16)
+    assert quant.native_allowed(None)  # a layer told nothing of its activations
+
+
 def test_shapes_the_kernels_take():
     assert native.shape_ok_int4(64, 256, 128) and native.shape_ok_int4(8, 96, 32)
     assert not native.shape_ok_int4(60, 256, 128)  # rows come in tiles of 8
@@ -152,8 +159,8 @@ PROBE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 from tc.model import native, quant
-layer = quant.Int4Linear.from_linear(torch.nn.Linear(256, 64), 64)
-finite = bool(layer(torch.randn(2, 256)).isfinite().all())
+layer = quant.Int4Linear.from_linear(torch.nn.Linear(256, 64).bfloat16(), 64)
+finite = bool(layer(torch.randn(2, 256).bfloat16()).isfinite().all())
 print("kernels:", native.kernels() is not None, "path:", layer.path, "finite:", finite)
 """
 

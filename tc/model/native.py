@@ -84,6 +84,9 @@ class Kernels:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
                                f"expected {ACTIVATION_GROUP}")
 
+    def __deepcopy__(self, memo: dict) -> "Kernels":
+        return self  # one loaded library per process: a copied layer shares it
+
     def int4_linear(self, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int) -> torch.Tensor:
         """x2 [M, K] (bfloat16 stays bfloat16, anything else computes and returns float32) @ W^T -> [M, N]."""

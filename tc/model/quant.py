@@ -654,6 +654,14 @@ def int4_kernel_available(device: str) -> _Int4Kernel | None:
 # ---------------------------------------------------------------------------------------------- modules
 
 
+def native_allowed(compute_dtype: torch.dtype | None) -> bool:
+    """Whether a layer computing in `compute_dtype` (None: not known) may take the native path, which quantizes
+    its activations to int8. Not in float32: a node computes in float32 to stay closest to the reference, and
+    there its activations keep what PyTorch's kernels give them (bfloat16 rounding, 2^-9 relative, where int8
+    blocks round at ~2^-8 of their largest value, far coarser beside an outlier)."""
+    return compute_dtype != torch.float32
+
+
 def _resolve_use_kernel(use_kernel: bool | None, available: bool, what: str) -> bool:
     if use_kernel is None:
         return available
@@ -742,7 +750,7 @@ class Int8Linear(_QuantLinear):
         self._kernel_dtype = kernel_dtype
         self._device = str(weight.qweight.device)
         self._fixed_dtypes = {"scale": torch.float32}
-        if (use_kernel is None and weight.qweight.device.type == "cpu"
+        if (use_kernel is None and weight.qweight.device.type == "cpu" and native_allowed(prefill_dtype)
                 and native.shape_ok_int8(self.out_features, self.in_features) and native.faster_than_torch("int8")):
             self._init_native(weight, bias, tile_in_place)
             return
@@ -840,9 +848,10 @@ class Int4Linear(_QuantLinear):
     """
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
-                 pack_in_place: bool = False):
+                 pack_in_place: bool = False, compute_dtype: torch.dtype | None = None):
         """pack_in_place: the caller gives `weight` up (made for this module alone), so on a CPU the kernel layout
         is written over its codes instead of beside them (_Int4Kernel.pack); `weight` must not be read after.
+        compute_dtype: the dtype of the activations, where known: float32 ones are not quantized (native_allowed).
         Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -853,7 +862,7 @@ class Int4Linear(_QuantLinear):
         params_ok = weight.scales.dtype == _KERNEL_DTYPE
         self._fixed_dtypes = {"scales": weight.scales.dtype, "zeros": weight.scales.dtype,
                               "scales_and_zeros": _KERNEL_DTYPE}
-        if (use_kernel is None and device_type == "cpu" and params_ok
+        if (use_kernel is None and device_type == "cpu" and params_ok and native_allowed(compute_dtype)
                 and native.shape_ok_int4(self.out_features, self.padded_in_features, self.group_size)
                 and native.faster_than_torch("int4")):
             self._init_native(weight, bias, pack_in_place)
@@ -909,9 +918,9 @@ class Int4Linear(_QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, *,
                     use_kernel: bool | None = None, param_dtype: torch.dtype = INT4_PARAM_DTYPE) -> "Int4Linear":
-        """Quantize `linear`'s weight on its device; the bias is kept as it is."""
+        """Quantize `linear`'s weight on its device; the bias is kept as it is. Its dtype is the compute dtype."""
         return cls(quantize_int4(linear.weight.detach(), group_size, param_dtype), linear.bias,
-                   use_kernel=use_kernel)
+                   use_kernel=use_kernel, compute_dtype=linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
@@ -966,7 +975,7 @@ class Quantization:
                               prefill_dtype=prefill_dtype, kernel_dtype=self.half_dtype, tile_in_place=True)
         if self.mode == "int4":
             return Int4Linear(quantize_int4_slabs(slabs, shape, device, self.group_size, self.half_dtype), bias,
-                              use_kernel=self.use_kernel, pack_in_place=True)
+                              use_kernel=self.use_kernel, pack_in_place=True, compute_dtype=prefill_dtype)
         raise QuantizationError("weight mode fp16 quantizes nothing")
 
 
