@@ -47,7 +47,10 @@ class LatencyProxy:
                         continue
                     heapq.heappop(queue)
                 if not data:
-                    dst.shutdown(socket.SHUT_WR)
+                    try:
+                        dst.shutdown(socket.SHUT_WR)
+                    except OSError:  # the other side has gone already: nothing left to tell it
+                        pass
                     return
                 try:
                     dst.sendall(data)
