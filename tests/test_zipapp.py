@@ -339,3 +339,20 @@ def test_pyz_copied_alone_runs_a_head_and_a_worker(pyz, tmp_path):
             "temperature": 0})
         assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
         assert "worker only joined" in cluster.head.output()
+
+
+def test_native_kernels_build_from_the_source_inside_the_pyz(pyz, tmp_path):
+    from tc.model import native
+
+    if native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    code = ("import sys; from tc.model import native; k = native.kernels(); "
+            "print(native.__file__); print('built' if k is not None else 'none')")
+    env = {**{k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}, "HOME": str(tmp_path),
+           "PYTHONPATH": str(pyz)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, state = proc.stdout.split()
+    assert where.startswith(str(pyz)) and state == "built"  # qdot.c read from the archive, compiled, loaded
+    assert list((tmp_path / ".cache" / "truecluster" / "kernels").glob("qdot-*.so"))
