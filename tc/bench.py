@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tc.model import quant
+from tc.model import native, quant
 from tc.model.dense import pack_linears
 from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
 from tc.speed import Speed, fit_line
@@ -165,9 +165,17 @@ def measure(device: str, dtype_name: str, mode: str, group_size: int = quant.DEF
 
 
 def cache_key(device: str, device_name: str, dtype: str, mode: str, threads: int) -> str:
-    """A file name for one figure: everything that changes it, made safe for any file system."""
-    raw = f"{device}-{device_name}-{dtype}-{mode}-t{threads}-torch{torch.__version__}"
+    """A file name for one figure: everything that changes it, made safe for any file system, including whether
+    the mode's products run natively (a figure measured on PyTorch's kernels is not one for tc's own)."""
+    raw = f"{device}-{device_name}-{dtype}-{mode}-t{threads}-torch{torch.__version__}{_native_tag(device, dtype, mode)}"
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in raw) + ".json"
+
+
+def _native_tag(device: str, dtype: str, mode: str) -> str:
+    if mode == "fp16" or torch.device(device).type != "cpu" or dtype not in COMPUTE_DTYPES \
+            or not quant.native_allowed(COMPUTE_DTYPES[dtype]):
+        return ""
+    return "-native" if native.faster_than_torch(mode) else ""
 
 
 def _read_cached(path: Path) -> Speed | None:

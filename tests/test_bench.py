@@ -101,3 +101,12 @@ def test_a_link_is_fitted_from_its_fastest_echoes():
     assert LinkSpeed.from_probes([0.001], [], 1_000_000) == LinkSpeed(0.001, None)
     assert LinkSpeed.from_probes([0.001], [0.0009], 1_000_000) == LinkSpeed(0.001, None)
     assert "bandwidth not measured" in LinkSpeed(0.001, None).describe()
+
+
+def test_a_figure_says_whether_it_was_measured_on_native_products():
+    from tc.model import native
+
+    native_int4 = native.faster_than_torch("int4")
+    assert bench.cache_key("cpu", "x", "bf16", "int4", 2).endswith("-native.json") is native_int4
+    assert not bench.cache_key("cpu", "x", "fp32", "int4", 2).endswith("-native.json")  # fp32 never quantizes x
+    assert not bench.cache_key("cpu", "x", "bf16", "fp16", 2).endswith("-native.json")
