@@ -394,9 +394,12 @@ def test_a_client_that_goes_away_frees_the_cluster(slow, caplog):
             assert time.monotonic() < deadline, "the abandoned generation kept running"
             time.sleep(0.01)
     assert reply.usage.completion_tokens == 2
-    # the server learns the client is gone when a write fails; the sequence leaves the batch at the next step
+    # The server learns the client is gone when a write fails, and the sequence leaves the batch at the next step.
+    # A write fails only after the kernel has taken one more into its buffer and the peer's reset has come back,
+    # and Waitress reports it from its own thread: 2 steps on a quiet machine (one already running at the close),
+    # 4 seen on one busy with other tests. Either way far from the ~190 the generation had left.
     abandoned_steps = sum(abandoned in step for step in pipeline.steps[steps_when_gone:])
-    assert abandoned_steps <= 3, abandoned_steps  # measured: 2 (one of them already running at the close)
+    assert abandoned_steps <= 6, abandoned_steps
     assert waited < 2.0, waited
     assert service.running == 0 and service.queue_depth == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "tc.head.api"]
