@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tc.model import native, quant
+from tc.model import quant
 from tc.model.dense import pack_linears
 from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
 from tc.speed import Speed, fit_line
@@ -172,10 +172,9 @@ def cache_key(device: str, device_name: str, dtype: str, mode: str, threads: int
 
 
 def _native_tag(device: str, dtype: str, mode: str) -> str:
-    if mode == "fp16" or torch.device(device).type != "cpu" or dtype not in COMPUTE_DTYPES \
-            or not quant.native_allowed(COMPUTE_DTYPES[dtype]):
-        return ""
-    return "-native" if native.faster_than_torch(mode) else ""
+    native = mode != "fp16" and dtype in COMPUTE_DTYPES and quant.native_by_default(
+        mode, torch.device(device).type, COMPUTE_DTYPES[dtype])
+    return "-native" if native else ""
 
 
 def _read_cached(path: Path) -> Speed | None:

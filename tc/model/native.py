@@ -300,17 +300,17 @@ def faster_than_torch(mode: str) -> bool:
     w = torch.randn(4096, 1024, generator=gen)
     if mode == "int4":
         torch_kernel = quant.int4_kernel_available("cpu")
-        q4 = quant.quantize_int4(w, quant.DEFAULT_GROUP_SIZE)
-        packed, scales, zeros = tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
-        ours = lambda x: native.int4_linear(x, packed, scales, zeros, q4.group_size)  # noqa: E731
         if torch_kernel is None:
             return True
+        q4 = quant.quantize_int4(w, quant.DEFAULT_GROUP_SIZE)
         try:
             kpacked = torch_kernel.pack(q4.packed)
         except RuntimeError:  # PyTorch's packer refuses what its probe took: nothing to compare with
             return True
         sz = quant._scales_and_zeros(q4.scales, q4.zeros)
         theirs = lambda x: torch_kernel.mm(x, kpacked, q4.group_size, sz)  # noqa: E731
+        packed, scales, zeros = tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+        ours = lambda x: native.int4_linear(x, packed, scales, zeros, q4.group_size)  # noqa: E731
     else:
         if not quant.int8_kernel_available("cpu"):
             return True
@@ -329,27 +329,3 @@ def faster_than_torch(mode: str) -> bool:
              "native" if gain >= MIN_GAIN else "PyTorch's")
     return gain >= MIN_GAIN
 
-
-@functools.lru_cache(maxsize=None)
-def dense_prefill_is_faster(rows: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether a prefill-sized int8 product (quant.DENSE_PREFILL_PROBE_ROWS activation rows in `dtype`) runs
-    quant.DENSE_PREFILL_MIN_GAIN times faster by converting the codes and multiplying densely than natively
-    (timed once per shape on one thread, as quant.int8_dense_prefill_is_faster does for PyTorch's kernel)."""
-    from . import quant
-
-    native = kernels()
-    if native is None or not shape_ok_int8(rows, in_features):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(-quant.INT8_MAX, quant.INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen)
-    scale = torch.rand(rows, generator=gen) / quant.INT8_MAX
-    qweight = tile_int8(codes)
-    x = torch.randn(quant.DENSE_PREFILL_PROBE_ROWS, in_features, generator=gen).to(dtype)
-    with one_thread():
-        native_s, dense_s = race([lambda: native.int8_linear(x, qweight, scale),
-                                  lambda: quant._int8_dense(x, qweight, scale, untile_int8)], 3)
-    faster = native_s >= quant.DENSE_PREFILL_MIN_GAIN * dense_s
-    log.info("int8 [%d, %d] x %d rows of %s: native %.0f us, codes converted + dense product %.0f us: %s", rows,
-             in_features, quant.DENSE_PREFILL_PROBE_ROWS, dtype, native_s * 1e6, dense_s * 1e6,
-             "dense" if faster else "native")
-    return faster

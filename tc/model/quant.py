@@ -466,25 +466,35 @@ def int8_kernel_available(device: str, dtype: torch.dtype = _KERNEL_DTYPE) -> bo
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype) -> bool:
+def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype, path: str = "kernel") -> bool:
+    """The timing behind int8_dense_prefill_is_faster, against PyTorch's kernel or (path "native") tc's native
+    product, whose dense way first lays the tiled codes back out, as Int8Linear's does."""
     gen = torch.Generator().manual_seed(0)
     qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen)
     scale = torch.rand(rows, generator=gen) / INT8_MAX
     x = torch.randn(DENSE_PREFILL_PROBE_ROWS, in_features, generator=gen).to(dtype)
+    if path == "native":
+        kernels, tiled = native.kernels(), native.tile_int8(qweight)
+        product = lambda: kernels.int8_linear(x, tiled, scale)  # noqa: E731
+        dense = lambda: _int8_dense(x, tiled, scale, native.untile_int8)  # noqa: E731
+    else:
+        product = lambda: _int8_kernel(x, qweight, scale)  # noqa: E731
+        dense = lambda: F.linear(x, qweight.to(dtype)) * scale.to(dtype)  # noqa: E731
     with one_thread():  # see probe.py: steady timings on a shared machine
-        kernel_s, dense_s = race([lambda: _int8_kernel(x, qweight, scale),
-                                  lambda: F.linear(x, qweight.to(dtype)) * scale.to(dtype)], 5)
-    faster = kernel_s >= DENSE_PREFILL_MIN_GAIN * dense_s
-    log.info("int8 [%d, %d] x %d rows of %s: kernel %.0f us, codes converted + dense product %.0f us: %s", rows,
-             in_features, DENSE_PREFILL_PROBE_ROWS, dtype, kernel_s * 1e6, dense_s * 1e6,
-             "dense" if faster else "kernel")
+        product_s, dense_s = race([product, dense], 5)
+    faster = product_s >= DENSE_PREFILL_MIN_GAIN * dense_s
+    log.info("int8 [%d, %d] x %d rows of %s: %s %.0f us, codes converted + dense product %.0f us: %s", rows,
+             in_features, DENSE_PREFILL_PROBE_ROWS, dtype, path, product_s * 1e6, dense_s * 1e6,
+             "dense" if faster else path)
     return faster
 
 
-def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: torch.dtype, path: str = "kernel"
+                                 ) -> bool:
     """Whether, on this CPU, PREFILL_MIN_ROWS or more rows of `dtype` activations times an int8 [out, in] weight run
-    faster by converting the codes to `dtype` and multiplying densely than through the packed kernel (probed once
-    per shape, on a slab of at most PROBE_ROWS rows, on one thread).
+    faster by converting the codes to `dtype` and multiplying densely than through the packed kernel, or with path
+    "native" through tc's native product (probed once per shape, on a slab of at most PROBE_ROWS rows, on one
+    thread).
 
     The kernel's time grows with every row, while the conversion costs the same for any number, so the dense way
     gains with the rows: 0.8-1.2x at 16 rows, 1.3-1.8x at 64 and 1.8-2.3x at 128 on one AVX512-BF16 EPYC. The
@@ -492,9 +502,12 @@ def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: tor
     round differently, so a choice that flipped between processes with the timing's noise would let one request's
     text depend on which worker process decided what. Fewer rows (a decode step's one) stay on the kernel.
     """
-    if not int8_kernel_available("cpu") or not int8_kernel_shape_ok(out_features, in_features, "cpu"):
+    if path == "native":
+        if native.kernels() is None or not native.shape_ok_int8(out_features, in_features):
+            return False
+    elif not int8_kernel_available("cpu") or not int8_kernel_shape_ok(out_features, in_features, "cpu"):
         return False
-    return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype)
+    return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype, path)
 
 
 def synchronize(device: torch.device) -> None:
@@ -662,6 +675,13 @@ def native_allowed(compute_dtype: torch.dtype | None) -> bool:
     return compute_dtype != torch.float32
 
 
+def native_by_default(mode: str, device_type: str, compute_dtype: torch.dtype | None) -> bool:
+    """Whether `mode` ("int8", "int4") layers on `device_type` computing in `compute_dtype` take the native path
+    when not told otherwise (use_kernel=None) and their shape allows: on a CPU, outside float32, where the native
+    products built and beat PyTorch's kernel (native.faster_than_torch)."""
+    return device_type == "cpu" and native_allowed(compute_dtype) and native.faster_than_torch(mode)
+
+
 def _resolve_use_kernel(use_kernel: bool | None, available: bool, what: str) -> bool:
     if use_kernel is None:
         return available
@@ -750,8 +770,8 @@ class Int8Linear(_QuantLinear):
         self._kernel_dtype = kernel_dtype
         self._device = str(weight.qweight.device)
         self._fixed_dtypes = {"scale": torch.float32}
-        if (use_kernel is None and weight.qweight.device.type == "cpu" and native_allowed(prefill_dtype)
-                and native.shape_ok_int8(self.out_features, self.in_features) and native.faster_than_torch("int8")):
+        if (use_kernel is None and native.shape_ok_int8(self.out_features, self.in_features)
+                and native_by_default("int8", weight.qweight.device.type, prefill_dtype)):
             self._init_native(weight, bias, tile_in_place)
             return
         self.uses_kernel = self._choose_path(self._device)
@@ -772,8 +792,8 @@ class Int8Linear(_QuantLinear):
         self._native = native.kernels()
         dense = self._dense_prefill
         if dense is None:
-            dense = self._prefill_dtype is not None and native.dense_prefill_is_faster(
-                min(self.out_features, PROBE_ROWS), self.in_features, self._prefill_dtype)
+            dense = self._prefill_dtype is not None and int8_dense_prefill_is_faster(
+                self.out_features, self.in_features, self._prefill_dtype, "native")
         self.dense_prefill_dtype = self._prefill_dtype if dense else None
         qweight = weight.qweight if in_place else weight.qweight.clone()
         self.register_buffer("qweight", native.tile_int8(qweight.contiguous()))
@@ -862,9 +882,9 @@ class Int4Linear(_QuantLinear):
         params_ok = weight.scales.dtype == _KERNEL_DTYPE
         self._fixed_dtypes = {"scales": weight.scales.dtype, "zeros": weight.scales.dtype,
                               "scales_and_zeros": _KERNEL_DTYPE}
-        if (use_kernel is None and device_type == "cpu" and params_ok and native_allowed(compute_dtype)
+        if (use_kernel is None and params_ok
                 and native.shape_ok_int4(self.out_features, self.padded_in_features, self.group_size)
-                and native.faster_than_torch("int4")):
+                and native_by_default("int4", device_type, compute_dtype)):
             self._init_native(weight, bias, pack_in_place)
             return
         shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
