@@ -78,3 +78,30 @@ def test_three_stages_equal_the_unsplit_model_exactly(demo_model_dir, ours_fp32,
     split = OurModel(demo_model_dir, torch.float32, splits=[8, 16])
     assert [(s.start, s.end) for s in split.stages] == [(0, 8), (8, 16), (16, 24)]
     assert torch.equal(split.final_hidden(prompt_ids), ours_fp32.final_hidden(prompt_ids))
+
+
+def test_bf16_decode_steps_with_the_native_attention_stay_as_close_to_fp32_as_sdpa(demo_model_dir, ours_fp32,
+                                                                                     prompt_ids, monkeypatch):
+    # the native decode attention keeps its softmax weights in fp32 where SDPA's bf16 path rounds them: it may
+    # differ from SDPA by bf16 roundings, but must not drift further from the fp32 model than SDPA does
+    from tc.model import native
+    from tc.model.qwen2 import Attention
+
+    if native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    split = len(prompt_ids) - 12
+    ref = ours_fp32.full_logits(prompt_ids)[split - 1:]
+    bf16 = OurModel(demo_model_dir, torch.bfloat16)
+    calls = []
+    kernel_call = native.Kernels.decode_attention
+    monkeypatch.setattr(native.Kernels, "decode_attention", lambda self, *a: calls.append(1) or kernel_call(self, *a))
+    errors = {}
+    for way in (True, False):
+        monkeypatch.setattr(Attention, "native_decode", way)
+        calls.clear()
+        logits = bf16.cached_logits(prompt_ids, split)[split - 1:]  # the prefill's last position, then 12 steps
+        assert len(calls) == (12 * 24 if way else 0)  # every decode step of every layer took the chosen way
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        errors[way] = float((logits - ref).norm() / ref.norm())
+    print(f"bf16 logits against fp32: native attention {errors[True]:.4f}, SDPA {errors[False]:.4f}")
+    assert errors[True] <= 1.1 * errors[False] + 1e-3, f"native {errors[True]:.4f}, SDPA {errors[False]:.4f}"

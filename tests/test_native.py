@@ -194,10 +194,74 @@ def test_a_failed_build_says_why_and_falls_back(tmp_path):
 @needs_kernels
 def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
     first = run_python(PROBE, HOME=str(tmp_path))
-    built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("qdot-*.so"))
+    built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("native-*.so"))
     assert first.returncode == 0 and "kernels: True" in first.stdout and len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     second = run_python(PROBE, HOME=str(tmp_path))
     assert second.returncode == 0 and "kernels: True" in second.stdout
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert not [p for p in built[0].parent.iterdir() if p.is_dir()]  # no build directory left behind
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 4, 16), (6, 1, 24), (16, 1, 128), (8, 2, 256)])
+def test_decode_attention_equals_its_reference_and_stores_the_new_position(heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(heads * d)
+    positions = [0, 7, 8, 9, 70]  # a first position, partial and whole blocks of 8 keys, a longer cache
+    rows = [4, 0, 2, 5, 1]  # each sequence's row, in any order; row 3 belongs to no decode row
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * d, generator=gen).bfloat16()
+    qkv[0] *= 30  # large scores: the softmax must subtract their maximum
+    slots = [torch.randn(2, 1, kv_heads, p + 3, d, generator=gen).bfloat16() for p in positions]
+    before = [slot.clone() for slot in slots]
+    out = torch.full((6, heads * d), 7.0, dtype=torch.bfloat16)
+    KERNELS.decode_attention(qkv, out, rows, slots, positions, heads, kv_heads, d ** -0.5)
+    for row, slot, old, p in zip(rows, slots, before, positions):
+        old[:, 0, :, p] = qkv[row, heads * d:].view(2, kv_heads, d)  # the new key and value, and nothing else
+        assert torch.equal(slot, old)
+        ref = native.decode_attention_reference(qkv[row], old[0, 0, :, :p + 1], old[1, 0, :, :p + 1], heads,
+                                                kv_heads, d ** -0.5)
+        assert relative(out[row], ref) < 4e-3  # one bf16 rounding of the output
+    assert torch.equal(out[3], torch.full((heads * d,), 7.0, dtype=torch.bfloat16))
+
+
+@needs_kernels
+def test_decode_attention_refuses_heads_it_does_not_take():
+    assert native.attention_shape_ok(14, 2, 64) and not native.attention_shape_ok(14, 2, 60)
+    assert not native.attention_shape_ok(34, 2, 64) and not native.attention_shape_ok(4, 2, 512)
+    qkv, out = torch.zeros(1, 8 * 60, dtype=torch.bfloat16), torch.zeros(1, 4 * 60, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no 4 query heads over 2 of size 60"):
+        KERNELS.decode_attention(qkv, out, [0], [torch.zeros(2, 1, 2, 4, 60, dtype=torch.bfloat16)], [0], 4, 2, 1.0)
+
+
+@needs_kernels
+def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny_model_dir, monkeypatch):
+    # two decode rows around a prefill chunk: the chunk keeps SDPA, the decode rows go to the kernel in one call,
+    # and every row ends where SDPA alone puts it, up to bf16 roundings
+    from model_helpers import OurModel
+    from tc.model.kv_cache import CacheFullError
+    from tc.model.qwen2 import Attention, Span
+
+    stage = OurModel(tiny_model_dir, torch.bfloat16).stages[0]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randn(1, n, 64, generator=gen).bfloat16() for n in (9, 4, 17)]
+    step = torch.randn(1, 1 + 6 + 1, 64, generator=gen).bfloat16()  # rows: decode, chunk of 6, decode
+    calls = []
+    kernel_call = native.Kernels.decode_attention
+    monkeypatch.setattr(native.Kernels, "decode_attention", lambda self, *a: calls.append(a[2]) or kernel_call(self, *a))
+    results = {}
+    for way in (False, True):
+        monkeypatch.setattr(Attention, "native_decode", way)
+        caches = [stage.new_cache(24, torch.bfloat16, "cpu") for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            stage(prompt, cache, 0)
+        spans = [Span(caches[0], 9, 1), Span(caches[1], 4, 6), Span(caches[2], 17, 1)]
+        results[way] = stage.forward_batch(step, spans), [c.kv[..., :n, :].clone() for c, n in zip(caches, (10, 10, 18))]
+    assert calls == [[0, 7]] * len(stage.layers)  # rows 0 and 7, once per layer
+    (native_out, native_kv), (sdpa_out, sdpa_kv) = results[True], results[False]
+    assert relative(native_out, sdpa_out) < 1e-2
+    for ours, theirs in zip(native_kv, sdpa_kv):
+        assert relative(ours, theirs) < 1e-2
+    full = stage.new_cache(1, torch.bfloat16, "cpu")
+    stage(prompts[0][:, :1], full, 0)
+    with pytest.raises(CacheFullError, match="position 1 is past"):
+        stage.forward_batch(step[:, :1], [Span(full, 1, 1)])

@@ -355,4 +355,4 @@ def test_native_kernels_build_from_the_source_inside_the_pyz(pyz, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     where, state = proc.stdout.split()
     assert where.startswith(str(pyz)) and state == "built"  # qdot.c read from the archive, compiled, loaded
-    assert list((tmp_path / ".cache" / "truecluster" / "kernels").glob("qdot-*.so"))
+    assert list((tmp_path / ".cache" / "truecluster" / "kernels").glob("native-*.so"))

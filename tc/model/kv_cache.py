@@ -36,6 +36,13 @@ class KVCache:
         slot[:, :, :, position_start:end] = kv
         return slot[0, :, :, :end], slot[1, :, :, :end]
 
+    def layer_slot(self, layer: int, position: int) -> torch.Tensor:
+        """The storage of `layer` ([K/V, B, H_kv, capacity, D], contiguous) for a kernel that stores `position`
+        itself; raises CacheFullError where the position is past the capacity, as `update` does."""
+        if position >= self.capacity:
+            raise CacheFullError(f"position {position} is past this request's cache capacity {self.capacity}")
+        return self._layers[layer]
+
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes

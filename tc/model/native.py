@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -48,7 +49,9 @@ from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
+SOURCES = ("qdot.c", "attention.c")  # next to this file, compiled into one library
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ATTENTION_ABI = 1  # attention.c's TC_ATTENTION_ABI
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
@@ -79,6 +82,10 @@ class Kernels:
         self._int8 = lib.tc_int8_linear
         self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT]
         self._int8.restype = _INT
+        self._attention = lib.tc_decode_attention
+        self._attention.argtypes = [_INT, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
+                                    ctypes.c_float, _INT]
+        self._attention.restype = _INT
         self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
@@ -109,6 +116,33 @@ class Kernels:
                       torch.get_num_threads()):
             raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
         return y
+
+
+    def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
+                         slots: Sequence[torch.Tensor], positions: Sequence[int], heads: int, kv_heads: int,
+                         scale: float) -> None:
+        """A decode step's attention for several sequences in one call (attention.c), all bfloat16.
+
+        qkv [rows, (heads + 2 kv_heads) * D] holds each sequence's query, key and value heads in its row rows[i];
+        slots[i] is its cache's storage for this layer ([2, 1, kv_heads, capacity, D], contiguous), positions[i]
+        its new position. Stores each new key and value at that position and writes the attention over every
+        position up to it into out [rows, heads * D], row rows[i]. Other rows of out are left as they are.
+        """
+        n = len(rows)
+        d = qkv.shape[-1] // (heads + 2 * kv_heads)
+        ints = ctypes.c_int32 * n
+        status = self._attention(n, (ctypes.c_int64 * n)(*[s.data_ptr() for s in slots]), ints(*positions),
+                                 ints(*[s.shape[-2] for s in slots]), ints(*rows), qkv.data_ptr(), out.data_ptr(),
+                                 heads, kv_heads, d, scale, torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"no memory for the attention scores of {n} sequences")
+        if status:
+            raise ValueError(f"the native attention takes no {heads} query heads over {kv_heads} of size {d}")
+
+
+def attention_shape_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether attention.c takes these heads: head_dim a multiple of 8 up to 256, at most 16 query heads per KV."""
+    return head_dim % 8 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
 
 
 def _activations(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -195,20 +229,22 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
-def _build(source: bytes, compiler: str, march: str = "native") -> Path:
-    """The compiled library for `source`, from the cache or built into it (atomically: several processes may
-    start at once). Raises RuntimeError with the compiler's first error line if it fails."""
+def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> Path:
+    """The library compiled from `sources` (file name: text), from the cache or built into it (atomically:
+    several processes may start at once). Raises RuntimeError with the compiler's first error line if it fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (*FLAGS, f"-march={march}")
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
-    path = CACHE_DIR / f"qdot-{key.hexdigest()[:16]}.so"
+    parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
+    path = CACHE_DIR / f"native-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-        src, out = Path(tmp) / "qdot.c", Path(tmp) / "qdot.so"
-        src.write_bytes(source)
-        done = subprocess.run([compiler, *flags, "-o", str(out), str(src)], capture_output=True, text=True,
+        files, out = [Path(tmp) / name for name in sorted(sources)], Path(tmp) / "native.so"
+        for file in files:
+            file.write_bytes(sources[file.name])
+        done = subprocess.run([compiler, *flags, "-o", str(out), *map(str, files)], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
@@ -240,17 +276,50 @@ def check(kernels: Kernels) -> float:
                 # bf16 outputs round to 2^-9; float32 ones agree to float summation order
                 for got, ref in ((got4, ref4), (got8, ref8)):
                     worst = max(worst, float((got - ref).norm() / ref.norm()))
+    return max(worst, _check_attention(kernels, gen))
+
+
+def decode_attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: int,
+                               kv_heads: int, scale: float) -> torch.Tensor:
+    """What Kernels.decode_attention computes for one sequence, in float32 by SDPA: qkv [(heads + 2 kv_heads) * D]
+    its new row, keys and values [kv_heads, T, D] every position up to and including the new one -> [heads * D]."""
+    d = keys.shape[-1]
+    q = qkv[:heads * d].float().view(1, kv_heads, heads // kv_heads, d)  # query heads grouped by their KV head
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys.float()[None], values.float()[None], scale=scale)
+    return out.reshape(-1)
+
+
+def _check_attention(kernels: Kernels, gen: torch.Generator) -> float:
+    """The worst relative error of decode_attention against its reference, and a wrong store counted as 1."""
+    worst = 0.0
+    for heads, kv_heads, d, positions in ((4, 2, 64, (0, 9, 40)), (6, 1, 24, (17, 3, 8))):
+        width = (heads + 2 * kv_heads) * d
+        qkv = torch.randn(len(positions) + 1, width, generator=gen).bfloat16()  # row 0 left out: rows 1, 2, 3
+        slots = [torch.randn(2, 1, kv_heads, p + 5, d, generator=gen).bfloat16() for p in positions]
+        before = [slot.clone() for slot in slots]
+        out = torch.zeros(len(positions) + 1, heads * d, dtype=torch.bfloat16)
+        kernels.decode_attention(qkv, out, [1, 2, 3], slots, positions, heads, kv_heads, d ** -0.5)
+        for i, (slot, p) in enumerate(zip(before, positions)):
+            slot[:, 0, :, p] = qkv[i + 1, heads * d:].view(2, kv_heads, d)
+            if not torch.equal(slots[i], slot):
+                return 1.0
+            ref = decode_attention_reference(qkv[i + 1], slot[0, 0, :, :p + 1], slot[1, 0, :, :p + 1], heads,
+                                             kv_heads, d ** -0.5)
+            worst = max(worst, float((out[i + 1].float() - ref).norm() / ref.norm()))
+        if out[0].any():
+            return 1.0
     return worst
 
 
 def load(compiler: str, march: str = "native") -> Kernels:
     """qdot.c built for `march` by `compiler` (or found in the cache) and loaded; unchecked. Raises OSError or
     RuntimeError where that fails."""
-    source = resources.files(__package__).joinpath("qdot.c").read_bytes()
-    path = _build(source, compiler, march)
+    sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
+    path = _build(sources, compiler, march)
     lib = ctypes.CDLL(str(path))
-    if lib.tc_qdot_abi() != ABI:
-        raise RuntimeError(f"{path} has ABI {lib.tc_qdot_abi()}, expected {ABI}")
+    if lib.tc_qdot_abi() != ABI or lib.tc_attention_abi() != ATTENTION_ABI:
+        raise RuntimeError(f"{path} has ABIs {lib.tc_qdot_abi()}/{lib.tc_attention_abi()}, "
+                           f"expected {ABI}/{ATTENTION_ABI}")
     return Kernels(lib, path)
 
 
@@ -284,6 +353,36 @@ def kernels() -> Kernels | None:
 
 
 # -------------------------------------------------------------------------------------------------- probes
+
+
+@functools.lru_cache(maxsize=None)
+def attention_faster_than_torch() -> bool:
+    """Whether the native decode attention beats one SDPA call per sequence (qwen2.Attention's own way) by
+    MIN_GAIN on this CPU, timed once per process on one thread for 4 sequences of 128 positions."""
+    native = kernels()
+    if native is None:
+        return False
+    heads, kv_heads, d, n, position = 14, 2, 64, 4, 128
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).bfloat16()
+    slots = [torch.randn(2, 1, kv_heads, position + 1, d, generator=gen).bfloat16() for _ in range(n)]
+    out = torch.empty(n, heads * d, dtype=torch.bfloat16)
+
+    def ours() -> None:
+        native.decode_attention(qkv, out, range(n), slots, [position] * n, heads, kv_heads, d ** -0.5)
+
+    def theirs() -> None:
+        for i, slot in enumerate(slots):
+            slot[:, :, :, position] = qkv[i, heads * d:].view(2, 1, kv_heads, d)
+            q = qkv[i, :heads * d].view(1, kv_heads, heads // kv_heads, d)
+            torch.nn.functional.scaled_dot_product_attention(q, slot[0, :, :, :position + 1],
+                                                             slot[1, :, :, :position + 1])
+
+    with one_thread():
+        ours_s, theirs_s = race([ours, theirs], 5)
+    log.info("native decode attention: %.0f us for %d sequences, PyTorch's SDPA %.0f us: %s", ours_s * 1e6, n,
+             theirs_s * 1e6, "native" if theirs_s >= MIN_GAIN * ours_s else "PyTorch's")
+    return theirs_s >= MIN_GAIN * ours_s
 
 
 @functools.lru_cache(maxsize=None)

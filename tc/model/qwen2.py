@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, Rope
+from . import native
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .rope import attention_scaling, inv_freq
@@ -268,10 +269,18 @@ class Span:
     length: int
 
 
+def _native_decode_row(span: Span) -> bool:
+    """Whether a span is one decode row whose cache the native attention can write: one position, bfloat16."""
+    return span.length == 1 and span.cache.kv.dtype == torch.bfloat16
+
+
 class Attention(nn.Module):
     # None: a prefill expands the KV heads where this torch and device need it (expand_kv_heads_on); True or False
     # forces the choice, so the two ways can be compared on any machine
     expand_kv: bool | None = None
+    # None: decode rows take the native attention where it runs and its probe finds it faster; False: always SDPA;
+    # True: the native attention wherever it runs
+    native_decode: bool | None = None
 
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
@@ -297,13 +306,37 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h:h + h_kv]), qkv[:, :, h + h_kv:]), 2)
         rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
-        if len(spans) == 1:
+        kernels = self._decode_kernels(qkv)
+        if len(spans) == 1 and (kernels is None or not _native_decode_row(spans[0])):
             return self.o_proj(self._attend(qkv, spans[0], layer))
-        outs, row = [], 0
+        out = qkv.new_empty(1, rows, h * d)
+        decoded: list[tuple[int, Span]] = []  # (row, span) of the decode rows the native kernel takes
+        row = 0
         for span in spans:
-            outs.append(self._attend(qkv[:, row:row + span.length], span, layer))
+            if kernels is not None and _native_decode_row(span):
+                decoded.append((row, span))
+            else:
+                out[:, row:row + span.length] = self._attend(qkv[:, row:row + span.length], span, layer)
             row += span.length
-        return self.o_proj(torch.cat(outs, dim=1))
+        if decoded:
+            kernels.decode_attention(qkv[0].view(rows, -1), out[0], [r for r, _ in decoded],
+                                     [s.cache.layer_slot(layer, s.start) for _, s in decoded],
+                                     [s.start for _, s in decoded], h, h_kv,
+                                     self.scale if self.scale is not None else d ** -0.5)
+        return self.o_proj(out)
+
+    def _decode_kernels(self, qkv: torch.Tensor) -> native.Kernels | None:
+        """The native kernels where this layer's decode rows take their attention (attention.c), else None:
+        bf16 on a CPU, no sliding window or soft-capped scores, heads the kernel takes, and a probe that found it
+        faster than SDPA here (unless native_decode forces the choice)."""
+        if self.native_decode is False or self.window is not None or self.softcap is not None:
+            return None
+        if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" \
+                or not native.attention_shape_ok(self.n_heads, self.n_kv_heads, self.head_dim):
+            return None
+        if self.native_decode is None and not native.attention_faster_than_torch():
+            return None
+        return native.kernels()
 
     def _attend(self, qkv: torch.Tensor, span: Span, layer: int) -> torch.Tensor:
         """One span's attention: qkv [1, L, heads, D] of its rows -> [1, L, H * D], its keys and values cached."""

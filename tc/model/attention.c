@@ -1,0 +1,205 @@
+/* Decode attention for x86-64 CPUs: one new position per sequence, many sequences in one call.
+
+   Built with qdot.c into one library by tc/model/native.py (-O3 -march=native -fopenmp) and loaded with ctypes;
+   see that module for why and for what it is checked against.
+
+   A decode step of a batch attends one query row per sequence to that sequence's own cache. PyTorch does that as
+   one scaled_dot_product_attention call per sequence and layer, and at decode sizes each call costs ~25 us of
+   dispatch and setup for a few microseconds of arithmetic: 8 sequences through 12 layers spent ~3.5 ms a step in
+   those calls. Here one call per layer stores every sequence's new key and value in its cache and attends all of
+   them, one task per (sequence, KV head) spread over the OpenMP threads.
+
+   The arithmetic is SDPA's, in float32 from bfloat16 inputs: scores q . k * scale for the query heads sharing a
+   KV head, a softmax over every cached position (max subtracted, then exp, then the sum), the weighted sum of
+   the values, and one rounding of the output to bfloat16. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "these kernels need AVX2 and FMA"
+#endif
+
+#define TC_ATTENTION_ABI 1
+#define INLINE static inline __attribute__((always_inline))
+
+int tc_attention_abi(void) { return TC_ATTENTION_ABI; }
+
+INLINE __m256 load_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
+INLINE void store_bf16x8(uint16_t* p, __m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+INLINE float sum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* e^x for x <= 0 (scores minus their maximum), to ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
+   polynomial, times 2^n; below -87 (where e^x is under float32's normal range) it returns e^-87. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+#define MAX_GROUP 16 /* query heads per KV head */
+#define MAX_DIM 256   /* head size */
+#define KB 8          /* keys (or values) converted to float32 at a time, then used by every query head */
+
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once */
+INLINE __m256 sums8(const __m256* a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* rows [t0, t0 + n) of a bf16 [T, D] matrix as float32 rows of D in f, the rows past n zero */
+INLINE void convert_rows(const uint16_t* m, int t0, int n, int D, float* f) {
+    for (int k = 0; k < KB; k++)
+        for (int i = 0; i < D; i += 8)
+            _mm256_store_ps(f + k * D + i, k < n ? load_bf16x8(m + (size_t)(t0 + k) * D + i) : _mm256_setzero_ps());
+}
+
+/* scores[j, t] = q_j . k_t for the G query heads (qf [G, D] float32, already scaled) and keys [T, D] (bf16) */
+static void scores_of(const float* qf, const uint16_t* keys, int T, int G, int D, float* scores) {
+    float kf[KB * MAX_DIM] __attribute__((aligned(32)));
+    for (int t0 = 0; t0 < T; t0 += KB) {
+        const int n = T - t0 < KB ? T - t0 : KB;
+        convert_rows(keys, t0, n, D, kf);
+        for (int j = 0; j < G; j++) {
+            __m256 a[KB];
+            for (int k = 0; k < KB; k++) a[k] = _mm256_setzero_ps();
+            for (int i = 0; i < D; i += 8) {
+                __m256 q = _mm256_load_ps(qf + j * D + i);
+                for (int k = 0; k < KB; k++) a[k] = _mm256_fmadd_ps(q, _mm256_load_ps(kf + k * D + i), a[k]);
+            }
+            float sums[KB] __attribute__((aligned(32)));
+            _mm256_store_ps(sums, sums8(a));
+            memcpy(scores + (size_t)j * T + t0, sums, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* scores[j, :] -> exp(scores - max) in place; returns 1 / their sum */
+static float softmax_numerators(float* s, int T) {
+    float top = s[0];
+    for (int t = 1; t < T; t++) top = s[t] > top ? s[t] : top;
+    __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= T; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float total = sum8(vsum);
+    if (t < T) {
+        float tail[8] __attribute__((aligned(32))) = {0};
+        memcpy(tail, s + t, (size_t)(T - t) * sizeof(float));
+        _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), vtop)));
+        for (int l = 0; l < T - t; l++) total += tail[l];
+        memcpy(s + t, tail, (size_t)(T - t) * sizeof(float));
+    }
+    return 1.f / total;
+}
+
+/* acc[j, :] += sum over t of p[j, t] * v_t for the G heads (acc [G, D] float32) and values [T, D] (bf16) */
+static void weighted_values(const float* p, const uint16_t* values, int T, int G, int D, float* acc) {
+    float vf[KB * MAX_DIM] __attribute__((aligned(32)));
+    for (int t0 = 0; t0 < T; t0 += KB) {
+        const int n = T - t0 < KB ? T - t0 : KB;
+        convert_rows(values, t0, n, D, vf);
+        for (int j = 0; j < G; j++) {
+            const float* pj = p + (size_t)j * T + t0;
+            float* aj = acc + j * D;
+            int i0 = 0;
+            for (; i0 + 64 <= D; i0 += 64) { /* 8 accumulators held in registers over the block's keys */
+                __m256 r[8];
+                for (int v = 0; v < 8; v++) r[v] = _mm256_load_ps(aj + i0 + 8 * v);
+                for (int k = 0; k < n; k++) {
+                    __m256 w = _mm256_set1_ps(pj[k]);
+                    for (int v = 0; v < 8; v++) r[v] = _mm256_fmadd_ps(w, _mm256_load_ps(vf + k * D + i0 + 8 * v), r[v]);
+                }
+                for (int v = 0; v < 8; v++) _mm256_store_ps(aj + i0 + 8 * v, r[v]);
+            }
+            for (; i0 < D; i0 += 8) {
+                __m256 r = _mm256_load_ps(aj + i0);
+                for (int k = 0; k < n; k++) r = _mm256_fmadd_ps(_mm256_set1_ps(pj[k]), _mm256_load_ps(vf + k * D + i0), r);
+                _mm256_store_ps(aj + i0, r);
+            }
+        }
+    }
+}
+
+/* One sequence's query heads g*G .. g*G+G-1 against KV head g: keys and values [T, D] (bf16, rows of D),
+   q [G, D] bf16, out [G, D] bf16; scores [G, T] float32 scratch. */
+static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int T, int G, int D,
+                         float scale, float* scores, uint16_t* out) {
+    float qf[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
+    float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
+    for (int j = 0; j < G; j++)
+        for (int i = 0; i < D; i += 8) {
+            _mm256_store_ps(qf + j * D + i, _mm256_mul_ps(load_bf16x8(q + (size_t)j * D + i), _mm256_set1_ps(scale)));
+            _mm256_store_ps(acc + j * D + i, _mm256_setzero_ps());
+        }
+    scores_of(qf, keys, T, G, D, scores);
+    float inv[MAX_GROUP];
+    for (int j = 0; j < G; j++) inv[j] = softmax_numerators(scores + (size_t)j * T, T);
+    weighted_values(scores, values, T, G, D, acc);
+    for (int j = 0; j < G; j++)
+        for (int i = 0; i < D; i += 8)
+            store_bf16x8(out + (size_t)j * D + i, _mm256_mul_ps(_mm256_load_ps(acc + j * D + i), _mm256_set1_ps(inv[j])));
+}
+
+/* A decode step's attention for n sequences, all bf16. Sequence s's query, key and value heads are row rows[s]
+   of qkv ([rows, (H + 2 H_kv) D]: H query heads, H_kv key heads, H_kv value heads); its cache for this layer
+   starts at slots[s], laid out [2 (keys, values), H_kv, capacity[s], D]; its new position is positions[s]
+   (< capacity[s]). The key and value are stored at that position, and the attention of the H query heads over
+   positions [0, positions[s]] goes to row rows[s] of out ([rows, H D]). D a multiple of 8 up to MAX_DIM, H / H_kv
+   up to MAX_GROUP. Returns 0, -1 if scratch memory ran out, -2 for a shape it does not take. */
+int tc_decode_attention(int n, const int64_t* slots, const int32_t* positions, const int32_t* capacity,
+                        const int32_t* rows, const uint16_t* qkv, uint16_t* out, int H, int H_kv, int D, float scale,
+                        int nthreads) {
+    if (H_kv <= 0 || H % H_kv != 0 || H / H_kv > MAX_GROUP || D % 8 != 0 || D > MAX_DIM) return -2;
+    const int G = H / H_kv;
+    const size_t row = (size_t)(H + 2 * H_kv) * D;
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+    for (int task = 0; task < n * H_kv; task++) {
+        const int s = task / H_kv, g = task % H_kv, pos = positions[s], T = pos + 1;
+        uint16_t* keys = (uint16_t*)(intptr_t)slots[s] + (size_t)g * capacity[s] * D;
+        uint16_t* values = (uint16_t*)(intptr_t)slots[s] + (size_t)(H_kv + g) * capacity[s] * D;
+        const uint16_t* x = qkv + (size_t)rows[s] * row;
+        memcpy(keys + (size_t)pos * D, x + (size_t)(H + g) * D, (size_t)D * 2);
+        memcpy(values + (size_t)pos * D, x + (size_t)(H + H_kv + g) * D, (size_t)D * 2);
+        float* scores = (float*)malloc((size_t)G * T * sizeof(float));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        attend_group(x + (size_t)g * G * D, keys, values, T, G, D, scale, scores,
+                     out + (size_t)rows[s] * H * D + (size_t)g * G * D);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
