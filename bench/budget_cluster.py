@@ -10,11 +10,14 @@ greedy completion of --tokens tokens and reads the head's /metrics before and af
 - head: the step less every stage and hop (embedding, final norm, lm_head, sampling, the relay's own work);
 - wall: the request's decode time per token as the client sees it (total less the first token's time).
 
+With --streams N, N such completions run at once (the same prompt, each its own sequence), so every decode step
+carries N rows: the figures are then per batched step, and tok/s counts all N streams.
+
 Each --env setting (default: the environment as it is, then OpenMP told to sleep at once when idle, then to spin
 briefly) runs in turn in the same invocation, so their figures compare: processes that share cores take each
 other's time when idle OpenMP threads spin. Within a stage, bench/profile_step.py splits the compute further.
 
-    python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2]
+    python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2] [--streams 1]
                                    [--env - OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000]
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,7 +68,16 @@ def timed_completion(cluster: Cluster, model: str, max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, setting: str) -> dict:
+def concurrent_completions(cluster: Cluster, model: str, max_tokens: int, streams: int) -> float:
+    """The wall time of `streams` completions started at once, until the last one ends."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda _: timed_completion(cluster, model, max_tokens), range(streams)))
+    return time.perf_counter() - started
+
+
+def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, setting: str,
+           streams: int = 1) -> dict:
     env = dict([setting.split("=", 1)]) if "=" in setting else {}  # "-": as this environment has it
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -78,9 +91,9 @@ def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int,
                 cluster.start_worker(node["id"], "--no-bench", "--threads", str(threads))  # the last --threads wins
             cluster.wait_ready(timeout=600)
             timed_completion(cluster, model_dir.name, 8)  # warm-up
-            first = min(timed_completion(cluster, model_dir.name, 1) for _ in range(2))
+            first = min(concurrent_completions(cluster, model_dir.name, 1, streams) for _ in range(2))
             before = scrape(cluster)
-            total = timed_completion(cluster, model_dir.name, tokens)
+            total = concurrent_completions(cluster, model_dir.name, tokens, streams)
             after = scrape(cluster)
     delta = {key: after[key] - before.get(key, 0.0) for key in after}
     steps = delta[("tc_decode_step_seconds_count", "")]
@@ -100,6 +113,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="threads of the head and of each worker")
+    parser.add_argument("--streams", type=int, default=1, help="completions at once: rows of every decode step")
     parser.add_argument("--env", nargs="+", default=["-", "OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000"],
                         help="VAR=VALUE for every process of one run (- for none); one run each")
     args = parser.parse_args()
@@ -110,16 +124,17 @@ def main() -> None:
     rows = []
     for quant in args.quants:
         for setting in args.env:
-            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting)
+            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting, args.streams)
             rows.append((quant, setting, figures))
-            print(f"  {quant} {setting}: {1 / figures['wall']:.1f} tok/s", file=sys.stderr)
+            print(f"  {quant} {setting}: {args.streams / figures['wall']:.1f} tok/s", file=sys.stderr)
     print(f"\ndemo model, head + {args.workers} workers on loopback, bf16 compute, {args.threads} threads each, "
-          f"{args.tokens} new tokens greedy; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+          f"{args.streams} stream(s) of {args.tokens} new tokens greedy; load average {load_before:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after\n")
     columns = list(rows[0][2])
     width = max(len(setting) for _, setting, _ in rows)
     print(f"{'weights':7s} {'env':{width}s} {'tok/s':>6s}  " + "  ".join(f"{c:>9s}" for c in columns) + "  (ms)")
     for quant, setting, figures in rows:
-        print(f"{quant:7s} {setting:{width}s} {1 / figures['wall']:6.1f}  "
+        print(f"{quant:7s} {setting:{width}s} {args.streams / figures['wall']:6.1f}  "
               + "  ".join(f"{figures[c] * 1000:9.2f}" for c in columns))
 
 
