@@ -265,3 +265,34 @@ def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny
     stage(prompts[0][:, :1], full, 0)
     with pytest.raises(CacheFullError, match="position 1 is past"):
         stage.forward_batch(step[:, :1], [Span(full, 1, 1)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, n", [(1, 896), (3, 64), (2, 200), (80, 136)])  # a tail past the vectors; threads
+def test_rms_norm_gives_the_reference_bits(rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=gen) * torch.rand(rows, 1, generator=gen) * 20).bfloat16()
+    x[:, 1] *= 30  # an outlier channel
+    w = torch.randn(n, generator=gen).bfloat16()
+    got, ref = KERNELS.rms_norm(x, w, 1e-6), native.rms_norm_reference(x, w, 1e-6)
+    # the same roundings; the mean's float32 additions run in another order, which can move a value across a
+    # bf16 rounding boundary (measured: 8 of a million values, by one unit in the last place)
+    assert relative(got, ref) < 1e-3 and (got != ref).float().mean() < 1e-3
+    assert torch.equal(KERNELS.rms_norm(x[:1], w, 1e-6), got[:1])  # a row's result does not depend on the others
+
+
+@needs_kernels
+def test_bf16_norms_take_the_native_norm_and_others_keep_pytorchs(monkeypatch):
+    from tc.model.qwen2 import RMSNorm
+
+    calls = []
+    kernel_call = native.Kernels.rms_norm
+    monkeypatch.setattr(native.Kernels, "rms_norm", lambda self, *a: calls.append(1) or kernel_call(self, *a))
+    monkeypatch.setattr(RMSNorm, "native", True)
+    norm = RMSNorm(64, 1e-6).bfloat16().requires_grad_(False)  # as loaded layers are
+    x = torch.randn(2, 3, 64).bfloat16()
+    assert relative(norm(x), native.rms_norm_reference(x, norm.weight, 1e-6)) < 1e-3 and len(calls) == 1
+    norm(x.float().bfloat16()[:, :, :64].transpose(0, 1))  # not contiguous: PyTorch's operators
+    RMSNorm(64, 1e-6)(x.float())  # float32: PyTorch's
+    RMSNorm(64, 1e-6, offset=1.0).bfloat16()(x)  # Gemma's offset scales in float32: PyTorch's
+    assert len(calls) == 1

@@ -1,4 +1,4 @@
-"""int4 and int8 products built for this CPU at run time: the fastest weight-only path on x86-64 machines.
+"""Kernels built for this CPU at run time: int4 and int8 products and a batch's decode attention, on x86-64.
 
 Theory of operation
 -------------------
@@ -10,8 +10,14 @@ dot-product instructions. `qdot.c` (next to this file) does the same for tc's ow
 activations are quantized per row and per group of columns, and tiles of 8 weight rows meet up to 8 activation
 rows in registers, so a batch reads each weight once.
 
-It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c` once per machine with the C
-compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native -fopenmp), caches the library under
+A decode step of a batch has the opposite problem in attention: one query row per sequence against its own
+cache is a few microseconds of arithmetic, and PyTorch's SDPA spends ~25 us of dispatch and setup per call, one
+call per sequence and layer. `attention.c` stores every sequence's new key and value and attends all of them in
+one call per layer (`Kernels.decode_attention`, taken by qwen2.Attention for bf16 decode rows where
+`attention_faster_than_torch` finds it faster), in float32 from bfloat16 inputs, as SDPA does.
+
+It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c` and `attention.c` into one
+library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native -fopenmp), caches the library under
 ~/.cache/truecluster/kernels keyed by the source, the compiler and the CPU, loads it with ctypes, and checks it
 against the reference on small matrices. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or
 another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual
@@ -49,9 +55,10 @@ from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("qdot.c", "attention.c")  # next to this file, compiled into one library
+SOURCES = ("qdot.c", "attention.c", "norm.c")  # next to this file, compiled into one library
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 1  # attention.c's TC_ATTENTION_ABI
+NORM_ABI = 1  # norm.c's TC_NORM_ABI
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
@@ -86,6 +93,9 @@ class Kernels:
         self._attention.argtypes = [_INT, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
                                     ctypes.c_float, _INT]
         self._attention.restype = _INT
+        self._rms_norm = lib.tc_rms_norm
+        self._rms_norm.argtypes = [_VOID_P, _VOID_P, _VOID_P, _INT, _INT, ctypes.c_float, _INT]
+        self._rms_norm.restype = None
         self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
@@ -138,6 +148,16 @@ class Kernels:
             raise MemoryError(f"no memory for the attention scores of {n} sequences")
         if status:
             raise ValueError(f"the native attention takes no {heads} query heads over {kv_heads} of size {d}")
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * rms_norm(x) for contiguous bfloat16 x [..., n] and weight [n] (norm.c): the reference's
+        roundings (normalised in float32, rounded to bfloat16, then scaled and rounded again)."""
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps,
+                       torch.get_num_threads())
+        return y
 
 
 def attention_shape_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -276,7 +296,23 @@ def check(kernels: Kernels) -> float:
                 # bf16 outputs round to 2^-9; float32 ones agree to float summation order
                 for got, ref in ((got4, ref4), (got8, ref8)):
                     worst = max(worst, float((got - ref).norm() / ref.norm()))
-    return max(worst, _check_attention(kernels, gen))
+    return max(worst, _check_attention(kernels, gen), _check_norm(kernels, gen))
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What Kernels.rms_norm computes, by PyTorch's operators (qwen2.RMSNorm's own way)."""
+    return weight * torch.nn.functional.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def _check_norm(kernels: Kernels, gen: torch.Generator) -> float:
+    """The worst relative error of rms_norm against its reference over a few row counts and widths."""
+    worst = 0.0
+    for rows, n in ((1, 64), (5, 200), (70, 136)):  # one row, a tail past the vectors, the threaded path
+        x = (torch.randn(rows, n, generator=gen) * 3).bfloat16()
+        w = torch.randn(n, generator=gen).bfloat16()
+        ref = rms_norm_reference(x, w, 1e-6).float()
+        worst = max(worst, float((kernels.rms_norm(x, w, 1e-6).float() - ref).norm() / ref.norm()))
+    return worst
 
 
 def decode_attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: int,
@@ -317,9 +353,9 @@ def load(compiler: str, march: str = "native") -> Kernels:
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
     path = _build(sources, compiler, march)
     lib = ctypes.CDLL(str(path))
-    if lib.tc_qdot_abi() != ABI or lib.tc_attention_abi() != ATTENTION_ABI:
-        raise RuntimeError(f"{path} has ABIs {lib.tc_qdot_abi()}/{lib.tc_attention_abi()}, "
-                           f"expected {ABI}/{ATTENTION_ABI}")
+    found = (lib.tc_qdot_abi(), lib.tc_attention_abi(), lib.tc_norm_abi())
+    if found != (ABI, ATTENTION_ABI, NORM_ABI):
+        raise RuntimeError(f"{path} has ABIs {found}, expected {(ABI, ATTENTION_ABI, NORM_ABI)}")
     return Kernels(lib, path)
 
 
@@ -353,6 +389,26 @@ def kernels() -> Kernels | None:
 
 
 # -------------------------------------------------------------------------------------------------- probes
+
+
+@functools.lru_cache(maxsize=None)
+def norm_faster_than_torch() -> bool:
+    """Whether the native RMS norm beats PyTorch's operators (rms_norm_reference) by MIN_GAIN on this CPU, timed
+    once per process on one thread for a decode row and for a prefill-sized block of rows."""
+    native = kernels()
+    if native is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, generator=gen).bfloat16()
+    times = []
+    for rows in (1, 256):
+        x = torch.randn(rows, 1024, generator=gen).bfloat16()
+        with one_thread():
+            times.append(race([lambda: native.rms_norm(x, w, 1e-6), lambda: rms_norm_reference(x, w, 1e-6)], 5))
+    gain = min(theirs / ours for ours, theirs in times)
+    log.info("native RMS norm: %.1f / %.0f us for 1 / 256 rows, PyTorch's %.1f / %.0f us: %s", times[0][0] * 1e6,
+             times[1][0] * 1e6, times[0][1] * 1e6, times[1][1] * 1e6, "native" if gain >= MIN_GAIN else "PyTorch's")
+    return gain >= MIN_GAIN
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,8 @@ seven.
 A stage runs a ragged batch: the rows of several sequences, each a `Span` of consecutive positions with its own
 KV cache, side by side in one [1, rows, hidden] tensor. Every product runs once over all the rows (a decode step
 of eight sequences reads each weight once, not eight times); rotary takes each row's own position, and attention
-runs span by span against that span's cache. A row's result never depends on the other rows beside it, up to the
+runs span by span against that span's cache, except that in bf16 on an x86-64 CPU every decode row (a span of
+one position) goes to the native kernel in one call per layer (native.Kernels.decode_attention). A row's result never depends on the other rows beside it, up to the
 last bits of a product that the BLAS may block differently for a different row count.
 """
 from __future__ import annotations
@@ -194,6 +195,10 @@ class RMSNorm(nn.Module):
     """RMS normalisation, scaled by its weight, or by (offset + weight) where a family stores weight - offset
     (Gemma's offset 1, which scales in fp32 before rounding, as its reference does)."""
 
+    # None: bf16 rows on a CPU take the native norm (norm.c, the same roundings in one call) where it runs and its
+    # probe finds it faster; False: always PyTorch's operators; True: the native norm wherever it runs
+    native: bool | None = None
+
     def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -204,6 +209,12 @@ class RMSNorm(nn.Module):
         if self.offset:
             normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        if (self.native is not False and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
+                and x.device.type == "cpu" and x.is_contiguous()
+                and (self.native or native.norm_faster_than_torch())):
+            kernels = native.kernels()
+            if kernels is not None:
+                return kernels.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 as the reference does (one fused op, the same bits as its five), then scale in the
         # compute dtype
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

@@ -1,0 +1,85 @@
+/* RMS normalisation of bfloat16 rows for x86-64 CPUs, in one call instead of PyTorch's six operators.
+
+   Built with qdot.c into one library by tc/model/native.py (-O3 -march=native -fopenmp) and loaded with ctypes.
+   A decoder layer normalises its hidden states twice; PyTorch does it as a conversion to float32, the fused
+   rms_norm (itself pow, mean, add, rsqrt and mul at these sizes) and a conversion back, then the weight's
+   product: ~40 us a call at decode sizes, ~1 ms of a 12-layer stage's step. The arithmetic here is the
+   reference's (tc/model/qwen2.py RMSNorm, transformers' Qwen2RMSNorm): in float32, x * rsqrt(mean(x^2) + eps),
+   rounded to bfloat16, times the weight, rounded to bfloat16 again; only the order of the mean's float32
+   additions differs. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "these kernels need AVX2 and FMA"
+#endif
+
+#define TC_NORM_ABI 1
+#define INLINE static inline __attribute__((always_inline))
+#define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: waking others costs more */
+
+int tc_norm_abi(void) { return TC_NORM_ABI; }
+
+INLINE __m256 bf16_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+/* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
+INLINE __m256 round_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+INLINE __m128i to_bf16(__m256 rounded) {
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+INLINE uint16_t scalar_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+INLINE float scalar_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int n, float eps) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i)));
+        __m256 b = bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i + 8)));
+        acc0 = _mm256_fmadd_ps(a, a, acc0);
+        acc1 = _mm256_fmadd_ps(b, b, acc1);
+    }
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (; i < n; i++) sum += scalar_f32(x[i]) * scalar_f32(x[i]);
+    const float inv = 1.f / sqrtf(sum / (float)n + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 normed = round_bf16(_mm256_mul_ps(bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i))), vinv));
+        __m256 scaled = _mm256_mul_ps(bf16_to_f32(_mm_loadu_si128((const __m128i*)(w + i))), normed);
+        _mm_storeu_si128((__m128i*)(y + i), to_bf16(round_bf16(scaled)));
+    }
+    for (; i < n; i++) {
+        float normed = scalar_f32(scalar_bf16(scalar_f32(x[i]) * inv));
+        y[i] = scalar_bf16(scalar_f32(w[i]) * normed);
+    }
+}
+
+/* y[r, :] = w * (x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) for `rows` contiguous bf16 rows of n, as above. */
+void tc_rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int rows, int n, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) norm_row(x + (size_t)r * n, w, y + (size_t)r * n, n, eps);
+}
