@@ -16,8 +16,10 @@ call per sequence and layer. `attention.c` stores every sequence's new key and v
 one call per layer (`Kernels.decode_attention`, taken by qwen2.Attention for bf16 decode rows where
 `attention_faster_than_torch` finds it faster), in float32 from bfloat16 inputs, as SDPA does.
 
-It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c` and `attention.c` into one
-library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native -fopenmp), caches the library under
+`norm.c` likewise does a bf16 RMS norm in one call where PyTorch dispatches six operators and two conversions.
+
+It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c` and `norm.c`
+into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native -fopenmp), caches the library under
 ~/.cache/truecluster/kernels keyed by the source, the compiler and the CPU, loads it with ctypes, and checks it
 against the reference on small matrices. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or
 another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual
