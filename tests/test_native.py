@@ -73,6 +73,8 @@ def test_the_avx2_build_without_vnni_agrees_too():
     avx2 = native.load(native._compiler(), "haswell")
     assert avx2.rows_per_pass == 4
     assert native.check(avx2) < 1e-2
+    gen = torch.Generator().manual_seed(0)
+    assert native._check_attention(avx2, gen) < 1e-2 and native._check_norm(avx2, gen) < 1e-2
 
 
 def test_float32_layers_keep_their_activations_unquantized():
@@ -225,6 +227,17 @@ def test_decode_attention_equals_its_reference_and_stores_the_new_position(heads
 
 
 @needs_kernels
+def test_a_nan_in_one_sequence_spoils_its_own_attention_only():
+    # as SDPA does: a NaN (or an overflow) must show in the output, not vanish into the softmax's weights
+    qkv = torch.randn(2, 8 * 16).bfloat16()
+    qkv[0, 3] = float("nan")  # a query value of sequence 0
+    slots = [torch.randn(2, 1, 2, 6, 16).bfloat16() for _ in range(2)]
+    out = torch.zeros(2, 4 * 16, dtype=torch.bfloat16)
+    KERNELS.decode_attention(qkv, out, [0, 1], slots, [4, 5], 4, 2, 0.25)
+    assert out[0, :16].isnan().all() and out[1].isfinite().all()
+
+
+@needs_kernels
 def test_decode_attention_refuses_heads_it_does_not_take():
     assert native.attention_shape_ok(14, 2, 64) and not native.attention_shape_ok(14, 2, 60)
     assert not native.attention_shape_ok(34, 2, 64) and not native.attention_shape_ok(4, 2, 512)
@@ -247,7 +260,8 @@ def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny
     step = torch.randn(1, 1 + 6 + 1, 64, generator=gen).bfloat16()  # rows: decode, chunk of 6, decode
     calls = []
     kernel_call = native.Kernels.decode_attention
-    monkeypatch.setattr(native.Kernels, "decode_attention", lambda self, *a: calls.append(a[2]) or kernel_call(self, *a))
+    monkeypatch.setattr(native.Kernels, "decode_attention",
+                        lambda self, *a: calls.append(a[2]) or kernel_call(self, *a))
     results = {}
     for way in (False, True):
         monkeypatch.setattr(Attention, "native_decode", way)
@@ -255,7 +269,8 @@ def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny
         for prompt, cache in zip(prompts, caches):
             stage(prompt, cache, 0)
         spans = [Span(caches[0], 9, 1), Span(caches[1], 4, 6), Span(caches[2], 17, 1)]
-        results[way] = stage.forward_batch(step, spans), [c.kv[..., :n, :].clone() for c, n in zip(caches, (10, 10, 18))]
+        out = stage.forward_batch(step, spans)
+        results[way] = out, [c.kv[..., :n, :].clone() for c, n in zip(caches, (10, 10, 18))]  # positions written
     assert calls == [[0, 7]] * len(stage.layers)  # rows 0 and 7, once per layer
     (native_out, native_kv), (sdpa_out, sdpa_kv) = results[True], results[False]
     assert relative(native_out, sdpa_out) < 1e-2
@@ -268,7 +283,7 @@ def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows, n", [(1, 896), (3, 64), (2, 200), (80, 136)])  # a tail past the vectors; threads
+@pytest.mark.parametrize("rows, n", [(1, 896), (3, 64), (2, 200), (2, 203), (80, 136)])  # tails past vectors; threads
 def test_rms_norm_gives_the_reference_bits(rows, n):
     gen = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=gen) * torch.rand(rows, 1, generator=gen) * 20).bfloat16()

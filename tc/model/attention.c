@@ -21,7 +21,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_ATTENTION_ABI 1
+#define TC_ATTENTION_ABI 2
 #define INLINE static inline __attribute__((always_inline))
 
 int tc_attention_abi(void) { return TC_ATTENTION_ABI; }
@@ -45,9 +45,11 @@ INLINE float sum8(__m256 v) {
 }
 
 /* e^x for x <= 0 (scores minus their maximum), to ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
-   polynomial, times 2^n; below -87 (where e^x is under float32's normal range) it returns e^-87. */
+   polynomial, times 2^n; below -87 (where e^x is under float32's normal range) it returns e^-87. A NaN stays NaN
+   (maxps returns its second operand when either is NaN), so a NaN or infinite score spoils the output as it
+   does SDPA's rather than vanishing into the softmax. */
 INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -114,8 +116,8 @@ static float softmax_numerators(float* s, int T) {
     }
     float total = sum8(vsum);
     if (t < T) {
-        float tail[8] __attribute__((aligned(32))) = {0};
-        memcpy(tail, s + t, (size_t)(T - t) * sizeof(float));
+        float tail[8] __attribute__((aligned(32)));
+        for (int l = 0; l < 8; l++) tail[l] = l < T - t ? s[t + l] : top; /* unused lanes: e^0 */
         _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), vtop)));
         for (int l = 0; l < T - t; l++) total += tail[l];
         memcpy(s + t, tail, (size_t)(T - t) * sizeof(float));
@@ -138,13 +140,15 @@ static void weighted_values(const float* p, const uint16_t* values, int T, int G
                 for (int v = 0; v < 8; v++) r[v] = _mm256_load_ps(aj + i0 + 8 * v);
                 for (int k = 0; k < n; k++) {
                     __m256 w = _mm256_set1_ps(pj[k]);
-                    for (int v = 0; v < 8; v++) r[v] = _mm256_fmadd_ps(w, _mm256_load_ps(vf + k * D + i0 + 8 * v), r[v]);
+                    for (int v = 0; v < 8; v++)
+                        r[v] = _mm256_fmadd_ps(w, _mm256_load_ps(vf + k * D + i0 + 8 * v), r[v]);
                 }
                 for (int v = 0; v < 8; v++) _mm256_store_ps(aj + i0 + 8 * v, r[v]);
             }
             for (; i0 < D; i0 += 8) {
                 __m256 r = _mm256_load_ps(aj + i0);
-                for (int k = 0; k < n; k++) r = _mm256_fmadd_ps(_mm256_set1_ps(pj[k]), _mm256_load_ps(vf + k * D + i0), r);
+                for (int k = 0; k < n; k++)
+                    r = _mm256_fmadd_ps(_mm256_set1_ps(pj[k]), _mm256_load_ps(vf + k * D + i0), r);
                 _mm256_store_ps(aj + i0, r);
             }
         }
@@ -168,7 +172,8 @@ static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t
     weighted_values(scores, values, T, G, D, acc);
     for (int j = 0; j < G; j++)
         for (int i = 0; i < D; i += 8)
-            store_bf16x8(out + (size_t)j * D + i, _mm256_mul_ps(_mm256_load_ps(acc + j * D + i), _mm256_set1_ps(inv[j])));
+            store_bf16x8(out + (size_t)j * D + i,
+                         _mm256_mul_ps(_mm256_load_ps(acc + j * D + i), _mm256_set1_ps(inv[j])));
 }
 
 /* A decode step's attention for n sequences, all bf16. Sequence s's query, key and value heads are row rows[s]

@@ -41,6 +41,8 @@ class KVCache:
         itself; raises CacheFullError where the position is past the capacity, as `update` does."""
         if position >= self.capacity:
             raise CacheFullError(f"position {position} is past this request's cache capacity {self.capacity}")
+        if position < 0:
+            raise ValueError(f"position {position} is negative")
         return self._layers[layer]
 
     @property

@@ -15,8 +15,9 @@ A stage runs a ragged batch: the rows of several sequences, each a `Span` of con
 KV cache, side by side in one [1, rows, hidden] tensor. Every product runs once over all the rows (a decode step
 of eight sequences reads each weight once, not eight times); rotary takes each row's own position, and attention
 runs span by span against that span's cache, except that in bf16 on an x86-64 CPU every decode row (a span of
-one position) goes to the native kernel in one call per layer (native.Kernels.decode_attention). A row's result never depends on the other rows beside it, up to the
-last bits of a product that the BLAS may block differently for a different row count.
+one position) goes to the native kernel in one call per layer (native.Kernels.decode_attention). A row's result
+never depends on the other rows beside it, up to the last bits of a product that the BLAS may block differently
+for a different row count.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, Rope
 from . import native
+from .config import ModelConfig, Rope
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .rope import attention_scaling, inv_freq
