@@ -1,4 +1,5 @@
-"""The run-time-built int4/int8 kernels: exact against their reference, their layouts, their fallbacks."""
+"""The run-time-built native kernels (int4/int8 products, decode attention, RMS norm): against their references,
+their layouts, their fallbacks."""
 from __future__ import annotations
 
 import os

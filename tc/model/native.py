@@ -373,26 +373,26 @@ def kernels() -> Kernels | None:
     """The native kernels of this machine, built and checked once per process, or None (logged once) where they
     cannot be: turned off, not x86-64, no C compiler, a failed build, or a result that disagrees."""
     if os.environ.get("TC_NATIVE_KERNELS", "1") == "0":
-        log.info("native int4/int8 kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
+        log.info("native kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info("native int4/int8 kernels: none for %s; using PyTorch's", platform.machine())
+        log.info("native kernels: none for %s; using PyTorch's", platform.machine())
         return None
     compiler = _compiler()
     if compiler is None:
-        log.info("native int4/int8 kernels: no C compiler found (set CC, or install gcc); using PyTorch's")
+        log.info("native kernels: no C compiler found (set CC, or install gcc); using PyTorch's")
         return None
     try:
         loaded = load(compiler)
         err = check(loaded)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-        log.info("native int4/int8 kernels: unavailable (%s); using PyTorch's", exc)
+        log.info("native kernels: unavailable (%s); using PyTorch's", exc)
         return None
     if err > 1e-2:
-        log.warning("native int4/int8 kernels: disagree with the reference (relative error %.1e); using PyTorch's",
+        log.warning("native kernels: disagree with the reference (relative error %.1e); using PyTorch's",
                     err)
         return None
-    log.info("native int4/int8 kernels: built (%s, %d rows per pass, relative error %.1e)", loaded.path.name,
+    log.info("native kernels: built (%s, %d rows per pass, relative error %.1e)", loaded.path.name,
              loaded.rows_per_pass, err)
     return loaded
 
