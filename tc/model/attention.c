@@ -17,38 +17,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "these kernels need AVX2 and FMA"
 #endif
 
 #define TC_ATTENTION_ABI 2
-#define INLINE static inline __attribute__((always_inline))
 
 int tc_attention_abi(void) { return TC_ATTENTION_ABI; }
-
-INLINE __m256 load_bf16x8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-/* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
-INLINE void store_bf16x8(uint16_t* p, __m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
-
-INLINE float sum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 
 /* e^x for x <= 0 (scores minus their maximum), to ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
    polynomial, times 2^n; below -87 (where e^x is under float32's normal range) it returns e^-87. A NaN stays NaN
    (maxps returns its second operand when either is NaN), so a NaN or infinite score spoils the output as it
    does SDPA's rather than vanishing into the softmax. */
-INLINE __m256 exp8(__m256 x) {
+TC_INLINE __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -70,17 +53,17 @@ INLINE __m256 exp8(__m256 x) {
 #define KB 8          /* keys (or values) converted to float32 at a time, then used by every query head */
 
 /* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once */
-INLINE __m256 sums8(const __m256* a) {
+TC_INLINE __m256 sums8(const __m256* a) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /* rows [t0, t0 + n) of a bf16 [T, D] matrix as float32 rows of D in f, the rows past n zero */
-INLINE void convert_rows(const uint16_t* m, int t0, int n, int D, float* f) {
+TC_INLINE void convert_rows(const uint16_t* m, int t0, int n, int D, float* f) {
     for (int k = 0; k < KB; k++)
         for (int i = 0; i < D; i += 8)
-            _mm256_store_ps(f + k * D + i, k < n ? load_bf16x8(m + (size_t)(t0 + k) * D + i) : _mm256_setzero_ps());
+            _mm256_store_ps(f + k * D + i, k < n ? bf16x8_load(m + (size_t)(t0 + k) * D + i) : _mm256_setzero_ps());
 }
 
 /* scores[j, t] = q_j . k_t for the G query heads (qf [G, D] float32, already scaled) and keys [T, D] (bf16) */
@@ -163,7 +146,7 @@ static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t
     float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
     for (int j = 0; j < G; j++)
         for (int i = 0; i < D; i += 8) {
-            _mm256_store_ps(qf + j * D + i, _mm256_mul_ps(load_bf16x8(q + (size_t)j * D + i), _mm256_set1_ps(scale)));
+            _mm256_store_ps(qf + j * D + i, _mm256_mul_ps(bf16x8_load(q + (size_t)j * D + i), _mm256_set1_ps(scale)));
             _mm256_store_ps(acc + j * D + i, _mm256_setzero_ps());
         }
     scores_of(qf, keys, T, G, D, scores);
@@ -172,7 +155,7 @@ static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t
     weighted_values(scores, values, T, G, D, acc);
     for (int j = 0; j < G; j++)
         for (int i = 0; i < D; i += 8)
-            store_bf16x8(out + (size_t)j * D + i,
+            bf16x8_store(out + (size_t)j * D + i,
                          _mm256_mul_ps(_mm256_load_ps(acc + j * D + i), _mm256_set1_ps(inv[j])));
 }
 

@@ -57,7 +57,7 @@ from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("qdot.c", "attention.c", "norm.c")  # next to this file, compiled into one library
+SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16.h")  # next to this file: the .c files make one library
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 2  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
@@ -129,7 +129,6 @@ class Kernels:
             raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
         return y
 
-
     def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
                          slots: Sequence[torch.Tensor], positions: Sequence[int], heads: int, kv_heads: int,
                          scale: float) -> None:
@@ -155,7 +154,6 @@ class Kernels:
             raise MemoryError(f"no memory for the attention scores of {n} sequences")
         if status:
             raise ValueError(f"the native attention takes no {heads} query heads over {kv_heads} of size {d}")
-
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * rms_norm(x) for contiguous bfloat16 x [..., n] and weight [n] (norm.c): the reference's
@@ -271,7 +269,8 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         files, out = [Path(tmp) / name for name in sorted(sources)], Path(tmp) / "native.so"
         for file in files:
             file.write_bytes(sources[file.name])
-        done = subprocess.run([compiler, *flags, "-o", str(out), *map(str, files)], capture_output=True, text=True,
+        units = [str(f) for f in files if f.suffix == ".c"]  # the header is written beside them, not compiled
+        done = subprocess.run([compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])

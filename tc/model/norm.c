@@ -12,38 +12,25 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "these kernels need AVX2 and FMA"
 #endif
 
 #define TC_NORM_ABI 1
-#define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: waking others costs more */
 
 int tc_norm_abi(void) { return TC_NORM_ABI; }
 
-INLINE __m256 bf16_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-
-/* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
-INLINE __m256 round_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
-INLINE __m128i to_bf16(__m256 rounded) {
-    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-}
-
-INLINE uint16_t scalar_bf16(float v) {
+/* the scalar tail's conversions, rounded as bf16.h's vectors are */
+TC_INLINE uint16_t scalar_bf16(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-INLINE float scalar_f32(uint16_t h) {
+TC_INLINE float scalar_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float v;
     memcpy(&v, &u, 4);
@@ -54,23 +41,18 @@ static void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int n, f
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256 a = bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i)));
-        __m256 b = bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i + 8)));
+        __m256 a = bf16x8_load(x + i), b = bf16x8_load(x + i + 8);
         acc0 = _mm256_fmadd_ps(a, a, acc0);
         acc1 = _mm256_fmadd_ps(b, b, acc1);
     }
-    __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    float sum = sum8(_mm256_add_ps(acc0, acc1));
     for (; i < n; i++) sum += scalar_f32(x[i]) * scalar_f32(x[i]);
     const float inv = 1.f / sqrtf(sum / (float)n + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
     i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 normed = round_bf16(_mm256_mul_ps(bf16_to_f32(_mm_loadu_si128((const __m128i*)(x + i))), vinv));
-        __m256 scaled = _mm256_mul_ps(bf16_to_f32(_mm_loadu_si128((const __m128i*)(w + i))), normed);
-        _mm_storeu_si128((__m128i*)(y + i), to_bf16(round_bf16(scaled)));
+        __m256 normed = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + i), vinv));
+        bf16x8_store(y + i, _mm256_mul_ps(bf16x8_load(w + i), normed));
     }
     for (; i < n; i++) {
         float normed = scalar_f32(scalar_bf16(scalar_f32(x[i]) * inv));

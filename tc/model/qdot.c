@@ -19,12 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "these kernels need AVX2 and FMA"
 #endif
 
 #define TC_QDOT_ABI 3
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -39,7 +40,7 @@ int tc_qdot_rows_per_pass(void) { return MR; }
 
 int tc_qdot_activation_group(void) { return XGROUP; }
 
-ALWAYS_INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+TC_INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
@@ -52,38 +53,28 @@ ALWAYS_INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
 #define S8_OFFSET 128 /* dot_s8s8 adds 128 * sum(x): its unsigned operand is w + 128 */
-ALWAYS_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
+TC_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
     return dot_u8s8(acc, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
 }
 #else
 #define S8_OFFSET 0
-ALWAYS_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
+TC_INLINE __m256i dot_s8s8(__m256i acc, __m256i w, __m256i x) {
     return dot_u8s8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 #endif
 
-ALWAYS_INLINE __m256 bf16x8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+TC_INLINE __m256 load8(const void* x, int bf16, size_t i) {
+    return bf16 ? bf16x8_load((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i);
 }
 
-ALWAYS_INLINE __m256 load8(const void* x, int bf16, size_t i) {
-    return bf16 ? bf16x8((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i);
-}
-
-ALWAYS_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
-    if (!bf16) {
+TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
+    if (bf16)
+        bf16x8_store((uint16_t*)y + i, v);
+    else
         _mm256_storeu_ps((float*)y + i, v);
-        return;
-    }
-    /* round to nearest even, as torch's float -> bfloat16 conversion does (the inputs are finite) */
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-    _mm_storeu_si128((__m128i*)((uint16_t*)y + i), packed);
 }
 
-ALWAYS_INLINE __m256i bcast4(const int8_t* p) {
+TC_INLINE __m256i bcast4(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
@@ -124,7 +115,7 @@ static void quantize_row(const void* x, int bf16, int m, int K, int8_t* xq, floa
 /* int4 tile t = weight rows 8t..8t+7: packed bytes [N/8, K/8, 8, 4], byte (t, kb, r, b) holding the code of
    W[8t+r, 8kb+b] in its low nibble and of W[8t+r, 8kb+4+b] in its high one (w = (c - 8) * scale + zero);
    scales and zeros bf16 [N/8, K/group, 8]. Activation rows m0..m0+mr-1, mr <= MR. */
-ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
                              const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int G, int group,
                              int t, int m0, int N, void* y, int y_bf16) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -133,8 +124,8 @@ ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, co
     __m256 acc[MR];
     for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256 s = bf16x8(scales + ((size_t)t * G + g) * 8);
-        __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + ((size_t)t * G + g) * 8));
+        __m256 s = bf16x8_load(scales + ((size_t)t * G + g) * 8);
+        __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_load(zeros + ((size_t)t * G + g) * 8));
         float xsum[MR] = {0}; /* sum of the dequantized activations over the group, for the zero points */
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
             /* a few rows get two independent chains each (low and high nibbles) to keep the dot-product unit
@@ -167,7 +158,7 @@ ALWAYS_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, co
 }
 
 /* int8 tile t: qweight bytes [N/8, K/4, 8, 4], byte (t, kb, r, b) = W[8t+r, 4kb+b]; a float scale per row. */
-ALWAYS_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
                              const int8_t* qweight, const float* wscale, int t, int m0, int N, void* y, int y_bf16) {
     const int8_t* wt = qweight + (size_t)t * 8 * K;
     const int B = K / XGROUP;
