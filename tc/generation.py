@@ -41,13 +41,16 @@ class Entry:
     """One sequence's rows in a pipeline step: positions [start, start + length) of `sequence`.
 
     An entry at start 0 begins the sequence: every stage makes it a fresh cache of `capacity` positions (its prompt
-    plus its max_tokens). Later entries continue from exactly where the cache ends.
+    plus its max_tokens). Later entries continue from exactly where the cache ends. After its rows run, every
+    stage copies the sequence's cache into a new one for each id in `copies` (the other choices of a request
+    whose prompt was read once), which then continue as sequences of their own.
     """
 
     sequence: int
     start: int
     length: int
     capacity: int
+    copies: tuple[int, ...] = ()
 
 
 class Pipeline(Protocol):
@@ -79,6 +82,9 @@ class LocalPipeline:
             spans = [Span(self.caches[e.sequence][i], e.start, e.length) for e in entries]
             cache = spans[0].cache
             hidden = stage.forward_batch(hidden.to(cache.keys.device, cache.keys.dtype), spans)
+        for entry in entries:
+            for copy in entry.copies:
+                self.caches[copy] = [cache.copy() for cache in self.caches[entry.sequence]]
         return hidden.to("cpu", out_dtype)  # the head works on the CPU
 
     def release(self, sequences: Sequence[int]) -> None:
@@ -278,6 +284,9 @@ class SequenceState:
         self.unsent_prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, for the first step to carry
         self.prompt_infos: tuple[TokenInfo, ...] = ()
         self.next_allowed: torch.Tensor | None = None  # the grammar's mask for the next choice, if made ahead
+        # Another choice of the same request, whose prompt this one shares: it reads the prompt for both, and this
+        # one starts from a copy of its cache (Generator.step). None: this sequence reads its own prompt.
+        self.leader: SequenceState | None = None
         self.started: float | None = None  # when its first entry ran
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -319,6 +328,12 @@ class SequenceState:
             self.prompt_infos = tuple(TokenInfo(t, o, r) for t, o, r in
                                       zip(self.prompt_ids, offsets, [None, *self.prompt_reports]))
             self.unsent_prompt = self.prompt_infos
+
+    def take_prompt_from(self, leader: "SequenceState") -> None:
+        """Start decoding from the leader's reading of the same prompt (its cache was copied for this one)."""
+        self.prefilled, self.leader, self.started = leader.prefilled, None, leader.started
+        self.prompt_reports, self.prompt_infos = leader.prompt_reports, leader.prompt_infos
+        self.unsent_prompt = self.prompt_infos
 
     def prepare_mask(self) -> None:
         """Compute the grammar's mask for the next choice now (the scheduler does it while the pipeline runs)."""
@@ -378,6 +393,7 @@ class Generator:
         self.context_length = head.config.max_position_embeddings
         self._ids = itertools.count(1)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks, made beside the pipeline
+        self.prompt_positions = 0  # prompt positions run through the pipeline so far (a prompt read for n, once)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden.to(self.dtype))  # [1, rows, vocab] fp32
@@ -391,35 +407,68 @@ class Generator:
         """A new sequence for `prompt_ids`. Raises ValueError if the prompt is empty or leaves no room."""
         return SequenceState(next(self._ids), prompt_ids, params, self.tokenizer, self.context_length)
 
+    def start_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams]) -> list[SequenceState]:
+        """A sequence per entry of `choices` for the same prompt. The first reads the prompt; each other choice
+        that asks for the same cache and prompt log-probabilities follows it: it starts from a copy of the first's
+        cache and chooses its first token from the first's logits, each with its own sampling state. If the first
+        is gone before the prompt is read (its client left), the next choice reads it for the rest."""
+        sequences = [self.start(prompt_ids, params) for params in choices]
+        leader = sequences[0]
+        for sequence in sequences[1:]:
+            if (sequence.capacity, sequence.params.prompt_logprobs, sequence.params.logprobs) == \
+                    (leader.capacity, leader.params.prompt_logprobs, leader.params.logprobs):
+                sequence.leader = leader
+        return sequences
+
     def step(self, sequences: Sequence[SequenceState], prompt_budget: int | None = None
              ) -> list[tuple[SequenceState, Step]]:
         """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
 
         Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
         positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
-        reads all of its prompt. The pipeline's errors pass through.
+        reads all of its prompt. A follower (`start_choices`) waits while its leader reads the prompt, and gets a
+        copy of the leader's cache in the step that reads the prompt's end. The pipeline's errors pass through.
         """
+        present, heirs = {s.id for s in sequences}, {}
+        for sequence in sequences:
+            leader = sequence.leader
+            if leader is not None and leader.decoding:  # it read the prompt in an earlier step, without this one
+                sequence.leader = None
+            elif leader is not None and leader.id not in present:  # it left: its first follower here leads the rest
+                heir = heirs.setdefault(leader.id, sequence)
+                sequence.leader = None if heir is sequence else heir
+        followers: dict[int, list[SequenceState]] = {}
+        for sequence in sequences:
+            if sequence.leader is not None:
+                followers.setdefault(sequence.leader.id, []).append(sequence)
         budget = prompt_budget if prompt_budget is not None and any(s.decoding for s in sequences) else None
         planned: list[tuple[SequenceState, Entry]] = []
+        forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []
         for sequence in sequences:
-            if not sequence.decoding and budget is not None and budget <= 0:
+            if sequence.leader is not None or (not sequence.decoding and budget is not None and budget <= 0):
                 continue
             entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if budget is None or sequence.decoding
                                               else budget)
             if budget is not None and not sequence.decoding:
                 budget -= entry.length
+            if not sequence.decoding and entry.start + entry.length == len(sequence.prompt_ids):
+                copies = followers.get(sequence.id, [])
+                entry = dataclasses.replace(entry, copies=tuple(f.id for f in copies))
+                forked += [(f, sequence) for f in copies]
             planned.append((sequence, entry))
             ids += entry_ids
         # Grammar masks depend only on the tokens chosen so far, so they are made while the pipeline runs, off the
         # critical path (llguidance releases the GIL; a remote pipeline mostly waits on its sockets).
         choosing_next = [s for s, e in planned if s.grammar is not None and e.start + e.length >= len(s.prompt_ids)]
+        choosing_next += [f for f, _ in forked if f.grammar is not None]
         masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
         try:
             hidden = self.pipeline.run([e for _, e in planned], self.head.embed(torch.tensor([ids])))
         finally:
             if masks is not None:
                 masks.result()
+        self.prompt_positions += sum(e.length for s, e in planned if not s.decoding)
         row, choosing, last_rows = 0, [], []
         for sequence, entry in planned:
             rows = hidden[:, row:row + entry.length]
@@ -428,12 +477,15 @@ class Generator:
                 sequence.read_prompt(entry, rows, self._logits)
                 if not sequence.decoding:
                     continue  # more of its prompt to read
-            choosing.append(sequence)
+            choosing.append((sequence, len(last_rows)))
             last_rows.append(rows[:, -1:])
+        for follower, leader in forked:  # each chooses from the leader's logits, with its own sampling state
+            follower.take_prompt_from(leader)
+            choosing.append((follower, next(i for s, i in choosing if s is leader)))
         if not choosing:
             return []
         logits = self._logits(torch.cat(last_rows, dim=1))[0]  # [sequences choosing, vocab]: one lm_head read
-        return [(sequence, sequence.advance(logits[i])) for i, sequence in enumerate(choosing)]
+        return [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """Generate a completion for `prompt_ids` alone, one `Step` per token, the last carrying the Completion.

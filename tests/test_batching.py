@@ -43,15 +43,17 @@ def tokenizer(model_dir):
 
 
 class RecordingPipeline(LocalPipeline):
-    """The real stages; records each step's entries (sequence, start, length)."""
+    """The real stages; records each step's entries (sequence, start, length) and the caches it copied."""
 
     def __init__(self, stages: list, pause_s: float = 0.0):
         super().__init__(stages)
         self.pause_s = pause_s
         self.steps: list[list[tuple[int, int, int]]] = []
+        self.copies: dict[int, tuple[int, ...]] = {}  # sequence -> the sequences given copies of its cache
 
     def run(self, entries, hidden):
         self.steps.append([(e.sequence, e.start, e.length) for e in entries])
+        self.copies.update({e.sequence: e.copies for e in entries if e.copies})
         time.sleep(self.pause_s)
         return super().run(entries, hidden)
 
@@ -306,9 +308,10 @@ def test_eight_requests_through_head_and_two_workers_equal_their_solo_runs(tmp_p
 def test_a_killed_worker_with_several_sequences_in_flight_resumes_them_all(tmp_path, model_dir, model, tokenizer):
     with start_cluster(tmp_path, model_dir, max_batch=4, resume=True, resume_grace_s=120) as cluster:
         lengths = [150, 120, 100]
-        requests = [Request(cluster, body_for(PROMPTS[i], lengths[i])) for i in range(3)]
+        # the first asks for two choices: its prompt read once, the second choice's caches copies on each worker
+        requests = [Request(cluster, {**body_for(PROMPTS[i], lengths[i]), "n": 2 if i == 0 else 1}) for i in range(3)]
         deadline = time.monotonic() + 30
-        while cluster.get("/v1/cluster")[1]["batch"]["in_use"] < 3:
+        while cluster.get("/v1/cluster")[1]["batch"]["in_use"] < 4:
             assert time.monotonic() < deadline, "the requests never shared the batch"
             time.sleep(0.02)
         b = cluster.workers.pop("b")
@@ -318,7 +321,11 @@ def test_a_killed_worker_with_several_sequences_in_flight_resumes_them_all(tmp_p
         for i, request in enumerate(requests):
             status, body = request.wait(180)
             assert status == 200, body
-            assert_same_greedy_text(body["choices"][0]["text"], solo(model, tokenizer, PROMPTS[i], greedy(lengths[i])))
+            assert len(body["choices"]) == (2 if i == 0 else 1)
+            for choice in body["choices"]:
+                assert_same_greedy_text(choice["text"], solo(model, tokenizer, PROMPTS[i], greedy(lengths[i])))
+        prompt_read = sum(len(tokenizer.encode(p)) for p in PROMPTS[:3])
+        assert f"tc_prompt_tokens_total {float(prompt_read)}" in scrape(cluster)  # the n=2 prompt counts once
         log = cluster.head.output()
         assert "request(s) resumed on a refilled pipeline" in log, log[-2000:]
 
@@ -341,6 +348,9 @@ def test_n_choices_whole_and_streamed_are_each_seeded_choice_alone(model, tokeni
     assert whole["usage"]["completion_tokens"] == 30 and whole["usage"]["prompt_tokens"] == \
         len(tokenizer.encode("Once upon a time"))
     assert any(len(step) == 3 for step in pipeline.steps), "the three choices never shared a step"
+    prompt_reads = [(s, n) for step in pipeline.steps for s, start, n in step if start == 0]
+    assert len(prompt_reads) == 1 + 3  # the three choices' prompt once, and each seeded request alone
+    assert len(pipeline.copies[prompt_reads[0][0]]) == 2  # the other two choices started from copies of its cache
     streamed = client.simulate_post("/v1/completions", json={**body, "n": 3, "stream": True,
                                                              "stream_options": {"include_usage": True}})
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
@@ -355,6 +365,57 @@ def test_n_choices_whole_and_streamed_are_each_seeded_choice_alone(model, tokeni
     assert texts == [c["text"] for c in whole["choices"]] and finished == {0, 1, 2}
     assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
     assert streamed.text.endswith("data: [DONE]\n\n")
+
+
+def test_n_choices_of_a_prompt_read_in_chunks_mid_stream_start_from_one_reading(model, tokenizer):
+    """A request of three choices arrives while a stream runs: its prompt is read once, chunk by chunk between the
+    stream's tokens; the choices wait for it and start from copies of its cache, with the prompt's log-probabilities
+    and each its own seeded text, as each gets alone."""
+    pipeline = RecordingPipeline(model.stages)
+    service = service_over(model, tokenizer, pipeline, max_batch=4, prefill_chunk=8)
+    prompt = tokenizer.encode(" ".join(str(i) for i in range(30)))
+    assert len(prompt) > 3 * 8
+    choices = [SamplingParams(max_tokens=12, temperature=0.8, seed=40 + i, ignore_eos=True, logprobs=1,
+                              prompt_logprobs=True) for i in range(3)]
+    with service.open(tokenizer.encode("Hello"), greedy(60)) as running:
+        steps = iter(running)
+        next(steps)
+        streams = service.open_choices(prompt, choices)
+        completions = [stream.drain() for stream in streams]
+        for stream in streams:
+            stream.close()
+        running_text = "".join(step.text for step in steps)
+    assert running_text
+    chunks = [n for step in pipeline.steps for s, start, n in step if n > 1 and s != pipeline.steps[0][0][0]]
+    assert sum(chunks) == len(prompt) and len(chunks) >= 4  # one reading of the prompt, in chunks of 8
+    leader = streams[0]._request.sequence.id
+    assert pipeline.copies == {leader: tuple(s._request.sequence.id for s in streams[1:])}
+    for params, completion in zip(choices, completions):
+        alone = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(prompt, params)
+        assert completion.token_ids == alone.token_ids
+        assert [t.logprob.logprob for t in completion.prompt[1:]] == \
+            pytest.approx([t.logprob.logprob for t in alone.prompt[1:]], abs=1e-5)
+    assert len({c.text for c in completions}) == 3
+
+
+def test_when_the_first_choice_leaves_before_its_prompt_is_read_the_next_reads_it_for_the_rest(model, tokenizer):
+    """Choices follow the first; if the first is gone before its prompt ran (its client left), the others read the
+    prompt themselves, and the one that now leads hands copies to the rest."""
+    pipeline = RecordingPipeline(model.stages)
+    generator = Generator(model.head, tokenizer, pipeline, torch.float32)
+    ids = tokenizer.encode("def add(a, b):")
+    params = [greedy(6), greedy(6), greedy(6), greedy(9)]
+    first, second, third, longer = generator.start_choices(ids, params)
+    assert second.leader is first and third.leader is first
+    assert longer.leader is None  # a cache of another size: it reads its own prompt
+    results = generator.step([second, third, longer])  # the first left before its first step
+    assert [(s, start) for s, start, _ in pipeline.steps[0]] == [(second.id, 0), (longer.id, 0)]
+    assert pipeline.copies == {second.id: (third.id,)} and len(results) == 3
+    while not all(s.completion for s in (second, third, longer)):
+        generator.step([s for s in (second, third, longer) if s.completion is None])
+    alone = solo(model, tokenizer, "def add(a, b):", greedy(6))
+    assert second.completion.token_ids == third.completion.token_ids == alone.token_ids
+    assert longer.completion.token_ids[:6] == alone.token_ids
 
 
 def test_n_choices_with_the_openai_client(model, tokenizer, model_dir):

@@ -155,6 +155,20 @@ def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temp
     jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)
 
 
+def test_n_sampled_choices_are_each_the_seeded_request_alone(cluster, client):
+    """n = 3 reads the prompt once on the workers and copies its caches; each choice is still the text that the
+    request with its seed (seed + index) gets alone."""
+    messages = [{"role": "user", "content": "Write a Python one-liner that sums a list."}]
+    ask = dict(model=MODEL_NAME, messages=messages, temperature=0.8, max_tokens=16)
+    together = client.chat.completions.create(n=3, seed=11, **ask)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    for i, choice in enumerate(together.choices):
+        alone = client.chat.completions.create(seed=11 + i, **ask).choices[0].message.content
+        assert choice.message.content == alone
+    assert len({c.message.content for c in together.choices}) > 1
+    assert together.usage.prompt_tokens == client.chat.completions.create(seed=11, **ask).usage.prompt_tokens
+
+
 def test_many_threads_at_once_each_get_their_own_answer(cluster, client):
     """The official client from eight threads at once, different prompts and lengths: they share the pipeline's
     steps (the batch), and each answer is the one that request gets alone, up to a genuine tie in fp32."""

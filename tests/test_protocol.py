@@ -116,7 +116,8 @@ def assignment_payload(**changes: Any) -> dict[str, Any]:
     return payload
 
 
-ENTRY = {"sequence": 1, "position_start": 0, "length": 1, "cache_capacity": 4}  # one BatchEntry on the wire
+ENTRY = {"sequence": 1, "position_start": 0, "length": 1, "cache_capacity": 4,
+         "copies": []}  # one BatchEntry on the wire
 
 
 def run_batch(*entries: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16) -> RunBatch:
@@ -210,7 +211,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -453,6 +454,10 @@ BAD_PAYLOADS = {
         "RUN_BATCH", {"entries": [dict(ENTRY, position_start=4)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0]", "cache_capacity 4"]
     ),
+    "copies not a list": (
+        "RUN_BATCH", {"entries": [dict(ENTRY, copies=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH.entries[0].copies"]
+    ),
     "release negative": ("RELEASE", {"sequences": [-1]}, ["RELEASE.sequences[0]"]),
     "clear cache with field": ("CLEAR_CACHE", {"all": True}, ["CLEAR_CACHE", "all"]),
 }
@@ -478,14 +483,18 @@ def test_hello_with_another_protocol_version_says_so_first():
 
 
 def test_older_peers_are_told_apart():
-    """A HELLO of versions 1-3 is refused by its version, before anything else is read. Version 2 dropped
+    """A HELLO of versions 1-4 is refused by its version, before anything else is read. Version 2 dropped
     ASSIGNMENT.total_weight_bytes and version 3 added max_sequences: an older ASSIGNMENT is refused by its fields,
     and an old RUN_DECODE by its type, never half-read; version 4's PING and PONG carry a payload, which an older
-    one lacks."""
-    for old in (1, 2, 3):
+    one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks."""
+    for old in (1, 2, 3, 4):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 4)
+        assert (info.value.peer_version, info.value.our_version) == (old, 5)
+    version_4_entry = {k: v for k, v in ENTRY.items() if k != "copies"}
+    with pytest.raises(ProtocolError, match=r"RUN_BATCH.entries\[0\] lacks field\(s\) \['copies'\]"):
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [version_4_entry],
+                                                             "hidden_state": good_tensor()})))
     with pytest.raises(ProtocolError, match=r"PONG .*payload"):
         FrameDecoder().feed(frame_of(envelope("PONG", {"nonce": 1})))
     version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items() if k != "max_sequences"}
@@ -821,6 +830,14 @@ MISUSE = {
     "batch rows short": (lambda: RunBatch((BatchEntry(1, 0, 3, 8),), torch.zeros(1, 2, 4)), ValueError),
     "batch sequence twice": (lambda: RunBatch((BatchEntry(1, 0, 1, 8), BatchEntry(1, 1, 1, 8)),
                                               torch.zeros(1, 2, 4)), ValueError),
+    "entry copied into itself": (lambda: BatchEntry(1, 0, 1, 8, copies=(2, 1)), ValueError),
+    "entry copied twice": (lambda: BatchEntry(1, 0, 1, 8, copies=(2, 2)), ValueError),
+    "copy onto a batch entry": (lambda: RunBatch((BatchEntry(1, 0, 1, 8, copies=(2,)), BatchEntry(2, 0, 1, 8)),
+                                                 torch.zeros(1, 2, 4)), ValueError),
+    "copy made by two entries": (lambda: RunBatch((BatchEntry(1, 0, 1, 8, copies=(3,)),
+                                                   BatchEntry(2, 0, 1, 8, copies=(3,))), torch.zeros(1, 2, 4)),
+                                 ValueError),
+    "copy negative": (lambda: BatchEntry(1, 0, 1, 8, copies=(-1,)), ValueError),
     "entry past its capacity": (lambda: BatchEntry(1, 7, 2, 8), ValueError),
     "entry of no rows": (lambda: BatchEntry(1, 0, 0, 8), ValueError),
     "selected device absent": (lambda: make_hello(selected_device="cuda:3"), ValueError),

@@ -5,8 +5,9 @@ to each other: a decode-sized hop costs well under a millisecond on a LAN, and a
 that knows where a request is when a worker disappears.
 
 Each step is one RUN_BATCH: the rows of every sequence in the step, with each sequence's id, positions and cache
-capacity (generation.Entry), so each worker runs them as one ragged batch against a cache per sequence. When a
-sequence ends, every worker is told to drop its cache (RELEASE).
+capacity (generation.Entry), so each worker runs them as one ragged batch against a cache per sequence; an entry
+that ends a prompt read for several choices names the choices' sequences, and each worker copies the cache for
+them. When a sequence ends, every worker is told to drop its cache (RELEASE).
 
 Micro-batches: with `head.micro_batches` > 1 and several stages, a step's sequences are cut into up to that many
 groups and run as a pipeline schedule: while stage 2 runs group 1, stage 1 runs group 2, so the stages work at
@@ -120,9 +121,11 @@ class RemotePipeline:
                 self._inputs[e.sequence] = (e.capacity, [])
             self._inputs[e.sequence][1].append(hidden[:, row:row + e.length].clone())  # not a view of the batch
             row += e.length
+            for copy in e.copies:  # a copy replays as a sequence of its own: the same inputs so far
+                self._inputs[copy] = (e.capacity, list(self._inputs[e.sequence][1]))
         self._new_step()
         message = RunBatch(entries=tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
-                                                    cache_capacity=e.capacity) for e in entries),
+                                                    cache_capacity=e.capacity, copies=e.copies) for e in entries),
                            hidden_state=hidden)
         try:
             links = self.registry.links_in_order()

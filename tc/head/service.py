@@ -295,7 +295,8 @@ class GenerationService:
         """Start one generation per entry of `choices` for the same prompt, all at once (they join the batch in
         the same step), as `open` does; if one cannot start, none is left running."""
         self._check_ready()
-        requests = [_Request(self.generator.start(prompt_ids, params)) for params in choices]  # ValueError
+        # ValueError; the choices read the prompt once, and each of the others starts from a copy of its cache
+        requests = [_Request(sequence) for sequence in self.generator.start_choices(prompt_ids, choices)]
         with self._lock:
             # max_queue requests may wait while max_batch run
             if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
@@ -316,7 +317,6 @@ class GenerationService:
             for request in requests[len(streams):]:
                 request.abandoned = True  # the loop drops it at its next step boundary
             raise
-        self.metrics.prompt_tokens.inc(len(prompt_ids) * len(streams))
         for stream in streams:
             self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
         return streams
@@ -381,7 +381,7 @@ class GenerationService:
 
     def _step(self, batch: list[_Request]) -> None:
         reading = any(not r.sequence.decoding for r in batch)
-        started = time.perf_counter()
+        started, read_before = time.perf_counter(), self.generator.prompt_positions
         try:
             results = self.generator.step([r.sequence for r in batch], self.prefill_chunk)
         except Exception as exc:  # the pipeline's errors end this step's sequences, not the service
@@ -391,6 +391,7 @@ class GenerationService:
             self._release(batch)
             return
         elapsed = time.perf_counter() - started
+        self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)
         self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
         by_sequence = {r.sequence.id: r for r in batch}
         ended = []

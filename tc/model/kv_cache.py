@@ -19,6 +19,7 @@ class KVCache:
 
     def __init__(self, layer_ids: list[int], n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.layer_ids, self.n_kv_heads, self.head_dim = list(layer_ids), n_kv_heads, head_dim
         shape = (len(layer_ids), 2, 1, n_kv_heads, capacity, head_dim)  # [layers, K/V, B, H_kv, T, D]
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.keys, self.values = self.kv[:, 0], self.kv[:, 1]  # [layers, B, H_kv, T, D] views
@@ -35,6 +36,13 @@ class KVCache:
         slot = self._layers[layer]
         slot[:, :, :, position_start:end] = kv
         return slot[0, :, :, :end], slot[1, :, :, :end]
+
+    def copy(self) -> "KVCache":
+        """A new cache of the same capacity holding what this one holds so far (positions [0, length))."""
+        twin = KVCache(self.layer_ids, self.n_kv_heads, self.head_dim, self.capacity, self.kv.dtype, self.kv.device)
+        twin.kv[:, :, :, :, :self.length] = self.kv[:, :, :, :, :self.length]
+        twin.length = self.length
+        return twin
 
     def layer_slot(self, layer: int, position: int) -> torch.Tensor:
         """The storage of `layer` ([K/V, B, H_kv, capacity, D], contiguous) for a kernel that stores `position`

@@ -30,7 +30,9 @@ from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, w
 #    carries the worker's measured speeds (tc.worker.bench), which the planner balances layers with
 # 4: PING carries a payload that PONG echoes, so the head measures each link's bandwidth as well as its latency;
 #    HELLO says the largest frame the worker reads, so the probe fits it
-PROTOCOL_VERSION = 4
+# 5: a RUN_BATCH entry may name `copies`: sequences that start from a copy of its cache once its rows have run
+#    (the choices of one request, whose prompt is read once)
+PROTOCOL_VERSION = 5
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -548,18 +550,23 @@ class BatchEntry(WireStruct):
     """One sequence's rows in a RUN_BATCH: positions [position_start, position_start + length).
 
     position_start 0 starts the sequence: the worker makes it a fresh cache of cache_capacity positions (prompt +
-    max_tokens). Otherwise its cache must hold exactly position_start positions.
+    max_tokens). Otherwise its cache must hold exactly position_start positions. Once the entry's rows have run,
+    the worker copies the sequence's cache into a new cache for each id in `copies` (replacing any it holds).
     """
 
     sequence: int = wire(COUNT)  # the head's id for the sequence, the key of its cache
     position_start: int = wire(COUNT)
     length: int = wire(_Int(1))
     cache_capacity: int = wire(_Int(1))
+    copies: tuple[int, ...] = wire(_TupleOf(COUNT), default=())
 
     def _validate(self) -> None:
         if self.position_start + self.length > self.cache_capacity:
             raise ValueError(f"sequence {self.sequence}: positions up to {self.position_start + self.length} do not "
                              f"fit its cache_capacity {self.cache_capacity}")
+        if self.sequence in self.copies or len(set(self.copies)) != len(self.copies):
+            raise ValueError(f"sequence {self.sequence}: copies {list(self.copies)} must be other sequences, each "
+                             "once")
 
 
 @_message
@@ -581,6 +588,9 @@ class RunBatch(Message):
         sequences = [e.sequence for e in self.entries]
         if len(set(sequences)) != len(sequences):
             raise ValueError(f"RunBatch names a sequence twice: {sequences}")
+        copies = [c for e in self.entries for c in e.copies]
+        if len(set(copies)) != len(copies) or set(copies) & set(sequences):
+            raise ValueError(f"RunBatch copies {copies} must name sequences not otherwise in the batch, each once")
         rows = sum(e.length for e in self.entries)
         if self.hidden_state.dim() != 3 or self.hidden_state.shape[0] != 1 or self.hidden_state.shape[1] != rows:
             raise ValueError(f"RunBatch hidden_state has shape {list(self.hidden_state.shape)}; its entries need "

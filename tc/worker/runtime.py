@@ -141,7 +141,8 @@ class StageRuntime:
         hidden = msg.hidden_state
         if hidden.shape[2] != self.hidden_size:
             return f"hidden state has shape {list(hidden.shape)}; expected [1, rows, {self.hidden_size}]"
-        new = [e for e in msg.entries if e.position_start == 0 and e.sequence not in self.caches]
+        new = [e.sequence for e in msg.entries if e.position_start == 0 and e.sequence not in self.caches]
+        new += [c for e in msg.entries for c in e.copies if c not in self.caches]
         if len(self.caches) + len(new) > self.max_sequences:
             return (f"the batch would hold {len(self.caches) + len(new)} sequences' caches; this worker was assigned "
                     f"{self.max_sequences} (head.max_batch)")
@@ -182,6 +183,9 @@ class StageRuntime:
                 out = self._run_in_passes(x, msg.entries, pieces)
         except CacheFullError as exc:
             return InferenceError(message=str(exc))
+        for e in msg.entries:  # the other choices of a request whose prompt this entry read
+            for copy in e.copies:
+                self.caches[copy] = self.caches[e.sequence].copy()
         return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
 
     def _run_in_passes(self, x: torch.Tensor, entries: tuple[BatchEntry, ...],
