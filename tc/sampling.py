@@ -8,6 +8,7 @@ distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them,
 from __future__ import annotations
 
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -150,13 +151,37 @@ def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, kept)
 
 
+class _Scratch(threading.local):
+    """Vocabulary-sized buffers for sampling, kept per thread and reused for every token.
+
+    A fresh 0.6-1.2 MB tensor per operation is memory that glibc maps and unmaps each time (it serves allocations
+    that large with mmap), and the page faults made a sampled token cost ~1.9 ms instead of ~0.4 ms on a 152k
+    vocabulary; the head samples every sequence of every step on one thread. Each buffer is only written and read
+    within one call, so reuse changes no result."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[tuple, torch.Tensor] = {}
+
+    def like(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = tensor.dtype if dtype is None else dtype
+        key = (name, dtype, tensor.device, tuple(tensor.shape))
+        buffer = self.tensors.get(key)
+        if buffer is None:
+            buffer = self.tensors[key] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        return buffer
+
+
+_scratch = _Scratch()
+
+
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """An index drawn with probability proportional to `weights` (>= 0, not all 0).
 
     The inverse of the cumulative distribution at one uniform number: one random number and one pass in float64.
     (torch.multinomial took 10-25 ms over a 152k vocabulary.) A zero weight is never drawn: its cumulative value
     equals the one before it, and the search takes the first that exceeds the number."""
-    cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64, out=_scratch.like("cumulative", weights,
+                                                                                   torch.float64))
     point = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
     index = int(torch.searchsorted(cumulative, point, right=True))
     if index >= weights.shape[-1]:  # rounding put the point on the total: the last token that has any weight
@@ -164,15 +189,26 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return index
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the largest of `logits` [vocab] (the first of equal ones; a NaN counts as largest, as in torch).
+
+    On the CPU by numpy, whose argmax is vectorised where PyTorch's is not: over a 152k vocabulary 14 us against
+    150 us, per sequence and token."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
            top_k: int = 0) -> int:
     """The next token id for fp32 `logits` [vocab] (already penalised). Greedy at temperature 0."""
     # a temperature below the logits' dtype's smallest number is 0 there; greedy is what it tends to anyway
     if temperature == 0 or logits.new_tensor(temperature) == 0:
-        return int(torch.argmax(logits))
+        return greedy(logits)
     logits = filter_top_k(logits, top_k)
     # shifted so the largest is 0 before dividing: a tiny temperature then gives -inf for the rest, never inf - inf
-    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    shifted = torch.sub(logits, logits.max(), out=_scratch.like("shifted", logits)).div_(temperature)
+    probs = torch.softmax(shifted, dim=-1, out=_scratch.like("probs", logits))
     if top_p >= 1.0:
         return draw(probs, generator)
     kept, order = nucleus(probs, top_p)
@@ -192,8 +228,8 @@ def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory |
 
 def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
     """`token`'s log-probability under raw `logits` [vocab], with the `top_n` most likely tokens."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return _report(logprobs, token, top_n)
+    logits = logits.float()
+    return _report(torch.log_softmax(logits, dim=-1, out=_scratch.like("logprobs", logits)), token, top_n)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> list[TokenLogprob]:

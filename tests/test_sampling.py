@@ -237,3 +237,46 @@ def test_sampling_params_checks_survive_python_O():
                           timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("refused: SamplingParams:") == 4, done.stdout
+
+
+def test_greedy_is_torchs_argmax_ties_nans_and_views_included():
+    from tc.sampling import greedy
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 151936, generator=gen)
+    rows[1, 7] = rows[1, 90000] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, 5000] = float("nan")
+    rows[3] = 0.0
+    rows[4, -1] = float("inf")
+    for row in [*rows, rows[:, 11], rows[0, ::3], rows[5].to(torch.bfloat16)]:
+        assert greedy(row) == int(torch.argmax(row))
+    assert greedy(rows[1]) == 7
+
+
+def _reference_sample(logits: torch.Tensor, temperature: float, rng: torch.Generator) -> int:
+    """sample() at top_p 1 written out plainly: softmax, float64 cumulative sum, one uniform draw."""
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    point = torch.rand((), generator=rng, dtype=torch.float64) * cumulative[-1]
+    return int(torch.searchsorted(cumulative, point, right=True))
+
+
+def test_sampling_reuses_its_buffers_without_changing_a_draw_across_sizes_and_threads():
+    import threading
+    from tc.sampling import sample
+    vocabularies = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 4 for n in (151936, 1000, 151936)]
+    failures: list = []
+
+    def draws(offset: int) -> None:
+        for seed in range(12):
+            logits = vocabularies[(seed + offset) % 3]
+            got = sample(logits, 0.7, 1.0, torch.Generator().manual_seed(seed))
+            want = _reference_sample(logits, 0.7, torch.Generator().manual_seed(seed))
+            if got != want:
+                failures.append((offset, seed, got, want))
+
+    threads = [threading.Thread(target=draws, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures
