@@ -33,6 +33,13 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
+/* Weight bytes a tile of MANY_ROWS or more activation rows prefetches ahead. With that many rows each 32-byte
+   weight vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads:
+   on a 2-core AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo
+   model, and 8.9 instead of 10.7 over its int8 lm_head; 4 rows 10% less. One row streams at the memory's rate
+   without it (and lost a little with it), so it keeps the hardware's. */
+#define PREFETCH_AHEAD 2048
+#define MANY_ROWS 4
 
 int tc_qdot_abi(void) { return TC_QDOT_ABI; }
 
@@ -135,6 +142,8 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                if (mr >= MANY_ROWS && !(kb & 1)) /* one 64-byte line per two vectors */
+                    _mm_prefetch((const char*)(wt + (size_t)kb * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
@@ -169,6 +178,8 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
         for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+            if (mr >= MANY_ROWS && !(kb & 1))
+                _mm_prefetch((const char*)(wt + (size_t)kb * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
             for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
         }
         for (int j = 0; j < mr; j++) {
