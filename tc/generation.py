@@ -330,8 +330,9 @@ class SequenceState:
             self.unsent_prompt = self.prompt_infos
 
     def take_prompt_from(self, leader: "SequenceState") -> None:
-        """Start decoding from the leader's reading of the same prompt (its cache was copied for this one)."""
-        self.prefilled, self.leader, self.started = leader.prefilled, None, leader.started
+        """Start decoding from the leader's reading of the same prompt (its cache was copied for this one, unless it
+        ends with the token it chooses from the leader's logits)."""
+        self.prefilled, self.leader = leader.prefilled, None
         self.prompt_reports, self.prompt_infos = leader.prompt_reports, leader.prompt_infos
         self.unsent_prompt = self.prompt_infos
 
@@ -446,6 +447,8 @@ class Generator:
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []
         for sequence in sequences:
+            if sequence.leader is not None and sequence.started is None:
+                sequence.started = time.perf_counter()  # in the batch from here, waiting for the leader's reading
             if sequence.leader is not None or (not sequence.decoding and budget is not None and budget <= 0):
                 continue
             entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if budget is None or sequence.decoding
@@ -453,9 +456,10 @@ class Generator:
             if budget is not None and not sequence.decoding:
                 budget -= entry.length
             if not sequence.decoding and entry.start + entry.length == len(sequence.prompt_ids):
-                copies = followers.get(sequence.id, [])
-                entry = dataclasses.replace(entry, copies=tuple(f.id for f in copies))
-                forked += [(f, sequence) for f in copies]
+                waiting = followers.get(sequence.id, [])
+                # a follower that ends with the token it chooses now (max_tokens 0 or 1) needs no cache
+                entry = dataclasses.replace(entry, copies=tuple(f.id for f in waiting if f.max_tokens > 1))
+                forked += [(f, sequence) for f in waiting]
             planned.append((sequence, entry))
             ids += entry_ids
         # Grammar masks depend only on the tokens chosen so far, so they are made while the pipeline runs, off the

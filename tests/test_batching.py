@@ -377,7 +377,7 @@ def test_n_choices_of_a_prompt_read_in_chunks_mid_stream_start_from_one_reading(
     assert len(prompt) > 3 * 8
     choices = [SamplingParams(max_tokens=12, temperature=0.8, seed=40 + i, ignore_eos=True, logprobs=1,
                               prompt_logprobs=True) for i in range(3)]
-    with service.open(tokenizer.encode("Hello"), greedy(60)) as running:
+    with service.open(tokenizer.encode("Hello"), greedy(200)) as running:  # runs well past the choices
         steps = iter(running)
         next(steps)
         streams = service.open_choices(prompt, choices)
@@ -386,9 +386,11 @@ def test_n_choices_of_a_prompt_read_in_chunks_mid_stream_start_from_one_reading(
             stream.close()
         running_text = "".join(step.text for step in steps)
     assert running_text
-    chunks = [n for step in pipeline.steps for s, start, n in step if n > 1 and s != pipeline.steps[0][0][0]]
-    assert sum(chunks) == len(prompt) and len(chunks) >= 4  # one reading of the prompt, in chunks of 8
     leader = streams[0]._request.sequence.id
+    chunks = [n for step in pipeline.steps for s, start, n in step if s == leader and start < len(prompt)]
+    assert sum(chunks) == len(prompt) and max(chunks) <= 8 and len(chunks) >= 4  # one reading, in chunks of 8
+    assert all(start > 0 for step in pipeline.steps for s, start, _ in step
+               if s in [stream._request.sequence.id for stream in streams[1:]])
     assert pipeline.copies == {leader: tuple(s._request.sequence.id for s in streams[1:])}
     for params, completion in zip(choices, completions):
         alone = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(prompt, params)
@@ -396,6 +398,19 @@ def test_n_choices_of_a_prompt_read_in_chunks_mid_stream_start_from_one_reading(
         assert [t.logprob.logprob for t in completion.prompt[1:]] == \
             pytest.approx([t.logprob.logprob for t in alone.prompt[1:]], abs=1e-5)
     assert len({c.text for c in completions}) == 3
+
+
+def test_choices_that_end_on_their_first_token_need_no_copies(model, tokenizer):
+    pipeline = RecordingPipeline(model.stages)
+    generator = Generator(model.head, tokenizer, pipeline, torch.float32)
+    ids = tokenizer.encode("def add(a, b):")
+    choices = generator.start_choices(ids, [SamplingParams(max_tokens=1, temperature=1.0, seed=s) for s in (1, 2)])
+    results = generator.step(choices)
+    assert len(pipeline.steps) == 1 and not pipeline.copies and [s for s, _ in results] == choices
+    for seed, sequence in zip((1, 2), choices):
+        alone = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(
+            ids, SamplingParams(max_tokens=1, temperature=1.0, seed=seed))
+        assert sequence.completion.token_ids == alone.token_ids
 
 
 def test_when_the_first_choice_leaves_before_its_prompt_is_read_the_next_reads_it_for_the_rest(model, tokenizer):

@@ -155,12 +155,22 @@ def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temp
     jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)
 
 
+def prompt_tokens_read(cluster: Cluster) -> float:
+    """tc_prompt_tokens_total from the head's /metrics: prompt positions the pipeline has read."""
+    import urllib.request
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    return float(next(line.split()[-1] for line in lines if line.startswith("tc_prompt_tokens_total ")))
+
+
 def test_n_sampled_choices_are_each_the_seeded_request_alone(cluster, client):
     """n = 3 reads the prompt once on the workers and copies its caches; each choice is still the text that the
     request with its seed (seed + index) gets alone."""
     messages = [{"role": "user", "content": "Write a Python one-liner that sums a list."}]
     ask = dict(model=MODEL_NAME, messages=messages, temperature=0.8, max_tokens=16)
+    read_before = prompt_tokens_read(cluster)
     together = client.chat.completions.create(n=3, seed=11, **ask)
+    assert prompt_tokens_read(cluster) - read_before == together.usage.prompt_tokens  # read once for three
     assert [c.index for c in together.choices] == [0, 1, 2]
     for i, choice in enumerate(together.choices):
         alone = client.chat.completions.create(seed=11 + i, **ask).choices[0].message.content

@@ -391,7 +391,7 @@ class GenerationService:
             self._release(batch)
             return
         elapsed = time.perf_counter() - started
-        self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)
+        self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
         self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
         by_sequence = {r.sequence.id: r for r in batch}
         ended = []
