@@ -400,6 +400,27 @@ def test_n_choices_of_a_prompt_read_in_chunks_mid_stream_start_from_one_reading(
     assert len({c.text for c in completions}) == 3
 
 
+def test_the_choices_of_a_request_wait_to_join_the_batch_together(model, tokenizer):
+    """With one slot of three taken, a request of three choices waits for the whole batch rather than splitting, so
+    its prompt is still read once; the stream that held the slot is unaffected."""
+    pipeline = RecordingPipeline(model.stages)
+    service = service_over(model, tokenizer, pipeline, max_batch=3)
+    ids = tokenizer.encode("Once upon a time")
+    choices = [SamplingParams(max_tokens=6, temperature=0.9, seed=70 + i, ignore_eos=True) for i in range(3)]
+    with service.open(tokenizer.encode("Hello"), greedy(30)) as running:
+        streams = service.open_choices(ids, choices)  # returns once the choices have their first tokens
+        assert running.drain().completion_tokens == 30  # the choices could only start once it had ended
+        completions = [stream.drain() for stream in streams]
+        for stream in streams:
+            stream.close()
+    assert_same_greedy_text(running.completion.text, solo(model, tokenizer, "Hello", greedy(30)))
+    group = [stream._request.sequence.id for stream in streams]
+    assert [s for step in pipeline.steps for s, start, _ in step if start == 0 and s in group] == group[:1]
+    for params, completion in zip(choices, completions):
+        assert completion.token_ids == Generator(model.head, tokenizer, model.pipeline(),
+                                                 torch.float32).generate(ids, params).token_ids
+
+
 def test_choices_that_end_on_their_first_token_need_no_copies(model, tokenizer):
     pipeline = RecordingPipeline(model.stages)
     generator = Generator(model.head, tokenizer, pipeline, torch.float32)

@@ -108,6 +108,7 @@ class _Request:
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.abandoned = False  # the client went away: the loop drops it at the next step boundary
+        self.joins_with = 1  # the first choice of a request of n: n, as the choices join the batch together
 
     @property
     def queue_wait_s(self) -> float:
@@ -297,6 +298,7 @@ class GenerationService:
         self._check_ready()
         # ValueError; the choices read the prompt once, and each of the others starts from a copy of its cache
         requests = [_Request(sequence) for sequence in self.generator.start_choices(prompt_ids, choices)]
+        requests[0].joins_with = len(requests)  # together, so that the prompt is read once for all of them
         with self._lock:
             # max_queue requests may wait while max_batch run
             if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
@@ -367,7 +369,10 @@ class GenerationService:
         with self._lock:
             dropped = [r for r in self._batch if r.abandoned]
             self._batch = [r for r in self._batch if not r.abandoned]
-            while self._waiting and len(self._batch) < self.max_batch:
+            # a request's choices join together (they wait in the queue one after another), so that one reading of
+            # the prompt serves them all (the API refuses more choices than the batch holds; more would split)
+            while self._waiting and len(self._batch) + min(self._waiting[0].joins_with, self.max_batch) \
+                    <= self.max_batch:
                 request = self._waiting.popleft()
                 request.admitted_at = time.perf_counter()
                 if request.abandoned:
