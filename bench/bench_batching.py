@@ -7,7 +7,9 @@ For each weight mode and each count N of concurrent streams, N clients each stre
 tokens (``ignore_eos``, so every stream makes exactly that many) from a short prompt of its own, all at once:
 
 - aggregate decode tokens/s: every stream's tokens after its first, over the time from the first of those tokens
-  to the last (the prefills are left out, as in a decode rate);
+  to the last (the prefills are left out, as in a decode rate); and the same rate over only the time when all N
+  streams stream (from the last stream's first token to the first stream's last), without the steps in which
+  some have not started yet (their prompts being read) or have already ended;
 - inter-token latency: the median gap between two tokens of one stream, over every stream;
 - ratios against N = 1 in the same run;
 - TTFT under load: with N - 1 streams running, the time to first token of one more request, against its idle
@@ -87,7 +89,11 @@ def concurrent(host: str, port: int, model: str, streams: int, tokens: int) -> d
     lasts = [r[-1] for r in results if r]
     decoded = sum(len(r) - 1 for r in results)
     gaps = [b - a for r in results for a, b in zip(r, r[1:])]
+    # while every stream streams: from the last stream's first token to the first stream's last one
+    both_from, both_to = max(firsts), min(lasts)
+    inside = sum(1 for r in results for t in r[1:] if both_from < t <= both_to)
     return {"tokens_per_s": decoded / max(max(lasts) - min(firsts), 1e-9),
+            "all_streaming_per_s": inside / (both_to - both_from) if both_to > both_from else 0.0,
             "itl_ms": 1000 * statistics.median(gaps) if gaps else 0.0, "events": sum(len(r) for r in results)}
 
 
@@ -195,15 +201,16 @@ def llamacpp_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def table(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> str:
-    lines = ["| mode | setup | streams | aggregate decode tok/s | x 1 stream | inter-token ms | x 1 stream |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | setup | streams | aggregate decode tok/s | x 1 stream | while all stream tok/s | x 1 stream | "
+             "inter-token ms | x 1 stream |", "|---|---|---|---|---|---|---|---|---|"]
     for (mode, setup), rows in results.items():
         one = rows[args.streams[0]]
         for n in args.streams:
             row = rows[n]
             lines.append(f"| {mode} | {setup} | {n} | {row['tokens_per_s']:.1f} | "
-                         f"{row['tokens_per_s'] / one['tokens_per_s']:.2f} | {row['itl_ms']:.1f} | "
-                         f"{row['itl_ms'] / one['itl_ms']:.2f} |")
+                         f"{row['tokens_per_s'] / one['tokens_per_s']:.2f} | {row['all_streaming_per_s']:.1f} | "
+                         f"{row['all_streaming_per_s'] / max(one['all_streaming_per_s'], 1e-9):.2f} | "
+                         f"{row['itl_ms']:.1f} | {row['itl_ms'] / one['itl_ms']:.2f} |")
     lines += ["", "| mode | setup | idle TTFT s | TTFT with others streaming s | KV per sequence at full context | "
               "worker RSS growth with the most streams (their caches' size) |", "|---|---|---|---|---|---|"]
     for (mode, setup), rows in results.items():
