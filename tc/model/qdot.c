@@ -81,6 +81,13 @@ TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
         _mm256_storeu_ps((float*)y + i, v);
 }
 
+/* A tile's prefetch of the weights PREFETCH_AHEAD bytes past vector kb (32 bytes each, one 64-byte line per two)
+   where it serves MANY_ROWS or more activation rows. */
+TC_INLINE void prefetch_weights(const void* tile, int kb, int mr) {
+    if (mr >= MANY_ROWS && !(kb & 1))
+        _mm_prefetch((const char*)tile + (size_t)kb * 32 + PREFETCH_AHEAD, _MM_HINT_T0);
+}
+
 TC_INLINE __m256i bcast4(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -142,8 +149,7 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-                if (mr >= MANY_ROWS && !(kb & 1)) /* one 64-byte line per two vectors */
-                    _mm_prefetch((const char*)(wt + (size_t)kb * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+                prefetch_weights(wt, kb, mr);
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
@@ -178,8 +184,7 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
         for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-            if (mr >= MANY_ROWS && !(kb & 1))
-                _mm_prefetch((const char*)(wt + (size_t)kb * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+            prefetch_weights(wt, kb, mr);
             for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
         }
         for (int j = 0; j < mr; j++) {
