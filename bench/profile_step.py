@@ -11,8 +11,9 @@ and then times decode steps at one fixed position (the cache slot is rewritten, 
   times include the profiler's own cost per operator, so they add up to more than the unprofiled step;
 - floor: the stage's weight bytes at the machine's streaming rate (the best of a large fp32 sum and a large fp32
   torch.mv, both measured here), what no implementation that reads every weight once can beat;
-- head: the final norm, the lm_head (in the mode's head weight mode) and sampling, each timed alone; and a bf16
-  lm_head in oneDNN's blocked layout (dense.PackedLinear), which the head process does not pack (HeadModel.load).
+- head: the final norm, the lm_head (as the head process holds it: in the mode's head weight mode, a bf16 one on
+  the product dense.fastest_product chose) and sampling, each timed alone; and, for a bf16 lm_head on another
+  product, the same matrix in oneDNN's blocked layout (dense.PackedLinear).
 
 A second table lists each product shape of the stage with its time per call, its rate in GB/s of weight bytes and
 how far that is from the streaming rate.
@@ -108,7 +109,8 @@ class Setup:
         else:  # a revision from before: each layer quantized after it loaded
             prepare = None if mode == "fp16" else (lambda layer: quant.quantize_linears(layer, mode, group_size))
             self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu", prepare=prepare)
-        self.head = qwen2.HeadModel.load(self.config, index, dtype)  # as the head process loads it
+        # as the head process loads it: a bf16 lm_head on the fastest product here, a quantized one unpacked
+        self.head = qwen2.HeadModel.load(self.config, index, dtype, pack=None if mode == "fp16" else False)
         self.dense = code.get("dense")
         if mode != "fp16":
             quant.quantize_linears(self.head, quant.head_weight_mode(mode), group_size)
@@ -252,7 +254,8 @@ def head_budget(setup: Setup, n: int) -> dict[str, float]:
                  "greedy": median_ms(lambda: choose(logits, greedy, None, rng), n),
                  "top-p": median_ms(lambda: choose(logits, top_p, None, rng), n)}
         lm = head.lm_head
-        if setup.dense is not None and isinstance(lm, torch.nn.Linear) and lm.weight.dtype == torch.bfloat16:
+        if setup.dense is not None and isinstance(lm, torch.nn.Linear) and lm.weight.dtype == torch.bfloat16 \
+                and hasattr(setup.dense, "PackedLinear"):
             blocked = setup.dense.PackedLinear.from_linear(lm)  # what HeadModel.load(pack=True) would hold
             times["blocked"] = median_ms(lambda: blocked(normed).float(), n)
             del blocked

@@ -1,4 +1,5 @@
-"""Dense linear layers: the blocked oneDNN product against F.linear, packing a model, quantizing a packed layer."""
+"""Dense linear layers: the blocked oneDNN and the native products against F.linear, the probe that chooses between
+them, packing a model, quantizing a packed layer."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_helpers import OurModel
-from tc.model.dense import Linear, PackedLinear, pack_linears, packed_is_faster
+from tc.model import dense, native
+from tc.model.dense import PRODUCTS, Linear, NativeLinear, PackedLinear, fastest_product, pack_linears
 from tc.model.quant import Int4Linear, Int8Linear, quantize_linears
 from tiny_model import write_tiny_model
 
@@ -87,7 +89,7 @@ def test_packed_linear_refuses_what_it_cannot_hold():
 
 
 def test_fp32_is_never_packed():
-    assert packed_is_faster(896, 896, torch.float32) is False
+    assert fastest_product(896, 896, torch.float32) == "plain"
     model = nn.Sequential(make_linear(64, 64, True, torch.float32))
     assert pack_linears(model, force=True) == 0 and isinstance(model[0], Linear)
 
@@ -161,8 +163,82 @@ def test_the_head_process_packs_an_lm_head_that_stays_in_bf16_where_that_is_fast
     try:
         lm_head = head.service.generator.head.lm_head
         if kind is None:
-            faster = packed_is_faster(lm_head.out_features, lm_head.in_features, torch.bfloat16)
-            kind = PackedLinear if faster else Linear
+            product = fastest_product(lm_head.out_features, lm_head.in_features, torch.bfloat16)
+            kind = {"plain": Linear, "packed": PackedLinear, "native": NativeLinear}[product]
         assert type(lm_head) is kind
     finally:
         head.stop()
+
+
+needs_native = pytest.mark.skipif(dense._native_bf16() is None, reason="no native bf16 product on this machine")
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (1, 8), (3, 2), (1, 9), (2, 40)])  # decode rows, then F.linear's
+def test_native_layer_equals_the_reference_and_hands_larger_inputs_to_f_linear(bias, lead, monkeypatch):
+    lin = make_linear(96, 64, bias, torch.bfloat16)
+    layer = NativeLinear.from_linear(lin)
+    assert layer.weight.data_ptr() == lin.weight.data_ptr()  # the same plain weight, not a copy
+    calls = []
+    kernels = layer._kernels
+    monkeypatch.setattr(layer, "_kernels", type("Counting", (), {
+        "bf16_rows_per_pass": kernels.bf16_rows_per_pass,
+        "bf16_linear": lambda self, *args: calls.append(args) or kernels.bf16_linear(*args)})())
+    x = torch.randn(*lead, 64).bfloat16()
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    y = layer(x)
+    assert y.shape == (*lead, 96) and y.dtype == torch.bfloat16
+    assert rel_err(y, ref) < 1e-2
+    rows = x.numel() // 64
+    assert len(calls) == (1 if rows <= kernels.bf16_rows_per_pass else 0)
+    if not calls:
+        assert torch.equal(y, lin(x))  # F.linear's own result
+
+
+@needs_native
+def test_native_layer_in_fp32_or_moved_takes_f_linear():
+    lin = make_linear(32, 64, True, torch.bfloat16)
+    layer = NativeLinear.from_linear(lin).float()
+    x = torch.randn(1, 64)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_a_native_layer_gives_the_same_codes(mode):
+    lin = make_linear(64, 256, True, torch.bfloat16)
+    plain, fast = nn.Sequential(lin), nn.Sequential(NativeLinear.from_linear(lin))
+    quantize_linears(plain, mode, 64)
+    quantize_linears(fast, mode, 64)
+    a, b = dict(plain[0].named_buffers()), dict(fast[0].named_buffers())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_probe_names_a_product_and_pack_linears_gives_it(caplog):
+    product = fastest_product(256, 128, torch.bfloat16)
+    assert product in PRODUCTS
+    if product == "native":
+        assert dense._native_bf16() is not None
+    model = nn.Sequential(make_linear(256, 128, True, torch.bfloat16))
+    replaced = pack_linears(model)
+    kind = {"plain": Linear, "packed": PackedLinear, "native": NativeLinear}[product]
+    assert type(model[0]) is kind and replaced == (product != "plain")
+    x = torch.randn(1, 1, 128).bfloat16()
+    assert rel_err(model[0](x), F.linear(x.float(), model[0].weight.float() if kind is not PackedLinear
+                                         else model[0].dense_weight().float(), model[0].bias.float())) < 1e-2
+
+
+@needs_native
+def test_a_native_model_follows_the_plain_one(tiny_model_dir, monkeypatch):
+    """The tiny model with every bf16 product native where it can be: its cached decode (one row a step, the native
+    kernel) follows the plain model's full pass, and each of its products was native."""
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype: "native")
+    ids = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120]
+    plain = OurModel(tiny_model_dir, torch.bfloat16, pack=False)
+    fast = OurModel(tiny_model_dir, torch.bfloat16, pack=None)
+    assert sum(isinstance(m, NativeLinear) for m in fast.stages[0].modules()) == 4 * 4  # 4 products x 4 layers
+    assert isinstance(fast.head.lm_head, NativeLinear)
+    reference = plain.full_logits(ids)
+    assert rel_err(fast.full_logits(ids), reference) < 1e-2
+    assert rel_err(fast.cached_logits(ids, split=1), reference) < 2e-2

@@ -1,5 +1,5 @@
-"""The run-time-built native kernels (int4/int8 products, decode attention, RMS norm): against their references,
-their layouts, their fallbacks."""
+"""The run-time-built native kernels (int4/int8 and bf16 products, decode attention, RMS norm): against their
+references, their layouts, their fallbacks."""
 from __future__ import annotations
 
 import os
@@ -76,6 +76,36 @@ def test_the_avx2_build_without_vnni_agrees_too():
     assert native.check(avx2) < 1e-2
     gen = torch.Generator().manual_seed(0)
     assert native._check_attention(avx2, gen) < 1e-2 and native._check_norm(avx2, gen) < 1e-2
+    assert native.check_bf16_linear(avx2, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])  # a pass, remainders, several passes
+@pytest.mark.parametrize("cols", [64, 96, 200, 896])  # whole vectors, a tail past them
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_product_rounds_the_float32_product_once(rows, cols, bias):
+    gen = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=gen).bfloat16()
+    w = (torch.randn(72, cols, generator=gen) * cols ** -0.5).bfloat16()
+    b = torch.randn(72, generator=gen).bfloat16() if bias else None
+    got = KERNELS.bf16_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    # the float32 sums differ from the exact ones in their last bits only, so each output is the exact product
+    # rounded to bf16, or a neighbour of it where that sum lies within float32 rounding of a tie
+    ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2 ** -7
+    assert bool(((got.double() - exact).abs() <= 1.01 * ulp).all())
+    assert relative(got, native.bf16_linear_reference(x, w, b)) < 4e-3
+
+
+@needs_kernels
+def test_bf16_product_reads_a_strided_input_and_leaves_it_alone():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen).bfloat16()[:, ::2]  # [3, 128], every other column
+    w = torch.randn(40, 128, generator=gen).bfloat16()
+    before = x.clone()
+    assert torch.equal(KERNELS.bf16_linear(x, w, None), KERNELS.bf16_linear(x.contiguous(), w, None))
+    assert torch.equal(x, before)
 
 
 def test_float32_layers_keep_their_activations_unquantized():

@@ -10,11 +10,18 @@ inductor does the same) and `torch.ops.mkldnn._linear_pointwise` then multiplies
 AVX512-BF16 EPYC this doubled the one-row rate (8-9 GB/s on one core to 15-18) and gave the same bits. The
 blocked weight takes the same bytes as the plain one and replaces it (`PackedLinear`).
 
-Whether it is faster is never assumed from the CPU model: `packed_is_faster(out, in, dtype)` times both products
-on a weight of that shape, for one row (decode) and for a block of rows (prefill), once per process and shape,
-checks that they agree, and the weight is packed only where the blocked product wins one row clearly and does
-not lose the block. `pack_linears` applies that to a loaded module, on the CPU, in bf16 only: fp32 is the
-reference dtype, whose results stay those of the reference ops, and fp16 computes in fp32 on CPUs.
+Faster still for the one row of a decode step is the native product (native.py's bf16dot.c), which reads the
+plain weight row by row in order and streams it at the memory's rate: on the same EPYC 24-38 GB/s where the
+blocked product made 13-26, over the demo model's shapes. It is for a few rows only (each pass of up to 8 rows
+reads the whole weight, and from 4 rows up oneDNN's blocked product is as fast or faster), so `NativeLinear` keeps
+the plain weight and gives larger inputs (prefill) to F.linear, which multiplies 64 rows and more about as fast
+as the blocked layout.
+
+Which product is fastest is never assumed from the CPU model: `fastest_product(out, in, dtype)` times them on a
+weight of that shape, for one row (decode) and for a block of rows (prefill), once per process and shape, checks
+that they agree, and `pack_linears` gives each layer the one that wins one row clearly without losing the block
+(native, blocked, or plain). It applies to a loaded module, on the CPU, in bf16 only: fp32 is the reference
+dtype, whose results stay those of the reference ops, and fp16 computes in fp32 on CPUs.
 
 `Linear` is the plain path: nn.Linear, except that on CPUs without bf16 arithmetic its multi-token bf16 products
 run in fp32 (`cpu_bf16_matmul_is_slow`).
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
@@ -37,8 +45,10 @@ UPCAST_MIN_TOKENS = 8  # one decode token is memory-bound, where bf16's smaller 
 PACKED_DTYPES = (torch.bfloat16,)  # fp16 computes in fp32 on CPUs (qwen2.resolve_compute_dtype)
 PROBE_ROWS = 4096  # the probe times a slab of at most this many output rows: an lm_head's speed per row, cheaply
 PROBE_BLOCK = 64  # rows of activations standing for a prefill in the probe
-PACK_MIN_GAIN = 1.25  # the blocked product must be this much faster on one row to be worth a second path
-BLOCK_SLACK = 1.5  # and at most this much slower on a block (see packed_is_faster)
+PROBE_FEW = 8  # ... and for a decode step of a batch of sequences
+BLOCK_SLACK = 1.5  # a product's prefill may be at most this much slower than the fastest (see fastest_product)
+FEW_SLACK = 1.25  # ... and a batch's decode step this much
+PRODUCTS = ("plain", "packed", "native")  # F.linear (Linear), oneDNN blocked (PackedLinear), NativeLinear
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,53 +94,88 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the blocked oneDNN product beats `Linear` on this CPU for a weight of this shape (probed once).
+def fastest_product(out_features: int, in_features: int, dtype: torch.dtype) -> str:
+    """Which of PRODUCTS a weight of this shape should take on this CPU (probed once per shape and process).
 
-    Times both on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe),
-    on one thread: one activation row must be PACK_MIN_GAIN times faster, and a PROBE_BLOCK-row block not clearly
-    slower (BLOCK_SLACK: prefill timings on a shared machine swing by tens of percent, while a CPU whose blocked
-    bf16 prefill really loses, one without bf16 arithmetic where `Linear` multiplies in fp32, loses several times
-    over); the outputs must agree.
+    Times each on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe),
+    on one thread, for one activation row (decode), PROBE_FEW rows (a batch's decode step) and PROBE_BLOCK rows
+    (prefill: the blocked product's own, F.linear's for the native one). A product qualifies whose prefill is not
+    clearly slower than the fastest's (BLOCK_SLACK: prefill timings on a shared machine swing by tens of percent,
+    while a CPU whose blocked bf16 prefill really loses, one without bf16 arithmetic where `Linear` multiplies in
+    fp32, loses several times over) and whose batch step is at most FEW_SLACK slower than the fastest's, so that
+    one stream's speed is never bought with many streams' (the native product of a weight with long rows, the demo
+    model's [896, 4864], fell to half the blocked one's rate for 8 rows; F.linear, which rearranges a plain weight
+    for oneDNN as it goes, is 1.3-1.6x slower than the blocked product there). Of those, the fastest on one row
+    wins; a blocked product must also agree with F.linear.
     """
     return _probe(min(out_features, PROBE_ROWS), in_features, dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
+def _native_bf16() -> native.Kernels | None:
+    """The native kernels, where their bf16 product agrees with its reference."""
+    kernels = native.kernels()
+    if kernels is None or not native.agrees("bf16 product",
+                                            native.check_bf16_linear(kernels, torch.Generator().manual_seed(2))):
+        return None
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> str:
+    if dtype not in PACKED_DTYPES:
+        return "plain"
     gen = torch.Generator().manual_seed(0)
     plain = Linear(in_features, out_features, bias=True, dtype=dtype)
     with torch.no_grad():
         plain.weight.copy_(torch.randn(plain.weight.shape, generator=gen) * in_features ** -0.5)
         plain.bias.copy_(torch.randn(plain.bias.shape, generator=gen))
     one = torch.randn(1, in_features, generator=gen).to(dtype)
+    few = torch.randn(PROBE_FEW, in_features, generator=gen).to(dtype)
     block = torch.randn(PROBE_BLOCK, in_features, generator=gen).to(dtype)
-    try:
-        packed = _pack(plain.weight.detach())
-        got = _packed_linear(block, packed, plain.bias.detach())
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
-        log.info("no blocked oneDNN product for %s on this CPU (%s); using F.linear", dtype, exc)
-        return False
+    weight, bias = plain.weight.detach(), plain.bias.detach()
     with torch.no_grad():
         want = plain(block)
-        err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
-        if err > 1e-2:
-            log.warning("the blocked oneDNN product disagrees with F.linear (relative error %.1e); using F.linear",
-                        err)
-            return False
-        bias = plain.bias.detach()
-        with one_thread():  # see probe.py: steady timings on a shared machine
-            one_s = race([lambda: plain(one), lambda: _packed_linear(one, packed, bias)], 7)
-            block_s = race([lambda: plain(block), lambda: _packed_linear(block, packed, bias)], 3)
-    times = {"plain one": one_s[0], "packed one": one_s[1], "plain block": block_s[0], "packed block": block_s[1]}
-    faster = (times["plain one"] >= PACK_MIN_GAIN * times["packed one"]
-              and times["packed block"] <= BLOCK_SLACK * times["plain block"])
-    log.info("%s [%d, %d] products: one row %.0f us plain, %.0f us blocked; %d rows %.0f us plain, %.0f us blocked: "
-             "%s", dtype, out_features, in_features, times["plain one"] * 1e6, times["packed one"] * 1e6, PROBE_BLOCK,
-             times["plain block"] * 1e6, times["packed block"] * 1e6, "blocked" if faster else "plain")
-    return faster
+    runs = {"plain": lambda x: plain(x)}
+    packed = _packed_or_none(weight, bias, block, want)
+    if packed is not None:
+        runs["packed"] = lambda x: _packed_linear(x, packed, bias)
+    kernels = _native_bf16() if dtype == torch.bfloat16 else None
+    if kernels is not None:
+        runs["native"] = lambda x: kernels.bf16_linear(x, weight, bias) if x.shape[0] <= PROBE_FEW else plain(x)
+    times = {}
+    with torch.no_grad(), one_thread():  # see probe.py: steady timings on a shared machine
+        for x, turns in ((one, 7), (few, 5), (block, 3)):
+            if x is block:  # a NativeLinear's prefill is F.linear's: timed once
+                runs = {p: run for p, run in runs.items() if p != "native"}
+            times[x.shape[0]] = dict(zip(runs, race([lambda run=run: run(x) for run in runs.values()], turns)))
+    one_s, few_s, block_s = times[1], times[PROBE_FEW], times[PROBE_BLOCK]
+    block_s.setdefault("native", block_s["plain"])
+    qualified = [p for p in one_s if block_s[p] <= BLOCK_SLACK * min(block_s.values())
+                 and few_s[p] <= FEW_SLACK * min(few_s.values())]
+    best = min(qualified or ["plain"], key=lambda p: one_s[p])
+    log.info("%s [%d, %d] products, us for 1 / %d / %d rows: %s: %s", dtype, out_features, in_features, PROBE_FEW,
+             PROBE_BLOCK, ", ".join(f"{p} {one_s[p] * 1e6:.0f} / {few_s[p] * 1e6:.0f} / {block_s[p] * 1e6:.0f}"
+                                    for p in one_s), best)
+    return best
+
+
+def _packed_or_none(weight: torch.Tensor, bias: torch.Tensor, block: torch.Tensor, want: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """`weight` in oneDNN's blocked layout, or None where this torch has none or its product disagrees."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = _pack(weight)
+        got = _packed_linear(block, packed, bias)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        log.info("no blocked oneDNN product for %s on this CPU (%s)", weight.dtype, exc)
+        return None
+    err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+    if err > 1e-2:
+        log.warning("the blocked oneDNN product disagrees with F.linear (relative error %.1e); not using it", err)
+        return None
+    return packed
 
 
 class PackedLinear(nn.Module):
@@ -175,10 +220,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, *, force: bool | None = None) -> int:
-    """Replace each CPU nn.Linear below `module` in bf16 by a PackedLinear where that is faster here.
+    """Give each CPU nn.Linear below `module` in bf16 the fastest product here: a PackedLinear or a NativeLinear
+    in its place where `fastest_product` finds one of them fastest for its shape.
 
-    force=None asks `packed_is_faster` per shape; True packs every one that can be packed; False packs nothing.
-    A Linear shared by several parents stays shared. Returns how many were packed.
+    force=None asks `fastest_product` per shape; True packs every one that can be packed (blocked); False changes
+    nothing. A Linear shared by several parents stays shared. Returns how many were replaced.
     """
     if force is False:
         return 0
@@ -191,8 +237,42 @@ def pack_linears(module: nn.Module, *, force: bool | None = None) -> int:
             if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES:
                 continue
             if id(child) not in replacements:
-                if not (force or packed_is_faster(child.out_features, child.in_features, w.dtype)):
+                product = "packed" if force else fastest_product(child.out_features, child.in_features, w.dtype)
+                if product == "plain" or isinstance(child, NativeLinear):
                     continue
-                replacements[id(child)] = PackedLinear.from_linear(child)
+                replacements[id(child)] = (PackedLinear if product == "packed" else NativeLinear).from_linear(child)
             setattr(parent, name, replacements[id(child)])
     return len(replacements)
+
+
+class NativeLinear(Linear):
+    """A Linear whose products of up to a few activation rows (a decode step's) run in the native bf16 kernel
+    (native.Kernels.bf16_linear), which streams the plain weight at the memory's rate; larger inputs (prefill)
+    take F.linear as Linear does. The weight is the same plain [out, in] parameter, so quantizing one (or reading
+    its weight) is as for any nn.Linear."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "NativeLinear":
+        kernels = _native_bf16()
+        if kernels is None:
+            raise ValueError("NativeLinear needs the native kernels and their bf16 product (native.kernels())")
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        layer.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().to(linear.weight.dtype).contiguous(), requires_grad=False)
+        layer._kernels = kernels
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = self._parameters  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per parameter
+        weight, bias = params["weight"], params["bias"]
+        rows = x.numel() // self.in_features
+        if (rows <= self._kernels.bf16_rows_per_pass and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+                and x.device.type == "cpu" and weight.device.type == "cpu"):
+            return self._kernels.bf16_linear(x.reshape(rows, self.in_features), weight, bias).view(
+                *x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", path=native up to " + f"{self._kernels.bf16_rows_per_pass} rows"

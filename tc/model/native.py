@@ -18,8 +18,12 @@ one call per layer (`Kernels.decode_attention`, taken by qwen2.Attention for bf1
 
 `norm.c` likewise does a bf16 RMS norm in one call where PyTorch dispatches six operators and two conversions.
 
-It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c` and `norm.c`
-into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native
+`bf16dot.c` multiplies the few activation rows of a decode step by a bf16 weight in its plain [out, in] layout,
+reading each weight row whole, in order, which streams at the memory's rate where oneDNN's products do not
+(`Kernels.bf16_linear`, taken by dense.NativeLinear where `dense.fastest_product` finds it fastest).
+
+It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c` and
+`bf16dot.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native
 -fopenmp), caches it under ~/.cache/truecluster/kernels keyed by the sources, the compiler and the CPU, loads it
 with ctypes, and checks it against the references on small inputs. A machine without a compiler, an x86-64 CPU
 without AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP
@@ -57,10 +61,11 @@ from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16.h")  # next to this file: the .c files make one library
+SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "bf16.h")  # next to this file: the .c files make one library
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 2  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
+BF16DOT_ABI = 1  # bf16dot.c's TC_BF16DOT_ABI
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
@@ -98,6 +103,10 @@ class Kernels:
         self._rms_norm = lib.tc_rms_norm
         self._rms_norm.argtypes = [_VOID_P, _VOID_P, _VOID_P, _INT, _INT, ctypes.c_float, _INT]
         self._rms_norm.restype = None
+        self._bf16 = lib.tc_bf16_linear
+        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT]
+        self._bf16.restype = None
+        self.bf16_rows_per_pass = int(lib.tc_bf16dot_max_rows())
         self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
@@ -162,6 +171,18 @@ class Kernels:
         n = x.shape[-1]
         self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps,
                        torch.get_num_threads())
+        return y
+
+
+    def bf16_linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2 [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], all bfloat16 (bf16dot.c); weight and bias contiguous.
+        Every pass of `bf16_rows_per_pass` rows reads the whole weight, so it is meant for a decode step's few."""
+        x2 = x2.contiguous()
+        m, k = x2.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                   torch.get_num_threads())
         return y
 
 
@@ -323,6 +344,24 @@ def _check_norm(kernels: Kernels, gen: torch.Generator) -> float:
     return worst
 
 
+def bf16_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What Kernels.bf16_linear computes: the product in float32, rounded to bfloat16 once."""
+    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+
+
+def check_bf16_linear(kernels: Kernels, gen: torch.Generator) -> float:
+    """The worst relative error of bf16_linear against its reference over a few shapes: one row and several, a
+    width past the vectors, with and without a bias, more rows than one pass takes."""
+    worst = 0.0
+    for rows, k, n, bias in ((1, 64, 24, False), (3, 100, 40, True), (kernels.bf16_rows_per_pass + 3, 96, 16, True)):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16() if bias else None
+        ref = bf16_linear_reference(x, w, b).float()
+        worst = max(worst, float((kernels.bf16_linear(x, w, b).float() - ref).norm() / ref.norm()))
+    return worst
+
+
 def decode_attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: int,
                                kv_heads: int, scale: float) -> torch.Tensor:
     """What Kernels.decode_attention computes for one sequence, in float32 by SDPA: qkv [(heads + 2 kv_heads) * D]
@@ -361,9 +400,9 @@ def load(compiler: str, march: str = "native") -> Kernels:
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
     path = _build(sources, compiler, march)
     lib = ctypes.CDLL(str(path))
-    found = (lib.tc_qdot_abi(), lib.tc_attention_abi(), lib.tc_norm_abi())
-    if found != (ABI, ATTENTION_ABI, NORM_ABI):
-        raise RuntimeError(f"{path} has ABIs {found}, expected {(ABI, ATTENTION_ABI, NORM_ABI)}")
+    found = (lib.tc_qdot_abi(), lib.tc_attention_abi(), lib.tc_norm_abi(), lib.tc_bf16dot_abi())
+    if found != (ABI, ATTENTION_ABI, NORM_ABI, BF16DOT_ABI):
+        raise RuntimeError(f"{path} has ABIs {found}, expected {(ABI, ATTENTION_ABI, NORM_ABI, BF16DOT_ABI)}")
     return Kernels(lib, path)
 
 
@@ -404,7 +443,7 @@ def norm_faster_than_torch() -> bool:
     """Whether the native RMS norm agrees with its reference and beats PyTorch's operators (rms_norm_reference) by
     MIN_GAIN on this CPU, timed once per process on one thread for a decode row and a prefill-sized block of rows."""
     native = kernels()
-    if native is None or not _agrees("RMS norm", _check_norm(native, torch.Generator().manual_seed(1))):
+    if native is None or not agrees("RMS norm", _check_norm(native, torch.Generator().manual_seed(1))):
         return False
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, generator=gen).bfloat16()
@@ -419,7 +458,7 @@ def norm_faster_than_torch() -> bool:
     return gain >= MIN_GAIN
 
 
-def _agrees(what: str, err: float) -> bool:
+def agrees(what: str, err: float) -> bool:
     """Whether a kernel's check passed (logged where it did not: the kernel is then not used)."""
     if err > 1e-2:
         log.warning("native %s: disagrees with its reference (relative error %.1e); using PyTorch's", what, err)
@@ -433,7 +472,7 @@ def attention_faster_than_torch() -> bool:
     (qwen2.Attention's own way) by MIN_GAIN on this CPU, timed once per process on one thread for 4 sequences of
     128 positions."""
     native = kernels()
-    if native is None or not _agrees("decode attention", _check_attention(native, torch.Generator().manual_seed(1))):
+    if native is None or not agrees("decode attention", _check_attention(native, torch.Generator().manual_seed(1))):
         return False
     heads, kv_heads, d, n, position = 14, 2, 64, 4, 128
     gen = torch.Generator().manual_seed(0)

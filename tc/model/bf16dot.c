@@ -1,0 +1,137 @@
+/* bfloat16 products for the few activation rows of a decode step, on x86-64 CPUs: y = x @ W^T (+ bias).
+
+   Built with qdot.c into one library by tc/model/native.py (-O3 -march=native -fopenmp) and loaded with ctypes.
+   A decode step's product reads every weight once for one row (or a few) of activations, so its speed is how
+   fast the weight streams from memory. oneDNN, behind F.linear and dense.PackedLinear, reached 17-21 GB/s on a
+   2-core AVX512-BF16 EPYC that streams 30; reading each weight row whole, in order, one after the other (each
+   thread a contiguous half of the rows), with every activation row's dot product taken against it while it is in
+   L1, streams at the machine's rate (27-30 GB/s there). Four weight rows at a time instead, a tile as qdot.c
+   uses, fell back to 20-21: four interleaved streams defeat the hardware prefetcher where one does not.
+
+   Arithmetic: float32 accumulation of bf16 x bf16 products (vdpbf16ps with AVX512-BF16, else exact bf16 -> fp32
+   conversion and FMA), the bias added in float32, one rounding to bfloat16 at the end, as oneDNN's bf16 product
+   does; only the order of the float32 additions differs from it. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "these kernels need AVX2 and FMA"
+#endif
+
+#define TC_BF16DOT_ABI 1
+#define MAX_ROWS 8 /* activation rows per pass over the weights: one accumulator each, all in registers */
+/* Weight bytes a pass of PREFETCH_ROWS or more activation rows prefetches ahead. With that many, each weight vector
+   feeds that many dot products and the hardware prefetcher alone leaves the loop waiting on its loads (as in
+   qdot.c): on a 2-core AVX512 EPYC, a [9728, 896] weight went from 14-17 to 18-21 GB/s for 4 and 8 rows, about
+   oneDNN's blocked product's rate there. One or two rows stream at the memory's rate without it. */
+#define PREFETCH_AHEAD 1024
+#define PREFETCH_ROWS 3
+
+int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
+
+int tc_bf16dot_max_rows(void) { return MAX_ROWS; }
+
+TC_INLINE uint16_t round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+TC_INLINE float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* acc[r] = sum over k of w[k] * x[r][k], for M rows of x (a compile-time constant after inlining) */
+TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, float* acc) {
+    __m512 a[MAX_ROWS], b = _mm512_setzero_ps(); /* b: a second chain for one row, whose adds would wait */
+    for (int r = 0; r < M; r++) a[r] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= k; i += 32) {
+        if (M >= PREFETCH_ROWS) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
+        if (M == 1 && (i / 32) % 2) {
+            b = _mm512_dpbf16_ps(b, wv, (__m512bh)_mm512_loadu_si512(x + i));
+            continue;
+        }
+        for (int r = 0; r < M; r++) a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_loadu_si512(x + (size_t)r * k + i));
+    }
+    if (i < k) { /* the tail: masked loads read zeros past the row's end */
+        __mmask32 m = (__mmask32)((1ull << (k - i)) - 1);
+        __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i);
+        for (int r = 0; r < M; r++)
+            a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (size_t)r * k + i));
+    }
+    a[0] = _mm512_add_ps(a[0], b);
+    for (int r = 0; r < M; r++) acc[r] = _mm512_reduce_add_ps(a[r]);
+}
+
+#else
+TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, float* acc) {
+    __m256 a[MAX_ROWS], b = _mm256_setzero_ps();
+    for (int r = 0; r < M; r++) a[r] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= k; i += 8) {
+        if (M >= PREFETCH_ROWS && i % 32 == 0) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m256 wv = bf16x8_load(w + i);
+        if (M == 1 && (i / 8) % 2) {
+            b = _mm256_fmadd_ps(wv, bf16x8_load(x + i), b);
+            continue;
+        }
+        for (int r = 0; r < M; r++) a[r] = _mm256_fmadd_ps(wv, bf16x8_load(x + (size_t)r * k + i), a[r]);
+    }
+    a[0] = _mm256_add_ps(a[0], b);
+    for (int r = 0; r < M; r++) {
+        acc[r] = sum8(a[r]);
+        for (int j = i; j < k; j++) acc[r] += widen_bf16(w[j]) * widen_bf16(x[(size_t)r * k + j]);
+    }
+}
+#endif
+
+/* rows [0, M) of y = x @ W^T + bias, one function per M <= MAX_ROWS: OpenMP outlines the loop into a function of
+   its own, where M must already be a constant for the accumulators to stay in registers */
+#define PRODUCT(M)                                                                                                  \
+    static void product_##M(const uint16_t* x, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,  \
+                            int nthreads) {                                                                         \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int j = 0; j < n; j++) {          \
+            float acc[M];                                                                                           \
+            dot_rows(w + (size_t)j * k, x, k, M, acc);                                                              \
+            const float b = bias ? widen_bf16(bias[j]) : 0.f;                                                       \
+            for (int r = 0; r < M; r++) y[(size_t)r * n + j] = round_bf16(acc[r] + b);                              \
+        }                                                                                                           \
+    }
+PRODUCT(1)
+PRODUCT(2)
+PRODUCT(3)
+PRODUCT(4)
+PRODUCT(5)
+PRODUCT(6)
+PRODUCT(7)
+PRODUCT(8)
+
+/* y [m, n] = x [m, k] @ w [n, k]^T (+ bias [n], or NULL), all contiguous bfloat16, in passes of MAX_ROWS rows
+   (each pass reads the weights once). */
+void tc_bf16_linear(const uint16_t* x, int m, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,
+                    int nthreads) {
+    for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
+        const int rows = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
+        const uint16_t* xs = x + (size_t)r0 * k;
+        uint16_t* ys = y + (size_t)r0 * n;
+        switch (rows) {
+            case 1: product_1(xs, k, w, n, bias, ys, nthreads); break;
+            case 2: product_2(xs, k, w, n, bias, ys, nthreads); break;
+            case 3: product_3(xs, k, w, n, bias, ys, nthreads); break;
+            case 4: product_4(xs, k, w, n, bias, ys, nthreads); break;
+            case 5: product_5(xs, k, w, n, bias, ys, nthreads); break;
+            case 6: product_6(xs, k, w, n, bias, ys, nthreads); break;
+            case 7: product_7(xs, k, w, n, bias, ys, nthreads); break;
+            default: product_8(xs, k, w, n, bias, ys, nthreads); break;
+        }
+    }
+}
