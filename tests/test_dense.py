@@ -23,6 +23,7 @@ def can_pack() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch build has no oneDNN blocked linear")
+needs_native = pytest.mark.skipif(dense._native_bf16() is None, reason="no native bf16 product on this machine")
 
 
 def make_linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
@@ -129,11 +130,25 @@ def test_a_packed_model_follows_the_plain_one(tiny_model_dir):
     assert rel_err(split, full) < 1e-2
 
 
-def test_an_lm_head_tied_to_the_embedding_stays_one_matrix(tmp_path):
+@pytest.mark.parametrize("pack", [True, None])
+def test_an_lm_head_tied_to_the_embedding_stays_one_matrix(tmp_path, pack):
     model_dir = write_tiny_model(tmp_path, seed=3, tie_word_embeddings=True)
-    head = OurModel(model_dir, torch.bfloat16, pack=True).head
-    assert isinstance(head.lm_head, Linear)
+    head = OurModel(model_dir, torch.bfloat16, pack=pack).head
+    assert type(head.lm_head) in (Linear, NativeLinear) and not isinstance(head.lm_head, PackedLinear)
     assert head.lm_head.weight.data_ptr() == head.embed_tokens.weight.data_ptr()
+
+
+@needs_native
+def test_an_lm_head_tied_to_the_embedding_may_take_the_native_product(tmp_path, monkeypatch):
+    model_dir = write_tiny_model(tmp_path, seed=3, tie_word_embeddings=True)
+    asked = []
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed: asked.append(allowed) or "native")
+    head = OurModel(model_dir, torch.bfloat16, pack=None).head
+    assert type(head.lm_head) is NativeLinear and "packed" not in asked[0]  # the head loads first
+    assert head.lm_head.weight.data_ptr() == head.embed_tokens.weight.data_ptr()
+    x = torch.randn(1, 1, head.config.hidden_size).bfloat16()
+    ref = F.linear(x.float(), head.embed_tokens.weight.float())
+    assert rel_err(head.lm_head(x), ref) < 1e-2
 
 
 def test_the_head_packs_its_lm_head_only_when_asked(tiny_model_dir):
@@ -169,8 +184,6 @@ def test_the_head_process_packs_an_lm_head_that_stays_in_bf16_where_that_is_fast
     finally:
         head.stop()
 
-
-needs_native = pytest.mark.skipif(dense._native_bf16() is None, reason="no native bf16 product on this machine")
 
 
 @needs_native
@@ -233,7 +246,7 @@ def test_the_probe_names_a_product_and_pack_linears_gives_it(caplog):
 def test_a_native_model_follows_the_plain_one(tiny_model_dir, monkeypatch):
     """The tiny model with every bf16 product native where it can be: its cached decode (one row a step, the native
     kernel) follows the plain model's full pass, and each of its products was native."""
-    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype: "native")
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed: "native")
     ids = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120]
     plain = OurModel(tiny_model_dir, torch.bfloat16, pack=False)
     fast = OurModel(tiny_model_dir, torch.bfloat16, pack=None)

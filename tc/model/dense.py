@@ -94,8 +94,10 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def fastest_product(out_features: int, in_features: int, dtype: torch.dtype) -> str:
-    """Which of PRODUCTS a weight of this shape should take on this CPU (probed once per shape and process).
+def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, allowed: tuple[str, ...] = PRODUCTS
+                    ) -> str:
+    """Which of the `allowed` PRODUCTS a weight of this shape should take on this CPU (probed once per shape and
+    process; "plain" where none of them qualifies).
 
     Times each on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe),
     on one thread, for one activation row (decode), PROBE_FEW rows (a batch's decode step) and PROBE_BLOCK rows
@@ -108,7 +110,12 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype) -> 
     for oneDNN as it goes, is 1.3-1.6x slower than the blocked product there). Of those, the fastest on one row
     wins; a blocked product must also agree with F.linear.
     """
-    return _probe(min(out_features, PROBE_ROWS), in_features, dtype)
+    if dtype not in PACKED_DTYPES:
+        return "plain"
+    one_s, few_s, block_s = _probe(min(out_features, PROBE_ROWS), in_features, dtype)
+    qualified = [p for p in one_s if p in allowed and block_s[p] <= BLOCK_SLACK * min(block_s.values())
+                 and few_s[p] <= FEW_SLACK * min(few_s.values())]
+    return min(qualified or ["plain"], key=lambda p: one_s[p])
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,9 +129,9 @@ def _native_bf16() -> native.Kernels | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> str:
-    if dtype not in PACKED_DTYPES:
-        return "plain"
+def _probe(out_features: int, in_features: int, dtype: torch.dtype
+           ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Seconds of each product available here for one row, PROBE_FEW rows and PROBE_BLOCK rows."""
     gen = torch.Generator().manual_seed(0)
     plain = Linear(in_features, out_features, bias=True, dtype=dtype)
     with torch.no_grad():
@@ -151,13 +158,10 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype) -> str:
             times[x.shape[0]] = dict(zip(runs, race([lambda run=run: run(x) for run in runs.values()], turns)))
     one_s, few_s, block_s = times[1], times[PROBE_FEW], times[PROBE_BLOCK]
     block_s.setdefault("native", block_s["plain"])
-    qualified = [p for p in one_s if block_s[p] <= BLOCK_SLACK * min(block_s.values())
-                 and few_s[p] <= FEW_SLACK * min(few_s.values())]
-    best = min(qualified or ["plain"], key=lambda p: one_s[p])
-    log.info("%s [%d, %d] products, us for 1 / %d / %d rows: %s: %s", dtype, out_features, in_features, PROBE_FEW,
+    log.info("%s [%d, %d] products, us for 1 / %d / %d rows: %s", dtype, out_features, in_features, PROBE_FEW,
              PROBE_BLOCK, ", ".join(f"{p} {one_s[p] * 1e6:.0f} / {few_s[p] * 1e6:.0f} / {block_s[p] * 1e6:.0f}"
-                                    for p in one_s), best)
-    return best
+                                    for p in one_s))
+    return one_s, few_s, block_s
 
 
 def _packed_or_none(weight: torch.Tensor, bias: torch.Tensor, block: torch.Tensor, want: torch.Tensor
@@ -219,9 +223,9 @@ class PackedLinear(nn.Module):
                f"path=oneDNN blocked"
 
 
-def pack_linears(module: nn.Module, *, force: bool | None = None) -> int:
+def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple[str, ...] = PRODUCTS) -> int:
     """Give each CPU nn.Linear below `module` in bf16 the fastest product here: a PackedLinear or a NativeLinear
-    in its place where `fastest_product` finds one of them fastest for its shape.
+    in its place where `fastest_product` finds one of them fastest for its shape, of those `allowed`.
 
     force=None asks `fastest_product` per shape; True packs every one that can be packed (blocked); False changes
     nothing. A Linear shared by several parents stays shared. Returns how many were replaced.
@@ -237,7 +241,8 @@ def pack_linears(module: nn.Module, *, force: bool | None = None) -> int:
             if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES:
                 continue
             if id(child) not in replacements:
-                product = "packed" if force else fastest_product(child.out_features, child.in_features, w.dtype)
+                product = "packed" if force else fastest_product(child.out_features, child.in_features, w.dtype,
+                                                                 allowed)
                 if product == "plain" or isinstance(child, NativeLinear):
                     continue
                 replacements[id(child)] = (PackedLinear if product == "packed" else NativeLinear).from_linear(child)

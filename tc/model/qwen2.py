@@ -580,7 +580,8 @@ class HeadModel(nn.Module):
         (`dense.pack_linears`, `pack` as its `force`). Off by default: packing briefly holds the matrix twice (the
         largest one of a small model), which is only worth it for an lm_head that stays in the compute dtype, while
         a head in int8 or int4 quantizes its lm_head after loading. An lm_head tied to the embedding is never
-        packed, since that would hold the matrix twice for good."""
+        packed, since that would hold the matrix twice for good; with pack=None it may take the native product,
+        which reads the embedding's own tensor."""
         with torch.device("meta"):
             head = cls(config)
         tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
@@ -590,6 +591,8 @@ class HeadModel(nn.Module):
         head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
         if "lm_head.weight" in tensors:
             pack_linears(head, force=pack)
+        elif pack is None:
+            pack_linears(head, allowed=("plain", "native"))
         return head.eval()
 
     @torch.inference_mode()
