@@ -210,6 +210,49 @@ def test_native_layer_equals_the_reference_and_hands_larger_inputs_to_f_linear(b
 
 
 @needs_native
+def test_native_layer_whose_weight_or_input_changed_shape_takes_f_linear():
+    lin = make_linear(32, 64, True, torch.bfloat16)
+    layer = NativeLinear.from_linear(lin)
+    layer.weight = nn.Parameter(lin.weight.detach().t().contiguous().t(), requires_grad=False)  # column-major
+    x = torch.randn(1, 64).bfloat16()
+    assert not layer.weight.is_contiguous() and torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.bias = nn.Parameter(lin.bias.detach().float(), requires_grad=False)
+    with pytest.raises(RuntimeError):  # F.linear's own refusal of a float32 bias, not a wrong answer
+        layer(x)
+    with pytest.raises(RuntimeError):
+        NativeLinear.from_linear(lin)(torch.randn(1, 32).bfloat16())  # an input of another width
+
+
+def _probed(monkeypatch, one, few, block):
+    """fastest_product's choice for probe times given as {product: us} for 1 / 8 / 64 rows."""
+    monkeypatch.setattr(dense, "_probe", lambda out_f, in_f, dtype: (one, few, block))
+
+
+@pytest.mark.parametrize("one, few, block, allowed, expected", [
+    # native fastest on one row, within the slacks: native
+    ({"plain": 100, "packed": 80, "native": 50}, {"plain": 400, "packed": 300, "native": 330},
+     {"plain": 2000, "packed": 1900, "native": 2000}, dense.PRODUCTS, "native"),
+    # native loses the batch step by more than FEW_SLACK: the blocked product
+    ({"plain": 100, "packed": 80, "native": 50}, {"plain": 400, "packed": 300, "native": 600},
+     {"plain": 2000, "packed": 1900, "native": 2000}, dense.PRODUCTS, "packed"),
+    # ... unless the blocked product may not be taken (a tied lm_head): it is not measured against it
+    ({"plain": 100, "packed": 80, "native": 50}, {"plain": 400, "packed": 300, "native": 390},
+     {"plain": 2000, "packed": 1900, "native": 2000}, ("plain", "native"), "native"),
+    # a near tie on one row goes to the faster batch step, a full tie to F.linear
+    ({"plain": 100, "packed": 99}, {"plain": 400, "packed": 350}, {"plain": 2000, "packed": 2000}, dense.PRODUCTS,
+     "packed"),
+    ({"plain": 100, "packed": 99}, {"plain": 400, "packed": 400}, {"plain": 2000, "packed": 2900}, dense.PRODUCTS,
+     "plain"),
+    # a blocked prefill several times slower (a CPU without bf16 arithmetic) disqualifies it
+    ({"plain": 100, "packed": 50}, {"plain": 400, "packed": 300}, {"plain": 2000, "packed": 9000}, dense.PRODUCTS,
+     "plain"),
+])
+def test_the_probe_rule(monkeypatch, one, few, block, allowed, expected):
+    _probed(monkeypatch, one, few, block)
+    assert fastest_product(4096, 896, torch.bfloat16, allowed) == expected
+
+
+@needs_native
 def test_native_layer_in_fp32_or_moved_takes_f_linear():
     lin = make_linear(32, 64, True, torch.bfloat16)
     layer = NativeLinear.from_linear(lin).float()

@@ -91,11 +91,23 @@ def test_bf16_product_rounds_the_float32_product_once(rows, cols, bias):
     got = KERNELS.bf16_linear(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
     exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    # the float32 sums differ from the exact ones in their last bits only, so each output is the exact product
-    # rounded to bf16, or a neighbour of it where that sum lies within float32 rounding of a tie
+    # each output is the exact product rounded once to bf16 (within one bf16 unit, where the float32 sum lies near a
+    # tie), up to what any order of float32 additions may lose: cols * 2^-24 of the terms' magnitudes, which only
+    # matters where the terms cancel
     ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2 ** -7
-    assert bool(((got.double() - exact).abs() <= 1.01 * ulp).all())
+    magnitude = torch.nn.functional.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    assert bool(((got.double() - exact).abs() <= 1.01 * ulp + cols * 2 ** -24 * magnitude).all())
     assert relative(got, native.bf16_linear_reference(x, w, b)) < 4e-3
+
+
+@needs_kernels
+def test_bf16_product_refuses_a_weight_it_cannot_read():
+    x = torch.randn(2, 64).bfloat16()
+    for weight, bias in ((torch.randn(64, 40).bfloat16().t(), None),  # column-major
+                         (torch.randn(40, 64).bfloat16(), torch.randn(40)),  # a float32 bias
+                         (torch.randn(40, 32).bfloat16(), None)):  # another width
+        with pytest.raises(ValueError, match="bf16_linear takes"):
+            KERNELS.bf16_linear(x, weight, bias)
 
 
 @needs_kernels

@@ -48,6 +48,7 @@ PROBE_BLOCK = 64  # rows of activations standing for a prefill in the probe
 PROBE_FEW = 8  # ... and for a decode step of a batch of sequences
 BLOCK_SLACK = 1.5  # a product's prefill may be at most this much slower than the fastest (see fastest_product)
 FEW_SLACK = 1.25  # ... and a batch's decode step this much
+TIE = 1.1  # one-row times this close are a tie, which the faster batch step breaks
 PRODUCTS = ("plain", "packed", "native")  # F.linear (Linear), oneDNN blocked (PackedLinear), NativeLinear
 
 
@@ -108,14 +109,19 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     one stream's speed is never bought with many streams' (the native product of a weight with long rows, the demo
     model's [896, 4864], fell to half the blocked one's rate for 8 rows; F.linear, which rearranges a plain weight
     for oneDNN as it goes, is 1.3-1.6x slower than the blocked product there). Of those, the fastest on one row
-    wins; a blocked product must also agree with F.linear.
+    wins, unless another is within TIE of it there and faster on the batch step (a near tie on one row is noise;
+    the batch step's difference is not), in PRODUCTS' order on a full tie. Only the allowed products (and F.linear,
+    always possible) compete, so a weight that may not be blocked is never measured against the blocked product. A
+    blocked product must also agree with F.linear.
     """
     if dtype not in PACKED_DTYPES:
         return "plain"
     one_s, few_s, block_s = _probe(min(out_features, PROBE_ROWS), in_features, dtype)
-    qualified = [p for p in one_s if p in allowed and block_s[p] <= BLOCK_SLACK * min(block_s.values())
-                 and few_s[p] <= FEW_SLACK * min(few_s.values())]
-    return min(qualified or ["plain"], key=lambda p: one_s[p])
+    candidates = [p for p in one_s if p in allowed or p == "plain"]
+    qualified = [p for p in candidates if block_s[p] <= BLOCK_SLACK * min(block_s[c] for c in candidates)
+                 and few_s[p] <= FEW_SLACK * min(few_s[c] for c in candidates)] or ["plain"]
+    fastest = min(one_s[p] for p in qualified)
+    return min((p for p in qualified if one_s[p] <= TIE * fastest), key=lambda p: few_s[p])
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +155,8 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
         runs["packed"] = lambda x: _packed_linear(x, packed, bias)
     kernels = _native_bf16() if dtype == torch.bfloat16 else None
     if kernels is not None:
-        runs["native"] = lambda x: kernels.bf16_linear(x, weight, bias) if x.shape[0] <= PROBE_FEW else plain(x)
+        runs["native"] = lambda x: (kernels.bf16_linear(x, weight, bias) if x.shape[0] <= kernels.bf16_rows_per_pass
+                                    else plain(x))  # as NativeLinear.forward
     times = {}
     with torch.no_grad(), one_thread():  # see probe.py: steady timings on a shared machine
         for x, turns in ((one, 7), (few, 5), (block, 3)):
@@ -272,12 +279,19 @@ class NativeLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._parameters  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per parameter
         weight, bias = params["weight"], params["bias"]
-        rows = x.numel() // self.in_features
-        if (rows <= self._kernels.bf16_rows_per_pass and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-                and x.device.type == "cpu" and weight.device.type == "cpu"):
-            return self._kernels.bf16_linear(x.reshape(rows, self.in_features), weight, bias).view(
+        kernels, rows = self._kernels, x.numel() // self.in_features
+        # the kernel reads raw memory: anything but the layout it was made for (a weight or bias replaced since,
+        # an input of another width, one that needs a gradient) takes F.linear, which checks and raises
+        if (kernels is not None and rows <= kernels.bf16_rows_per_pass and x.shape[-1] == self.in_features
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
+                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous()
+                and weight.shape == (self.out_features, self.in_features)
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+                                      and bias.shape == (self.out_features,)))):
+            return kernels.bf16_linear(x.reshape(rows, self.in_features), weight, bias).view(
                 *x.shape[:-1], self.out_features)
         return super().forward(x)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", path=native up to " + f"{self._kernels.bf16_rows_per_pass} rows"
+        rows = self._kernels.bf16_rows_per_pass if self._kernels is not None else 0
+        return super().extra_repr() + f", path=native up to {rows} rows"

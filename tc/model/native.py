@@ -115,6 +115,9 @@ class Kernels:
     def __deepcopy__(self, memo: dict) -> "Kernels":
         return self  # one loaded library per process: a copied layer shares it
 
+    def __reduce__(self) -> tuple:
+        return kernels, ()  # a pickled layer finds the library of the process that loads it
+
     def int4_linear(self, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int) -> torch.Tensor:
         """x2 [M, K] (bfloat16 stays bfloat16, anything else computes and returns float32) @ W^T -> [M, N]."""
@@ -180,6 +183,12 @@ class Kernels:
         x2 = x2.contiguous()
         m, k = x2.shape
         n = weight.shape[0]
+        if (x2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n, k)
+                or not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16
+                                                                        or bias.shape != (n,) or not bias.is_contiguous()))):
+            raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N], got x "
+                             f"{x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
+                             + ("" if bias is None else f", bias {bias.dtype} {list(bias.shape)}"))
         y = torch.empty(m, n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                    torch.get_num_threads())
