@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tc.model import quant
+from tc.model import dense, quant
 from tc.model.dense import pack_linears
 from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
 from tc.speed import Speed, fit_line
@@ -172,8 +172,14 @@ def cache_key(device: str, device_name: str, dtype: str, mode: str, threads: int
 
 
 def _native_tag(device: str, dtype: str, mode: str) -> str:
-    native = mode != "fp16" and dtype in COMPUTE_DTYPES and quant.native_by_default(
-        mode, torch.device(device).type, COMPUTE_DTYPES[dtype])
+    """"-native" where the measured layer takes tc's native products (int4/int8 layers, or bf16 ones that
+    dense.fastest_product may give the native product): a figure measured without them means another speed."""
+    if dtype not in COMPUTE_DTYPES or torch.device(device).type != "cpu":
+        return ""
+    if mode == "fp16":
+        native = COMPUTE_DTYPES[dtype] == torch.bfloat16 and dense.native_bf16_available()
+    else:
+        native = quant.native_by_default(mode, "cpu", COMPUTE_DTYPES[dtype])
     return "-native" if native else ""
 
 

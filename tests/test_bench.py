@@ -104,9 +104,11 @@ def test_a_link_is_fitted_from_its_fastest_echoes():
 
 
 def test_a_figure_says_whether_it_was_measured_on_native_products():
-    from tc.model import native
+    from tc.model import dense, native
 
     native_int4 = native.faster_than_torch("int4")
     assert bench.cache_key("cpu", "x", "bf16", "int4", 2).endswith("-native.json") is native_int4
     assert not bench.cache_key("cpu", "x", "fp32", "int4", 2).endswith("-native.json")  # fp32 never quantizes x
-    assert not bench.cache_key("cpu", "x", "bf16", "fp16", 2).endswith("-native.json")
+    # fp16 weights: native where the bf16 product may be chosen, never in fp32
+    assert bench.cache_key("cpu", "x", "bf16", "fp16", 2).endswith("-native.json") is dense.native_bf16_available()
+    assert not bench.cache_key("cpu", "x", "fp32", "fp16", 2).endswith("-native.json")

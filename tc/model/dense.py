@@ -124,6 +124,11 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     return min((p for p in qualified if one_s[p] <= TIE * fastest), key=lambda p: few_s[p])
 
 
+def native_bf16_available() -> bool:
+    """Whether the native bf16 product is there to be chosen on this machine (built, and agreeing)."""
+    return _native_bf16() is not None
+
+
 @functools.lru_cache(maxsize=None)
 def _native_bf16() -> native.Kernels | None:
     """The native kernels, where their bf16 product agrees with its reference."""
