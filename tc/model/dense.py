@@ -1,4 +1,4 @@
-"""Unquantized linear layers, each on the fastest product PyTorch offers on this machine for its shape.
+"""Unquantized linear layers, each on the fastest product this machine has for its shape.
 
 Theory of operation
 -------------------
@@ -12,16 +12,18 @@ blocked weight takes the same bytes as the plain one and replaces it (`PackedLin
 
 Faster still for the one row of a decode step is the native product (native.py's bf16dot.c), which reads the
 plain weight row by row in order and streams it at the memory's rate: on the same EPYC 24-38 GB/s where the
-blocked product made 13-26, over the demo model's shapes. It is for a few rows only (each pass of up to 8 rows
-reads the whole weight, and from 4 rows up oneDNN's blocked product is as fast or faster), so `NativeLinear` keeps
-the plain weight and gives larger inputs (prefill) to F.linear, which multiplies 64 rows and more about as fast
-as the blocked layout.
+blocked product made 13-26, over the demo model's shapes. It is for a few rows only: each pass of up to 8 rows
+reads the whole weight, and at 4-8 rows it is about as fast as the blocked product for weights with short rows
+and half as fast for long ones (their activation rows no longer fit L1). So `NativeLinear` keeps the plain weight
+and gives larger inputs (prefill) to F.linear, which multiplies 64 rows and more about as fast as the blocked
+layout.
 
 Which product is fastest is never assumed from the CPU model: `fastest_product(out, in, dtype)` times them on a
-weight of that shape, for one row (decode) and for a block of rows (prefill), once per process and shape, checks
-that they agree, and `pack_linears` gives each layer the one that wins one row clearly without losing the block
-(native, blocked, or plain). It applies to a loaded module, on the CPU, in bf16 only: fp32 is the reference
-dtype, whose results stay those of the reference ops, and fp16 computes in fp32 on CPUs.
+weight of that shape, for one row (decode), 8 rows (a batch's decode step) and a block of rows (prefill), once per
+process and shape, checks that they agree, and `pack_linears` gives each layer the one that is fastest on one row
+without losing a batch step or a prefill by much (native, blocked, or plain). It applies to a loaded module, on
+the CPU, in bf16 only: fp32 is the reference dtype, whose results stay those of the reference ops, and fp16
+computes in fp32 on CPUs.
 
 `Linear` is the plain path: nn.Linear, except that on CPUs without bf16 arithmetic its multi-token bf16 products
 run in fp32 (`cpu_bf16_matmul_is_slow`).
