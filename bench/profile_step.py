@@ -109,8 +109,11 @@ class Setup:
         else:  # a revision from before: each layer quantized after it loaded
             prepare = None if mode == "fp16" else (lambda layer: quant.quantize_linears(layer, mode, group_size))
             self.stage = qwen2.Stage.load(self.config, index, start, end, dtype, "cpu", prepare=prepare)
-        # as the head process loads it: a bf16 lm_head on the fastest product here, a quantized one unpacked
-        self.head = qwen2.HeadModel.load(self.config, index, dtype, pack=None if mode == "fp16" else False)
+        # as the head process loads it: a bf16 lm_head on the fastest product here, a quantized one unpacked (a
+        # revision from before HeadModel.load took `pack` loaded it plain)
+        pack = {"pack": None if mode == "fp16" else False} \
+            if "pack" in inspect.signature(qwen2.HeadModel.load).parameters else {}
+        self.head = qwen2.HeadModel.load(self.config, index, dtype, **pack)
         self.dense = code.get("dense")
         if mode != "fp16":
             quant.quantize_linears(self.head, quant.head_weight_mode(mode), group_size)
