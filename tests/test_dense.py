@@ -106,14 +106,16 @@ def test_pack_linears_packs_only_cpu_bf16_and_keeps_sharing():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantizing_a_packed_layer_gives_the_same_codes(mode):
+@pytest.mark.parametrize("layer", ["packed", pytest.param("native", marks=needs_native)])
+def test_quantizing_a_packed_or_native_layer_gives_the_same_codes(mode, layer):
     lin = make_linear(64, 256, True, torch.bfloat16)
-    plain, packed = nn.Sequential(lin), nn.Sequential(PackedLinear.from_linear(lin))
+    fast = (PackedLinear if layer == "packed" else NativeLinear).from_linear(lin)
+    plain, fast = nn.Sequential(lin), nn.Sequential(fast)
     quantize_linears(plain, mode, 64)
-    quantize_linears(packed, mode, 64)
+    quantize_linears(fast, mode, 64)
     cls = Int8Linear if mode == "int8" else Int4Linear
-    assert isinstance(packed[0], cls)
-    a, b = dict(plain[0].named_buffers()), dict(packed[0].named_buffers())
+    assert isinstance(fast[0], cls)
+    a, b = dict(plain[0].named_buffers()), dict(fast[0].named_buffers())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -258,17 +260,6 @@ def test_native_layer_in_fp32_or_moved_takes_f_linear():
     layer = NativeLinear.from_linear(lin).float()
     x = torch.randn(1, 64)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-
-
-@needs_native
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantizing_a_native_layer_gives_the_same_codes(mode):
-    lin = make_linear(64, 256, True, torch.bfloat16)
-    plain, fast = nn.Sequential(lin), nn.Sequential(NativeLinear.from_linear(lin))
-    quantize_linears(plain, mode, 64)
-    quantize_linears(fast, mode, 64)
-    a, b = dict(plain[0].named_buffers()), dict(fast[0].named_buffers())
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_probe_names_a_product_and_pack_linears_gives_it(caplog):

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TC_INLINE static inline __attribute__((always_inline))
 
@@ -26,6 +27,20 @@ TC_INLINE __m256 bf16x8_round(__m256 v) {
 TC_INLINE void bf16x8_store(uint16_t* p, __m256 v) {
     __m256i u = _mm256_srli_epi32(_mm256_castps_si256(bf16x8_round(v)), 16);
     _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+/* one float32 -> bf16 and one bf16 -> float32, for scalar tails and single outputs, rounded as the vectors are */
+TC_INLINE uint16_t scalar_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+TC_INLINE float scalar_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
 }
 
 /* the sum of 8 float32 lanes */

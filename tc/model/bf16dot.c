@@ -13,7 +13,6 @@
    does; only the order of the float32 additions differs from it. */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
 
@@ -34,19 +33,6 @@ int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
 
 int tc_bf16dot_max_rows(void) { return MAX_ROWS; }
 
-TC_INLINE uint16_t round_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-TC_INLINE float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* acc[r] = sum over k of w[k] * x[r][k], for M rows of x (a compile-time constant after inlining) */
 TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, float* acc) {
@@ -60,7 +46,8 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
             b = _mm512_dpbf16_ps(b, wv, (__m512bh)_mm512_loadu_si512(x + i));
             continue;
         }
-        for (int r = 0; r < M; r++) a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_loadu_si512(x + (size_t)r * k + i));
+        for (int r = 0; r < M; r++)
+            a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_loadu_si512(x + (size_t)r * k + i));
     }
     if (i < k) { /* the tail: masked loads read zeros past the row's end */
         __mmask32 m = (__mmask32)((1ull << (k - i)) - 1);
@@ -89,7 +76,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
     a[0] = _mm256_add_ps(a[0], b);
     for (int r = 0; r < M; r++) {
         acc[r] = sum8(a[r]);
-        for (int j = i; j < k; j++) acc[r] += widen_bf16(w[j]) * widen_bf16(x[(size_t)r * k + j]);
+        for (int j = i; j < k; j++) acc[r] += scalar_f32(w[j]) * scalar_f32(x[(size_t)r * k + j]);
     }
 }
 #endif
@@ -102,8 +89,8 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int j = 0; j < n; j++) {          \
             float acc[M];                                                                                           \
             dot_rows(w + (size_t)j * k, x, k, M, acc);                                                              \
-            const float b = bias ? widen_bf16(bias[j]) : 0.f;                                                       \
-            for (int r = 0; r < M; r++) y[(size_t)r * n + j] = round_bf16(acc[r] + b);                              \
+            const float b = bias ? scalar_f32(bias[j]) : 0.f;                                                       \
+            for (int r = 0; r < M; r++) y[(size_t)r * n + j] = scalar_bf16(acc[r] + b);                             \
         }                                                                                                           \
     }
 PRODUCT(1)

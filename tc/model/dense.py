@@ -160,10 +160,8 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
     packed = _packed_or_none(weight, bias, block, want)
     if packed is not None:
         runs["packed"] = lambda x: _packed_linear(x, packed, bias)
-    kernels = _native_bf16() if dtype == torch.bfloat16 else None
-    if kernels is not None:
-        runs["native"] = lambda x: (kernels.bf16_linear(x, weight, bias) if x.shape[0] <= kernels.bf16_rows_per_pass
-                                    else plain(x))  # as NativeLinear.forward
+    if dtype == torch.bfloat16 and _native_bf16() is not None:
+        runs["native"] = NativeLinear.from_linear(plain)  # the same weight, read by the native kernel
     times = {}
     with torch.no_grad(), one_thread():  # see probe.py: steady timings on a shared machine
         for x, turns in ((one, 7), (few, 5), (block, 3)):
@@ -291,10 +289,7 @@ class NativeLinear(Linear):
         # an input of another width, one that needs a gradient) takes F.linear, which checks and raises
         if (kernels is not None and rows <= kernels.bf16_rows_per_pass and x.shape[-1] == self.in_features
                 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
-                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous()
-                and weight.shape == (self.out_features, self.in_features)
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
-                                      and bias.shape == (self.out_features,)))):
+                and weight.shape[0] == self.out_features and native.bf16_operands_ok(self.in_features, weight, bias)):
             return kernels.bf16_linear(x.reshape(rows, self.in_features), weight, bias).view(
                 *x.shape[:-1], self.out_features)
         return super().forward(x)

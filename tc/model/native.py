@@ -183,16 +183,23 @@ class Kernels:
         x2 = x2.contiguous()
         m, k = x2.shape
         n = weight.shape[0]
-        if (x2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n, k)
-                or not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16
-                                                                        or bias.shape != (n,) or not bias.is_contiguous()))):
-            raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N], got x "
-                             f"{x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
+        if x2.dtype != torch.bfloat16 or x2.device.type != "cpu" or not bf16_operands_ok(k, weight, bias):
+            raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N] on the CPU, "
+                             f"got x {x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
                              + ("" if bias is None else f", bias {bias.dtype} {list(bias.shape)}"))
         y = torch.empty(m, n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                    torch.get_num_threads())
         return y
+
+
+def bf16_operands_ok(k: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether Kernels.bf16_linear can read `weight` and `bias` as they are for inputs of width k: bfloat16, in CPU
+    memory, contiguous, [N, k] and [N]. It reads raw memory, so anything else must not reach it."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] == k and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu" and bias.is_contiguous()
+                                  and tuple(bias.shape) == (weight.shape[0],))))
 
 
 def attention_shape_ok(heads: int, kv_heads: int, head_dim: int) -> bool:

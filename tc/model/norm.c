@@ -10,7 +10,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
 
@@ -22,20 +21,6 @@
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: waking others costs more */
 
 int tc_norm_abi(void) { return TC_NORM_ABI; }
-
-/* the scalar tail's conversions, rounded as bf16.h's vectors are */
-TC_INLINE uint16_t scalar_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-TC_INLINE float scalar_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
 
 static void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int n, float eps) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
