@@ -199,7 +199,7 @@ def test_native_layer_equals_the_reference_and_hands_larger_inputs_to_f_linear(b
     kernels = layer._kernels
     monkeypatch.setattr(layer, "_kernels", type("Counting", (), {
         "bf16_rows_per_pass": kernels.bf16_rows_per_pass,
-        "bf16_linear": lambda self, *args: calls.append(args) or kernels.bf16_linear(*args)})())
+        "bf16_product": lambda self, *args: calls.append(args) or kernels.bf16_product(*args)})())
     x = torch.randn(*lead, 64).bfloat16()
     ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
     y = layer(x)

@@ -290,7 +290,7 @@ class NativeLinear(Linear):
         if (kernels is not None and rows <= kernels.bf16_rows_per_pass and x.shape[-1] == self.in_features
                 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
                 and weight.shape[0] == self.out_features and native.bf16_operands_ok(self.in_features, weight, bias)):
-            return kernels.bf16_linear(x.reshape(rows, self.in_features), weight, bias).view(
+            return kernels.bf16_product(x.reshape(rows, self.in_features).contiguous(), weight, bias).view(
                 *x.shape[:-1], self.out_features)
         return super().forward(x)
 

@@ -181,12 +181,17 @@ class Kernels:
         """x2 [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], all bfloat16 (bf16dot.c); weight and bias contiguous.
         Every pass of `bf16_rows_per_pass` rows reads the whole weight, so it is meant for a decode step's few."""
         x2 = x2.contiguous()
-        m, k = x2.shape
-        n = weight.shape[0]
-        if x2.dtype != torch.bfloat16 or x2.device.type != "cpu" or not bf16_operands_ok(k, weight, bias):
+        if x2.dtype != torch.bfloat16 or x2.device.type != "cpu" or not bf16_operands_ok(x2.shape[1], weight, bias):
             raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N] on the CPU, "
                              f"got x {x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
                              + ("" if bias is None else f", bias {bias.dtype} {list(bias.shape)}"))
+        return self.bf16_product(x2, weight, bias)
+
+    def bf16_product(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bf16_linear without its checks, for a caller that has made them (dense.NativeLinear, once a call, on a
+        decode step's path): x2 contiguous bfloat16 on the CPU, and bf16_operands_ok(K, weight, bias)."""
+        m, k = x2.shape
+        n = weight.shape[0]
         y = torch.empty(m, n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                    torch.get_num_threads())
