@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rejoin when the head sends nothing for this long (default 30)")
     worker.add_argument("--max-frame-mb", type=_positive_float, metavar="MIB",
                         help="largest frame accepted from the head (default 256)")
+    worker.add_argument("--peer-port", type=int, default=0, metavar="PORT",
+                        help="port on which the stage before this one passes hidden states straight here, on the "
+                             "address this worker reaches the head from (default 0: any free port)")
+    worker.add_argument("--peer-host", metavar="HOST",
+                        help="the address the other workers reach this one at, where it differs from the one it "
+                             "reaches the head from (a NAT, several networks)")
+    worker.add_argument("--no-direct-hops", action="store_true",
+                        help="take hidden states from the head only (no peer port): for a machine the other "
+                             "workers cannot reach")
     worker.add_argument("--bench", action="store_true",
                         help="measure what a layer costs on this machine's device, print it and exit (the figures "
                              "a topology's nodes[].speed takes)")

@@ -50,9 +50,9 @@ GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor 
 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "chat_template",
             "head", "nodes")
-HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "heartbeat_s",
-             "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb", "max_body_mb",
-             "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
+HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
+             "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb",
+             "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
 PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
@@ -112,6 +112,7 @@ class HeadSettings:
     max_batch: int | None = None  # sequences generating at once; None: as many as memory allows, up to 8
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     micro_batches: int = 1  # groups a step's batch is cut into, so that stages work at the same time
+    direct_hops: bool = True  # workers pass hidden states straight to the next worker, not back through the head
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
     plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
 
@@ -223,6 +224,8 @@ class Topology:
             head["prefill_chunk"] = self.head.prefill_chunk
         if self.head.micro_batches != 1:
             head["micro_batches"] = self.head.micro_batches
+        if not self.head.direct_hops:
+            head["direct_hops"] = False
         if self.head.heartbeat_timeout_s is not None:
             head["heartbeat_timeout_s"] = self.head.heartbeat_timeout_s
         if not self.head.resume:
@@ -527,6 +530,7 @@ class _Parser:
         max_batch = self.optional(head, "max_batch", "head", lambda v, p: self.integer(v, p, 1))
         prefill_chunk = self.integer(head.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), "head.prefill_chunk", 1)
         micro_batches = self.integer(head.get("micro_batches", 1), "head.micro_batches", 1)
+        direct_hops = self.boolean(head.get("direct_hops", True), "head.direct_hops")
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds")
         timeout = self.optional(head, "heartbeat_timeout_s", "head", lambda v, p: self.positive_number(v, p, "seconds"))
@@ -551,7 +555,7 @@ class _Parser:
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
-                            prefill_chunk=prefill_chunk, micro_batches=micro_batches, speed=speed,
+                            prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops, speed=speed,
                             plan_from=plan_from)
 
     def speed(self, value: object, path: str) -> Speed:

@@ -45,7 +45,7 @@ from tc.protocol import (
     tensor_from_wire,
     tensor_to_wire,
 )
-from tc.protocol.messages import SpeedFigure
+from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure
 from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
 from tc.protocol.tensors import MAX_TENSOR_RANK
 
@@ -118,6 +118,7 @@ def assignment_payload(**changes: Any) -> dict[str, Any]:
 
 ENTRY = {"sequence": 1, "position_start": 0, "length": 1, "cache_capacity": 4,
          "copies": []}  # one BatchEntry on the wire
+RELAYED = {"route": 0, "released": [], "upstream_seconds": []}  # a RUN_BATCH's fields beside its entries and rows, for one the head relays
 
 
 def run_batch(*entries: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16) -> RunBatch:
@@ -154,6 +155,18 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "run-batch-ragged": lambda: run_batch((7, 0, 3, 10), (2, 30, 1, 64), (5, 256, 4, 512), dtype=torch.float32),
     "hidden-state": lambda: HiddenState(hidden_state=hidden(seq=3, dtype=torch.float32), compute_seconds=0.0125),
     "inference-error": lambda: InferenceError(message="CUDA error: device-side assert"),
+    "run-batch-routed": lambda: RunBatch(entries=(BatchEntry(sequence=9, position_start=4, length=1,
+                                                             cache_capacity=16),),
+                                         hidden_state=hidden(seq=1, dtype=torch.bfloat16), route=3,
+                                         released=(1, 2), upstream_seconds=(0.004, 0.5)),
+    "hidden-state-passed-on": lambda: HiddenState(hidden_state=hidden(seq=2, dtype=torch.bfloat16),
+                                                  compute_seconds=0.01, upstream_seconds=(0.02,)),
+    "route": lambda: Route(route=2, next_host="10.0.0.7", next_port=40123, next_key=b"k" * 32,
+                           inbound_key=b"i" * 32),
+    "route-last": lambda: Route(route=2, next_host=None, next_port=None, next_key=None, inbound_key=b"i" * 32),
+    "peer-challenge": lambda: PeerChallenge(nonce=b"n" * 32),
+    "peer-hello": lambda: PeerHello(protocol_version=PROTOCOL_VERSION, route=2, proof=b"p" * 32),
+    "peer-ack": lambda: PeerAck(route=2),
 }
 
 
@@ -211,7 +224,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -418,7 +431,7 @@ BAD_PAYLOADS = {
     ),
     "nan seconds": (
         "HIDDEN_STATE",
-        {"hidden_state": tensor_to_wire(hidden()), "compute_seconds": math.nan},
+        {"hidden_state": tensor_to_wire(hidden()), "compute_seconds": math.nan, "upstream_seconds": []},
         ["HIDDEN_STATE.compute_seconds"],
     ),
     "null for str": ("LOAD_FAILED", {"reason": None}, ["LOAD_FAILED.reason"]),
@@ -445,20 +458,36 @@ BAD_PAYLOADS = {
     "empty layer range": ("ASSIGNMENT", assignment_payload(layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
     "config bytes value": ("ASSIGNMENT", assignment_payload(config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
     "tensor rank 2": (
-        "RUN_BATCH", {"entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_BATCH.hidden_state"]
+        "RUN_BATCH", {**RELAYED, "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_BATCH.hidden_state"]
     ),
     "batch rows do not match": (
-        "RUN_BATCH", {"entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))}, ["RUN_BATCH", "[1, 1, hidden]"]
+        "RUN_BATCH", {**RELAYED, "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))}, ["RUN_BATCH", "[1, 1, hidden]"]
     ),
     "entry past capacity": (
-        "RUN_BATCH", {"entries": [dict(ENTRY, position_start=4)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, position_start=4)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0]", "cache_capacity 4"]
     ),
     "copies not a list": (
-        "RUN_BATCH", {"entries": [dict(ENTRY, copies=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, copies=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0].copies"]
     ),
     "release negative": ("RELEASE", {"sequences": [-1]}, ["RELEASE.sequences[0]"]),
+    "route negative": (
+        "RUN_BATCH", {**RELAYED, "route": -1, "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH.route"]
+    ),
+    "released runs": (
+        "RUN_BATCH", {**RELAYED, "released": [1], "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH", "releases [1]"]
+    ),
+    "route without key": (
+        "ROUTE", {"route": 1, "next_host": "h", "next_port": 1, "next_key": None, "inbound_key": None},
+        ["ROUTE", "next_key"]
+    ),
+    "route zero": (
+        "ROUTE", {"route": 0, "next_host": None, "next_port": None, "next_key": None, "inbound_key": None},
+        ["ROUTE.route"]
+    ),
     "clear cache with field": ("CLEAR_CACHE", {"all": True}, ["CLEAR_CACHE", "all"]),
 }
 
@@ -486,14 +515,21 @@ def test_older_peers_are_told_apart():
     """A HELLO of versions 1-4 is refused by its version, before anything else is read. Version 2 dropped
     ASSIGNMENT.total_weight_bytes and version 3 added max_sequences: an older ASSIGNMENT is refused by its fields,
     and an old RUN_DECODE by its type, never half-read; version 4's PING and PONG carry a payload, which an older
-    one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks."""
-    for old in (1, 2, 3, 4):
+    one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks; version 6's RUN_BATCH
+    says its route, the stages' times before it and the sequences released before it, and its HELLO the worker's
+    peer port."""
+    for old in (1, 2, 3, 4, 5):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 5)
+        assert (info.value.peer_version, info.value.our_version) == (old, 6)
+    version_5_hello = {k: v for k, v in make_hello().to_payload().items() if k not in ("peer_port", "peer_host")}
+    with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['peer_port', 'peer_host'\]"):
+        Hello.from_payload(version_5_hello)
+    with pytest.raises(ProtocolError, match=r"RUN_BATCH lacks field\(s\) \['route', 'upstream_seconds', 'released'\]"):
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [ENTRY], "hidden_state": good_tensor()})))
     version_4_entry = {k: v for k, v in ENTRY.items() if k != "copies"}
     with pytest.raises(ProtocolError, match=r"RUN_BATCH.entries\[0\] lacks field\(s\) \['copies'\]"):
-        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [version_4_entry],
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {**RELAYED, "entries": [version_4_entry],
                                                              "hidden_state": good_tensor()})))
     with pytest.raises(ProtocolError, match=r"PONG .*payload"):
         FrameDecoder().feed(frame_of(envelope("PONG", {"nonce": 1})))
@@ -568,7 +604,7 @@ def test_bad_tensors_raise_protocol_error(name):
     with pytest.raises(ProtocolError):
         tensor_from_wire(obj)
     with pytest.raises(ProtocolError, match="RUN_BATCH.hidden_state"):
-        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [ENTRY], "hidden_state": obj})))
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {**RELAYED, "entries": [ENTRY], "hidden_state": obj})))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -870,7 +906,8 @@ def test_construction_normalises_sequences_and_numbers():
 
 def test_tensor_messages_repr_shows_shape_not_values():
     text = repr(HiddenState(hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16), compute_seconds=0.5))
-    assert text == "HiddenState(hidden_state=<tensor bf16 [1, 1, 896] on cpu>, compute_seconds=0.5)"
+    assert text == ("HiddenState(hidden_state=<tensor bf16 [1, 1, 896] on cpu>, compute_seconds=0.5, "
+                    "upstream_seconds=())")
 
 
 def test_nesting_up_to_the_limit_round_trips():

@@ -233,7 +233,7 @@ def test_hidden_state_of_an_unknown_dtype(cluster):
     fake.next(RunBatch)
     tensor = {"dtype": "int64", "shape": [1, 1, HIDDEN], "data": bytes(8 * HIDDEN)}
     envelope = encode_cbor({"type": "HIDDEN_STATE", "request_id": fake.last.request_id, "seq": fake.last.seq,
-                            "payload": {"hidden_state": tensor, "compute_seconds": 0.0}})
+                            "payload": {"hidden_state": tensor, "compute_seconds": 0.0, "upstream_seconds": []}})
     fake.conn._sock.sendall(frame_header(len(envelope)) + envelope)
     assert "tensor dtype" in fake.closing_error().message
     status, body = _finished(result)

@@ -46,7 +46,7 @@ def worker_and_head():
     def assign(msg: Assignment):
         """Send an ASSIGNMENT through the connection and return the worker's final answer to it."""
         head_conn.send(msg)
-        jobs.put(worker_conn.recv(timeout=10))
+        jobs.put((worker_conn.recv(timeout=10), False))  # (envelope, from the stage before)
         while True:
             reply = head_conn.recv(timeout=60).message
             if isinstance(reply, (LoadComplete, LoadFailed)):

@@ -1,8 +1,16 @@
-"""The pipeline as the head sees it: hidden states go to each worker in plan order and come back.
+"""The pipeline as the head sees it: hidden states go through each worker in plan order and come back.
 
-The head relays every hop (head -> w1 -> head -> w2 -> ... -> head) rather than workers passing hidden states
-to each other: a decode-sized hop costs well under a millisecond on a LAN, and a single hub means one place
-that knows where a request is when a worker disappears.
+Direct hops (head.direct_hops, on by default): the head sends a step to the first worker, each worker passes its
+output straight to the next (tc.worker.peers) with its compute time added to those the batch carries, and the
+last replies with the hidden states and every stage's time: head -> w1 -> w2 -> ... -> head, one network
+transfer per stage boundary where relaying took two, and the head wakes once a step. Any stage may still answer
+(a failure, or output it could not pass on, which the head then carries to the next stage itself), so the head
+waits on every link of the step at once; the step's bound is its stages' bounds added up, and past it every
+worker that still owes an answer is dropped. A step that fails anywhere is given up on every link (late answers
+dropped) before resuming. The head sends each worker a ROUTE (where its output goes, and a fresh key for the
+link into it) whenever the pipeline's workers change. A worker that cannot reach the next one, or that listens
+for none (`worker --no-direct-hops`), replies to the head instead: relaying, as with head.direct_hops off
+(head -> w1 -> head -> w2 -> ... -> head).
 
 Each step is one RUN_BATCH: the rows of every sequence in the step, with each sequence's id, positions and cache
 capacity (generation.Entry), so each worker runs them as one ragged batch against a cache per sequence; an entry
@@ -11,8 +19,9 @@ them. When a sequence ends, every worker is told to drop its cache (RELEASE).
 
 Micro-batches: with `head.micro_batches` > 1 and several stages, a step's sequences are cut into up to that many
 groups and run as a pipeline schedule: while stage 2 runs group 1, stage 1 runs group 2, so the stages work at
-the same time instead of taking turns (len(groups) + len(stages) - 1 ticks instead of len(stages) x len(groups)
-hops' worth of waiting). It pays where the stages do not share cores (separate machines); on one machine whose
+the same time instead of taking turns (relayed: len(groups) + len(stages) - 1 ticks instead of len(stages) x
+len(groups) hops' worth of waiting; with direct hops every group goes to the first stage at once and each stage
+passes each on as it finishes it). It pays where the stages do not share cores (separate machines); on one machine whose
 cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
 
 Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -36,19 +46,20 @@ import torch
 from typing import Sequence
 
 from ..generation import Entry
-from ..protocol.messages import BatchEntry, RunBatch
+from ..protocol.messages import BatchEntry, Route, RunBatch
 from .service import StageFailed, WorkerLost
-from .workers import HeadShuttingDown, WorkerLink, WorkerRegistry
+from .workers import HeadShuttingDown, Sent, WorkerLink, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 
 class RemotePipeline:
     def __init__(self, registry: WorkerRegistry, resume: bool | None = None, resume_grace_s: float | None = None,
-                 micro_batches: int | None = None):
+                 micro_batches: int | None = None, direct_hops: bool | None = None):
         settings = registry.topology.head
         self.registry = registry
         self.micro_batches = settings.micro_batches if micro_batches is None else micro_batches
+        self.direct_hops = settings.direct_hops if direct_hops is None else direct_hops
         self.resume = settings.resume if resume is None else resume
         self.resume_grace_s = settings.resume_grace_s if resume_grace_s is None else resume_grace_s
         self._ids = itertools.count(1)
@@ -59,18 +70,133 @@ class RemotePipeline:
         # per sequence in flight: its cache capacity and every first-stage input so far, [1, L_i, hidden] each
         self._inputs: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
+        self._released: list[int] = []  # sequences released since the last step: its RUN_BATCH says so again
+        self._routes = itertools.count(1)
+        self._route = 0  # the route the workers of `_routed` were sent (0: none, the head relays)
+        self._routed: list[WorkerLink] = []
 
     def _relay(self, message: RunBatch, links: list[WorkerLink]) -> torch.Tensor:
-        """The batch through every stage: in micro-batches where that is asked for and possible."""
+        """The batch through every stage: in micro-batches where that is asked for and possible, passed from
+        worker to worker where the route allows."""
         groups = split_entries(message.entries, min(self.micro_batches, len(links)))
-        if len(groups) == 1:
-            return self._schedule([message], links)[0]
         parts, row = [], 0
         for entries in groups:
             rows = sum(e.length for e in entries)
-            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows]))
+            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows],
+                                  released=message.released))
             row += rows
-        return torch.cat(self._schedule(parts, links), dim=1)
+        route = self._route_for(links)
+        outputs = self._pass_along(parts, links, route) if route else self._schedule(parts, links)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _route_for(self, links: list[WorkerLink]) -> int:
+        """The route the step takes through `links`: sent to every worker (a ROUTE each) when they are not the
+        workers last routed. 0 when direct hops are off or no worker after the first listens for the one before.
+        Raises WorkerLost."""
+        if not self.direct_hops or len(links) < 2:
+            return 0
+        if len(links) == len(self._routed) and all(a is b for a, b in zip(links, self._routed)):
+            return self._route
+        self._route, self._routed = 0, []
+        addresses = [link.peer_address for link in links]
+        if all(address is None for address in addresses[1:]):
+            log.info("no worker after the first listens for the stage before it: the head relays every hop")
+            self._routed = list(links)
+            return 0
+        route = next(self._routes)
+        keys = [None] + [os.urandom(32) if address is not None else None for address in addresses[1:]]
+        for i in reversed(range(len(links))):  # the later stage knows its key before the one before it connects
+            following = addresses[i + 1] if i + 1 < len(links) else None
+            links[i].send_route(Route(route=route, next_host=following[0] if following else None,
+                                      next_port=following[1] if following else None,
+                                      next_key=keys[i + 1] if following else None, inbound_key=keys[i]))
+        self._route, self._routed = route, list(links)
+        path = "head"
+        for i, link in enumerate(links):
+            path += f" -> {link.name}" if i == 0 or addresses[i] else f" -> head -> {link.name}"
+        log.info("route %d: %s -> head", route, path)
+        return route
+
+    def _pass_along(self, groups: list[RunBatch], links: list[WorkerLink], route: int) -> list[torch.Tensor]:
+        """Every group to the first stage, each stage passing it to the next (the module's docstring); returns each
+        group's output.
+
+        Any stage may answer a group: the last with its output, one that could not pass it on with its own (the
+        head then sends it to the next stage itself), any with a failure. The stages' compute times come back with
+        the output; the time between the head's send and the answer less those is the hops', shared out evenly.
+        """
+        out_dtype = groups[0].hidden_state.dtype
+        request_id = self.request_id
+        sents: list[list[Sent]] = []
+        group_of: dict[int, int] = {}
+        outputs: list[torch.Tensor | None] = [None] * len(groups)
+        hops: list[tuple[str, float, float]] = []
+        try:
+            for g, group in enumerate(groups):
+                self.seq += 1
+                message = RunBatch(entries=group.entries, hidden_state=group.hidden_state, route=route,
+                                   released=group.released)
+                sents.append([link.expect(message, request_id, self.seq, may_pass=i + 1 < len(links))
+                              for i, link in enumerate(links)])
+                group_of[self.seq] = g
+                links[0].send_expected(sents[g][0])
+            # one bound for the step: its stages' bounds added up, since none answers until the last
+            bound = sum(s.bound for group in sents for s in group)
+            deadline = sents[0][0].at + bound
+            sent_to = [0] * len(groups)  # the stage the head last sent each group to, and when
+            sent_at = [sents[0][0].at] * len(groups)
+            while any(out is None for out in outputs):
+                i, item = self._next_reply(links, deadline, request_id, bound)
+                g = group_of.get(getattr(item, "seq", None), 0)
+                reply = links[i].accept(sents[g][i], item)
+                now, first = time.monotonic(), sent_to[g]
+                computes = [*reply.upstream_seconds, reply.compute_seconds]
+                if len(computes) != i - first + 1:
+                    links[i].refuse(f"HIDDEN_STATE carries {len(computes)} stage time(s) for a batch that passed "
+                                    f"{i - first + 1} stage(s)")
+                    raise WorkerLost(links[i].node_id or links[i].entry_id, links[i].close_reason)
+                share = max(0.0, now - sent_at[g] - sum(computes)) / len(computes)
+                for j, compute in enumerate(computes, start=first):
+                    links[j].record(sents[g][j], compute + share, compute)
+                    links[j].passes_to = links[j + 1].node_id if j < i else "head"
+                    hops.append((links[j].node_id or links[j].entry_id, compute, compute + share))
+                if i + 1 == len(links):
+                    outputs[g] = reply.hidden_state.to(out_dtype)
+                else:  # it could not pass the rows on: the head carries them to the next stage
+                    links[i + 1].send_expected(sents[g][i + 1], RunBatch(
+                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=route))
+                    sent_to[g], sent_at[g] = i + 1, now
+        except (WorkerLost, StageFailed):
+            for link in links:
+                link.abandon(request_id)
+            raise
+        for link in links:
+            link.settle(request_id)
+        self.last_hops = hops
+        return outputs
+
+    def _next_reply(self, links: list[WorkerLink], deadline: float, request_id: str,
+                    bound: float) -> tuple[int, object]:
+        """The next reply (or lost connection) on any of `links`: (its index, the item for `accept`). Past the
+        deadline, drops every worker that still owes the step an answer (none of them says which one hangs) and
+        raises WorkerLost."""
+        arrived = self.registry.replies_arrived
+        with arrived:
+            while True:
+                for i, link in enumerate(links):
+                    item = link.take_reply()
+                    if item is not None:
+                        return i, item
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                arrived.wait(left)
+        owing = [link for link in links if link.awaits(request_id)] or links
+        reason = (f"no answer to a step passed from worker to worker ({', '.join(l.name for l in owing)}) within "
+                  f"the {bound:.3g}s its stages' bounds add up to: one of them is hung or has failed")
+        for link in owing:
+            link.drop(reason)
+        raise WorkerLost(owing[0].node_id or owing[0].entry_id, owing[0].close_reason)
 
     def _schedule(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
         """Every group through every stage in order, as a pipeline: at tick t, stage s runs group t - s, so each
@@ -105,6 +231,7 @@ class RemotePipeline:
             except (WorkerLost, StageFailed) as exc:
                 failure = failure or exc
                 continue
+            link.passes_to = "head"
             if current is not None and hops is not None:
                 hops.append((link.node_id or link.entry_id, reply.compute_seconds, time.perf_counter() - started))
                 current[group] = RunBatch(entries=current[group].entries, hidden_state=reply.hidden_state)
@@ -124,9 +251,10 @@ class RemotePipeline:
             for copy in e.copies:  # a copy replays as a sequence of its own: the same inputs so far
                 self._inputs[copy] = (e.capacity, list(self._inputs[e.sequence][1]))
         self._new_step()
+        released, self._released = tuple(self._released), []
         message = RunBatch(entries=tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
                                                     cache_capacity=e.capacity, copies=e.copies) for e in entries),
-                           hidden_state=hidden)
+                           hidden_state=hidden, released=released)
         try:
             links = self.registry.links_in_order()
             if any(e.start > 0 for e in entries):
@@ -147,6 +275,7 @@ class RemotePipeline:
     def release(self, sequences: Sequence[int]) -> None:
         for sequence in sequences:
             self._inputs.pop(sequence, None)
+        self._released.extend(sequences)
         for link in self.registry.serving_links():  # a lost worker took its caches with it
             link.release(list(sequences))
 

@@ -47,8 +47,9 @@ from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
-                                 Assignment, Error, Hello, HelloAck, HiddenState, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Message, Ping, Pong, Release, RunBatch)
+                                 Assignment, Error, Hello, HelloAck, HiddenState, InferenceError,
+                                 LoadComplete, LoadFailed, LoadProgress, Message, Ping, Pong, Release, Route,
+                                 RunBatch)
 from ..speed import LinkSpeed
 from ..topology import Topology
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
@@ -92,7 +93,8 @@ class WorkerLink:
     """
 
     def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int,
-                 budget: StepBudget, drop: Callable[["WorkerLink", str], None]):
+                 budget: StepBudget, drop: Callable[["WorkerLink", str], None],
+                 arrived: threading.Condition | None = None):
         self.conn, self.entry_id, self.hello, self.device, self.peer = conn, entry_id, hello, device, peer
         self.node_id: str | None = None
         self.hostname = hello.hostname
@@ -100,6 +102,7 @@ class WorkerLink:
         self.steps = StepClock(budget)  # this connection's own: a rejoined worker is measured afresh
         self._drop = drop
         self.replies: queue.Queue = queue.Queue()
+        self.arrived = arrived  # notified whenever a reply arrives, on any link of the registry (direct hops)
         self.closed = threading.Event()
         self.close_reason = ""
         self.farewell = ""  # what the worker said before it left, if it said anything
@@ -113,8 +116,13 @@ class WorkerLink:
         self.probed = threading.Event()  # the link probe has run (whatever it found)
         self.decode_compute_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the worker's own step time
         self.decode_round_trip_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the same steps, seen from here
+        self.passes_to: str | None = None  # where its last step's output went: the next node's id, or "head"
         self._pending_lock = threading.Lock()
-        self._pending: tuple[str, int] | None = None  # (request_id, seq) of the command awaiting its reply
+        # (request_id, seq, may pass it on) of each command awaiting its reply, in the order the worker takes them:
+        # several when a step's groups reach it from the stage before (direct hops), and a worker that may pass
+        # its output on to the next stage answers the head only when it cannot
+        self._pending: deque[tuple[str, int, bool]] = deque()
+        self._abandoned: deque[str] = deque(maxlen=8)  # steps given up: their late replies are dropped
 
     @property
     def name(self) -> str:
@@ -127,6 +135,7 @@ class WorkerLink:
             self.close_reason = reason
             self.closed.set()
             self.replies.put(_LOST)
+            self._announce()
             self.conn.close()
             with self._pongs:
                 self._pongs.notify_all()  # a probe waiting for a PONG gives up at once
@@ -139,14 +148,69 @@ class WorkerLink:
             pass
         self.close(f"protocol error: {problem}")
 
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """Where the stage before may pass hidden states straight to this worker; None: through the head only."""
+        host = self.hello.peer_host or self.conn.peer_host
+        return None if self.hello.peer_port is None or host is None else (host, self.hello.peer_port)
+
     def deliver(self, env) -> None:
         """Hand a reply to the waiting request. Raises ProtocolError for a reply nobody asked for."""
         with self._pending_lock:
-            if self._pending != (env.request_id, env.seq):
+            if env.request_id in self._abandoned:
+                return  # a step that failed elsewhere: nobody waits for it any more
+            key = (env.request_id, env.seq)
+            # a worker answers in order; a command it may pass on to the next stage (direct hops) and answered
+            # nothing for was passed on
+            while self._pending and self._pending[0][:2] != key and self._pending[0][2]:
+                self._pending.popleft()
+            if not self._pending or self._pending[0][:2] != key:
+                awaiting = f"{self._pending[0][0]} #{self._pending[0][1]}" if self._pending else "nothing"
                 raise ProtocolError(f"{env.message.TYPE} for {env.request_id} #{env.seq}, which was not asked for "
-                                    f"(awaiting {self._pending or 'nothing'})")
-            self._pending = None
-        self.replies.put(env)
+                                    f"(awaiting {awaiting})")
+            self._pending.popleft()
+            self.replies.put(env)  # under the lock, so that `abandon` never misses one on its way
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.arrived is not None:
+            with self.arrived:
+                self.arrived.notify_all()
+
+    def abandon(self, request_id: str) -> None:
+        """A step that failed: forget its commands still awaiting replies here, and drop those replies if they come
+        (a stage may have been passed a group before the step failed elsewhere)."""
+        with self._pending_lock:
+            self._abandoned.append(request_id)
+            self._pending = deque(p for p in self._pending if p[0] != request_id)
+            kept = []
+            while True:  # replies already delivered for it, ahead of the next step's
+                try:
+                    item = self.replies.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _LOST or item.request_id != request_id:
+                    kept.append(item)
+            for item in kept:
+                self.replies.put(item)
+
+    def settle(self, request_id: str) -> None:
+        """A step passed along worker to worker has ended: the commands of it this worker answered nothing for
+        were passed on, and no answer to them will come."""
+        with self._pending_lock:
+            self._pending = deque(p for p in self._pending if p[0] != request_id)
+
+    def awaits(self, request_id: str) -> bool:
+        with self._pending_lock:
+            return any(p[0] == request_id for p in self._pending)
+
+    def send_route(self, route: Route) -> None:
+        """Tell the worker where its output goes (no reply). Raises WorkerLost."""
+        try:
+            self.conn.send(route)
+        except OSError as exc:
+            self.close(f"send failed: {exc}")
+            raise WorkerLost(self.node_id or self.entry_id, self.close_reason) from exc
 
     def release(self, sequences: list[int]) -> None:
         """Tell the worker these sequences ended (no reply). A link that is gone has dropped every cache anyway."""
@@ -165,50 +229,78 @@ class WorkerLink:
         return self.await_reply(self.send_command(message, request_id, seq))
 
     def send_command(self, message: RunBatch, request_id: str, seq: int) -> "Sent":
-        """Send one inference command without waiting; `await_reply` takes what this returns. A link has at most
-        one command in flight. Raises WorkerLost."""
-        node = self.node_id or self.entry_id
+        """Send one inference command without waiting; `await_reply` takes what this returns. Raises WorkerLost."""
+        return self.send_expected(self.expect(message, request_id, seq))
+
+    def expect(self, message: RunBatch, request_id: str, seq: int, may_pass: bool = False) -> "Sent":
+        """Await a reply to `message` without sending it: the stage before passes it here (direct hops), or the
+        head does later with `send_expected`. `may_pass`: the worker may pass its output on to the next stage
+        instead of answering. Raises WorkerLost."""
         if self.closed.is_set():
-            raise WorkerLost(node, self.close_reason)
+            raise WorkerLost(self.node_id or self.entry_id, self.close_reason)
         positions = message.hidden_state.shape[1]
         kind = "decode" if message.is_decode else "prefill"
         with self._pending_lock:
-            self._pending = (request_id, seq)
-        sent = Sent(message, kind, positions, self.steps.bound(kind, positions), time.monotonic())
+            self._pending.append((request_id, seq, may_pass))
+        return Sent(message, kind, positions, self.steps.bound(kind, positions), time.monotonic(), request_id, seq)
+
+    def send_expected(self, sent: "Sent", message: RunBatch | None = None) -> "Sent":
+        """Send the command `expect` registered (or `message` in its place: the same rows, computed since).
+        Raises WorkerLost."""
         try:
-            self.conn.send(message, request_id, seq)
+            self.conn.send(message or sent.message, sent.request_id, sent.seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
-            raise WorkerLost(node, self.close_reason) from exc
+            raise WorkerLost(self.node_id or self.entry_id, self.close_reason) from exc
         return sent
 
     def await_reply(self, sent: "Sent") -> HiddenState:
         """The reply to the command `send_command` sent, within its bound. Raises WorkerLost or StageFailed."""
-        node = self.node_id or self.entry_id
-        kind, positions = sent.kind, sent.positions
         try:
-            reply = self.replies.get(timeout=max(0.0, sent.bound - (time.monotonic() - sent.at)))
+            item = self.replies.get(timeout=max(0.0, sent.bound - (time.monotonic() - sent.at)))
         except queue.Empty:
-            self._drop(self, f"no reply to {sent.message.TYPE} within {sent.bound:.3g}s "
-                             f"({self.steps.explain(kind, positions)}): its compute is hung or has failed")
-            raise WorkerLost(node, self.close_reason) from None
-        if reply is _LOST:
+            self.drop(f"no reply to {sent.message.TYPE} within {sent.bound:.3g}s "
+                      f"({self.steps.explain(sent.kind, sent.positions)}): its compute is hung or has failed")
+            raise WorkerLost(self.node_id or self.entry_id, self.close_reason) from None
+        reply = self.accept(sent, item)
+        self.record(sent, time.monotonic() - sent.at, reply.compute_seconds)
+        return reply
+
+    def take_reply(self):
+        """A reply (or the mark of a lost connection) that has arrived, without waiting; None if none has. For
+        `accept`."""
+        try:
+            return self.replies.get_nowait()
+        except queue.Empty:
+            return None
+
+    def accept(self, sent: "Sent", item) -> HiddenState:
+        """Check a reply taken from this link to the command `sent`. Raises WorkerLost or StageFailed."""
+        node = self.node_id or self.entry_id
+        if item is _LOST:
             self.replies.put(_LOST)  # later waiters must see it too
             raise WorkerLost(node, self.close_reason)
-        if isinstance(reply.message, (InferenceError, Error)):
-            raise StageFailed(node, reply.message.message)
-        hidden = reply.message.hidden_state  # [1, positions, hidden]
-        expected = (1, positions, self.hidden_size)
+        if isinstance(item.message, (InferenceError, Error)):
+            raise StageFailed(node, item.message.message)
+        hidden = item.message.hidden_state  # [1, positions, hidden]
+        expected = (1, sent.positions, self.hidden_size)
         if tuple(hidden.shape) != expected:
-            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {sent.message.TYPE} of {positions} row(s) "
-                        f"needs {list(expected)}")
+            self.refuse(f"HIDDEN_STATE has shape {list(hidden.shape)}; {sent.message.TYPE} of {sent.positions} "
+                        f"row(s) needs {list(expected)}")
             raise WorkerLost(node, self.close_reason)
-        elapsed = time.monotonic() - sent.at
-        self.steps.record(kind, positions, elapsed)
-        if kind == "decode":
-            self.decode_compute_s.append(reply.message.compute_seconds)
+        return item.message
+
+    def record(self, sent: "Sent", elapsed: float, compute_s: float) -> None:
+        """What one step took this worker: `elapsed` from the head's view (its bound learns from it), `compute_s`
+        from its own."""
+        self.steps.record(sent.kind, sent.positions, elapsed)
+        if sent.kind == "decode":
+            self.decode_compute_s.append(compute_s)
             self.decode_round_trip_s.append(elapsed)
-        return reply.message
+
+    def drop(self, reason: str) -> None:
+        """Have the registry drop this worker (it missed its step's bound)."""
+        self._drop(self, reason)
 
     @property
     def link_speed(self) -> LinkSpeed | None:
@@ -276,6 +368,8 @@ class Sent:
     positions: int
     bound: float  # seconds the reply may take
     at: float  # time.monotonic() when it was sent
+    request_id: str = ""
+    seq: int = 0
 
 
 @dataclass
@@ -312,6 +406,7 @@ class WorkerRegistry:
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified whenever a slot changes state
+        self.replies_arrived = threading.Condition()  # notified whenever any link gets a reply or is lost
         settings = topology.head
         self.max_frame_bytes = max_frame_bytes if max_frame_bytes is not None else settings.max_frame_bytes
         self.on_ready = on_ready
@@ -367,6 +462,7 @@ class WorkerRegistry:
                     "served_by": link.entry_id if link else None,
                     "loaded_weight_bytes": slot.loaded.weight_bytes if slot.loaded else None,
                     "seconds_since_heard": round(now - link.last_seen, 3) if link else None,
+                    "passes_to": link.passes_to if link else None,
                     **_times(stage, link, self.hop_bytes),
                 })
             for entry_id, link in self.standby.items():  # the same keys, with no plan of their own
@@ -375,7 +471,7 @@ class WorkerRegistry:
                     "planned_device": self.topology.node(entry_id).device, "dtype": None,
                     "planned_weight_bytes": None, "memory_bytes": None, "device": link.device,
                     "hostname": link.hostname, "served_by": entry_id, "loaded_weight_bytes": None,
-                    "seconds_since_heard": round(now - link.last_seen, 3),
+                    "seconds_since_heard": round(now - link.last_seen, 3), "passes_to": None,
                 })
         return rows
 
@@ -521,7 +617,7 @@ class WorkerRegistry:
                  | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
         entry = choose_entry(hello, self.topology, self.plan, taken)
         link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size,
-                          self.step_budget, self._lost)
+                          self.step_budget, self._lost, self.replies_arrived)
         assignments: list = []
         if entry.spare:
             self.standby[entry.id] = link

@@ -13,6 +13,10 @@ with head_proof = HMAC-SHA256(token, "tc-join/head" || 0 || W || H) and worker_p
 (a reflection), and comparisons use hmac.compare_digest. What this does and does not protect is written in
 docs/security.md: it authenticates peers when they connect; it does not encrypt or sign the frames after.
 
+Workers passing hidden states straight to each other (tc.worker.peers) prove a link the same way, one-sided: the
+listening worker sends a fresh nonce and the one before answers HMAC-SHA256(key, "tc-peer" || 0 || nonce), where
+the key comes from the head's ROUTE (`route_key`: bound to the join token when there is one).
+
 Pure functions; the head and the worker each call them from their handshake.
 """
 from __future__ import annotations
@@ -25,6 +29,8 @@ NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size  # 32
 CHALLENGE_BYTES = NONCE_BYTES + PROOF_BYTES
 
+_PEER_LABEL = b"tc-peer\x00"
+_ROUTE_LABEL = b"tc-route\x00"
 _HEAD_LABEL = b"tc-join/head\x00"
 _WORKER_LABEL = b"tc-join/worker\x00"
 
@@ -86,3 +92,20 @@ def check_answer(key: bytes, head_nonce: bytes, worker_nonce: bytes, answer: byt
     if answer is None or not hmac.compare_digest(answer, worker_proof(key, head_nonce, worker_nonce)):
         raise AuthError("the join token proof is wrong: this worker's token differs from the head's "
                         "head.join_token; give it the same token (--join-token-file or TC_JOIN_TOKEN)")
+
+
+def route_key(join_key: bytes | None, material: bytes) -> bytes:
+    """The key a peer link of a route is proven with, from the fresh `material` the head's ROUTE carries: as is
+    in a cluster without a join token; bound to the token in one with, so that someone who watched the ROUTE go by
+    cannot use it."""
+    return material if join_key is None else hmac.new(join_key, _ROUTE_LABEL + material, hashlib.sha256).digest()
+
+
+def peer_proof(route_key: bytes, nonce: bytes) -> bytes:
+    """What the stage before proves a peer link with: the route's key (from the head's ROUTE) over the listening
+    worker's fresh nonce, so a recorded exchange cannot be replayed."""
+    return hmac.new(route_key, _PEER_LABEL + nonce, hashlib.sha256).digest()
+
+
+def check_peer_proof(route_key: bytes, nonce: bytes, proof: bytes) -> bool:
+    return hmac.compare_digest(proof, peer_proof(route_key, nonce))

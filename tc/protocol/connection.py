@@ -70,6 +70,14 @@ def _describe_peer(sock: socket.socket) -> str:
     return f"unix:{address}" if address else "unix socket"
 
 
+def _host(address_of) -> str | None:
+    try:
+        address = address_of()
+    except OSError:
+        return None
+    return address[0] if isinstance(address, tuple) else None
+
+
 class Connection:
     """Frames over one connected stream socket (TCP, or a Unix socketpair in tests)."""
 
@@ -81,6 +89,8 @@ class Connection:
         self._sock = sock
         self.max_frame_bytes = max_frame_bytes
         self.peer = _describe_peer(sock)  # taken now: getpeername fails once the socket is closed
+        # the hosts of both ends (TCP only): where the peer is, and the address we reach it from
+        self.peer_host, self.local_host = _host(sock.getpeername), _host(sock.getsockname)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Decode steps are small request/reply messages; Nagle's algorithm would hold each one back.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -32,7 +32,12 @@ from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, w
 #    HELLO says the largest frame the worker reads, so the probe fits it
 # 5: a RUN_BATCH entry may name `copies`: sequences that start from a copy of its cache once its rows have run
 #    (the choices of one request, whose prompt is read once)
-PROTOCOL_VERSION = 5
+# 6: direct hops: a worker listens for the stage before it (HELLO's peer_port), ROUTE tells each worker where its
+#    output goes, a RUN_BATCH may be passed from worker to worker (its `route`; PEER_* set up that link), and it
+#    and HIDDEN_STATE carry the compute times of the stages that passed it on (`upstream_seconds`); RUN_BATCH
+#    carries the sequences released since the step before (`released`), which a worker drops first whichever
+#    link the batch came by
+PROTOCOL_VERSION = 6
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -405,11 +410,17 @@ class Hello(Message):
     speeds: tuple[SpeedFigure, ...] = wire(_TupleOf(_Struct(SpeedFigure)), default=())
     # the largest frame this worker reads: the head sizes its link probe within it
     max_frame_bytes: int = wire(COUNT, default=DEFAULT_MAX_FRAME_BYTES)
+    # where the worker takes hidden states straight from the stage before it: the port, and the host to reach it
+    # by (None: the address the head sees the worker at); no port: it takes them from the head only
+    peer_port: int | None = wire(_Optional(COUNT), default=None)
+    peer_host: str | None = wire(_Optional(STR), default=None)
 
     def _validate(self) -> None:
         ids = [d.id for d in self.devices]
         if self.selected_device not in ids:
             raise ValueError(f"Hello.selected_device {self.selected_device!r} is not among the devices {ids}")
+        if self.peer_port is not None and not 0 < self.peer_port < 65536:
+            raise ValueError(f"Hello.peer_port must be a TCP port 1-65535, got {self.peer_port}")
 
     @classmethod
     def from_payload(cls, payload: Any) -> Hello:
@@ -544,6 +555,59 @@ class Release(Message):
     sequences: tuple[int, ...] = wire(_TupleOf(COUNT))
 
 
+@_message
+@dataclass(frozen=True)
+class Route(Message):
+    """Head -> worker: how a RUN_BATCH of route `route` travels on from this worker.
+
+    With `next_host`, the worker sends its output straight to the next stage's peer listener, proving it was told
+    to with `next_key`; without, it replies to the head. `inbound_key` is what the stage before it must prove
+    (None: this stage takes hidden states from the head only). A newer route replaces an older one.
+    """
+
+    TYPE: ClassVar[str] = "ROUTE"
+    route: int = wire(_Int(1))
+    next_host: str | None = wire(_Optional(STR))
+    next_port: int | None = wire(_Optional(COUNT))
+    next_key: bytes | None = wire(_Optional(BYTES))
+    inbound_key: bytes | None = wire(_Optional(BYTES))
+
+    def _validate(self) -> None:
+        if (self.next_host is None) != (self.next_port is None) or (self.next_host is None) != (self.next_key is None):
+            raise ValueError("Route: next_host, next_port and next_key are given together or not at all")
+        if self.next_port is not None and not 0 < self.next_port < 65536:
+            raise ValueError(f"Route.next_port must be a TCP port 1-65535, got {self.next_port}")
+
+
+@_message
+@dataclass(frozen=True)
+class PeerChallenge(Message):
+    """Worker -> worker, first on a peer connection, from the one that listens: prove you know the route's key."""
+
+    TYPE: ClassVar[str] = "PEER_CHALLENGE"
+    nonce: bytes = wire(BYTES)
+
+
+@_message
+@dataclass(frozen=True)
+class PeerHello(Message):
+    """Worker -> worker, from the stage before: which route this link carries, and the proof for its key."""
+
+    TYPE: ClassVar[str] = "PEER_HELLO"
+    protocol_version: int = wire(COUNT)
+    route: int = wire(_Int(1))
+    proof: bytes = wire(BYTES)
+
+
+@_message
+@dataclass(frozen=True)
+class PeerAck(Message):
+    """Worker -> worker: the proof holds; RUN_BATCH of the route may follow."""
+
+    TYPE: ClassVar[str] = "PEER_ACK"
+    route: int = wire(_Int(1))
+
+
 @_wire_struct
 @dataclass(frozen=True)
 class BatchEntry(WireStruct):
@@ -581,6 +645,14 @@ class RunBatch(Message):
     TYPE: ClassVar[str] = "RUN_BATCH"
     entries: tuple[BatchEntry, ...] = wire(_TupleOf(_Struct(BatchEntry)))
     hidden_state: torch.Tensor = wire(HIDDEN)  # [1, sum of the entries' lengths, hidden]
+    # 0: reply to the head. Otherwise the ROUTE it travels by: each worker passes its output to the next one that
+    # route names, and the last (or one that cannot pass it on) replies to the head
+    route: int = wire(COUNT, default=0)
+    # the compute times of the stages that passed this batch on, in order (empty from the head)
+    upstream_seconds: tuple[float, ...] = wire(_TupleOf(SECONDS), default=())
+    # sequences that ended before this step: dropped before the batch runs. RELEASE says so at once; this covers a
+    # batch passed on by a worker overtaking the RELEASE the head sent before it
+    released: tuple[int, ...] = wire(_TupleOf(COUNT), default=())
 
     def _validate(self) -> None:
         if not self.entries:
@@ -591,6 +663,8 @@ class RunBatch(Message):
         copies = [c for e in self.entries for c in e.copies]
         if len(set(copies)) != len(copies) or set(copies) & set(sequences):
             raise ValueError(f"RunBatch copies {copies} must name sequences not otherwise in the batch, each once")
+        if set(self.released) & (set(sequences) | set(copies)):
+            raise ValueError(f"RunBatch releases {list(self.released)}, and runs or copies some of them")
         rows = sum(e.length for e in self.entries)
         if self.hidden_state.dim() != 3 or self.hidden_state.shape[0] != 1 or self.hidden_state.shape[1] != rows:
             raise ValueError(f"RunBatch hidden_state has shape {list(self.hidden_state.shape)}; its entries need "
@@ -605,11 +679,13 @@ class RunBatch(Message):
 @_message
 @dataclass(frozen=True, eq=False, repr=False)
 class HiddenState(Message):
-    """Worker -> head: the stage's output for a RUN_BATCH, its rows in the same order."""
+    """Worker -> head: the stage's output for a RUN_BATCH, its rows in the same order (the last stage's, for one
+    passed on from worker to worker)."""
 
     TYPE: ClassVar[str] = "HIDDEN_STATE"
     hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]
     compute_seconds: float = wire(SECONDS)
+    upstream_seconds: tuple[float, ...] = wire(_TupleOf(SECONDS), default=())  # the RUN_BATCH's, passed back
 
 
 @_message

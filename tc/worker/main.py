@@ -5,7 +5,9 @@ native compute dtype, read back from the cache after the first time), and every 
 a head that plans from them. `--bench` prints them alone; `--no-bench` joins without.
 
 Two threads per connection: this one reads frames and answers PING at once (so a long prefill or a download
-never looks like a dead worker), and a compute thread runs loading and inference in order.
+never looks like a dead worker), and a compute thread runs loading and inference in order. With direct hops
+(peers.py) a listener takes hidden states from the stage before, its reader handing each RUN_BATCH to the same
+compute thread, which passes its output to the next stage when the head's ROUTE says so.
 
 Failing without hanging: every failure of the compute thread reaches the head. A load that fails, whatever the
 exception, is a LOAD_FAILED with the reason (the worker stays joined, out of service, until it is restarted); an
@@ -49,10 +51,12 @@ from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
-                                 LoadFailed, LoadProgress, Ping, Pong, Release, RunBatch, SpeedFigure)
+                                 HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
+                                 RunBatch, SpeedFigure)
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread
+from .peers import Forwarder, PeerListener, Routes
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 
 log = logging.getLogger(__name__)
@@ -90,6 +94,9 @@ class WorkerOptions:
     threads: int | None = None  # --threads; when given, the topology entry's threads do not apply
     bench: bool = True  # measure this machine (or read the cached figures) and say so in HELLO
     bench_dir: Path | None = DEFAULT_BENCH_DIR  # where figures are kept between starts; None: not kept
+    peer_port: int | None = 0  # where the stage before passes hidden states straight here (0: any free port);
+    # None: it passes them through the head
+    peer_host: str | None = None  # the address the stage before reaches this worker at (None: the head's view)
 
 
 def _assignment_key(a: Assignment) -> tuple:
@@ -151,7 +158,15 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
         threads=args.threads or None,
         bench=not args.no_bench,
         bench_dir=args.bench_dir or DEFAULT_BENCH_DIR,
+        peer_port=None if args.no_direct_hops else _port(args.peer_port),
+        peer_host=args.peer_host or None,
     )
+
+
+def _port(value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise WorkerSetupError(f"--peer-port must be a port number 0-65535 (0: any free port), got {value}")
+    return value
 
 
 class Worker:
@@ -167,6 +182,7 @@ class Worker:
         self._node_id: str | None = None
         self._compute_failure: str | None = None  # why this connection's compute thread ended it, if it did
         self.speeds: tuple[SpeedFigure, ...] = ()  # what measure_speeds found; HELLO carries it
+        self._peers: PeerListener | None = None  # this connection's listener for the stage before, if any
 
     def measure_speeds(self, fresh: bool = False) -> tuple[Measured, ...]:
         """Measure (or read back) this machine's speed on its device for HELLO; a few seconds the first time."""
@@ -185,7 +201,9 @@ class Worker:
                      python_version=summary["python_version"], torch_version=summary["torch_version"],
                      devices=tuple(self.devices), selected_device=self.device,
                      compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes,
-                     auth=auth, speeds=self.speeds, max_frame_bytes=self.options.max_frame_bytes)
+                     auth=auth, speeds=self.speeds, max_frame_bytes=self.options.max_frame_bytes,
+                     peer_port=self._peers.port if self._peers else None,
+                     peer_host=self.options.peer_host if self._peers else None)
 
     def run(self) -> int:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
@@ -270,14 +288,40 @@ class Worker:
     def session(self, conn: Connection) -> bool:
         """One connection's life. Returns True if the head accepted us and we served (so a rejoin starts fresh),
         False when our compute failed (so rejoining backs off)."""
+        # Jobs for the compute thread, in order: (envelope, whether it came from the stage before, not the head).
+        jobs: queue.Queue = queue.Queue()
+        routes = Routes()
+        self._peers = self._listen_for_peers(conn, routes, jobs)
+        try:
+            return self._serve(conn, jobs, routes)
+        finally:
+            if self._peers is not None:
+                self._peers.close()
+                self._peers = None
+
+    def _listen_for_peers(self, conn: Connection, routes: Routes, jobs: queue.Queue) -> PeerListener | None:
+        """The listener for the stage before this one, on the address this worker reaches the head from (peers.py);
+        None when direct hops are off here or the port cannot be had (the head then relays this stage's input)."""
+        if self.options.peer_port is None or conn.local_host is None:
+            return None
+        try:
+            return PeerListener(conn.local_host, self.options.peer_port, routes, lambda env: jobs.put((env, True)),
+                                self.options.max_frame_bytes, self._key)
+        except OSError as exc:
+            log.warning("cannot listen for the stage before this one on %s port %d (%s); it passes hidden states "
+                        "through the head instead", conn.local_host, self.options.peer_port, exc)
+            return None
+
+    def _serve(self, conn: Connection, jobs: queue.Queue, routes: Routes) -> bool:
         node_id = self.handshake(conn)
         self._node_id = node_id
         self._compute_failure = None
         # Every read (and write) is bounded: the head pings every few seconds, so a long silence means it is gone.
         conn.settimeout(self.options.head_timeout_s)
-        log.info("joined the head as %s (device %s)", node_id, self.device)
-        jobs: queue.Queue = queue.Queue()
-        computer = threading.Thread(target=self.compute_loop, args=(conn, jobs), name="compute", daemon=True)
+        log.info("joined the head as %s (device %s%s)", node_id, self.device,
+                 f"; the stage before may pass hidden states to {self._peers.address}" if self._peers else "")
+        computer = threading.Thread(target=self.compute_loop, args=(conn, jobs, routes), name="compute",
+                                    daemon=True)
         computer.start()
         assigned = False
         try:
@@ -292,11 +336,13 @@ class Worker:
                     conn.send(Pong(nonce=msg.nonce, payload=msg.payload))
                 elif isinstance(msg, Assignment):
                     assigned = True
-                    jobs.put(env)
-                elif isinstance(msg, RunBatch) and not assigned:
+                    jobs.put((env, False))
+                elif isinstance(msg, (RunBatch, Route)) and not assigned:
                     raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
+                elif isinstance(msg, Route):
+                    routes.set(msg)  # here, not in order with the jobs: a peer's handshake may wait for it
                 elif isinstance(msg, (RunBatch, Release, ClearCache)):
-                    jobs.put(env)
+                    jobs.put((env, False))
                 elif isinstance(msg, Error) and msg.code == ERROR_SHUTTING_DOWN:
                     log.warning("the head says: %s; rejoining", msg.message)
                     return True
@@ -323,15 +369,17 @@ class Worker:
             jobs.put(None)
             computer.join(timeout=1 if self.stop.is_set() else 60)
 
-    def compute_loop(self, conn: Connection, jobs: queue.Queue) -> None:
+    def compute_loop(self, conn: Connection, jobs: queue.Queue, routes: Routes | None = None) -> None:
         """Load and infer, in order, until the session ends. Never dies silently (see the module's docstring)."""
         runtime: StageRuntime | None = None
+        forwarder = Forwarder(self.options.max_frame_bytes, self._key)
         doing = "waiting for work"
         try:
             while True:
-                env = jobs.get()
-                if env is None:
+                job = jobs.get()
+                if job is None:
                     return
+                env, from_peer = job
                 msg = env.message
                 doing = msg.TYPE
                 if isinstance(msg, Assignment):
@@ -349,11 +397,36 @@ class Worker:
                     conn.send(Error(code="not_loaded", message=f"{msg.TYPE} before an ASSIGNMENT was loaded"),
                               env.request_id, env.seq)
                 else:
-                    conn.send(self.infer(runtime, msg), env.request_id, env.seq)
+                    self._run_batch(conn, runtime, env, from_peer, routes.current if routes else None, forwarder)
         except (ConnectionClosed, OSError):
             return  # the reader sees it too and ends the session
         except Exception as exc:  # a worker that pings but cannot compute must not stay joined
             self._fail_session(conn, f"the compute thread failed on {doing}: {type(exc).__name__}: {exc}", exc)
+        finally:
+            forwarder.close()
+
+    def _run_batch(self, conn: Connection, runtime: StageRuntime, env, from_peer: bool, route: Route | None,
+                   forwarder: Forwarder) -> None:
+        """Run one RUN_BATCH and send its output on: to the next stage when its route says so and that works
+        (with this stage's compute time added to those it carries), else to the head (with those times)."""
+        msg: RunBatch = env.message
+        on_route = route is not None and msg.route == route.route
+        if from_peer and not on_route:
+            # passed on under a route the head has since replaced: the head gave up that step and replays what it
+            # needs, so running it now would only put stale positions in the caches
+            log.info("dropped a batch passed on under route %d (the route is now %s)", msg.route,
+                     route.route if route else "unset")
+            return
+        runtime.release(msg.released)
+        reply = self.infer(runtime, msg)
+        if isinstance(reply, HiddenState):
+            if on_route and route.next_host is not None and forwarder.send(route, RunBatch(
+                    entries=msg.entries, hidden_state=reply.hidden_state, route=msg.route, released=msg.released,
+                    upstream_seconds=msg.upstream_seconds + (reply.compute_seconds,)), env.request_id, env.seq):
+                return  # the head hears from the last stage, or from one that could not pass it on
+            reply = HiddenState(hidden_state=reply.hidden_state, compute_seconds=reply.compute_seconds,
+                                upstream_seconds=msg.upstream_seconds)
+        conn.send(reply, env.request_id, env.seq)
 
     def _fail_session(self, conn: Connection, reason: str, exc: BaseException) -> None:
         """Tell the head this worker is out of service and why, then end the connection (the reader rejoins)."""

@@ -1,0 +1,232 @@
+"""Direct hops: a worker passes its stage's output straight to the next worker instead of back through the head.
+
+The head decides the route (ROUTE, one to each worker, whenever the workers of the pipeline change) and each step
+says whether to follow it (RUN_BATCH.route). Three parts here, one per thread that uses them:
+
+- `Routes`, the newest ROUTE: the connection's reader sets it, the peer listener checks inbound proofs against
+  it, the compute thread forwards by it.
+- `PeerListener`, the worker's side for the stage before it: a listening socket, and per accepted connection a
+  handshake (a fresh nonce; the stage before proves the route's key over it, tc.protocol.auth.peer_proof, the key
+  bound to the join token when the cluster has one) and a reader that hands each RUN_BATCH of that route to the
+  compute thread, like one from the head.
+- `Forwarder`, the compute thread's link to the next stage: connected on first use for each route. When it cannot
+  connect or send, the route counts as cut: the worker replies to the head instead (which then carries the output
+  on itself) for the rest of that route, so a next stage that cannot be reached costs speed, never a request.
+
+Anything a peer sends that breaks the protocol, or a proof that does not hold, closes that one peer connection.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Callable
+
+from ..protocol.auth import check_peer_proof, new_nonce, peer_proof, route_key
+from ..protocol.connection import Connection, connect
+from ..protocol.errors import ConnectionClosed, ProtocolError
+from ..protocol.framing import Envelope
+from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, PROTOCOL_VERSION, Error, PeerAck,
+                                 PeerChallenge, PeerHello, Route, RunBatch)
+
+log = logging.getLogger(__name__)
+
+PEER_HANDSHAKE_TIMEOUT_S = 10.0  # each read of a peer's handshake, and the wait for the route it names
+PEER_CONNECT_TIMEOUT_S = 3.0  # reaching the next stage: once per route, on the compute thread
+# A send to the next stage that blocks this long (it stopped reading: frozen, or its machine gone without a word)
+# cuts the route, so the compute thread is never held for good; the head's step bound judges the stage itself.
+PEER_SEND_TIMEOUT_S = 30.0
+MAX_PEER_CONNECTIONS = 8  # peer connections open at once; one per route is all a healthy pipeline uses
+
+
+class Routes:
+    """The newest ROUTE from the head, shared by the threads of one connection to it."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._current: Route | None = None
+
+    @property
+    def current(self) -> Route | None:
+        return self._current
+
+    def set(self, route: Route) -> None:
+        with self._changed:
+            if self._current is None or route.route > self._current.route:
+                self._current = route
+                self._changed.notify_all()
+
+    def wait_for(self, route_id: int, timeout_s: float) -> Route | None:
+        """The route `route_id` once the head has sent it (a peer may connect before our ROUTE arrives); None when
+        a newer one came first or none did within `timeout_s`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._current is not None and self._current.route >= route_id, timeout_s)
+            current = self._current
+        return current if current is not None and current.route == route_id else None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class PeerListener:
+    """Takes RUN_BATCH from the stage before this one; `deliver(envelope)` hands each to the compute thread."""
+
+    def __init__(self, host: str, port: int, routes: Routes, deliver: Callable[[Envelope], None],
+                 max_frame_bytes: int, join_key: bytes | None = None):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.create_server((host, port), family=family)
+        self.host, self.port = host, self._server.getsockname()[1]
+        self._routes, self._deliver, self._max_frame_bytes = routes, deliver, max_frame_bytes
+        self._join_key = join_key
+        self._lock = threading.Lock()
+        self._open: set[Connection] = set()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"peer-listen-{self.port}", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return _address(self.host, self.port)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            open_now = list(self._open)
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        self._server.close()
+        for conn in open_now:
+            conn.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            conn = Connection(sock, max_frame_bytes=self._max_frame_bytes)
+            with self._lock:
+                if self._closed or len(self._open) >= MAX_PEER_CONNECTIONS:
+                    full = not self._closed
+                    conn.close()
+                    if full:
+                        log.warning("refused a peer connection from %s: %d are open already", conn.peer,
+                                    MAX_PEER_CONNECTIONS)
+                    continue
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"peer-{conn.peer}", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            route = self._handshake(conn)
+            if route is None:
+                return
+            log.info("the stage before this one (%s) passes hidden states straight here (route %d)", conn.peer,
+                     route)
+            while True:
+                env = conn.recv()
+                msg = env.message
+                if not isinstance(msg, RunBatch) or msg.route != route:
+                    what = msg.TYPE if not isinstance(msg, RunBatch) else f"RUN_BATCH of route {msg.route}"
+                    raise ProtocolError(f"a peer link of route {route} carries RUN_BATCH of that route, not {what}")
+                self._deliver(env)
+        except ProtocolError as exc:
+            log.warning("peer %s broke the protocol (%s); closing its connection", conn.peer, exc)
+            _tell(conn, Error(code=ERROR_PROTOCOL, message=str(exc)))
+        except (ConnectionClosed, OSError):
+            pass  # the stage before moved to a newer route, or left: the head hears of it on its own links
+        finally:
+            conn.close()
+            with self._lock:
+                self._open.discard(conn)
+
+    def _handshake(self, conn: Connection) -> int | None:
+        """The route the peer proved it may send on; None (the connection refused) when it could not."""
+        conn.settimeout(PEER_HANDSHAKE_TIMEOUT_S)
+        nonce = new_nonce()
+        conn.send(PeerChallenge(nonce=nonce))
+        msg = conn.recv().message
+        if not isinstance(msg, PeerHello):
+            raise ProtocolError(f"expected PEER_HELLO, got {msg.TYPE}")
+        if msg.protocol_version != PROTOCOL_VERSION:
+            _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"protocol {msg.protocol_version} against this "
+                              f"worker's {PROTOCOL_VERSION}: run the same tc release on every machine"))
+            return None
+        route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S)
+        if route is None or route.inbound_key is None or \
+                not check_peer_proof(route_key(self._join_key, route.inbound_key), nonce, msg.proof):
+            log.warning("refused a peer connection from %s: it could not prove the head routed it here (route %d)",
+                        conn.peer, msg.route)
+            _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"route {msg.route} is not this worker's, or the "
+                              "proof for it is wrong"))
+            return None
+        conn.send(PeerAck(route=msg.route))
+        conn.settimeout(None)
+        return msg.route
+
+
+def _tell(conn: Connection, message: Error) -> None:
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass
+
+
+class Forwarder:
+    """The compute thread's connection to the next stage's `PeerListener`, one route at a time."""
+
+    def __init__(self, max_frame_bytes: int, join_key: bytes | None = None):
+        self._max_frame_bytes = max_frame_bytes
+        self._join_key = join_key
+        self._conn: Connection | None = None
+        self._route = 0  # the route `_conn` was opened for
+        self._cut = 0  # a route whose next stage could not be reached or written to: replies go to the head
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def send(self, route: Route, message: RunBatch, request_id: str | None, seq: int) -> bool:
+        """Pass `message` to the next stage of `route`; False (and the route cut) when that failed."""
+        if route.route == self._cut or route.next_host is None or route.next_port is None or route.next_key is None:
+            return False
+        where = _address(route.next_host, route.next_port)
+        try:
+            if self._conn is None or self._route != route.route:
+                self.close()
+                self._conn = self._open(route)
+                self._route = route.route
+                log.info("passing hidden states straight to the next stage at %s (route %d)", where, route.route)
+            self._conn.send(message, request_id, seq)
+            return True
+        except (OSError, ProtocolError) as exc:  # ConnectionClosed is an OSError
+            log.warning("cannot pass hidden states to the next stage at %s (%s); replying through the head for the "
+                        "rest of route %d", where, exc, route.route)
+            self.close()
+            self._cut = route.route
+            return False
+
+    def _open(self, route: Route) -> Connection:
+        assert route.next_host is not None and route.next_port is not None and route.next_key is not None
+        conn = connect(route.next_host, route.next_port, timeout=PEER_CONNECT_TIMEOUT_S,
+                       max_frame_bytes=self._max_frame_bytes)
+        try:
+            conn.settimeout(PEER_HANDSHAKE_TIMEOUT_S)
+            challenge = conn.recv().message
+            if not isinstance(challenge, PeerChallenge):
+                raise ProtocolError(f"expected PEER_CHALLENGE, got {challenge.TYPE}")
+            conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=route.route,
+                                proof=peer_proof(route_key(self._join_key, route.next_key), challenge.nonce)))
+            ack = conn.recv().message
+            if isinstance(ack, Error):
+                raise ProtocolError(f"the next stage refused: {ack.message}")
+            if not isinstance(ack, PeerAck) or ack.route != route.route:
+                raise ProtocolError(f"expected PEER_ACK for route {route.route}, got {ack!r}")
+            conn.settimeout(PEER_SEND_TIMEOUT_S)
+            return conn
+        except BaseException:
+            conn.close()
+            raise

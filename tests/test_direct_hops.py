@@ -1,0 +1,339 @@
+"""Direct hops: workers pass hidden states straight to the next worker (tc.worker.peers, tc.head.pipeline).
+
+The peer link over real loopback sockets (its handshake, the proofs it refuses, what it carries), then real head
+and worker processes on a tiny model: the text is the relayed pipeline's, and /v1/cluster says where each node's
+output went, for every mix of workers that listen, do not, or cannot be reached.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import Cluster, Request, worker_hello, write_topology
+from tc.protocol.auth import peer_proof, token_key
+from tc.protocol.connection import Connection, connect
+from tc.protocol.errors import ConnectionClosed
+from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, BatchEntry, Error, HelloAck, LoadComplete, PeerAck,
+                                  PeerChallenge, PeerHello, Ping, Pong, Route, RunBatch)
+from tc.worker import peers
+from tc.worker.peers import Forwarder, PeerListener, Routes
+from tiny_model import write_tiny_model
+
+KEY = b"k" * 32
+
+
+def batch(route: int, rows: int = 1, seed: int = 0) -> RunBatch:
+    hidden = torch.randn(1, rows, 8, generator=torch.Generator().manual_seed(seed))
+    return RunBatch(entries=(BatchEntry(sequence=1, position_start=0, length=rows, cache_capacity=16),),
+                    hidden_state=hidden, route=route, released=(7,))
+
+
+@pytest.fixture
+def listener():
+    """A peer listener on loopback whose route 3 takes KEY; what it delivers lands in `.got`."""
+    routes = Routes()
+    got: queue.Queue = queue.Queue()
+    peer = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20)
+    peer.got, peer.routes = got, routes
+    routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    yield peer
+    peer.close()
+
+
+def route_to(listener: PeerListener, route: int = 3, key: bytes = KEY) -> Route:
+    """The route of the stage before `listener`: its output goes there, proven with `key`."""
+    return Route(route=route, next_host="127.0.0.1", next_port=listener.port, next_key=key, inbound_key=None)
+
+
+def test_a_proven_link_carries_batches_whole_and_in_order(listener):
+    forwarder = Forwarder(1 << 20)
+    try:
+        for seq in (1, 2, 3):
+            assert forwarder.send(route_to(listener), batch(3, rows=seq, seed=seq), "step-9", seq)
+        for seq in (1, 2, 3):
+            env = listener.got.get(timeout=5)
+            assert (env.request_id, env.seq) == ("step-9", seq)
+            assert torch.equal(env.message.hidden_state, batch(3, rows=seq, seed=seq).hidden_state)
+            assert env.message.route == 3 and env.message.released == (7,)
+    finally:
+        forwarder.close()
+
+
+def test_a_wrong_key_is_refused_and_the_route_counts_as_cut(listener, caplog):
+    forwarder = Forwarder(1 << 20)
+    with caplog.at_level(logging.WARNING):
+        assert not forwarder.send(route_to(listener, key=b"x" * 32), batch(3), "step-1", 1)
+    assert "could not prove the head routed it here" in caplog.text
+    assert "replying through the head for the rest of route 3" in caplog.text
+    # cut for the rest of route 3: no second try, even with a listener that would take it now
+    assert not forwarder.send(route_to(listener), batch(3), "step-1", 2)
+    assert listener.got.empty()
+    # the listener still serves a proven link
+    good = Forwarder(1 << 20)
+    try:
+        assert good.send(route_to(listener), batch(3), "step-2", 1)
+        assert listener.got.get(timeout=5).request_id == "step-2"
+    finally:
+        good.close()
+
+
+def test_a_route_the_head_never_sent_is_refused(listener, monkeypatch):
+    monkeypatch.setattr(peers, "PEER_HANDSHAKE_TIMEOUT_S", 0.5)  # the wait for a ROUTE that never comes
+    forwarder = Forwarder(1 << 20)
+    started = time.monotonic()
+    assert not forwarder.send(route_to(listener, route=4), batch(4), "step-1", 1)
+    assert time.monotonic() - started < 5
+    assert listener.got.empty()
+
+
+def test_a_newer_route_replaces_the_link(listener):
+    """Routes only move forward; a link opened for the old route stops being fed once the next is in use."""
+    forwarder = Forwarder(1 << 20)
+    try:
+        assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        listener.routes.set(Route(route=5, next_host=None, next_port=None, next_key=None, inbound_key=b"n" * 32))
+        listener.routes.set(Route(route=4, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+        assert listener.routes.current.route == 5  # an older ROUTE arriving late changes nothing
+        assert forwarder.send(route_to(listener, route=5, key=b"n" * 32), batch(5), "step-2", 1)
+        assert [listener.got.get(timeout=5).message.route for _ in range(2)] == [3, 5]
+    finally:
+        forwarder.close()
+
+
+def test_with_a_join_token_the_routes_key_alone_proves_nothing():
+    """In a cluster with a join token, the key a link is proven with is bound to the token: the ROUTE's key, seen
+    on the wire, is not enough."""
+    routes = Routes()
+    got: queue.Queue = queue.Queue()
+    token = token_key("a-long-enough-join-token")
+    peer = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20, join_key=token)
+    try:
+        routes.set(Route(route=1, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+        assert not Forwarder(1 << 20).send(route_to(peer, route=1), batch(1), "step-1", 1)  # the key, no token
+        assert not Forwarder(1 << 20, join_key=token_key("another-join-token-here")).send(
+            route_to(peer, route=1), batch(1), "step-1", 1)
+        with_token = Forwarder(1 << 20, join_key=token)
+        assert with_token.send(route_to(peer, route=1), batch(1), "step-1", 2)
+        assert got.get(timeout=5).seq == 2 and got.empty()
+        with_token.close()
+    finally:
+        peer.close()
+
+
+def test_nothing_listening_cuts_the_route_at_once():
+    with socket.socket() as s:  # a port that was free a moment ago and has no listener now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    forwarder = Forwarder(1 << 20)
+    route = Route(route=1, next_host="127.0.0.1", next_port=port, next_key=KEY, inbound_key=None)
+    started = time.monotonic()
+    assert not forwarder.send(route, batch(1), "step-1", 1)
+    assert time.monotonic() - started < peers.PEER_CONNECT_TIMEOUT_S
+
+
+def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:
+    conn = connect("127.0.0.1", listener.port, timeout=5)
+    conn.settimeout(5)
+    challenge = conn.recv().message
+    assert isinstance(challenge, PeerChallenge)
+    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=route, proof=peer_proof(KEY, challenge.nonce)))
+    assert isinstance(conn.recv().message, PeerAck)
+    return conn
+
+
+def test_anything_but_the_routes_batches_closes_that_link_only(listener):
+    for wrong in (Ping(nonce=1), batch(2)):
+        conn = handshake_by_hand(listener)
+        conn.send(wrong)
+        reply = conn.recv().message
+        assert isinstance(reply, Error) and "carries RUN_BATCH of that route" in reply.message
+        with pytest.raises(ConnectionClosed):
+            conn.recv()
+        conn.close()
+    conn = handshake_by_hand(listener)  # the listener serves on
+    conn.send(batch(3), "step-3", 1)
+    assert listener.got.get(timeout=5).request_id == "step-3"
+    conn.close()
+
+
+def test_a_replayed_proof_does_not_open_a_link(listener):
+    """Each connection gets a fresh nonce, so a proof seen on the wire once is no use on another."""
+    conn = connect("127.0.0.1", listener.port, timeout=5)
+    conn.settimeout(5)
+    old = conn.recv().message.nonce
+    conn.close()
+    again = connect("127.0.0.1", listener.port, timeout=5)
+    again.settimeout(5)
+    assert again.recv().message.nonce != old
+    again.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=3, proof=peer_proof(KEY, old)))
+    reply = again.recv().message
+    assert isinstance(reply, Error) and "proof" in reply.message
+    again.close()
+
+
+def test_another_protocol_version_is_told_so(listener):
+    conn = connect("127.0.0.1", listener.port, timeout=5)
+    conn.settimeout(5)
+    nonce = conn.recv().message.nonce
+    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION - 1, route=3, proof=peer_proof(KEY, nonce)))
+    reply = conn.recv().message
+    assert isinstance(reply, Error) and "same tc release" in reply.message
+    conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real processes
+# ---------------------------------------------------------------------------------------------------------------
+
+PROMPTS = ["the quick brown fox", "a b c d e f g h i j k l m n o p", "hello"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=11, shards=2)
+
+
+def greedy_texts(cluster: Cluster) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": prompt, "max_tokens": 10,
+                                                        "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        texts.append(body["choices"][0]["text"])
+    return texts
+
+
+def passes_to(cluster: Cluster) -> dict[str, str | None]:
+    status, body = cluster.get("/v1/cluster")
+    assert status == 200
+    return {node["id"]: node["passes_to"] for node in body["nodes"]}
+
+
+def run_cluster(tmp_path, model_dir, nodes: list[str], direct_hops: bool = True,
+                worker_args: dict[str, tuple[str, ...]] | None = None, micro_batches: int = 1):
+    topology = write_topology(tmp_path / "topology.yaml", model_dir, [{"id": n, "device": "cpu"} for n in nodes],
+                              head={"direct_hops": direct_hops, "micro_batches": micro_batches})
+    cluster = Cluster(topology, tmp_path)
+    try:
+        cluster.start_head()
+        cluster.wait_api()
+        for node in nodes:
+            cluster.start_worker(node, *(worker_args or {}).get(node, ()))
+        cluster.wait_ready()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def relayed_texts(model_dir, tmp_path_factory):
+    """The texts with every hop through the head, as before direct hops: what each layout must give."""
+    with run_cluster(tmp_path_factory.mktemp("relayed"), model_dir, ["a", "b"], direct_hops=False) as cluster:
+        texts = greedy_texts(cluster)
+        assert passes_to(cluster) == {"a": "head", "b": "head"}
+    return texts
+
+
+@pytest.mark.parametrize("layout, expected", [
+    ("direct", {"a": "b", "b": "head"}),
+    ("b takes its input from the head", {"a": "head", "b": "head"}),
+])
+def test_two_workers_give_the_relayed_text(tmp_path, model_dir, relayed_texts, layout, expected):
+    args = {"b": ("--no-direct-hops",)} if layout != "direct" else {}
+    with run_cluster(tmp_path, model_dir, ["a", "b"], worker_args=args) as cluster:
+        assert greedy_texts(cluster) == relayed_texts
+        assert passes_to(cluster) == expected
+        head_log = cluster.head.output()
+        if layout == "direct":
+            assert "route 1: head -> a -> b -> head" in head_log
+            assert "passing hidden states straight to the next stage" in cluster.workers["a"].output()
+        else:
+            assert "no worker after the first listens" in head_log
+
+
+def test_an_unreachable_next_worker_gets_its_input_through_the_head(tmp_path, model_dir, relayed_texts):
+    """Three workers: a passes straight to b; c says it is at an address where nothing listens, so b's attempt
+    fails and the head carries b's output to c, for every step after too, and the text is unchanged."""
+    with run_cluster(tmp_path, model_dir, ["a", "b", "c"], worker_args={"c": ("--peer-host", "127.0.0.2")}) as cluster:
+        assert greedy_texts(cluster) == relayed_texts
+        assert passes_to(cluster) == {"a": "b", "b": "head", "c": "head"}
+        assert "replying through the head for the rest of route 1" in cluster.workers["b"].output()
+
+
+def test_concurrent_requests_in_micro_batches_pass_along(tmp_path, model_dir, relayed_texts):
+    """Several groups of a step in flight at once on each link: the first worker gets them all, each passes them
+    on as it finishes; each request's text is its own."""
+    with run_cluster(tmp_path, model_dir, ["a", "b"], micro_batches=2) as cluster:
+        requests = [Request(cluster, {"model": "tiny-qwen", "prompt": p, "max_tokens": 10, "temperature": 0,
+                                      "ignore_eos": True}) for p in PROMPTS * 2]
+        texts = []
+        for request in requests:
+            status, body = request.wait(120)
+            assert status == 200, body
+            texts.append(body["choices"][0]["text"])
+        assert texts == relayed_texts * 2
+        assert passes_to(cluster) == {"a": "b", "b": "head"}
+
+
+class SilentLastStage:
+    """A last stage that takes its input straight from the worker before it (a real PeerListener) and never
+    answers: a hung compute thread, while its reader answers every PING."""
+
+    def __init__(self, port: int, node_id: str):
+        self.routes, self.got = Routes(), queue.Queue()
+        self.listener = PeerListener("127.0.0.1", 0, self.routes, self.got.put, 1 << 20)
+        self.closed = threading.Event()
+        self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
+        self.conn.send(worker_hello(node_id, peer_port=self.listener.port))
+        assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
+        assert isinstance(self.conn.recv(timeout=15).message, Assignment)
+        self.conn.settimeout(None)
+        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv().message
+                if isinstance(msg, Ping):
+                    self.conn.send(Pong(nonce=msg.nonce))
+                elif isinstance(msg, Route):
+                    self.routes.set(msg)
+        except (ConnectionClosed, OSError):
+            self.closed.set()
+            self.listener.close()
+
+
+def test_a_step_passed_along_that_never_comes_back_drops_the_stages_that_owe_it(tmp_path, model_dir, relayed_texts):
+    """No stage answers a step passed from worker to worker until the last one does, so its bound is theirs
+    added up; past it, every worker that still owes the step an answer is dropped (which one hangs, the head
+    cannot tell) and the request ends with the reason. The real worker rejoins at once and the head serves again."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"},
+                                                              {"id": "b", "device": "cpu"}],
+                              head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 120, "step_timeout_s": 0.5,
+                                    "step_timeout_factor": 2, "resume": False})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        b = SilentLastStage(cluster.listen_port, "b")
+        cluster.wait_ready()
+        started = time.monotonic()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "hello", "max_tokens": 4})
+        waited = time.monotonic() - started
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert "passed from worker to worker (a, b)" in body["error"]["message"], body
+        assert 1.5 < waited < 15, waited  # a's and b's first-step bounds (2 x 0.5 s each), added up
+        assert b.got.get(timeout=1).message.route == 1  # a did pass it on
+        assert b.closed.wait(5)
+        cluster.start_worker("b")
+        cluster.wait_ready()
+        assert greedy_texts(cluster) == relayed_texts
+        assert passes_to(cluster) == {"a": "b", "b": "head"}
