@@ -15,10 +15,14 @@ carries N rows: the figures are then per batched step, and tok/s counts all N st
 
 Each --env setting (default: the environment as it is, then OpenMP told to sleep at once when idle, then to spin
 briefly) runs in turn in the same invocation, so their figures compare: processes that share cores take each
-other's time when idle OpenMP threads spin. Within a stage, bench/profile_step.py splits the compute further.
+other's time when idle OpenMP threads spin. Each --hops setting likewise: `direct` (workers pass hidden states to
+each other, head.direct_hops) or `relayed` (every hop through the head); repeat them (direct relayed direct
+relayed) to interleave an A/B comparison on a machine whose speed drifts. With direct hops a node's hop is the
+time from the stage before's answer to its own, less its compute. Within a stage, bench/profile_step.py splits
+the compute further.
 
     python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2] [--streams 1]
-                                   [--env - OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000]
+                                   [--env - OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000] [--hops direct relayed]
 """
 from __future__ import annotations
 
@@ -77,13 +81,13 @@ def concurrent_completions(cluster: Cluster, model: str, max_tokens: int, stream
 
 
 def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, setting: str,
-           streams: int = 1) -> dict:
+           streams: int = 1, hops: str = "direct") -> dict:
     env = dict([setting.split("=", 1)]) if "=" in setting else {}  # "-": as this environment has it
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": f"w{i + 1}", "device": "cpu", "threads": threads} for i in range(workers)]
         topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype="bf16",
-                                  head={"threads": threads})
+                                  head={"threads": threads, "direct_hops": hops == "direct"})
         with Cluster(topology, tmp_path, env=env) as cluster:
             cluster.start_head()
             cluster.wait_api(timeout=300)
@@ -116,6 +120,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="completions at once: rows of every decode step")
     parser.add_argument("--env", nargs="+", default=["-", "OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000"],
                         help="VAR=VALUE for every process of one run (- for none); one run each")
+    parser.add_argument("--hops", nargs="+", default=["direct"], choices=["direct", "relayed"],
+                        help="how hidden states travel between workers; one run each, in the order given")
     args = parser.parse_args()
     from _demo import demo_model_dir
 
@@ -124,9 +130,12 @@ def main() -> None:
     rows = []
     for quant in args.quants:
         for setting in args.env:
-            figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting, args.streams)
-            rows.append((quant, setting, figures))
-            print(f"  {quant} {setting}: {args.streams / figures['wall']:.1f} tok/s", file=sys.stderr)
+            for hops in args.hops:
+                figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting, args.streams,
+                                 hops)
+                label = setting if len(args.hops) == 1 else f"{setting} {hops}"
+                rows.append((quant, label, figures))
+                print(f"  {quant} {label}: {args.streams / figures['wall']:.1f} tok/s", file=sys.stderr)
     print(f"\ndemo model, head + {args.workers} workers on loopback, bf16 compute, {args.threads} threads each, "
           f"{args.streams} stream(s) of {args.tokens} new tokens greedy; load average {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after\n")
