@@ -1,9 +1,13 @@
 """What a plan predicts: time per stage and per hop, tokens per second, the bottleneck and what would help. Pure.
 
-The head relays every hop (tc.head.pipeline), so one decode step is the head's own work (embedding, final norm,
-lm_head, sampling), then for each stage in turn a hop to its worker, its layers, and the hop back. A token
-therefore costs the sum of all of these, and that sum is what decode tokens per second predicts. A prefill of P
-positions costs the same terms with each stage's prefill time and hops carrying P positions of hidden states.
+One decode step is the head's own work (embedding, final norm, lm_head, sampling), then each stage in turn: the
+hidden states' way to its worker, and its layers; then the way back from the last. Where the head relays every
+hop (head.direct_hops off) each stage's hop is its link's round trip. With direct hops each worker passes its
+output to the next, so a stage's way in is one transfer, counted as half its link's round trip (the links the
+head measures are head <-> worker; a link between two workers is taken to cost what the later one's link to the
+head costs one way), and the last stage adds the other half for the way back. A token therefore costs the sum of
+all of these, and that sum is what decode tokens per second predicts. A prefill of P positions costs the same
+terms with each stage's prefill time and hops carrying P positions of hidden states.
 
 Terms not known (a node without a speed, a link not measured) are shown as such; the prediction then needs
 every stage's speed, and counts unmeasured links as free (on a LAN a decode hop is well under a millisecond).
@@ -37,7 +41,7 @@ class StageForecast:
     node_id: str
     decode_s: float | None  # compute of one decode step
     prefill_s: float | None  # compute of a prefill of the forecast's prefill_positions
-    hop_decode_s: float | None  # there and back with one position; None: the link was not measured
+    hop_decode_s: float | None  # the stage's hops with one position (module doc); None: the link was not measured
     hop_prefill_s: float | None
     pinned: bool = False  # the topology pins its layers
 
@@ -122,21 +126,25 @@ def hop_bytes_per_position(hidden_size: int, dtype: str) -> int:
 
 
 def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,
-             prefill_positions: int = DEFAULT_PREFILL_POSITIONS) -> Forecast:
+             prefill_positions: int = DEFAULT_PREFILL_POSITIONS, direct_hops: bool = False) -> Forecast:
     """The plan's predictions. `hop_bytes_per_position`: one position of hidden states as sent (hidden size x
-    the element size). Raises ValueError for a non-positive prefill length."""
+    the element size); `direct_hops`: workers pass hidden states to each other (the module's docstring). Raises
+    ValueError for a non-positive prefill length."""
     if prefill_positions < 1:
         raise ValueError(f"prefill_positions must be >= 1, got {prefill_positions}")
     stages = []
-    for stage in plan.stages:
+    for i, stage in enumerate(plan.stages):
         speed, link = stage.speed, stage.link
+        # the share of the link's round trip this stage's hops take: all of it relayed, or one way in (and, for
+        # the last, one way back) with direct hops
+        share = 1.0 if not direct_hops or i + 1 == len(plan.stages) else 0.5
         stages.append(StageForecast(
             node_id=stage.node_id,
             decode_s=stage.decode_s,
             prefill_s=None if speed is None else speed.prefill_s(stage.weight_bytes, stage.layer_count,
                                                                    prefill_positions),
-            hop_decode_s=None if link is None else link.hop_s(hop_bytes_per_position),
-            hop_prefill_s=None if link is None else link.hop_s(hop_bytes_per_position * prefill_positions),
+            hop_decode_s=None if link is None else share * link.hop_s(hop_bytes_per_position),
+            hop_prefill_s=None if link is None else share * link.hop_s(hop_bytes_per_position * prefill_positions),
             pinned=stage.pinned,
         ))
     return Forecast(tuple(stages), None if head is None else head.decode_s, prefill_positions)

@@ -128,6 +128,21 @@ def test_forecast_adds_head_stages_and_hops_and_names_a_slow_link():
     assert "predicted: decode" in text and "to improve:" in text and "far" in text
 
 
+def test_with_direct_hops_each_stage_but_the_last_takes_one_way_of_its_link():
+    """head -> a -> b -> head: the way into a and into b, one transfer each, and b's way back."""
+    link_a = LinkSpeed(round_trip_s=0.004, bytes_per_s=1e8)
+    link_b = LinkSpeed(round_trip_s=0.010, bytes_per_s=1e7)
+    plan = make_plan(24, LAYERS, [node("a", CUDA, link=link_a), node("b", CUDA, link=link_b)])
+    head = HeadCost(weight_bytes=272 * MB, speed=CPU)
+    relayed = forecast(plan, 1792, head, prefill_positions=128)
+    direct = forecast(plan, 1792, head, prefill_positions=128, direct_hops=True)
+    assert [s.hop_decode_s for s in direct.stages] == [link_a.hop_s(1792) / 2, link_b.hop_s(1792)]
+    assert direct.decode_token_s == pytest.approx(relayed.decode_token_s - link_a.hop_s(1792) / 2)
+    assert direct.stages[0].hop_prefill_s == pytest.approx(link_a.hop_s(1792 * 128) / 2)
+    single = make_plan(24, LAYERS, [node("a", CUDA, link=link_a)])  # one stage: there and back either way
+    assert forecast(single, 1792, head, direct_hops=True).decode_token_s == forecast(single, 1792, head).decode_token_s
+
+
 def test_forecast_names_the_slowest_node_and_its_share():
     plan = make_plan(24, LAYERS, [node("cpu", CPU, pin=(0, 12)), node("gpu", CUDA)])
     prediction = forecast(plan, 1792, HeadCost(1 * MB, CUDA))
