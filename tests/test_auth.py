@@ -81,10 +81,12 @@ def test_tokens_must_be_text_without_surrounding_space():
 # --- where the worker gets its token --------------------------------------------------------------------------
 
 def worker_args(**extra) -> argparse.Namespace:
-    flags = {"join_token_file": None, "head_timeout_s": None, "max_frame_mb": None, "no_bench": False,
-             "bench_dir": None, **extra}
-    return argparse.Namespace(join=("127.0.0.1", 7001), node_id=None, device="cpu", hf_cache_dir=None,
-                              max_memory_gb=None, retry_max_s=1.0, threads=None, **flags)
+    """`worker --join 127.0.0.1:7001 --device cpu` as the command line parses it, with `extra` set after."""
+    args = build_parser().parse_args(["worker", "--join", "127.0.0.1:7001", "--device", "cpu"])
+    for name, value in extra.items():
+        assert hasattr(args, name), name
+        setattr(args, name, value)
+    return args
 
 
 def test_token_from_a_file_the_environment_or_nowhere(tmp_path):
@@ -111,6 +113,17 @@ def test_worker_flags_parse():
     assert options.head_timeout_s == 4.0 and options.max_frame_bytes == 8 << 20
     with pytest.raises(WorkerSetupError, match="head timeout"):
         worker_options(worker_args(), {"TC_HEAD_TIMEOUT_S": "-1"})
+
+
+def test_peer_flags_parse():
+    """Where the worker before passes hidden states: any free port by default, a fixed one, or none."""
+    assert (worker_options(worker_args(), {}).peer_port, worker_options(worker_args(), {}).peer_host) == (0, None)
+    args = build_parser().parse_args(["worker", "--join", "h:7001", "--peer-port", "7002", "--peer-host", "10.0.0.9"])
+    options = worker_options(args, {})
+    assert (options.peer_port, options.peer_host) == (7002, "10.0.0.9")
+    assert worker_options(worker_args(no_direct_hops=True), {}).peer_port is None
+    with pytest.raises(WorkerSetupError, match="--peer-port must be a port number"):
+        worker_options(worker_args(peer_port=70000), {})
 
 
 # --- real processes -------------------------------------------------------------------------------------------------
