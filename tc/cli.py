@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="port on which the stage before this one passes hidden states straight here, on the "
                              "address this worker reaches the head from (default 0: any free port)")
     worker.add_argument("--peer-host", metavar="HOST",
-                        help="the address the other workers reach this one at, where it differs from the one it "
-                             "reaches the head from (a NAT, several networks)")
+                        help="the address the other workers reach this one's peer port at, where it differs from "
+                             "the one it reaches the head from (a NAT forwarding that port to it)")
     worker.add_argument("--no-direct-hops", action="store_true",
                         help="take hidden states from the head only (no peer port): for a machine the other "
                              "workers cannot reach")

@@ -5,7 +5,8 @@ hidden states' way to its worker, and its layers; then the way back from the las
 hop (head.direct_hops off) each stage's hop is its link's round trip. With direct hops each worker passes its
 output to the next, so a stage's way in is one transfer, counted as half its link's round trip (the links the
 head measures are head <-> worker; a link between two workers is taken to cost what the later one's link to the
-head costs one way), and the last stage adds the other half for the way back. A token therefore costs the sum of
+head costs one way; a worker started with --no-direct-hops, which the plan cannot know of, makes it optimistic),
+and the last stage adds the other half for the way back. A token therefore costs the sum of
 all of these, and that sum is what decode tokens per second predicts. A prefill of P positions costs the same
 terms with each stage's prefill time and hops carrying P positions of hidden states.
 

@@ -30,7 +30,7 @@ KEY = b"k" * 32
 
 def batch(route: int, rows: int = 1, seed: int = 0) -> RunBatch:
     hidden = torch.randn(1, rows, 8, generator=torch.Generator().manual_seed(seed))
-    return RunBatch(entries=(BatchEntry(sequence=1, position_start=0, length=rows, cache_capacity=16),),
+    return RunBatch(entries=(BatchEntry(sequence=1, position_start=0, length=rows, cache_capacity=max(16, rows)),),
                     hidden_state=hidden, route=route, released=(7,))
 
 
@@ -42,6 +42,7 @@ def listener():
     peer = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20)
     peer.got, peer.routes = got, routes
     routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    peer.start()  # as the worker does once a ROUTE gives it a link in
     yield peer
     peer.close()
 
@@ -65,15 +66,19 @@ def test_a_proven_link_carries_batches_whole_and_in_order(listener):
         forwarder.close()
 
 
-def test_a_wrong_key_is_refused_and_the_route_counts_as_cut(listener, caplog):
+def test_a_wrong_key_is_refused_and_the_route_is_tried_again_after_a_backoff(listener, caplog, monkeypatch):
     forwarder = Forwarder(1 << 20)
     with caplog.at_level(logging.WARNING):
         assert not forwarder.send(route_to(listener, key=b"x" * 32), batch(3), "step-1", 1)
     assert "could not prove the head routed it here" in caplog.text
-    assert "replying through the head for the rest of route 3" in caplog.text
-    # cut for the rest of route 3: no second try, even with a listener that would take it now
+    assert "replying through the head for route 3, trying again in 30s" in caplog.text
+    # cut until the backoff is over: no second try, even with a listener that would take it now
     assert not forwarder.send(route_to(listener), batch(3), "step-1", 2)
     assert listener.got.empty()
+    monkeypatch.setattr(forwarder, "_retry_at", 0.0)  # the 30 s have passed
+    assert forwarder.send(route_to(listener), batch(3), "step-1", 3)
+    assert listener.got.get(timeout=5).seq == 3
+    forwarder.close()
     # the listener still serves a proven link
     good = Forwarder(1 << 20)
     try:
@@ -113,6 +118,7 @@ def test_with_a_join_token_the_routes_key_alone_proves_nothing():
     got: queue.Queue = queue.Queue()
     token = token_key("a-long-enough-join-token")
     peer = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20, join_key=token)
+    peer.start()
     try:
         routes.set(Route(route=1, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
         assert not Forwarder(1 << 20).send(route_to(peer, route=1), batch(1), "step-1", 1)  # the key, no token
@@ -124,6 +130,78 @@ def test_with_a_join_token_the_routes_key_alone_proves_nothing():
         with_token.close()
     finally:
         peer.close()
+
+
+def test_a_listener_that_cannot_prove_the_key_gets_nothing(listener):
+    """The stage before checks the listener's proof too: hidden states go only where the head routed them."""
+    impostor = PeerListener("127.0.0.1", 0, Routes(), lambda env: None, 1 << 20)
+    impostor._routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=b"y" * 32))
+    impostor.start()
+    try:
+        # the impostor takes any proof for its own key: give the connector the impostor's key, so the impostor
+        # accepts it, and check the connector refuses an answer made with another key
+        forwarder = Forwarder(1 << 20)
+        route = Route(route=3, next_host="127.0.0.1", next_port=impostor.port, next_key=b"y" * 32, inbound_key=None)
+        assert forwarder.send(route, batch(3), "step-1", 1)  # the right key both ways: accepted
+        forwarder.close()
+        sock = socket.create_server(("127.0.0.1", 0))  # a listener that answers with a proof made of another key
+
+        def answer() -> None:
+            peer, _ = sock.accept()
+            conn = Connection(peer)
+            conn.send(PeerChallenge(nonce=b"n" * 32))
+            hello = conn.recv().message
+            conn.send(PeerAck(route=hello.route, proof=peer_proof(b"z" * 32, hello.nonce, listener=True),
+                              max_frame_bytes=1 << 20))
+            time.sleep(1)
+            conn.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        route = Route(route=3, next_host="127.0.0.1", next_port=sock.getsockname()[1], next_key=KEY,
+                      inbound_key=None)
+        assert not Forwarder(1 << 20).send(route, batch(3), "step-1", 2)
+        sock.close()
+    finally:
+        impostor.close()
+
+
+def test_a_peer_that_has_not_proven_the_key_may_send_only_small_frames(listener):
+    conn = connect("127.0.0.1", listener.port, timeout=5)
+    conn.settimeout(5)
+    assert isinstance(conn.recv().message, PeerChallenge)
+    conn._sock.sendall((1 << 20).to_bytes(8, "big"))  # a 1 MiB body announced before any proof
+    with pytest.raises(ConnectionClosed):
+        while True:
+            conn.recv()
+    conn.close()
+
+
+def test_a_batch_over_the_next_stages_frame_limit_goes_through_the_head(listener):
+    """The listener says the largest frame it reads; a larger batch is not sent (so not lost on the way) and the
+    link stays up for the next one."""
+    small = PeerListener("127.0.0.1", 0, listener.routes, listener.got.put, 64 * 1024)
+    small.start()
+    forwarder = Forwarder(1 << 20)
+    try:
+        route = route_to(small)
+        assert not forwarder.send(route, batch(3, rows=4096), "step-1", 1)  # 128 KiB of fp32 rows
+        assert forwarder.send(route, batch(3, rows=2), "step-1", 2)
+        assert listener.got.get(timeout=5).seq == 2
+    finally:
+        forwarder.close()
+        small.close()
+
+
+def test_a_link_proven_for_a_newer_route_closes_the_older_ones(listener):
+    old = handshake_by_hand(listener, route=3)
+    listener.routes.set(Route(route=4, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    new = handshake_by_hand(listener, route=4)
+    with pytest.raises(ConnectionClosed):
+        old.recv(timeout=5)
+    new.send(batch(4), "step-2", 1)
+    assert listener.got.get(timeout=5).message.route == 4
+    old.close()
+    new.close()
 
 
 def test_nothing_listening_cuts_the_route_at_once():
@@ -142,8 +220,11 @@ def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:
     conn.settimeout(5)
     challenge = conn.recv().message
     assert isinstance(challenge, PeerChallenge)
-    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=route, proof=peer_proof(KEY, challenge.nonce)))
-    assert isinstance(conn.recv().message, PeerAck)
+    nonce = b"c" * 32
+    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=route, proof=peer_proof(KEY, challenge.nonce),
+                        nonce=nonce))
+    ack = conn.recv().message
+    assert isinstance(ack, PeerAck) and ack.proof == peer_proof(KEY, nonce, listener=True)
     return conn
 
 
@@ -171,7 +252,7 @@ def test_a_replayed_proof_does_not_open_a_link(listener):
     again = connect("127.0.0.1", listener.port, timeout=5)
     again.settimeout(5)
     assert again.recv().message.nonce != old
-    again.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=3, proof=peer_proof(KEY, old)))
+    again.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=3, proof=peer_proof(KEY, old), nonce=b"c" * 32))
     reply = again.recv().message
     assert isinstance(reply, Error) and "proof" in reply.message
     again.close()
@@ -181,7 +262,8 @@ def test_another_protocol_version_is_told_so(listener):
     conn = connect("127.0.0.1", listener.port, timeout=5)
     conn.settimeout(5)
     nonce = conn.recv().message.nonce
-    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION - 1, route=3, proof=peer_proof(KEY, nonce)))
+    conn.send(PeerHello(protocol_version=PROTOCOL_VERSION - 1, route=3, proof=peer_proof(KEY, nonce),
+                        nonce=b"c" * 32))
     reply = conn.recv().message
     assert isinstance(reply, Error) and "same tc release" in reply.message
     conn.close()
@@ -264,7 +346,7 @@ def test_an_unreachable_next_worker_gets_its_input_through_the_head(tmp_path, mo
     with run_cluster(tmp_path, model_dir, ["a", "b", "c"], worker_args={"c": ("--peer-host", "127.0.0.2")}) as cluster:
         assert greedy_texts(cluster) == relayed_texts
         assert passes_to(cluster) == {"a": "b", "b": "head", "c": "head"}
-        assert "replying through the head for the rest of route 1" in cluster.workers["b"].output()
+        assert "replying through the head for route 1" in cluster.workers["b"].output()
 
 
 def test_concurrent_requests_in_micro_batches_pass_along(tmp_path, model_dir, relayed_texts):
@@ -289,6 +371,7 @@ class SilentLastStage:
     def __init__(self, port: int, node_id: str):
         self.routes, self.got = Routes(), queue.Queue()
         self.listener = PeerListener("127.0.0.1", 0, self.routes, self.got.put, 1 << 20)
+        self.listener.start()
         self.closed = threading.Event()
         self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
         self.conn.send(worker_hello(node_id, peer_port=self.listener.port))

@@ -165,8 +165,8 @@ SAMPLES: dict[str, Callable[[], Message]] = {
                            inbound_key=b"i" * 32),
     "route-last": lambda: Route(route=2, next_host=None, next_port=None, next_key=None, inbound_key=b"i" * 32),
     "peer-challenge": lambda: PeerChallenge(nonce=b"n" * 32),
-    "peer-hello": lambda: PeerHello(protocol_version=PROTOCOL_VERSION, route=2, proof=b"p" * 32),
-    "peer-ack": lambda: PeerAck(route=2),
+    "peer-hello": lambda: PeerHello(protocol_version=PROTOCOL_VERSION, route=2, proof=b"p" * 32, nonce=b"m" * 32),
+    "peer-ack": lambda: PeerAck(route=2, proof=b"q" * 32, max_frame_bytes=1 << 20),
 }
 
 

@@ -5,8 +5,9 @@ output straight to the next (tc.worker.peers) with its compute time added to tho
 last replies with the hidden states and every stage's time: head -> w1 -> w2 -> ... -> head, one network
 transfer per stage boundary where relaying took two, and the head wakes once a step. Any stage may still answer
 (a failure, or output it could not pass on, which the head then carries to the next stage itself), so the head
-waits on every link of the step at once; the step's bound is its stages' bounds added up, and past it every
-worker that still owes an answer is dropped. A step that fails anywhere is given up on every link (late answers
+waits on every link of the step at once; the step's bound is its stages' bounds added up (and, with
+micro-batches, the largest once more for each further group), and past it every worker that still owes an
+answer is dropped. A step that fails anywhere is given up on every link (late answers
 dropped) before resuming. The head sends each worker a ROUTE (where its output goes, and a fresh key for the
 link into it) whenever the pipeline's workers change. A worker that cannot reach the next one, or that listens
 for none (`worker --no-direct-hops`), replies to the head instead: relaying, as with head.direct_hops off
@@ -140,8 +141,10 @@ class RemotePipeline:
                               for i, link in enumerate(links)])
                 group_of[self.seq] = g
                 links[0].send_expected(sents[g][0])
-            # one bound for the step: its stages' bounds added up, since none answers until the last
-            bound = sum(s.bound for group in sents for s in group)
+            # one bound for the step, since no stage answers until the last: each stage's bound for its largest
+            # group, added up, and the largest again for each group after the first (the groups run as a pipeline)
+            per_stage = [max(group[i].bound for group in sents) for i in range(len(links))]
+            bound = sum(per_stage) + (len(groups) - 1) * max(per_stage)
             deadline = sents[0][0].at + bound
             sent_to = [0] * len(groups)  # the stage the head last sent each group to, and when
             sent_at = [sents[0][0].at] * len(groups)
@@ -164,7 +167,8 @@ class RemotePipeline:
                     outputs[g] = reply.hidden_state.to(out_dtype)
                 else:  # it could not pass the rows on: the head carries them to the next stage
                     links[i + 1].send_expected(sents[g][i + 1], RunBatch(
-                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=route))
+                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=route,
+                        released=groups[g].released))
                     sent_to[g], sent_at[g] = i + 1, now
         except (WorkerLost, StageFailed):
             for link in links:

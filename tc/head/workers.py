@@ -122,7 +122,7 @@ class WorkerLink:
         # several when a step's groups reach it from the stage before (direct hops), and a worker that may pass
         # its output on to the next stage answers the head only when it cannot
         self._pending: deque[tuple[str, int, bool]] = deque()
-        self._abandoned: deque[str] = deque(maxlen=8)  # steps given up: their late replies are dropped
+        self._abandoned: deque[str] = deque(maxlen=64)  # steps given up: their late replies are dropped
 
     @property
     def name(self) -> str:
@@ -159,16 +159,17 @@ class WorkerLink:
         with self._pending_lock:
             if env.request_id in self._abandoned:
                 return  # a step that failed elsewhere: nobody waits for it any more
-            key = (env.request_id, env.seq)
-            # a worker answers in order; a command it may pass on to the next stage (direct hops) and answered
-            # nothing for was passed on
-            while self._pending and self._pending[0][:2] != key and self._pending[0][2]:
-                self._pending.popleft()
-            if not self._pending or self._pending[0][:2] != key:
+            # Not necessarily the oldest: with direct hops a worker may get one group of a step from the stage
+            # before and the next from the head, by two connections, and commands it passed on stay listed until
+            # the step settles.
+            for i, (request_id, seq, _) in enumerate(self._pending):
+                if (request_id, seq) == (env.request_id, env.seq):
+                    del self._pending[i]
+                    break
+            else:
                 awaiting = f"{self._pending[0][0]} #{self._pending[0][1]}" if self._pending else "nothing"
                 raise ProtocolError(f"{env.message.TYPE} for {env.request_id} #{env.seq}, which was not asked for "
                                     f"(awaiting {awaiting})")
-            self._pending.popleft()
             self.replies.put(env)  # under the lock, so that `abandon` never misses one on its way
         self._announce()
 

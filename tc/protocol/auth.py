@@ -13,9 +13,10 @@ with head_proof = HMAC-SHA256(token, "tc-join/head" || 0 || W || H) and worker_p
 (a reflection), and comparisons use hmac.compare_digest. What this does and does not protect is written in
 docs/security.md: it authenticates peers when they connect; it does not encrypt or sign the frames after.
 
-Workers passing hidden states straight to each other (tc.worker.peers) prove a link the same way, one-sided: the
-listening worker sends a fresh nonce and the one before answers HMAC-SHA256(key, "tc-peer" || 0 || nonce), where
-the key comes from the head's ROUTE (`route_key`: bound to the join token when there is one).
+Workers passing hidden states straight to each other (tc.worker.peers) prove a link the same way, both sides:
+the listening worker sends a fresh nonce, the one before answers HMAC-SHA256(key, "tc-peer" || 0 || nonce) with a
+nonce of its own, and the listener answers HMAC-SHA256(key, "tc-peer-ack" || 0 || that nonce), where the key comes
+from the head's ROUTE (`route_key`: bound to the join token when there is one).
 
 Pure functions; the head and the worker each call them from their handshake.
 """
@@ -30,6 +31,7 @@ PROOF_BYTES = hashlib.sha256().digest_size  # 32
 CHALLENGE_BYTES = NONCE_BYTES + PROOF_BYTES
 
 _PEER_LABEL = b"tc-peer\x00"
+_PEER_ACK_LABEL = b"tc-peer-ack\x00"
 _ROUTE_LABEL = b"tc-route\x00"
 _HEAD_LABEL = b"tc-join/head\x00"
 _WORKER_LABEL = b"tc-join/worker\x00"
@@ -101,11 +103,12 @@ def route_key(join_key: bytes | None, material: bytes) -> bytes:
     return material if join_key is None else hmac.new(join_key, _ROUTE_LABEL + material, hashlib.sha256).digest()
 
 
-def peer_proof(route_key: bytes, nonce: bytes) -> bytes:
-    """What the stage before proves a peer link with: the route's key (from the head's ROUTE) over the listening
-    worker's fresh nonce, so a recorded exchange cannot be replayed."""
-    return hmac.new(route_key, _PEER_LABEL + nonce, hashlib.sha256).digest()
+def peer_proof(route_key: bytes, nonce: bytes, listener: bool = False) -> bytes:
+    """What a peer link is proven with: the route's key (from the head's ROUTE) over the other side's fresh nonce,
+    so a recorded exchange cannot be replayed; the stage before and the listener use different labels, so that
+    neither proof serves as the other."""
+    return hmac.new(route_key, (_PEER_ACK_LABEL if listener else _PEER_LABEL) + nonce, hashlib.sha256).digest()
 
 
-def check_peer_proof(route_key: bytes, nonce: bytes, proof: bytes) -> bool:
-    return hmac.compare_digest(proof, peer_proof(route_key, nonce))
+def check_peer_proof(route_key: bytes, nonce: bytes, proof: bytes, listener: bool = False) -> bool:
+    return hmac.compare_digest(proof, peer_proof(route_key, nonce, listener))

@@ -591,21 +591,26 @@ class PeerChallenge(Message):
 @_message
 @dataclass(frozen=True)
 class PeerHello(Message):
-    """Worker -> worker, from the stage before: which route this link carries, and the proof for its key."""
+    """Worker -> worker, from the stage before: which route this link carries, the proof for its key, and a nonce
+    of its own for the listener to prove the same over."""
 
     TYPE: ClassVar[str] = "PEER_HELLO"
     protocol_version: int = wire(COUNT)
     route: int = wire(_Int(1))
     proof: bytes = wire(BYTES)
+    nonce: bytes = wire(BYTES)
 
 
 @_message
 @dataclass(frozen=True)
 class PeerAck(Message):
-    """Worker -> worker: the proof holds; RUN_BATCH of the route may follow."""
+    """Worker -> worker: the proof holds, and here is the listener's own (over the connector's nonce), and the
+    largest frame it reads; RUN_BATCH of the route may follow."""
 
     TYPE: ClassVar[str] = "PEER_ACK"
     route: int = wire(_Int(1))
+    proof: bytes = wire(BYTES)
+    max_frame_bytes: int = wire(_Int(1))
 
 
 @_wire_struct

@@ -341,6 +341,8 @@ class Worker:
                     raise ProtocolError(f"{msg.TYPE} before any ASSIGNMENT")
                 elif isinstance(msg, Route):
                     routes.set(msg)  # here, not in order with the jobs: a peer's handshake may wait for it
+                    if msg.inbound_key is not None and self._peers is not None:
+                        self._peers.start()
                 elif isinstance(msg, (RunBatch, Release, ClearCache)):
                     jobs.put((env, False))
                 elif isinstance(msg, Error) and msg.code == ERROR_SHUTTING_DOWN:

@@ -7,11 +7,12 @@ says whether to follow it (RUN_BATCH.route). Three parts here, one per thread th
   it, the compute thread forwards by it.
 - `PeerListener`, the worker's side for the stage before it: a listening socket, and per accepted connection a
   handshake (a fresh nonce; the stage before proves the route's key over it, tc.protocol.auth.peer_proof, the key
-  bound to the join token when the cluster has one) and a reader that hands each RUN_BATCH of that route to the
-  compute thread, like one from the head.
-- `Forwarder`, the compute thread's link to the next stage: connected on first use for each route. When it cannot
-  connect or send, the route counts as cut: the worker replies to the head instead (which then carries the output
-  on itself) for the rest of that route, so a next stage that cannot be reached costs speed, never a request.
+  bound to the join token when the cluster has one, and the listener proves it back over the other's nonce) and a
+  reader that hands each RUN_BATCH of that route to the compute thread, like one from the head.
+- `Forwarder`, the compute thread's link to the next stage: connected on first use for each route, proven both
+  ways. When it cannot connect or send, the route counts as cut: the worker replies to the head instead (which
+  then carries the output on itself), and tries the next stage again after a backoff, so a next stage that cannot
+  be reached costs speed, never a request. A batch over the next stage's frame limit goes through the head.
 
 Anything a peer sends that breaks the protocol, or a proof that does not hold, closes that one peer connection.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Callable
 
 from ..protocol.auth import check_peer_proof, new_nonce, peer_proof, route_key
@@ -31,12 +33,15 @@ from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, PROTOCOL_V
 
 log = logging.getLogger(__name__)
 
-PEER_HANDSHAKE_TIMEOUT_S = 10.0  # each read of a peer's handshake, and the wait for the route it names
+PEER_HANDSHAKE_TIMEOUT_S = 10.0  # a peer link's whole handshake, either side
+PEER_HANDSHAKE_MAX_FRAME_BYTES = 4096  # a frame before the proof holds (a PEER_HELLO is ~150 bytes)
 PEER_CONNECT_TIMEOUT_S = 3.0  # reaching the next stage: once per route, on the compute thread
 # A send to the next stage that blocks this long (it stopped reading: frozen, or its machine gone without a word)
 # cuts the route, so the compute thread is never held for good; the head's step bound judges the stage itself.
 PEER_SEND_TIMEOUT_S = 30.0
 MAX_PEER_CONNECTIONS = 8  # peer connections open at once; one per route is all a healthy pipeline uses
+FULL_WARNING_EVERY_S = 60.0  # refused connections are logged at most this often
+RETRY_FIRST_S, RETRY_MAX_S = 30.0, 600.0  # a next stage that could not be reached is tried again after these
 
 
 class Routes:
@@ -70,23 +75,47 @@ def _address(host: str, port: int) -> str:
 
 
 class PeerListener:
-    """Takes RUN_BATCH from the stage before this one; `deliver(envelope)` hands each to the compute thread."""
+    """Takes RUN_BATCH from the stage before this one; `deliver(envelope)` hands each to the compute thread.
+
+    The port listens at once (HELLO names it; a peer that connects before this worker has its ROUTE waits in the
+    backlog), but connections are accepted and read only from `start()`, once the head's ROUTE gives this worker a
+    link in: a worker that is first in the pipeline, or in a cluster that relays, reads nothing from its port.
+    Until a peer has proven the route's key it may send only small frames, and the whole handshake has one
+    deadline however the peer paces its bytes. A link proven for a newer route closes those of older ones.
+    """
 
     def __init__(self, host: str, port: int, routes: Routes, deliver: Callable[[Envelope], None],
                  max_frame_bytes: int, join_key: bytes | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = socket.create_server((host, port), family=family)
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if port:  # a fixed port: rebinding it at once after a restart must not fail on TIME_WAIT
+                self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._server.bind((host, port))
+            self._server.listen()
+        except OSError:
+            self._server.close()
+            raise
         self.host, self.port = host, self._server.getsockname()[1]
         self._routes, self._deliver, self._max_frame_bytes = routes, deliver, max_frame_bytes
         self._join_key = join_key
         self._lock = threading.Lock()
-        self._open: set[Connection] = set()
+        self._open: dict[Connection, int] = {}  # each connection, and the route it was proven for (0: not yet)
         self._closed = False
-        threading.Thread(target=self._accept_loop, name=f"peer-listen-{self.port}", daemon=True).start()
+        self._accepting = False
+        self._last_full_warning = 0.0
 
     @property
     def address(self) -> str:
         return _address(self.host, self.port)
+
+    def start(self) -> None:
+        """Accept connections from now on (idempotent)."""
+        with self._lock:
+            if self._accepting or self._closed:
+                return
+            self._accepting = True
+        threading.Thread(target=self._accept_loop, name=f"peer-listen-{self.port}", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
@@ -106,16 +135,17 @@ class PeerListener:
                 sock, _ = self._server.accept()
             except OSError:
                 return  # closed
-            conn = Connection(sock, max_frame_bytes=self._max_frame_bytes)
+            conn = Connection(sock, max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
             with self._lock:
                 if self._closed or len(self._open) >= MAX_PEER_CONNECTIONS:
-                    full = not self._closed
                     conn.close()
-                    if full:
-                        log.warning("refused a peer connection from %s: %d are open already", conn.peer,
-                                    MAX_PEER_CONNECTIONS)
+                    now = time.monotonic()
+                    if not self._closed and now - self._last_full_warning > FULL_WARNING_EVERY_S:
+                        self._last_full_warning = now
+                        log.warning("refusing peer connections (from %s, and any more for %.0fs unless one closes): "
+                                    "%d are open already", conn.peer, FULL_WARNING_EVERY_S, MAX_PEER_CONNECTIONS)
                     continue
-                self._open.add(conn)
+                self._open[conn] = 0
             threading.Thread(target=self._serve, args=(conn,), name=f"peer-{conn.peer}", daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
@@ -140,30 +170,45 @@ class PeerListener:
         finally:
             conn.close()
             with self._lock:
-                self._open.discard(conn)
+                self._open.pop(conn, None)
 
     def _handshake(self, conn: Connection) -> int | None:
         """The route the peer proved it may send on; None (the connection refused) when it could not."""
-        conn.settimeout(PEER_HANDSHAKE_TIMEOUT_S)
-        nonce = new_nonce()
-        conn.send(PeerChallenge(nonce=nonce))
-        msg = conn.recv().message
-        if not isinstance(msg, PeerHello):
-            raise ProtocolError(f"expected PEER_HELLO, got {msg.TYPE}")
-        if msg.protocol_version != PROTOCOL_VERSION:
-            _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"protocol {msg.protocol_version} against this "
-                              f"worker's {PROTOCOL_VERSION}: run the same tc release on every machine"))
+        deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, conn.close)  # the whole handshake, however paced
+        deadline.daemon = True
+        deadline.start()
+        try:
+            nonce = new_nonce()
+            conn.send(PeerChallenge(nonce=nonce))
+            msg = conn.recv().message
+            if not isinstance(msg, PeerHello):
+                raise ProtocolError(f"expected PEER_HELLO, got {msg.TYPE}")
+            if msg.protocol_version != PROTOCOL_VERSION:
+                _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"protocol {msg.protocol_version} against this "
+                                  f"worker's {PROTOCOL_VERSION}: run the same tc release on every machine"))
+                return None
+            route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S)
+            key = None if route is None or route.inbound_key is None else route_key(self._join_key,
+                                                                                    route.inbound_key)
+            if key is None or not check_peer_proof(key, nonce, msg.proof):
+                log.warning("refused a peer connection from %s: it could not prove the head routed it here "
+                            "(route %d)", conn.peer, msg.route)
+                _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"route {msg.route} is not this worker's, or "
+                                  "the proof for it is wrong"))
+                return None
+            conn.send(PeerAck(route=msg.route, proof=peer_proof(key, msg.nonce, listener=True),
+                              max_frame_bytes=self._max_frame_bytes))
+        finally:
+            deadline.cancel()
+        if conn.closed:
             return None
-        route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S)
-        if route is None or route.inbound_key is None or \
-                not check_peer_proof(route_key(self._join_key, route.inbound_key), nonce, msg.proof):
-            log.warning("refused a peer connection from %s: it could not prove the head routed it here (route %d)",
-                        conn.peer, msg.route)
-            _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"route {msg.route} is not this worker's, or the "
-                              "proof for it is wrong"))
-            return None
-        conn.send(PeerAck(route=msg.route))
+        conn.max_frame_bytes = self._max_frame_bytes
         conn.settimeout(None)
+        with self._lock:
+            self._open[conn] = msg.route
+            older = [c for c, r in self._open.items() if 0 < r < msg.route]
+        for stale in older:  # the stage before has moved on to this route (or a worker in its place has)
+            stale.close()
         return msg.route
 
 
@@ -183,6 +228,8 @@ class Forwarder:
         self._conn: Connection | None = None
         self._route = 0  # the route `_conn` was opened for
         self._cut = 0  # a route whose next stage could not be reached or written to: replies go to the head
+        self._retry_at = 0.0  # when to try that route's next stage again
+        self._retry_after_s = RETRY_FIRST_S
 
     def close(self) -> None:
         if self._conn is not None:
@@ -190,8 +237,10 @@ class Forwarder:
             self._conn = None
 
     def send(self, route: Route, message: RunBatch, request_id: str | None, seq: int) -> bool:
-        """Pass `message` to the next stage of `route`; False (and the route cut) when that failed."""
-        if route.route == self._cut or route.next_host is None or route.next_port is None or route.next_key is None:
+        """Pass `message` to the next stage of `route`; False when it went nowhere (the head then gets it)."""
+        if route.next_host is None or route.next_port is None or route.next_key is None:
+            return False
+        if route.route == self._cut and time.monotonic() < self._retry_at:
             return False
         where = _address(route.next_host, route.next_port)
         try:
@@ -200,33 +249,54 @@ class Forwarder:
                 self._conn = self._open(route)
                 self._route = route.route
                 log.info("passing hidden states straight to the next stage at %s (route %d)", where, route.route)
+                if self._cut == route.route:
+                    self._cut, self._retry_after_s = 0, RETRY_FIRST_S
             self._conn.send(message, request_id, seq)
             return True
+        except ValueError as exc:  # over the next stage's frame limit: nothing was sent, the link stays
+            log.warning("%s; this batch goes through the head", exc)
+            return False
         except (OSError, ProtocolError) as exc:  # ConnectionClosed is an OSError
-            log.warning("cannot pass hidden states to the next stage at %s (%s); replying through the head for the "
-                        "rest of route %d", where, exc, route.route)
+            first = self._cut != route.route
+            if first:
+                self._retry_after_s = RETRY_FIRST_S
+            log.log(logging.WARNING if first else logging.DEBUG, "cannot pass hidden states to the next stage at %s "
+                    "(%s); replying through the head for route %d, trying again in %.0fs", where, exc, route.route,
+                    self._retry_after_s)
             self.close()
-            self._cut = route.route
+            self._cut, self._retry_at = route.route, time.monotonic() + self._retry_after_s
+            self._retry_after_s = min(self._retry_after_s * 2, RETRY_MAX_S)
             return False
 
     def _open(self, route: Route) -> Connection:
         assert route.next_host is not None and route.next_port is not None and route.next_key is not None
+        key = route_key(self._join_key, route.next_key)
         conn = connect(route.next_host, route.next_port, timeout=PEER_CONNECT_TIMEOUT_S,
-                       max_frame_bytes=self._max_frame_bytes)
+                       max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
+        deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, conn.close)  # the whole handshake, however paced
+        deadline.daemon = True
+        deadline.start()
         try:
             conn.settimeout(PEER_HANDSHAKE_TIMEOUT_S)
             challenge = conn.recv().message
             if not isinstance(challenge, PeerChallenge):
                 raise ProtocolError(f"expected PEER_CHALLENGE, got {challenge.TYPE}")
+            nonce = new_nonce()
             conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=route.route,
-                                proof=peer_proof(route_key(self._join_key, route.next_key), challenge.nonce)))
+                                proof=peer_proof(key, challenge.nonce), nonce=nonce))
             ack = conn.recv().message
             if isinstance(ack, Error):
                 raise ProtocolError(f"the next stage refused: {ack.message}")
             if not isinstance(ack, PeerAck) or ack.route != route.route:
-                raise ProtocolError(f"expected PEER_ACK for route {route.route}, got {ack!r}")
+                raise ProtocolError(f"expected PEER_ACK for route {route.route}, got {ack.TYPE}")
+            if not check_peer_proof(key, nonce, ack.proof, listener=True):
+                raise ProtocolError("the next stage could not prove the head routed this worker to it: something "
+                                    "else listens at its address")
             conn.settimeout(PEER_SEND_TIMEOUT_S)
+            conn.max_frame_bytes = min(self._max_frame_bytes, ack.max_frame_bytes)  # what send may write
             return conn
         except BaseException:
             conn.close()
             raise
+        finally:
+            deadline.cancel()
