@@ -18,11 +18,14 @@ briefly) runs in turn in the same invocation, so their figures compare: processe
 other's time when idle OpenMP threads spin. Each --hops setting likewise: `direct` (workers pass hidden states to
 each other, head.direct_hops) or `relayed` (every hop through the head); repeat them (direct relayed direct
 relayed) to interleave an A/B comparison on a machine whose speed drifts. With direct hops a node's hop is the
-time from the stage before's answer to its own, less its compute. Within a stage, bench/profile_step.py splits
-the compute further.
+time from the stage before's answer to its own, less its compute. --link-delay-ms D has each worker join through
+a user-space proxy that delays every byte by D ms each way (tests/latency_proxy.py): a network's latency on the
+links between head and workers (a link between two workers stays direct). Within a stage, bench/profile_step.py
+splits the compute further.
 
     python bench/budget_cluster.py [--quants int4 fp16] [--workers 2] [--tokens 64] [--threads 2] [--streams 1]
                                    [--env - OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000] [--hops direct relayed]
+                                   [--link-delay-ms 0]
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from cluster import Cluster, write_topology  # noqa: E402
+from latency_proxy import LatencyProxy  # noqa: E402
 from plan_runs import PROMPT  # noqa: E402  (the prompt the other cluster benches use)
 
 
@@ -81,7 +85,7 @@ def concurrent_completions(cluster: Cluster, model: str, max_tokens: int, stream
 
 
 def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int, setting: str,
-           streams: int = 1, hops: str = "direct") -> dict:
+           streams: int = 1, hops: str = "direct", link_delay_s: float = 0.0) -> dict:
     env = dict([setting.split("=", 1)]) if "=" in setting else {}  # "-": as this environment has it
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -91,14 +95,19 @@ def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int,
         with Cluster(topology, tmp_path, env=env) as cluster:
             cluster.start_head()
             cluster.wait_api(timeout=300)
-            for node in nodes:
-                cluster.start_worker(node["id"], "--no-bench", "--threads", str(threads))  # the last --threads wins
+            proxies = [LatencyProxy(("127.0.0.1", cluster.listen_port), link_delay_s)
+                       for _ in nodes] if link_delay_s else []
+            for i, node in enumerate(nodes):
+                join = ("--join", f"127.0.0.1:{proxies[i].port}") if proxies else ()
+                cluster.start_worker(node["id"], "--no-bench", "--threads", str(threads), *join)  # last flags win
             cluster.wait_ready(timeout=600)
             timed_completion(cluster, model_dir.name, 8)  # warm-up
             first = min(concurrent_completions(cluster, model_dir.name, 1, streams) for _ in range(2))
             before = scrape(cluster)
             total = concurrent_completions(cluster, model_dir.name, tokens, streams)
             after = scrape(cluster)
+            for proxy in proxies:
+                proxy.close()
     delta = {key: after[key] - before.get(key, 0.0) for key in after}
     steps = delta[("tc_decode_step_seconds_count", "")]
     per_step = {"step": delta[("tc_decode_step_seconds_sum", "")] / steps}
@@ -122,6 +131,8 @@ def main() -> None:
                         help="VAR=VALUE for every process of one run (- for none); one run each")
     parser.add_argument("--hops", nargs="+", default=["direct"], choices=["direct", "relayed"],
                         help="how hidden states travel between workers; one run each, in the order given")
+    parser.add_argument("--link-delay-ms", type=float, default=0.0,
+                        help="delay every byte between head and each worker by this much each way (default 0)")
     args = parser.parse_args()
     from _demo import demo_model_dir
 
@@ -132,11 +143,12 @@ def main() -> None:
         for setting in args.env:
             for hops in args.hops:
                 figures = budget(model_dir, quant, args.workers, args.tokens, args.threads, setting, args.streams,
-                                 hops)
+                                 hops, args.link_delay_ms / 1000)
                 label = setting if len(args.hops) == 1 else f"{setting} {hops}"
                 rows.append((quant, label, figures))
                 print(f"  {quant} {label}: {args.streams / figures['wall']:.1f} tok/s", file=sys.stderr)
-    print(f"\ndemo model, head + {args.workers} workers on loopback, bf16 compute, {args.threads} threads each, "
+    delay = f", head links delayed {args.link_delay_ms:g} ms each way" if args.link_delay_ms else ""
+    print(f"\ndemo model, head + {args.workers} workers on loopback{delay}, bf16 compute, {args.threads} threads each, "
           f"{args.streams} stream(s) of {args.tokens} new tokens greedy; load average {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after\n")
     columns = list(rows[0][2])
