@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from tc.protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello
+from tc.protocol.connection import Connection
+from tc.protocol.messages import PROTOCOL_VERSION, Assignment, DeviceInfo, Hello, HelloAck, LoadComplete
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +51,19 @@ def worker_hello(node_id: str | None = None, **changes) -> Hello:
                   devices=(DeviceInfo("cpu", "cpu", "cpu", None, None),), selected_device="cpu",
                   compute_dtypes=("fp32",), max_memory_bytes=None)
     return Hello(**{**fields, **changes})
+
+
+def join_loaded(port: int, hello: Hello) -> Connection:
+    """Join the head listening at `port` by hand with `hello`, take the ASSIGNMENT and report its layers loaded at
+    once: a worker whose inference the test scripts. Returns the connection, its reads without a timeout."""
+    conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
+    conn.send(hello)
+    assert isinstance(conn.recv(timeout=15).message, HelloAck)
+    env = conn.recv(timeout=15)
+    assert isinstance(env.message, Assignment), env.message
+    conn.settimeout(None)
+    conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+    return conn
 
 
 class Process:

@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, worker_hello, write_topology
+from cluster import Cluster, Request, join_loaded, worker_hello, write_topology
 from tc.protocol.auth import peer_proof, token_key
 from tc.protocol.connection import Connection, connect
 from tc.protocol.errors import ConnectionClosed
-from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, BatchEntry, Error, HelloAck, LoadComplete, PeerAck,
-                                  PeerChallenge, PeerHello, Ping, Pong, Route, RunBatch)
+from tc.protocol.messages import (PROTOCOL_VERSION, BatchEntry, Error, PeerAck, PeerChallenge, PeerHello, Ping, Pong,
+                                  Route, RunBatch)
 from tc.worker import peers
 from tc.worker.peers import Forwarder, PeerListener, Routes
 from tiny_model import write_tiny_model
@@ -373,12 +373,7 @@ class SilentLastStage:
         self.listener = PeerListener("127.0.0.1", 0, self.routes, self.got.put, 1 << 20)
         self.listener.start()
         self.closed = threading.Event()
-        self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
-        self.conn.send(worker_hello(node_id, peer_port=self.listener.port))
-        assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
-        assert isinstance(self.conn.recv(timeout=15).message, Assignment)
-        self.conn.settimeout(None)
-        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+        self.conn = join_loaded(port, worker_hello(node_id, peer_port=self.listener.port))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, worker_hello, write_topology
+from cluster import Cluster, Request, join_loaded, worker_hello, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import create_app
@@ -36,7 +36,7 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import Assignment, Error, HelloAck, HiddenState, LoadComplete, Ping, Pong, RunBatch
+from tc.protocol.messages import Assignment, Error, HelloAck, HiddenState, Ping, Pong, RunBatch
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from tiny_model import write_tiny_model
@@ -69,13 +69,7 @@ class ScriptedWorker:
         self.steps = 0
         self.hung_at: float | None = None  # when it took the step it never answers
         self.closed = threading.Event()
-        self.conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=15))
-        self.conn.send(worker_hello(node_id))
-        assert isinstance(self.conn.recv(timeout=15).message, HelloAck)
-        env = self.conn.recv(timeout=15)
-        assert isinstance(env.message, Assignment), env.message
-        self.conn.settimeout(None)
-        self.conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
+        self.conn = join_loaded(port, worker_hello(node_id))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

@@ -484,6 +484,11 @@ BAD_PAYLOADS = {
         "ROUTE", {"route": 1, "next_host": "h", "next_port": 1, "next_key": None, "inbound_key": None},
         ["ROUTE", "next_key"]
     ),
+    "route port out of range": (
+        "ROUTE", {"route": 1, "next_host": "h", "next_port": 70000, "next_key": b"k", "inbound_key": None},
+        ["ROUTE.next_port", "[1, 65535]"]
+    ),
+    "hello peer port zero": ("HELLO", hello_payload(peer_port=0), ["HELLO.peer_port", "[1, 65535]"]),
     "route zero": (
         "ROUTE", {"route": 0, "next_host": None, "next_port": None, "next_key": None, "inbound_key": None},
         ["ROUTE.route"]

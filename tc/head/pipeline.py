@@ -79,15 +79,15 @@ class RemotePipeline:
     def _relay(self, message: RunBatch, links: list[WorkerLink]) -> torch.Tensor:
         """The batch through every stage: in micro-batches where that is asked for and possible, passed from
         worker to worker where the route allows."""
+        route = self._route_for(links)
         groups = split_entries(message.entries, min(self.micro_batches, len(links)))
         parts, row = [], 0
         for entries in groups:
             rows = sum(e.length for e in entries)
-            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows],
+            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows], route=route,
                                   released=message.released))
             row += rows
-        route = self._route_for(links)
-        outputs = self._pass_along(parts, links, route) if route else self._schedule(parts, links)
+        outputs = self._pass_along(parts, links) if route else self._schedule(parts, links)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _route_for(self, links: list[WorkerLink]) -> int:
@@ -118,7 +118,7 @@ class RemotePipeline:
         log.info("route %d: %s -> head", route, path)
         return route
 
-    def _pass_along(self, groups: list[RunBatch], links: list[WorkerLink], route: int) -> list[torch.Tensor]:
+    def _pass_along(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
         """Every group to the first stage, each stage passing it to the next (the module's docstring); returns each
         group's output.
 
@@ -135,9 +135,7 @@ class RemotePipeline:
         try:
             for g, group in enumerate(groups):
                 self.seq += 1
-                message = RunBatch(entries=group.entries, hidden_state=group.hidden_state, route=route,
-                                   released=group.released)
-                sents.append([link.expect(message, request_id, self.seq, may_pass=i + 1 < len(links))
+                sents.append([link.expect(group, request_id, self.seq, may_pass=i + 1 < len(links))
                               for i, link in enumerate(links)])
                 group_of[self.seq] = g
                 links[0].send_expected(sents[g][0])
@@ -167,7 +165,7 @@ class RemotePipeline:
                     outputs[g] = reply.hidden_state.to(out_dtype)
                 else:  # it could not pass the rows on: the head carries them to the next stage
                     links[i + 1].send_expected(sents[g][i + 1], RunBatch(
-                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=route,
+                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=groups[g].route,
                         released=groups[g].released))
                     sent_to[g], sent_at[g] = i + 1, now
         except (WorkerLost, StageFailed):

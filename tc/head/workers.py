@@ -89,12 +89,13 @@ class WorkerLink:
 
     `entry_id` is the topology entry the worker joined as; `node_id` the planned node whose layers it serves,
     which differs for a spare that took over a lost node, and is None while a spare stands by. `drop(link,
-    reason)` is how a request that waited past its step's bound has the registry drop the worker.
+    reason)` is how a request that waited past its step's bound has the registry drop the worker; `arrived` is
+    notified whenever a reply arrives or the link is lost (shared by every link, so a step passed from worker to
+    worker can wait on all of them at once).
     """
 
     def __init__(self, conn: Connection, entry_id: str, hello: Hello, device: str, peer: str, hidden_size: int,
-                 budget: StepBudget, drop: Callable[["WorkerLink", str], None],
-                 arrived: threading.Condition | None = None):
+                 budget: StepBudget, drop: Callable[["WorkerLink", str], None], arrived: threading.Condition):
         self.conn, self.entry_id, self.hello, self.device, self.peer = conn, entry_id, hello, device, peer
         self.node_id: str | None = None
         self.hostname = hello.hostname
@@ -102,7 +103,7 @@ class WorkerLink:
         self.steps = StepClock(budget)  # this connection's own: a rejoined worker is measured afresh
         self._drop = drop
         self.replies: queue.Queue = queue.Queue()
-        self.arrived = arrived  # notified whenever a reply arrives, on any link of the registry (direct hops)
+        self.arrived = arrived
         self.closed = threading.Event()
         self.close_reason = ""
         self.farewell = ""  # what the worker said before it left, if it said anything
@@ -174,9 +175,8 @@ class WorkerLink:
         self._announce()
 
     def _announce(self) -> None:
-        if self.arrived is not None:
-            with self.arrived:
-                self.arrived.notify_all()
+        with self.arrived:
+            self.arrived.notify_all()
 
     def abandon(self, request_id: str) -> None:
         """A step that failed: forget its commands still awaiting replies here, and drop those replies if they come
@@ -369,8 +369,8 @@ class Sent:
     positions: int
     bound: float  # seconds the reply may take
     at: float  # time.monotonic() when it was sent
-    request_id: str = ""
-    seq: int = 0
+    request_id: str
+    seq: int
 
 
 @dataclass

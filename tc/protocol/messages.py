@@ -89,16 +89,17 @@ class _Kind:
 
 
 class _Int(_Kind):
-    """An int that CBOR carries natively, not below ``minimum``; never a bool."""
+    """An int that CBOR carries natively, in [minimum, maximum]; never a bool."""
 
-    def __init__(self, minimum: int = CBOR_INT_MIN) -> None:
-        self.minimum = minimum
+    def __init__(self, minimum: int = CBOR_INT_MIN, maximum: int = CBOR_INT_MAX) -> None:
+        self.minimum, self.maximum = minimum, maximum
 
     def check(self, value: Any, where: str) -> int:
         if type(value) is not int:  # bool is an int subclass; a flag is never a count
             raise TypeError(f"{where} must be an int, got {_type_name(value)}")
-        if not self.minimum <= value <= CBOR_INT_MAX:
-            raise ValueError(f"{where} must be in [{self.minimum}, 2**64 - 1], got {value}")
+        if not self.minimum <= value <= self.maximum:
+            top = "2**64 - 1" if self.maximum == CBOR_INT_MAX else str(self.maximum)
+            raise ValueError(f"{where} must be in [{self.minimum}, {top}], got {value}")
         return value
 
 
@@ -260,6 +261,7 @@ class _Struct(_Kind):
 
 
 COUNT = _Int(minimum=0)
+PORT = _Int(minimum=1, maximum=65535)  # a TCP port to connect to
 SECONDS = _Float()
 STR = _Simple(str)
 BYTES = _Bytes()
@@ -412,15 +414,13 @@ class Hello(Message):
     max_frame_bytes: int = wire(COUNT, default=DEFAULT_MAX_FRAME_BYTES)
     # where the worker takes hidden states straight from the stage before it: the port, and the host to reach it
     # by (None: the address the head sees the worker at); no port: it takes them from the head only
-    peer_port: int | None = wire(_Optional(COUNT), default=None)
+    peer_port: int | None = wire(_Optional(PORT), default=None)
     peer_host: str | None = wire(_Optional(STR), default=None)
 
     def _validate(self) -> None:
         ids = [d.id for d in self.devices]
         if self.selected_device not in ids:
             raise ValueError(f"Hello.selected_device {self.selected_device!r} is not among the devices {ids}")
-        if self.peer_port is not None and not 0 < self.peer_port < 65536:
-            raise ValueError(f"Hello.peer_port must be a TCP port 1-65535, got {self.peer_port}")
 
     @classmethod
     def from_payload(cls, payload: Any) -> Hello:
@@ -568,15 +568,13 @@ class Route(Message):
     TYPE: ClassVar[str] = "ROUTE"
     route: int = wire(_Int(1))
     next_host: str | None = wire(_Optional(STR))
-    next_port: int | None = wire(_Optional(COUNT))
+    next_port: int | None = wire(_Optional(PORT))
     next_key: bytes | None = wire(_Optional(BYTES))
     inbound_key: bytes | None = wire(_Optional(BYTES))
 
     def _validate(self) -> None:
         if (self.next_host is None) != (self.next_port is None) or (self.next_host is None) != (self.next_key is None):
             raise ValueError("Route: next_host, next_port and next_key are given together or not at all")
-        if self.next_port is not None and not 0 < self.next_port < 65536:
-            raise ValueError(f"Route.next_port must be a TCP port 1-65535, got {self.next_port}")
 
 
 @_message

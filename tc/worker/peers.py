@@ -30,6 +30,7 @@ from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import Envelope
 from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, PROTOCOL_VERSION, Error, PeerAck,
                                  PeerChallenge, PeerHello, Route, RunBatch)
+from ..topology import HostPort
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,6 @@ class Routes:
         return current if current is not None and current.route == route_id else None
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class PeerListener:
     """Takes RUN_BATCH from the stage before this one; `deliver(envelope)` hands each to the compute thread.
 
@@ -107,7 +104,7 @@ class PeerListener:
 
     @property
     def address(self) -> str:
-        return _address(self.host, self.port)
+        return str(HostPort(self.host, self.port))
 
     def start(self) -> None:
         """Accept connections from now on (idempotent)."""
@@ -242,7 +239,7 @@ class Forwarder:
             return False
         if route.route == self._cut and time.monotonic() < self._retry_at:
             return False
-        where = _address(route.next_host, route.next_port)
+        where = str(HostPort(route.next_host, route.next_port))
         try:
             if self._conn is None or self._route != route.route:
                 self.close()
