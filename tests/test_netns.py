@@ -13,6 +13,7 @@ removed at the end, whatever happened.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -93,9 +94,32 @@ class Lab:
         run(*self.ns_exec(self.worker_ns(i)), IP, "link", "set", self.worker_dev(i), state)
 
 
+def remove_stale_labs() -> None:
+    """Remove the labs of runs that were killed before their teardown: each is tagged with its run's pid.
+
+    A stale lab's root-side link keeps its addresses, and a new lab on the same ones would be unreachable."""
+    names = run(IP, "netns", "list").stdout.split()
+    links = re.findall(r"^\d+: (r0\d+)[@:]", run(IP, "-o", "link").stdout, re.MULTILINE)
+    tags = {m.group(1) for n in names if (m := re.fullmatch(r"tc(?:h|w[12])(\d+)", n))}
+    tags |= {link[2:] for link in links}
+    for tag in tags:
+        if tag != str(os.getpid()) and not os.path.exists(f"/proc/{tag}"):
+            remove_lab(Lab(tag, ""))
+
+
+def free_net() -> str:
+    """The first 10.N network that no link of the root namespace is on."""
+    used = run(IP, "-o", "-4", "addr").stdout
+    for n in range(200, 250):
+        if f" 10.{n}." not in used:
+            return f"10.{n}"
+    raise RuntimeError("no free 10.200-249 network for the lab")
+
+
 def build_lab() -> Lab:
-    tag = f"{os.getpid() % 100000}"
-    lab = Lab(tag, f"10.{200 + os.getpid() % 50}")
+    remove_stale_labs()
+    tag = str(os.getpid())
+    lab = Lab(tag, free_net())
     namespaces = [lab.head_ns, lab.worker_ns(1), lab.worker_ns(2)]
     for ns in namespaces:
         run(IP, "netns", "add", ns)
@@ -136,7 +160,7 @@ def lab():
         if built is not None:
             remove_lab(built)
         else:  # a half-built lab: remove whatever exists
-            remove_lab(Lab(f"{os.getpid() % 100000}", ""))
+            remove_lab(Lab(str(os.getpid()), ""))
 
 
 @pytest.fixture(autouse=True)
