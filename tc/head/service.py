@@ -34,10 +34,10 @@ from typing import Callable, Iterator, Sequence
 from ..generation import Completion, Generator, SequenceState, Step
 from ..model.tokenizer import TextTokenizer
 from ..sampling import SamplingParams
+from ..topology import DEFAULT_PREFILL_CHUNK
 from .metrics import Hop, Metrics
 
 DEFAULT_MAX_BATCH = 8
-DEFAULT_PREFILL_CHUNK = 256
 RATE_WINDOW_S = 10.0  # aggregate tokens/s is measured over this much recent time
 
 
