@@ -13,7 +13,8 @@ tokens (``ignore_eos``, so every stream makes exactly that many) from a short pr
 - inter-token latency: the median gap between two tokens of one stream, over every stream;
 - ratios against N = 1 in the same run;
 - TTFT under load: with N - 1 streams running, the time to first token of one more request, against its idle
-  TTFT (same prompt), for N = max(--streams).
+  TTFT (same prompt) plus the idle TTFT of a prompt one prefill chunk long (the head's ``prefill_chunk``
+  positions), for N = max(--streams): the target is a ratio of at most 1.
 
 tc runs as head + 2 workers on loopback (real processes, 2 threads each; bf16 compute, tc fp16 weights beside GGUF
 bf16, tc int4 beside Q4_0, as bench/vs_llamacpp.py pairs them). llama.cpp runs as one ``llama-server`` process
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from _demo import demo_model_dir  # noqa: E402
 from cluster import Cluster, Process, free_port, write_topology  # noqa: E402
 import vs_llamacpp  # noqa: E402
+from tc.topology import DEFAULT_PREFILL_CHUNK  # noqa: E402
 
 THREADS = vs_llamacpp.THREADS
 PROMPTS = ["def fibonacci(n):", "import json\n\ndef load(path):", "class Stack:", "# sort a list of numbers\n",
@@ -97,11 +99,22 @@ def concurrent(host: str, port: int, model: str, streams: int, tokens: int) -> d
             "itl_ms": 1000 * statistics.median(gaps) if gaps else 0.0, "events": sum(len(r) for r in results)}
 
 
-def ttft_under_load(host: str, port: int, model: str, others: int, tokens: int) -> tuple[float, float]:
-    """(idle TTFT, TTFT while `others` streams run) of one request, in seconds."""
+def chunk_prompt(positions: int) -> list[int]:
+    """Token ids of a prompt exactly `positions` long: what one prefill chunk of the head reads."""
+    from tc.model.tokenizer import TextTokenizer
+    ids = TextTokenizer.load(demo_model_dir()).encode("\n".join(PROMPTS) * 64)
+    return list(ids[:positions])
+
+
+def ttft_under_load(host: str, port: int, model: str, others: int, tokens: int, chunk: int) -> dict:
+    """TTFT of one short request idle and while `others` streams run, and of a one-chunk prompt idle (seconds).
+
+    The target: the loaded TTFT at most the idle one plus what one prefill chunk takes (the chunk prompt's TTFT)."""
     body = {"model": model, "prompt": PROMPTS[-1] * 8, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     sent = time.perf_counter()
     idle = stream_once(host, port, body)[0] - sent
+    sent = time.perf_counter()
+    one_chunk = stream_once(host, port, {**body, "prompt": chunk_prompt(chunk)})[0] - sent
     running = [threading.Thread(target=stream_once, args=(host, port, {
         "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens * 3, "temperature": 0,
         "ignore_eos": True})) for i in range(others)]
@@ -112,13 +125,13 @@ def ttft_under_load(host: str, port: int, model: str, others: int, tokens: int) 
     loaded = stream_once(host, port, body)[0] - sent
     for thread in running:
         thread.join()
-    return idle, loaded
+    return {"idle": idle, "loaded": loaded, "chunk": chunk, "one_chunk": one_chunk}
 
 
-def measure(host: str, port: int, model: str, args: argparse.Namespace) -> dict:
+def measure(host: str, port: int, model: str, args: argparse.Namespace, chunk: int) -> dict:
     concurrent(host, port, model, 1, 4)  # warm-up
     rows = {n: concurrent(host, port, model, n, args.tokens) for n in args.streams}
-    rows["ttft"] = ttft_under_load(host, port, model, max(args.streams) - 1, args.tokens)
+    rows["ttft"] = ttft_under_load(host, port, model, max(args.streams) - 1, args.tokens, chunk)
     return rows
 
 
@@ -158,8 +171,9 @@ def tc_rows(mode: str, args: argparse.Namespace, workdir: Path, micro_batches: i
         for node in nodes:
             cluster.start_worker(node["id"], "--threads", str(THREADS))
         cluster.wait_ready(timeout=900)
-        rows = measure("127.0.0.1", cluster.api_port, model_dir.name, args)
-        plan = cluster.get("/v1/cluster")[1]["plan"]
+        state = cluster.get("/v1/cluster")[1]
+        rows = measure("127.0.0.1", cluster.api_port, model_dir.name, args, state["batch"]["prefill_chunk"])
+        plan = state["plan"]
         rows["kv"] = {s["node_id"]: s["kv_bytes_per_sequence"] for s in plan["stages"]}
         streams = max(args.streams)
         with RssPeak([cluster.workers[n["id"]].proc.pid for n in nodes]) as rss:
@@ -195,7 +209,7 @@ def llamacpp_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             if time.monotonic() > deadline or server.proc.poll() is not None:
                 raise RuntimeError(f"llama-server did not start:\n{server.output()[-3000:]}")
             time.sleep(0.5)
-        return measure("127.0.0.1", port, "model", args)
+        return measure("127.0.0.1", port, "model", args, DEFAULT_PREFILL_CHUNK)  # tc's chunk, for a like figure
     finally:
         server.stop()
 
@@ -211,14 +225,17 @@ def table(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> str
                          f"{row['tokens_per_s'] / one['tokens_per_s']:.2f} | {row['all_streaming_per_s']:.1f} | "
                          f"{row['all_streaming_per_s'] / max(one['all_streaming_per_s'], 1e-9):.2f} | "
                          f"{row['itl_ms']:.1f} | {row['itl_ms'] / one['itl_ms']:.2f} |")
-    lines += ["", "| mode | setup | idle TTFT s | TTFT with others streaming s | KV per sequence at full context | "
-              "worker RSS growth with the most streams (their caches' size) |", "|---|---|---|---|---|---|"]
+    lines += ["", "| mode | setup | idle TTFT s | one chunk's TTFT s | TTFT with others streaming s | "
+              "x (idle + one chunk) | KV per sequence at full context | "
+              "worker RSS growth with the most streams (their caches' size) |", "|---|---|---|---|---|---|---|---|"]
     for (mode, setup), rows in results.items():
-        idle, loaded = rows["ttft"]
+        ttft = rows["ttft"]
+        idle, loaded, one_chunk = ttft["idle"], ttft["loaded"], ttft["one_chunk"]
         kv = ", ".join(f"{node} {n / 2**20:.0f} MiB" for node, n in rows.get("kv", {}).items()) or "-"
         rss = ", ".join(f"{node} +{grown / 2**20:.1f} MiB ({caches / 2**20:.1f} MiB)"
                         for node, (grown, caches) in rows.get("rss", {}).items()) or "-"
-        lines.append(f"| {mode} | {setup} | {idle:.3f} | {loaded:.3f} | {kv} | {rss} |")
+        lines.append(f"| {mode} | {setup} | {idle:.3f} | {one_chunk:.3f} ({ttft['chunk']} positions) | {loaded:.3f} | "
+                     f"{loaded / (idle + one_chunk):.2f} | {kv} | {rss} |")
     return "\n".join(lines)
 
 
