@@ -320,11 +320,16 @@ class WireStruct:
                 )
             missing = [name for name in names if name not in payload]
             raise ProtocolError(f"{where} lacks field(s) {missing}; head and workers must run the same tc release")
-        values = {name: kind.from_wire(payload[name], f"{where}.{name}") for name, kind in cls._wire_fields}
+        # Each field is checked and normalised as it is read, so the value is built without __init__, whose
+        # __post_init__ would check every field a second time: decoding is on the path of every hop.
+        value = cls.__new__(cls)
+        for name, kind in cls._wire_fields:
+            object.__setattr__(value, name, kind.from_wire(payload[name], f"{where}.{name}"))
         try:
-            return cls(**values)
+            value._validate()
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
+        return value
 
 
 class Message(WireStruct):
