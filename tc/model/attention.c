@@ -52,13 +52,6 @@ TC_INLINE __m256 exp8(__m256 x) {
 #define MAX_DIM 256   /* head size */
 #define KB 8          /* keys (or values) converted to float32 at a time, then used by every query head */
 
-/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once */
-TC_INLINE __m256 sums8(const __m256* a) {
-    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 /* rows [t0, t0 + n) of a bf16 [T, D] matrix as float32 rows of D in f, the rows past n zero */
 TC_INLINE void convert_rows(const uint16_t* m, int t0, int n, int D, float* f) {
     for (int k = 0; k < KB; k++)

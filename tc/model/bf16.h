@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the native kernels (qdot.c, attention.c, norm.c): one definition of the rounding
+/* bfloat16 <-> float32 for the native kernels (qdot.c, attention.c, norm.c, bf16dot.c): one definition of the rounding
    every kernel's output must share with torch's own conversion. */
 #ifndef TC_BF16_H
 #define TC_BF16_H
@@ -48,6 +48,15 @@ TC_INLINE float sum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once. hadd(p, q) = [p01 p23 q01 q23 | p45 p67 q45 q67],
+   so two rounds leave a[r]'s sum of lanes 0-3 in lane r % 4 of the low half and of lanes 4-7 in the high half,
+   a[0..3] in u0 and a[4..7] in u1. */
+TC_INLINE __m256 sums8(const __m256* a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 #endif

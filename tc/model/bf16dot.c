@@ -42,21 +42,15 @@ TC_INLINE __m256 half_sum(__m512 v) {
 
 /* acc[r] = the sum of a[r]'s 16 lanes for r < M, all rows reduced together: a weight row of the demo model's
    896 columns takes 28 vector steps per activation row, and eight separate reductions (each a chain of shuffles
-   and adds) cost about half as much again; one tree of horizontal adds over the eight takes a quarter of that.
-   On a 2-core AVX512 EPYC, 8 rows of a [9728, 896] weight: 0.78 ms instead of 0.99 (median, interleaved). */
-_Static_assert(MAX_ROWS == 8, "reduce_rows adds up eight rows");
+   and adds) cost about half as much again; one tree of horizontal adds over the eight (sums8) takes a quarter of
+   that. On a 2-core AVX512 EPYC, 8 rows of a [9728, 896] weight: 0.78 ms instead of 0.99 (median, interleaved). */
+_Static_assert(MAX_ROWS == 8, "reduce_rows adds up eight rows, as sums8 does");
 
 TC_INLINE void reduce_rows(const __m512* a, int M, float* acc) {
     __m256 v[MAX_ROWS];
     for (int r = 0; r < MAX_ROWS; r++) v[r] = r < M ? half_sum(a[r]) : _mm256_setzero_ps();
-    /* hadd(p, q) = [p01 p23 q01 q23 | p45 p67 q45 q67]: two rounds leave row r's sums of lanes 0-3 in lane r % 4
-       of the low half and of lanes 4-7 in the high half, rows 0-3 in u0 and 4-7 in u1 */
-    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
     float out[MAX_ROWS];
-    _mm256_storeu_ps(out, s);
+    _mm256_storeu_ps(out, sums8(v));
     for (int r = 0; r < M; r++) acc[r] = out[r];
 }
 
