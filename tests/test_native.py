@@ -80,7 +80,7 @@ def test_the_avx2_build_without_vnni_agrees_too():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])  # a pass, remainders (one by one, or together from 4), several passes
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])  # a pass, remainders (5: the eight-row sum), several passes
 @pytest.mark.parametrize("cols", [64, 96, 200, 896])  # whole vectors, a tail past them
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_product_rounds_the_float32_product_once(rows, cols, bias):

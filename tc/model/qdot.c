@@ -38,8 +38,8 @@
    on a 2-core AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo
    model, and 8.9 instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products
    of 24 demo layers (40 interleaved steps each way), 2 rows 11.6 ms instead of 13.8 and 3 rows 13.4 instead of
-   15.6, and the int8 lm_head at 2 rows 5.9 ms instead of 7.3. One row streams near the memory's rate without it (with it: a little slower on one, no clear change on
-   the other), so it keeps the hardware's. */
+   15.6, and the int8 lm_head at 2 rows 5.9 ms instead of 7.3. One row streams near the memory's rate without
+   it (with it: a little slower on one, no clear change on the other), so it keeps the hardware's. */
 #define PREFETCH_AHEAD 2048
 #define MANY_ROWS 2
 
