@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from _demo import demo_model_dir  # noqa: E402
 from cluster import Cluster, Process, free_port, write_topology  # noqa: E402
 import vs_llamacpp  # noqa: E402
+from tc.model.tokenizer import TextTokenizer  # noqa: E402
 from tc.topology import DEFAULT_PREFILL_CHUNK  # noqa: E402
 
 THREADS = vs_llamacpp.THREADS
@@ -101,7 +102,6 @@ def concurrent(host: str, port: int, model: str, streams: int, tokens: int) -> d
 
 def chunk_prompt(positions: int) -> list[int]:
     """Token ids of a prompt exactly `positions` long: what one prefill chunk of the head reads."""
-    from tc.model.tokenizer import TextTokenizer
     ids = TextTokenizer.load(demo_model_dir()).encode("\n".join(PROMPTS) * 64)
     return list(ids[:positions])
 
@@ -111,10 +111,11 @@ def ttft_under_load(host: str, port: int, model: str, others: int, tokens: int, 
 
     The target: the loaded TTFT at most the idle one plus what one prefill chunk takes (the chunk prompt's TTFT)."""
     body = {"model": model, "prompt": PROMPTS[-1] * 8, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    chunk_body = {**body, "prompt": chunk_prompt(chunk)}  # tokenized here, before any clock starts
     sent = time.perf_counter()
     idle = stream_once(host, port, body)[0] - sent
     sent = time.perf_counter()
-    one_chunk = stream_once(host, port, {**body, "prompt": chunk_prompt(chunk)})[0] - sent
+    one_chunk = stream_once(host, port, chunk_body)[0] - sent
     running = [threading.Thread(target=stream_once, args=(host, port, {
         "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens * 3, "temperature": 0,
         "ignore_eos": True})) for i in range(others)]
