@@ -101,6 +101,21 @@ def test_bf16_product_rounds_the_float32_product_once(rows, cols, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 11])  # several rows (one row never tiles), a remainder pass
+@pytest.mark.parametrize("out_rows", [72, 70, 3])  # whole tiles, two rows past them, no whole tile
+@pytest.mark.parametrize("cols", [64, 200, 4864])  # whole vectors, a tail, activations that outgrow L1
+def test_bf16_product_in_tiles_gives_the_same_bits(rows, out_rows, cols):
+    gen = torch.Generator().manual_seed(rows * out_rows + cols)
+    x = torch.randn(rows, cols, generator=gen).bfloat16()
+    w = (torch.randn(out_rows, cols, generator=gen) * cols ** -0.5).bfloat16()
+    b = torch.randn(out_rows, generator=gen).bfloat16()
+    tiled = KERNELS.bf16_linear(x, w, b, tiled=True)
+    assert torch.equal(tiled, KERNELS.bf16_linear(x, w, b, tiled=False))
+    assert torch.equal(tiled, KERNELS.bf16_linear(x, w, b))  # whichever the size chooses
+    assert relative(tiled, native.bf16_linear_reference(x, w, b)) < 4e-3
+
+
+@needs_kernels
 def test_bf16_product_refuses_a_weight_it_cannot_read():
     x = torch.randn(2, 64).bfloat16()
     for weight, bias in ((torch.randn(64, 40).bfloat16().t(), None),  # column-major

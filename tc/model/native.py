@@ -65,7 +65,7 @@ SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "bf16.h")  # next to 
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 2  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
-BF16DOT_ABI = 1  # bf16dot.c's TC_BF16DOT_ABI
+BF16DOT_ABI = 2  # bf16dot.c's TC_BF16DOT_ABI
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
@@ -104,8 +104,9 @@ class Kernels:
         self._rms_norm.argtypes = [_VOID_P, _VOID_P, _VOID_P, _INT, _INT, ctypes.c_float, _INT]
         self._rms_norm.restype = None
         self._bf16 = lib.tc_bf16_linear
-        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT]
+        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT]
         self._bf16.restype = None
+        self.bf16_tile_bytes = l1_data_bytes() // 2  # activation bytes of a pass beyond which it reads tiles
         self.bf16_rows_per_pass = int(lib.tc_bf16dot_max_rows())
         self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
@@ -177,25 +178,51 @@ class Kernels:
         return y
 
 
-    def bf16_linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def bf16_linear(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    tiled: bool | None = None) -> torch.Tensor:
         """x2 [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], all bfloat16 (bf16dot.c); weight and bias contiguous.
-        Every pass of `bf16_rows_per_pass` rows reads the whole weight, so it is meant for a decode step's few."""
+        Every pass of `bf16_rows_per_pass` rows reads the whole weight, so it is meant for a decode step's few.
+        tiled: whether passes of several rows read four weight rows at a time; None decides as bf16_product does.
+        The result is the same either way."""
         x2 = x2.contiguous()
         if x2.dtype != torch.bfloat16 or x2.device.type != "cpu" or not bf16_operands_ok(x2.shape[1], weight, bias):
             raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N] on the CPU, "
                              f"got x {x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
                              + ("" if bias is None else f", bias {bias.dtype} {list(bias.shape)}"))
-        return self.bf16_product(x2, weight, bias)
+        return self.bf16_product(x2, weight, bias, tiled)
 
-    def bf16_product(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def bf16_product(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     tiled: bool | None = None) -> torch.Tensor:
         """bf16_linear without its checks, for a caller that has made them (dense.NativeLinear, once a call, on a
-        decode step's path): x2 contiguous bfloat16 on the CPU, and bf16_operands_ok(K, weight, bias)."""
+        decode step's path): x2 contiguous bfloat16 on the CPU, and bf16_operands_ok(K, weight, bias).
+
+        Unless `tiled` says, a pass reads tiles where its activation rows take more than half of L1 (bf16dot.c's
+        dot_tile): there each activation vector comes from L2 for every weight row, and a tile makes one load serve
+        four; below that, one weight row after another keeps the hardware prefetcher's single stream."""
         m, k = x2.shape
         n = weight.shape[0]
+        if tiled is None:
+            tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
         y = torch.empty(m, n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   torch.get_num_threads())
+                   torch.get_num_threads(), tiled)
         return y
+
+
+L1_DATA_FALLBACK = 32 << 10  # where the system does not say: the L1 data cache of most x86-64 cores since 2008
+
+
+@functools.lru_cache(maxsize=None)
+def l1_data_bytes() -> int:
+    """The size of one core's level-1 data cache, as Linux's sysfs gives it (L1_DATA_FALLBACK elsewhere)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if level == "1" and kind == "Data" and size[:-1].isdigit() and size[-1] in "KM":
+            return int(size[:-1]) << (10 if size[-1] == "K" else 20)
+    return L1_DATA_FALLBACK
 
 
 def bf16_operands_ok(k: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
