@@ -285,6 +285,32 @@ def test_decode_attention_equals_its_reference_and_stores_the_new_position(heads
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (6, 1, 24), (8, 2, 256)])  # 24: halves of 12
+def test_decode_attention_rotates_as_rotate_does(heads, kv_heads, d):
+    # given each row's cos and sin, the kernel's rotation is rotate_'s to the bit: the same attention and the same
+    # cached key as rotating first and attending after, and qkv is left as it was
+    from tc.model.rope import Rotary, rotate_
+
+    gen = torch.Generator().manual_seed(d)
+    positions, rows = [3, 40, 0], [2, 0, 1]
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=gen).bfloat16() * 4
+    cos, sin = Rotary(d, 10000.0, "cpu").span_tables(  # row r at the position of the sequence in row r
+        [type("Row", (), {"start": p, "length": 1}) for _, p in sorted(zip(rows, positions))], torch.bfloat16)
+    slots = [torch.randn(2, 1, kv_heads, p + 2, d, generator=gen).bfloat16() for p in positions]
+    theirs = [slot.clone() for slot in slots]
+    ours_out, their_out = (torch.zeros(3, heads * d, dtype=torch.bfloat16) for _ in range(2))
+    unrotated = qkv.clone()
+    KERNELS.decode_attention(qkv, ours_out, rows, slots, positions, heads, kv_heads, d ** -0.5, (cos, sin))
+    assert torch.equal(qkv, unrotated)
+    rotated = qkv.clone()
+    rotate_(rotated.view(3, heads + 2 * kv_heads, d)[:, :heads + kv_heads], cos, sin)
+    assert not torch.equal(rotated, qkv)
+    KERNELS.decode_attention(rotated, their_out, rows, theirs, positions, heads, kv_heads, d ** -0.5)
+    assert torch.equal(ours_out, their_out)
+    assert all(torch.equal(a, b) for a, b in zip(slots, theirs))
+
+
+@needs_kernels
 def test_a_nan_in_one_sequence_spoils_its_own_attention_only():
     # as SDPA does: a NaN (or an overflow) must show in the output, not vanish into the softmax's weights
     qkv = torch.randn(2, 8 * 16).bfloat16()

@@ -58,12 +58,13 @@ from typing import Sequence
 import torch
 
 from .probe import one_thread, race
+from .rope import rotate_
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "bf16.h")  # next to this file: the .c files make one library
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
-ATTENTION_ABI = 2  # attention.c's TC_ATTENTION_ABI
+ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 2  # bf16dot.c's TC_BF16DOT_ABI
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
@@ -98,7 +99,7 @@ class Kernels:
         self._int8.restype = _INT
         self._attention = lib.tc_decode_attention
         self._attention.argtypes = [_INT, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
-                                    ctypes.c_float, _INT]
+                                    ctypes.c_float, _VOID_P, _VOID_P, _INT]
         self._attention.restype = _INT
         self._rms_norm = lib.tc_rms_norm
         self._rms_norm.argtypes = [_VOID_P, _VOID_P, _VOID_P, _INT, _INT, ctypes.c_float, _INT]
@@ -144,13 +145,15 @@ class Kernels:
 
     def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
                          slots: Sequence[torch.Tensor], positions: Sequence[int], heads: int, kv_heads: int,
-                         scale: float) -> None:
+                         scale: float, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """A decode step's attention for several sequences in one call (attention.c), all bfloat16.
 
         qkv [rows, (heads + 2 kv_heads) * D] holds each sequence's query, key and value heads in its row rows[i];
         slots[i] is its cache's storage for this layer ([2, 1, kv_heads, capacity, D], contiguous), positions[i]
         its new position. Stores each new key and value at that position and writes the attention over every
         position up to it into out [rows, heads * D], row rows[i]. Other rows of out are left as they are.
+        With `rotary` (cos and sin [rows, 1, D] as rope.Rotary gives them, contiguous), the query and key heads
+        of row r are first rotated by row r of each, as rope.rotate_ would (qkv itself is left as it is).
         """
         n = len(rows)
         d = qkv.shape[-1] // (heads + 2 * kv_heads)
@@ -159,10 +162,18 @@ class Kernels:
             raise ValueError(f"decode_attention takes contiguous bfloat16 qkv [rows, {heads + 2 * kv_heads} x D] and "
                              f"out [rows, {heads} x D], got {qkv.dtype} {list(qkv.shape)} and {out.dtype} "
                              f"{list(out.shape)}")
+        cos = sin = None
+        if rotary is not None:
+            if any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() != qkv.shape[0] * d
+                   for t in rotary):
+                raise ValueError(f"decode_attention's rotary tables are contiguous bfloat16 [rows, 1, D], one row "
+                                 f"for each of qkv's {qkv.shape[0]} rows, got "
+                                 f"{[(t.dtype, list(t.shape)) for t in rotary]}")
+            cos, sin = (t.data_ptr() for t in rotary)
         ints = ctypes.c_int32 * n
         status = self._attention(n, (ctypes.c_int64 * n)(*[s.data_ptr() for s in slots]), ints(*positions),
                                  ints(*[s.shape[-2] for s in slots]), ints(*rows), qkv.data_ptr(), out.data_ptr(),
-                                 heads, kv_heads, d, scale, torch.get_num_threads())
+                                 heads, kv_heads, d, scale, cos, sin, torch.get_num_threads())
         if status == -1:
             raise MemoryError(f"no memory for the attention scores of {n} sequences")
         if status:
@@ -429,7 +440,10 @@ def _check_attention(kernels: Kernels, gen: torch.Generator) -> float:
         slots = [torch.randn(2, 1, kv_heads, p + 5, d, generator=gen).bfloat16() for p in positions]
         before = [slot.clone() for slot in slots]
         out = torch.zeros(len(positions) + 1, heads * d, dtype=torch.bfloat16)
-        kernels.decode_attention(qkv, out, [1, 2, 3], slots, positions, heads, kv_heads, d ** -0.5)
+        cos, sin = (torch.randn(len(positions) + 1, 1, d, generator=gen).bfloat16() for _ in range(2))
+        kernels.decode_attention(qkv, out, [1, 2, 3], slots, positions, heads, kv_heads, d ** -0.5, (cos, sin))
+        qkv = qkv.clone()
+        rotate_(qkv.view(len(positions) + 1, heads + 2 * kv_heads, d)[:, :heads + kv_heads], cos, sin)
         for i, (slot, p) in enumerate(zip(before, positions)):
             slot[:, 0, :, p] = qkv[i + 1, heads * d:].view(2, kv_heads, d)
             if not torch.equal(slots[i], slot):

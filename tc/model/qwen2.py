@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .config import ModelConfig, Rope
+from .config import ModelConfig
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
-from .rope import attention_scaling, inv_freq
+from .rope import Rotary, rotate_
 from .quant import Quantization
 from .weights import WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources
 
@@ -226,52 +226,6 @@ def norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
     return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
-class Rotary:
-    """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
-
-    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str):
-        rope = rope if isinstance(rope, Rope) else Rope(float(rope))
-        self.inv_freq = inv_freq(rope, head_dim, device)  # [D/2], scaled as the config says
-        self.attention_scaling = attention_scaling(rope)  # YaRN's factor on cos and sin; 1 otherwise
-        self.size = 0  # positions the tables cover
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype`, sin in `rotate_`'s form."""
-        end = start + length
-        if end > self.size:
-            self.size = max(end, 2 * self.size, 256)
-            self._tables.clear()
-        if dtype not in self._tables:
-            positions = torch.arange(self.size, device=self.inv_freq.device).float()
-            freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-            cos, sin = emb.cos(), emb.sin()
-            if self.attention_scaling != 1.0:
-                cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-            sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
-            self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
-        cos, sin = self._tables[dtype]
-        return cos[start:end], sin[start:end]
-
-    def span_tables(self, spans: Sequence["Span"], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [rows, 1, D] for the rows of a ragged batch, each at its own position."""
-        if len(spans) == 1:
-            return self.tables(spans[0].start, spans[0].length, dtype)
-        parts = [self.tables(s.start, s.length, dtype) for s in spans]
-        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotary embedding in place: x * cos + rotate_half(x) * sin, with transformers' roundings.
-
-    x: [B, L, heads, D]; cos, sin: [L, 1, D] from `Rotary.tables`, whose sin has its first half negated, so
-    rotate_half(x) * sin = cat(-x2, x1) * sin is the halves swapped, times that table, exactly.
-    """
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [B, L, heads, D], a new tensor
-    x.mul_(cos).add_(swapped.mul_(sin))
-
-
 @dataclass(frozen=True)
 class Span:
     """One sequence's rows in a ragged batch: `length` positions from `start`, stored in and attending to `cache`."""
@@ -317,9 +271,15 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(1, rows, h + 2 * h_kv, d)  # [1, rows, heads, D]: q heads, k heads, v heads
         if self.q_norm is not None:
             qkv = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h:h + h_kv]), qkv[:, :, h + h_kv:]), 2)
-        rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
         kernels = self._decode_kernels(qkv)
-        if len(spans) == 1 and (kernels is None or not _native_decode_row(spans[0])):
+        if kernels is not None and all(_native_decode_row(span) for span in spans):
+            # a decode step the native kernel takes whole: it rotates the query and key heads itself, which spares
+            # rotate_'s operators (each several times its hot-loop cost in a step whose weights swept the caches)
+            out = qkv.new_empty(1, rows, h * d)
+            self._decode_natively(kernels, qkv, out, list(enumerate(spans)), layer, (cos, sin))
+            return self.o_proj(out)
+        rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
+        if len(spans) == 1:
             return self.o_proj(self._attend(qkv, spans[0], layer))
         out = qkv.new_empty(1, rows, h * d)
         decoded: list[tuple[int, Span]] = []  # (row, span) of the decode rows the native kernel takes
@@ -331,11 +291,20 @@ class Attention(nn.Module):
                 out[:, row:row + span.length] = self._attend(qkv[:, row:row + span.length], span, layer)
             row += span.length
         if decoded:
-            kernels.decode_attention(qkv[0].view(rows, -1), out[0], [r for r, _ in decoded],
-                                     [s.cache.layer_slot(layer, s.start) for _, s in decoded],
-                                     [s.start for _, s in decoded], h, h_kv,
-                                     self.scale if self.scale is not None else d ** -0.5)
+            self._decode_natively(kernels, qkv, out, decoded, layer)
         return self.o_proj(out)
+
+    def _decode_natively(self, kernels: native.Kernels, qkv: torch.Tensor, out: torch.Tensor,
+                         decoded: Sequence[tuple[int, Span]], layer: int,
+                         rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The native attention of the decode rows `decoded` ((row, span) pairs) of qkv [1, rows, heads, D] into
+        out [1, rows, H * D], their keys and values cached; rotary: every row's cos and sin, for a kernel that is
+        to rotate them (else qkv is rotated already)."""
+        rows = qkv.shape[1]
+        kernels.decode_attention(qkv[0].view(rows, -1), out[0], [r for r, _ in decoded],
+                                 [s.cache.layer_slot(layer, s.start) for _, s in decoded],
+                                 [s.start for _, s in decoded], self.n_heads, self.n_kv_heads,
+                                 self.scale if self.scale is not None else self.head_dim ** -0.5, rotary)
 
     def _decode_kernels(self, qkv: torch.Tensor) -> native.Kernels | None:
         """The native kernels where this layer's decode rows take their attention (attention.c), else None:

@@ -1,4 +1,5 @@
-"""Rotary position embedding parameters: what config.json says, and the inverse frequencies it implies.
+"""Rotary position embeddings: what config.json says, the inverse frequencies it implies, the cos/sin tables
+(`Rotary`) and the rotation itself (`rotate_`, whose roundings native decode attention repeats).
 
 Two layouts are in use. transformers 4.x writes the rotary base at the top level (`rope_theta`) beside
 `rope_scaling` (null, or a dict naming a scaling type); transformers 5.x writes `rope_parameters`
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -201,3 +202,50 @@ def _yarn_inv_freq(rope: Rope, dim: int, freq: torch.Tensor) -> torch.Tensor:
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # [D/2]: 1 where the frequency is kept as it is
     return interpolation * (1 - keep) + extrapolation * keep
+
+
+class Rotary:
+    """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
+
+    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str):
+        rope = rope if isinstance(rope, Rope) else Rope(float(rope))
+        self.inv_freq = inv_freq(rope, head_dim, device)  # [D/2], scaled as the config says
+        self.attention_scaling = attention_scaling(rope)  # YaRN's factor on cos and sin; 1 otherwise
+        self.size = 0  # positions the tables cover
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype`, sin in `rotate_`'s form."""
+        end = start + length
+        if end > self.size:
+            self.size = max(end, 2 * self.size, 256)
+            self._tables.clear()
+        if dtype not in self._tables:
+            positions = torch.arange(self.size, device=self.inv_freq.device).float()
+            freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+            cos, sin = emb.cos(), emb.sin()
+            if self.attention_scaling != 1.0:
+                cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+            sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
+            self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
+        cos, sin = self._tables[dtype]
+        return cos[start:end], sin[start:end]
+
+    def span_tables(self, spans: Sequence[Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, 1, D] for the rows of a ragged batch (qwen2.Span: `length` rows from `start`), each at
+        its own position."""
+        if len(spans) == 1:
+            return self.tables(spans[0].start, spans[0].length, dtype)
+        parts = [self.tables(s.start, s.length, dtype) for s in spans]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place: x * cos + rotate_half(x) * sin, with transformers' roundings.
+
+    x: [B, L, heads, D]; cos, sin: [L, 1, D] from `Rotary.tables`, whose sin has its first half negated, so
+    rotate_half(x) * sin = cat(-x2, x1) * sin is the halves swapped, times that table, exactly.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [B, L, heads, D], a new tensor
+    x.mul_(cos).add_(swapped.mul_(sin))
