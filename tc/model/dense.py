@@ -284,14 +284,14 @@ class NativeLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._parameters  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per parameter
         weight, bias = params["weight"], params["bias"]
-        kernels, rows = self._kernels, x.numel() // self.in_features
+        kernels = self._kernels
         # the kernel reads raw memory: anything but the layout it was made for (a weight or bias replaced since,
         # an input of another width, one that needs a gradient) takes F.linear, which checks and raises
-        if (kernels is not None and rows <= kernels.bf16_rows_per_pass and x.shape[-1] == self.in_features
-                and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
-                and weight.shape[0] == self.out_features and native.bf16_operands_ok(self.in_features, weight, bias)):
-            return kernels.bf16_product(x.reshape(rows, self.in_features).contiguous(), weight, bias).view(
-                *x.shape[:-1], self.out_features)
+        if (kernels is not None and x.numel() <= kernels.bf16_rows_per_pass * self.in_features
+                and x.shape[-1] == self.in_features and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not x.requires_grad and weight.shape[0] == self.out_features
+                and native.bf16_operands_ok(self.in_features, weight, bias)):
+            return kernels.bf16_product(x.contiguous(), weight, bias)
         return super().forward(x)
 
     def extra_repr(self) -> str:

@@ -132,6 +132,30 @@ class Kernels:
             raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
         return y
 
+    def int4_product(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """int4_linear for contiguous bfloat16 activations x [..., K] (K the padded width), in as few operations as
+        it can (quant.Int4Linear's decode path: each costs several times its hot-loop time in a step whose weights
+        have just swept the caches) -> [..., N] bfloat16, `bias` added as quant.Int4Linear adds it."""
+        k = x.shape[-1]
+        n = packed.shape[0] * TILE_ROWS
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        if self._int4(x.data_ptr(), 1, x.numel() // k, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
+                      group_size, y.data_ptr(), 1, torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 codes of {x.numel() // k} x {k} activations")
+        return y if bias is None else y.add_(bias if bias.dtype == torch.bfloat16 else bias.to(torch.bfloat16))
+
+    def int8_product(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """int8_linear as int4_product is int4_linear: contiguous bfloat16 x [..., K] -> [..., N] plus `bias`."""
+        k = x.shape[-1]
+        n = scale.shape[0]
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        if self._int8(x.data_ptr(), 1, x.numel() // k, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), 1,
+                      torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 codes of {x.numel() // k} x {k} activations")
+        return y if bias is None else y.add_(bias if bias.dtype == torch.bfloat16 else bias.to(torch.bfloat16))
+
     def int8_linear(self, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] @ W^T for W int8 in the tiled layout with a float32 scale per row -> [M, N]."""
         x2, bf16 = _activations(x2)
@@ -205,16 +229,17 @@ class Kernels:
     def bf16_product(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      tiled: bool | None = None) -> torch.Tensor:
         """bf16_linear without its checks, for a caller that has made them (dense.NativeLinear, once a call, on a
-        decode step's path): x2 contiguous bfloat16 on the CPU, and bf16_operands_ok(K, weight, bias).
+        decode step's path): x2 [..., K] contiguous bfloat16 on the CPU, and bf16_operands_ok(K, weight, bias);
+        returns [..., N].
 
         Unless `tiled` says, a pass reads tiles where its activation rows take more than half of L1 (bf16dot.c's
         dot_tile): there each activation vector comes from L2 for every weight row, and a tile makes one load serve
         four; below that, one weight row after another keeps the hardware prefetcher's single stream."""
-        m, k = x2.shape
-        n = weight.shape[0]
+        k = x2.shape[-1]
+        m, n = x2.numel() // k, weight.shape[0]
         if tiled is None:
             tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
-        y = torch.empty(m, n, dtype=torch.bfloat16)
+        y = torch.empty(*x2.shape[:-1], n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                    torch.get_num_threads(), tiled)
         return y

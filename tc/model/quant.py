@@ -842,6 +842,9 @@ class Int8Linear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]
+        if (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
+                and x.is_contiguous() and x.numel() < PREFILL_MIN_ROWS * self.in_features):  # a decode step's rows
+            return self._native.int8_product(x, qweight, scale, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.path == "native":
             if x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype:
@@ -944,6 +947,11 @@ class Int4Linear(_QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
+        if (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.padded_in_features
+                and self.padded_in_features == self.in_features and x.is_contiguous()):
+            # bf16 rows that need no padding: the native product in the fewest operations
+            return self._native.int4_product(x, buffers["packed"], buffers["scales"], buffers["zeros"],
+                                             self.group_size, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]; weights there: any
