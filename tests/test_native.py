@@ -367,6 +367,44 @@ def test_a_ragged_batch_takes_the_native_attention_for_its_decode_rows_only(tiny
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows, inner", [(1, 4864), (3, 64), (2, 100), (2, 13), (40, 136)])  # tails; threads
+def test_silu_mul_gives_pytorchs_bits_but_for_rare_last_steps(rows, inner):
+    gen = torch.Generator().manual_seed(rows * inner)
+    gate_up = (torch.randn(rows, 2 * inner, generator=gen) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # e^-g past float32's range, and no e^-g at all
+    got, ref = KERNELS.silu_mul(gate_up), native.silu_mul_reference(gate_up)
+    assert got.shape == (rows, inner) and got.dtype == torch.bfloat16 and got.isfinite().all()
+    # the same roundings; only e^x's last float32 bits differ, which can move a value by one bf16 step where it
+    # lies near a rounding boundary
+    step = ref.float().abs().clamp_min(1e-30).log2().floor().exp2() * 2 ** -7
+    assert bool(((got.float() - ref.float()).abs() <= step).all()) and (got != ref).float().mean() < 1e-3
+    assert got[0, 0] == 0 and got[0, 1] == ref[0, 1]
+    assert torch.equal(KERNELS.silu_mul(gate_up[:1]), got[:1])  # a row's result does not depend on the others
+
+
+@needs_kernels
+def test_a_decode_step_takes_the_native_activation_and_a_prefill_does_not(tiny_model_dir, monkeypatch):
+    from model_helpers import OurModel
+    from tc.model.qwen2 import MLP
+
+    stage = OurModel(tiny_model_dir, torch.bfloat16).stages[0]
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randn(1, native.ACT_ROWS + 1, 64, generator=gen).bfloat16()
+    step = torch.randn(1, 1, 64, generator=gen).bfloat16()
+    calls = []
+    kernel_call = native.Kernels.silu_mul
+    monkeypatch.setattr(native.Kernels, "silu_mul", lambda self, x: calls.append(x.shape[-2]) or kernel_call(self, x))
+    results = {}
+    for way in (False, True):
+        monkeypatch.setattr(MLP, "native_act", way)
+        cache = stage.new_cache(24, torch.bfloat16, "cpu")
+        stage(prompt, cache, 0)
+        results[way] = stage(step, cache, prompt.shape[1])
+    assert calls == [1] * len(stage.layers)  # the decode row, once a layer; never the prompt's block
+    assert relative(results[True], results[False]) < 1e-2
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows, n", [(1, 896), (3, 64), (2, 200), (2, 203), (80, 136)])  # tails past vectors; threads
 def test_rms_norm_gives_the_reference_bits(rows, n):
     gen = torch.Generator().manual_seed(rows * n)

@@ -32,27 +32,6 @@
 
 int tc_attention_abi(void) { return TC_ATTENTION_ABI; }
 
-/* e^x for x <= 0 (scores minus their maximum), to ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
-   polynomial, times 2^n; below -87 (where e^x is under float32's normal range) it returns e^-87. A NaN stays NaN
-   (maxps returns its second operand when either is NaN), so a NaN or infinite score spoils the output as it
-   does SDPA's rather than vanishing into the softmax. */
-TC_INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_DIM 256   /* head size */
 #define KB 8          /* keys (or values) converted to float32 at a time, then used by every query head */

@@ -1,5 +1,6 @@
-/* bfloat16 <-> float32 for the native kernels (qdot.c, attention.c, norm.c, bf16dot.c): one definition of the rounding
-   every kernel's output must share with torch's own conversion. */
+/* bfloat16 <-> float32 for the native kernels (qdot.c, attention.c, norm.c, bf16dot.c, act.c): one definition of
+   the rounding every kernel's output must share with torch's own conversion; and the float32 sums and e^x they
+   share. */
 #ifndef TC_BF16_H
 #define TC_BF16_H
 
@@ -57,6 +58,32 @@ TC_INLINE __m256 sums8(const __m256* a) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* e^x in float32 to ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' polynomial, times 2^n. Below -87
+   (where e^x is under float32's normal range) it returns e^-87. Above 88.37, where 2^n would leave float32's
+   exponents, it takes e^(x - ln 2) and doubles it, which overflows to infinity past 88.72 as e^x does. A NaN
+   stays NaN (maxps and minps return their second operand when either is NaN, and the comparison is false for
+   it), so a NaN or infinite score spoils the attention's output as it does SDPA's rather than vanishing into the
+   softmax. */
+TC_INLINE __m256 exp8(__m256 x) {
+    const __m256 high = _mm256_cmp_ps(x, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(89.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+    x = _mm256_sub_ps(x, _mm256_and_ps(high, _mm256_set1_ps(0.693147180559945f)));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+    return _mm256_blendv_ps(e, _mm256_add_ps(e, e), high);
 }
 
 #endif

@@ -8,7 +8,9 @@ core, and lets the candidates take turns so that what the other processes do hit
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -25,8 +27,9 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def race(fns: list[Callable[[], object]], runs: int) -> list[float]:
-    """The least thread CPU time (s) one call of each of `fns` took over `runs` turns, after one untimed call each.
+def race(fns: list[Callable[[], object]], runs: int, before: Callable[[], object] | None = None) -> list[float]:
+    """The least thread CPU time (s) one call of each of `fns` took over `runs` turns, after one untimed call each;
+    with `before`, that is called (untimed) before each timed call (`sweep_caches`, say).
 
     Only meaningful for CPU work inside `one_thread`: work done on other threads or devices is not counted.
     """
@@ -35,7 +38,38 @@ def race(fns: list[Callable[[], object]], runs: int) -> list[float]:
     best = [float("inf")] * len(fns)
     for _ in range(runs):
         for i, fn in enumerate(fns):
+            if before is not None:
+                before()
             started = time.thread_time()
             fn()
             best[i] = min(best[i], time.thread_time() - started)
     return best
+
+
+CACHE_FALLBACK = {1: 32 << 10, 3: 32 << 20}  # where the system does not say: common x86-64 sizes (L1 data, L3)
+
+
+@functools.lru_cache(maxsize=None)
+def cache_bytes(level: int) -> int:
+    """The size of the data (or unified) cache of `level` that cpu0 has, as Linux's sysfs gives it; a common
+    x86-64 size (CACHE_FALLBACK) where it does not say."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            found, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if found == str(level) and kind in ("Data", "Unified") and size[:-1].isdigit() and size[-1] in "KM":
+            return int(size[:-1]) << (10 if size[-1] == "K" else 20)
+    return CACHE_FALLBACK[level]
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep_buffer() -> torch.Tensor:
+    return torch.ones(2 * cache_bytes(3) // 4)  # float32: twice the last-level cache
+
+
+def sweep_caches() -> None:
+    """Read a buffer twice the size of the last-level cache, as a decode step's weights sweep it between the small
+    operators around them: a probe that runs each candidate after this times it as a step would find it (an
+    operator of a few microseconds in a hot loop took several times that after such a sweep)."""
+    _sweep_buffer().sum()

@@ -362,6 +362,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated feed-forward: down(act(gate(x)) * up(x)), gate and up as one product."""
 
+    # None: a decode step's bf16 rows on a CPU take the native silu(gate) * up (act.c) where its probe finds it
+    # faster; False: always PyTorch's operators; True: the native one wherever it runs
+    native_act: bool | None = None
+
     def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool | None = None):
         super().__init__()
         hidden, inner = config.hidden_size, inner or config.intermediate_size
@@ -371,9 +375,25 @@ class MLP(nn.Module):
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig allows these two)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
+        gate_up = self.gate_up_proj(x)
+        kernels = self._act_kernels(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, L, inner] each, views of this call's output
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
         return self.down_proj(act * up)
+
+    def _act_kernels(self, gate_up: torch.Tensor) -> native.Kernels | None:
+        """The native kernels where silu(gate) * up of these rows is theirs (act.c), else None: silu, a decode
+        step's few contiguous bf16 rows on a CPU, and a probe that found it faster than PyTorch's operators there
+        (unless native_act forces the choice)."""
+        if self.native_act is False or self.gelu or gate_up.dtype != torch.bfloat16 \
+                or gate_up.device.type != "cpu" or gate_up.numel() > native.ACT_ROWS * gate_up.shape[-1] \
+                or not gate_up.is_contiguous():
+            return None
+        if self.native_act is None and not native.silu_mul_faster_than_torch():
+            return None
+        return native.kernels()
 
 
 class DecoderLayer(nn.Module):
