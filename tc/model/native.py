@@ -1,4 +1,4 @@
-"""Kernels built for this CPU at run time: int4 and int8 products and a batch's decode attention, on x86-64.
+"""Kernels built for this CPU at run time: int4, int8 and bf16 products and a decode step's small operators, on x86-64.
 
 Theory of operation
 -------------------
@@ -16,19 +16,20 @@ call per sequence and layer. `attention.c` stores every sequence's new key and v
 one call per layer (`Kernels.decode_attention`, taken by qwen2.Attention for bf16 decode rows where
 `attention_faster_than_torch` finds it faster), in float32 from bfloat16 inputs, as SDPA does.
 
-`norm.c` likewise does a bf16 RMS norm in one call where PyTorch dispatches six operators and two conversions.
+`norm.c` likewise does a bf16 RMS norm in one call where PyTorch dispatches six operators and two conversions,
+and `act.c` the MLP's silu(gate) * up where PyTorch dispatches three.
 
 `bf16dot.c` multiplies the few activation rows of a decode step by a bf16 weight in its plain [out, in] layout,
 reading each weight row whole, in order, which streams at the memory's rate where oneDNN's products do not
 (`Kernels.bf16_linear`, taken by dense.NativeLinear where `dense.fastest_product` finds it fastest).
 
-It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c` and
-`bf16dot.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang; -O3 -march=native
--fopenmp), caches it under ~/.cache/truecluster/kernels keyed by the sources, the compiler and the CPU, loads it
-with ctypes, and checks it against the references on small inputs. A machine without a compiler, an x86-64 CPU
-without AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP
-runtime by its usual name, which PyTorch has already loaded, so both share one thread pool (tc/openmp.py).
-TC_NATIVE_KERNELS=0 turns the whole path off.
+It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
+`bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang;
+-O3 -march=native -fopenmp), caches it under ~/.cache/truecluster/kernels keyed by the sources, the compiler and the
+CPU, loads it with ctypes, and checks it against the references on small inputs. A machine without a compiler, an
+x86-64 CPU without AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links
+the OpenMP runtime by its usual name, which PyTorch has already loaded, so both share one thread pool
+(tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
 
 What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
 columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
@@ -62,7 +63,8 @@ from .rope import rotate_
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")  # next to this file: the .c files make one library
+# next to this file: the .c files make one library
+SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
 ABI = 3  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
