@@ -77,6 +77,9 @@ def test_the_avx2_build_without_vnni_agrees_too():
     gen = torch.Generator().manual_seed(0)
     assert native._check_attention(avx2, gen) < 1e-2 and native._check_norm(avx2, gen) < 1e-2
     assert native.check_bf16_linear(avx2, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
+    x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
+    assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
+    assert native._check_silu_mul(avx2, gen) < 1e-2
 
 
 @needs_kernels
