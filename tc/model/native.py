@@ -58,7 +58,7 @@ from typing import Sequence
 
 import torch
 
-from .probe import cache_bytes, one_thread, race, sweep_caches
+from .probe import cache_bytes, cache_sweeper, one_thread, race
 from .rope import rotate_
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 2  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 1  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
+BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
@@ -564,26 +565,28 @@ def norm_faster_than_torch() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def silu_mul_faster_than_torch() -> bool:
-    """Whether the native gated activation agrees with its reference and beats PyTorch's operators
-    (silu_mul_reference) by MIN_GAIN on this CPU for a decode step's rows (1 and ACT_ROWS), timed once per process
-    on one thread, each call after the caches were swept as a step's weights sweep them: in a hot loop the two are
-    about even for one row, in a step the native call saved ~20 us a layer (PyTorch's three operators find their
-    code and data gone from the caches, one call finds less)."""
+    """Whether the native gated activation agrees with its reference, beats PyTorch's operators
+    (silu_mul_reference) by MIN_GAIN for one decode row and loses by no more than BATCH_SLACK for ACT_ROWS rows (a
+    batch's step), on this CPU: timed once per process on one thread, each call after the caches were swept as a
+    step's weights sweep them. In a hot loop the two are about even for one row; in a step the native call saved
+    ~20 us a layer (PyTorch's three operators find their code and data gone from the caches, one call finds less),
+    and a sweep shows it: 104-147 us against 129-176 for one row, 176-195 against 206-219 for 16."""
     native = kernels()
     if native is None or not agrees("gated activation", _check_silu_mul(native, torch.Generator().manual_seed(1))):
         return False
     gen = torch.Generator().manual_seed(0)
-    times = []
+    times, sweep = [], cache_sweeper()
     for rows in (1, ACT_ROWS):
         gate_up = torch.randn(rows, 2 * 2048, generator=gen).bfloat16()
         with one_thread():
             times.append(race([lambda: native.silu_mul(gate_up), lambda: silu_mul_reference(gate_up)], 5,
-                              before=sweep_caches))
-    gain = min(theirs / ours for ours, theirs in times)
+                              before=sweep))
+    (one_ours, one_theirs), (many_ours, many_theirs) = times
+    chosen = one_theirs >= MIN_GAIN * one_ours and many_ours <= BATCH_SLACK * many_theirs
     log.info("native gated activation: %.1f / %.1f us for 1 / %d rows, PyTorch's %.1f / %.1f us: %s",
-             times[0][0] * 1e6, times[1][0] * 1e6, ACT_ROWS, times[0][1] * 1e6, times[1][1] * 1e6,
-             "native" if gain >= MIN_GAIN else "PyTorch's")
-    return gain >= MIN_GAIN
+             one_ours * 1e6, many_ours * 1e6, ACT_ROWS, one_theirs * 1e6, many_theirs * 1e6,
+             "native" if chosen else "PyTorch's")
+    return chosen
 
 
 def agrees(what: str, err: float) -> bool:

@@ -29,7 +29,7 @@ def one_thread() -> Iterator[None]:
 
 def race(fns: list[Callable[[], object]], runs: int, before: Callable[[], object] | None = None) -> list[float]:
     """The least thread CPU time (s) one call of each of `fns` took over `runs` turns, after one untimed call each;
-    with `before`, that is called (untimed) before each timed call (`sweep_caches`, say).
+    with `before`, that is called (untimed) before each timed call (a `cache_sweeper`, say).
 
     Only meaningful for CPU work inside `one_thread`: work done on other threads or devices is not counted.
     """
@@ -63,13 +63,10 @@ def cache_bytes(level: int) -> int:
     return CACHE_FALLBACK[level]
 
 
-@functools.lru_cache(maxsize=None)
-def _sweep_buffer() -> torch.Tensor:
-    return torch.ones(2 * cache_bytes(3) // 4)  # float32: twice the last-level cache
-
-
-def sweep_caches() -> None:
-    """Read a buffer twice the size of the last-level cache, as a decode step's weights sweep it between the small
-    operators around them: a probe that runs each candidate after this times it as a step would find it (an
-    operator of a few microseconds in a hot loop took several times that after such a sweep)."""
-    _sweep_buffer().sum()
+def cache_sweeper() -> Callable[[], object]:
+    """A function that reads a buffer twice the size of the last-level cache, as a decode step's weights sweep it
+    between the small operators around them: a probe that runs each candidate after it (race's `before`) times it
+    as a step would find it (an operator of a few microseconds in a hot loop took several times that after such a
+    sweep). The buffer lives as long as the function: make one for a probe and let it go after."""
+    buffer = torch.ones(2 * cache_bytes(3) // 4)  # float32
+    return buffer.sum
