@@ -89,7 +89,6 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
     for (int r = 0; r < M; r++) acc[r] = _mm512_reduce_add_ps(a[r]);
 }
 
-
 /* dot_rows for the TILE weight rows from w (each k long) at once: acc[t][r] for weight row t and activation row r.
    Each activation vector loaded feeds TILE products; the float32 additions of each output are those of dot_rows
    for M > 1, in the same order, so the sums are identical. Measured on a 2-core AVX512 EPYC, one thread, weights
@@ -180,6 +179,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
                 for (int t = 0; t < TILE; t++) STORE(M, acc[t], j + t);                                             \
             }                                                                                                       \
         }                                                                                                           \
+        if (done == n) return; /* an empty loop would still wake the threads */                                 \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int j = done; j < n; j++) {       \
             float acc[M];                                                                                           \
             dot_rows(w + (size_t)j * k, x, k, M, acc);                                                              \
