@@ -137,7 +137,7 @@ class Kernels:
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int4(x2.data_ptr(), bf16, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
                       group_size, y.data_ptr(), bf16, torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
+            raise _no_memory_for_codes(m, k)
         return y
 
     def int4_product(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -150,8 +150,8 @@ class Kernels:
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int4(x.data_ptr(), 1, x.numel() // k, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
                       group_size, y.data_ptr(), 1, torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 codes of {x.numel() // k} x {k} activations")
-        return y if bias is None else y.add_(bias if bias.dtype == torch.bfloat16 else bias.to(torch.bfloat16))
+            raise _no_memory_for_codes(x.numel() // k, k)
+        return y if bias is None else add_bias_(y, bias)
 
     def int8_product(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
@@ -161,8 +161,8 @@ class Kernels:
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int8(x.data_ptr(), 1, x.numel() // k, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), 1,
                       torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 codes of {x.numel() // k} x {k} activations")
-        return y if bias is None else y.add_(bias if bias.dtype == torch.bfloat16 else bias.to(torch.bfloat16))
+            raise _no_memory_for_codes(x.numel() // k, k)
+        return y if bias is None else add_bias_(y, bias)
 
     def int8_linear(self, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] @ W^T for W int8 in the tiled layout with a float32 scale per row -> [M, N]."""
@@ -172,7 +172,7 @@ class Kernels:
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int8(x2.data_ptr(), bf16, m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), bf16,
                       torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 codes of {m} x {k} activations")
+            raise _no_memory_for_codes(m, k)
         return y
 
     def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
@@ -274,6 +274,16 @@ def bf16_operands_ok(k: int, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def attention_shape_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether attention.c takes these heads: head_dim a multiple of 8 up to 256, at most 16 query heads per KV."""
     return head_dim % 8 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+
+
+def add_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y += bias in y's dtype, in place (y is a product's fresh output); returns y. The one rule for every quantized
+    product's bias, native or not (quant._QuantLinear._finish)."""
+    return y.add_(bias if bias.dtype == y.dtype else bias.to(y.dtype))
+
+
+def _no_memory_for_codes(rows: int, k: int) -> MemoryError:
+    return MemoryError(f"no memory for the int8 codes of {rows} x {k} activations")
 
 
 def _activations(x2: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -715,7 +715,7 @@ class _QuantLinear(nn.Module):
             y = y.to(x.dtype)
         bias = self._buffers["bias"]
         if bias is not None:
-            y.add_(bias if bias.dtype == y.dtype else bias.to(y.dtype))
+            native.add_bias_(y, bias)
         return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's own signature
