@@ -55,6 +55,28 @@ def test_int4_equals_its_reference(rows, group):
 
 
 @needs_kernels
+def test_int4_prefetch_changes_no_bit_and_the_probe_settles_it():
+    """Where an int4 pass starts prefetching its weights is a matter of speed alone: every setting gives the same
+    bits, and the probe leaves the library on the setting it chose."""
+    w = weights(4096, 384, 5)
+    q = quantize_int4(w, 128)
+    packed, scales, zeros = native.tile_int4(q.packed.clone(), q.scales, q.zeros)
+    kept = KERNELS.int4_prefetch_rows
+    try:
+        for rows in (1, 2, 9):
+            x = activations(rows, 384, rows, torch.bfloat16)
+            outputs = []
+            for rows_from in (1, 2, 9):
+                KERNELS.int4_prefetch_rows = rows_from
+                outputs.append(KERNELS.int4_product(x, packed, scales, zeros, 128, None))
+            assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
+    finally:
+        KERNELS.int4_prefetch_rows = kept
+    chosen = native.int4_prefetch_rows()
+    assert chosen in (1, native.INT4_PREFETCH_ROWS) and KERNELS.int4_prefetch_rows == chosen
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 70])
 @pytest.mark.parametrize("cols", [384, 160, 896])
 def test_int8_equals_its_reference(rows, cols):

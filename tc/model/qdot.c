@@ -25,7 +25,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 3
+#define TC_QDOT_ABI 4
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -33,13 +33,16 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
-/* Weight bytes a tile of MANY_ROWS or more activation rows prefetches ahead. With that many rows each 32-byte
-   weight vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads:
-   on a 2-core AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo
-   model, and 8.9 instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products
-   of 24 demo layers (40 interleaved steps each way), 2 rows 11.6 ms instead of 13.8 and 3 rows 13.4 instead of
-   15.6, and the int8 lm_head at 2 rows 5.9 ms instead of 7.3. One row streams near the memory's rate without
-   it (with it: a little slower on one, no clear change on the other), so it keeps the hardware's. */
+/* Weight bytes a tile prefetches ahead where it serves enough activation rows (MANY_ROWS for int8; for int4 the
+   caller says, from a probe: tc/model/native.py int4_prefetch_rows). With many rows each 32-byte weight vector
+   feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a 2-core
+   AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo model, and 8.9
+   instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products of 24 demo layers
+   (40 interleaved steps each way), 2 rows 11.6 ms instead of 13.8 and 3 rows 13.4 instead of 15.6, and the int8
+   lm_head at 2 rows 5.9 ms instead of 7.3. One row is where machines differ: an int8 row streams near the memory's
+   rate without it (with it, 2.5% slower over 12 demo layers on a Zen 4 EPYC), and an int4 row, which does twice
+   the arithmetic per byte, was 12% faster with it there (5.6 ms against 6.3 over 12 layers), a little slower or
+   no different on others. */
 #define PREFETCH_AHEAD 2048
 #define MANY_ROWS 2
 
@@ -84,9 +87,9 @@ TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
 }
 
 /* A tile's prefetch of the weights PREFETCH_AHEAD bytes past vector kb (32 bytes each, one 64-byte line per two)
-   where it serves MANY_ROWS or more activation rows. */
-TC_INLINE void prefetch_weights(const void* tile, int kb, int mr) {
-    if (mr >= MANY_ROWS && !(kb & 1))
+   where it serves `from_rows` or more activation rows. */
+TC_INLINE void prefetch_weights(const void* tile, int kb, int mr, int from_rows) {
+    if (mr >= from_rows && !(kb & 1))
         _mm_prefetch((const char*)tile + (size_t)kb * 32 + PREFETCH_AHEAD, _MM_HINT_T0);
 }
 
@@ -133,7 +136,7 @@ static void quantize_row(const void* x, int bf16, int m, int K, int8_t* xq, floa
    scales and zeros bf16 [N/8, K/group, 8]. Activation rows m0..m0+mr-1, mr <= MR. */
 TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
                              const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int G, int group,
-                             int t, int m0, int N, void* y, int y_bf16) {
+                             int t, int m0, int N, void* y, int y_bf16, int prefetch_rows) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const uint8_t* wt = packed + (size_t)t * 4 * K;
     const int B = K / XGROUP, BPG = group / XGROUP;
@@ -151,7 +154,7 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-                prefetch_weights(wt, kb, mr);
+                prefetch_weights(wt, kb, mr, prefetch_rows);
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
@@ -186,7 +189,7 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
         for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-            prefetch_weights(wt, kb, mr);
+            prefetch_weights(wt, kb, mr, MANY_ROWS);
             for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
         }
         for (int j = 0; j < mr; j++) {
@@ -246,11 +249,13 @@ static void* scratch_for(size_t bytes) {
 #endif
 
 /* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
-   N a multiple of 8, group a multiple of XGROUP dividing K. Returns 0, or -1 if scratch memory ran out. */
+   N a multiple of 8, group a multiple of XGROUP dividing K; a pass of prefetch_rows or more activation rows
+   prefetches its weights (above). Returns 0, or -1 if scratch memory ran out. */
 int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
-                   const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads) {
+                   const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows) {
     int G = K / group;
-#define INT4_CALL(R) int4_tile(R, xq, xs, xqsum, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16)
+#define INT4_CALL(R) \
+    int4_tile(R, xq, xs, xqsum, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows)
     PRODUCT(INT4_CALL)
 }
 

@@ -931,6 +931,7 @@ class Int4Linear(_QuantLinear):
         self.path, self.uses_kernel = "native", False
         self._kernel_device_type = "cpu"
         self._native = native.kernels()
+        native.int4_prefetch_rows()  # once per process: whether one row prefetches its weights here
         packed = weight.packed if in_place else weight.packed.clone()
         packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
         self.register_buffer("packed", packed)
