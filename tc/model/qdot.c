@@ -133,8 +133,12 @@ static void quantize_row(const void* x, int bf16, int m, int K, int8_t* xq, floa
 
 /* int4 tile t = weight rows 8t..8t+7: packed bytes [N/8, K/8, 8, 4], byte (t, kb, r, b) holding the code of
    W[8t+r, 8kb+b] in its low nibble and of W[8t+r, 8kb+4+b] in its high one (w = (c - 8) * scale + zero);
-   scales and zeros bf16 [N/8, K/group, 8]. Activation rows m0..m0+mr-1, mr <= MR. */
-TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+   scales and zeros bf16 [N/8, K/group, 8]. Activation rows m0..m0+mr-1, mr <= MR; xg[m, g]: the sum of row m's
+   dequantized activations over group g (int4_group_sums), for the zero points.
+   Each block's integer dot products are scaled by the activations' scale into a sum per group, and that by the
+   weights' scale once per group: two vector operations a row and block, not three, with the zero points' sums
+   made once per row rather than once per tile, where 8 rows of them had no registers left. */
+TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const float* xg, int K,
                              const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int G, int group,
                              int t, int m0, int N, void* y, int y_bf16, int prefetch_rows) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -143,9 +147,8 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
     __m256 acc[MR];
     for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256 s = bf16x8_load(scales + ((size_t)t * G + g) * 8);
-        __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_load(zeros + ((size_t)t * G + g) * 8));
-        float xsum[MR] = {0}; /* sum of the dequantized activations over the group, for the zero points */
+        __m256 gacc[MR];
+        for (int j = 0; j < mr; j++) gacc[j] = _mm256_setzero_ps();
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
             /* a few rows get two independent chains each (low and high nibbles) to keep the dot-product unit
                busy; many rows have chains enough, and their registers are needed for the accumulators */
@@ -166,15 +169,28 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
                 }
             }
             for (int j = 0; j < mr; j++) {
-                float scale = xs[(m0 + j) * B + b];
                 __m256 dot = _mm256_cvtepi32_ps(split ? _mm256_add_epi32(lo_acc[j], hi_acc[j]) : lo_acc[j]);
-                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(scale)), acc[j]);
-                xsum[j] += scale * (float)xqsum[(m0 + j) * B + b];
+                gacc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xs[(m0 + j) * B + b]), gacc[j]);
             }
         }
-        for (int j = 0; j < mr; j++) acc[j] = _mm256_fmadd_ps(zc, _mm256_set1_ps(xsum[j]), acc[j]);
+        __m256 s = bf16x8_load(scales + ((size_t)t * G + g) * 8);
+        __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_load(zeros + ((size_t)t * G + g) * 8));
+        for (int j = 0; j < mr; j++) {
+            acc[j] = _mm256_fmadd_ps(gacc[j], s, acc[j]);
+            acc[j] = _mm256_fmadd_ps(zc, _mm256_set1_ps(xg[(m0 + j) * G + g]), acc[j]);
+        }
     }
     for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, acc[j]);
+}
+
+/* xg[m, g] for int4_tile: row m's dequantized activations summed over each group of `group` columns. */
+static void int4_group_sums(const float* xs, const int32_t* xqsum, int m, int K, int group, float* xg) {
+    const int B = K / XGROUP, BPG = group / XGROUP, G = K / group;
+    for (int g = 0; g < G; g++) {
+        float sum = 0.f;
+        for (int b = g * BPG; b < (g + 1) * BPG; b++) sum += xs[m * B + b] * (float)xqsum[m * B + b];
+        xg[m * G + g] = sum;
+    }
 }
 
 /* int8 tile t: qweight bytes [N/8, K/4, 8, 4], byte (t, kb, r, b) = W[8t+r, 4kb+b]; a float scale per row. */
@@ -216,15 +232,19 @@ static void* scratch_for(size_t bytes) {
 }
 
 /* Quantize x's rows, then run CALL(r) on every tile and every group of r <= MR rows, in one parallel region. */
-#define PRODUCT(CALL)                                                                                         \
+#define PRODUCT(CALL, PREP)                                                                                   \
     size_t codes = ((size_t)M * K + 63) / 64 * 64, blocks = (size_t)M * (K / XGROUP);                        \
-    int8_t* xq = (int8_t*)scratch_for(codes + blocks * 8);                                                    \
+    int8_t* xq = (int8_t*)scratch_for(codes + blocks * 12);                                                   \
     if (!xq) return -1;                                                                                       \
     float* xs = (float*)(xq + codes);                                                                         \
     int32_t* xqsum = (int32_t*)(xs + blocks);                                                                 \
+    float* xg = (float*)(xqsum + blocks); /* int4: per row and group, at most a float per block */            \
+    (void)xg;                                                                                                 \
     _Pragma("omp parallel num_threads(nthreads)") {                                                           \
-        _Pragma("omp for schedule(static)") for (int m = 0; m < M; m++)                                       \
+        _Pragma("omp for schedule(static)") for (int m = 0; m < M; m++) {                                     \
             quantize_row(x, x_bf16, m, K, xq, xs, xqsum);                                                     \
+            PREP;                                                                                             \
+        }                                                                                                     \
         for (int mb = 0; mb < M; mb += MB) {                                                                  \
             int m1 = mb + MB < M ? mb + MB : M;                                                               \
             _Pragma("omp for schedule(static) nowait") for (int t = 0; t < N / 8; t++) {                      \
@@ -255,8 +275,8 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
                    const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows) {
     int G = K / group;
 #define INT4_CALL(R) \
-    int4_tile(R, xq, xs, xqsum, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows)
-    PRODUCT(INT4_CALL)
+    int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows)
+    PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg))
 }
 
 /* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP. Returns 0, or -1 if
@@ -264,6 +284,6 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
                    void* y, int y_bf16, int nthreads) {
 #define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16)
-    PRODUCT(INT8_CALL)
+    PRODUCT(INT8_CALL, (void)0)
 }
 
