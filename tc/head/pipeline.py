@@ -48,6 +48,7 @@ from typing import Sequence
 
 from ..generation import Entry
 from ..protocol.messages import BatchEntry, Route, RunBatch
+from ..trace import mark
 from .service import StageFailed, WorkerLost
 from .workers import HeadShuttingDown, Sent, WorkerLink, WorkerRegistry
 
@@ -138,7 +139,9 @@ class RemotePipeline:
                 sents.append([link.expect(group, request_id, self.seq, may_pass=i + 1 < len(links))
                               for i, link in enumerate(links)])
                 group_of[self.seq] = g
+                mark("send")
                 links[0].send_expected(sents[g][0])
+                mark("sent")
             # one bound for the step, since no stage answers until the last: each stage's bound for its largest
             # group, added up, and the largest again for each group after the first (the groups run as a pipeline)
             per_stage = [max(group[i].bound for group in sents) for i in range(len(links))]
@@ -148,6 +151,7 @@ class RemotePipeline:
             sent_at = [sents[0][0].at] * len(groups)
             while any(out is None for out in outputs):
                 i, item = self._next_reply(links, deadline, request_id, bound)
+                mark("woke")
                 g = group_of.get(getattr(item, "seq", None), 0)
                 reply = links[i].accept(sents[g][i], item)
                 now, first = time.monotonic(), sent_to[g]

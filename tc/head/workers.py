@@ -52,6 +52,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERRO
                                  RunBatch)
 from ..speed import LinkSpeed
 from ..topology import Topology
+from ..trace import mark
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
 from .service import Readiness, ServiceError, StageFailed, WorkerLost
 from .step_deadline import StepBudget, StepClock
@@ -730,6 +731,7 @@ class WorkerRegistry:
         try:
             while True:
                 env = link.conn.recv()
+                mark("received")
                 link.last_seen = time.monotonic()
                 msg = env.message
                 if isinstance(msg, (HiddenState, InferenceError)):

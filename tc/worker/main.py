@@ -56,6 +56,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHU
 from ..topology import GIB
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread
+from ..trace import mark
 from .peers import Forwarder, PeerListener, Routes
 from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
 
@@ -328,6 +329,7 @@ class Worker:
             while True:
                 try:
                     env = conn.recv()
+                    mark("received")
                 except TimeoutError:
                     log.warning("heard nothing from the head for %.0fs; rejoining", self.options.head_timeout_s)
                     return True
@@ -379,6 +381,7 @@ class Worker:
         try:
             while True:
                 job = jobs.get()
+                mark("computing")
                 if job is None:
                     return
                 env, from_peer = job
@@ -425,10 +428,12 @@ class Worker:
             if on_route and route.next_host is not None and forwarder.send(route, RunBatch(
                     entries=msg.entries, hidden_state=reply.hidden_state, route=msg.route, released=msg.released,
                     upstream_seconds=msg.upstream_seconds + (reply.compute_seconds,)), env.request_id, env.seq):
+                mark("passed")
                 return  # the head hears from the last stage, or from one that could not pass it on
             reply = HiddenState(hidden_state=reply.hidden_state, compute_seconds=reply.compute_seconds,
                                 upstream_seconds=msg.upstream_seconds)
         conn.send(reply, env.request_id, env.seq)
+        mark("answered")
 
     def _fail_session(self, conn: Connection, reason: str, exc: BaseException) -> None:
         """Tell the head this worker is out of service and why, then end the connection (the reader rejoins)."""

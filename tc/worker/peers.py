@@ -31,6 +31,7 @@ from ..protocol.framing import Envelope
 from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, PROTOCOL_VERSION, Error, PeerAck,
                                  PeerChallenge, PeerHello, Route, RunBatch)
 from ..topology import HostPort
+from ..trace import mark
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class PeerListener:
                      route)
             while True:
                 env = conn.recv()
+                mark("peer received")
                 msg = env.message
                 if not isinstance(msg, RunBatch) or msg.route != route:
                     what = msg.TYPE if not isinstance(msg, RunBatch) else f"RUN_BATCH of route {msg.route}"

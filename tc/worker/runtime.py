@@ -19,6 +19,7 @@ from ..model import quant
 from ..model.qwen2 import Span, Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
 from ..protocol.messages import Assignment, BatchEntry, HiddenState, InferenceError, RunBatch
+from ..trace import mark
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class StageRuntime:
         problem = self._problem(msg)
         if problem:
             return InferenceError(message=problem)
+        mark("compute")
         started = time.perf_counter()
         stage, device, dtype = self.loaded.stage, self.loaded.device, self.loaded.dtype
         for e in msg.entries:
@@ -186,6 +188,7 @@ class StageRuntime:
         for e in msg.entries:  # the other choices of a request whose prompt this entry read
             for copy in e.copies:
                 self.caches[copy] = self.caches[e.sequence].copy()
+        mark("computed")
         return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
 
     def _run_in_passes(self, x: torch.Tensor, entries: tuple[BatchEntry, ...],

@@ -1,0 +1,78 @@
+"""Trace marks (tc/trace.py): real processes mark each hand-off of a step, and the reader lays the steps out."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import ROOT, Cluster, write_topology
+from tc.trace import decode_steps, read_events
+from tiny_model import write_tiny_model
+
+NODES = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+CHAIN = [("head", "send"), ("head", "sent"), ("w1", "received"), ("w1", "computing"), ("w1", "compute"),
+         ("w1", "computed"), ("w1", "passed"), ("w2", "peer received"), ("w2", "computing"), ("w2", "compute"),
+         ("w2", "computed"), ("w2", "answered"), ("head", "received"), ("head", "woke")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=5)
+
+
+def test_every_step_through_head_and_two_workers_is_traced_hand_off_by_hand_off(tmp_path, model_dir):
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES)
+    with Cluster(topology, tmp_path, env={"TC_TRACE_DIR": str(trace_dir)}) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        for node in NODES:
+            cluster.start_worker(node["id"])
+        cluster.wait_ready(timeout=120)
+        since = time.perf_counter_ns()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "the quick brown fox",
+                                                        "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+    events = read_events(trace_dir)
+    assert len({pid for _, pid, _ in events}) == 3  # the head and both workers wrote
+    steps = decode_steps(events, workers=2, since_ns=since)
+    assert len(steps) == 6  # the prompt's step and five decode steps, each through both workers
+    for step in steps:
+        assert [(node, event) for node, event, _ in step] == CHAIN
+        times = dict(((node, event), ns) for node, event, ns in step)
+        # each process's own marks come in order; a frame is read after its send began
+        for node in ("head", "w1", "w2"):
+            own = [ns for n, _, ns in step if n == node]
+            assert own == sorted(own), node
+        assert times[("head", "send")] < times[("w1", "received")] < times[("w1", "compute")]
+        assert times[("w1", "computed")] < times[("w2", "peer received")]
+        assert times[("w2", "computed")] < times[("head", "received")] < times[("head", "woke")]
+
+
+def test_marks_cost_nothing_and_write_nothing_unless_asked(tmp_path):
+    script = "from tc.trace import mark; mark('send'); mark('sent')"
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, env={"PYTHONPATH": str(ROOT)})
+    assert list(tmp_path.iterdir()) == []
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True,
+                   env={"PYTHONPATH": str(ROOT), "TC_TRACE_DIR": str(tmp_path)})
+    (written,) = tmp_path.iterdir()
+    assert [line.split(" ", 2)[2] for line in written.read_text().splitlines()] == ["send", "sent"]
+
+
+def test_the_reader_keeps_whole_chains_only():
+    """A worker's reader may mark a frame before its sender's call returned, a ping may wake another worker's reader
+    in between, and a step cut short is left out."""
+    head, w1, w2 = 10, 11, 12
+    one = [(0, head, "send"), (5, w1, "received"), (6, head, "sent"), (7, w2, "received"),  # w2: a ping
+           (8, w1, "computing"), (9, w1, "compute"), (20, w1, "computed"), (22, w2, "peer received"),
+           (23, w1, "passed"), (24, w2, "computing"), (25, w2, "compute"), (40, w2, "computed"),
+           (41, w2, "answered"), (42, head, "received"), (43, head, "woke")]
+    cut = [(100, head, "send"), (101, head, "sent"), (102, w1, "received")]
+    steps = decode_steps(sorted(one + cut), workers=2)
+    assert len(steps) == 1
+    assert [(node, event) for node, event, _ in steps[0]] == CHAIN
+    assert dict(((node, event), ns) for node, event, ns in steps[0])[("w2", "peer received")] == 22
+    assert decode_steps(sorted(one + cut), workers=2, since_ns=1) == []
