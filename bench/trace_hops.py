@@ -5,15 +5,17 @@ and N workers start on loopback (real processes, tc's own CLI, the demo model) w
 every process marks the moments a step passes (tc/trace.py); after a warm-up, one greedy completion of --tokens
 tokens runs, and each decode step is laid out from the marks, head and workers on one clock:
 
-    head send -> sent                      the head builds, encodes and sends the step
-    sent -> w1 received                    the socket, waking w1's reader, reading and decoding the frame
+    head send -> sent                      the head's call that builds, encodes and sends the step
+    head send -> w1 received               the whole transfer: that, the socket, waking w1's reader, reading and
+                                           decoding the frame (timed from the send's start: on shared cores the
+                                           reader often has the frame before the sender's call returns)
     w1 received -> computing               the reader hands the step to the compute thread
     w1 computing -> compute                checks and cache bookkeeping before the stage computes
     w1 compute -> computed                 the stage (what the worker reports as its compute)
     w1 computed -> passed                  building, encoding and sending the output to w2
-    passed -> w2 peer received             ... and so on to the last worker, which answers the head
-    w2 answered -> head received           the socket, waking the head's reader, reading and decoding
-    head received -> woke                  the reader hands the answer to the step's thread
+    w1 computed -> w2 peer received        ... the whole transfer, and so on to the last worker, which answers
+    w2 computed -> head received           the whole transfer to the head
+    head received -> woke                  the head's reader hands the answer to the step's thread
 
 Prints each segment's median, 10th and 90th percentile in microseconds, and per step the stages' compute, the
 rest of the step (every hand-off above: what the hops cost), and that per hop.
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from cluster import Cluster, write_topology  # noqa: E402
-from tc.trace import decode_steps, read_events  # noqa: E402
+from tc.trace import SENT, decode_steps, read_events  # noqa: E402
 
 
 def traced_steps(model_dir: Path, quant: str, workers: int, tokens: int, threads: int) -> list:
@@ -62,9 +64,14 @@ def traced_steps(model_dir: Path, quant: str, workers: int, tokens: int, threads
 
 
 def segments(steps: list) -> list[tuple[str, list[float]]]:
-    """(label, microseconds per step) for each pair of consecutive marks, in the chain's order."""
-    labels = [f"{a[0]} {a[1]} -> {b[0]} {b[1]}" for a, b in zip(steps[0], steps[0][1:])]
-    return [(label, [(step[i + 1][2] - step[i][2]) / 1e3 for step in steps]) for i, label in enumerate(labels)]
+    """(label, microseconds per step) for each pair of consecutive marks, in the chain's order; but a frame's
+    arrival is timed from the start of its send, not from the sender's call returning: on shared cores the reader
+    often has the frame first (the woken receiver takes the core from the sender), so the whole transfer is the
+    figure that means something, the sender's call beside it."""
+    chain = steps[0]
+    pairs = [(i - 1 if chain[i][1] in SENT else i, i + 1) for i in range(len(chain) - 1)]
+    labels = [f"{chain[a][0]} {chain[a][1]} -> {chain[b][0]} {chain[b][1]}" for a, b in pairs]
+    return [(label, [(step[b][2] - step[a][2]) / 1e3 for step in steps]) for label, (a, b) in zip(labels, pairs)]
 
 
 def main() -> None:
