@@ -80,14 +80,18 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
         wanted += [("head", head, e) for e in CHAIN_END]
         pids: dict[str, int] = {}
         after: list[int] = []  # index in `window` just past each event of the chain found so far
-        for node, pid, event in wanted:
+        for k, (node, pid, event) in enumerate(wanted):
             pid = pid if pid is not None else pids.get(node)
             # a frame may be read before its sender's call returns: what follows a send is looked for from the
             # moment the send began, not from its end
             at = after[-2] if chain and chain[-1][1] in SENT else (after[-1] if after else 0)
-            found = next((i for i in range(at, len(window)) if window[i][2] == event
-                          and (window[i][1] == pid if pid is not None else window[i][1] not in (head, *pids.values()))),
-                         None)
+            if pid is not None:
+                found = next((i for i in range(at, len(window)) if window[i][2] == event and window[i][1] == pid),
+                             None)
+            else:  # a worker not met yet: the one whose next mark is the chain's next (a ping read meanwhile is not)
+                found = next((i for i in range(at, len(window)) if window[i][2] == event
+                              and window[i][1] not in (head, *pids.values())
+                              and _next_of(window, i) == wanted[k + 1][2]), None)
             if found is None:
                 ok = False
                 break
@@ -97,3 +101,9 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
         if ok:
             steps.append(chain)
     return steps
+
+
+def _next_of(window: list[tuple[int, int, str]], i: int) -> str | None:
+    """The event the process of window[i] marks next, if any."""
+    pid = window[i][1]
+    return next((event for _, p, event in window[i + 1:] if p == pid), None)

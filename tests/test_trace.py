@@ -66,7 +66,7 @@ def test_the_reader_keeps_whole_chains_only():
     """A worker's reader may mark a frame before its sender's call returned, a ping may wake another worker's reader
     in between, and a step cut short is left out."""
     head, w1, w2 = 10, 11, 12
-    one = [(0, head, "send"), (5, w1, "received"), (6, head, "sent"), (7, w2, "received"),  # w2: a ping
+    one = [(0, head, "send"), (4, w2, "received"), (5, w1, "received"), (6, head, "sent"),  # w2: a ping
            (8, w1, "computing"), (9, w1, "compute"), (20, w1, "computed"), (22, w2, "peer received"),
            (23, w1, "passed"), (24, w2, "computing"), (25, w2, "compute"), (40, w2, "computed"),
            (41, w2, "answered"), (42, head, "received"), (43, head, "woke")]
