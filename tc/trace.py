@@ -67,17 +67,18 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
     next. Steps that did not follow that chain (relayed, a failure, a trace cut short) are left out."""
     head = next((pid for _, pid, event in events if event == "send"), None)
     starts = [i for i, (ns, pid, event) in enumerate(events) if pid == head and event == "send" and ns >= since_ns]
+    # the chain every step must follow: (node, its pid where known from the start, event)
+    wanted: list[tuple[str, int | None, str]] = [("head", head, e) for e in CHAIN_HEAD]
+    for w in range(workers):
+        events_of_worker = CHAIN_FIRST_WORKER if w == 0 else CHAIN_NEXT_WORKER
+        wanted += [(f"w{w + 1}", None, e) for e in events_of_worker]
+        wanted.append((f"w{w + 1}", None, "passed" if w + 1 < workers else "answered"))
+    wanted += [("head", head, e) for e in CHAIN_END]
     steps = []
     for a, b in zip(starts, [*starts[1:], len(events)]):
         window = events[a:b]
         chain: list[tuple[str, str, int]] = []
         ok = True
-        wanted: list[tuple[str, int | None, str]] = [("head", head, e) for e in CHAIN_HEAD]
-        for w in range(workers):
-            events_of_worker = CHAIN_FIRST_WORKER if w == 0 else CHAIN_NEXT_WORKER
-            wanted += [(f"w{w + 1}", None, e) for e in events_of_worker]
-            wanted.append((f"w{w + 1}", None, "passed" if w + 1 < workers else "answered"))
-        wanted += [("head", head, e) for e in CHAIN_END]
         pids: dict[str, int] = {}
         after: list[int] = []  # index in `window` just past each event of the chain found so far
         for k, (node, pid, event) in enumerate(wanted):
