@@ -55,25 +55,35 @@ def test_int4_equals_its_reference(rows, group):
 
 
 @needs_kernels
-def test_int4_prefetch_changes_no_bit_and_the_probe_settles_it():
-    """Where an int4 pass starts prefetching its weights is a matter of speed alone: every setting gives the same
-    bits, and the probe leaves the library on the setting it chose."""
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind):
+    """Where a pass starts prefetching its weights is a matter of speed alone: every setting gives the same bits,
+    for one row, a few and more than a pass holds, and the probe leaves the library on the setting it chose."""
     w = weights(4096, 384, 5)
-    q = quantize_int4(w, 128)
-    packed, scales, zeros = native.tile_int4(q.packed.clone(), q.scales, q.zeros)
-    kept = KERNELS.int4_prefetch_rows
+    if kind == "bf16":
+        weight = w.bfloat16()
+        product = lambda x: KERNELS.bf16_product(x, weight, None)  # noqa: E731
+    elif kind == "int8":
+        q8 = quantize_int8(w)
+        qweight = native.tile_int8(q8.qweight.clone())
+        product = lambda x: KERNELS.int8_product(x, qweight, q8.scale, None)  # noqa: E731
+    else:
+        q4 = quantize_int4(w, 128)
+        packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+        product = lambda x: KERNELS.int4_product(x, packed, scales, zeros, 128, None)  # noqa: E731
+    kept = dict(KERNELS.prefetch_rows)
     try:
         for rows in (1, 2, 9):
             x = activations(rows, 384, rows, torch.bfloat16)
             outputs = []
-            for rows_from in (1, 2, 9):
-                KERNELS.int4_prefetch_rows = rows_from
-                outputs.append(KERNELS.int4_product(x, packed, scales, zeros, 128, None))
+            for rows_from in (1, 2, 3, 9):
+                KERNELS.prefetch_rows[kind] = rows_from
+                outputs.append(product(x))
             assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
     finally:
-        KERNELS.int4_prefetch_rows = kept
-    chosen = native.int4_prefetch_rows()
-    assert chosen in (1, native.INT4_PREFETCH_ROWS) and KERNELS.int4_prefetch_rows == chosen
+        KERNELS.prefetch_rows.update(kept)
+    chosen = native.one_row_prefetch(kind)
+    assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
 
 
 @needs_kernels

@@ -25,14 +25,16 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_BF16DOT_ABI 2
+#define TC_BF16DOT_ABI 3
 #define MAX_ROWS 8 /* activation rows per pass over the weights: one accumulator each, all in registers */
-/* Weight bytes a pass of PREFETCH_ROWS or more activation rows prefetches ahead. With that many, each weight vector
-   feeds that many dot products and the hardware prefetcher alone leaves the loop waiting on its loads (as in
-   qdot.c): on a 2-core AVX512 EPYC, a [9728, 896] weight went from 14-17 to 18-21 GB/s for 4 and 8 rows, about
-   oneDNN's blocked product's rate there. One or two rows stream at the memory's rate without it. */
+/* Weight bytes a pass prefetches ahead, where it holds `prefetch_rows` or more activation rows (the caller says;
+   tc/model/native.py settles it by a probe at load). With 3 or more rows each weight vector feeds that many dot
+   products and the hardware prefetcher alone leaves the loop waiting on its loads (as in qdot.c): on a 2-core
+   AVX512 EPYC, a [9728, 896] weight went from 14-17 to 18-21 GB/s for 4 and 8 rows, about oneDNN's blocked
+   product's rate there. One row is where machines differ: it streamed at the memory's rate without the hint on that
+   EPYC, and at 12.6-14.9 GB/s against 15.1-17.6 with it on a 2-core Sapphire Rapids VM (demo shapes, weights from
+   memory, both threads). */
 #define PREFETCH_AHEAD 1024
-#define PREFETCH_ROWS 3
 #define TILE 4 /* weight rows a tile reads together */
 
 int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
@@ -61,12 +63,12 @@ TC_INLINE void reduce_rows(const __m512* a, int M, float* acc) {
 }
 
 /* acc[r] = sum over k of w[k] * x[r][k], for M rows of x (a compile-time constant after inlining) */
-TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, float* acc) {
+TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int prefetch, float* acc) {
     __m512 a[MAX_ROWS], b = _mm512_setzero_ps(); /* b: a second chain for one row, whose adds would wait */
     for (int r = 0; r < M; r++) a[r] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= k; i += 32) {
-        if (M >= PREFETCH_ROWS) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        if (prefetch) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
         if (M == 1 && (i / 32) % 2) {
             b = _mm512_dpbf16_ps(b, wv, (__m512bh)_mm512_loadu_si512(x + i));
@@ -131,12 +133,12 @@ TC_INLINE void dot_tile(const uint16_t* w, const uint16_t* x, int k, int M, floa
 #define HAVE_TILES 1
 
 #else
-TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, float* acc) {
+TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int prefetch, float* acc) {
     __m256 a[MAX_ROWS], b = _mm256_setzero_ps();
     for (int r = 0; r < M; r++) a[r] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= k; i += 8) {
-        if (M >= PREFETCH_ROWS && i % 32 == 0) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        if (prefetch && i % 32 == 0) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m256 wv = bf16x8_load(w + i);
         if (M == 1 && (i / 8) % 2) {
             b = _mm256_fmadd_ps(wv, bf16x8_load(x + i), b);
@@ -169,7 +171,8 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
    past the last whole tile go one at a time. */
 #define PRODUCT(M)                                                                                                  \
     static void product_##M(const uint16_t* x, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,  \
-                            int nthreads, int tiled) {                                                              \
+                            int nthreads, int tiled, int prefetch_rows) {                                           \
+        const int prefetch = M >= prefetch_rows;                                                                    \
         int done = 0;                                                                                               \
         if (tiled && HAVE_TILES) {                                                                                  \
             done = n - n % TILE;                                                                                    \
@@ -182,7 +185,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, floa
         if (done == n) return; /* an empty loop would still wake the threads */                                 \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int j = done; j < n; j++) {       \
             float acc[M];                                                                                           \
-            dot_rows(w + (size_t)j * k, x, k, M, acc);                                                              \
+            dot_rows(w + (size_t)j * k, x, k, M, prefetch, acc);                                                    \
             STORE(M, acc, j);                                                                                       \
         }                                                                                                           \
     }
@@ -196,23 +199,24 @@ PRODUCT(7)
 PRODUCT(8)
 
 /* y [m, n] = x [m, k] @ w [n, k]^T (+ bias [n], or NULL), all contiguous bfloat16, in passes of MAX_ROWS rows
-   (each pass reads the weights once); tiled: passes of several rows read the weight in tiles (dot_tile). */
+   (each pass reads the weights once); tiled: passes of several rows read the weight in tiles (dot_tile); passes
+   of prefetch_rows or more rows prefetch their weights (tiles always do). */
 void tc_bf16_linear(const uint16_t* x, int m, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,
-                    int nthreads, int tiled) {
+                    int nthreads, int tiled, int prefetch_rows) {
     for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
         const int rows = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
         const uint16_t* xs = x + (size_t)r0 * k;
         uint16_t* ys = y + (size_t)r0 * n;
         const int tile = tiled && rows > 1; /* one row has its own order of additions (dot_rows) */
         switch (rows) {
-            case 1: product_1(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 2: product_2(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 3: product_3(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 4: product_4(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 5: product_5(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 6: product_6(xs, k, w, n, bias, ys, nthreads, tile); break;
-            case 7: product_7(xs, k, w, n, bias, ys, nthreads, tile); break;
-            default: product_8(xs, k, w, n, bias, ys, nthreads, tile); break;
+            case 1: product_1(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 2: product_2(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 3: product_3(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 4: product_4(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 5: product_5(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 6: product_6(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 7: product_7(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            default: product_8(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
         }
     }
 }

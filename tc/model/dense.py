@@ -138,6 +138,7 @@ def _native_bf16() -> native.Kernels | None:
     if kernels is None or not native.agrees("bf16 product",
                                             native.check_bf16_linear(kernels, torch.Generator().manual_seed(2))):
         return None
+    native.one_row_prefetch("bf16")  # whether one row prefetches its weights here, before any product is timed
     return kernels
 
 

@@ -66,10 +66,10 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 4  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 5  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
-BF16DOT_ABI = 2  # bf16dot.c's TC_BF16DOT_ABI
+BF16DOT_ABI = 3  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 1  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
@@ -78,7 +78,9 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a
 COMPILE_TIMEOUT_S = 120
 TILE_ROWS = 8  # weight rows per tile: out_features must be a multiple
 ACTIVATION_GROUP = 32  # qdot.c's XGROUP: activations are quantized per this many columns
-INT4_PREFETCH_ROWS = 2  # qdot.c's MANY_ROWS: where int4 passes prefetch their weights unless a probe finds 1 pays
+# activation rows from which each kind of product prefetches its weights (qdot.c, bf16dot.c), unless a probe finds
+# that one row pays (one_row_prefetch) ...
+PREFETCH_ROWS = {"bf16": 3, "int8": 2, "int4": 2}
 PREFETCH_GAIN = 1.03  # ... by this much for one row streamed from memory
 PREFETCH_TURNS = 8  # ... the best of this many turns each
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
@@ -106,7 +108,7 @@ class Kernels:
                                _INT]
         self._int4.restype = _INT
         self._int8 = lib.tc_int8_linear
-        self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT]
+        self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT, _INT]
         self._int8.restype = _INT
         self._attention = lib.tc_decode_attention
         self._attention.argtypes = [_INT, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
@@ -119,13 +121,14 @@ class Kernels:
         self._silu_mul.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT]
         self._silu_mul.restype = None
         self._bf16 = lib.tc_bf16_linear
-        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT]
+        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT]
         self._bf16.restype = None
         self.bf16_tile_bytes = cache_bytes(1) // 2  # activation bytes of a pass beyond which it reads tiles
         self.bf16_rows_per_pass = int(lib.tc_bf16dot_max_rows())
         self.rows_per_pass = int(lib.tc_qdot_rows_per_pass())
-        # activation rows from which an int4 pass prefetches its weights; int4_prefetch_rows() may lower it to 1
-        self.int4_prefetch_rows = INT4_PREFETCH_ROWS
+        # per kind of product, the activation rows from which a pass prefetches its weights; one_row_prefetch(kind)
+        # may lower it to 1
+        self.prefetch_rows = dict(PREFETCH_ROWS)
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
                                f"expected {ACTIVATION_GROUP}")
@@ -144,7 +147,7 @@ class Kernels:
         n = packed.shape[0] * TILE_ROWS
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int4(x2.data_ptr(), bf16, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
-                      group_size, y.data_ptr(), bf16, torch.get_num_threads(), self.int4_prefetch_rows):
+                      group_size, y.data_ptr(), bf16, torch.get_num_threads(), self.prefetch_rows["int4"]):
             raise _no_memory_for_codes(m, k)
         return y
 
@@ -157,7 +160,7 @@ class Kernels:
         n = packed.shape[0] * TILE_ROWS
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int4(x.data_ptr(), 1, x.numel() // k, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
-                      group_size, y.data_ptr(), 1, torch.get_num_threads(), self.int4_prefetch_rows):
+                      group_size, y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int4"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)
 
@@ -168,7 +171,7 @@ class Kernels:
         n = scale.shape[0]
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int8(x.data_ptr(), 1, x.numel() // k, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), 1,
-                      torch.get_num_threads()):
+                      torch.get_num_threads(), self.prefetch_rows["int8"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)
 
@@ -179,7 +182,7 @@ class Kernels:
         n = scale.shape[0]
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int8(x2.data_ptr(), bf16, m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), bf16,
-                      torch.get_num_threads()):
+                      torch.get_num_threads(), self.prefetch_rows["int8"]):
             raise _no_memory_for_codes(m, k)
         return y
 
@@ -266,7 +269,7 @@ class Kernels:
             tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
         y = torch.empty(*x2.shape[:-1], n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   torch.get_num_threads(), tiled)
+                   torch.get_num_threads(), tiled, self.prefetch_rows["bf16"])
         return y
 
 
@@ -608,40 +611,58 @@ def silu_mul_faster_than_torch() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def int4_prefetch_rows() -> int:
-    """The fewest activation rows from which this CPU's int4 passes prefetch their weights (qdot.c), settled once per
-    process and set on kernels(): 1 where one decode row is PREFETCH_GAIN faster with the prefetch, else
-    INT4_PREFETCH_ROWS.
+def one_row_prefetch(kind: str) -> int:
+    """The fewest activation rows from which this CPU's `kind` ("bf16", "int8" or "int4") products prefetch their
+    weights (qdot.c, bf16dot.c), settled once per process and set on kernels(): 1 where one decode row is
+    PREFETCH_GAIN faster with the prefetch, else PREFETCH_ROWS[kind].
 
-    Timed as a step runs it: one row of the demo model's down projection ([896, 4864], where a stage's gain
-    concentrates) on the process's threads, its weights streamed from memory (copies twice the last-level cache in
-    turn), the two settings taking turns and the best turn of each kept (wall time: the threads' waits on memory
-    are the point). On a 2-core Zen 4 EPYC: 103-145 us with the prefetch against 111-186 without, and 12 demo int4
-    layers stepped in 6.5-8.5 ms against 6.8-9.3 (a [9728, 896] row there gained less, and one row on one thread
-    lost: 410 against 371 us). The product's result does not change.
+    Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection
+    ([896, 4864], where a stage's gain concentrates) on the process's threads, its weights streamed from memory
+    (copies twice the last-level cache in turn), the two settings taking turns and the best turn of each kept (wall
+    time: the threads' waits on memory are the point). On a 2-core Zen 4 EPYC an int4 row took 103-145 us with the
+    prefetch against 111-186 without (12 demo int4 layers stepped in 6.5-8.5 ms against 6.8-9.3) while an int8 row
+    lost a little with it; on a 2-core Sapphire Rapids VM every kind gained 15-30%. The result does not change.
     """
     native = kernels()
     if native is None:
-        return INT4_PREFETCH_ROWS
+        return PREFETCH_ROWS[kind]
     n, k, group = 896, 4864, 128
-    codes = torch.full((n // TILE_ROWS, k // 8, TILE_ROWS, 4), 0x5A, dtype=torch.uint8)  # written: no zero pages
-    weights = [codes.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // codes.numel() + 1)]
-    scales = torch.full((n // TILE_ROWS, k // group, TILE_ROWS), 0.01, dtype=torch.bfloat16)
-    zeros = torch.zeros_like(scales)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    best = {1: float("inf"), INT4_PREFETCH_ROWS: float("inf")}
+    if kind == "bf16":
+        weight = torch.full((n, k), 0.01, dtype=torch.bfloat16)  # written: no zero pages
+
+        def run(w: torch.Tensor) -> object:
+            return native.bf16_product(x, w, None)
+    elif kind == "int8":
+        weight = torch.full((n // TILE_ROWS, k // 4, TILE_ROWS, 4), 0x35, dtype=torch.int8)
+        scale = torch.full((n,), 0.01)
+
+        def run(w: torch.Tensor) -> object:
+            return native.int8_product(x, w, scale, None)
+    elif kind == "int4":
+        weight = torch.full((n // TILE_ROWS, k // 8, TILE_ROWS, 4), 0x5A, dtype=torch.uint8)
+        scales = torch.full((n // TILE_ROWS, k // group, TILE_ROWS), 0.01, dtype=torch.bfloat16)
+        zeros = torch.zeros_like(scales)
+
+        def run(w: torch.Tensor) -> object:
+            return native.int4_product(x, w, scales, zeros, group, None)
+    else:
+        raise ValueError(f"no product of kind {kind!r}: bf16, int8 or int4")
+    nbytes = weight.numel() * weight.element_size()
+    weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
+    default = PREFETCH_ROWS[kind]
+    best = {1: float("inf"), default: float("inf")}
     for _ in range(PREFETCH_TURNS):
         for rows_from in best:
-            native.int4_prefetch_rows = rows_from
+            native.prefetch_rows[kind] = rows_from
             started = time.perf_counter()
-            for packed in weights:
-                native.int4_product(x, packed, scales, zeros, group, None)
+            for w in weights:
+                run(w)
             best[rows_from] = min(best[rows_from], (time.perf_counter() - started) / len(weights))
-    chosen = 1 if best[INT4_PREFETCH_ROWS] >= PREFETCH_GAIN * best[1] else INT4_PREFETCH_ROWS
-    native.int4_prefetch_rows = chosen
-    log.info("native int4 product: one row from memory %.0f us with the weights prefetched, %.0f us without: %s",
-             best[1] * 1e6, best[INT4_PREFETCH_ROWS] * 1e6,
-             "prefetched" if chosen == 1 else "the hardware's prefetch")
+    chosen = 1 if best[default] >= PREFETCH_GAIN * best[1] else default
+    native.prefetch_rows[kind] = chosen
+    log.info("native %s product: one row from memory %.0f us with the weights prefetched, %.0f us without: %s",
+             kind, best[1] * 1e6, best[default] * 1e6, "prefetched" if chosen == 1 else "the hardware's prefetch")
     return chosen
 
 

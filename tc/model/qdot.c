@@ -25,7 +25,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 4
+#define TC_QDOT_ABI 5
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -33,18 +33,17 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
-/* Weight bytes a tile prefetches ahead where it serves enough activation rows (MANY_ROWS for int8; for int4 the
-   caller says, from a probe: tc/model/native.py int4_prefetch_rows). With many rows each 32-byte weight vector
-   feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a 2-core
-   AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo model, and 8.9
-   instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products of 24 demo layers
-   (40 interleaved steps each way), 2 rows 11.6 ms instead of 13.8 and 3 rows 13.4 instead of 15.6, and the int8
-   lm_head at 2 rows 5.9 ms instead of 7.3. One row is where machines differ: an int8 row streams near the memory's
-   rate without it (with it, 2.5% slower over 12 demo layers on a Zen 4 EPYC), and an int4 row, which does twice
-   the arithmetic per byte, was 12% faster with it there (5.6 ms against 6.3 over 12 layers), a little slower or
-   no different on others. */
+/* Weight bytes a tile prefetches ahead where it serves `prefetch_rows` or more activation rows (the caller says;
+   tc/model/native.py settles it for each kind of product by a probe at load). With many rows each 32-byte weight
+   vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a
+   2-core AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo model,
+   and 8.9 instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products of 24 demo
+   layers (40 interleaved steps each way), 2 rows 11.6 ms instead of 13.8 and 3 rows 13.4 instead of 15.6, and the
+   int8 lm_head at 2 rows 5.9 ms instead of 7.3. One row is where machines differ: an int8 row streams near the
+   memory's rate without it on a Zen 4 EPYC (2.5% slower with it over 12 demo layers) and an int4 row was 12% faster
+   with it there (5.6 ms against 6.3 over 12 layers); on a 2-core Sapphire Rapids VM both gained 25-30% (an int8
+   row of the demo shapes at 14.5-17.6 GB/s against 11.7-13.8). */
 #define PREFETCH_AHEAD 2048
-#define MANY_ROWS 2
 
 int tc_qdot_abi(void) { return TC_QDOT_ABI; }
 
@@ -205,7 +204,8 @@ static void int4_group_sums(const float* xs, const int32_t* xqsum, int m, int K,
 
 /* int8 tile t: qweight bytes [N/8, K/4, 8, 4], byte (t, kb, r, b) = W[8t+r, 4kb+b]; a float scale per row. */
 TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
-                             const int8_t* qweight, const float* wscale, int t, int m0, int N, void* y, int y_bf16) {
+                             const int8_t* qweight, const float* wscale, int t, int m0, int N, void* y, int y_bf16,
+                             int prefetch_rows) {
     const int8_t* wt = qweight + (size_t)t * 8 * K;
     const int B = K / XGROUP;
     __m256 acc[MR];
@@ -215,7 +215,7 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
         for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-            prefetch_weights(wt, kb, mr, MANY_ROWS);
+            prefetch_weights(wt, kb, mr, prefetch_rows);
             for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
         }
         for (int j = 0; j < mr; j++) {
@@ -289,11 +289,11 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
     PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg))
 }
 
-/* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP. Returns 0, or -1 if
-   scratch memory ran out. */
+/* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP; a pass of prefetch_rows
+   or more activation rows prefetches its weights. Returns 0, or -1 if scratch memory ran out. */
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
-                   void* y, int y_bf16, int nthreads) {
-#define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16)
+                   void* y, int y_bf16, int nthreads, int prefetch_rows) {
+#define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16, prefetch_rows)
     PRODUCT(INT8_CALL, (void)0)
 }
 

@@ -790,6 +790,7 @@ class Int8Linear(_QuantLinear):
         self.path, self.uses_kernel = "native", False
         self._kernel_device_type = "cpu"  # the tiled layout is for this CPU's kernels
         self._native = native.kernels()
+        native.one_row_prefetch("int8")  # once per process: whether one row prefetches its weights here
         dense = self._dense_prefill
         if dense is None:
             dense = self._prefill_dtype is not None and int8_dense_prefill_is_faster(
@@ -931,7 +932,7 @@ class Int4Linear(_QuantLinear):
         self.path, self.uses_kernel = "native", False
         self._kernel_device_type = "cpu"
         self._native = native.kernels()
-        native.int4_prefetch_rows()  # once per process: whether one row prefetches its weights here
+        native.one_row_prefetch("int4")  # once per process: whether one row prefetches its weights here
         packed = weight.packed if in_place else weight.packed.clone()
         packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
         self.register_buffer("packed", packed)
