@@ -138,7 +138,6 @@ def _native_bf16() -> native.Kernels | None:
     if kernels is None or not native.agrees("bf16 product",
                                             native.check_bf16_linear(kernels, torch.Generator().manual_seed(2))):
         return None
-    native.one_row_prefetch("bf16")  # whether one row prefetches its weights here, before any product is timed
     return kernels
 
 
@@ -274,6 +273,7 @@ class NativeLinear(Linear):
         kernels = _native_bf16()
         if kernels is None:
             raise ValueError("NativeLinear needs the native kernels and their bf16 product (native.kernels())")
+        native.one_row_prefetch("bf16")  # once per process: whether one row prefetches its weights here
         with torch.device("meta"):
             layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         layer.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
