@@ -11,6 +11,6 @@ if missing:
     print(f"error: {missing_message(missing)}", file=sys.stderr)
     sys.exit(3)
 
-from tc.cli import main  # noqa: E402  (only after the dependency check)
+from tc.cli import exit_process, main  # noqa: E402  (only after the dependency check)
 
-sys.exit(main())
+exit_process(main())

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("tc")
 
@@ -122,6 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as exc:
         log.error("%s", exc)
         return 2
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code` once its output is written, without Python's finalization.
+
+    The head and workers leave daemon threads running by design (a worker's compute thread finishing a step, a peer
+    link's reader decoding a frame). Finalization ends such threads with pthread_exit as they next take the GIL,
+    and one inside a torch operator then unwinds through C++ code that may not be left that way: the runtime
+    calls std::terminate and the process dies of SIGABRT instead of exiting with its status. Nothing is left to do
+    at this point but flush what was logged and printed.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it anyway
+            pass
+    os._exit(code)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
