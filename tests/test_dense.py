@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_helpers import OurModel
-from tc.model import dense, native
+from tc.model import dense
 from tc.model.dense import PRODUCTS, Linear, NativeLinear, PackedLinear, fastest_product, pack_linears
 from tc.model.quant import Int4Linear, Int8Linear, quantize_linears
 from tiny_model import write_tiny_model
