@@ -33,13 +33,14 @@ from __future__ import annotations
 import functools
 import logging
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .probe import one_thread, race
+from .probe import cache_sweeper, one_thread, race
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ PACKED_DTYPES = (torch.bfloat16,)  # fp16 computes in fp32 on CPUs (qwen2.resolv
 PROBE_ROWS = 4096  # the probe times a slab of at most this many output rows: an lm_head's speed per row, cheaply
 PROBE_BLOCK = 64  # rows of activations standing for a prefill in the probe
 PROBE_FEW = 8  # ... and for a decode step of a batch of sequences
-BLOCK_SLACK = 1.5  # a product's prefill may be at most this much slower than the fastest (see fastest_product)
+BLOCK_SLACK = 2.0  # a product's prefill may be at most this much slower than the fastest (see fastest_product)
 FEW_SLACK = 1.75  # ... and a batch's decode step this much
 TIE = 1.1  # one-row times this close are a tie, which the faster batch step breaks
 PRODUCTS = ("plain", "packed", "native")  # F.linear (Linear), oneDNN blocked (PackedLinear), NativeLinear
@@ -102,24 +103,28 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     """Which of the `allowed` PRODUCTS a weight of this shape should take on this CPU (probed once per shape and
     process; "plain" where none of them qualifies).
 
-    Times each on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe),
-    on one thread, for one activation row (decode), PROBE_FEW rows (a batch's decode step) and PROBE_BLOCK rows
-    (prefill: the blocked product's own, F.linear's for the native one). A product qualifies whose prefill is not
-    clearly slower than the fastest's (BLOCK_SLACK: prefill timings on a shared machine swing by tens of percent,
-    while a CPU whose blocked bf16 prefill really loses, one without bf16 arithmetic where `Linear` multiplies in
-    fp32, loses several times over) and whose batch step is at most FEW_SLACK slower than the fastest's, so that
-    one stream's speed is never bought with much of many streams' (the native product of a weight with long rows,
-    the demo model's [896, 4864], fell to half the blocked one's rate for 8 rows before bf16dot.c read such weights
-    in tiles). The slack is wide because the probe's batch step (a weight held in cache, one thread) is not a step's
-    (weights streamed from memory, every thread): on a 2-core Sapphire Rapids VM the probe found the native product
-    1.15-1.3x slower than the fastest for 8 rows of the demo's shapes (1.85x once, against a blocked product that
-    ran 3x its usual rate in that process), where a step found it 0.7-0.85x as slow (1.2x for [896, 4864]) and
-    1.5-2x faster on one row; a slack of 1.25 gave the down projection to the native product in one process and to
-    F.linear, at 60% of its one-row rate, in the next. Of those, the fastest on one row
-    wins, unless another is within TIE of it there and faster on the batch step (a near tie on one row is noise;
-    the batch step's difference is not), in PRODUCTS' order on a full tie. Only the allowed products (and F.linear,
-    always possible) compete, so a weight that may not be blocked is never measured against the blocked product. A
-    blocked product must also agree with F.linear.
+    Times each on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe)
+    for one activation row (decode) as a step runs it, on every thread with the weight streamed from memory; and,
+    on one thread from cache (steady timings: probe.py), for PROBE_FEW rows (a batch's decode step) and PROBE_BLOCK
+    rows (prefill: the blocked product's own, F.linear's for the native one). A product qualifies whose prefill is
+    within BLOCK_SLACK of the fastest's and whose batch step is within FEW_SLACK of the fastest's; of those, the
+    fastest on one row wins, unless another is within TIE of it there and faster on the batch step (a near tie on
+    one row is noise; the batch step's difference is not), in PRODUCTS' order on a full tie.
+
+    The slacks keep out a product that loses the other work several times over, while the one-row lead decides:
+    a CPU without bf16 arithmetic, where `Linear` multiplies in fp32, loses a blocked prefill 4x and more, and the
+    native product of a weight with long rows (the demo's [896, 4864]) lost 8 rows 2x before bf16dot.c read such
+    weights in tiles; but the cache-held timings differ from a step's by tens of percent from one process to the
+    next. On a 2-core Sapphire Rapids VM the probe found the native product 1.15-1.3x slower than the fastest for 8
+    rows of the demo's shapes, where a step found it 0.7-0.85x as slow (1.2x for [896, 4864]) and 1.5-2x faster on
+    one row, and F.linear's prefill of [896, 4864] took 1.55x the blocked product's in some processes and as long in
+    others. Slacks of 1.25 and 1.5, and one row timed from cache on one thread (where oneDNN's blocked product at
+    times ran near the native product's rate, then 1.5-2x slower than it in the steps), gave the demo's projections
+    to the native product in one process and to F.linear or the blocked product, at 50-60% of its one-row rate, in
+    the next.
+
+    Only the allowed products (and F.linear, always possible) compete, so a weight that may not be blocked is never
+    measured against the blocked product. A blocked product must also agree with F.linear.
     """
     if dtype not in PACKED_DTYPES:
         return "plain"
@@ -167,12 +172,20 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
         runs["packed"] = lambda x: _packed_linear(x, packed, bias)
     if dtype == torch.bfloat16 and _native_bf16() is not None:
         runs["native"] = NativeLinear.from_linear(plain)  # the same weight, read by the native kernel
-    times = {}
-    with torch.no_grad(), one_thread():  # see probe.py: steady timings on a shared machine
-        for x, turns in ((one, 7), (few, 5), (block, 3)):
-            if x is block:  # a NativeLinear's prefill is F.linear's: timed once
-                runs = {p: run for p, run in runs.items() if p != "native"}
-            times[x.shape[0]] = dict(zip(runs, race([lambda run=run: run(x) for run in runs.values()], turns)))
+    # one row is timed as a step runs it, on every thread with the weight streamed from memory (wall time, the
+    # best of several turns): timed from cache on one thread, oneDNN's blocked product at times ran 3x its step
+    # rate, and near the native product's rate there, though in steps it ran 1.5-2x slower (a 2-core Sapphire
+    # Rapids VM); the prefill and batch timings, which compute more per weight byte, stay steady ones (probe.py)
+    with torch.no_grad():
+        sweep = cache_sweeper()
+        times = {1: dict(zip(runs, race([lambda run=run: run(one) for run in runs.values()], 5, before=sweep,
+                                        clock=time.perf_counter)))}
+        del sweep
+        with one_thread():
+            for x, turns in ((few, 5), (block, 3)):
+                if x is block:  # a NativeLinear's prefill is F.linear's: timed once
+                    runs = {p: run for p, run in runs.items() if p != "native"}
+                times[x.shape[0]] = dict(zip(runs, race([lambda run=run: run(x) for run in runs.values()], turns)))
     one_s, few_s, block_s = times[1], times[PROBE_FEW], times[PROBE_BLOCK]
     block_s.setdefault("native", block_s["plain"])
     log.info("%s [%d, %d] products, us for 1 / %d / %d rows: %s", dtype, out_features, in_features, PROBE_FEW,
