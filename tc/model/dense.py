@@ -106,22 +106,26 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     Times each on a random weight of at most PROBE_ROWS rows (shapes that differ only beyond that share a probe)
     for one activation row (decode) as a step runs it, on every thread with the weight streamed from memory; and,
     on one thread from cache (steady timings: probe.py), for PROBE_FEW rows (a batch's decode step) and PROBE_BLOCK
-    rows (prefill: the blocked product's own, F.linear's for the native one). A product qualifies whose prefill is
-    within BLOCK_SLACK of the fastest's and whose batch step is within FEW_SLACK of the fastest's; of those, the
-    fastest on one row wins, unless another is within TIE of it there and faster on the batch step (a near tie on
-    one row is noise; the batch step's difference is not), in PRODUCTS' order on a full tie.
+    rows (prefill: the blocked product's own, F.linear's for the native one). F.linear and the blocked product
+    qualify where their prefill is within BLOCK_SLACK of the fastest's and their batch step within FEW_SLACK of the
+    fastest's. The native product stands in for F.linear on a decode step's few rows and leaves it the rest (its
+    prefill is F.linear's), so it is judged against F.linear: it qualifies where its batch step is within FEW_SLACK
+    of F.linear's. Of those that qualify, the fastest on one row wins, unless another is within TIE of it there and
+    faster on the batch step (a near tie on one row is noise; the batch step's difference is not), in PRODUCTS'
+    order on a full tie.
 
     The slacks keep out a product that loses the other work several times over, while the one-row lead decides:
     a CPU without bf16 arithmetic, where `Linear` multiplies in fp32, loses a blocked prefill 4x and more, and the
     native product of a weight with long rows (the demo's [896, 4864]) lost 8 rows 2x before bf16dot.c read such
-    weights in tiles; but the cache-held timings differ from a step's by tens of percent from one process to the
-    next. On a 2-core Sapphire Rapids VM the probe found the native product 1.15-1.3x slower than the fastest for 8
-    rows of the demo's shapes (1.7x for [896, 896] while other processes loaded the machine), where a step found it
-    0.7-0.85x as slow (1.2x for [896, 4864]) and 1.5-2x faster on one row, and F.linear's prefill of [896, 4864] took
-    1.55x the blocked product's in some processes and as long in others. Slacks of 1.25 and 1.5, and one row timed
-    from cache on one thread (where oneDNN's blocked product at times ran near the native product's rate, then
-    1.5-2x slower than it in the steps), gave the demo's projections to the native product in one process and to
-    F.linear or the blocked product, at 50-60% of its one-row rate, in the next.
+    weights in tiles. The cache-held timings differ from a step's by tens of percent, and oneDNN's blocked product
+    ran some shapes 2-3x faster in some processes than in others. On a 2-core Sapphire Rapids VM the probe found the
+    native product 1.15-1.3x slower than the fastest for 8 rows of the demo's shapes (1.9x for [896, 896] in a
+    process where the blocked product ran fast), and F.linear's prefill 1.3x the blocked product's (2.1x in such
+    a process), where a step found the native product 0.7-0.85x as slow as F.linear on 8 rows (1.2x for
+    [896, 4864]) and 1.5-2x faster than either on one row. Judging the native product against the fastest of all,
+    with slacks of 1.25 and 1.5 and one row timed from cache on one thread, gave the demo's projections to the
+    native product in one process and to F.linear or the blocked product, at 50-60% of its one-row rate, in the
+    next.
 
     Only the allowed products (and F.linear, always possible) compete, so a weight that may not be blocked is never
     measured against the blocked product. A blocked product must also agree with F.linear.
@@ -130,8 +134,11 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
         return "plain"
     one_s, few_s, block_s = _probe(min(out_features, PROBE_ROWS), in_features, dtype)
     candidates = [p for p in one_s if p in allowed or p == "plain"]
-    qualified = [p for p in candidates if block_s[p] <= BLOCK_SLACK * min(block_s[c] for c in candidates)
+    qualified = [p for p in candidates if p != "native"
+                 and block_s[p] <= BLOCK_SLACK * min(block_s[c] for c in candidates)
                  and few_s[p] <= FEW_SLACK * min(few_s[c] for c in candidates)] or ["plain"]
+    if "native" in candidates and few_s["native"] <= FEW_SLACK * few_s["plain"]:
+        qualified.append("native")  # last: PRODUCTS' order
     fastest = min(one_s[p] for p in qualified)
     return min((p for p in qualified if one_s[p] <= TIE * fastest), key=lambda p: few_s[p])
 
