@@ -185,22 +185,18 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
     # time, both threads' (the best of several turns): wall time went astray by 5-10x while other processes held
     # the cores (a cluster's processes loading at once on one machine), since a descheduled thread holds up the
     # whole product. The prefill and batch timings, which compute more per weight byte, stay steady ones (probe.py)
+    def timed(x: torch.Tensor, products: dict, turns: int, **how) -> dict[str, float]:
+        return dict(zip(products, race([lambda run=run: run(x) for run in products.values()], turns, **how)))
+
     with torch.no_grad():
-        sweep = cache_sweeper()
-        times = {1: dict(zip(runs, race([lambda run=run: run(one) for run in runs.values()], 5, before=sweep,
-                                        clock=time.process_time)))}
-        del sweep
+        one_s = timed(one, runs, 5, before=cache_sweeper(), clock=time.process_time)  # its buffer freed after
         with one_thread():
-            for x, turns in ((few, 5), (block, 3)):
-                if x is block:  # a NativeLinear's prefill is F.linear's: timed once
-                    runs = {p: run for p, run in runs.items() if p != "native"}
-                times[x.shape[0]] = dict(zip(runs, race([lambda run=run: run(x) for run in runs.values()], turns)))
-    one_s, few_s, block_s = times[1], times[PROBE_FEW], times[PROBE_BLOCK]
-    block_s.setdefault("native", block_s["plain"])
+            few_s = timed(few, runs, 5)
+            block_s = timed(block, {p: run for p, run in runs.items() if p != "native"}, 3)
+    block_s["native"] = block_s["plain"]  # a NativeLinear's prefill is F.linear's: timed once
     log.info("%s [%d, %d] products, us for 1 row (CPU time of every thread, from memory) / %d / %d rows: %s",
-             dtype, out_features, in_features, PROBE_FEW,
-             PROBE_BLOCK, ", ".join(f"{p} {one_s[p] * 1e6:.0f} / {few_s[p] * 1e6:.0f} / {block_s[p] * 1e6:.0f}"
-                                    for p in one_s))
+             dtype, out_features, in_features, PROBE_FEW, PROBE_BLOCK,
+             ", ".join(f"{p} {one_s[p] * 1e6:.0f} / {few_s[p] * 1e6:.0f} / {block_s[p] * 1e6:.0f}" for p in one_s))
     return one_s, few_s, block_s
 
 

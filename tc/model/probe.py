@@ -32,8 +32,9 @@ def race(fns: list[Callable[[], object]], runs: int, before: Callable[[], object
     """The least thread CPU time (s) one call of each of `fns` took over `runs` turns, after one untimed call each;
     with `before`, that is called (untimed) before each timed call (a `cache_sweeper`, say).
 
-    Only meaningful for CPU work inside `one_thread`: work done on other threads or devices is not counted. With
-    clock=time.perf_counter, wall time instead, for work on every thread (the best turn: others' load only adds).
+    Only meaningful for CPU work inside `one_thread`: work done on other threads or devices is not counted. Another
+    `clock` times work on every thread: time.process_time, the CPU time of all the process's threads (a thread
+    waiting for a core adds nothing), or time.perf_counter, wall time.
     """
     for fn in fns:
         fn()
