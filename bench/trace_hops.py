@@ -5,16 +5,21 @@ and N workers start on loopback (real processes, tc's own CLI, the demo model) w
 every process marks the moments a step passes (tc/trace.py); after a warm-up, one greedy completion of --tokens
 tokens runs, and each decode step is laid out from the marks, head and workers on one clock:
 
-    head send -> sent                      the head's call that builds, encodes and sends the step
-    head send -> w1 received               the whole transfer: that, the socket, waking w1's reader, reading and
-                                           decoding the frame (timed from the send's start: on shared cores the
-                                           reader often has the frame before the sender's call returns)
+    head send -> encoded                   the head builds the step's message and encodes its frame
+    head encoded -> sent                   the send's system call
+    head encoded -> w1 read                the whole transfer: that call, the socket, waking w1's reader, reading
+                                           the frame (timed from the end of encoding, not from the call's return:
+                                           on shared cores the reader often has the frame before the sender's call
+                                           returns)
+    w1 read -> received                    decoding the frame
     w1 received -> computing               the reader hands the step to the compute thread
     w1 computing -> compute                checks and cache bookkeeping before the stage computes
     w1 compute -> computed                 the stage (what the worker reports as its compute)
-    w1 computed -> passed                  building, encoding and sending the output to w2
-    w1 computed -> w2 peer received        ... the whole transfer, and so on to the last worker, which answers
-    w2 computed -> head received           the whole transfer to the head
+    w1 computed -> encoded                 building the output's message and encoding its frame
+    w1 encoded -> passed                   sending it to w2
+    w1 encoded -> w2 read                  ... the whole transfer, and so on to the last worker, which answers
+    w2 encoded -> head read                the whole transfer to the head
+    head read -> received                  decoding the answer
     head received -> woke                  the head's reader hands the answer to the step's thread
 
 Prints each segment's median, 10th and 90th percentile in microseconds, and per step the stages' compute, the

@@ -7,15 +7,25 @@ split it, every process marks those moments when TC_TRACE_DIR names a directory:
 process on a machine, so head and workers on one box can be laid side by side). The events, in a decode step's
 order through head + 2 workers with direct hops:
 
-    head:    send          the step is about to be encoded and sent to the first worker
-             sent          ... and has been
-    worker:  received      its reader decoded a RUN_BATCH from the head (or `peer received`: from the stage before)
+    head:    send          the step is about to be built, encoded and sent to the first worker
+             encoded       ... its frame is encoded (marked in the connection, for every frame it sends)
+             sent          ... and has been sent
+    worker:  read          its connection read a frame whole (for every frame); decoding it comes next
+             received      its reader decoded a RUN_BATCH from the head (or `peer received`: from the stage before)
              computing     the compute thread took it from the reader
              compute       the stage's own computing begins (the part the worker reports as its compute)
              computed      ... ends
+             encoded       the output's frame is built and encoded
              passed        the output went to the next stage (or `answered`: to the head)
-    head:    received      the head's reader decoded the last stage's answer
+    head:    read          the last stage's answer is read whole
+             received      ... and decoded by the head's reader
              woke          the step's thread has it
+
+`encoded` and `read` split a hand-off into the software's parts and the socket's: from `computed` to `encoded`
+the output is built into a message and encoded; from `encoded` to the next process's `read`, the send's system
+call, the socket, waking the reader and reading the frame; from `read` to `received`, decoding it. Being marked
+in the connection they come with every frame, pings and their answers too, so a ping at the wrong moment can
+stand in for a step's frame (rare: one every few seconds; bench/trace_hops.py shows medians).
 
 Off (the default), a mark is one test of a module global. Lines are written as they happen, with no buffering
 beyond the line: a trace is for a short diagnostic run, not for serving.
@@ -42,10 +52,10 @@ def mark(event: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ reading
 
-CHAIN_HEAD = ("send", "sent")
-CHAIN_FIRST_WORKER = ("received", "computing", "compute", "computed")
-CHAIN_NEXT_WORKER = ("peer received", "computing", "compute", "computed")
-CHAIN_END = ("received", "woke")
+CHAIN_HEAD = ("send", "encoded", "sent")
+CHAIN_FIRST_WORKER = ("read", "received", "computing", "compute", "computed", "encoded")
+CHAIN_NEXT_WORKER = ("read", "peer received", "computing", "compute", "computed", "encoded")
+CHAIN_END = ("read", "received", "woke")
 SENT = ("sent", "passed", "answered")  # marks made when a send returns
 
 
@@ -89,10 +99,12 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
             if pid is not None:
                 found = next((i for i in range(at, len(window)) if window[i][2] == event and window[i][1] == pid),
                              None)
-            else:  # a worker not met yet: the one whose next mark is the chain's next (a ping read meanwhile is not)
+            else:  # a worker not met yet: the one whose next marks are the chain's up to taking the step to compute
+                # (a ping read meanwhile is answered instead)
+                following = [e for _, _, e in wanted[k + 1:k + 1 + _marks_to_computing(wanted, k)]]
                 found = next((i for i in range(at, len(window)) if window[i][2] == event
                               and window[i][1] not in (head, *pids.values())
-                              and _next_of(window, i) == wanted[k + 1][2]), None)
+                              and _next_of(window, i, len(following)) == following), None)
             if found is None:
                 ok = False
                 break
@@ -104,7 +116,12 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
     return steps
 
 
-def _next_of(window: list[tuple[int, int, str]], i: int) -> str | None:
-    """The event the process of window[i] marks next, if any."""
+def _marks_to_computing(wanted: list[tuple[str, int | None, str]], k: int) -> int:
+    """How many of the chain's marks after the k-th lead up to, and include, its node's next `computing`."""
+    return next(j - k for j in range(k + 1, len(wanted)) if wanted[j][2] == "computing")
+
+
+def _next_of(window: list[tuple[int, int, str]], i: int, count: int) -> list[str]:
+    """The next `count` events the process of window[i] marks (fewer where the window ends first)."""
     pid = window[i][1]
-    return next((event for _, p, event in window[i + 1:] if p == pid), None)
+    return [event for _, p, event in window[i + 1:] if p == pid][:count]

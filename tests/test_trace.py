@@ -12,9 +12,12 @@ from tc.trace import decode_steps, read_events
 from tiny_model import write_tiny_model
 
 NODES = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
-CHAIN = [("head", "send"), ("head", "sent"), ("w1", "received"), ("w1", "computing"), ("w1", "compute"),
-         ("w1", "computed"), ("w1", "passed"), ("w2", "peer received"), ("w2", "computing"), ("w2", "compute"),
-         ("w2", "computed"), ("w2", "answered"), ("head", "received"), ("head", "woke")]
+CHAIN = [("head", "send"), ("head", "encoded"), ("head", "sent"),
+         ("w1", "read"), ("w1", "received"), ("w1", "computing"), ("w1", "compute"), ("w1", "computed"),
+         ("w1", "encoded"), ("w1", "passed"),
+         ("w2", "read"), ("w2", "peer received"), ("w2", "computing"), ("w2", "compute"), ("w2", "computed"),
+         ("w2", "encoded"), ("w2", "answered"),
+         ("head", "read"), ("head", "received"), ("head", "woke")]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +50,12 @@ def test_every_step_through_head_and_two_workers_is_traced_hand_off_by_hand_off(
         for node in ("head", "w1", "w2"):
             own = [ns for n, _, ns in step if n == node]
             assert own == sorted(own), node
-        assert times[("head", "send")] < times[("w1", "received")] < times[("w1", "compute")]
-        assert times[("w1", "computed")] < times[("w2", "peer received")]
-        assert times[("w2", "computed")] < times[("head", "received")] < times[("head", "woke")]
+        assert times[("head", "send")] < times[("head", "encoded")] < times[("w1", "read")] \
+            < times[("w1", "received")] < times[("w1", "compute")]
+        assert times[("w1", "computed")] < times[("w1", "encoded")] < times[("w2", "read")] \
+            < times[("w2", "peer received")]
+        assert times[("w2", "computed")] < times[("w2", "encoded")] < times[("head", "read")] \
+            < times[("head", "received")] < times[("head", "woke")]
 
 
 def test_marks_cost_nothing_and_write_nothing_unless_asked(tmp_path):
@@ -63,16 +69,21 @@ def test_marks_cost_nothing_and_write_nothing_unless_asked(tmp_path):
 
 
 def test_the_reader_keeps_whole_chains_only():
-    """A worker's reader may mark a frame before its sender's call returned, a ping may wake another worker's reader
-    in between, and a step cut short is left out."""
+    """A worker's reader may read a frame before its sender's call returned, a ping may wake another worker's
+    reader in between (it reads, decodes and answers the ping), and a step cut short is left out."""
     head, w1, w2 = 10, 11, 12
-    one = [(0, head, "send"), (4, w2, "received"), (5, w1, "received"), (6, head, "sent"),  # w2: a ping
-           (8, w1, "computing"), (9, w1, "compute"), (20, w1, "computed"), (22, w2, "peer received"),
-           (23, w1, "passed"), (24, w2, "computing"), (25, w2, "compute"), (40, w2, "computed"),
-           (41, w2, "answered"), (42, head, "received"), (43, head, "woke")]
-    cut = [(100, head, "send"), (101, head, "sent"), (102, w1, "received")]
+    one = [(0, head, "send"), (1, head, "encoded"),
+           (2, w2, "read"), (3, w2, "received"), (4, w2, "encoded"),  # w2 answers a ping
+           (5, w1, "read"), (6, w1, "received"), (7, head, "sent"),
+           (8, w1, "computing"), (9, w1, "compute"), (20, w1, "computed"), (21, w1, "encoded"), (22, w2, "read"),
+           (23, w2, "peer received"), (24, w1, "passed"), (25, w2, "computing"), (26, w2, "compute"),
+           (40, w2, "computed"), (41, w2, "encoded"), (42, head, "read"), (43, w2, "answered"),
+           (44, head, "received"), (45, head, "woke")]
+    cut = [(100, head, "send"), (101, head, "encoded"), (102, head, "sent"), (103, w1, "read")]
     steps = decode_steps(sorted(one + cut), workers=2)
     assert len(steps) == 1
     assert [(node, event) for node, event, _ in steps[0]] == CHAIN
-    assert dict(((node, event), ns) for node, event, ns in steps[0])[("w2", "peer received")] == 22
+    times = dict(((node, event), ns) for node, event, ns in steps[0])
+    assert (times[("w1", "read")], times[("w2", "read")], times[("w2", "peer received")]) == (5, 22, 23)
+    assert times[("head", "read")] == 42  # read before the last worker's send returned
     assert decode_steps(sorted(one + cut), workers=2, since_ns=1) == []

@@ -36,6 +36,7 @@ from tc.protocol.cbor import BytesLike
 from tc.protocol.errors import ConnectionClosed, FrameTooLarge
 from tc.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, Envelope, decode_body, encode_frame_parts
 from tc.protocol.messages import ERROR_PROTOCOL, Error, Message
+from tc.trace import mark
 
 # sendmsg takes at most IOV_MAX (1024 on Linux and macOS) buffers per call; a frame has a handful.
 _MAX_PARTS_PER_CALL = 64
@@ -127,6 +128,7 @@ class Connection:
         ConnectionClosed when the connection is closed or breaks while sending (it is closed then).
         """
         parts = encode_frame_parts(message, request_id, seq)
+        mark("encoded")
         body_length = sum(len(part) for part in parts) - HEADER_SIZE
         if body_length > self.max_frame_bytes:
             raise ValueError(
@@ -172,6 +174,7 @@ class Connection:
                 self._buffer = bytearray(length)
             with memoryview(self._buffer) as whole, whole[:length] as body:
                 self._read_exactly(body, frame_started=True)
+                mark("read")
                 return decode_body(body)
 
     def close(self) -> None:
