@@ -1,6 +1,7 @@
 """The pure protocol: messages, tensors and frames, driven with bytes only (no sockets)."""
 from __future__ import annotations
 
+import gc
 import math
 import struct
 from typing import Any, Callable
@@ -820,6 +821,21 @@ def test_non_contiguous_tensors_round_trip(name, view):
 )
 def test_tensor_data_is_little_endian(tensor, data):
     assert bytes(tensor_to_wire(tensor)["data"]) == data
+
+
+def test_wire_data_keeps_its_tensor_alive():
+    """The frame may be sent after the caller dropped the tensor: `data` holds the tensor's memory, not a copy."""
+    expected = torch.arange(4096, dtype=torch.float32)
+    data = tensor_to_wire(expected.clone())["data"]  # the wire map holds the only reference to the clone
+    gc.collect()
+    junk = [torch.full((4096,), 7.0) for _ in range(64)]  # would take the clone's memory over, were it freed
+    assert bytes(data) == expected.numpy().tobytes()
+    assert all(int(j[0]) == 7 for j in junk)
+
+
+def test_a_tensor_that_requires_grad_goes_on_the_wire_as_its_values():
+    tensor = torch.tensor([[1.0, -2.0]], requires_grad=True)
+    assert torch.equal(tensor_from_wire(tensor_to_wire(tensor)), tensor.detach())
 
 
 def test_decoded_tensor_owns_writable_memory():

@@ -241,7 +241,11 @@ class _Tensor(_Kind):
             tensor = tensor_from_wire(value)
         except ProtocolError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
-        return super().from_wire(tensor, where)
+        # tensor_from_wire made it of a wire dtype from a valid map: only the rank is left to check, from the map
+        # rather than the tensor (every call into torch counts on a hop: see tensors.tensor_to_wire)
+        if len(value["shape"]) != self.rank:
+            raise ProtocolError(f"{where} must have {self.rank} dimensions, got shape {tuple(value['shape'])}")
+        return tensor
 
 
 class _Struct(_Kind):
@@ -674,9 +678,9 @@ class RunBatch(Message):
         if set(self.released) & (set(sequences) | set(copies)):
             raise ValueError(f"RunBatch releases {list(self.released)}, and runs or copies some of them")
         rows = sum(e.length for e in self.entries)
-        if self.hidden_state.dim() != 3 or self.hidden_state.shape[0] != 1 or self.hidden_state.shape[1] != rows:
-            raise ValueError(f"RunBatch hidden_state has shape {list(self.hidden_state.shape)}; its entries need "
-                             f"[1, {rows}, hidden]")
+        shape = self.hidden_state.shape  # of rank 3: the field's kind checked that
+        if shape[0] != 1 or shape[1] != rows:
+            raise ValueError(f"RunBatch hidden_state has shape {list(shape)}; its entries need [1, {rows}, hidden]")
 
     @property
     def is_decode(self) -> bool:

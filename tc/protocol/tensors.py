@@ -1,8 +1,9 @@
 """Tensors on the wire: a CBOR map ``{"dtype": "fp32"|"bf16"|"fp16", "shape": [ints], "data": bytes}``.
 
 ``data`` holds the elements in C order (row-major, contiguous), each in little-endian byte order, with no
-padding: ``len(data) == prod(shape) * itemsize``. bf16 has no numpy dtype, so bytes are taken and restored
-through torch (a ``uint8`` view of the tensor's storage), never through a numpy float dtype.
+padding: ``len(data) == prod(shape) * itemsize``. bf16 has no numpy dtype, so bytes are read from the tensor's
+own memory (through ctypes, at its data pointer) and restored through torch (``torch.frombuffer``), never through a
+numpy float dtype.
 
 Copies, on purpose:
 - ``tensor_to_wire`` copies nothing for a contiguous CPU tensor: ``data`` is a read-only view of the tensor's
@@ -14,6 +15,7 @@ Copies, on purpose:
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 from typing import Any
@@ -74,11 +76,17 @@ def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
             f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(tensor.shape)}"
         )
     _require_little_endian()
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel], a view when already contiguous on CPU
-    # A uint8 view of the same storage gives the raw element bytes for every dtype, bf16 included; the
-    # memoryview keeps that storage alive and lets the frame carry it without a copy.
-    data = memoryview(flat.view(torch.uint8).numpy()).toreadonly()  # [numel * itemsize]
-    return {"dtype": name, "shape": list(tensor.shape), "data": data}
+    shape = list(tensor.shape)
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        tensor = tensor.detach().to("cpu").contiguous()
+    # The element bytes straight from the tensor's memory, read through ctypes rather than a uint8 view and numpy:
+    # this runs on every hop right after a stage's weights went through the caches, where each call into torch
+    # costs tens of microseconds (bench/bench_protocol.py's cold columns). The buffer holds the tensor, and the
+    # memoryview the buffer, so the memory stays alive as long as the frame refers to it.
+    buffer = (ctypes.c_ubyte * (math.prod(shape) * tensor.element_size())).from_address(tensor.data_ptr())
+    buffer.tensor = tensor
+    data = memoryview(buffer).cast("B").toreadonly()  # [numel * itemsize]
+    return {"dtype": name, "shape": shape, "data": data}
 
 
 def tensor_from_wire(obj: Any) -> torch.Tensor:
