@@ -103,7 +103,7 @@ class WorkerLink:
         self.hidden_size = hidden_size
         self.steps = StepClock(budget)  # this connection's own: a rejoined worker is measured afresh
         self._drop = drop
-        self.replies: queue.Queue = queue.Queue()
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()  # C put and get: every decode step's answer passes here
         self.arrived = arrived
         self.closed = threading.Event()
         self.close_reason = ""
