@@ -187,16 +187,15 @@ class RemotePipeline:
         deadline, drops every worker that still owes the step an answer (none of them says which one hangs) and
         raises WorkerLost."""
         arrived = self.registry.replies_arrived
-        with arrived:
-            while True:
-                for i, link in enumerate(links):
-                    item = link.take_reply()
-                    if item is not None:
-                        return i, item
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                arrived.wait(left)
+        while True:
+            for i, link in enumerate(links):
+                item = link.take_reply()
+                if item is not None:
+                    return i, item
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            arrived.wait(left)
         owing = [link for link in links if link.awaits(request_id)] or links
         reason = (f"no answer to a step passed from worker to worker ({', '.join(l.name for l in owing)}) within "
                   f"the {bound:.3g}s its stages' bounds add up to: one of them is hung or has failed")
