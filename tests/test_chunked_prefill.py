@@ -8,8 +8,8 @@ import torch
 
 from tc.model.config import Qwen2Config
 from tc.model.weights import layer_tensor_names
-from tc.protocol.messages import Assignment, BatchEntry, HiddenState, RunBatch
-from tc.worker.runtime import (MIN_PREFILL_CHUNK, StageRuntime, load_assignment, prefill_chunk_positions)
+from tc.protocol.messages import Assignment, BatchEntry, RunBatch
+from tc.worker.runtime import (MIN_PREFILL_CHUNK, StageOutput, StageRuntime, load_assignment, prefill_chunk_positions)
 
 
 @pytest.mark.parametrize("heads, end, budget, chunk", [
@@ -39,7 +39,7 @@ def run(runtime: StageRuntime, parts: list[tuple[int, int, int, torch.Tensor]]) 
     entries = tuple(BatchEntry(sequence=s, position_start=p, length=h.shape[1], cache_capacity=c)
                     for s, p, c, h in parts)
     reply = runtime.run(RunBatch(entries=entries, hidden_state=torch.cat([h for *_, h in parts], dim=1)))
-    assert isinstance(reply, HiddenState), reply
+    assert isinstance(reply, StageOutput), reply
     return list(reply.hidden_state.split([e.length for e in entries], dim=1))
 
 
@@ -98,7 +98,7 @@ def test_a_worker_refuses_more_sequences_than_assigned_and_forgets_released_ones
     assert "would hold 5 sequences' caches; this worker was assigned 4" in runtime.run(too_many).message
     runtime.release((0, 1))
     assert sorted(runtime.caches) == [2, 3]
-    assert isinstance(runtime.run(too_many), HiddenState)
+    assert isinstance(runtime.run(too_many), StageOutput)
     unknown = RunBatch(entries=(BatchEntry(sequence=0, position_start=2, length=1, cache_capacity=4),),
                        hidden_state=torch.randn(1, 1, width))
     assert "sequence 0 continues at position 2 but this worker holds no cache" in runtime.run(unknown).message

@@ -58,7 +58,7 @@ from .device import DeviceError, compute_dtypes, detect_devices, select_device, 
 from ..openmp import on_own_thread
 from ..trace import mark
 from .peers import Forwarder, PeerListener, Routes
-from .runtime import LoadedStage, StageRuntime, apply_threads, load_assignment
+from .runtime import LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment
 
 log = logging.getLogger(__name__)
 
@@ -425,14 +425,16 @@ class Worker:
                      route.route if route else "unset")
             return
         runtime.release(msg.released)
-        reply = self.infer(runtime, msg)
-        if isinstance(reply, HiddenState):
+        output = self.infer(runtime, msg)
+        if isinstance(output, InferenceError):
+            reply = output
+        else:
             if on_route and route.next_host is not None and forwarder.send(route, RunBatch(
-                    entries=msg.entries, hidden_state=reply.hidden_state, route=msg.route, released=msg.released,
-                    upstream_seconds=msg.upstream_seconds + (reply.compute_seconds,)), env.request_id, env.seq):
+                    entries=msg.entries, hidden_state=output.hidden_state, route=msg.route, released=msg.released,
+                    upstream_seconds=msg.upstream_seconds + (output.compute_seconds,)), env.request_id, env.seq):
                 mark("passed")
                 return  # the head hears from the last stage, or from one that could not pass it on
-            reply = HiddenState(hidden_state=reply.hidden_state, compute_seconds=reply.compute_seconds,
+            reply = HiddenState(hidden_state=output.hidden_state, compute_seconds=output.compute_seconds,
                                 upstream_seconds=msg.upstream_seconds)
         conn.send(reply, env.request_id, env.seq)
         mark("answered")
@@ -450,7 +452,7 @@ class Worker:
         conn.close()
 
     @staticmethod
-    def infer(runtime: StageRuntime, msg: RunBatch):
+    def infer(runtime: StageRuntime, msg: RunBatch) -> StageOutput | InferenceError:
         """Run one batch; any failure (out of memory, a bad shape the checks missed, a bug) fails that batch's
         requests only: the caches, the one state a failed step can spoil, are dropped, and the weights are
         untouched."""

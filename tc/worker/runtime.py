@@ -1,6 +1,7 @@
 """One worker's share of the model: its layers, and a KV cache for each sequence in flight.
 
-Pure with respect to I/O: it takes protocol messages and returns replies; the connection lives in main.py.
+Pure with respect to I/O: it takes protocol messages and returns the stage's output (or the INFERENCE_ERROR to
+send); main.py wraps the output in the message it sends on, and owns the connections.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
 from ..model.qwen2 import Span, Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
-from ..protocol.messages import Assignment, BatchEntry, HiddenState, InferenceError, RunBatch
+from ..protocol.messages import Assignment, BatchEntry, InferenceError, RunBatch
 from ..trace import mark
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,16 @@ log = logging.getLogger(__name__)
 # 3.6 GB for 8k positions of 14 heads. The worker runs a long prefill in chunks that keep them under this.
 DEFAULT_ATTENTION_BUDGET_BYTES = 256 << 20
 MIN_PREFILL_CHUNK = 16  # below this, per-chunk overhead would cost more than the memory saved
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What a RUN_BATCH made: the stage's hidden states [1, rows, hidden] on the CPU, and the seconds it computed.
+    The worker wraps it in the one message it sends on (RUN_BATCH to the next stage, or HIDDEN_STATE to the
+    head), built once: each message checks its fields as it is made, on a step's path."""
+
+    hidden_state: torch.Tensor
+    compute_seconds: float
 
 
 def prefill_chunk_positions(heads: int, positions_end: int, budget_bytes: int) -> int:
@@ -165,7 +176,7 @@ class StageRuntime:
                                        entry.position_start + entry.length, self.attention_budget_bytes)
         return [(i, min(step, entry.length - i)) for i in range(0, entry.length, step)]
 
-    def run(self, msg: RunBatch) -> HiddenState | InferenceError:
+    def run(self, msg: RunBatch) -> StageOutput | InferenceError:
         problem = self._problem(msg)
         if problem:
             return InferenceError(message=problem)
@@ -189,7 +200,7 @@ class StageRuntime:
             for copy in e.copies:
                 self.caches[copy] = self.caches[e.sequence].copy()
         mark("computed")
-        return HiddenState(hidden_state=out, compute_seconds=time.perf_counter() - started)
+        return StageOutput(out, time.perf_counter() - started)
 
     def _run_in_passes(self, x: torch.Tensor, entries: tuple[BatchEntry, ...],
                        pieces: list[list[tuple[int, int]]]) -> torch.Tensor:
