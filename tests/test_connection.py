@@ -1,8 +1,10 @@
 """Connection over real sockets: a socketpair and a loopback TCP listener."""
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -132,6 +134,35 @@ def test_received_tensors_survive_the_buffer_being_reused(pair):
     sender.join(WAIT)
     assert right._buffer is buffer  # same size: reused, not reallocated
     assert torch.equal(got_first, first) and torch.equal(got_second, second)
+
+
+@pytest.mark.parametrize("chunks", [[1], [7, 3000], [1 << 30]], ids=["byte-by-byte", "ragged", "all-at-once"])
+def test_frames_come_out_whole_however_their_bytes_arrive(raw_pair, chunks):
+    """A read takes what the socket holds: part of a header, a frame and the start of the next, a body larger than
+    the buffer so far. Each recv still returns one whole frame, in order, and nothing is lost between them."""
+    conn, raw = raw_pair
+    big = HiddenState(torch.arange(1 * 70 * 896, dtype=torch.float32).reshape(1, 70, 896), compute_seconds=0.25)
+    stream = encode(Ping(1)) + encode(big) + encode(Ping(2)) + encode(Ping(3))
+
+    def write() -> None:
+        at, sizes = 0, itertools.cycle(chunks)
+        while at < len(stream):
+            size = next(sizes)
+            raw.sendall(stream[at:at + size])
+            at += size
+            if size < 100 and at < 200:  # slow through the first frame's header and body
+                time.sleep(0.001)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    assert conn.recv(timeout=WAIT).message == Ping(1)
+    got = conn.recv(timeout=WAIT).message
+    assert torch.equal(got.hidden_state, big.hidden_state) and got.compute_seconds == 0.25
+    assert [conn.recv(timeout=WAIT).message for _ in range(2)] == [Ping(2), Ping(3)]
+    writer.join(WAIT)
+    with pytest.raises(TimeoutError):
+        conn.recv(timeout=0.05)  # every byte was a frame's: nothing left over
+    assert not conn.closed
 
 
 def test_tcp_peer_name_and_nodelay(tcp_pair):

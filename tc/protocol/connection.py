@@ -6,10 +6,13 @@ Framing and parsing live in framing.py; this layer only moves bytes. It is built
   frame goes out with a gathering ``sendmsg`` of its parts (framing.encode_frame_parts), so a tensor is sent
   from its own memory, never joined into a body first.
 - ``recv`` is meant for one reader thread (a lock makes a second reader wait rather than interleave). It reads
-  the 8-byte header, then the body with ``recv_into`` into one buffer that is reused for every frame and grows to
-  the largest body seen (never beyond ``max_frame_bytes``). Reusing it matters: a fresh 0.9 MB buffer per frame
-  cost about 2.8 ms per loopback round trip against 0.45 ms for a reused one, the difference being page faults.
-  Decoded envelopes never point into that buffer (see framing.decode_body), so they outlive the next recv.
+  with ``recv_into`` into one buffer that is reused for every frame and grows to the largest frame seen (never
+  beyond ``max_frame_bytes`` and its header), each read taking as much as the socket holds: a decode step's frame
+  comes header and body in one system call, and bytes of the next frame wait in the buffer for the next recv.
+  Reusing the buffer matters: a fresh 0.9 MB buffer per frame cost about 2.8 ms per loopback round trip against
+  0.45 ms for a reused one, the difference being page faults. So does the one read: on a hop the reader runs on
+  caches cold from a stage's weights, where a second system call for the body cost 75-130 us. Decoded envelopes
+  never point into that buffer (see framing.decode_body), so they outlive the next recv.
 
 Timeouts come in two kinds:
 
@@ -40,6 +43,9 @@ from tc.trace import mark
 
 # sendmsg takes at most IOV_MAX (1024 on Linux and macOS) buffers per call; a frame has a handful.
 _MAX_PARTS_PER_CALL = 64
+
+# What one read may take: a decode step's frame (~2 KB) and whatever follows it, header and body at once.
+RECEIVE_BUFFER_BYTES = 64 * 1024
 
 
 def _send_all_parts(sock: socket.socket, parts: list[BytesLike]) -> None:
@@ -99,8 +105,10 @@ class Connection:
         self._recv_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closed = False
-        self._header = bytearray(HEADER_SIZE)
-        self._buffer = bytearray()  # reused for every body; grows to the largest one seen
+        # Received bytes not yet returned as frames are buffer[_start:_end]; the buffer is reused for every frame
+        # and grows to the largest one seen
+        self._buffer = bytearray(RECEIVE_BUFFER_BYTES)
+        self._start = self._end = 0
         self._poller = None  # a select.poll object, made by the first recv with a timeout
 
     @property
@@ -158,22 +166,21 @@ class Connection:
         with self._recv_lock:
             if self._closed:
                 raise ConnectionClosed(f"cannot receive: the connection to {self.peer} is closed")
-            if timeout is not None and not self._wait_readable(timeout):
-                raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
-            with memoryview(self._header) as header:
-                self._read_exactly(header, frame_started=False)
-            length = int.from_bytes(self._header, "big")
+            if self._start == self._end:  # nothing of the next frame has arrived yet
+                if timeout is not None and not self._wait_readable(timeout):
+                    raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
+                self._start = self._end = 0
+            self._fill(HEADER_SIZE)
+            length = int.from_bytes(self._buffer[self._start:self._start + HEADER_SIZE], "big")
             if length > self.max_frame_bytes:
                 error = FrameTooLarge(length, self.max_frame_bytes)
                 self._tell_peer(error)
                 self.close()
                 raise error
-            if len(self._buffer) < length:
-                # Replaced, never resized in place: views of the old buffer may still be alive (a traceback), and
-                # resizing a bytearray with live views raises BufferError.
-                self._buffer = bytearray(length)
-            with memoryview(self._buffer) as whole, whole[:length] as body:
-                self._read_exactly(body, frame_started=True)
+            self._fill(HEADER_SIZE + length)
+            body_start = self._start + HEADER_SIZE
+            self._start = body_start + length  # the frame is consumed whether or not its body decodes
+            with memoryview(self._buffer) as whole, whole[body_start:self._start] as body:
                 mark("read")
                 return decode_body(body)
 
@@ -214,39 +221,51 @@ class Connection:
         # Closing or a hang-up also reports as an event; the read that follows then raises ConnectionClosed.
         return bool(self._poller.poll(max(0, math.ceil(timeout * 1000))))
 
-    def _read_exactly(self, view: memoryview, frame_started: bool) -> None:
-        """Fill ``view`` from the socket. ``frame_started``: whether earlier bytes of this frame were read."""
-        got = 0
-        while got < len(view):
-            try:
-                count = self._sock.recv_into(view[got:])
-            except TimeoutError as exc:  # socket.timeout is TimeoutError since Python 3.10
-                if not frame_started and got == 0:
-                    raise TimeoutError(f"no frame from {self.peer} within the socket timeout") from exc
-                self.close()
-                raise ConnectionClosed(
-                    f"timed out in the middle of a frame from {self.peer}; the connection is closed"
-                ) from exc
-            except OSError as exc:
-                was_closed_here = self._closed
-                self.close()
-                if was_closed_here:
-                    raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
-                raise ConnectionClosed(
-                    f"receiving from {self.peer} failed ({exc}); the connection is closed"
-                ) from exc
-            if count == 0:
-                was_closed_here = self._closed
-                self.close()
-                if was_closed_here:
-                    raise ConnectionClosed(f"the connection to {self.peer} was closed")
-                if not frame_started and got == 0:
-                    raise ConnectionClosed(f"{self.peer} closed the connection")
-                raise ConnectionClosed(
-                    f"{self.peer} closed the connection in the middle of a frame; the frame is lost"
-                )
-            got += count
+    def _fill(self, count: int) -> None:
+        """Have at least `count` bytes of the current frame buffered from `_start`, reading as many as the socket
+        holds (a small frame comes whole in one read, often with the start of the next)."""
+        if self._end - self._start >= count:
+            return
+        if self._start + count > len(self._buffer):
+            pending = self._buffer[self._start:self._end]
+            if count > len(self._buffer):
+                # Replaced, never resized in place: views of the old buffer may still be alive (a traceback), and
+                # resizing a bytearray with live views raises BufferError.
+                self._buffer = bytearray(max(count, RECEIVE_BUFFER_BYTES))
+            self._buffer[:len(pending)] = pending
+            self._start, self._end = 0, len(pending)
+        with memoryview(self._buffer) as whole:
+            while self._end - self._start < count:
+                self._end += self._read_some(whole[self._end:])
 
+    def _read_some(self, view: memoryview) -> int:
+        """Read what the socket has into `view` (at least one byte); a frame has started when bytes of it are
+        buffered already."""
+        frame_started = self._end > self._start
+        try:
+            count = self._sock.recv_into(view)
+        except TimeoutError as exc:  # socket.timeout is TimeoutError since Python 3.10
+            if not frame_started:
+                raise TimeoutError(f"no frame from {self.peer} within the socket timeout") from exc
+            self.close()
+            raise ConnectionClosed(
+                f"timed out in the middle of a frame from {self.peer}; the connection is closed"
+            ) from exc
+        except OSError as exc:
+            was_closed_here = self._closed
+            self.close()
+            if was_closed_here:
+                raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
+            raise ConnectionClosed(f"receiving from {self.peer} failed ({exc}); the connection is closed") from exc
+        if count == 0:
+            was_closed_here = self._closed
+            self.close()
+            if was_closed_here:
+                raise ConnectionClosed(f"the connection to {self.peer} was closed")
+            if not frame_started:
+                raise ConnectionClosed(f"{self.peer} closed the connection")
+            raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame; the frame is lost")
+        return count
 
 def connect(
     host: str, port: int, timeout: float | None = 10.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
