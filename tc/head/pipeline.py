@@ -77,16 +77,19 @@ class RemotePipeline:
         self._route = 0  # the route the workers of `_routed` were sent (0: none, the head relays)
         self._routed: list[WorkerLink] = []
 
-    def _relay(self, message: RunBatch, links: list[WorkerLink]) -> torch.Tensor:
-        """The batch through every stage: in micro-batches where that is asked for and possible, passed from
-        worker to worker where the route allows."""
+    def _relay(self, entries: tuple[BatchEntry, ...], hidden: torch.Tensor, released: tuple[int, ...],
+               links: list[WorkerLink]) -> torch.Tensor:
+        """The batch (`entries`, their rows `hidden` [1, rows, hidden_size], and the sequences `released` since
+        the step before) through every stage: in micro-batches where that is asked for and possible, passed from
+        worker to worker where the route allows. Each RUN_BATCH is built once, here: a message checks its fields
+        as it is made, on every step's path."""
         route = self._route_for(links)
-        groups = split_entries(message.entries, min(self.micro_batches, len(links)))
+        groups = split_entries(entries, min(self.micro_batches, len(links)))
         parts, row = [], 0
-        for entries in groups:
-            rows = sum(e.length for e in entries)
-            parts.append(RunBatch(entries=entries, hidden_state=message.hidden_state[:, row:row + rows], route=route,
-                                  released=message.released))
+        for group in groups:
+            rows = sum(e.length for e in group)
+            rows_of_group = hidden if len(groups) == 1 else hidden[:, row:row + rows]
+            parts.append(RunBatch(entries=group, hidden_state=rows_of_group, route=route, released=released))
             row += rows
         outputs = self._pass_along(parts, links) if route else self._schedule(parts, links)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -257,15 +260,14 @@ class RemotePipeline:
                 self._inputs[copy] = (e.capacity, list(self._inputs[e.sequence][1]))
         self._new_step()
         released, self._released = tuple(self._released), []
-        message = RunBatch(entries=tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
-                                                    cache_capacity=e.capacity, copies=e.copies) for e in entries),
-                           hidden_state=hidden, released=released)
+        batch = tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
+                                 cache_capacity=e.capacity, copies=e.copies) for e in entries)
         try:
             links = self.registry.links_in_order()
             if any(e.start > 0 for e in entries):
                 self._check_same_workers(links)
             self._links = links
-            return self._relay(message, links)
+            return self._relay(batch, hidden, released, links)
         except WorkerLost as exc:
             return self._recover(exc, entries)
 
@@ -314,7 +316,7 @@ class RemotePipeline:
             started = time.perf_counter()
             try:
                 self._links = self.registry.links_in_order()
-                out = self._relay(message, self._links)
+                out = self._relay(message.entries, message.hidden_state, (), self._links)
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again
