@@ -254,7 +254,8 @@ class RemotePipeline:
         for e in entries:
             if e.start == 0:
                 self._inputs[e.sequence] = (e.capacity, [])
-            self._inputs[e.sequence][1].append(hidden[:, row:row + e.length].clone())  # not a view of the batch
+            # not a view of the batch, which would hold all of it; a batch of one entry is that entry's alone
+            self._inputs[e.sequence][1].append(hidden if len(entries) == 1 else hidden[:, row:row + e.length].clone())
             row += e.length
             for copy in e.copies:  # a copy replays as a sequence of its own: the same inputs so far
                 self._inputs[copy] = (e.capacity, list(self._inputs[e.sequence][1]))
