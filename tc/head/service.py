@@ -104,7 +104,8 @@ class _Request:
 
     def __init__(self, sequence: SequenceState):
         self.sequence = sequence
-        self.outbox: queue.Queue[Step | BaseException] = queue.Queue()
+        # SimpleQueue, as the workers' frames take (tc.worker.main): the scheduler puts each token here in C
+        self.outbox: queue.SimpleQueue[Step | BaseException] = queue.SimpleQueue()
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.abandoned = False  # the client went away: the loop drops it at the next step boundary

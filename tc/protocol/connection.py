@@ -267,6 +267,7 @@ class Connection:
             raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame; the frame is lost")
         return count
 
+
 def connect(
     host: str, port: int, timeout: float | None = 10.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 ) -> Connection:
