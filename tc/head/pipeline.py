@@ -85,6 +85,8 @@ class RemotePipeline:
         as it is made, on every step's path."""
         route = self._route_for(links)
         groups = split_entries(entries, min(self.micro_batches, len(links)))
+        if len(groups) > 1:  # each group's message checks its own entries: the batch's across groups, once here
+            RunBatch(entries=entries, hidden_state=hidden, released=released)
         parts, row = [], 0
         for group in groups:
             rows = sum(e.length for e in group)
