@@ -85,7 +85,7 @@ def test_bf16_decode_steps_with_the_native_attention_stay_as_close_to_fp32_as_sd
     # the native decode attention keeps its softmax weights in fp32 where SDPA's bf16 path rounds them: it may
     # differ from SDPA by bf16 roundings, but must not drift further from the fp32 model than SDPA does
     from tc.model import native
-    from tc.model.qwen2 import Attention
+    from tc.model.qwen2 import Attention, Stage
 
     if native.kernels() is None:
         pytest.skip("no native kernels on this machine")
@@ -95,6 +95,7 @@ def test_bf16_decode_steps_with_the_native_attention_stay_as_close_to_fp32_as_sd
     calls = []
     kernel_call = native.Kernels.decode_attention
     monkeypatch.setattr(native.Kernels, "decode_attention", lambda self, *a: calls.append(1) or kernel_call(self, *a))
+    monkeypatch.setattr(Stage, "decode_plans", False)  # each layer's own choice (a plan's: test_decode_plan.py)
     errors = {}
     for way in (True, False):
         monkeypatch.setattr(Attention, "native_decode", way)

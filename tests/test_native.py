@@ -420,7 +420,7 @@ def test_silu_mul_gives_pytorchs_bits_but_for_rare_last_steps(rows, inner):
 @needs_kernels
 def test_a_decode_step_takes_the_native_activation_and_a_prefill_does_not(tiny_model_dir, monkeypatch):
     from model_helpers import OurModel
-    from tc.model.qwen2 import MLP
+    from tc.model.qwen2 import MLP, Stage
 
     stage = OurModel(tiny_model_dir, torch.bfloat16).stages[0]
     gen = torch.Generator().manual_seed(4)
@@ -429,6 +429,7 @@ def test_a_decode_step_takes_the_native_activation_and_a_prefill_does_not(tiny_m
     calls = []
     kernel_call = native.Kernels.silu_mul
     monkeypatch.setattr(native.Kernels, "silu_mul", lambda self, x: calls.append(x.shape[-2]) or kernel_call(self, x))
+    monkeypatch.setattr(Stage, "decode_plans", False)  # the modules' own choice (a plan's: test_decode_plan.py)
     results = {}
     for way in (False, True):
         monkeypatch.setattr(MLP, "native_act", way)

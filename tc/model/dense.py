@@ -309,15 +309,28 @@ class NativeLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._parameters  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per parameter
         weight, bias = params["weight"], params["bias"]
+        if self._takes(x, weight, bias):
+            return self._kernels.bf16_product(x.contiguous(), weight, bias)
+        return super().forward(x)
+
+    def native_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
+        """The native calls that write this product of contiguous x into y as forward would compute it, for a
+        decode plan; None where forward would not take the native kernel for x."""
+        params = self._parameters
+        weight, bias = params["weight"], params["bias"]
+        if not x.is_contiguous() or not self._takes(x, weight, bias):
+            return None
+        return [self._kernels.bf16_call(x, weight, bias, y)]
+
+    def _takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the native kernel takes x: the kernel reads raw memory, so anything but the layout it was made
+        for (a weight or bias replaced since, an input of another width, one that needs a gradient) takes
+        F.linear, which checks and raises."""
         kernels = self._kernels
-        # the kernel reads raw memory: anything but the layout it was made for (a weight or bias replaced since,
-        # an input of another width, one that needs a gradient) takes F.linear, which checks and raises
-        if (kernels is not None and x.numel() <= kernels.bf16_rows_per_pass * self.in_features
+        return (kernels is not None and x.numel() <= kernels.bf16_rows_per_pass * self.in_features
                 and x.shape[-1] == self.in_features and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and not x.requires_grad and weight.shape[0] == self.out_features
-                and native.bf16_operands_ok(self.in_features, weight, bias)):
-            return kernels.bf16_product(x.contiguous(), weight, bias)
-        return super().forward(x)
+                and native.bf16_operands_ok(self.in_features, weight, bias))
 
     def extra_repr(self) -> str:
         rows = self._kernels.bf16_rows_per_pass if self._kernels is not None else 0

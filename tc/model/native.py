@@ -55,7 +55,7 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -88,6 +88,10 @@ MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native pat
 _SLAB_BYTES = 1 << 20  # weight bytes re-laid out at a time
 
 _VOID_P, _INT = ctypes.c_void_p, ctypes.c_int
+
+# One native call of a decode plan (decode_plan.py): the function, its arguments, and what went wrong where it
+# returns nonzero (None: its result says nothing). Made once for buffers that stay, then called step after step.
+Call = tuple[Callable[..., object], tuple, "str | None"]
 
 
 def shape_ok_int4(out_features: int, padded_in: int, group_size: int) -> bool:
@@ -174,6 +178,59 @@ class Kernels:
                       torch.get_num_threads(), self.prefetch_rows["int8"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)
+
+    def int4_call(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, y: torch.Tensor) -> Call:
+        """int4_product's kernel call for contiguous bfloat16 x [..., K] into y [..., N], for a decode plan."""
+        k = x.shape[-1]
+        m, n = x.numel() // k, packed.shape[0] * TILE_ROWS
+        return (self._int4, (x.data_ptr(), 1, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
+                             group_size, y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int4"]),
+                str(_no_memory_for_codes(m, k)))
+
+    def int8_call(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> Call:
+        """int8_product's kernel call for contiguous bfloat16 x [..., K] into y [..., N], for a decode plan."""
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (self._int8, (x.data_ptr(), 1, m, k, qweight.data_ptr(), scale.data_ptr(), scale.shape[0],
+                             y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int8"]),
+                str(_no_memory_for_codes(m, k)))
+
+    def bf16_call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> Call:
+        """bf16_product's kernel call (tiled as it would choose) for x [..., K] into y [..., N], for a decode plan;
+        the caller has made bf16_product's checks."""
+        k = x.shape[-1]
+        m = x.numel() // k
+        tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
+        return (self._bf16, (x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0],
+                             None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), tiled,
+                             self.prefetch_rows["bf16"]), None)
+
+    def rms_norm_call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor) -> Call:
+        """rms_norm's kernel call for contiguous bfloat16 x [..., n] into y, for a decode plan."""
+        n = x.shape[-1]
+        return self._rms_norm, (x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps,
+                                torch.get_num_threads()), None
+
+    def silu_mul_call(self, gate_up: torch.Tensor, y: torch.Tensor) -> Call:
+        """silu_mul's kernel call for contiguous bfloat16 gate_up [..., 2 * inner] into y [..., inner]."""
+        inner = gate_up.shape[-1] // 2
+        return self._silu_mul, (gate_up.data_ptr(), gate_up.numel() // (2 * inner), inner, y.data_ptr(),
+                                torch.get_num_threads()), None
+
+    def decode_attention_call(self, qkv: torch.Tensor, out: torch.Tensor, slots: ctypes.Array,
+                              positions: ctypes.Array, capacities: ctypes.Array, rows: ctypes.Array, heads: int,
+                              kv_heads: int, scale: float, rotary: tuple[torch.Tensor, torch.Tensor]) -> Call:
+        """decode_attention's kernel call for every row of qkv [rows, ...] into out [rows, heads * D], rotating
+        by rotary's cos and sin [rows, 1, D] (all contiguous bfloat16), for a decode plan: slots (int64),
+        positions, capacities and rows (int32) are ctypes arrays of one entry per row, which the plan fills for
+        each step (a row's cache storage for this layer, its position, its cache's capacity, and its row)."""
+        n = qkv.shape[0]
+        d = qkv.shape[-1] // (heads + 2 * kv_heads)
+        cos, sin = rotary
+        return (self._attention, (n, slots, positions, capacities, rows, qkv.data_ptr(), out.data_ptr(), heads,
+                                  kv_heads, d, scale, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()),
+                f"no memory for the attention scores of {n} sequences")
 
     def int8_linear(self, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] @ W^T for W int8 in the tiled layout with a float32 scale per row -> [M, N]."""
@@ -564,12 +621,35 @@ def kernels() -> Kernels | None:
 # -------------------------------------------------------------------------------------------------- probes
 
 
+# Whether each small kernel agrees with its reference here, checked once per process: all a decode plan asks
+# (decode_plan.py), where the alternative to a kernel is not one PyTorch operator but the whole step through the
+# modules; the probes below also time it against that operator, for the modules' own choice.
+@functools.lru_cache(maxsize=None)
+def norm_agrees() -> bool:
+    native = kernels()
+    return native is not None and agrees("RMS norm", _check_norm(native, torch.Generator().manual_seed(1)))
+
+
+@functools.lru_cache(maxsize=None)
+def silu_mul_agrees() -> bool:
+    native = kernels()
+    return native is not None and agrees("gated activation",
+                                         _check_silu_mul(native, torch.Generator().manual_seed(1)))
+
+
+@functools.lru_cache(maxsize=None)
+def attention_agrees() -> bool:
+    native = kernels()
+    return native is not None and agrees("decode attention",
+                                         _check_attention(native, torch.Generator().manual_seed(1)))
+
+
 @functools.lru_cache(maxsize=None)
 def norm_faster_than_torch() -> bool:
     """Whether the native RMS norm agrees with its reference and beats PyTorch's operators (rms_norm_reference) by
     MIN_GAIN on this CPU, timed once per process on one thread for a decode row and a prefill-sized block of rows."""
     native = kernels()
-    if native is None or not agrees("RMS norm", _check_norm(native, torch.Generator().manual_seed(1))):
+    if not norm_agrees():
         return False
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, generator=gen).bfloat16()
@@ -593,7 +673,7 @@ def silu_mul_faster_than_torch() -> bool:
     ~20 us a layer (PyTorch's three operators find their code and data gone from the caches, one call finds less),
     and a sweep shows it: 104-147 us against 129-176 for one row, 176-195 against 206-219 for 16."""
     native = kernels()
-    if native is None or not agrees("gated activation", _check_silu_mul(native, torch.Generator().manual_seed(1))):
+    if not silu_mul_agrees():
         return False
     gen = torch.Generator().manual_seed(0)
     times, sweep = [], cache_sweeper()
@@ -680,7 +760,7 @@ def attention_faster_than_torch() -> bool:
     (qwen2.Attention's own way) by MIN_GAIN on this CPU, timed once per process on one thread for 4 sequences of
     128 positions."""
     native = kernels()
-    if native is None or not agrees("decode attention", _check_attention(native, torch.Generator().manual_seed(1))):
+    if not attention_agrees():
         return False
     heads, kv_heads, d, n, position = 14, 2, 64, 4, 128
     gen = torch.Generator().manual_seed(0)

@@ -843,8 +843,7 @@ class Int8Linear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
         qweight, scale = buffers["qweight"], buffers["scale"]
-        if (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
-                and x.is_contiguous() and x.numel() < PREFILL_MIN_ROWS * self.in_features):  # a decode step's rows
+        if self._decode_rows(x):
             return self._native.int8_product(x, qweight, scale, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.path == "native":
@@ -860,6 +859,27 @@ class Int8Linear(_QuantLinear):
         else:
             y = _int8_dense(x2, qweight, scale)
         return self._finish(y, x)
+
+
+    def native_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
+        """The native calls that write this product of x into y as forward would compute it, for a decode plan;
+        None where forward would not take int8_product for x."""
+        if not self._decode_rows(x):
+            return None
+        buffers = self._buffers
+        return [self._native.int8_call(x, buffers["qweight"], buffers["scale"], y)] + _bias_calls(y, buffers["bias"])
+
+    def _decode_rows(self, x: torch.Tensor) -> bool:
+        """Whether x is a decode step's few bf16 rows, which the native kernel takes in the fewest operations."""
+        return (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
+                and x.is_contiguous() and x.numel() < PREFILL_MIN_ROWS * self.in_features)
+
+
+def _bias_calls(y: torch.Tensor, bias: torch.Tensor | None) -> list[native.Call]:
+    """A quantized product's bias added to its output y as native.add_bias_ adds it, as a decode plan's call."""
+    if bias is None:
+        return []
+    return [(torch.Tensor.add_, (y, bias if bias.dtype == y.dtype else bias.to(y.dtype)), None)]
 
 
 class Int4Linear(_QuantLinear):
@@ -949,9 +969,7 @@ class Int4Linear(_QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # plain dict lookups: nn.Module.__getattr__ costs ~1 us per buffer
-        if (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.padded_in_features
-                and self.padded_in_features == self.in_features and x.is_contiguous()):
-            # bf16 rows that need no padding: the native product in the fewest operations
+        if self._unpadded_rows(x):
             return self._native.int4_product(x, buffers["packed"], buffers["scales"], buffers["zeros"],
                                              self.group_size, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
@@ -964,6 +982,20 @@ class Int4Linear(_QuantLinear):
         else:
             y = _int4_portable_linear(x2, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size)
         return self._finish(y, x)
+
+    def native_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
+        """The native calls that write this product of x into y as forward would compute it, for a decode plan;
+        None where forward would not take int4_product for x."""
+        if not self._unpadded_rows(x):
+            return None
+        buffers = self._buffers
+        return ([self._native.int4_call(x, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size, y)]
+                + _bias_calls(y, buffers["bias"]))
+
+    def _unpadded_rows(self, x: torch.Tensor) -> bool:
+        """Whether x is bf16 rows that need no padding, which the native product takes in the fewest operations."""
+        return (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.padded_in_features
+                and self.padded_in_features == self.in_features and x.is_contiguous())
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import native
 from .config import ModelConfig
+from .decode_plan import DecodePlan, Plans
 from .dense import Linear, pack_linears
 from .kv_cache import KVCache
 from .rope import Rotary, rotate_
@@ -210,15 +211,27 @@ class RMSNorm(nn.Module):
         if self.offset:
             normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
-        if (self.native is not False and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and x.device.type == "cpu" and x.is_contiguous()
-                and (self.native or native.norm_faster_than_torch())):
-            kernels = native.kernels()
-            if kernels is not None:
-                return kernels.rms_norm(x, self.weight, self.eps)
+        kernels = self._kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 as the reference does (one fused op, the same bits as its five), then scale in the
         # compute dtype
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def native_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
+        """The native call that writes this norm of x into y, for a decode plan; None where the native norm does
+        not take x."""
+        kernels = None if self.offset else self._kernels(x, planned=True)
+        return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
+
+    def _kernels(self, x: torch.Tensor, planned: bool = False) -> native.Kernels | None:
+        """The native kernels where this norm of x is theirs (norm.c), else None; `planned`: for a decode plan,
+        which takes the kernel wherever it agrees with its reference, not only where its probe found it faster."""
+        if (self.native is not False and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
+                and x.device.type == "cpu" and x.is_contiguous()
+                and (self.native or (native.norm_agrees() if planned else native.norm_faster_than_torch()))):
+            return native.kernels()
+        return None
 
 
 def norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -306,16 +319,18 @@ class Attention(nn.Module):
                                  [s.start for _, s in decoded], self.n_heads, self.n_kv_heads,
                                  self.scale if self.scale is not None else self.head_dim ** -0.5, rotary)
 
-    def _decode_kernels(self, qkv: torch.Tensor) -> native.Kernels | None:
+    def _decode_kernels(self, qkv: torch.Tensor, planned: bool = False) -> native.Kernels | None:
         """The native kernels where this layer's decode rows take their attention (attention.c), else None:
         bf16 on a CPU, no sliding window or soft-capped scores, heads the kernel takes, and a probe that found it
-        faster than SDPA here (unless native_decode forces the choice)."""
+        faster than SDPA here (unless native_decode forces the choice); `planned`: for a decode plan, where
+        agreeing with its reference is enough."""
         if self.native_decode is False or self.window is not None or self.softcap is not None:
             return None
         if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" \
                 or not native.attention_shape_ok(self.n_heads, self.n_kv_heads, self.head_dim):
             return None
-        if self.native_decode is None and not native.attention_faster_than_torch():
+        if self.native_decode is None \
+                and not (native.attention_agrees() if planned else native.attention_faster_than_torch()):
             return None
         return native.kernels()
 
@@ -383,15 +398,17 @@ class MLP(nn.Module):
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate, inplace=True)
         return self.down_proj(act * up)
 
-    def _act_kernels(self, gate_up: torch.Tensor) -> native.Kernels | None:
+    def _act_kernels(self, gate_up: torch.Tensor, planned: bool = False) -> native.Kernels | None:
         """The native kernels where silu(gate) * up of these rows is theirs (act.c), else None: silu, a decode
         step's few contiguous bf16 rows on a CPU, and a probe that found it faster than PyTorch's operators there
-        (unless native_act forces the choice)."""
+        (unless native_act forces the choice); `planned`: for a decode plan, where agreeing with its reference is
+        enough."""
         if self.native_act is False or self.gelu or gate_up.dtype != torch.bfloat16 \
                 or gate_up.device.type != "cpu" or gate_up.numel() > native.ACT_ROWS * gate_up.shape[-1] \
                 or not gate_up.is_contiguous():
             return None
-        if self.native_act is None and not native.silu_mul_faster_than_torch():
+        if self.native_act is None \
+                and not (native.silu_mul_agrees() if planned else native.silu_mul_faster_than_torch()):
             return None
         return native.kernels()
 
@@ -484,6 +501,10 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
 class Stage(nn.Module):
     """Decoder layers [start, end) of a model: one worker's share of the pipeline."""
 
+    # True: a decode step whose every part would take its native kernel runs as one DecodePlan (decode_plan.py);
+    # False: always through the modules, so that their own choices can be tested
+    decode_plans: bool = True
+
     def __init__(self, config: ModelConfig, start: int, end: int, device: torch.device | str = "cpu"):
         super().__init__()
         if not 0 <= start < end <= config.num_hidden_layers:
@@ -493,6 +514,7 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
         self.rotary = Rotary(config.head_dim, config.rope, device)
         self.local_rotary = _local_rotary(config, device)
+        self._plans = Plans()  # by what a plan's calls depend on (_plan_key)
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, start: int, end: int,
@@ -536,6 +558,12 @@ class Stage(nn.Module):
             raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
         cos, sin = self.rotary.span_tables(spans, hidden.dtype)
+        plan = self._decode_plan(hidden, spans)
+        if plan is not None:
+            hidden = plan.run(hidden, [s.cache for s in spans], [s.start for s in spans], cos, sin)
+            for span in spans:
+                span.cache.length = span.start + 1
+            return hidden
         local = (cos, sin) if self.local_rotary is None else \
             self.local_rotary.span_tables(spans, hidden.dtype)  # sliding layers' own (Gemma 3)
         for key, layer in self.layers.items():
@@ -546,6 +574,29 @@ class Stage(nn.Module):
         for span in spans:
             span.cache.length = span.start + span.length
         return hidden
+
+
+    def _decode_plan(self, hidden: torch.Tensor, spans: Sequence[Span]) -> DecodePlan | None:
+        """The plan for this step: bf16 decode rows on the CPU, one per sequence, through layers that all take
+        their native kernels for that many rows (made once and kept while it is current); else None."""
+        if not self.decode_plans or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+                or not all(_native_decode_row(s) for s in spans) or self.local_rotary is not None:
+            return None
+        key = self._plan_key(len(spans))
+        if key in self._plans:
+            plan = self._plans[key]
+            if plan is None or plan.current():  # None: these layers decline such steps
+                return plan
+        plan = self._plans[key] = DecodePlan.make([(int(k), layer) for k, layer in self.layers.items()], len(spans))
+        return plan
+
+    @staticmethod
+    def _plan_key(rows: int) -> tuple:
+        """What a plan's calls were chosen by, beside the modules (DecodePlan.current checks those): the rows, the
+        threads each kernel is told to use, and the switches that send a layer's parts to PyTorch instead."""
+        kernels = native.kernels()
+        prefetch = tuple(kernels.prefetch_rows.values()) if kernels is not None else ()
+        return (rows, torch.get_num_threads(), RMSNorm.native, Attention.native_decode, MLP.native_act, prefetch)
 
 
 class HeadModel(nn.Module):

@@ -1,0 +1,190 @@
+"""A decode step through a stage's layers as one list of native calls on buffers kept from step to step.
+
+Through the modules, one layer of a decode step runs about ten native kernels (norm.c, qdot.c or bf16dot.c,
+attention.c, act.c) among some sixty Python and PyTorch operations around them: module calls, the checks that
+choose each kernel, a fresh tensor for every output, views. With a stage's weights sweeping the caches every
+step, that glue costs far more than its hot-loop time. Measured on a 2-core Sapphire Rapids VM, 12 demo layers
+at 128 cached positions, the same kernel calls on fixed buffers against the modules (`python
+bench/profile_step.py --against REV` compares the two trees): int4 7.5-8.5 ms a step against 11.2-13.5, int8
+14.3-15.1 against 19.1-20.2, bf16 26.6-27.0 against 32.7-34.1, with the same bits out.
+
+So where the small parts of every layer can take their native kernels for a step's rows (the kernels agree with
+their references here: within a plan their alternative is the whole step through the modules, not one PyTorch
+operator), the stage asks each module once for the calls it would make (`native_call(s)`, which share forward's
+own test of what its kernel takes; a product without one, such as oneDNN's where a probe found it faster, is
+called as a module), on buffers of the plan's own, and keeps them (`DecodePlan`). A step then copies the hidden
+state and the rotary tables in, points each layer's attention at every sequence's cache, runs the list and copies
+the result out. Where a part cannot (an fp32 stage, a family's own norm or activation, more rows than the
+activation kernel takes, a switch that sends a part to PyTorch), there is no plan and the modules run as before.
+
+A plan holds raw addresses of the weights it was made for, so it is only used while the stage's modules and
+their tensors are those it was made from, where they were (`DecodePlan.current`): replacing a module (quantizing
+one, packing one) or a weight, or moving one, after a plan was made makes a new one; a copied stage starts with
+no plans (`Plans`). Layers that declined a kind of step are not asked again for it.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+
+from . import native
+
+Index = int  # a layer's number in the checkpoint, the key of its cache slot
+
+
+def _product_calls(linear: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[native.Call]:
+    """The calls that write linear(x) into y: its native kernel's where it takes x, else the module itself (a plain
+    Linear, oneDNN's PackedLinear, PyTorch's packed int kernels: what a probe found faster here)."""
+    make = getattr(linear, "native_calls", None)
+    calls = None if make is None else make(x, y)
+    return calls if calls is not None else [(_module_into, (linear, x, y), None)]
+
+
+def _module_into(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    y.copy_(module(x))
+
+
+class Plans(dict):
+    """A stage's plans by what their calls were chosen by. A copy of the stage (or a pickled one) starts empty:
+    the plans' addresses are the original's tensors'."""
+
+    def __deepcopy__(self, memo: dict) -> "Plans":
+        return Plans()
+
+    def __reduce__(self) -> tuple:
+        return Plans, ()
+
+
+class _Buffers:
+    """What a step of `rows` decode rows writes, one tensor per role, reused by every layer in turn."""
+
+    def __init__(self, rows: int, hidden: int, qkv: int, attended: int, inner: int, head_dim: int):
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=torch.bfloat16)
+
+        self.x = empty(rows, hidden)  # the residual stream, in and out of every layer
+        self.normed = empty(rows, hidden)
+        self.qkv = empty(rows, qkv)
+        self.attended = empty(rows, attended)
+        self.delta = empty(rows, hidden)  # o_proj's output, then down_proj's, each added to x
+        self.gate_up = empty(rows, 2 * inner)
+        self.act = empty(rows, inner)
+        self.cos, self.sin = empty(rows, 1, head_dim), empty(rows, 1, head_dim)
+
+
+class DecodePlan:
+    """Native calls for steps of `rows` decode rows (one position of one sequence each) through `layers`."""
+
+    def __init__(self, rows: int, buffers: _Buffers, calls: list[native.Call],
+                 slots: list[tuple[Index, ctypes.Array]], positions: ctypes.Array, capacities: ctypes.Array,
+                 parts: list[tuple[dict, str, object, int | None]]):
+        self.rows = rows
+        self._buffers = buffers
+        self._calls = calls
+        self._slots = slots  # each layer's cache addresses, one per row, filled for each step
+        self._positions, self._capacities = positions, capacities
+        # (container, name, object, address) of every module and tensor (address: its data's) the calls were made from
+        self._parts = parts
+
+    @classmethod
+    def make(cls, layers: Sequence[tuple[Index, torch.nn.Module]], rows: int) -> "DecodePlan | None":
+        """A plan for `layers` (qwen2.DecoderLayer, with their numbers) and `rows` rows, or None where any part
+        of any layer would not take its native kernel for them."""
+        from .qwen2 import MLP, DecoderLayer  # the layers this plan walks; qwen2 makes the plans
+
+        if not layers or native.kernels() is None:
+            return None
+        first = layers[0][1]
+        if not isinstance(first, DecoderLayer):
+            return None
+        attn, mlp = first.self_attn, first.mlp
+        if type(mlp) is not MLP:
+            return None
+        h, h_kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        buffers = _Buffers(rows, attn.o_proj.out_features, (h + 2 * h_kv) * d, h * d,
+                           mlp.down_proj.in_features, d)
+        positions, capacities = (ctypes.c_int32 * rows)(), (ctypes.c_int32 * rows)()
+        row_numbers = (ctypes.c_int32 * rows)(*range(rows))
+        calls: list[native.Call] = []
+        slots: list[tuple[Index, ctypes.Array]] = []
+        parts: list[tuple[dict, str, object, int | None]] = []
+        b = buffers
+        for index, layer in layers:
+            layer_slots = (ctypes.c_int64 * rows)()
+            made = cls._layer_calls(layer, b, layer_slots, positions, capacities, row_numbers, parts)
+            if made is None:
+                return None
+            calls += made
+            slots.append((index, layer_slots))
+        return cls(rows, buffers, calls, slots, positions, capacities, parts)
+
+    @staticmethod
+    def _layer_calls(layer: torch.nn.Module, b: _Buffers, slots: ctypes.Array, positions: ctypes.Array,
+                     capacities: ctypes.Array, row_numbers: ctypes.Array,
+                     parts: list[tuple[dict, str, object, int | None]]) -> list[native.Call] | None:
+        """One layer's calls: x + o_proj(attention(qkv_proj(norm(x)))), then + down_proj(act(gate_up(norm(x)))),
+        each sum added into x in place (a + b and b + a round alike); None where a part declines."""
+        from .qwen2 import MLP, DecoderLayer
+
+        if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None or attn.n_heads * attn.head_dim != b.attended.shape[1] \
+                or mlp.down_proj.in_features != b.act.shape[1]:
+            return None
+        kernels = attn._decode_kernels(b.qkv, planned=True)
+        act_kernels = mlp._act_kernels(b.gate_up, planned=True)
+        if kernels is None or act_kernels is None:
+            return None
+        scale = attn.scale if attn.scale is not None else attn.head_dim ** -0.5
+        pieces = [
+            [layer.input_layernorm.native_call(b.x, b.normed)],
+            _product_calls(attn.qkv_proj, b.normed, b.qkv),
+            [kernels.decode_attention_call(b.qkv, b.attended, slots, positions, capacities, row_numbers,
+                                           attn.n_heads, attn.n_kv_heads, scale, (b.cos, b.sin))],
+            _product_calls(attn.o_proj, b.attended, b.delta),
+            [(torch.Tensor.add_, (b.x, b.delta), None)],
+            [layer.post_attention_layernorm.native_call(b.x, b.normed)],
+            _product_calls(mlp.gate_up_proj, b.normed, b.gate_up),
+            [act_kernels.silu_mul_call(b.gate_up, b.act)],
+            _product_calls(mlp.down_proj, b.act, b.delta),
+            [(torch.Tensor.add_, (b.x, b.delta), None)],
+        ]
+        if any(p is None or None in p for p in pieces):
+            return None
+        for owner, names in ((layer, ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")),
+                             (attn, ("qkv_proj", "o_proj")), (mlp, ("gate_up_proj", "down_proj"))):
+            parts += [(owner._modules, name, owner._modules[name], None) for name in names]
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
+                       mlp.gate_up_proj, mlp.down_proj):
+            if getattr(module, "native_calls", None) is None and getattr(module, "native_call", None) is None:
+                continue  # called as a module: it reads its own tensors
+            for tensors in (module._parameters, module._buffers):
+                parts += [(tensors, name, t, None if t is None else t.data_ptr()) for name, t in tensors.items()]
+        return [call for p in pieces for call in p]
+
+    def current(self) -> bool:
+        """Whether every module and tensor the calls were made from is still in its place."""
+        return all(owner.get(name) is thing and (address is None or thing.data_ptr() == address)
+                   for owner, name, thing, address in self._parts)
+
+    def run(self, hidden: torch.Tensor, caches: Sequence, positions: Sequence[int], cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+        """One step: hidden [1, rows, hidden] bf16, row i at positions[i] of caches[i] (bf16 KVCache), cos and sin
+        [rows, 1, D] -> a new [1, rows, hidden]. Raises CacheFullError where a position is past its cache."""
+        b = self._buffers
+        for i, (cache, position) in enumerate(zip(caches, positions)):
+            self._positions[i] = position
+            self._capacities[i] = cache.capacity
+            for index, slots in self._slots:
+                slots[i] = cache.layer_slot(index, position).data_ptr()
+        b.x.copy_(hidden.reshape(self.rows, -1))
+        b.cos.copy_(cos)
+        b.sin.copy_(sin)
+        for function, args, failure in self._calls:
+            status = function(*args)
+            if failure is not None and status:
+                raise MemoryError(failure)
+        return b.x.clone().view(1, self.rows, -1)

@@ -1,0 +1,169 @@
+"""A decode step as one list of native calls (tc/model/decode_plan.py): the modules' bits, in every weight mode and
+for batches, on the tiny model and the demo model; when a plan is made, kept, made again or not made at all."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from model_helpers import OurModel
+from tc.model import dense, native, quant
+from tc.model.decode_plan import DecodePlan
+from tc.model.kv_cache import CacheFullError
+from tc.model.qwen2 import MLP, Attention, RMSNorm, Span, Stage
+
+needs_kernels = pytest.mark.skipif(native.kernels() is None, reason="no native kernels on this machine (see the log)")
+pytestmark = needs_kernels
+MODES = ["bf16", "int8", "int4"]
+
+
+@pytest.fixture
+def native_parts(monkeypatch):
+    """Every part that can be native is: products (bf16, int8 and int4), norms, attention, activation; the
+    modules' own path then makes exactly the plan's calls, whatever this machine's probes would choose."""
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed: "native")
+    monkeypatch.setattr(native, "faster_than_torch", lambda mode: True)
+    for cls, flag in ((RMSNorm, "native"), (Attention, "native_decode"), (MLP, "native_act")):
+        monkeypatch.setattr(cls, flag, True)
+
+
+def tiny_stage(model_dir, mode: str) -> Stage:
+    stage = OurModel(model_dir, torch.bfloat16).stages[0]
+    if mode != "bf16":
+        quant.quantize_linears(stage, mode, 32)
+    return stage
+
+
+def prefilled(stage: Stage, lengths: list[int], capacity: int, seed: int):
+    """A cache per sequence, prefilled with `lengths[i]` random rows through the modules."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for n in lengths:
+        cache = stage.new_cache(capacity, torch.bfloat16, "cpu")
+        stage(torch.randn(1, n, stage.config.hidden_size, generator=gen).bfloat16(), cache, 0)
+        caches.append(cache)
+    return caches
+
+
+def steps(stage: Stage, caches, rows: torch.Tensor, count: int, planned: bool, monkeypatch) -> list[torch.Tensor]:
+    """`count` decode steps of every cache at once (one row each), through a plan or the modules."""
+    monkeypatch.setattr(Stage, "decode_plans", planned)
+    outs, hidden = [], rows
+    for _ in range(count):
+        spans = [Span(c, c.length, 1) for c in caches]
+        hidden = stage.forward_batch(hidden, spans)
+        outs.append(hidden)
+    return outs
+
+
+def plans(stage: Stage) -> list:
+    return list(stage._plans.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1]], ids=["one sequence", "a batch of three"])
+def test_a_plan_gives_the_modules_bits_and_caches(tiny_model_dir, native_parts, monkeypatch, mode, lengths):
+    stage = tiny_stage(tiny_model_dir, mode)
+    rows = torch.randn(1, len(lengths), 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    by_modules = prefilled(stage, lengths, 16, seed=1)
+    by_plan = prefilled(stage, lengths, 16, seed=1)
+    expected = steps(stage, by_modules, rows, 3, False, monkeypatch)
+    calls = []
+    kernel_norm = native.Kernels.rms_norm
+    monkeypatch.setattr(native.Kernels, "rms_norm", lambda self, *a: calls.append(1) or kernel_norm(self, *a))
+    got = steps(stage, by_plan, rows, 3, True, monkeypatch)
+    assert calls == []  # the modules were not called
+    assert [p.rows for p in plans(stage) if p is not None and p.rows == len(lengths)] == [len(lengths)]
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(by_plan, by_modules):
+        assert ours.length == theirs.length == lengths[by_plan.index(ours)] + 3
+        assert torch.equal(ours.kv[..., :ours.length, :], theirs.kv[..., :theirs.length, :])
+
+
+def test_a_plan_step_past_the_cache_raises_as_the_modules_do(tiny_model_dir, native_parts, monkeypatch):
+    stage = tiny_stage(tiny_model_dir, "int8")
+    (cache,) = prefilled(stage, [4], 5, seed=2)
+    row = torch.randn(1, 1, 64).bfloat16()
+    stage.forward_batch(row, [Span(cache, 4, 1)])  # the last position: fine
+    assert isinstance(plans(stage)[0], DecodePlan)
+    with pytest.raises(CacheFullError, match="position 5 is past"):
+        stage.forward_batch(row, [Span(cache, 5, 1)])
+
+
+def test_a_plan_follows_its_modules_and_a_copy_starts_afresh(tiny_model_dir, native_parts, monkeypatch):
+    """A plan holds addresses: replacing a module or moving a weight makes a new one, with the new bits."""
+    stage = tiny_stage(tiny_model_dir, "bf16")
+    row = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def step(planned: bool) -> torch.Tensor:
+        (cache,) = prefilled(stage, [6], 8, seed=3)
+        return steps(stage, [cache], row, 1, planned, monkeypatch)[0]
+
+    first = step(True)
+    made = plans(stage)[0]
+    assert step(True).equal(first) and plans(stage)[0] is made  # kept while current
+    quant.quantize_linears(stage.layers["2"], "int8")  # one layer's modules replaced
+    assert step(True).equal(step(False)) and not step(True).equal(first)
+    remade = plans(stage)[0]
+    assert remade is not made
+    mlp = stage.layers["1"].mlp
+    mlp.down_proj.weight.data = mlp.down_proj.weight.data * 2  # the same parameter, its data elsewhere
+    assert step(True).equal(step(False)) and plans(stage)[0] is not remade
+    twin = copy.deepcopy(stage)
+    assert plans(twin) == []
+    (cache,) = prefilled(twin, [6], 8, seed=3)
+    assert steps(twin, [cache], row, 1, True, monkeypatch)[0].equal(step(True))
+
+
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+def test_a_product_without_a_native_call_runs_as_its_module_in_the_plan(tiny_model_dir, native_parts, monkeypatch,
+                                                                          kind):
+    """Where a probe chose PyTorch's product for a shape, the plan calls that module: still the modules' bits."""
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed: "native" if out_f != 64 else kind)
+    stage = tiny_stage(tiny_model_dir, "bf16")
+    assert type(stage.layers["0"].self_attn.o_proj) is {"plain": dense.Linear, "packed": dense.PackedLinear}[kind]
+    assert type(stage.layers["0"].self_attn.qkv_proj) is dense.NativeLinear
+    rows = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    expected = steps(stage, prefilled(stage, [4, 6], 12, seed=4), rows, 2, False, monkeypatch)
+    got = steps(stage, prefilled(stage, [4, 6], 12, seed=4), rows, 2, True, monkeypatch)
+    assert any(isinstance(p, DecodePlan) and p.rows == 2 for p in plans(stage))
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("why", ["an fp32 stage", "norms told to keep PyTorch's", "more rows than the activation takes"])
+def test_no_plan_where_a_part_would_not_be_native(tiny_model_dir, native_parts, monkeypatch, why):
+    dtype = torch.float32 if why == "an fp32 stage" else torch.bfloat16
+    stage = OurModel(tiny_model_dir, dtype).stages[0]
+    lengths = [2] * (native.ACT_ROWS + 1 if why.startswith("more rows") else 1)
+    if why.startswith("norms"):
+        monkeypatch.setattr(RMSNorm, "native", False)
+    caches = [stage.new_cache(4, dtype, "cpu") for _ in lengths]
+    for cache in caches:
+        stage(torch.randn(1, 2, 64).to(dtype), cache, 0)
+    out = stage.forward_batch(torch.randn(1, len(lengths), 64).to(dtype), [Span(c, 2, 1) for c in caches])
+    assert out.isfinite().all() and all(c.length == 3 for c in caches)
+    assert all(p is None for p in plans(stage))  # asked and declined, or never asked (fp32)
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("mode", ["int4", "fp16"])
+def test_demo_layers_step_through_a_plan_to_the_modules_bits(demo_model_dir, native_parts, monkeypatch, mode):
+    """Four layers of the real model, loaded as a worker loads them: two sequences' steps through a plan are the
+    modules' bits."""
+    from tc.model.config import ModelConfig
+    from tc.model.weights import WeightIndex
+
+    config = ModelConfig.from_file(demo_model_dir / "config.json")
+    quantization = None if mode == "fp16" else quant.Quantization(mode)
+    stage = Stage.load(config, WeightIndex.open(demo_model_dir), 0, 4, torch.bfloat16, "cpu", quantization)
+    rows = torch.randn(1, 2, config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    runs = {}
+    for planned in (False, True):
+        caches = prefilled(stage, [40, 7], 64, seed=6)
+        runs[planned] = steps(stage, caches, rows, 4, planned, monkeypatch)
+    assert [type(p) for p in plans(stage)] == [DecodePlan]
+    for ours, theirs in zip(runs[True], runs[False]):
+        assert torch.equal(ours, theirs)
