@@ -8,7 +8,10 @@ and then times decode steps at one fixed position (the cache slot is rewritten, 
 - products: the stage's linear modules alone, each called on the input it got in a step, in the step's order;
 - the rest of the step, split by torch.profiler into attention (SDPA), cache writes, norms and everything else
   (rotary, activation, residuals, views), with the number of operators each part dispatches per step. Profiled
-  times include the profiler's own cost per operator, so they add up to more than the unprofiled step;
+  times include the profiler's own cost per operator, so they add up to more than the unprofiled step. Products
+  and split are of a step through the modules, one by one; `plan` says whether the timed step ran as a decode
+  plan instead (tc/model/decode_plan.py: the same calls, without the modules around them), and `modules` is
+  the step through the modules, timed as `step` is;
 - floor: the stage's weight bytes at the machine's streaming rate (the best of a large fp32 sum and a large fp32
   torch.mv, both measured here), what no implementation that reads every weight once can beat;
 - head: the final norm, the lm_head (as the head process holds it: in the mode's head weight mode, a bf16 one on
@@ -27,6 +30,7 @@ with this tree's in one process (A, B, A, B, ...): the only fair comparison on a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import statistics
@@ -101,6 +105,7 @@ class Setup:
     def __init__(self, code: dict[str, ModuleType], model_dir: Path, mode: str, start: int, end: int,
                  dtype: torch.dtype, context: int, group_size: int):
         qwen2, quant, weights = code["qwen2"], code["quant"], code["weights"]
+        self.qwen2 = qwen2
         self.config = code["config"].Qwen2Config.from_file(model_dir / "config.json")
         index = weights.WeightIndex.open(model_dir)
         if "quantization" in inspect.signature(qwen2.Stage.load).parameters:  # weights quantized as they stream in
@@ -127,6 +132,23 @@ class Setup:
 
     def step(self) -> torch.Tensor:
         return self.stage(self.x, self.cache, self.context)
+
+    def planned(self) -> bool:
+        """Whether this tree's steps run as a decode plan (a revision from before plans: no)."""
+        return any(p is not None for p in getattr(self.stage, "_plans", {}).values())
+
+    @contextlib.contextmanager
+    def through_modules(self):
+        """Steps through the modules one by one, as a tree from before decode plans takes them."""
+        stage_class = self.qwen2.Stage
+        before = getattr(stage_class, "decode_plans", None)
+        if before is not None:
+            stage_class.decode_plans = False
+        try:
+            yield
+        finally:
+            if before is not None:
+                stage_class.decode_plans = before
 
     def prefill(self) -> torch.Tensor:
         """The whole context again, as a new request's prefill (a fresh cache)."""
@@ -316,23 +338,28 @@ def main() -> None:
             row = {"mode": mode, "tree": name, "step": statistics.median(walls[name]),
                    "prefill": statistics.median(prefills[name]),
                    "floor": s.weight_bytes() / stream / 1e6, "mb": s.weight_bytes() / 1e6}
+            row["plan"] = s.planned()
+            with torch.inference_mode(), s.through_modules():
+                row["modules"] = median_ms(s.step, args.steps)
             if not args.no_profile:
-                calls = recorded_products(s)
-                row["products"] = products_ms(calls, args.steps)
-                row["split"], row["ops"], row["profiled"] = profiled_split(s, args.steps)
+                with s.through_modules():
+                    calls = recorded_products(s)
+                    row["products"] = products_ms(calls, args.steps)
+                    row["split"], row["ops"], row["profiled"] = profiled_split(s, args.steps)
                 shapes[(mode, name)] = shape_table(calls, args.steps)
                 heads[(mode, name)] = head_budget(s, args.steps)
             rows.append(row)
             print(f"  {mode} {name}: step {row['step']:.2f} ms", file=sys.stderr)
         del setups
 
-    print(f"{'mode':5s} {'tree':10s} {'MB':>6s} {'floor':>6s} {'step':>6s} {'vs floor':>8s} {'prefill':>8s} "
-          f"{'tok/s':>6s}" +
+    print(f"{'mode':5s} {'tree':10s} {'MB':>6s} {'floor':>6s} {'step':>6s} {'vs floor':>8s} {'plan':>4s} "
+          f"{'modules':>7s} {'prefill':>8s} {'tok/s':>6s}" +
           ("" if args.no_profile else f" {'products':>8s} {'GB/s':>5s} | profiled: " +
            " ".join(f"{c:>12s}" for c in CATEGORIES) + f" {'step':>6s}"))
     for r in rows:
         line = (f"{r['mode']:5s} {r['tree'][:10]:10s} {r['mb']:6.0f} {r['floor']:6.2f} {r['step']:6.2f} "
-                f"{r['step'] / r['floor']:7.2f}x {r['prefill']:8.1f} {args.context / r['prefill'] * 1e3:6.0f}")
+                f"{r['step'] / r['floor']:7.2f}x {'yes' if r['plan'] else 'no':>4s} {r['modules']:7.2f} "
+                f"{r['prefill']:8.1f} {args.context / r['prefill'] * 1e3:6.0f}")
         if not args.no_profile:
             line += f" {r['products']:8.2f} {r['mb'] / r['products']:5.1f} | {'':9s} " + " ".join(
                 f"{r['split'][c]:6.2f} ({r['ops'][c]:3d})" for c in CATEGORIES) + f" {r['profiled']:6.2f}"
