@@ -133,7 +133,8 @@ def test_a_product_without_a_native_call_runs_as_its_module_in_the_plan(tiny_mod
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("why", ["an fp32 stage", "norms told to keep PyTorch's", "more rows than the activation takes"])
+@pytest.mark.parametrize("why", ["an fp32 stage", "norms told to keep PyTorch's",
+                                 "more rows than the activation takes"])
 def test_no_plan_where_a_part_would_not_be_native(tiny_model_dir, native_parts, monkeypatch, why):
     dtype = torch.float32 if why == "an fp32 stage" else torch.bfloat16
     stage = OurModel(tiny_model_dir, dtype).stages[0]

@@ -57,8 +57,9 @@ def test_int4_equals_its_reference(rows, group):
 @needs_kernels
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind):
-    """Where a pass starts prefetching its weights is a matter of speed alone: every setting gives the same bits,
-    for one row, a few and more than a pass holds, and the probe leaves the library on the setting it chose."""
+    """Where a pass starts prefetching its weights, and how far ahead, is a matter of speed alone: every setting
+    gives the same bits, for one row, a few and more than a pass holds, and the probe leaves the library on the
+    setting it chose."""
     w = weights(4096, 384, 5)
     if kind == "bf16":
         weight = w.bfloat16()
@@ -71,19 +72,23 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
         q4 = quantize_int4(w, 128)
         packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
         product = lambda x: KERNELS.int4_product(x, packed, scales, zeros, 128, None)  # noqa: E731
-    kept = dict(KERNELS.prefetch_rows)
+    kept, kept_ahead = dict(KERNELS.prefetch_rows), dict(KERNELS.prefetch_ahead)
     try:
         for rows in (1, 2, 9):
             x = activations(rows, 384, rows, torch.bfloat16)
             outputs = []
             for rows_from in (1, 2, 3, 9):
-                KERNELS.prefetch_rows[kind] = rows_from
-                outputs.append(product(x))
+                for ahead in (native.PREFETCH_AHEAD[kind], native.FAR_AHEAD, 64):
+                    KERNELS.prefetch_rows[kind], KERNELS.prefetch_ahead[kind] = rows_from, ahead
+                    outputs.append(product(x))
             assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
     finally:
         KERNELS.prefetch_rows.update(kept)
+        KERNELS.prefetch_ahead.update(kept_ahead)
     chosen = native.one_row_prefetch(kind)
     assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
+    ahead = KERNELS.prefetch_ahead[kind]
+    assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
 
 
 @needs_kernels

@@ -25,16 +25,15 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_BF16DOT_ABI 3
+#define TC_BF16DOT_ABI 4
 #define MAX_ROWS 8 /* activation rows per pass over the weights: one accumulator each, all in registers */
-/* Weight bytes a pass prefetches ahead, where it holds `prefetch_rows` or more activation rows (the caller says;
+/* A pass prefetches its weights where it holds `prefetch_rows` or more activation rows (the caller says;
    tc/model/native.py settles it by a probe at load). With 3 or more rows each weight vector feeds that many dot
    products and the hardware prefetcher alone leaves the loop waiting on its loads (as in qdot.c): on a 2-core
    AVX512 EPYC, a [9728, 896] weight went from 14-17 to 18-21 GB/s for 4 and 8 rows, about oneDNN's blocked
    product's rate there. One row is where machines differ: it streamed at the memory's rate without the hint on that
    EPYC, and at 12.6-14.9 GB/s against 15.1-17.6 with it on a 2-core Sapphire Rapids VM (demo shapes, weights from
-   memory, both threads). */
-#define PREFETCH_AHEAD 1024
+   memory, both threads). How far ahead, in bytes, is the caller's `prefetch_ahead` (native.py's probe again). */
 #define TILE 4 /* weight rows a tile reads together */
 
 int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
@@ -68,7 +67,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
     for (int r = 0; r < M; r++) a[r] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= k; i += 32) {
-        if (prefetch) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        if (prefetch) _mm_prefetch((const char*)(w + i) + prefetch, _MM_HINT_T0);
         __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
         if (M == 1 && (i / 32) % 2) {
             b = _mm512_dpbf16_ps(b, wv, (__m512bh)_mm512_loadu_si512(x + i));
@@ -97,7 +96,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
    from DRAM, [896, 4864]: 8 rows 0.91-0.94 ms instead of 1.55-1.59, 4 rows 0.77-0.86 instead of 1.15-1.34; and on
    [9728, 896], whose 8 activation rows fit L1, 2.6 ms instead of 1.3: short rows read four at a time lose the
    hardware prefetcher, so tiles are only for activations that do not fit (native.Kernels.bf16_product decides). */
-TC_INLINE void dot_tile(const uint16_t* w, const uint16_t* x, int k, int M, float (*acc)[MAX_ROWS]) {
+TC_INLINE void dot_tile(const uint16_t* w, const uint16_t* x, int k, int M, int ahead, float (*acc)[MAX_ROWS]) {
     __m512 a[TILE][MAX_ROWS];
     for (int t = 0; t < TILE; t++)
         for (int r = 0; r < M; r++) a[t][r] = _mm512_setzero_ps();
@@ -105,7 +104,7 @@ TC_INLINE void dot_tile(const uint16_t* w, const uint16_t* x, int k, int M, floa
     for (; i + 32 <= k; i += 32) {
         __m512bh v[TILE];
         for (int t = 0; t < TILE; t++) {
-            _mm_prefetch((const char*)(w + (size_t)t * k + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char*)(w + (size_t)t * k + i) + ahead, _MM_HINT_T0);
             v[t] = (__m512bh)_mm512_loadu_si512(w + (size_t)t * k + i);
         }
         for (int r = 0; r < M; r++) {
@@ -138,7 +137,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
     for (int r = 0; r < M; r++) a[r] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= k; i += 8) {
-        if (prefetch && i % 32 == 0) _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        if (prefetch && i % 32 == 0) _mm_prefetch((const char*)(w + i) + prefetch, _MM_HINT_T0);
         __m256 wv = bf16x8_load(w + i);
         if (M == 1 && (i / 8) % 2) {
             b = _mm256_fmadd_ps(wv, bf16x8_load(x + i), b);
@@ -156,7 +155,7 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
 
 #ifndef HAVE_TILES /* without AVX512-BF16, one weight row at a time, tiled or not */
 #define HAVE_TILES 0
-#define dot_tile(w, x, k, M, acc) ((void)0)
+#define dot_tile(w, x, k, M, ahead, acc) ((void)0)
 #endif
 
 /* output j of rows [0, M): the float32 sums plus the bias, rounded once */
@@ -171,14 +170,14 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
    past the last whole tile go one at a time. */
 #define PRODUCT(M)                                                                                                  \
     static void product_##M(const uint16_t* x, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,  \
-                            int nthreads, int tiled, int prefetch_rows) {                                           \
-        const int prefetch = M >= prefetch_rows;                                                                    \
+                            int nthreads, int tiled, int prefetch_rows, int ahead) {                                \
+        const int prefetch = M >= prefetch_rows ? ahead : 0; /* bytes ahead, or none */                            \
         int done = 0;                                                                                               \
         if (tiled && HAVE_TILES) {                                                                                  \
             done = n - n % TILE;                                                                                    \
             _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int j = 0; j < done; j += TILE) { \
                 float acc[TILE][MAX_ROWS];                                                                          \
-                dot_tile(w + (size_t)j * k, x, k, M, acc);                                                          \
+                dot_tile(w + (size_t)j * k, x, k, M, ahead, acc);                                                   \
                 for (int t = 0; t < TILE; t++) STORE(M, acc[t], j + t);                                             \
             }                                                                                                       \
         }                                                                                                           \
@@ -200,23 +199,23 @@ PRODUCT(8)
 
 /* y [m, n] = x [m, k] @ w [n, k]^T (+ bias [n], or NULL), all contiguous bfloat16, in passes of MAX_ROWS rows
    (each pass reads the weights once); tiled: passes of several rows read the weight in tiles (dot_tile); passes
-   of prefetch_rows or more rows prefetch their weights (tiles always do). */
+   of prefetch_rows or more rows prefetch their weights (tiles always do), prefetch_ahead bytes ahead. */
 void tc_bf16_linear(const uint16_t* x, int m, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,
-                    int nthreads, int tiled, int prefetch_rows) {
+                    int nthreads, int tiled, int prefetch_rows, int prefetch_ahead) {
     for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
         const int rows = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
         const uint16_t* xs = x + (size_t)r0 * k;
         uint16_t* ys = y + (size_t)r0 * n;
         const int tile = tiled && rows > 1; /* one row has its own order of additions (dot_rows) */
         switch (rows) {
-            case 1: product_1(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 2: product_2(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 3: product_3(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 4: product_4(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 5: product_5(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 6: product_6(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            case 7: product_7(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
-            default: product_8(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows); break;
+            case 1: product_1(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 2: product_2(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 3: product_3(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 4: product_4(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 5: product_5(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 6: product_6(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            case 7: product_7(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
+            default: product_8(xs, k, w, n, bias, ys, nthreads, tile, prefetch_rows, prefetch_ahead); break;
         }
     }
 }

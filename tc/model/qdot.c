@@ -25,7 +25,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 5
+#define TC_QDOT_ABI 6
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -33,8 +33,8 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
-/* Weight bytes a tile prefetches ahead where it serves `prefetch_rows` or more activation rows (the caller says;
-   tc/model/native.py settles it for each kind of product by a probe at load). With many rows each 32-byte weight
+/* A tile prefetches its weights, `prefetch_ahead` bytes ahead, where it serves `prefetch_rows` or more activation
+   rows (the caller says both; tc/model/native.py settles them for each kind of product by a probe at load). With many rows each 32-byte weight
    vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a
    2-core AVX512 EPYC, 8 rows took 10.7 ms instead of 12.2 (median) over a 12-layer int4 stage of the demo model,
    and 8.9 instead of 10.7 over its int8 lm_head; 4 rows 10% less; and on another, over the int4 products of 24 demo
@@ -43,7 +43,6 @@
    memory's rate without it on a Zen 4 EPYC (2.5% slower with it over 12 demo layers) and an int4 row was 12% faster
    with it there (5.6 ms against 6.3 over 12 layers); on a 2-core Sapphire Rapids VM both gained 25-30% (an int8
    row of the demo shapes at 14.5-17.6 GB/s against 11.7-13.8). */
-#define PREFETCH_AHEAD 2048
 
 int tc_qdot_abi(void) { return TC_QDOT_ABI; }
 
@@ -95,11 +94,11 @@ TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
         _mm256_storeu_ps((float*)y + i, v);
 }
 
-/* A tile's prefetch of the weights PREFETCH_AHEAD bytes past vector kb (32 bytes each, one 64-byte line per two)
-   where it serves `from_rows` or more activation rows. */
-TC_INLINE void prefetch_weights(const void* tile, int kb, int mr, int from_rows) {
+/* A tile's prefetch of the weights `ahead` bytes past vector kb (32 bytes each, one 64-byte line per two) where it
+   serves `from_rows` or more activation rows. */
+TC_INLINE void prefetch_weights(const void* tile, int kb, int mr, int from_rows, int ahead) {
     if (mr >= from_rows && !(kb & 1))
-        _mm_prefetch((const char*)tile + (size_t)kb * 32 + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char*)tile + (size_t)kb * 32 + ahead, _MM_HINT_T0);
 }
 
 TC_INLINE __m256i bcast4(const int8_t* p) {
@@ -149,7 +148,7 @@ static void quantize_row(const void* x, int bf16, int m, int K, int8_t* xq, floa
    made once per row rather than once per tile, where 8 rows of them had no registers left. */
 TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const float* xg, int K,
                              const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int G, int group,
-                             int t, int m0, int N, void* y, int y_bf16, int prefetch_rows) {
+                             int t, int m0, int N, void* y, int y_bf16, int prefetch_rows, int prefetch_ahead) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const uint8_t* wt = packed + (size_t)t * 4 * K;
     const int B = K / XGROUP, BPG = group / XGROUP;
@@ -166,7 +165,7 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-                prefetch_weights(wt, kb, mr, prefetch_rows);
+                prefetch_weights(wt, kb, mr, prefetch_rows, prefetch_ahead);
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
@@ -205,7 +204,7 @@ static void int4_group_sums(const float* xs, const int32_t* xqsum, int m, int K,
 /* int8 tile t: qweight bytes [N/8, K/4, 8, 4], byte (t, kb, r, b) = W[8t+r, 4kb+b]; a float scale per row. */
 TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
                              const int8_t* qweight, const float* wscale, int t, int m0, int N, void* y, int y_bf16,
-                             int prefetch_rows) {
+                             int prefetch_rows, int prefetch_ahead) {
     const int8_t* wt = qweight + (size_t)t * 8 * K;
     const int B = K / XGROUP;
     __m256 acc[MR];
@@ -215,7 +214,7 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
         for (int j = 0; j < mr; j++) iacc[j] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-            prefetch_weights(wt, kb, mr, prefetch_rows);
+            prefetch_weights(wt, kb, mr, prefetch_rows, prefetch_ahead);
             for (int j = 0; j < mr; j++) iacc[j] = dot_s8s8(iacc[j], w, bcast4(xq + (size_t)(m0 + j) * K + kb * 4));
         }
         for (int j = 0; j < mr; j++) {
@@ -280,20 +279,23 @@ static void* scratch_for(size_t bytes) {
 
 /* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
    N a multiple of 8, group a multiple of XGROUP dividing K; a pass of prefetch_rows or more activation rows
-   prefetches its weights (above). Returns 0, or -1 if scratch memory ran out. */
+   prefetches its weights, prefetch_ahead bytes ahead (above). Returns 0, or -1 if scratch memory ran out. */
 int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
-                   const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows) {
+                   const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows,
+                   int prefetch_ahead) {
     int G = K / group;
 #define INT4_CALL(R) \
-    int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows)
+    int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
     PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg))
 }
 
 /* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP; a pass of prefetch_rows
-   or more activation rows prefetches its weights. Returns 0, or -1 if scratch memory ran out. */
+   or more activation rows prefetches its weights, prefetch_ahead bytes ahead. Returns 0, or -1 if scratch memory
+   ran out. */
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
-                   void* y, int y_bf16, int nthreads, int prefetch_rows) {
-#define INT8_CALL(R) int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16, prefetch_rows)
+                   void* y, int y_bf16, int nthreads, int prefetch_rows, int prefetch_ahead) {
+#define INT8_CALL(R) \
+    int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
     PRODUCT(INT8_CALL, (void)0)
 }
 
