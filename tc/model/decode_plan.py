@@ -85,13 +85,12 @@ class DecodePlan:
         self._calls = calls
         self._slots = slots  # each layer's cache addresses, one per row, filled for each step
         self._positions, self._capacities = positions, capacities
-        # (container, name, object, address) of every module and tensor (address: its data's) the calls were made from
-        self._parts = parts
+        self._parts = parts  # (container, name, object, its data's address) of what the calls were made from
 
     @classmethod
     def make(cls, layers: Sequence[tuple[Index, torch.nn.Module]], rows: int) -> "DecodePlan | None":
-        """A plan for `layers` (qwen2.DecoderLayer, with their numbers) and `rows` rows, or None where any part
-        of any layer would not take its native kernel for them."""
+        """A plan for `layers` (qwen2.DecoderLayer, with their numbers) and `rows` rows, or None where a layer is
+        of another kind or its norms, attention or activation cannot take their native kernels for them."""
         from .qwen2 import MLP, DecoderLayer  # the layers this plan walks; qwen2 makes the plans
 
         if not layers or native.kernels() is None:
@@ -131,8 +130,9 @@ class DecodePlan:
         if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP:
             return None
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None or attn.n_heads * attn.head_dim != b.attended.shape[1] \
-                or mlp.down_proj.in_features != b.act.shape[1]:
+        h, h_kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if attn.q_norm is not None or (h + 2 * h_kv) * d != b.qkv.shape[1] or h * d != b.attended.shape[1] \
+                or d != b.cos.shape[-1] or mlp.down_proj.in_features != b.act.shape[1]:
             return None
         kernels = attn._decode_kernels(b.qkv, planned=True)
         act_kernels = mlp._act_kernels(b.gate_up, planned=True)

@@ -860,7 +860,6 @@ class Int8Linear(_QuantLinear):
             y = _int8_dense(x2, qweight, scale)
         return self._finish(y, x)
 
-
     def native_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
         """The native calls that write this product of x into y as forward would compute it, for a decode plan;
         None where forward would not take int8_product for x."""

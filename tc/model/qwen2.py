@@ -501,8 +501,8 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
 class Stage(nn.Module):
     """Decoder layers [start, end) of a model: one worker's share of the pipeline."""
 
-    # True: a decode step whose every part would take its native kernel runs as one DecodePlan (decode_plan.py);
-    # False: always through the modules, so that their own choices can be tested
+    # True: a decode step whose layers' small parts can all take their native kernels runs as one DecodePlan
+    # (decode_plan.py); False: always through the modules, so that their own choices can be tested
     decode_plans: bool = True
 
     def __init__(self, config: ModelConfig, start: int, end: int, device: torch.device | str = "cpu"):
@@ -575,10 +575,10 @@ class Stage(nn.Module):
             span.cache.length = span.start + span.length
         return hidden
 
-
     def _decode_plan(self, hidden: torch.Tensor, spans: Sequence[Span]) -> DecodePlan | None:
-        """The plan for this step: bf16 decode rows on the CPU, one per sequence, through layers that all take
-        their native kernels for that many rows (made once and kept while it is current); else None."""
+        """The plan for this step: bf16 decode rows on the CPU, one per sequence, through layers whose norms,
+        attention and activation all take their native kernels for that many rows (made once, and kept while it
+        is current); else None."""
         if not self.decode_plans or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
                 or not all(_native_decode_row(s) for s in spans) or self.local_rotary is not None:
             return None
