@@ -4,9 +4,9 @@ Through the modules, one layer of a decode step runs about ten native kernels (n
 attention.c, act.c) among some sixty Python and PyTorch operations around them: module calls, the checks that
 choose each kernel, a fresh tensor for every output, views. With a stage's weights sweeping the caches every
 step, that glue costs far more than its hot-loop time. Measured on a 2-core Sapphire Rapids VM, 12 demo layers
-at 128 cached positions, the same kernel calls on fixed buffers against the modules (`python
-bench/profile_step.py --against REV` compares the two trees): int4 7.5-8.5 ms a step against 11.2-13.5, int8
-14.3-15.1 against 19.1-20.2, bf16 26.6-27.0 against 32.7-34.1, with the same bits out.
+at 128 cached positions, the same kernels called by a plan and by the modules in turn, in one process: int4
+7.7-8.0 ms a step against 9.7-12.4, int8 13.5-14.1 against 18.0-18.1, bf16 25.0-25.7 against 27.6-30.2, with
+the same bits out (`python bench/profile_step.py` prints both as `step` and `modules`).
 
 So where the small parts of every layer can take their native kernels for a step's rows (the kernels agree with
 their references here: within a plan their alternative is the whole step through the modules, not one PyTorch
