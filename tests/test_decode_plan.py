@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model_helpers import OurModel
+from tiny_families import FAMILIES, write_family_model
 from tc.model import dense, native, quant
 from tc.model.decode_plan import DecodePlan
 from tc.model.kv_cache import CacheFullError
@@ -88,8 +89,10 @@ def test_a_plan_step_past_the_cache_raises_as_the_modules_do(tiny_model_dir, nat
     row = torch.randn(1, 1, 64).bfloat16()
     stage.forward_batch(row, [Span(cache, 4, 1)])  # the last position: fine
     assert isinstance(plans(stage)[0], DecodePlan)
+    kept = cache.kv.clone()
     with pytest.raises(CacheFullError, match="position 5 is past"):
         stage.forward_batch(row, [Span(cache, 5, 1)])
+    assert cache.length == 5 and torch.equal(cache.kv, kept)  # nothing written
 
 
 def test_a_plan_follows_its_modules_and_a_copy_starts_afresh(tiny_model_dir, native_parts, monkeypatch):
@@ -111,6 +114,9 @@ def test_a_plan_follows_its_modules_and_a_copy_starts_afresh(tiny_model_dir, nat
     mlp = stage.layers["1"].mlp
     mlp.down_proj.weight.data = mlp.down_proj.weight.data * 2  # the same parameter, its data elsewhere
     assert step(True).equal(step(False)) and plans(stage)[0] is not remade
+    stage.layers["0"] = copy.deepcopy(stage.layers["0"])  # a whole layer replaced
+    again = plans(stage)[0]
+    assert step(True).equal(step(False)) and plans(stage)[0] is not again
     twin = copy.deepcopy(stage)
     assert plans(twin) == []
     (cache,) = prefilled(twin, [6], 8, seed=3)
@@ -131,6 +137,46 @@ def test_a_product_without_a_native_call_runs_as_its_module_in_the_plan(tiny_mod
     assert any(isinstance(p, DecodePlan) and p.rows == 2 for p in plans(stage))
     for ours, theirs in zip(got, expected):
         assert torch.equal(ours, theirs)
+
+
+# families whose every layer a plan takes (the rest have a sliding window, normalised query and key heads, Gemma's
+# norms and activation, or experts)
+PLANNED_FAMILIES = {"qwen2-own-head-dim", "qwen2-linear-rope", "qwen2-yarn", "llama", "llama-dynamic-rope",
+                    "llama3-rope-tied", "llama-biases"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_steps_to_the_modules_bits_and_only_plain_layers_make_plans(tmp_path, native_parts, monkeypatch,
+                                                                                family):
+    stage = OurModel(write_family_model(tmp_path, family, seed=2), torch.bfloat16).stages[0]
+    rows = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    expected = steps(stage, prefilled(stage, [7, 3], 12, seed=5), rows, 2, False, monkeypatch)
+    got = steps(stage, prefilled(stage, [7, 3], 12, seed=5), rows, 2, True, monkeypatch)
+    made = any(isinstance(p, DecodePlan) and p.rows == 2 for p in plans(stage))
+    assert made == (family in PLANNED_FAMILIES)
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_plan_takes_the_small_kernels_where_their_probes_preferred_pytorch(tiny_model_dir, monkeypatch):
+    """With every speed probe for the norm, attention and activation preferring PyTorch's operators, the modules
+    use those, and a plan still takes the kernels (they agree with their references; there the alternative is the
+    whole step through the modules): the same step up to the kernels' own roundings."""
+    monkeypatch.setattr(native, "faster_than_torch", lambda mode: True)
+    for probe in ("norm_faster_than_torch", "attention_faster_than_torch", "silu_mul_faster_than_torch"):
+        monkeypatch.setattr(native, probe, lambda: False)
+    stage = tiny_stage(tiny_model_dir, "int8")
+    rows = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(10)).bfloat16()
+    by_modules, by_plan = prefilled(stage, [5, 8], 12, seed=7), prefilled(stage, [5, 8], 12, seed=7)
+    expected = steps(stage, by_modules, rows, 3, False, monkeypatch)
+    got = steps(stage, by_plan, rows, 3, True, monkeypatch)
+    assert any(isinstance(p, DecodePlan) and p.rows == 2 for p in plans(stage))
+    for ours, theirs in zip(got, expected):
+        assert float((ours.float() - theirs.float()).norm() / theirs.float().norm()) < 2e-2
+    for ours, theirs in zip(by_plan, by_modules):
+        assert ours.length == theirs.length
+        written = ours.kv[..., :ours.length, :].float(), theirs.kv[..., :theirs.length, :].float()
+        assert float((written[0] - written[1]).norm() / written[1].norm()) < 2e-2
 
 
 @pytest.mark.parametrize("why", ["an fp32 stage", "norms told to keep PyTorch's",

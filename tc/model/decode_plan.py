@@ -14,13 +14,18 @@ operator), the stage asks each module once for the calls it would make (`native_
 own test of what its kernel takes; a product without one, such as oneDNN's where a probe found it faster, is
 called as a module), on buffers of the plan's own, and keeps them (`DecodePlan`). A step then copies the hidden
 state and the rotary tables in, points each layer's attention at every sequence's cache, runs the list and copies
-the result out. Where a part cannot (an fp32 stage, a family's own norm or activation, more rows than the
-activation kernel takes, a switch that sends a part to PyTorch), there is no plan and the modules run as before.
+the result out: the bits of the modules taking the same kernels. Where a module's speed probe preferred
+PyTorch's operator for its part, the plan's kernel differs from it as the kernel's own tests allow (the norm's
+float32 sums in another order, the attention's softmax kept in float32 where SDPA rounds it to bf16). Where a part
+cannot (an fp32 stage, a family's own norm or activation, a sliding window, more rows than the activation kernel
+takes, a switch that sends a part to PyTorch), there is no plan and the modules run as before.
 
-A plan holds raw addresses of the weights it was made for, so it is only used while the stage's modules and
-their tensors are those it was made from, where they were (`DecodePlan.current`): replacing a module (quantizing
-one, packing one) or a weight, or moving one, after a plan was made makes a new one; a copied stage starts with
-no plans (`Plans`). Layers that declined a kind of step are not asked again for it.
+A plan holds raw addresses of the weights it was made for, so it is only used while the stage's layers, modules
+and tensors are those it was made from, where they were and of the shape they were (`DecodePlan.current`):
+replacing a layer, a module (quantizing one, packing one) or a weight, or moving one, after a plan was made makes
+a new one (and drops the stage's other plans); a copied stage starts with no plans (`Plans`). Layers that
+declined a kind of step are not asked again for it. A plan's buffers are its own, so a stage steps on one thread
+at a time, as a worker's compute thread and the local pipeline step it.
 """
 from __future__ import annotations
 
@@ -34,9 +39,12 @@ from . import native
 Index = int  # a layer's number in the checkpoint, the key of its cache slot
 
 
-def _product_calls(linear: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[native.Call]:
+def _product_calls(linear: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
     """The calls that write linear(x) into y: its native kernel's where it takes x, else the module itself (a plain
-    Linear, oneDNN's PackedLinear, PyTorch's packed int kernels: what a probe found faster here)."""
+    Linear, oneDNN's PackedLinear, PyTorch's packed int kernels: what a probe found faster here); None where the
+    module's widths are not the buffers'."""
+    if getattr(linear, "in_features", None) != x.shape[-1] or getattr(linear, "out_features", None) != y.shape[-1]:
+        return None
     make = getattr(linear, "native_calls", None)
     calls = None if make is None else make(x, y)
     return calls if calls is not None else [(_module_into, (linear, x, y), None)]
@@ -44,6 +52,11 @@ def _product_calls(linear: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
 
 def _module_into(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     y.copy_(module(x))
+
+
+def _where(tensor: torch.Tensor | None) -> tuple | None:
+    """A tensor's data address, shape and dtype: what a plan's calls took from it."""
+    return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.dtype)
 
 
 class Plans(dict):
@@ -79,23 +92,24 @@ class DecodePlan:
 
     def __init__(self, rows: int, buffers: _Buffers, calls: list[native.Call],
                  slots: list[tuple[Index, ctypes.Array]], positions: ctypes.Array, capacities: ctypes.Array,
-                 parts: list[tuple[dict, str, object, int | None]]):
+                 parts: list[tuple[dict, str, object, tuple | None]]):
         self.rows = rows
         self._buffers = buffers
         self._calls = calls
         self._slots = slots  # each layer's cache addresses, one per row, filled for each step
         self._positions, self._capacities = positions, capacities
-        self._parts = parts  # (container, name, object, its data's address) of what the calls were made from
+        self._parts = parts  # (container, name, object, where: see _where) of what the calls were made from
 
     @classmethod
-    def make(cls, layers: Sequence[tuple[Index, torch.nn.Module]], rows: int) -> "DecodePlan | None":
-        """A plan for `layers` (qwen2.DecoderLayer, with their numbers) and `rows` rows, or None where a layer is
-        of another kind or its norms, attention or activation cannot take their native kernels for them."""
+    def make(cls, layers: torch.nn.ModuleDict, rows: int) -> "DecodePlan | None":
+        """A plan for a stage's `layers` (qwen2.DecoderLayer by their numbers) and `rows` rows, or None where a
+        layer is of another kind or its norms, attention or activation cannot take their native kernels for
+        them."""
         from .qwen2 import MLP, DecoderLayer  # the layers this plan walks; qwen2 makes the plans
 
-        if not layers or native.kernels() is None:
+        if not len(layers) or native.kernels() is None:
             return None
-        first = layers[0][1]
+        first = next(iter(layers.values()))
         if not isinstance(first, DecoderLayer):
             return None
         attn, mlp = first.self_attn, first.mlp
@@ -108,9 +122,11 @@ class DecodePlan:
         row_numbers = (ctypes.c_int32 * rows)(*range(rows))
         calls: list[native.Call] = []
         slots: list[tuple[Index, ctypes.Array]] = []
-        parts: list[tuple[dict, str, object, int | None]] = []
+        parts: list[tuple[dict, str, object, tuple | None]] = [(layers._modules, key, layer, None)
+                                                               for key, layer in layers.items()]
         b = buffers
-        for index, layer in layers:
+        for key, layer in layers.items():
+            index = int(key)
             layer_slots = (ctypes.c_int64 * rows)()
             made = cls._layer_calls(layer, b, layer_slots, positions, capacities, row_numbers, parts)
             if made is None:
@@ -122,7 +138,7 @@ class DecodePlan:
     @staticmethod
     def _layer_calls(layer: torch.nn.Module, b: _Buffers, slots: ctypes.Array, positions: ctypes.Array,
                      capacities: ctypes.Array, row_numbers: ctypes.Array,
-                     parts: list[tuple[dict, str, object, int | None]]) -> list[native.Call] | None:
+                     parts: list[tuple[dict, str, object, tuple | None]]) -> list[native.Call] | None:
         """One layer's calls: x + o_proj(attention(qkv_proj(norm(x)))), then + down_proj(act(gate_up(norm(x)))),
         each sum added into x in place (a + b and b + a round alike); None where a part declines."""
         from .qwen2 import MLP, DecoderLayer
@@ -162,13 +178,13 @@ class DecodePlan:
             if getattr(module, "native_calls", None) is None and getattr(module, "native_call", None) is None:
                 continue  # called as a module: it reads its own tensors
             for tensors in (module._parameters, module._buffers):
-                parts += [(tensors, name, t, None if t is None else t.data_ptr()) for name, t in tensors.items()]
+                parts += [(tensors, name, t, _where(t)) for name, t in tensors.items()]
         return [call for p in pieces for call in p]
 
     def current(self) -> bool:
         """Whether every module and tensor the calls were made from is still in its place."""
-        return all(owner.get(name) is thing and (address is None or thing.data_ptr() == address)
-                   for owner, name, thing, address in self._parts)
+        return all(owner.get(name) is thing and (where is None or _where(thing) == where)
+                   for owner, name, thing, where in self._parts)
 
     def run(self, hidden: torch.Tensor, caches: Sequence, positions: Sequence[int], cos: torch.Tensor,
             sin: torch.Tensor) -> torch.Tensor:

@@ -587,7 +587,8 @@ class Stage(nn.Module):
             plan = self._plans[key]
             if plan is None or plan.current():  # None: these layers decline such steps
                 return plan
-        plan = self._plans[key] = DecodePlan.make([(int(k), layer) for k, layer in self.layers.items()], len(spans))
+            self._plans.clear()  # the stage changed: the others are stale too, and hold what it let go
+        plan = self._plans[key] = DecodePlan.make(self.layers, len(spans))
         return plan
 
     @staticmethod
