@@ -155,12 +155,11 @@ class DecodePlan:
         act_kernels = mlp._act_kernels(b.gate_up, planned=True)
         if kernels is None or act_kernels is None:
             return None
-        scale = attn.scale if attn.scale is not None else attn.head_dim ** -0.5
         pieces = [
             [layer.input_layernorm.native_call(b.x, b.normed)],
             _product_calls(attn.qkv_proj, b.normed, b.qkv),
             [kernels.decode_attention_call(b.qkv, b.attended, slots, positions, capacities, row_numbers,
-                                           attn.n_heads, attn.n_kv_heads, scale, (b.cos, b.sin))],
+                                           attn.n_heads, attn.n_kv_heads, attn.score_scale, (b.cos, b.sin))],
             _product_calls(attn.o_proj, b.attended, b.delta),
             [(torch.Tensor.add_, (b.x, b.delta), None)],
             [layer.post_attention_layernorm.native_call(b.x, b.normed)],

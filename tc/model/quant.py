@@ -875,10 +875,8 @@ class Int8Linear(_QuantLinear):
 
 
 def _bias_calls(y: torch.Tensor, bias: torch.Tensor | None) -> list[native.Call]:
-    """A quantized product's bias added to its output y as native.add_bias_ adds it, as a decode plan's call."""
-    if bias is None:
-        return []
-    return [(torch.Tensor.add_, (y, bias if bias.dtype == y.dtype else bias.to(y.dtype)), None)]
+    """A quantized product's bias added to its output y (native.add_bias_, the one rule), as a decode plan's call."""
+    return [] if bias is None else [(native.add_bias_, (y, bias), None)]
 
 
 class Int4Linear(_QuantLinear):

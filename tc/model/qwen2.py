@@ -317,7 +317,12 @@ class Attention(nn.Module):
         kernels.decode_attention(qkv[0].view(rows, -1), out[0], [r for r, _ in decoded],
                                  [s.cache.layer_slot(layer, s.start) for _, s in decoded],
                                  [s.start for _, s in decoded], self.n_heads, self.n_kv_heads,
-                                 self.scale if self.scale is not None else self.head_dim ** -0.5, rotary)
+                                 self.score_scale, rotary)
+
+    @property
+    def score_scale(self) -> float:
+        """What the scores are multiplied by: the family's own scale, or SDPA's default head_dim ** -0.5."""
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
 
     def _decode_kernels(self, qkv: torch.Tensor, planned: bool = False) -> native.Kernels | None:
         """The native kernels where this layer's decode rows take their attention (attention.c), else None:
@@ -366,7 +371,7 @@ class Attention(nn.Module):
         b, _, length, _ = q.shape
         mask = visible_keys(position_start, length, self.window, q.device)  # [L, T]
         if self.softcap is not None:
-            scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+            scale = self.score_scale
             out = softcapped_attention(q, keys, values, mask, scale, self.softcap)
         else:
             expand = self.expand_kv if self.expand_kv is not None else expand_kv_heads_on(q.device.type)
