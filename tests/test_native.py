@@ -116,7 +116,7 @@ def test_the_avx2_build_without_vnni_agrees_too():
     assert native.check_bf16_linear(avx2, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
     x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
     assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
-    assert native._check_silu_mul(avx2, gen) < 1e-2
+    assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
 
 
 @needs_kernels
@@ -474,3 +474,30 @@ def test_bf16_norms_take_the_native_norm_and_others_keep_pytorchs(monkeypatch):
     RMSNorm(64, 1e-6)(x.float())  # float32: PyTorch's
     RMSNorm(64, 1e-6, offset=1.0).bfloat16()(x)  # Gemma's offset scales in float32: PyTorch's
     assert len(calls) == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, n", [(1, 896), (3, 64), (2, 13), (5, 200)])  # whole vectors, tails
+def test_the_native_sum_gives_add_s_bits(rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    # magnitudes from 1e-6 to 1e6 apart, so that some sums round twice (in float32, then to bf16)
+    y = (torch.randn(rows, n, generator=gen) * 10.0 ** torch.randint(-6, 7, (rows, n), generator=gen)).bfloat16()
+    delta = (torch.randn(rows, n, generator=gen) * 10.0 ** torch.randint(-6, 7, (rows, n), generator=gen)).bfloat16()
+    delta[0, :3] = torch.tensor([float("inf"), 3e38, -0.0])  # an infinity, an overflow past bf16's range
+    y[0, 1] = 3e38
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = KERNELS.add_(y.clone(), delta)
+    assert torch.equal(got, y.clone().add_(delta)) and got[0, 0] == float("inf") and got[0, 1] == float("inf")
+    assert torch.equal(KERNELS.add_(y.clone(), bias), y.clone().add_(bias))  # one row added to every row
+    assert native._check_add(KERNELS, gen) == 0.0
+
+
+@needs_kernels
+def test_the_sum_check_refuses_a_kernel_one_bit_off(monkeypatch):
+    def off_by_one(self, y, b):
+        y.add_(b)
+        y.view(torch.int16)[..., -1] += 1
+        return y
+
+    monkeypatch.setattr(native.Kernels, "add_", off_by_one)
+    assert native._check_add(KERNELS, torch.Generator().manual_seed(0)) == 1.0

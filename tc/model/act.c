@@ -1,4 +1,5 @@
-/* The gated activation of an MLP for bfloat16 rows on x86-64 CPUs: silu(gate) * up in one call.
+/* The elementwise parts of a layer for bfloat16 rows on x86-64 CPUs: the MLP's gated activation, silu(gate) * up,
+   in one call; and the sums a decode step adds in place (the residual stream's, a quantized product's bias).
 
    Built with qdot.c into one library by tc/model/native.py (-O3 -march=native -fopenmp) and loaded with ctypes.
    PyTorch takes three operators for it (the gate and up halves of the fused product, silu, the product), each
@@ -15,7 +16,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_ACT_ABI 1
+#define TC_ACT_ABI 2
 #define PARALLEL_ROWS 16 /* fewer rows than this run on the calling thread: waking others costs more */
 
 int tc_act_abi(void) { return TC_ACT_ABI; }
@@ -41,5 +42,21 @@ void tc_silu_mul(const uint16_t* gate_up, int rows, int inner, uint16_t* out, in
             bf16x8_store(o, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(g))), bf16x8_load(u)));
             for (int j = 0; j < inner - i; j++) y[i + j] = o[j];
         }
+    }
+}
+
+/* y[r, i] += b[r * b_stride + i] for `rows` contiguous bf16 rows of n: b_stride n adds a row to each row (the
+   residual stream's sum), 0 the same row to every row (a bias). Each sum is taken in float32 and rounded to the
+   nearest bf16, ties to even: the bits of torch's add_ (its bf16 kernel computes in float32 and rounds the same
+   way), for one call where PyTorch's costs tens of microseconds of dispatch in a step that swept the caches. */
+void tc_add_rows(uint16_t* y, const uint16_t* b, int rows, int n, int b_stride) {
+    for (int r = 0; r < rows; r++) {
+        uint16_t* yr = y + (size_t)r * n;
+        const uint16_t* br = b + (size_t)r * b_stride;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            bf16x8_store(yr + i, _mm256_add_ps(bf16x8_load(yr + i), bf16x8_load(br + i)));
+        for (; i < n; i++)
+            yr[i] = scalar_bf16(scalar_f32(yr[i]) + scalar_f32(br[i]));
     }
 }

@@ -54,6 +54,15 @@ def _module_into(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     y.copy_(module(x))
 
 
+def _sum_call(x: torch.Tensor, delta: torch.Tensor) -> native.Call:
+    """x += delta, the residual stream's sum: the native kernel's call where it gives add_'s bits here (one call
+    where add_ is a dispatch of tens of microseconds after the weights swept the caches), else add_ itself."""
+    kernels = native.kernels()
+    if kernels is not None and native.add_agrees():
+        return kernels.add_call(x, delta)
+    return torch.Tensor.add_, (x, delta), None
+
+
 def _address(tensor: torch.Tensor | None) -> int | None:
     """Where a tensor's data is: what a plan's calls took from it. (Its shape and dtype too would triple the cost
     of checking a plan before each step, ~75 µs for 12 demo layers; a tensor's data moves with them.)"""
@@ -161,12 +170,12 @@ class DecodePlan:
             [kernels.decode_attention_call(b.qkv, b.attended, slots, positions, capacities, row_numbers,
                                            attn.n_heads, attn.n_kv_heads, attn.score_scale, (b.cos, b.sin))],
             _product_calls(attn.o_proj, b.attended, b.delta),
-            [(torch.Tensor.add_, (b.x, b.delta), None)],
+            [_sum_call(b.x, b.delta)],
             [layer.post_attention_layernorm.native_call(b.x, b.normed)],
             _product_calls(mlp.gate_up_proj, b.normed, b.gate_up),
             [act_kernels.silu_mul_call(b.gate_up, b.act)],
             _product_calls(mlp.down_proj, b.act, b.delta),
-            [(torch.Tensor.add_, (b.x, b.delta), None)],
+            [_sum_call(b.x, b.delta)],
         ]
         if any(p is None or None in p for p in pieces):
             return None

@@ -70,7 +70,7 @@ ABI = 6  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 4  # bf16dot.c's TC_BF16DOT_ABI
-ACT_ABI = 1  # act.c's TC_ACT_ABI
+ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
 CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
@@ -127,6 +127,9 @@ class Kernels:
         self._silu_mul = lib.tc_silu_mul
         self._silu_mul.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT]
         self._silu_mul.restype = None
+        self._add_rows = lib.tc_add_rows
+        self._add_rows.argtypes = [_VOID_P, _VOID_P, _INT, _INT, _INT]
+        self._add_rows.restype = None
         self._bf16 = lib.tc_bf16_linear
         self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT]
         self._bf16.restype = None
@@ -225,6 +228,18 @@ class Kernels:
         inner = gate_up.shape[-1] // 2
         return self._silu_mul, (gate_up.data_ptr(), gate_up.numel() // (2 * inner), inner, y.data_ptr(),
                                 torch.get_num_threads()), None
+
+    def add_call(self, y: torch.Tensor, b: torch.Tensor) -> Call:
+        """y += b in place for contiguous bfloat16 y [..., n] and b of y's shape or [n] (a bias: added to every
+        row), with add_'s bits (act.c), for a decode plan."""
+        n = y.shape[-1]
+        return self._add_rows, (y.data_ptr(), b.data_ptr(), y.numel() // n, n, 0 if b.numel() == n else n), None
+
+    def add_(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """add_call's sum, called now; returns y."""
+        function, args, _ = self.add_call(y, b)
+        function(*args)
+        return y
 
     def decode_attention_call(self, qkv: torch.Tensor, out: torch.Tensor, slots: ctypes.Array,
                               positions: ctypes.Array, capacities: ctypes.Array, rows: ctypes.Array, heads: int,
@@ -520,6 +535,17 @@ def _check_silu_mul(kernels: Kernels, gen: torch.Generator) -> float:
     return worst
 
 
+def _check_add(kernels: Kernels, gen: torch.Generator) -> float:
+    """0.0 where add_ (residual sums and biases) gives torch's add_'s bits over a few row counts, widths and
+    magnitudes apart, else 1.0: the kernel is meant to match them exactly."""
+    for rows, n, bias in ((1, 64, False), (3, 200, False), (70, 136, True)):  # one row, a tail, a bias
+        y = (torch.randn(rows, n, generator=gen) * 10 ** torch.randint(-4, 5, (rows, n), generator=gen)).bfloat16()
+        b = (torch.randn(n if bias else rows * n, generator=gen) * 3).bfloat16().reshape(-1 if bias else rows, n)
+        if not torch.equal(kernels.add_(y.clone(), b[0] if bias else b), y.add_(b[0] if bias else b)):
+            return 1.0
+    return 0.0
+
+
 def _check_norm(kernels: Kernels, gen: torch.Generator) -> float:
     """The worst relative error of rms_norm against its reference over a few row counts and widths."""
     worst = 0.0
@@ -643,6 +669,12 @@ def silu_mul_agrees() -> bool:
     native = kernels()
     return native is not None and agrees("gated activation",
                                          _check_silu_mul(native, torch.Generator().manual_seed(1)))
+
+
+@functools.lru_cache(maxsize=None)
+def add_agrees() -> bool:
+    native = kernels()
+    return native is not None and agrees("bf16 sum", _check_add(native, torch.Generator().manual_seed(1)))
 
 
 @functools.lru_cache(maxsize=None)

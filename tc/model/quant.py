@@ -875,8 +875,14 @@ class Int8Linear(_QuantLinear):
 
 
 def _bias_calls(y: torch.Tensor, bias: torch.Tensor | None) -> list[native.Call]:
-    """A quantized product's bias added to its output y (native.add_bias_, the one rule), as a decode plan's call."""
-    return [] if bias is None else [(native.add_bias_, (y, bias), None)]
+    """A quantized product's bias added to its output y (native.add_bias_, the one rule), as a decode plan's call:
+    the native sum's where the bias is already of y's bf16 (the same bits, in one call)."""
+    if bias is None:
+        return []
+    kernels = native.kernels()
+    if bias.dtype == y.dtype == torch.bfloat16 and kernels is not None and native.add_agrees():
+        return [kernels.add_call(y, bias)]
+    return [(native.add_bias_, (y, bias), None)]
 
 
 class Int4Linear(_QuantLinear):
