@@ -246,6 +246,10 @@ def _probed(monkeypatch, one, few, block):
     # ... unless the blocked product may not be taken (a tied lm_head): it is not measured against it
     ({"plain": 100, "packed": 80, "native": 50}, {"plain": 400, "packed": 300, "native": 390},
      {"plain": 2000, "packed": 1900, "native": 2000}, ("plain", "native"), "native"),
+    # a near tie on one row goes to the native product where it is in it (a plan calls it directly), though the
+    # blocked product is faster on the batch step
+    ({"plain": 100, "packed": 50, "native": 53}, {"plain": 400, "packed": 150, "native": 330},
+     {"plain": 2000, "packed": 1900, "native": 2000}, dense.PRODUCTS, "native"),
     # a near tie on one row goes to the faster batch step, a full tie to F.linear
     ({"plain": 100, "packed": 99}, {"plain": 400, "packed": 350}, {"plain": 2000, "packed": 2000}, dense.PRODUCTS,
      "packed"),

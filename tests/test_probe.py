@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import time
 
-from tc.model.probe import race
+from pathlib import Path
+
+from tc.model.probe import probe_lock, race
 
 
 def test_race_counts_this_threads_work_by_default_and_wall_time_when_asked():
@@ -30,3 +32,40 @@ def test_race_runs_before_each_timed_call_untimed():
     best = race([lambda: order.append("a"), lambda: order.append("b")], 2, before=sweep, clock=time.perf_counter)
     assert order == ["a", "b", "sweep", "a", "sweep", "b", "sweep", "a", "sweep", "b"]
     assert len(best) == 2 and all(0 <= t < 0.01 for t in best)
+
+
+def test_the_probe_lock_keeps_a_second_prober_waiting_and_lets_it_go_after(tmp_path, caplog):
+    path = tmp_path / "cache" / "probe.lock"  # its folder is made on first use
+    with probe_lock(path) as held:
+        assert held
+        started = time.monotonic()
+        with probe_lock(path, wait_s=0.2) as second:  # another holder (flock is per open file): it waits, then runs
+            assert not second and time.monotonic() - started >= 0.2
+        assert "timing this probe without it" in caplog.text
+    with probe_lock(path, wait_s=0.2) as again:
+        assert again
+
+
+def test_a_race_waits_for_another_processes_probe(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from tc.model import probe
+
+    path = tmp_path / "probe.lock"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from tc.model.probe import probe_lock
+with probe_lock(__import__('pathlib').Path({str(path)!r})):
+    print('held', flush=True)
+    time.sleep(0.5)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(probe, "PROBE_LOCK", path)
+        started = time.monotonic()
+        race([lambda: None], 1, clock=time.perf_counter)
+        assert time.monotonic() - started >= 0.3  # it ran once the other process let the lock go
+    finally:
+        holder.wait(timeout=10)

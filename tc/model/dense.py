@@ -110,9 +110,10 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     qualify where their prefill is within BLOCK_SLACK of the fastest's and their batch step within FEW_SLACK of the
     fastest's. The native product stands in for F.linear on a decode step's few rows and leaves it the rest (its
     prefill is F.linear's), so it is judged against F.linear: it qualifies where its batch step is within FEW_SLACK
-    of F.linear's. Of those that qualify, the fastest on one row wins, unless another is within TIE of it there and
-    faster on the batch step (a near tie on one row is noise; the batch step's difference is not), in PRODUCTS'
-    order on a full tie.
+    of F.linear's. Of those that qualify, the fastest on one row wins; on a near tie there (within TIE) the native
+    product where it is among them (a decode plan calls it directly, where it calls any other product as a module:
+    a dispatch and a copy more, which the probe does not time), else the one faster on the batch step (a near tie
+    on one row is noise; the batch step's difference is not), in PRODUCTS' order on a full tie.
 
     The slacks keep out a product that loses the other work several times over, while the one-row lead decides:
     a CPU without bf16 arithmetic, where `Linear` multiplies in fp32, loses a blocked prefill 4x and more, and the
@@ -140,7 +141,8 @@ def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, all
     if "native" in candidates and few_s["native"] <= FEW_SLACK * few_s["plain"]:
         qualified.append("native")  # last: PRODUCTS' order
     fastest = min(one_s[p] for p in qualified)
-    return min((p for p in qualified if one_s[p] <= TIE * fastest), key=lambda p: few_s[p])
+    tied = [p for p in qualified if one_s[p] <= TIE * fastest]
+    return "native" if "native" in tied else min(tied, key=lambda p: few_s[p])
 
 
 def native_bf16_available() -> bool:
@@ -179,22 +181,26 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
         runs["packed"] = lambda x: _packed_linear(x, packed, bias)
     if dtype == torch.bfloat16 and _native_bf16() is not None:
         runs["native"] = NativeLinear.from_linear(plain)  # the same weight, read by the native kernel
-    # one row is timed as a step runs it, on every thread with the weight streamed from memory: timed from cache
-    # on one thread, oneDNN's blocked product at times ran 3x its step rate, and near the native product's rate
-    # there, though in steps it ran 1.5-2x slower (a 2-core Sapphire Rapids VM). The clock is the process's CPU
-    # time, both threads' (the best of several turns): wall time went astray by 5-10x while other processes held
-    # the cores (a cluster's processes loading at once on one machine), since a descheduled thread holds up the
-    # whole product. The prefill and batch timings, which compute more per weight byte, stay steady ones (probe.py)
+    # one row is timed as a step runs it, on every thread with the weight streamed from memory, in wall time: how
+    # well a product spreads one row over the threads is most of its speed there. On a 2-core Sapphire Rapids VM
+    # oneDNN's blocked product took one row on one thread (as long on two threads as on one) where the native
+    # product halved its time; timed from cache on one thread, the blocked product at times ran 3x its step rate.
+    # The CPU time of every thread, the clock before, counts a thread spinning at a barrier while the other waits
+    # for a core: with a cluster's processes loading at once on the machine, it timed the native product up to 3x
+    # slow and gave the blocked one a stage's gate/up products, which then ran 2x slower in its steps (+15 ms a
+    # 12-layer bf16 step). Races take the machine's probe lock (probe.py), and the best of several turns leaves
+    # out the turns another process took a core in. The prefill and batch timings, which compute more per weight
+    # byte, stay steady ones on one thread (probe.py)
     def timed(x: torch.Tensor, products: dict, turns: int, **how) -> dict[str, float]:
         return dict(zip(products, race([lambda run=run: run(x) for run in products.values()], turns, **how)))
 
     with torch.no_grad():
-        one_s = timed(one, runs, 5, before=cache_sweeper(), clock=time.process_time)  # its buffer freed after
+        one_s = timed(one, runs, 7, before=cache_sweeper(), clock=time.perf_counter)  # its buffer freed after
         with one_thread():
             few_s = timed(few, runs, 5)
             block_s = timed(block, {p: run for p, run in runs.items() if p != "native"}, 3)
     block_s["native"] = block_s["plain"]  # a NativeLinear's prefill is F.linear's: timed once
-    log.info("%s [%d, %d] products, us for 1 row (CPU time of every thread, from memory) / %d / %d rows: %s",
+    log.info("%s [%d, %d] products, us for 1 row (every thread, from memory) / %d / %d rows (one thread): %s",
              dtype, out_features, in_features, PROBE_FEW, PROBE_BLOCK,
              ", ".join(f"{p} {one_s[p] * 1e6:.0f} / {few_s[p] * 1e6:.0f} / {block_s[p] * 1e6:.0f}" for p in one_s))
     return one_s, few_s, block_s
@@ -269,6 +275,7 @@ def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple
     if force is False:
         return 0
     replacements: dict[int, nn.Module] = {}
+    chosen: dict[tuple[int, int], str] = {}
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):  # named_children() would skip a repeated child
             if not isinstance(child, nn.Linear):
@@ -279,10 +286,13 @@ def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple
             if id(child) not in replacements:
                 product = "packed" if force else fastest_product(child.out_features, child.in_features, w.dtype,
                                                                  allowed)
+                chosen[child.out_features, child.in_features] = product
                 if product == "plain" or isinstance(child, NativeLinear):
                     continue
                 replacements[id(child)] = (PackedLinear if product == "packed" else NativeLinear).from_linear(child)
             setattr(parent, name, replacements[id(child)])
+    if chosen:  # what a stage's speed depends on, for whoever reads the log
+        log.info("bf16 products: %s", ", ".join(f"{list(shape)} {product}" for shape, product in chosen.items()))
     return len(replacements)
 
 

@@ -1,19 +1,35 @@
 """Timing probes that choose between equivalent kernels at load time, steady on a machine other processes share.
 
-Both helpers exist for one reason: a wall-clock timing on a loaded machine measures the load. `one_thread` runs
-the candidates on the calling thread alone (with several threads, one preempted thread stalls a whole product
-for a scheduler tick), and `race` then reads that thread's CPU time, which leaves out the time it waited for a
-core, and lets the candidates take turns so that what the other processes do hits them alike.
+The helpers exist for one reason: a timing on a loaded machine measures the load. `one_thread` runs the
+candidates on the calling thread alone (with several threads, one preempted thread stalls a whole product for a
+scheduler tick), and `race` then reads that thread's CPU time, which leaves out the time it waited for a core,
+and lets the candidates take turns so that what the other processes do hits them alike. A race also takes the
+machine's probe lock (`probe_lock`), so that the processes of a cluster loading at once on one machine (the head
+and local workers) time their candidates one after another rather than against each other's: no clock is proof
+against that, since a product on every thread that waits for a preempted one burns CPU time spinning at its
+barrier, which a product on fewer threads does not.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; probes there run unlocked
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+# One file for every tc process of a user on this machine; a probe that cannot have it within the wait runs anyway.
+PROBE_LOCK = Path.home() / ".cache" / "truecluster" / "probe.lock"
+PROBE_LOCK_WAIT_S = 30.0
 
 
 @contextlib.contextmanager
@@ -27,6 +43,43 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> Iterator[bool]:
+    """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK by default), so that no other tc process
+    on the machine times its probes meanwhile; yields whether it is held. Where the file cannot be had (no fcntl, a
+    read-only home) or another process keeps it past `wait_s` (a process stopped mid-probe), the probe runs
+    without it."""
+    path = PROBE_LOCK if path is None else path
+    handle = None
+    if fcntl is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a")
+        except OSError:
+            handle = None
+    held = False
+    if handle is not None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("another process has held %s for over %.0f s; timing this probe without it", path,
+                                wait_s)
+                    break
+                time.sleep(0.005)
+            except OSError:
+                break  # a file system without locks
+    try:
+        yield held
+    finally:
+        if handle is not None:
+            handle.close()  # closing releases the lock
+
+
 def race(fns: list[Callable[[], object]], runs: int, before: Callable[[], object] | None = None,
          clock: Callable[[], float] = time.thread_time) -> list[float]:
     """The least thread CPU time (s) one call of each of `fns` took over `runs` turns, after one untimed call each;
@@ -34,18 +87,19 @@ def race(fns: list[Callable[[], object]], runs: int, before: Callable[[], object
 
     Only meaningful for CPU work inside `one_thread`: work done on other threads or devices is not counted. Another
     `clock` times work on every thread: time.process_time, the CPU time of all the process's threads (a thread
-    waiting for a core adds nothing), or time.perf_counter, wall time.
+    waiting for a core adds nothing), or time.perf_counter, wall time. Holds the machine's probe lock throughout.
     """
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(runs):
-        for i, fn in enumerate(fns):
-            if before is not None:
-                before()
-            started = clock()
+    with probe_lock():
+        for fn in fns:
             fn()
-            best[i] = min(best[i], clock() - started)
+        best = [float("inf")] * len(fns)
+        for _ in range(runs):
+            for i, fn in enumerate(fns):
+                if before is not None:
+                    before()
+                started = clock()
+                fn()
+                best[i] = min(best[i], clock() - started)
     return best
 
 
