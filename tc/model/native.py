@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .probe import cache_bytes, cache_sweeper, one_thread, race
+from .probe import cache_bytes, cache_sweeper, one_thread, probe_lock, race
 from .rope import rotate_
 
 log = logging.getLogger(__name__)
@@ -775,13 +775,14 @@ def one_row_prefetch(kind: str) -> int:
     weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
     without, near = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind]), (1, PREFETCH_AHEAD[kind])
     best = {without: float("inf"), near: float("inf"), (1, FAR_AHEAD): float("inf")}
-    for _ in range(PREFETCH_TURNS):
-        for setting in best:
-            native.prefetch_rows[kind], native.prefetch_ahead[kind] = setting
-            started = time.perf_counter()
-            for w in weights:
-                run(w)
-            best[setting] = min(best[setting], (time.perf_counter() - started) / len(weights))
+    with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile
+        for _ in range(PREFETCH_TURNS):
+            for setting in best:
+                native.prefetch_rows[kind], native.prefetch_ahead[kind] = setting
+                started = time.perf_counter()
+                for w in weights:
+                    run(w)
+                best[setting] = min(best[setting], (time.perf_counter() - started) / len(weights))
     prefetched = min((near, (1, FAR_AHEAD)), key=best.__getitem__)
     chosen = prefetched if best[without] >= PREFETCH_GAIN * best[prefetched] else without
     native.prefetch_rows[kind], native.prefetch_ahead[kind] = chosen
