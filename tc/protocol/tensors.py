@@ -68,22 +68,21 @@ def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    # Each of the tensor's attributes read once: this runs on every hop right after a stage's weights went through
+    # the caches, where each call into torch costs tens of microseconds (bench/bench_protocol.py's cold columns).
     if tensor.layout is not torch.strided:
         raise TypeError(f"only dense (strided) tensors go on the wire, not {tensor.layout}")
-    name = wire_dtype_name(tensor.dtype)
-    if tensor.dim() > MAX_TENSOR_RANK:
-        raise ValueError(
-            f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(tensor.shape)}"
-        )
+    dtype, shape = tensor.dtype, list(tensor.shape)
+    name = wire_dtype_name(dtype)
+    if len(shape) > MAX_TENSOR_RANK:
+        raise ValueError(f"tensors on the wire have at most {MAX_TENSOR_RANK} dimensions, got shape {tuple(shape)}")
     _require_little_endian()
-    shape = list(tensor.shape)
     if not (tensor.is_cpu and tensor.is_contiguous()):
         tensor = tensor.detach().to("cpu").contiguous()
-    # The element bytes straight from the tensor's memory, read through ctypes rather than a uint8 view and numpy:
-    # this runs on every hop right after a stage's weights went through the caches, where each call into torch
-    # costs tens of microseconds (bench/bench_protocol.py's cold columns). The buffer holds the tensor, and the
-    # memoryview the buffer, so the memory stays alive as long as the frame refers to it.
-    buffer = (ctypes.c_ubyte * (math.prod(shape) * tensor.element_size())).from_address(tensor.data_ptr())
+    # The element bytes straight from the tensor's memory, read through ctypes rather than a uint8 view and numpy
+    # (for the same reason). The buffer holds the tensor, and the memoryview the buffer, so the memory stays alive
+    # as long as the frame refers to it.
+    buffer = (ctypes.c_ubyte * (math.prod(shape) * dtype.itemsize)).from_address(tensor.data_ptr())
     buffer.tensor = tensor
     data = memoryview(buffer).cast("B").toreadonly()  # [numel * itemsize]
     return {"dtype": name, "shape": shape, "data": data}
