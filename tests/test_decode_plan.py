@@ -11,7 +11,7 @@ from model_helpers import OurModel
 from tiny_families import FAMILIES, write_family_model
 from tc.model import dense, native, quant
 from tc.model.decode_plan import DecodePlan
-from tc.model.kv_cache import CacheFullError
+from tc.model.kv_cache import CacheFullError, KVCache
 from tc.model.qwen2 import MLP, Attention, RMSNorm, Span, Stage
 
 needs_kernels = pytest.mark.skipif(native.kernels() is None, reason="no native kernels on this machine (see the log)")
@@ -93,6 +93,23 @@ def test_a_plan_step_past_the_cache_raises_as_the_modules_do(tiny_model_dir, nat
     with pytest.raises(CacheFullError, match="position 5 is past"):
         stage.forward_batch(row, [Span(cache, 5, 1)])
     assert cache.length == 5 and torch.equal(cache.kv, kept)  # nothing written
+
+
+def test_a_plan_steps_past_the_rotary_tables_first_size_and_refuses_a_cache_of_other_layers(tiny_model_dir,
+                                                                                             native_parts,
+                                                                                             monkeypatch):
+    stage = tiny_stage(tiny_model_dir, "int4")
+    row = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ways = []
+    for planned in (True, False):
+        (cache,) = prefilled(stage, [255], 260, seed=5)  # the steps at 255-257 cross the tables' first 256
+        ways.append(steps(stage, [cache], row, 3, planned, monkeypatch))
+    assert all(a.equal(b) for a, b in zip(*ways)) and stage.rotary.size > 256
+    assert isinstance(plans(stage)[0], DecodePlan)
+    monkeypatch.setattr(Stage, "decode_plans", True)
+    other = KVCache([5, 6], stage.config.num_key_value_heads, stage.config.head_dim, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="a cache of layers"):
+        stage.forward_batch(row, [Span(other, 0, 1)])
 
 
 def test_a_plan_follows_its_modules_and_a_copy_starts_afresh(tiny_model_dir, native_parts, monkeypatch):

@@ -237,3 +237,14 @@ def test_kv_cache_stores_keys_and_values_with_one_write():
     assert cache.nbytes == 2 * 2 * 1 * 2 * 6 * 3 * 4
     with pytest.raises(CacheFullError, match="capacity 6"):
         cache.update(4, 5, kv)
+
+
+def test_a_caches_storage_is_its_layer_slots_one_after_another():
+    from tc.model.kv_cache import CacheFullError, KVCache
+
+    cache = KVCache([3, 4, 5], n_kv_heads=2, head_dim=8, capacity=10, dtype=torch.bfloat16)
+    storage, layer_bytes = cache.storage(9)
+    assert [storage + i * layer_bytes for i in range(3)] == [cache.layer_slot(k, 9).data_ptr() for k in (3, 4, 5)]
+    assert layer_bytes == 2 * 2 * 10 * 8 * 2
+    with pytest.raises(CacheFullError, match="position 10 is past"):
+        cache.storage(10)

@@ -67,3 +67,12 @@ def test_the_tables_carry_yarns_factor():
 def test_an_incomplete_or_foreign_scaling_is_refused(parameters, message):
     with pytest.raises(ConfigError, match=message):
         parse_rope({"rope_parameters": parameters, "max_position_embeddings": CONTEXT})
+
+
+def test_table_addresses_are_where_the_tables_rows_are_and_grow_them():
+    rotary = Rotary(8, 10000.0, "cpu")
+    cos_at, sin_at = rotary.table_addresses(300, torch.bfloat16)  # past the first tables' 256 positions
+    assert rotary.size >= 300
+    cos, sin = rotary.tables(299, 1, torch.bfloat16)  # [1, 1, D]: row 299
+    assert cos.data_ptr() == cos_at + 299 * 8 * 2 and sin.data_ptr() == sin_at + 299 * 8 * 2
+    assert rotary.table_addresses(10, torch.bfloat16) == (cos_at, sin_at)  # covered: the same tables

@@ -107,6 +107,12 @@ class DecodePlan:
         self._buffers = buffers
         self._calls = calls
         self._slots = slots  # each layer's cache addresses, one per row, filled for each step
+        self._layer_ids = [index for index, _ in slots]  # a cache's layers, in its storage's order
+        # what a step copies in and out by address or through one view: each tensor op of a step costs tens of
+        # microseconds where the weights have just swept the caches
+        self._x = buffers.x.view(1, rows, -1)
+        self._rotary_rows = buffers.cos.data_ptr(), buffers.sin.data_ptr()
+        self._rotary_row_bytes = buffers.cos.shape[-1] * buffers.cos.element_size()
         self._positions, self._capacities = positions, capacities
         self._parts = parts  # (container, name, object, its data's address) of what the calls were made from
 
@@ -195,21 +201,26 @@ class DecodePlan:
         return all(owner.get(name) is thing and (address is None or thing.data_ptr() == address)
                    for owner, name, thing, address in self._parts)
 
-    def run(self, hidden: torch.Tensor, caches: Sequence, positions: Sequence[int], cos: torch.Tensor,
-            sin: torch.Tensor) -> torch.Tensor:
-        """One step: hidden [1, rows, hidden] bf16, row i at positions[i] of caches[i] (bf16 KVCache), cos and sin
-        [rows, 1, D] -> a new [1, rows, hidden]. Raises CacheFullError where a position is past its cache."""
-        b = self._buffers
+    def run(self, hidden: torch.Tensor, caches: Sequence, positions: Sequence[int], rotary) -> torch.Tensor:
+        """One step: hidden [1, rows, hidden] bf16, row i at positions[i] of caches[i] (bf16 KVCache of this
+        stage's layers), rotated by `rotary` (rope.Rotary: its bf16 tables' rows) -> a new [1, rows, hidden].
+        Raises CacheFullError where a position is past its cache, before anything is written there."""
+        row = self._rotary_row_bytes
+        cos_table, sin_table = rotary.table_addresses(max(positions) + 1, torch.bfloat16)
+        cos_rows, sin_rows = self._rotary_rows
         for i, (cache, position) in enumerate(zip(caches, positions)):
+            if cache.layer_ids != self._layer_ids:
+                raise ValueError(f"a cache of layers {cache.layer_ids} for a plan of layers {self._layer_ids}")
+            storage, layer_bytes = cache.storage(position)
             self._positions[i] = position
             self._capacities[i] = cache.capacity
-            for index, slots in self._slots:
-                slots[i] = cache.layer_slot(index, position).data_ptr()
-        b.x.copy_(hidden.reshape(self.rows, -1))
-        b.cos.copy_(cos)
-        b.sin.copy_(sin)
+            for ordinal, (_, slots) in enumerate(self._slots):
+                slots[i] = storage + ordinal * layer_bytes
+            ctypes.memmove(cos_rows + i * row, cos_table + position * row, row)
+            ctypes.memmove(sin_rows + i * row, sin_table + position * row, row)
+        self._x.copy_(hidden)
         for function, args, failure in self._calls:
             status = function(*args)
             if failure is not None and status:
                 raise MemoryError(failure)
-        return b.x.clone().view(1, self.rows, -1)
+        return self._x.clone()

@@ -26,6 +26,7 @@ class KVCache:
         self._layers = {layer: self.kv[i] for i, layer in enumerate(layer_ids)}  # [K/V, B, H_kv, T, D] views
         self.capacity = capacity
         self.length = 0  # positions filled, the same for every layer once a forward completes
+        self._layer_bytes = 2 * n_kv_heads * capacity * head_dim * dtype.itemsize  # one layer's slot in kv
 
     def update(self, layer: int, position_start: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys and values kv ([2, B, H_kv, L, D]) at positions [position_start, +L); return all keys and
@@ -52,6 +53,16 @@ class KVCache:
         if position < 0:
             raise ValueError(f"position {position} is negative")
         return self._layers[layer]
+
+    def storage(self, position: int) -> tuple[int, int]:
+        """Where this cache's storage starts and the bytes of each layer's slot in it (layer_ids' slots one after
+        another, each as layer_slot's), for a kernel that stores `position` itself: one read of an address where a
+        slot per layer would take a tensor op each. Raises as layer_slot does."""
+        if position >= self.capacity:
+            raise CacheFullError(f"position {position} is past this request's cache capacity {self.capacity}")
+        if position < 0:
+            raise ValueError(f"position {position} is negative")
+        return self.kv.data_ptr(), self._layer_bytes
 
     @property
     def nbytes(self) -> int:

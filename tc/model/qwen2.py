@@ -562,13 +562,13 @@ class Stage(nn.Module):
         if hidden.shape[0] != 1 or hidden.shape[1] != sum(s.length for s in spans):
             raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
-        cos, sin = self.rotary.span_tables(spans, hidden.dtype)
         plan = self._decode_plan(hidden, spans)
         if plan is not None:
-            hidden = plan.run(hidden, [s.cache for s in spans], [s.start for s in spans], cos, sin)
+            hidden = plan.run(hidden, [s.cache for s in spans], [s.start for s in spans], self.rotary)
             for span in spans:
                 span.cache.length = span.start + 1
             return hidden
+        cos, sin = self.rotary.span_tables(spans, hidden.dtype)
         local = (cos, sin) if self.local_rotary is None else \
             self.local_rotary.span_tables(spans, hidden.dtype)  # sliding layers' own (Gemma 3)
         for key, layer in self.layers.items():

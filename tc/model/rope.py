@@ -232,6 +232,15 @@ class Rotary:
         cos, sin = self._tables[dtype]
         return cos[start:end], sin[start:end]
 
+    def table_addresses(self, end: int, dtype: torch.dtype) -> tuple[int, int]:
+        """Where the cos and sin tables in `dtype` start (position p's row is p * D values on, as `tables` slices
+        them), grown to cover positions [0, end): what a decode plan copies its rows from, where slicing each
+        would take a tensor op."""
+        if end > self.size or dtype not in self._tables:
+            self.tables(end - 1, 1, dtype)
+        cos, sin = self._tables[dtype]
+        return cos.data_ptr(), sin.data_ptr()
+
     def span_tables(self, spans: Sequence[Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [rows, 1, D] for the rows of a ragged batch (qwen2.Span: `length` rows from `start`), each at
         its own position."""

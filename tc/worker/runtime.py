@@ -186,12 +186,16 @@ class StageRuntime:
         for e in msg.entries:
             if e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
                 self.caches[e.sequence] = stage.new_cache(e.cache_capacity, dtype, device)
-        x = msg.hidden_state.to(device=device, dtype=dtype)  # [1, rows, hidden]
+        x = msg.hidden_state  # [1, rows, hidden]
+        if device != "cpu" or x.dtype != dtype:  # (on a CPU stage in its own dtype .to would only cost a call)
+            x = x.to(device=device, dtype=dtype)
         pieces = [self._pieces(e) for e in msg.entries]
         try:
             if all(len(p) == 1 for p in pieces):
                 spans = [Span(self.caches[e.sequence], e.position_start, e.length) for e in msg.entries]
-                out = stage.forward_batch(x, spans).to("cpu")  # the copy back also synchronises the device
+                out = stage.forward_batch(x, spans)
+                if device != "cpu":
+                    out = out.to("cpu")  # the copy back also synchronises the device
             else:
                 out = self._run_in_passes(x, msg.entries, pieces)
         except CacheFullError as exc:
