@@ -1,10 +1,15 @@
 """The timing helpers every load-time probe is built on (tc/model/probe.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
-
 from pathlib import Path
 
+import pytest
+
+from tc.model import probe
 from tc.model.probe import probe_lock, race
 
 
@@ -34,24 +39,41 @@ def test_race_runs_before_each_timed_call_untimed():
     assert len(best) == 2 and all(0 <= t < 0.01 for t in best)
 
 
-def test_the_probe_lock_keeps_a_second_prober_waiting_and_lets_it_go_after(tmp_path, caplog):
+needs_flock = pytest.mark.skipif(probe.fcntl is None, reason="no flock on this platform: probes run unlocked")
+
+
+def _in_another_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@needs_flock
+def test_the_probe_lock_keeps_a_second_prober_waiting_and_lets_it_go_after(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(probe, "_waited_in_vain", False)
     path = tmp_path / "cache" / "probe.lock"  # its folder is made on first use
+
+    def second(wait_s: float) -> tuple[bool, float]:
+        started = time.monotonic()
+        with probe_lock(path, wait_s=wait_s) as held:
+            return held, time.monotonic() - started
+
     with probe_lock(path) as held:
         assert held
-        started = time.monotonic()
-        with probe_lock(path, wait_s=0.2) as second:  # another holder (flock is per open file): it waits, then runs
-            assert not second and time.monotonic() - started >= 0.2
-        assert "timing this probe without it" in caplog.text
-    with probe_lock(path, wait_s=0.2) as again:
-        assert again
+        with probe_lock(path) as nested:  # a probe inside a probe on this thread goes on at once
+            assert nested
+        held_by_second, waited = _in_another_thread(lambda: second(0.2))
+        assert not held_by_second and waited >= 0.2  # another holder (flock is per open file): it waited, then ran
+        assert "timing probes without it" in caplog.text
+        held_by_second, waited = _in_another_thread(lambda: second(0.2))
+        assert not held_by_second and waited < 0.1  # once a wait ran out, later probes only try
+    assert _in_another_thread(lambda: second(0.2))[0]  # free again: had at once
 
 
+@needs_flock
 def test_a_race_waits_for_another_processes_probe(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
-    from tc.model import probe
-
     path = tmp_path / "probe.lock"
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
@@ -64,6 +86,7 @@ with probe_lock(__import__('pathlib').Path({str(path)!r})):
     try:
         assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(probe, "PROBE_LOCK", path)
+        monkeypatch.setattr(probe, "_waited_in_vain", False)
         started = time.monotonic()
         race([lambda: None], 1, clock=time.perf_counter)
         assert time.monotonic() - started >= 0.3  # it ran once the other process let the lock go

@@ -47,8 +47,9 @@ void tc_silu_mul(const uint16_t* gate_up, int rows, int inner, uint16_t* out, in
 
 /* y[r, i] += b[r * b_stride + i] for `rows` contiguous bf16 rows of n: b_stride n adds a row to each row (the
    residual stream's sum), 0 the same row to every row (a bias). Each sum is taken in float32 and rounded to the
-   nearest bf16, ties to even: the bits of torch's add_ (its bf16 kernel computes in float32 and rounds the same
-   way), for one call where PyTorch's costs tens of microseconds of dispatch in a step that swept the caches. */
+   nearest bf16, ties to even: the bits of torch's add_ for every sum that is not NaN (its bf16 kernel computes in
+   float32 and rounds the same way; a NaN may come out as another NaN), for one call where PyTorch's costs tens of
+   microseconds of dispatch in a step that swept the caches. */
 void tc_add_rows(uint16_t* y, const uint16_t* b, int rows, int n, int b_stride) {
     for (int r = 0; r < rows; r++) {
         uint16_t* yr = y + (size_t)r * n;

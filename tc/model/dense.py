@@ -51,7 +51,7 @@ PROBE_BLOCK = 64  # rows of activations standing for a prefill in the probe
 PROBE_FEW = 8  # ... and for a decode step of a batch of sequences
 BLOCK_SLACK = 2.0  # a product's prefill may be at most this much slower than the fastest (see fastest_product)
 FEW_SLACK = 2.0  # ... and a batch's decode step this much
-TIE = 1.1  # one-row times this close are a tie, which the faster batch step breaks
+TIE = 1.1  # one-row times this close are a tie: the native product takes it, else the faster batch step
 PRODUCTS = ("plain", "packed", "native")  # F.linear (Linear), oneDNN blocked (PackedLinear), NativeLinear
 
 

@@ -17,7 +17,8 @@ one call per layer (`Kernels.decode_attention`, taken by qwen2.Attention for bf1
 `attention_faster_than_torch` finds it faster), in float32 from bfloat16 inputs, as SDPA does.
 
 `norm.c` likewise does a bf16 RMS norm in one call where PyTorch dispatches six operators and two conversions,
-and `act.c` the MLP's silu(gate) * up where PyTorch dispatches three.
+and `act.c` the MLP's silu(gate) * up where PyTorch dispatches three, and a decode plan's residual sums and
+quantized biases with add_'s bits (`Kernels.add_call`).
 
 `bf16dot.c` multiplies the few activation rows of a decode step by a bf16 weight in its plain [out, in] layout,
 reading each weight row whole, in order, which streams at the memory's rate where oneDNN's products do not
@@ -233,6 +234,12 @@ class Kernels:
         """y += b in place for contiguous bfloat16 y [..., n] and b of y's shape or [n] (a bias: added to every
         row), with add_'s bits (act.c), for a decode plan."""
         n = y.shape[-1]
+        for t in (y, b):
+            if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"the native sum takes contiguous bf16 CPU tensors, not {t.dtype} "
+                                 f"{list(t.shape)} on {t.device}")
+        if b.numel() not in (n, y.numel()):
+            raise ValueError(f"cannot add {list(b.shape)} to {list(y.shape)}: b is one row or y's shape")
         return self._add_rows, (y.data_ptr(), b.data_ptr(), y.numel() // n, n, 0 if b.numel() == n else n), None
 
     def add_(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -539,7 +546,7 @@ def _check_add(kernels: Kernels, gen: torch.Generator) -> float:
     """0.0 where add_ (residual sums and biases) gives torch's add_'s bits over a few row counts, widths and
     magnitudes apart, else 1.0: the kernel is meant to match them exactly."""
     for rows, n, bias in ((1, 64, False), (3, 200, False), (70, 136, True)):  # one row, a tail, a bias
-        y = (torch.randn(rows, n, generator=gen) * 10 ** torch.randint(-4, 5, (rows, n), generator=gen)).bfloat16()
+        y = (torch.randn(rows, n, generator=gen) * 10.0 ** torch.randint(-4, 5, (rows, n), generator=gen)).bfloat16()
         b = (torch.randn(n if bias else rows * n, generator=gen) * 3).bfloat16().reshape(-1 if bias else rows, n)
         if not torch.equal(kernels.add_(y.clone(), b[0] if bias else b), y.add_(b[0] if bias else b)):
             return 1.0

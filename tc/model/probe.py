@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -43,12 +44,25 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+_holding = threading.local()  # depth: how many probe_lock blocks this thread is inside while it holds the lock
+_waited_in_vain = False  # a wait ran out once: later probes only try, so a stopped holder costs one wait, not one each
+
+
 @contextlib.contextmanager
 def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> Iterator[bool]:
     """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK by default), so that no other tc process
-    on the machine times its probes meanwhile; yields whether it is held. Where the file cannot be had (no fcntl, a
-    read-only home) or another process keeps it past `wait_s` (a process stopped mid-probe), the probe runs
+    on the machine times its probes meanwhile; yields whether it is held. A thread that holds it already (a probe
+    inside a probe) just goes on. Where the file cannot be had (no fcntl, a read-only home) or another process keeps
+    it past `wait_s` (a process stopped mid-probe: after that, this process's probes only try it), the probe runs
     without it."""
+    global _waited_in_vain
+    if getattr(_holding, "depth", 0):
+        _holding.depth += 1
+        try:
+            yield True
+        finally:
+            _holding.depth -= 1
+        return
     path = PROBE_LOCK if path is None else path
     handle = None
     if fcntl is not None:
@@ -57,25 +71,29 @@ def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> I
             handle = open(path, "a")
         except OSError:
             handle = None
-    held = False
-    if handle is not None:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("another process has held %s for over %.0f s; timing this probe without it", path,
-                                wait_s)
-                    break
-                time.sleep(0.005)
-            except OSError:
-                break  # a file system without locks
     try:
+        held = False
+        if handle is not None:
+            deadline = time.monotonic() + (0.0 if _waited_in_vain else wait_s)
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        if not _waited_in_vain:
+                            log.warning("another process has held %s for over %.0f s; timing probes without it",
+                                        path, wait_s)
+                        _waited_in_vain = True
+                        break
+                    time.sleep(0.005)
+                except OSError:
+                    break  # a file system without locks
+        _holding.depth = 1 if held else 0
         yield held
     finally:
+        _holding.depth = 0
         if handle is not None:
             handle.close()  # closing releases the lock
 

@@ -880,7 +880,8 @@ def _bias_calls(y: torch.Tensor, bias: torch.Tensor | None) -> list[native.Call]
     if bias is None:
         return []
     kernels = native.kernels()
-    if bias.dtype == y.dtype == torch.bfloat16 and kernels is not None and native.add_agrees():
+    if bias.dtype == y.dtype == torch.bfloat16 and bias.is_contiguous() and bias.device.type == "cpu" \
+            and kernels is not None and native.add_agrees():
         return [kernels.add_call(y, bias)]
     return [(native.add_bias_, (y, bias), None)]
 

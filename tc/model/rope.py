@@ -235,7 +235,9 @@ class Rotary:
     def table_addresses(self, end: int, dtype: torch.dtype) -> tuple[int, int]:
         """Where the cos and sin tables in `dtype` start (position p's row is p * D values on, as `tables` slices
         them), grown to cover positions [0, end): what a decode plan copies its rows from, where slicing each
-        would take a tensor op."""
+        would take a tensor op. CPU tables only; the addresses hold until the tables next grow."""
+        if self.inv_freq.device.type != "cpu":
+            raise ValueError(f"table addresses are for CPU tables; these are on {self.inv_freq.device}")
         if end > self.size or dtype not in self._tables:
             self.tables(end - 1, 1, dtype)
         cos, sin = self._tables[dtype]
