@@ -42,6 +42,21 @@ def median_ms(fn, n: int = 30) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def shape_ms(out_f: int, in_f: int) -> dict[str, float]:
+    """Median ms of each product of one [out_f, in_f] weight, cycling through enough copies that each call reads its
+    weight from memory (the copies are freed on return, before the next shape's)."""
+    copies = max(1, -(-WORKING_SET // (out_f * in_f * 2)))
+    ws = [torch.randn(out_f, in_f).bfloat16() for _ in range(copies)]
+    blocked = itertools.cycle([PackedLinear(w) for w in ws])
+    qs = itertools.cycle([torch.randint(-127, 127, (out_f, in_f), dtype=torch.int8) for _ in range(copies)])
+    plain = itertools.cycle(ws)
+    x = torch.randn(1, in_f).bfloat16()
+    s = torch.rand(out_f).bfloat16()
+    return {"bf16": median_ms(lambda: F.linear(x, next(plain))),
+            "blocked": median_ms(lambda: next(blocked)(x)),
+            "int8": median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, next(qs), s))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -55,23 +70,13 @@ def main() -> None:
     step = {"bf16": 0.0, "blocked": 0.0, "int8": 0.0}
     with torch.inference_mode():
         for name, (out_f, in_f) in SHAPES.items():
-            copies = max(1, -(-WORKING_SET // (out_f * in_f * 2)))
-            ws = [torch.randn(out_f, in_f).bfloat16() for _ in range(copies)]
-            blocked = itertools.cycle([PackedLinear(w) for w in ws])
-            qs = itertools.cycle([torch.randint(-127, 127, (out_f, in_f), dtype=torch.int8) for _ in range(copies)])
-            plain = itertools.cycle(ws)
-            x = torch.randn(1, in_f).bfloat16()
-            s = torch.rand(out_f).bfloat16()
-            ms = {"bf16": median_ms(lambda: F.linear(x, next(plain))),
-                  "blocked": median_ms(lambda: next(blocked)(x)),
-                  "int8": median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, next(qs), s))}
+            ms = shape_ms(out_f, in_f)
             count = PER_LAYER.get(name, 0) * 24 or 1
             for k in step:
                 step[k] += count * ms[k]
             nbytes = {"bf16": out_f * in_f * 2, "blocked": out_f * in_f * 2, "int8": out_f * in_f}
             print(f"{name:13s} {out_f:>5d}x{in_f:<6d} " + " ".join(f"{ms[k]:8.3f} {nbytes[k] / ms[k] / 1e6:6.1f}"
                                                                    for k in step))
-            del ws, blocked, qs, plain
     print("\nproducts alone for one decode step (24 layers + lm_head): " + ", ".join(
         f"{k} {v:.1f} ms (at most {1000 / v:.1f} tokens/s)" for k, v in step.items()))
 
