@@ -299,3 +299,22 @@ def test_a_native_model_follows_the_plain_one(tiny_model_dir, monkeypatch):
     reference = plain.full_logits(ids)
     assert rel_err(fast.full_logits(ids), reference) < 1e-2
     assert rel_err(fast.cached_logits(ids, split=1), reference) < 2e-2
+
+
+def test_pack_linears_logs_each_shapes_product_once_a_process(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(dense, "_logged_choices", {})
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed: "plain")
+
+    def layer() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 8, dtype=torch.bfloat16),
+                                   torch.nn.Linear(8, 16, dtype=torch.bfloat16))
+
+    with caplog.at_level(logging.INFO, logger="tc.model.dense"):
+        for _ in range(3):  # a stage's layers, one after another
+            pack_linears(layer())
+        dense._logged_choices[8, 16] = "native"  # as if another stage had logged another choice for a shape
+        pack_linears(layer())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bf16 products")]
+    assert said == ["bf16 products: [8, 16] plain, [16, 8] plain", "bf16 products: [8, 16] plain"]

@@ -265,6 +265,9 @@ class PackedLinear(nn.Module):
                f"path=oneDNN blocked"
 
 
+_logged_choices: dict[tuple[int, int], str] = {}  # the product pack_linears last logged for each shape
+
+
 def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple[str, ...] = PRODUCTS) -> int:
     """Give each CPU nn.Linear below `module` in bf16 the fastest product here: a PackedLinear or a NativeLinear
     in its place where `fastest_product` finds one of them fastest for its shape, of those `allowed`.
@@ -291,8 +294,10 @@ def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple
                     continue
                 replacements[id(child)] = (PackedLinear if product == "packed" else NativeLinear).from_linear(child)
             setattr(parent, name, replacements[id(child)])
-    if chosen:  # what a stage's speed depends on, for whoever reads the log
-        log.info("bf16 products: %s", ", ".join(f"{list(shape)} {product}" for shape, product in chosen.items()))
+    new = {shape: product for shape, product in chosen.items() if _logged_choices.get(shape) != product}
+    if new:  # what a stage's speed depends on, for whoever reads the log: once a shape per process, not per layer
+        _logged_choices.update(new)
+        log.info("bf16 products: %s", ", ".join(f"{list(shape)} {product}" for shape, product in new.items()))
     return len(replacements)
 
 
