@@ -58,10 +58,7 @@ def _module_into(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
 def _sum_call(x: torch.Tensor, delta: torch.Tensor) -> native.Call:
     """x += delta, the residual stream's sum: the native kernel's call where it gives add_'s bits here (one call
     where add_ is a dispatch of tens of microseconds after the weights swept the caches), else add_ itself."""
-    kernels = native.kernels()
-    if kernels is not None and native.add_agrees():
-        return kernels.add_call(x, delta)
-    return torch.Tensor.add_, (x, delta), None
+    return native.sum_call(x, delta) or (torch.Tensor.add_, (x, delta), None)
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

@@ -48,21 +48,21 @@ class KVCache:
     def layer_slot(self, layer: int, position: int) -> torch.Tensor:
         """The storage of `layer` ([K/V, B, H_kv, capacity, D], contiguous) for a kernel that stores `position`
         itself; raises CacheFullError where the position is past the capacity, as `update` does."""
-        if position >= self.capacity:
-            raise CacheFullError(f"position {position} is past this request's cache capacity {self.capacity}")
-        if position < 0:
-            raise ValueError(f"position {position} is negative")
+        self._check_position(position)
         return self._layers[layer]
 
     def storage(self, position: int) -> tuple[int, int]:
         """Where this cache's storage starts and the bytes of each layer's slot in it (layer_ids' slots one after
         another, each as layer_slot's), for a kernel that stores `position` itself: one read of an address where a
         slot per layer would take a tensor op each. Raises as layer_slot does."""
+        self._check_position(position)
+        return self.kv.data_ptr(), self._layer_bytes
+
+    def _check_position(self, position: int) -> None:
         if position >= self.capacity:
             raise CacheFullError(f"position {position} is past this request's cache capacity {self.capacity}")
         if position < 0:
             raise ValueError(f"position {position} is negative")
-        return self.kv.data_ptr(), self._layer_bytes
 
     @property
     def nbytes(self) -> int:

@@ -684,6 +684,18 @@ def add_agrees() -> bool:
     return native is not None and agrees("bf16 sum", _check_add(native, torch.Generator().manual_seed(1)))
 
 
+def sum_call(y: torch.Tensor, b: torch.Tensor) -> Call | None:
+    """y += b as the native sum's call (Kernels.add_call) where the kernels are here, give add_'s bits, and take
+    these operands; None elsewhere, for the caller's PyTorch sum."""
+    native = kernels()
+    if native is None or not add_agrees():
+        return None
+    try:
+        return native.add_call(y, b)
+    except ValueError:  # operands it cannot read
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def attention_agrees() -> bool:
     native = kernels()

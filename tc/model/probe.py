@@ -70,7 +70,7 @@ def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> I
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a")
         except OSError:
-            handle = None
+            pass  # no lock file: the probe runs unlocked
     try:
         held = False
         if handle is not None:

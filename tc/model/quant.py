@@ -879,11 +879,7 @@ def _bias_calls(y: torch.Tensor, bias: torch.Tensor | None) -> list[native.Call]
     the native sum's where the bias is already of y's bf16 (the same bits, in one call)."""
     if bias is None:
         return []
-    kernels = native.kernels()
-    if bias.dtype == y.dtype == torch.bfloat16 and bias.is_contiguous() and bias.device.type == "cpu" \
-            and kernels is not None and native.add_agrees():
-        return [kernels.add_call(y, bias)]
-    return [(native.add_bias_, (y, bias), None)]
+    return [native.sum_call(y, bias) or (native.add_bias_, (y, bias), None)]
 
 
 class Int4Linear(_QuantLinear):
