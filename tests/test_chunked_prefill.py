@@ -40,7 +40,7 @@ def run(runtime: StageRuntime, parts: list[tuple[int, int, int, torch.Tensor]]) 
                     for s, p, c, h in parts)
     reply = runtime.run(RunBatch(entries=entries, hidden_state=torch.cat([h for *_, h in parts], dim=1)))
     assert isinstance(reply, StageOutput), reply
-    return list(reply.hidden_state.split([e.length for e in entries], dim=1))
+    return list(reply.hidden_state.tensor().split([e.length for e in entries], dim=1))
 
 
 def prefill_then_decode(runtime: StageRuntime, hidden: torch.Tensor, split: int) -> torch.Tensor:

@@ -107,7 +107,7 @@ def test_two_sender_threads_never_interleave_frames(tcp_pair):
         next_seq[env.request_id] += 1
         if env.seq % 3 == 0:
             assert isinstance(env.message, RunBatch) and env.message.entries[0].position_start == env.seq
-            assert torch.equal(env.message.hidden_state, prefill_tensor(thread, env.seq))
+            assert torch.equal(env.message.hidden_state.tensor(), prefill_tensor(thread, env.seq))
         else:
             assert env.message == Ping(nonce=thread * 1000 + env.seq)
     for thread in threads:
@@ -128,9 +128,9 @@ def test_received_tensors_survive_the_buffer_being_reused(pair):
     first, second = prefill_tensor(1, 0), prefill_tensor(2, 0)
     replies = HiddenState(first, compute_seconds=0.5), HiddenState(second, compute_seconds=0.0)
     sender = send_in_background(left, *replies)
-    got_first = right.recv(timeout=WAIT).message.hidden_state
+    got_first = right.recv(timeout=WAIT).message.hidden_state.tensor()
     buffer = right._buffer
-    got_second = right.recv(timeout=WAIT).message.hidden_state
+    got_second = right.recv(timeout=WAIT).message.hidden_state.tensor()
     sender.join(WAIT)
     assert right._buffer is buffer  # same size: reused, not reallocated
     assert torch.equal(got_first, first) and torch.equal(got_second, second)
@@ -157,7 +157,7 @@ def test_frames_come_out_whole_however_their_bytes_arrive(raw_pair, chunks):
     writer.start()
     assert conn.recv(timeout=WAIT).message == Ping(1)
     got = conn.recv(timeout=WAIT).message
-    assert torch.equal(got.hidden_state, big.hidden_state) and got.compute_seconds == 0.25
+    assert got.hidden_state == big.hidden_state and got.compute_seconds == 0.25
     assert [conn.recv(timeout=WAIT).message for _ in range(2)] == [Ping(2), Ping(3)]
     writer.join(WAIT)
     with pytest.raises(TimeoutError):

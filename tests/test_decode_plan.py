@@ -231,3 +231,62 @@ def test_demo_layers_step_through_a_plan_to_the_modules_bits(demo_model_dir, nat
     assert [type(p) for p in plans(stage)] == [DecodePlan]
     for ours, theirs in zip(runs[True], runs[False]):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_from_bytes_gives_the_tensor_steps_bits(tiny_model_dir, native_parts, monkeypatch, mode):
+    """Stage.decode_bytes (a worker's hop: the wire's bytes in and out) is the plan's tensor step, bit for bit,
+    cache included; its output is its own, not the plan's buffer that the next step overwrites."""
+    stage = tiny_stage(tiny_model_dir, mode)
+    rows = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    by_tensor = prefilled(stage, [3, 9, 1], 16, seed=4)
+    by_bytes = prefilled(stage, [3, 9, 1], 16, seed=4)
+    expected = steps(stage, by_tensor, rows, 2, True, monkeypatch)
+    first = stage.decode_bytes(rows.view(torch.int16).numpy().tobytes(), [Span(c, c.length, 1) for c in by_bytes])
+    kept = bytes(first)
+    second = stage.decode_bytes(first, [Span(c, c.length, 1) for c in by_bytes])
+    assert bytes(first) == kept  # not overwritten by the next step
+    for ours, theirs in zip((first, second), expected):
+        assert bytes(ours) == theirs.view(torch.int16).numpy().tobytes()
+    for ours, theirs in zip(by_bytes, by_tensor):
+        assert ours.length == theirs.length
+        assert torch.equal(ours.kv[..., :ours.length, :], theirs.kv[..., :theirs.length, :])
+    with pytest.raises(ValueError, match="bytes of hidden state for a plan of"):
+        stage.decode_bytes(kept[:-2], [Span(c, c.length, 1) for c in by_bytes])
+    monkeypatch.setattr(Stage, "decode_plans", False)
+    assert stage.decode_bytes(kept, [Span(c, c.length, 1) for c in by_bytes]) is None  # no plan: forward_batch
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
+def test_a_worker_steps_decode_rows_from_their_bytes(tiny_model_dir, native_parts, monkeypatch, compute):
+    """A bf16 CPU worker runs a decode RUN_BATCH from the received bytes to the bytes it sends, making no tensor
+    of the rows; an fp32 one (no plan) makes one and computes as before. Either way the output is the stage's."""
+    from tc.model.config import ModelConfig
+    from tc.model.weights import layer_tensor_names
+    from tc.protocol.messages import Assignment, BatchEntry, RunBatch
+    from tc.protocol.tensors import WireTensor
+    from tc.worker.runtime import StageOutput, StageRuntime, load_assignment
+
+    config = ModelConfig.from_file(tiny_model_dir / "config.json")
+    assignment = Assignment(model_id=str(tiny_model_dir), model_source="local", revision=None, device="cpu",
+                            architecture="qwen2", quant="fp16", group_size=128, compute_dtype=compute,
+                            layer_start=0, layer_end_exclusive=2, config=config.to_dict(),
+                            tensor_count=len(layer_tensor_names(config, 0, 2)))
+    runtime = StageRuntime(load_assignment(assignment, tiny_model_dir, "cpu"), max_sequences=2)
+    stage, dtype = runtime.loaded.stage, runtime.loaded.dtype
+    gen = torch.Generator().manual_seed(3)
+    prompt, row = torch.randn(1, 4, 64, generator=gen).to(dtype), torch.randn(1, 1, 64, generator=gen).to(dtype)
+    reference = stage.new_cache(8, dtype, "cpu")
+    stage(prompt, reference, 0)
+    expected = stage(row, reference, 4)
+    assert isinstance(runtime.run(RunBatch(entries=(BatchEntry(sequence=1, position_start=0, length=4,
+                                                               cache_capacity=8),), hidden_state=prompt)),
+                      StageOutput)
+    received = WireTensor.from_map(WireTensor.of(row).to_map())  # as a frame brings it: bytes, no tensor
+    made = []
+    tensor = WireTensor.tensor
+    monkeypatch.setattr(WireTensor, "tensor", lambda self: made.append(self) or tensor(self))
+    out = runtime.run(RunBatch(entries=(BatchEntry(sequence=1, position_start=4, length=1, cache_capacity=8),),
+                               hidden_state=received))
+    assert isinstance(out, StageOutput) and out.hidden_state == WireTensor.of(expected)
+    assert made == ([] if compute == "bf16" else [received])

@@ -60,7 +60,7 @@ def test_a_proven_link_carries_batches_whole_and_in_order(listener):
         for seq in (1, 2, 3):
             env = listener.got.get(timeout=5)
             assert (env.request_id, env.seq) == ("step-9", seq)
-            assert torch.equal(env.message.hidden_state, batch(3, rows=seq, seed=seq).hidden_state)
+            assert env.message.hidden_state == batch(3, rows=seq, seed=seq).hidden_state
             assert env.message.route == 3 and env.message.released == (7,)
     finally:
         forwarder.close()

@@ -48,7 +48,7 @@ from tc.protocol import (
 )
 from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure
 from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
-from tc.protocol.tensors import MAX_TENSOR_RANK
+from tc.protocol.tensors import MAX_TENSOR_RANK, WireTensor
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -181,11 +181,7 @@ def assert_same_message(got: Message, want: Message) -> None:
     assert type(got) is type(want)
     for name, _ in want._wire_fields:
         a, b = getattr(got, name), getattr(want, name)
-        if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape and a.device.type == "cpu"
-            assert torch.equal(bits(a), bits(b.cpu())), name
-        else:
-            assert a == b and type(a) is type(b), name
+        assert a == b and type(a) is type(b), name  # a WireTensor: the same dtype, shape and bytes
 
 
 def plain(value: Any) -> Any:
@@ -849,6 +845,27 @@ def test_decoded_tensor_owns_writable_memory():
     assert torch.equal(got, source + 1)
 
 
+def test_messages_hold_tensors_in_wire_form_and_pass_received_ones_on_unchanged():
+    """A message holds its tensor as a WireTensor: one given as a torch tensor views it (and gives it back), one
+    received is its own bytes, compared bit for bit, and goes out again as it came (a stage passing rows on)."""
+    row = random_bits((1, 2, 8), torch.bfloat16)
+    made = HiddenState(hidden_state=row, compute_seconds=0.5)
+    assert type(made.hidden_state) is WireTensor and made.hidden_state.tensor() is row
+    received = decode_body(encode_body(made)).message.hidden_state
+    assert received == made.hidden_state and received.source is None
+    assert torch.equal(bits(received.tensor()), bits(row))
+    passed_on = decode_body(encode_body(RunBatch(entries=(BatchEntry(sequence=1, position_start=3, length=2,
+                                                                     cache_capacity=8),),
+                                                 hidden_state=received))).message.hidden_state
+    assert passed_on == received
+    other = row.clone()
+    other.view(torch.int16)[0, 0, 0] ^= 1  # one bit
+    assert WireTensor.of(other) != received and WireTensor.of(row.view(1, 16, 1)) != received
+    assert WireTensor.of(row.view(torch.int16).view(torch.float16)) != received  # same bytes, other dtype
+    with pytest.raises(ValueError, match="must have 3 dimensions"):
+        HiddenState(hidden_state=WireTensor.of(row[0]), compute_seconds=0.5)
+
+
 @pytest.mark.parametrize(
     "value, error",
     [
@@ -927,7 +944,7 @@ def test_construction_normalises_sequences_and_numbers():
 
 def test_tensor_messages_repr_shows_shape_not_values():
     text = repr(HiddenState(hidden_state=torch.zeros(1, 1, 896, dtype=torch.bfloat16), compute_seconds=0.5))
-    assert text == ("HiddenState(hidden_state=<tensor bf16 [1, 1, 896] on cpu>, compute_seconds=0.5, "
+    assert text == ("HiddenState(hidden_state=<tensor bf16 [1, 1, 896]>, compute_seconds=0.5, "
                     "upstream_seconds=())")
 
 

@@ -132,7 +132,7 @@ class RemotePipeline:
         head then sends it to the next stage itself), any with a failure. The stages' compute times come back with
         the output; the time between the head's send and the answer less those is the hops', shared out evenly.
         """
-        out_dtype = groups[0].hidden_state.dtype
+        out_dtype = groups[0].hidden_state.torch_dtype
         request_id = self.request_id
         sents: list[list[Sent]] = []
         group_of: dict[int, int] = {}
@@ -171,7 +171,7 @@ class RemotePipeline:
                     links[j].passes_to = links[j + 1].node_id if j < i else "head"
                     hops.append((links[j].node_id or links[j].entry_id, compute, compute + share))
                 if i + 1 == len(links):
-                    outputs[g] = reply.hidden_state.to(out_dtype)
+                    outputs[g] = reply.hidden_state.tensor().to(out_dtype)
                 else:  # it could not pass the rows on: the head carries them to the next stage
                     links[i + 1].send_expected(sents[g][i + 1], RunBatch(
                         entries=groups[g].entries, hidden_state=reply.hidden_state, route=groups[g].route,
@@ -211,7 +211,7 @@ class RemotePipeline:
     def _schedule(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
         """Every group through every stage in order, as a pipeline: at tick t, stage s runs group t - s, so each
         stage works on one group while the next stage works on the one before. Returns each group's output."""
-        out_dtype = groups[0].hidden_state.dtype
+        out_dtype = groups[0].hidden_state.torch_dtype
         current = list(groups)
         hops = []
         for tick in range(len(groups) + len(links) - 1):
@@ -228,7 +228,7 @@ class RemotePipeline:
                         raise
             self._drain(in_flight, current, hops)
         self.last_hops = hops
-        return [message.hidden_state.to(out_dtype) for message in current]
+        return [message.hidden_state.tensor().to(out_dtype) for message in current]
 
     @staticmethod
     def _drain(in_flight: list, current: list[RunBatch] | None = None, hops: list | None = None) -> None:
@@ -319,7 +319,7 @@ class RemotePipeline:
             started = time.perf_counter()
             try:
                 self._links = self.registry.links_in_order()
-                out = self._relay(message.entries, message.hidden_state, (), self._links)
+                out = self._relay(message.entries, message.hidden_state.tensor(), (), self._links)
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again

@@ -109,6 +109,7 @@ class DecodePlan:
         # what a step copies in and out by address or through one view: each tensor op of a step costs tens of
         # microseconds where the weights have just swept the caches
         self._x = buffers.x.view(1, rows, -1)
+        self._x_bytes = memoryview((ctypes.c_ubyte * (buffers.x.numel() * 2)).from_address(buffers.x.data_ptr())).cast("B")
         self._rotary_rows = buffers.cos.data_ptr(), buffers.sin.data_ptr()
         self._rotary_row_bytes = buffers.cos.shape[-1] * buffers.cos.element_size()
         self._positions, self._capacities = positions, capacities
@@ -203,6 +204,26 @@ class DecodePlan:
         """One step: hidden [1, rows, hidden] bf16, row i at positions[i] of caches[i] (bf16 KVCache of this
         stage's layers), rotated by `rotary` (rope.Rotary: its bf16 tables' rows) -> a new [1, rows, hidden].
         Raises CacheFullError where a position is past its cache, before anything is written there."""
+        self._point(caches, positions, rotary)
+        self._x.copy_(hidden)
+        self._step()
+        return self._x.clone()
+
+    def run_bytes(self, hidden: bytes | bytearray | memoryview, caches: Sequence, positions: Sequence[int],
+                  rotary) -> bytearray:
+        """`run` on the rows' bf16 bytes (C order, as the wire carries them) -> the output rows' bytes: a hop's
+        hidden state goes in and out without a tensor op (module doc). Raises CacheFullError as `run` does, and
+        ValueError for bytes that are not the plan's rows."""
+        if len(hidden) != len(self._x_bytes):
+            raise ValueError(f"{len(hidden)} bytes of hidden state for a plan of {len(self._x_bytes)}")
+        self._point(caches, positions, rotary)
+        self._x_bytes[:] = hidden
+        self._step()
+        return bytearray(self._x_bytes)
+
+    def _point(self, caches: Sequence, positions: Sequence[int], rotary) -> None:
+        """Point the calls at each row's cache slots and copy in its rotary rows; raises CacheFullError (from
+        KVCache.storage) before anything is written."""
         row = self._rotary_row_bytes
         cos_table, sin_table = rotary.table_addresses(max(positions) + 1, torch.bfloat16)
         cos_rows, sin_rows = self._rotary_rows
@@ -216,9 +237,9 @@ class DecodePlan:
                 slots[i] = storage + ordinal * layer_bytes
             ctypes.memmove(cos_rows + i * row, cos_table + position * row, row)
             ctypes.memmove(sin_rows + i * row, sin_table + position * row, row)
-        self._x.copy_(hidden)
+
+    def _step(self) -> None:
         for function, args, failure in self._calls:
             status = function(*args)
             if failure is not None and status:
                 raise MemoryError(failure)
-        return self._x.clone()

@@ -562,7 +562,7 @@ class Stage(nn.Module):
         if hidden.shape[0] != 1 or hidden.shape[1] != sum(s.length for s in spans):
             raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
-        plan = self._decode_plan(hidden, spans)
+        plan = self._decode_plan(hidden.dtype, hidden.device.type, spans)
         if plan is not None:
             hidden = plan.run(hidden, [s.cache for s in spans], [s.start for s in spans], self.rotary)
             for span in spans:
@@ -580,11 +580,24 @@ class Stage(nn.Module):
             span.cache.length = span.start + span.length
         return hidden
 
-    def _decode_plan(self, hidden: torch.Tensor, spans: Sequence[Span]) -> DecodePlan | None:
-        """The plan for this step: bf16 decode rows on the CPU, one per sequence, through layers whose norms,
-        attention and activation all take their native kernels for that many rows (made once, and kept while it
-        is current); else None."""
-        if not self.decode_plans or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+    @torch.inference_mode()
+    def decode_bytes(self, hidden: bytes | bytearray | memoryview, spans: Sequence[Span]) -> bytearray | None:
+        """A decode step of CPU rows given as their bf16 bytes (C order, as the wire carries a [1, rows, hidden]
+        hidden state) -> the output rows' bytes, through the stage's decode plan; None where no plan takes the
+        step (forward_batch runs it then). A worker's hop thus makes no tensor of the rows it passes on."""
+        plan = self._decode_plan(torch.bfloat16, "cpu", spans)
+        if plan is None:
+            return None
+        out = plan.run_bytes(hidden, [s.cache for s in spans], [s.start for s in spans], self.rotary)
+        for span in spans:
+            span.cache.length = span.start + 1
+        return out
+
+    def _decode_plan(self, dtype: torch.dtype, device_type: str, spans: Sequence[Span]) -> DecodePlan | None:
+        """The plan for a step of `dtype` rows on `device_type`: bf16 decode rows on the CPU, one per sequence,
+        through layers whose norms, attention and activation all take their native kernels for that many rows
+        (made once, and kept while it is current); else None."""
+        if not self.decode_plans or dtype != torch.bfloat16 or device_type != "cpu" \
                 or not all(_native_decode_row(s) for s in spans) or self.local_rotary is not None:
             return None
         key = self._plan_key(len(spans))

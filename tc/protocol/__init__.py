@@ -46,7 +46,7 @@ from tc.protocol.messages import (
     Release,
     RunBatch,
 )
-from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire
+from tc.protocol.tensors import WIRE_DTYPES, WireTensor, tensor_from_wire, tensor_to_wire
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -57,6 +57,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
+    "WireTensor",
     "Assignment",
     "ClearCache",
     "Connection",

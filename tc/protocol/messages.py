@@ -21,7 +21,7 @@ import torch
 
 from tc.protocol.cbor import CBOR_INT_MAX, CBOR_INT_MIN
 from tc.protocol.errors import ProtocolError, ProtocolVersionMismatch
-from tc.protocol.tensors import WIRE_DTYPES, tensor_from_wire, tensor_to_wire, wire_dtype_name
+from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 
 # 2: ASSIGNMENT lost total_weight_bytes, which no worker could use (the head holds the plan, and shows planned
 #    beside loaded bytes from LOAD_COMPLETE)
@@ -218,33 +218,34 @@ class _JsonMap(_Kind):
 
 
 class _Tensor(_Kind):
+    """A tensor, held in its wire form (tensors.WireTensor): a torch.Tensor given is normalised to that, a view of
+    its memory; a received one stays bytes until code that computes asks for `.tensor()`."""
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def check(self, value: Any, where: str) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where} must be a torch.Tensor, got {_type_name(value)}")
-        wire_dtype_name(value.dtype)  # raises TypeError for a dtype the wire does not carry
-        if value.dim() != self.rank:
-            raise ValueError(f"{where} must have {self.rank} dimensions, got shape {tuple(value.shape)}")
+    def check(self, value: Any, where: str) -> WireTensor:
+        if type(value) is not WireTensor:
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor or WireTensor, got {_type_name(value)}")
+            value = WireTensor.of(value)  # raises TypeError for a dtype the wire does not carry
+        if len(value.shape) != self.rank:
+            raise ValueError(f"{where} must have {self.rank} dimensions, got shape {value.shape}")
         return value
 
-    def to_wire(self, value: torch.Tensor) -> dict[str, Any]:
-        return tensor_to_wire(value)
+    def to_wire(self, value: WireTensor) -> dict[str, Any]:
+        return value.to_map()
 
-    def summary(self, value: torch.Tensor) -> str:
-        # Logs want the shape, not hundreds of numbers.
-        return f"<tensor {wire_dtype_name(value.dtype)} {list(value.shape)} on {value.device}>"
+    def summary(self, value: WireTensor) -> str:
+        return repr(value)
 
-    def from_wire(self, value: Any, where: str) -> torch.Tensor:
+    def from_wire(self, value: Any, where: str) -> WireTensor:
         try:
-            tensor = tensor_from_wire(value)
+            tensor = WireTensor.from_map(value)
         except ProtocolError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
-        # tensor_from_wire made it of a wire dtype from a valid map: only the rank is left to check, from the map
-        # rather than the tensor (every call into torch counts on a hop: see tensors.tensor_to_wire)
-        if len(value["shape"]) != self.rank:
-            raise ProtocolError(f"{where} must have {self.rank} dimensions, got shape {tuple(value['shape'])}")
+        if len(tensor.shape) != self.rank:
+            raise ProtocolError(f"{where} must have {self.rank} dimensions, got shape {tensor.shape}")
         return tensor
 
 
@@ -656,7 +657,7 @@ class RunBatch(Message):
 
     TYPE: ClassVar[str] = "RUN_BATCH"
     entries: tuple[BatchEntry, ...] = wire(_TupleOf(_Struct(BatchEntry)))
-    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, sum of the entries' lengths, hidden]
+    hidden_state: WireTensor = wire(HIDDEN)  # [1, sum of the entries' lengths, hidden]
     # 0: reply to the head. Otherwise the ROUTE it travels by: each worker passes its output to the next one that
     # route names, and the last (or one that cannot pass it on) replies to the head
     route: int = wire(COUNT, default=0)
@@ -695,7 +696,7 @@ class HiddenState(Message):
     passed on from worker to worker)."""
 
     TYPE: ClassVar[str] = "HIDDEN_STATE"
-    hidden_state: torch.Tensor = wire(HIDDEN)  # [1, seq, hidden]
+    hidden_state: WireTensor = wire(HIDDEN)  # [1, seq, hidden]
     compute_seconds: float = wire(SECONDS)
     upstream_seconds: tuple[float, ...] = wire(_TupleOf(SECONDS), default=())  # the RUN_BATCH's, passed back
 

@@ -20,6 +20,7 @@ from ..model import quant
 from ..model.qwen2 import Span, Stage, half_dtype, resolve_compute_dtype
 from ..model.weights import WeightIndex, WeightsError, layer_tensor_names
 from ..protocol.messages import Assignment, BatchEntry, InferenceError, RunBatch
+from ..protocol.tensors import WireTensor
 from ..trace import mark
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ MIN_PREFILL_CHUNK = 16  # below this, per-chunk overhead would cost more than th
 
 @dataclass(frozen=True)
 class StageOutput:
-    """What a RUN_BATCH made: the stage's hidden states [1, rows, hidden] on the CPU, and the seconds it computed.
-    The worker wraps it in the one message it sends on (RUN_BATCH to the next stage, or HIDDEN_STATE to the
-    head), built once: each message checks its fields as it is made, on a step's path."""
+    """What a RUN_BATCH made: the stage's hidden states [1, rows, hidden] in their wire form, and the seconds it
+    computed. The worker wraps it in the one message it sends on (RUN_BATCH to the next stage, or HIDDEN_STATE to
+    the head), built once: each message checks its fields as it is made, on a step's path."""
 
-    hidden_state: torch.Tensor
+    hidden_state: WireTensor
     compute_seconds: float
 
 
@@ -140,6 +141,8 @@ class StageRuntime:
         # larger request is refused before it allocates anything.
         self.max_positions = loaded.stage.config.max_position_embeddings
         self.caches: dict[int, KVCache] = {}
+        # a CPU stage computing in bf16 may run a decode step from the received bytes (`_run_bytes`)
+        self._steps_bytes = loaded.device == "cpu" and loaded.dtype == torch.bfloat16
 
     def clear(self) -> None:
         self.caches.clear()
@@ -186,18 +189,15 @@ class StageRuntime:
         for e in msg.entries:
             if e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
                 self.caches[e.sequence] = stage.new_cache(e.cache_capacity, dtype, device)
-        x = msg.hidden_state  # [1, rows, hidden]
-        if device != "cpu" or x.dtype != dtype:  # (on a CPU stage in its own dtype .to would only cost a call)
-            x = x.to(device=device, dtype=dtype)
         pieces = [self._pieces(e) for e in msg.entries]
         try:
             if all(len(p) == 1 for p in pieces):
                 spans = [Span(self.caches[e.sequence], e.position_start, e.length) for e in msg.entries]
-                out = stage.forward_batch(x, spans)
-                if device != "cpu":
-                    out = out.to("cpu")  # the copy back also synchronises the device
+                out = self._run_bytes(msg.hidden_state, spans)
+                if out is None:
+                    out = WireTensor.of(stage.forward_batch(self._input(msg.hidden_state), spans))
             else:
-                out = self._run_in_passes(x, msg.entries, pieces)
+                out = WireTensor.of(self._run_in_passes(self._input(msg.hidden_state), msg.entries, pieces))
         except CacheFullError as exc:
             return InferenceError(message=str(exc))
         for e in msg.entries:  # the other choices of a request whose prompt this entry read
@@ -205,6 +205,22 @@ class StageRuntime:
                 self.caches[copy] = self.caches[e.sequence].copy()
         mark("computed")
         return StageOutput(out, time.perf_counter() - started)
+
+    def _run_bytes(self, hidden: WireTensor, spans: list[Span]) -> WireTensor | None:
+        """A decode step from the received bytes to the bytes sent on, where the stage's decode plan takes it (a
+        CPU stage computing in the wire's bf16): no tensor is made of the rows on the hop. None: it does not."""
+        if not self._steps_bytes or hidden.dtype != "bf16":
+            return None
+        out = self.loaded.stage.decode_bytes(hidden.data, spans)
+        return None if out is None else WireTensor(hidden.dtype, hidden.shape, out)
+
+    def _input(self, hidden: WireTensor) -> torch.Tensor:
+        """The received rows as a tensor of the stage's dtype on its device."""
+        x = hidden.tensor()
+        device, dtype = self.loaded.device, self.loaded.dtype
+        if device != "cpu" or x.dtype != dtype:  # (on a CPU stage in its own dtype .to would only cost a call)
+            x = x.to(device=device, dtype=dtype)
+        return x
 
     def _run_in_passes(self, x: torch.Tensor, entries: tuple[BatchEntry, ...],
                        pieces: list[list[tuple[int, int]]]) -> torch.Tensor:
