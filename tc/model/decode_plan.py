@@ -15,7 +15,8 @@ own test of what its kernel takes; a product without one, such as oneDNN's where
 called as a module), on buffers of the plan's own, and keeps them (`DecodePlan`). A step then copies the hidden
 state and each row's rotary cos and sin in, points each layer's attention at every sequence's cache (rotary rows and
 cache slots by address, since each tensor op costs tens of microseconds after the weights swept the caches), runs
-the list and copies the result out: the bits of the modules taking the same kernels. Where a module's speed probe preferred
+the list and copies the result out (from and to a worker's received and sent bytes, `run_bytes`, no tensor op
+at all): the bits of the modules taking the same kernels. Where a module's speed probe preferred
 PyTorch's operator for its part, the plan's kernel differs from it as the kernel's own tests allow (the norm's
 float32 sums in another order, the attention's softmax kept in float32 where SDPA rounds it to bf16). Where a part
 cannot (an fp32 stage, a family's own norm or activation, a sliding window, more rows than the activation kernel

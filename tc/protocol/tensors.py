@@ -8,9 +8,10 @@ numpy float dtype.
 Messages carry a tensor as a ``WireTensor``: that map's three fields as Python values, with no torch tensor made
 on the way in. A decode step's hidden state then goes from the received frame into a stage's own buffer and back
 out as bytes (see qwen2.Stage.decode_wire): on a hop, right after a stage's weights swept the caches, each call
-into torch costs tens of microseconds, and making a tensor of a received row and reading one back cost ~280 us of
-a hop on a 2-core Sapphire Rapids VM (bench/bench_protocol.py's cold columns). Code that computes with one asks
-for ``WireTensor.tensor()``.
+into torch costs tens of microseconds: making a tensor of a received row, checking the output, reading it back
+for the next frame and the stage's copies in and out took 150-200 us of each hop on a 2-core Sapphire Rapids VM
+(bench/trace_hops.py, 0.93-1.01 ms a hop before, 0.73-0.86 after). Code that computes with one asks for
+``WireTensor.tensor()``.
 
 Copies, on purpose:
 - ``WireTensor.of`` (and ``tensor_to_wire``) copies nothing for a contiguous CPU tensor: ``data`` is a read-only
