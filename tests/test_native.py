@@ -72,23 +72,51 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
         q4 = quantize_int4(w, 128)
         packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
         product = lambda x: KERNELS.int4_product(x, packed, scales, zeros, 128, None)  # noqa: E731
-    kept, kept_ahead = dict(KERNELS.prefetch_rows), dict(KERNELS.prefetch_ahead)
+    kept, kept_ahead, kept_streams = dict(KERNELS.prefetch_rows), dict(KERNELS.prefetch_ahead), dict(KERNELS.streams)
     try:
         for rows in (1, 2, 9):
             x = activations(rows, 384, rows, torch.bfloat16)
             outputs = []
             for rows_from in (1, 2, 3, 9):
                 for ahead in (native.PREFETCH_AHEAD[kind], native.FAR_AHEAD, 64):
-                    KERNELS.prefetch_rows[kind], KERNELS.prefetch_ahead[kind] = rows_from, ahead
-                    outputs.append(product(x))
+                    for streams in (1, 2) if kind in KERNELS.streams else (None,):
+                        KERNELS.prefetch_rows[kind], KERNELS.prefetch_ahead[kind] = rows_from, ahead
+                        if streams is not None:
+                            KERNELS.streams[kind] = streams
+                        outputs.append(product(x))
             assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
     finally:
         KERNELS.prefetch_rows.update(kept)
         KERNELS.prefetch_ahead.update(kept_ahead)
+        KERNELS.streams.update(kept_streams)
     chosen = native.one_row_prefetch(kind)
     assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
     ahead = KERNELS.prefetch_ahead[kind]
     assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
+    assert KERNELS.streams == {"bf16": KERNELS.streams["bf16"]} and KERNELS.streams["bf16"] in (1, 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_rows", [1, 2, 3, 5, 72, 73])  # shares of no pair, one, a pair and a row, many
+@pytest.mark.parametrize("cols", [64, 200, 896])  # whole vectors, a tail past them
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_bf16_row_in_two_streams_a_thread_gives_the_same_bits(out_rows, cols, threads):
+    gen = torch.Generator().manual_seed(out_rows * cols)
+    x = torch.randn(1, cols, generator=gen).bfloat16()
+    w = (torch.randn(out_rows, cols, generator=gen) * cols ** -0.5).bfloat16()
+    b = torch.randn(out_rows, generator=gen).bfloat16()
+    kept, kept_threads = dict(KERNELS.streams), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        outputs = {}
+        for streams in (1, 2):
+            KERNELS.streams["bf16"] = streams
+            outputs[streams] = [KERNELS.bf16_linear(x, w, bias) for bias in (None, b)]
+    finally:
+        KERNELS.streams.update(kept)
+        torch.set_num_threads(kept_threads)
+    assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2]))
+    assert relative(outputs[2][1], native.bf16_linear_reference(x, w, b)) < 4e-3
 
 
 @needs_kernels
@@ -116,6 +144,9 @@ def test_the_avx2_build_without_vnni_agrees_too():
     assert native.check_bf16_linear(avx2, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
     x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
     assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
+    row, one_stream = x[:1], avx2.bf16_linear(x[:1], w, None)
+    avx2.streams["bf16"] = 2
+    assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
     assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
 
 

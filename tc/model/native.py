@@ -70,7 +70,7 @@ SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
 ABI = 6  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
-BF16DOT_ABI = 4  # bf16dot.c's TC_BF16DOT_ABI
+BF16DOT_ABI = 5  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
@@ -132,7 +132,7 @@ class Kernels:
         self._add_rows.argtypes = [_VOID_P, _VOID_P, _INT, _INT, _INT]
         self._add_rows.restype = None
         self._bf16 = lib.tc_bf16_linear
-        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT]
+        self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT, _INT]
         self._bf16.restype = None
         self.bf16_tile_bytes = cache_bytes(1) // 2  # activation bytes of a pass beyond which it reads tiles
         self.bf16_rows_per_pass = int(lib.tc_bf16dot_max_rows())
@@ -141,6 +141,7 @@ class Kernels:
         # may lower it to 1
         self.prefetch_rows = dict(PREFETCH_ROWS)
         self.prefetch_ahead = dict(PREFETCH_AHEAD)  # ... and how many weight bytes ahead (one_row_prefetch again)
+        self.streams = {"bf16": 1}  # ... and, for one bf16 row, how many weight streams a thread walks (bf16dot.c)
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
                                f"expected {ACTIVATION_GROUP}")
@@ -216,7 +217,7 @@ class Kernels:
         tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
         return (self._bf16, (x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0],
                              None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), tiled,
-                             self.prefetch_rows["bf16"], self.prefetch_ahead["bf16"]), None)
+                             self.prefetch_rows["bf16"], self.prefetch_ahead["bf16"], self.streams["bf16"]), None)
 
     def rms_norm_call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor) -> Call:
         """rms_norm's kernel call for contiguous bfloat16 x [..., n] into y, for a decode plan."""
@@ -356,7 +357,8 @@ class Kernels:
             tiled = min(m, self.bf16_rows_per_pass) * k * 2 > self.bf16_tile_bytes
         y = torch.empty(*x2.shape[:-1], n, dtype=torch.bfloat16)
         self._bf16(x2.data_ptr(), m, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   torch.get_num_threads(), tiled, self.prefetch_rows["bf16"], self.prefetch_ahead["bf16"])
+                   torch.get_num_threads(), tiled, self.prefetch_rows["bf16"], self.prefetch_ahead["bf16"],
+                   self.streams["bf16"])
         return y
 
 
@@ -754,7 +756,9 @@ def one_row_prefetch(kind: str) -> int:
     """The fewest activation rows from which this CPU's `kind` ("bf16", "int8" or "int4") products prefetch their
     weights (qdot.c, bf16dot.c), and how far ahead, settled once per process and set on kernels(): 1 where one
     decode row is PREFETCH_GAIN faster with the prefetch (PREFETCH_AHEAD[kind] or FAR_AHEAD bytes ahead, whichever
-    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes).
+    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). For bf16 the same turns also
+    time each thread walking its rows as two streams (`Kernels.streams`, bf16dot.c's dot_two), which the fastest
+    setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
 
     Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection
     ([896, 4864], where a stage's gain concentrates) on the process's threads, its weights streamed from memory
@@ -792,24 +796,38 @@ def one_row_prefetch(kind: str) -> int:
         raise ValueError(f"no product of kind {kind!r}: bf16, int8 or int4")
     nbytes = weight.numel() * weight.element_size()
     weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
-    without, near = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind]), (1, PREFETCH_AHEAD[kind])
-    best = {without: float("inf"), near: float("inf"), (1, FAR_AHEAD): float("inf")}
+    default = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind], 1)  # one row left to the hardware's prefetch, one stream
+    settings = [default, (1, PREFETCH_AHEAD[kind], 1), (1, FAR_AHEAD, 1)]
+    if kind in native.streams:  # bf16: a thread may walk its rows as two streams, with each prefetch or none
+        settings += [(rows, ahead, 2) for rows, ahead, _ in settings]
+    best = dict.fromkeys(settings, float("inf"))
     with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile
         for _ in range(PREFETCH_TURNS):
             for setting in best:
-                native.prefetch_rows[kind], native.prefetch_ahead[kind] = setting
+                _set_one_row(native, kind, setting)
                 started = time.perf_counter()
                 for w in weights:
                     run(w)
                 best[setting] = min(best[setting], (time.perf_counter() - started) / len(weights))
-    prefetched = min((near, (1, FAR_AHEAD)), key=best.__getitem__)
-    chosen = prefetched if best[without] >= PREFETCH_GAIN * best[prefetched] else without
-    native.prefetch_rows[kind], native.prefetch_ahead[kind] = chosen
-    log.info("native %s product: one row from memory %.0f us with the weights prefetched %d and %.0f us with them "
-             "%d bytes ahead, %.0f us without: %s", kind, best[near] * 1e6, near[1], best[(1, FAR_AHEAD)] * 1e6,
-             FAR_AHEAD, best[without] * 1e6,
-             f"prefetched {chosen[1]} bytes ahead" if chosen[0] == 1 else "the hardware's prefetch")
+    fastest = min(best, key=best.__getitem__)
+    chosen = fastest if best[default] >= PREFETCH_GAIN * best[fastest] else default
+    _set_one_row(native, kind, chosen)
+    log.info("native %s product, one row from memory (us): %s; chose %s", kind,
+             ", ".join(f"{_one_row_setting(setting)} {seconds * 1e6:.0f}" for setting, seconds in best.items()),
+             _one_row_setting(chosen))
     return chosen[0]
+
+
+def _set_one_row(native: Kernels, kind: str, setting: tuple[int, int, int]) -> None:
+    native.prefetch_rows[kind], native.prefetch_ahead[kind], streams = setting
+    if kind in native.streams:
+        native.streams[kind] = streams
+
+
+def _one_row_setting(setting: tuple[int, int, int]) -> str:
+    rows, ahead, streams = setting
+    prefetch = f"prefetched {ahead} bytes ahead" if rows == 1 else "the hardware's prefetch"
+    return prefetch + (", two streams a thread" if streams == 2 else "")
 
 
 def agrees(what: str, err: float) -> bool:

@@ -615,7 +615,7 @@ class Stage(nn.Module):
         threads each kernel is told to use, and the switches that send a layer's parts to PyTorch instead."""
         kernels = native.kernels()
         prefetch = (tuple(kernels.prefetch_rows.values()) + tuple(kernels.prefetch_ahead.values())
-                    if kernels is not None else ())
+                    + tuple(kernels.streams.values()) if kernels is not None else ())
         return (rows, torch.get_num_threads(), RMSNorm.native, Attention.native_decode, MLP.native_act, prefetch)
 
 
