@@ -93,7 +93,31 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
     assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
     ahead = KERNELS.prefetch_ahead[kind]
     assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
-    assert KERNELS.streams == {"bf16": KERNELS.streams["bf16"]} and KERNELS.streams["bf16"] in (1, 2)
+    assert sorted(KERNELS.streams) == ["bf16", "int8"] and set(KERNELS.streams.values()) <= {1, 2}
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_rows", [8, 16, 24, 40, 72])  # tiles: one, a pair, a pair and a tile, many
+@pytest.mark.parametrize("cols", [32, 384, 4864])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_int8_row_in_two_streams_a_thread_gives_the_same_bits(out_rows, cols, threads):
+    q = quantize_int8(weights(out_rows, cols, out_rows + cols))
+    qweight = native.tile_int8(q.qweight.clone())
+    kept, kept_threads = dict(KERNELS.streams), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        outputs = {}
+        for streams in (1, 2):
+            KERNELS.streams["int8"] = streams
+            outputs[streams] = [KERNELS.int8_linear(activations(1, cols, cols, dtype), qweight, q.scale)
+                                for dtype in (torch.float32, torch.bfloat16)]
+    finally:
+        KERNELS.streams.update(kept)
+        torch.set_num_threads(kept_threads)
+    assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2]))
+    x = activations(1, cols, cols, torch.float32)
+    ref = native.quantize_activations(x).double() @ quant.dequantize_int8(q).double().T
+    assert relative(outputs[2][0], ref) < 1e-6
 
 
 @needs_kernels
@@ -145,8 +169,12 @@ def test_the_avx2_build_without_vnni_agrees_too():
     x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
     assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
     row, one_stream = x[:1], avx2.bf16_linear(x[:1], w, None)
-    avx2.streams["bf16"] = 2
+    q = quantize_int8(w.float()[:16])
+    qweight = native.tile_int8(q.qweight.clone())
+    one_stream_int8 = avx2.int8_linear(row, qweight, q.scale)
+    avx2.streams.update(bf16=2, int8=2)
     assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
+    assert torch.equal(avx2.int8_linear(row, qweight, q.scale), one_stream_int8)
     assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
 
 

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 6  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 7  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 5  # bf16dot.c's TC_BF16DOT_ABI
@@ -116,7 +116,7 @@ class Kernels:
                                _INT, _INT]
         self._int4.restype = _INT
         self._int8 = lib.tc_int8_linear
-        self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT, _INT, _INT]
+        self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT, _INT, _INT, _INT]
         self._int8.restype = _INT
         self._attention = lib.tc_decode_attention
         self._attention.argtypes = [_INT, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
@@ -141,7 +141,9 @@ class Kernels:
         # may lower it to 1
         self.prefetch_rows = dict(PREFETCH_ROWS)
         self.prefetch_ahead = dict(PREFETCH_AHEAD)  # ... and how many weight bytes ahead (one_row_prefetch again)
-        self.streams = {"bf16": 1}  # ... and, for one bf16 row, how many weight streams a thread walks (bf16dot.c)
+        # ... and, for one bf16 or int8 row, how many weight streams a thread walks (bf16dot.c's dot_two, qdot.c's
+        # int8_tile_pair)
+        self.streams = {"bf16": 1, "int8": 1}
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
                                f"expected {ACTIVATION_GROUP}")
@@ -186,7 +188,8 @@ class Kernels:
         n = scale.shape[0]
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int8(x.data_ptr(), 1, x.numel() // k, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), 1,
-                      torch.get_num_threads(), self.prefetch_rows["int8"], self.prefetch_ahead["int8"]):
+                      torch.get_num_threads(), self.prefetch_rows["int8"], self.prefetch_ahead["int8"],
+                      self.streams["int8"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)
 
@@ -206,7 +209,7 @@ class Kernels:
         m = x.numel() // k
         return (self._int8, (x.data_ptr(), 1, m, k, qweight.data_ptr(), scale.data_ptr(), scale.shape[0],
                              y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int8"],
-                             self.prefetch_ahead["int8"]),
+                             self.prefetch_ahead["int8"], self.streams["int8"]),
                 str(_no_memory_for_codes(m, k)))
 
     def bf16_call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> Call:
@@ -270,7 +273,8 @@ class Kernels:
         n = scale.shape[0]
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int8(x2.data_ptr(), bf16, m, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(), bf16,
-                      torch.get_num_threads(), self.prefetch_rows["int8"], self.prefetch_ahead["int8"]):
+                      torch.get_num_threads(), self.prefetch_rows["int8"], self.prefetch_ahead["int8"],
+                      self.streams["int8"]):
             raise _no_memory_for_codes(m, k)
         return y
 
@@ -756,8 +760,8 @@ def one_row_prefetch(kind: str) -> int:
     """The fewest activation rows from which this CPU's `kind` ("bf16", "int8" or "int4") products prefetch their
     weights (qdot.c, bf16dot.c), and how far ahead, settled once per process and set on kernels(): 1 where one
     decode row is PREFETCH_GAIN faster with the prefetch (PREFETCH_AHEAD[kind] or FAR_AHEAD bytes ahead, whichever
-    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). For bf16 the same turns also
-    time each thread walking its rows as two streams (`Kernels.streams`, bf16dot.c's dot_two), which the fastest
+    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). For bf16 and int8 the same
+    turns also time each thread walking its rows as two streams (`Kernels.streams`: bf16dot.c's dot_two, qdot.c's int8_tile_pair), which the fastest
     setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
 
     Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection
@@ -798,7 +802,7 @@ def one_row_prefetch(kind: str) -> int:
     weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
     default = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind], 1)  # one row left to the hardware's prefetch, one stream
     settings = [default, (1, PREFETCH_AHEAD[kind], 1), (1, FAR_AHEAD, 1)]
-    if kind in native.streams:  # bf16: a thread may walk its rows as two streams, with each prefetch or none
+    if kind in native.streams:  # bf16, int8: a thread may walk its rows as two streams, with each prefetch or none
         settings += [(rows, ahead, 2) for rows, ahead, _ in settings]
     best = dict.fromkeys(settings, float("inf"))
     with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile

@@ -15,6 +15,7 @@
    dequantized weights, which is the reference the Python side checks against. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +26,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 6
+#define TC_QDOT_ABI 7
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -227,6 +228,36 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
     for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, _mm256_mul_ps(acc[j], ws));
 }
 
+/* int8_tile for one activation row against tiles t1 and t2 at once, their vectors loaded in turn: two streams of
+   weights a thread, as bf16dot.c's dot_two (where that says why). Each tile's sums are int8_tile's, step for
+   step, so the bits are the same. */
+TC_INLINE void int8_tile_pair(const int8_t* xq, const float* xs, const int32_t* xqsum, int K, const int8_t* qweight,
+                              const float* wscale, int t1, int t2, void* y, int y_bf16, int prefetch_rows,
+                              int prefetch_ahead) {
+    const int8_t* w1 = qweight + (size_t)t1 * 8 * K;
+    const int8_t* w2 = qweight + (size_t)t2 * 8 * K;
+    const int B = K / XGROUP;
+    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (int b = 0; b < B; b++) {
+        __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
+        for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
+            __m256i v1 = _mm256_loadu_si256((const __m256i*)(w1 + (size_t)kb * 32));
+            __m256i v2 = _mm256_loadu_si256((const __m256i*)(w2 + (size_t)kb * 32));
+            prefetch_weights(w1, kb, 1, prefetch_rows, prefetch_ahead);
+            prefetch_weights(w2, kb, 1, prefetch_rows, prefetch_ahead);
+            __m256i xv = bcast4(xq + kb * 4);
+            i1 = dot_s8s8(i1, v1, xv);
+            i2 = dot_s8s8(i2, v2, xv);
+        }
+        __m256i offset = _mm256_set1_epi32(S8_OFFSET * xqsum[b]);
+        __m256 scale = _mm256_set1_ps(xs[b]);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i1, offset)), scale, acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i2, offset)), scale, acc2);
+    }
+    store8(y, y_bf16, (size_t)t1 * 8, _mm256_mul_ps(acc1, _mm256_loadu_ps(wscale + (size_t)t1 * 8)));
+    store8(y, y_bf16, (size_t)t2 * 8, _mm256_mul_ps(acc2, _mm256_loadu_ps(wscale + (size_t)t2 * 8)));
+}
+
 /* Scratch for the activation codes, one per calling thread, grown as needed and kept. */
 static __thread void* scratch;
 static __thread size_t scratch_bytes;
@@ -241,7 +272,7 @@ static void* scratch_for(size_t bytes) {
 }
 
 /* Quantize x's rows, then run CALL(r) on every tile and every group of r <= MR rows, in one parallel region. */
-#define PRODUCT(CALL, PREP)                                                                                   \
+#define PRODUCT(CALL, PREP, PAIR)                                                                                   \
     size_t codes = ((size_t)M * K + 63) / 64 * 64, blocks = (size_t)M * (K / XGROUP);                        \
     int8_t* xq = (int8_t*)scratch_for(codes + blocks * 12);                                                   \
     if (!xq) return -1;                                                                                       \
@@ -254,6 +285,16 @@ static void* scratch_for(size_t bytes) {
             quantize_row(x, x_bf16, m, K, xq, xs, xqsum);                                                     \
             PREP;                                                                                             \
         }                                                                                                     \
+        if (M == 1 && streams == 2) { /* one row, each thread's tiles walked as two streams */               \
+            const int t_ = omp_get_thread_num(), threads_ = omp_get_num_threads(), tiles_ = N / 8;            \
+            const int lo_ = (int)((long)tiles_ * t_ / threads_), hi_ = (int)((long)tiles_ * (t_ + 1) / threads_); \
+            const int half_ = (hi_ - lo_) / 2;                                                                \
+            for (int t = lo_; t < lo_ + half_; t++) PAIR(t, t + half_);                                       \
+            for (int t = lo_ + 2 * half_; t < hi_; t++) { /* an odd share's last tile */                      \
+                const int m0 = 0;                                                                             \
+                CALL(1);                                                                                      \
+            }                                                                                                 \
+        } else                                                                                                \
         for (int mb = 0; mb < M; mb += MB) {                                                                  \
             int m1 = mb + MB < M ? mb + MB : M;                                                               \
             _Pragma("omp for schedule(static) nowait") for (int t = 0; t < N / 8; t++) {                      \
@@ -286,16 +327,20 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
     int G = K / group;
 #define INT4_CALL(R) \
     int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-    PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg))
+#define INT4_PAIR(T1, T2) ((void)0) /* never reached: int4 tiles walk one stream (below) */
+    const int streams = 1;
+    PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg), INT4_PAIR)
 }
 
 /* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP; a pass of prefetch_rows
-   or more activation rows prefetches its weights, prefetch_ahead bytes ahead. Returns 0, or -1 if scratch memory
-   ran out. */
+   or more activation rows prefetches its weights, prefetch_ahead bytes ahead; one row walks each thread's tiles as
+   `streams` (1 or 2) streams (int8_tile_pair). Returns 0, or -1 if scratch memory ran out. */
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
-                   void* y, int y_bf16, int nthreads, int prefetch_rows, int prefetch_ahead) {
+                   void* y, int y_bf16, int nthreads, int prefetch_rows, int prefetch_ahead, int streams) {
 #define INT8_CALL(R) \
     int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-    PRODUCT(INT8_CALL, (void)0)
+#define INT8_PAIR(T1, T2) \
+    int8_tile_pair(xq, xs, xqsum, K, qweight, wscale, T1, T2, y, y_bf16, prefetch_rows, prefetch_ahead)
+    PRODUCT(INT8_CALL, (void)0, INT8_PAIR)
 }
 
