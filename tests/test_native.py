@@ -93,30 +93,38 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
     assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
     ahead = KERNELS.prefetch_ahead[kind]
     assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
-    assert sorted(KERNELS.streams) == ["bf16", "int8"] and set(KERNELS.streams.values()) <= {1, 2}
+    assert sorted(KERNELS.streams) == ["bf16", "int4", "int8"] and set(KERNELS.streams.values()) <= {1, 2}
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("out_rows", [8, 16, 24, 40, 72])  # tiles: one, a pair, a pair and a tile, many
-@pytest.mark.parametrize("cols", [32, 384, 4864])
+@pytest.mark.parametrize("cols", [128, 384, 4864])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_int8_row_in_two_streams_a_thread_gives_the_same_bits(out_rows, cols, threads):
-    q = quantize_int8(weights(out_rows, cols, out_rows + cols))
-    qweight = native.tile_int8(q.qweight.clone())
+def test_one_quantized_row_in_two_streams_a_thread_gives_the_same_bits(kind, out_rows, cols, threads):
+    w = weights(out_rows, cols, out_rows + cols)
+    if kind == "int8":
+        q = quantize_int8(w)
+        qweight = native.tile_int8(q.qweight.clone())
+        product = lambda x: KERNELS.int8_linear(x, qweight, q.scale)  # noqa: E731
+        dequantized = quant.dequantize_int8(q)
+    else:
+        q = quantize_int4(w, 128)
+        packed, scales, zeros = native.tile_int4(q.packed.clone(), q.scales, q.zeros)
+        product = lambda x: KERNELS.int4_linear(x, packed, scales, zeros, 128)  # noqa: E731
+        dequantized = quant.dequantize_int4(q)
     kept, kept_threads = dict(KERNELS.streams), torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         outputs = {}
         for streams in (1, 2):
-            KERNELS.streams["int8"] = streams
-            outputs[streams] = [KERNELS.int8_linear(activations(1, cols, cols, dtype), qweight, q.scale)
-                                for dtype in (torch.float32, torch.bfloat16)]
+            KERNELS.streams[kind] = streams
+            outputs[streams] = [product(activations(1, cols, cols, dtype)) for dtype in (torch.float32, torch.bfloat16)]
     finally:
         KERNELS.streams.update(kept)
         torch.set_num_threads(kept_threads)
     assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2]))
-    x = activations(1, cols, cols, torch.float32)
-    ref = native.quantize_activations(x).double() @ quant.dequantize_int8(q).double().T
+    ref = native.quantize_activations(activations(1, cols, cols, torch.float32)).double() @ dequantized.double().T
     assert relative(outputs[2][0], ref) < 1e-6
 
 
@@ -171,10 +179,14 @@ def test_the_avx2_build_without_vnni_agrees_too():
     row, one_stream = x[:1], avx2.bf16_linear(x[:1], w, None)
     q = quantize_int8(w.float()[:16])
     qweight = native.tile_int8(q.qweight.clone())
+    q4 = quantize_int4(w.float()[:16], 128)
+    packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
     one_stream_int8 = avx2.int8_linear(row, qweight, q.scale)
-    avx2.streams.update(bf16=2, int8=2)
+    one_stream_int4 = avx2.int4_linear(row, packed, scales, zeros, 128)
+    avx2.streams.update(bf16=2, int8=2, int4=2)
     assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
     assert torch.equal(avx2.int8_linear(row, qweight, q.scale), one_stream_int8)
+    assert torch.equal(avx2.int4_linear(row, packed, scales, zeros, 128), one_stream_int4)
     assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
 
 

@@ -113,7 +113,7 @@ class Kernels:
         self.path = path
         self._int4 = lib.tc_int4_linear
         self._int4.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _VOID_P, _INT, _INT,
-                               _INT, _INT]
+                               _INT, _INT, _INT]
         self._int4.restype = _INT
         self._int8 = lib.tc_int8_linear
         self._int8.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _VOID_P, _INT, _VOID_P, _INT, _INT, _INT, _INT, _INT]
@@ -141,9 +141,8 @@ class Kernels:
         # may lower it to 1
         self.prefetch_rows = dict(PREFETCH_ROWS)
         self.prefetch_ahead = dict(PREFETCH_AHEAD)  # ... and how many weight bytes ahead (one_row_prefetch again)
-        # ... and, for one bf16 or int8 row, how many weight streams a thread walks (bf16dot.c's dot_two, qdot.c's
-        # int8_tile_pair)
-        self.streams = {"bf16": 1, "int8": 1}
+        # ... and, for one row, how many weight streams a thread walks (bf16dot.c's dot_two, qdot.c's tile pairs)
+        self.streams = {"bf16": 1, "int8": 1, "int4": 1}
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
                                f"expected {ACTIVATION_GROUP}")
@@ -163,7 +162,7 @@ class Kernels:
         y = torch.empty(m, n, dtype=x2.dtype)
         if self._int4(x2.data_ptr(), bf16, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
                       group_size, y.data_ptr(), bf16, torch.get_num_threads(), self.prefetch_rows["int4"],
-                      self.prefetch_ahead["int4"]):
+                      self.prefetch_ahead["int4"], self.streams["int4"]):
             raise _no_memory_for_codes(m, k)
         return y
 
@@ -177,7 +176,7 @@ class Kernels:
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         if self._int4(x.data_ptr(), 1, x.numel() // k, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
                       group_size, y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int4"],
-                      self.prefetch_ahead["int4"]):
+                      self.prefetch_ahead["int4"], self.streams["int4"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)
 
@@ -200,7 +199,7 @@ class Kernels:
         m, n = x.numel() // k, packed.shape[0] * TILE_ROWS
         return (self._int4, (x.data_ptr(), 1, m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
                              group_size, y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int4"],
-                             self.prefetch_ahead["int4"]),
+                             self.prefetch_ahead["int4"], self.streams["int4"]),
                 str(_no_memory_for_codes(m, k)))
 
     def int8_call(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> Call:
@@ -760,9 +759,9 @@ def one_row_prefetch(kind: str) -> int:
     """The fewest activation rows from which this CPU's `kind` ("bf16", "int8" or "int4") products prefetch their
     weights (qdot.c, bf16dot.c), and how far ahead, settled once per process and set on kernels(): 1 where one
     decode row is PREFETCH_GAIN faster with the prefetch (PREFETCH_AHEAD[kind] or FAR_AHEAD bytes ahead, whichever
-    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). For bf16 and int8 the same
-    turns also time each thread walking its rows as two streams (`Kernels.streams`: bf16dot.c's dot_two, qdot.c's int8_tile_pair), which the fastest
-    setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
+    is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). The same turns also time
+    each thread walking its rows as two streams (`Kernels.streams`: bf16dot.c's dot_two, qdot.c's tile pairs),
+    which the fastest setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
 
     Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection
     ([896, 4864], where a stage's gain concentrates) on the process's threads, its weights streamed from memory
@@ -802,7 +801,7 @@ def one_row_prefetch(kind: str) -> int:
     weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
     default = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind], 1)  # one row left to the hardware's prefetch, one stream
     settings = [default, (1, PREFETCH_AHEAD[kind], 1), (1, FAR_AHEAD, 1)]
-    if kind in native.streams:  # bf16, int8: a thread may walk its rows as two streams, with each prefetch or none
+    if kind in native.streams:  # a thread may walk its rows as two streams, with each prefetch or none
         settings += [(rows, ahead, 2) for rows, ahead, _ in settings]
     best = dict.fromkeys(settings, float("inf"))
     with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile

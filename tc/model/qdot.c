@@ -192,6 +192,46 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
     for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, acc[j]);
 }
 
+/* int4_tile for one activation row against tiles t1 and t2 at once, their vectors loaded in turn: two streams of
+   weights a thread (int8_tile_pair says why). Each tile's sums are int4_tile's for one row, step for step. */
+TC_INLINE void int4_tile_pair(const int8_t* xq, const float* xs, const float* xg, int K, const uint8_t* packed,
+                              const uint16_t* scales, const uint16_t* zeros, int G, int group, int t1, int t2,
+                              void* y, int y_bf16, int prefetch_rows, int prefetch_ahead) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const uint8_t* w1 = packed + (size_t)t1 * 4 * K;
+    const uint8_t* w2 = packed + (size_t)t2 * 4 * K;
+    const int BPG = group / XGROUP;
+    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256 g1 = _mm256_setzero_ps(), g2 = _mm256_setzero_ps();
+        for (int b = g * BPG; b < (g + 1) * BPG; b++) {
+            __m256i lo1 = _mm256_setzero_si256(), hi1 = lo1, lo2 = lo1, hi2 = lo1;
+            for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
+                __m256i v1 = _mm256_loadu_si256((const __m256i*)(w1 + (size_t)kb * 32));
+                __m256i v2 = _mm256_loadu_si256((const __m256i*)(w2 + (size_t)kb * 32));
+                prefetch_weights(w1, kb, 1, prefetch_rows, prefetch_ahead);
+                prefetch_weights(w2, kb, 1, prefetch_rows, prefetch_ahead);
+                __m256i xl = bcast4(xq + kb * 8), xh = bcast4(xq + kb * 8 + 4);
+                lo1 = dot_u8s8(lo1, _mm256_and_si256(v1, mask), xl);
+                hi1 = dot_u8s8(hi1, _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), xh);
+                lo2 = dot_u8s8(lo2, _mm256_and_si256(v2, mask), xl);
+                hi2 = dot_u8s8(hi2, _mm256_and_si256(_mm256_srli_epi16(v2, 4), mask), xh);
+            }
+            __m256 scale = _mm256_set1_ps(xs[b]);
+            g1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo1, hi1)), scale, g1);
+            g2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo2, hi2)), scale, g2);
+        }
+        __m256 s1 = bf16x8_load(scales + ((size_t)t1 * G + g) * 8), s2 = bf16x8_load(scales + ((size_t)t2 * G + g) * 8);
+        __m256 z1 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s1, bf16x8_load(zeros + ((size_t)t1 * G + g) * 8));
+        __m256 z2 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s2, bf16x8_load(zeros + ((size_t)t2 * G + g) * 8));
+        __m256 sum = _mm256_set1_ps(xg[g]);
+        acc1 = _mm256_fmadd_ps(z1, sum, _mm256_fmadd_ps(g1, s1, acc1));
+        acc2 = _mm256_fmadd_ps(z2, sum, _mm256_fmadd_ps(g2, s2, acc2));
+    }
+    store8(y, y_bf16, (size_t)t1 * 8, acc1);
+    store8(y, y_bf16, (size_t)t2 * 8, acc2);
+}
+
 /* xg[m, g] for int4_tile: row m's dequantized activations summed over each group of `group` columns. */
 static void int4_group_sums(const float* xs, const int32_t* xqsum, int m, int K, int group, float* xg) {
     const int B = K / XGROUP, BPG = group / XGROUP, G = K / group;
@@ -320,15 +360,16 @@ static void* scratch_for(size_t bytes) {
 
 /* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
    N a multiple of 8, group a multiple of XGROUP dividing K; a pass of prefetch_rows or more activation rows
-   prefetches its weights, prefetch_ahead bytes ahead (above). Returns 0, or -1 if scratch memory ran out. */
+   prefetches its weights, prefetch_ahead bytes ahead (above); one row walks each thread's tiles as `streams` (1 or
+   2) streams (int4_tile_pair). Returns 0, or -1 if scratch memory ran out. */
 int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
                    const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows,
-                   int prefetch_ahead) {
+                   int prefetch_ahead, int streams) {
     int G = K / group;
 #define INT4_CALL(R) \
     int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-#define INT4_PAIR(T1, T2) ((void)0) /* never reached: int4 tiles walk one stream (below) */
-    const int streams = 1;
+#define INT4_PAIR(T1, T2) \
+    int4_tile_pair(xq, xs, xg, K, packed, scales, zeros, G, group, T1, T2, y, y_bf16, prefetch_rows, prefetch_ahead)
     PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg), INT4_PAIR)
 }
 
