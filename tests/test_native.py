@@ -79,10 +79,9 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
             outputs = []
             for rows_from in (1, 2, 3, 9):
                 for ahead in (native.PREFETCH_AHEAD[kind], native.FAR_AHEAD, 64):
-                    for streams in (1, 2) if kind in KERNELS.streams else (None,):
+                    for streams in native.STREAMS:
                         KERNELS.prefetch_rows[kind], KERNELS.prefetch_ahead[kind] = rows_from, ahead
-                        if streams is not None:
-                            KERNELS.streams[kind] = streams
+                        KERNELS.streams[kind] = streams
                         outputs.append(product(x))
             assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
     finally:
@@ -93,15 +92,15 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
     assert chosen in (1, native.PREFETCH_ROWS[kind]) and KERNELS.prefetch_rows[kind] == chosen
     ahead = KERNELS.prefetch_ahead[kind]
     assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
-    assert sorted(KERNELS.streams) == ["bf16", "int4", "int8"] and set(KERNELS.streams.values()) <= {1, 2}
+    assert sorted(KERNELS.streams) == ["bf16", "int4", "int8"] and set(KERNELS.streams.values()) <= {1, 2, 4}
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("out_rows", [8, 16, 24, 40, 72])  # tiles: one, a pair, a pair and a tile, many
+@pytest.mark.parametrize("out_rows", [8, 16, 24, 40, 72, 88])  # tiles: too few for streams, with some past them
 @pytest.mark.parametrize("cols", [128, 384, 4864])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_quantized_row_in_two_streams_a_thread_gives_the_same_bits(kind, out_rows, cols, threads):
+def test_one_quantized_row_in_several_streams_a_thread_gives_the_same_bits(kind, out_rows, cols, threads):
     w = weights(out_rows, cols, out_rows + cols)
     if kind == "int8":
         q = quantize_int8(w)
@@ -117,22 +116,23 @@ def test_one_quantized_row_in_two_streams_a_thread_gives_the_same_bits(kind, out
     try:
         torch.set_num_threads(threads)
         outputs = {}
-        for streams in (1, 2):
+        for streams in native.STREAMS:
             KERNELS.streams[kind] = streams
             outputs[streams] = [product(activations(1, cols, cols, dtype)) for dtype in (torch.float32, torch.bfloat16)]
     finally:
         KERNELS.streams.update(kept)
         torch.set_num_threads(kept_threads)
-    assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2]))
+    for streams in native.STREAMS[1:]:
+        assert all(torch.equal(one, many) for one, many in zip(outputs[1], outputs[streams])), streams
     ref = native.quantize_activations(activations(1, cols, cols, torch.float32)).double() @ dequantized.double().T
-    assert relative(outputs[2][0], ref) < 1e-6
+    assert relative(outputs[4][0], ref) < 1e-6
 
 
 @needs_kernels
-@pytest.mark.parametrize("out_rows", [1, 2, 3, 5, 72, 73])  # shares of no pair, one, a pair and a row, many
+@pytest.mark.parametrize("out_rows", [1, 2, 3, 5, 9, 72, 75])  # shares too small for streams, with rows past them
 @pytest.mark.parametrize("cols", [64, 200, 896])  # whole vectors, a tail past them
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_bf16_row_in_two_streams_a_thread_gives_the_same_bits(out_rows, cols, threads):
+def test_one_bf16_row_in_several_streams_a_thread_gives_the_same_bits(out_rows, cols, threads):
     gen = torch.Generator().manual_seed(out_rows * cols)
     x = torch.randn(1, cols, generator=gen).bfloat16()
     w = (torch.randn(out_rows, cols, generator=gen) * cols ** -0.5).bfloat16()
@@ -141,14 +141,15 @@ def test_one_bf16_row_in_two_streams_a_thread_gives_the_same_bits(out_rows, cols
     try:
         torch.set_num_threads(threads)
         outputs = {}
-        for streams in (1, 2):
+        for streams in native.STREAMS:
             KERNELS.streams["bf16"] = streams
             outputs[streams] = [KERNELS.bf16_linear(x, w, bias) for bias in (None, b)]
     finally:
         KERNELS.streams.update(kept)
         torch.set_num_threads(kept_threads)
-    assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2]))
-    assert relative(outputs[2][1], native.bf16_linear_reference(x, w, b)) < 4e-3
+    for streams in native.STREAMS[1:]:
+        assert all(torch.equal(one, many) for one, many in zip(outputs[1], outputs[streams])), streams
+    assert relative(outputs[4][1], native.bf16_linear_reference(x, w, b)) < 4e-3
 
 
 @needs_kernels
@@ -177,16 +178,18 @@ def test_the_avx2_build_without_vnni_agrees_too():
     x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
     assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
     row, one_stream = x[:1], avx2.bf16_linear(x[:1], w, None)
-    q = quantize_int8(w.float()[:16])
+    wq = torch.randn(88, 4864, generator=gen) * 0.02  # 11 tiles: streams of each count, and tiles past them
+    q = quantize_int8(wq)
     qweight = native.tile_int8(q.qweight.clone())
-    q4 = quantize_int4(w.float()[:16], 128)
+    q4 = quantize_int4(wq, 128)
     packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
     one_stream_int8 = avx2.int8_linear(row, qweight, q.scale)
     one_stream_int4 = avx2.int4_linear(row, packed, scales, zeros, 128)
-    avx2.streams.update(bf16=2, int8=2, int4=2)
-    assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
-    assert torch.equal(avx2.int8_linear(row, qweight, q.scale), one_stream_int8)
-    assert torch.equal(avx2.int4_linear(row, packed, scales, zeros, 128), one_stream_int4)
+    for streams in native.STREAMS[1:]:
+        avx2.streams.update(bf16=streams, int8=streams, int4=streams)
+        assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
+        assert torch.equal(avx2.int8_linear(row, qweight, q.scale), one_stream_int8)
+        assert torch.equal(avx2.int4_linear(row, packed, scales, zeros, 128), one_stream_int4)
     assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
 
 

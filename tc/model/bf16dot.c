@@ -26,7 +26,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_BF16DOT_ABI 5
+#define TC_BF16DOT_ABI 6
 #define MAX_ROWS 8 /* activation rows per pass over the weights: one accumulator each, all in registers */
 /* A pass prefetches its weights where it holds `prefetch_rows` or more activation rows (the caller says;
    tc/model/native.py settles it by a probe at load). With 3 or more rows each weight vector feeds that many dot
@@ -36,12 +36,13 @@
    EPYC, and at 12.6-14.9 GB/s against 15.1-17.6 with it on a 2-core Sapphire Rapids VM (demo shapes, weights from
    memory, both threads). How far ahead, in bytes, is the caller's `prefetch_ahead` (native.py's probe again). */
 #define TILE 4 /* weight rows a tile reads together */
-/* One row may also walk each thread's rows as two streams side by side (`streams` 2): rows j and j + half of the
-   thread's share, their vectors loaded in turn. Each stream is still read in order, and a thread keeps twice the
-   loads in flight: on a 2-core Sapphire Rapids VM (both threads, weights from memory, prefetched 2-8 KiB ahead)
-   [9728, 896] streamed at 22-23 GB/s against 18.4, [896, 4864] 12.5 against 9.5, the demo's lm_head 12.6 against
-   9.8. Each output's float32 sum is that of one stream, term for term, so the bits are the same; which is faster
-   here is native.py's probe's to say (one_row_prefetch). */
+#define MAX_STREAMS 4 /* weight streams a thread may walk for one row: 1, 2 or this many */
+/* One row may also walk each thread's rows as several streams side by side (`streams` 2 or 4): its share cut in
+   that many parts, row j of each part read in turn. Each stream is still read in order, and a thread keeps that
+   many times the loads in flight: on a 2-core Sapphire Rapids VM (both threads, weights from memory, prefetched
+   2 KiB ahead) [9728, 896] streamed at 18.6 GB/s in one stream, 25.1 in two and 27.6 in four; [896, 4864] 19.3,
+   24.2 and 26.9; the demo's lm_head 23.8, 30.6 and 36.6. Each output's float32 sum is that of one stream, term
+   for term, so the bits are the same; which is fastest here is native.py's probe's to say (one_row_prefetch). */
 
 int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
 
@@ -97,35 +98,33 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
     for (int r = 0; r < M; r++) acc[r] = _mm512_reduce_add_ps(a[r]);
 }
 
-/* dot_rows for one activation row against two weight rows, w1 and w2, their vectors loaded in turn: each sum is
-   dot_rows's for M = 1, term for term (the same two chains, the same adds). */
-TC_INLINE void dot_two(const uint16_t* w1, const uint16_t* w2, const uint16_t* x, int k, int prefetch, float* y1,
-                       float* y2) {
-    __m512 a1 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps();
+/* dot_rows for one activation row against S weight rows (S <= MAX_STREAMS, a constant after inlining), row s at
+   w + s * gap, their vectors loaded in turn: each sum is dot_rows's for M = 1, term for term (the same two chains,
+   the same adds). */
+TC_INLINE void dot_streams(const uint16_t* w, size_t gap, const uint16_t* x, int k, int prefetch, const int S,
+                           float* acc) {
+    __m512 a[MAX_STREAMS], b[MAX_STREAMS];
+    for (int s = 0; s < S; s++) a[s] = b[s] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= k; i += 32) {
-        if (prefetch) {
-            _mm_prefetch((const char*)(w1 + i) + prefetch, _MM_HINT_T0);
-            _mm_prefetch((const char*)(w2 + i) + prefetch, _MM_HINT_T0);
-        }
-        __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + i), v2 = (__m512bh)_mm512_loadu_si512(w2 + i);
+        if (prefetch)
+            for (int s = 0; s < S; s++) _mm_prefetch((const char*)(w + s * gap + i) + prefetch, _MM_HINT_T0);
         __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
-        if ((i / 32) % 2) {
-            b1 = _mm512_dpbf16_ps(b1, v1, xv);
-            b2 = _mm512_dpbf16_ps(b2, v2, xv);
-        } else {
-            a1 = _mm512_dpbf16_ps(a1, v1, xv);
-            a2 = _mm512_dpbf16_ps(a2, v2, xv);
+        for (int s = 0; s < S; s++) {
+            __m512bh v = (__m512bh)_mm512_loadu_si512(w + s * gap + i);
+            if ((i / 32) % 2)
+                b[s] = _mm512_dpbf16_ps(b[s], v, xv);
+            else
+                a[s] = _mm512_dpbf16_ps(a[s], v, xv);
         }
     }
     if (i < k) {
         __mmask32 m = (__mmask32)((1ull << (k - i)) - 1);
         __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + i), xv);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(m, w2 + i), xv);
+        for (int s = 0; s < S; s++)
+            a[s] = _mm512_dpbf16_ps(a[s], (__m512bh)_mm512_maskz_loadu_epi16(m, w + s * gap + i), xv);
     }
-    *y1 = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1));
-    *y2 = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2));
+    for (int s = 0; s < S; s++) acc[s] = _mm512_reduce_add_ps(_mm512_add_ps(a[s], b[s]));
 }
 
 /* dot_rows for the TILE weight rows from w (each k long) at once: acc[t][r] for weight row t and activation row r.
@@ -190,32 +189,28 @@ TC_INLINE void dot_rows(const uint16_t* w, const uint16_t* x, int k, int M, int 
     }
 }
 
-/* dot_rows for one activation row against two weight rows, their vectors loaded in turn (as above). */
-TC_INLINE void dot_two(const uint16_t* w1, const uint16_t* w2, const uint16_t* x, int k, int prefetch, float* y1,
-                       float* y2) {
-    __m256 a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps();
+/* dot_rows for one activation row against S weight rows at w + s * gap, loaded in turn (as above). */
+TC_INLINE void dot_streams(const uint16_t* w, size_t gap, const uint16_t* x, int k, int prefetch, const int S,
+                           float* acc) {
+    __m256 a[MAX_STREAMS], b[MAX_STREAMS];
+    for (int s = 0; s < S; s++) a[s] = b[s] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= k; i += 8) {
-        if (prefetch && i % 32 == 0) {
-            _mm_prefetch((const char*)(w1 + i) + prefetch, _MM_HINT_T0);
-            _mm_prefetch((const char*)(w2 + i) + prefetch, _MM_HINT_T0);
-        }
-        __m256 v1 = bf16x8_load(w1 + i), v2 = bf16x8_load(w2 + i), xv = bf16x8_load(x + i);
-        if ((i / 8) % 2) {
-            b1 = _mm256_fmadd_ps(v1, xv, b1);
-            b2 = _mm256_fmadd_ps(v2, xv, b2);
-        } else {
-            a1 = _mm256_fmadd_ps(v1, xv, a1);
-            a2 = _mm256_fmadd_ps(v2, xv, a2);
+        if (prefetch && i % 32 == 0)
+            for (int s = 0; s < S; s++) _mm_prefetch((const char*)(w + s * gap + i) + prefetch, _MM_HINT_T0);
+        __m256 xv = bf16x8_load(x + i);
+        for (int s = 0; s < S; s++) {
+            __m256 v = bf16x8_load(w + s * gap + i);
+            if ((i / 8) % 2)
+                b[s] = _mm256_fmadd_ps(v, xv, b[s]);
+            else
+                a[s] = _mm256_fmadd_ps(v, xv, a[s]);
         }
     }
-    float s1 = sum8(_mm256_add_ps(a1, b1)), s2 = sum8(_mm256_add_ps(a2, b2));
-    for (int j = i; j < k; j++) {
-        s1 += scalar_f32(w1[j]) * scalar_f32(x[j]);
-        s2 += scalar_f32(w2[j]) * scalar_f32(x[j]);
+    for (int s = 0; s < S; s++) {
+        acc[s] = sum8(_mm256_add_ps(a[s], b[s]));
+        for (int j = i; j < k; j++) acc[s] += scalar_f32(w[s * gap + j]) * scalar_f32(x[j]);
     }
-    *y1 = s1;
-    *y2 = s2;
 }
 #endif
 
@@ -248,18 +243,20 @@ TC_INLINE void dot_two(const uint16_t* w1, const uint16_t* w2, const uint16_t* x
             }                                                                                                       \
         }                                                                                                           \
         if (done == n) return; /* an empty loop would still wake the threads */                                 \
-        if (M == 1 && streams == 2) {                                                                               \
+        if (M == 1 && streams > 1) {                                                                                \
             _Pragma("omp parallel num_threads(nthreads)") {                                                         \
                 const int t = omp_get_thread_num(), threads = omp_get_num_threads();                                \
                 const int lo = done + (int)((long)(n - done) * t / threads);                                        \
-                const int hi = done + (int)((long)(n - done) * (t + 1) / threads), half = (hi - lo) / 2;           \
-                for (int j = lo; j < lo + half; j++) {                                                              \
-                    float acc[2];                                                                                   \
-                    dot_two(w + (size_t)j * k, w + (size_t)(j + half) * k, x, k, prefetch, acc, acc + 1);           \
-                    STORE(1, acc, j);                                                                               \
-                    STORE(1, acc + 1, j + half);                                                                    \
+                const int hi = done + (int)((long)(n - done) * (t + 1) / threads), part = (hi - lo) / streams;     \
+                for (int j = lo; j < lo + part; j++) {                                                              \
+                    float acc[MAX_STREAMS];                                                                         \
+                    if (streams == MAX_STREAMS)                                                                     \
+                        dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, MAX_STREAMS, acc);         \
+                    else                                                                                            \
+                        dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, 2, acc);                   \
+                    for (int s = 0; s < streams; s++) STORE(1, acc + s, j + s * part);                              \
                 }                                                                                                   \
-                for (int j = lo + 2 * half; j < hi; j++) { /* an odd share's last row */                            \
+                for (int j = lo + streams * part; j < hi; j++) { /* the rows of a share past its streams' */        \
                     float acc[1];                                                                                   \
                     dot_rows(w + (size_t)j * k, x, k, 1, prefetch, acc);                                            \
                     STORE(1, acc, j);                                                                               \
@@ -285,7 +282,7 @@ PRODUCT(8)
 /* y [m, n] = x [m, k] @ w [n, k]^T (+ bias [n], or NULL), all contiguous bfloat16, in passes of MAX_ROWS rows
    (each pass reads the weights once); tiled: passes of several rows read the weight in tiles (dot_tile); passes
    of prefetch_rows or more rows prefetch their weights (tiles always do), prefetch_ahead bytes ahead; a pass of one
-   row walks each thread's rows as `streams` (1 or 2) streams (dot_two). */
+   row walks each thread's rows as `streams` (1, 2 or MAX_STREAMS) streams (dot_streams). */
 void tc_bf16_linear(const uint16_t* x, int m, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,
                     int nthreads, int tiled, int prefetch_rows, int prefetch_ahead, int streams) {
     for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {

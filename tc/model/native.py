@@ -67,10 +67,10 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 7  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 8  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
-BF16DOT_ABI = 5  # bf16dot.c's TC_BF16DOT_ABI
+BF16DOT_ABI = 6  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
@@ -86,6 +86,7 @@ PREFETCH_ROWS = {"bf16": 3, "int8": 2, "int4": 2}
 PREFETCH_AHEAD = {"bf16": 1024, "int8": 2048, "int4": 2048}
 FAR_AHEAD = 8192
 PREFETCH_GAIN = 1.03  # ... by this much for one row streamed from memory
+STREAMS = (1, 2, 4)  # weight streams a thread may walk for one row (bf16dot.c's and qdot.c's MAX_STREAMS: the last)
 PREFETCH_TURNS = 8  # ... the best of this many turns each
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
 MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native path is preferred
@@ -141,7 +142,8 @@ class Kernels:
         # may lower it to 1
         self.prefetch_rows = dict(PREFETCH_ROWS)
         self.prefetch_ahead = dict(PREFETCH_AHEAD)  # ... and how many weight bytes ahead (one_row_prefetch again)
-        # ... and, for one row, how many weight streams a thread walks (bf16dot.c's dot_two, qdot.c's tile pairs)
+        # ... and, for one row, how many weight streams a thread walks (1, 2 or STREAMS[-1]: bf16dot.c's
+        # dot_streams, qdot.c's tile streams)
         self.streams = {"bf16": 1, "int8": 1, "int4": 1}
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "
@@ -760,8 +762,8 @@ def one_row_prefetch(kind: str) -> int:
     weights (qdot.c, bf16dot.c), and how far ahead, settled once per process and set on kernels(): 1 where one
     decode row is PREFETCH_GAIN faster with the prefetch (PREFETCH_AHEAD[kind] or FAR_AHEAD bytes ahead, whichever
     is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). The same turns also time
-    each thread walking its rows as two streams (`Kernels.streams`: bf16dot.c's dot_two, qdot.c's tile pairs),
-    which the fastest setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
+    each thread walking its rows as two or four streams (`Kernels.streams`: bf16dot.c's dot_streams, qdot.c's tile
+    streams), which the fastest setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
 
     Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection
     ([896, 4864], where a stage's gain concentrates) on the process's threads, its weights streamed from memory
@@ -801,8 +803,7 @@ def one_row_prefetch(kind: str) -> int:
     weights = [weight.clone() for _ in range(min(2 * cache_bytes(3), PREFETCH_PROBE_BYTES) // nbytes + 1)]
     default = (PREFETCH_ROWS[kind], PREFETCH_AHEAD[kind], 1)  # one row left to the hardware's prefetch, one stream
     settings = [default, (1, PREFETCH_AHEAD[kind], 1), (1, FAR_AHEAD, 1)]
-    if kind in native.streams:  # a thread may walk its rows as two streams, with each prefetch or none
-        settings += [(rows, ahead, 2) for rows, ahead, _ in settings]
+    settings += [(rows, ahead, streams) for streams in STREAMS[1:] for rows, ahead, _ in settings]
     best = dict.fromkeys(settings, float("inf"))
     with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile
         for _ in range(PREFETCH_TURNS):
@@ -822,15 +823,13 @@ def one_row_prefetch(kind: str) -> int:
 
 
 def _set_one_row(native: Kernels, kind: str, setting: tuple[int, int, int]) -> None:
-    native.prefetch_rows[kind], native.prefetch_ahead[kind], streams = setting
-    if kind in native.streams:
-        native.streams[kind] = streams
+    native.prefetch_rows[kind], native.prefetch_ahead[kind], native.streams[kind] = setting
 
 
 def _one_row_setting(setting: tuple[int, int, int]) -> str:
     rows, ahead, streams = setting
     prefetch = f"prefetched {ahead} bytes ahead" if rows == 1 else "the hardware's prefetch"
-    return prefetch + (", two streams a thread" if streams == 2 else "")
+    return prefetch + (f", {streams} streams a thread" if streams > 1 else "")
 
 
 def agrees(what: str, err: float) -> bool:

@@ -26,7 +26,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 7
+#define TC_QDOT_ABI 8
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -34,6 +34,7 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
+#define MAX_STREAMS 4 /* tile streams a thread may walk for one row: 1, 2 or this many */
 /* A tile prefetches its weights, `prefetch_ahead` bytes ahead, where it serves `prefetch_rows` or more activation
    rows (the caller says both; tc/model/native.py settles them for each kind of product by a probe at load). With many rows each 32-byte weight
    vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a
@@ -192,44 +193,45 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
     for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, acc[j]);
 }
 
-/* int4_tile for one activation row against tiles t1 and t2 at once, their vectors loaded in turn: two streams of
-   weights a thread (int8_tile_pair says why). Each tile's sums are int4_tile's for one row, step for step. */
-TC_INLINE void int4_tile_pair(const int8_t* xq, const float* xs, const float* xg, int K, const uint8_t* packed,
-                              const uint16_t* scales, const uint16_t* zeros, int G, int group, int t1, int t2,
-                              void* y, int y_bf16, int prefetch_rows, int prefetch_ahead) {
+/* int4_tile for one activation row against S tiles at once (S <= MAX_STREAMS, a constant after inlining), tile
+   t + s * gap for s < S, their vectors loaded in turn: several streams of weights a thread (int8_tile_streams says
+   why). Each tile's sums are int4_tile's for one row, step for step. */
+TC_INLINE void int4_tile_streams(const int8_t* xq, const float* xs, const float* xg, int K, const uint8_t* packed,
+                                 const uint16_t* scales, const uint16_t* zeros, int G, int group, int t, int gap,
+                                 const int S, void* y, int y_bf16, int prefetch_rows, int prefetch_ahead) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    const uint8_t* w1 = packed + (size_t)t1 * 4 * K;
-    const uint8_t* w2 = packed + (size_t)t2 * 4 * K;
     const int BPG = group / XGROUP;
-    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    __m256 acc[MAX_STREAMS];
+    for (int s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256 g1 = _mm256_setzero_ps(), g2 = _mm256_setzero_ps();
+        __m256 gacc[MAX_STREAMS];
+        for (int s = 0; s < S; s++) gacc[s] = _mm256_setzero_ps();
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
-            __m256i lo1 = _mm256_setzero_si256(), hi1 = lo1, lo2 = lo1, hi2 = lo1;
+            __m256i lo[MAX_STREAMS], hi[MAX_STREAMS];
+            for (int s = 0; s < S; s++) lo[s] = hi[s] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
-                __m256i v1 = _mm256_loadu_si256((const __m256i*)(w1 + (size_t)kb * 32));
-                __m256i v2 = _mm256_loadu_si256((const __m256i*)(w2 + (size_t)kb * 32));
-                prefetch_weights(w1, kb, 1, prefetch_rows, prefetch_ahead);
-                prefetch_weights(w2, kb, 1, prefetch_rows, prefetch_ahead);
                 __m256i xl = bcast4(xq + kb * 8), xh = bcast4(xq + kb * 8 + 4);
-                lo1 = dot_u8s8(lo1, _mm256_and_si256(v1, mask), xl);
-                hi1 = dot_u8s8(hi1, _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), xh);
-                lo2 = dot_u8s8(lo2, _mm256_and_si256(v2, mask), xl);
-                hi2 = dot_u8s8(hi2, _mm256_and_si256(_mm256_srli_epi16(v2, 4), mask), xh);
+                for (int s = 0; s < S; s++) {
+                    const uint8_t* wt = packed + (size_t)(t + s * gap) * 4 * K;
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                    prefetch_weights(wt, kb, 1, prefetch_rows, prefetch_ahead);
+                    lo[s] = dot_u8s8(lo[s], _mm256_and_si256(v, mask), xl);
+                    hi[s] = dot_u8s8(hi[s], _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xh);
+                }
             }
             __m256 scale = _mm256_set1_ps(xs[b]);
-            g1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo1, hi1)), scale, g1);
-            g2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo2, hi2)), scale, g2);
+            for (int s = 0; s < S; s++)
+                gacc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo[s], hi[s])), scale, gacc[s]);
         }
-        __m256 s1 = bf16x8_load(scales + ((size_t)t1 * G + g) * 8), s2 = bf16x8_load(scales + ((size_t)t2 * G + g) * 8);
-        __m256 z1 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s1, bf16x8_load(zeros + ((size_t)t1 * G + g) * 8));
-        __m256 z2 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s2, bf16x8_load(zeros + ((size_t)t2 * G + g) * 8));
         __m256 sum = _mm256_set1_ps(xg[g]);
-        acc1 = _mm256_fmadd_ps(z1, sum, _mm256_fmadd_ps(g1, s1, acc1));
-        acc2 = _mm256_fmadd_ps(z2, sum, _mm256_fmadd_ps(g2, s2, acc2));
+        for (int s = 0; s < S; s++) {
+            const size_t at = ((size_t)(t + s * gap) * G + g) * 8;
+            __m256 sc = bf16x8_load(scales + at);
+            __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, bf16x8_load(zeros + at));
+            acc[s] = _mm256_fmadd_ps(zc, sum, _mm256_fmadd_ps(gacc[s], sc, acc[s]));
+        }
     }
-    store8(y, y_bf16, (size_t)t1 * 8, acc1);
-    store8(y, y_bf16, (size_t)t2 * 8, acc2);
+    for (int s = 0; s < S; s++) store8(y, y_bf16, (size_t)(t + s * gap) * 8, acc[s]);
 }
 
 /* xg[m, g] for int4_tile: row m's dequantized activations summed over each group of `group` columns. */
@@ -268,34 +270,36 @@ TC_INLINE void int8_tile(const int mr, const int8_t* xq, const float* xs, const 
     for (int j = 0; j < mr; j++) store8(y, y_bf16, (size_t)(m0 + j) * N + (size_t)t * 8, _mm256_mul_ps(acc[j], ws));
 }
 
-/* int8_tile for one activation row against tiles t1 and t2 at once, their vectors loaded in turn: two streams of
-   weights a thread, as bf16dot.c's dot_two (where that says why). Each tile's sums are int8_tile's, step for
-   step, so the bits are the same. */
-TC_INLINE void int8_tile_pair(const int8_t* xq, const float* xs, const int32_t* xqsum, int K, const int8_t* qweight,
-                              const float* wscale, int t1, int t2, void* y, int y_bf16, int prefetch_rows,
-                              int prefetch_ahead) {
-    const int8_t* w1 = qweight + (size_t)t1 * 8 * K;
-    const int8_t* w2 = qweight + (size_t)t2 * 8 * K;
+/* int8_tile for one activation row against S tiles at once (S <= MAX_STREAMS, a constant after inlining), tile
+   t + s * gap for s < S, their vectors loaded in turn: several streams of weights a thread, as bf16dot.c's
+   dot_streams (where that says why). Each tile's sums are int8_tile's, step for step, so the bits are the same. */
+TC_INLINE void int8_tile_streams(const int8_t* xq, const float* xs, const int32_t* xqsum, int K,
+                                 const int8_t* qweight, const float* wscale, int t, int gap, const int S, void* y,
+                                 int y_bf16, int prefetch_rows, int prefetch_ahead) {
     const int B = K / XGROUP;
-    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    __m256 acc[MAX_STREAMS];
+    for (int s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
     for (int b = 0; b < B; b++) {
-        __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
+        __m256i iacc[MAX_STREAMS];
+        for (int s = 0; s < S; s++) iacc[s] = _mm256_setzero_si256();
         for (int kb = b * (XGROUP / 4); kb < (b + 1) * (XGROUP / 4); kb++) {
-            __m256i v1 = _mm256_loadu_si256((const __m256i*)(w1 + (size_t)kb * 32));
-            __m256i v2 = _mm256_loadu_si256((const __m256i*)(w2 + (size_t)kb * 32));
-            prefetch_weights(w1, kb, 1, prefetch_rows, prefetch_ahead);
-            prefetch_weights(w2, kb, 1, prefetch_rows, prefetch_ahead);
             __m256i xv = bcast4(xq + kb * 4);
-            i1 = dot_s8s8(i1, v1, xv);
-            i2 = dot_s8s8(i2, v2, xv);
+            for (int s = 0; s < S; s++) {
+                const int8_t* wt = qweight + (size_t)(t + s * gap) * 8 * K;
+                __m256i w = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                prefetch_weights(wt, kb, 1, prefetch_rows, prefetch_ahead);
+                iacc[s] = dot_s8s8(iacc[s], w, xv);
+            }
         }
         __m256i offset = _mm256_set1_epi32(S8_OFFSET * xqsum[b]);
         __m256 scale = _mm256_set1_ps(xs[b]);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i1, offset)), scale, acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i2, offset)), scale, acc2);
+        for (int s = 0; s < S; s++)
+            acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iacc[s], offset)), scale, acc[s]);
     }
-    store8(y, y_bf16, (size_t)t1 * 8, _mm256_mul_ps(acc1, _mm256_loadu_ps(wscale + (size_t)t1 * 8)));
-    store8(y, y_bf16, (size_t)t2 * 8, _mm256_mul_ps(acc2, _mm256_loadu_ps(wscale + (size_t)t2 * 8)));
+    for (int s = 0; s < S; s++) {
+        const size_t tile = (size_t)(t + s * gap);
+        store8(y, y_bf16, tile * 8, _mm256_mul_ps(acc[s], _mm256_loadu_ps(wscale + tile * 8)));
+    }
 }
 
 /* Scratch for the activation codes, one per calling thread, grown as needed and kept. */
@@ -312,7 +316,7 @@ static void* scratch_for(size_t bytes) {
 }
 
 /* Quantize x's rows, then run CALL(r) on every tile and every group of r <= MR rows, in one parallel region. */
-#define PRODUCT(CALL, PREP, PAIR)                                                                                   \
+#define PRODUCT(CALL, PREP, STREAMS)                                                                                   \
     size_t codes = ((size_t)M * K + 63) / 64 * 64, blocks = (size_t)M * (K / XGROUP);                        \
     int8_t* xq = (int8_t*)scratch_for(codes + blocks * 12);                                                   \
     if (!xq) return -1;                                                                                       \
@@ -325,12 +329,17 @@ static void* scratch_for(size_t bytes) {
             quantize_row(x, x_bf16, m, K, xq, xs, xqsum);                                                     \
             PREP;                                                                                             \
         }                                                                                                     \
-        if (M == 1 && streams == 2) { /* one row, each thread's tiles walked as two streams */               \
+        if (M == 1 && streams > 1) { /* one row, each thread's tiles walked as several streams */            \
             const int t_ = omp_get_thread_num(), threads_ = omp_get_num_threads(), tiles_ = N / 8;            \
             const int lo_ = (int)((long)tiles_ * t_ / threads_), hi_ = (int)((long)tiles_ * (t_ + 1) / threads_); \
-            const int half_ = (hi_ - lo_) / 2;                                                                \
-            for (int t = lo_; t < lo_ + half_; t++) PAIR(t, t + half_);                                       \
-            for (int t = lo_ + 2 * half_; t < hi_; t++) { /* an odd share's last tile */                      \
+            const int part_ = (hi_ - lo_) / streams;                                                          \
+            for (int t = lo_; t < lo_ + part_; t++) {                                                         \
+                if (streams == MAX_STREAMS)                                                                   \
+                    STREAMS(t, part_, MAX_STREAMS);                                                           \
+                else                                                                                          \
+                    STREAMS(t, part_, 2);                                                                     \
+            }                                                                                                 \
+            for (int t = lo_ + streams * part_; t < hi_; t++) { /* the tiles of a share past its streams' */  \
                 const int m0 = 0;                                                                             \
                 CALL(1);                                                                                      \
             }                                                                                                 \
@@ -360,28 +369,28 @@ static void* scratch_for(size_t bytes) {
 
 /* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
    N a multiple of 8, group a multiple of XGROUP dividing K; a pass of prefetch_rows or more activation rows
-   prefetches its weights, prefetch_ahead bytes ahead (above); one row walks each thread's tiles as `streams` (1 or
-   2) streams (int4_tile_pair). Returns 0, or -1 if scratch memory ran out. */
+   prefetches its weights, prefetch_ahead bytes ahead (above); one row walks each thread's tiles as `streams` (1, 2
+   or MAX_STREAMS) streams (int4_tile_streams). Returns 0, or -1 if scratch memory ran out. */
 int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
                    const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows,
                    int prefetch_ahead, int streams) {
     int G = K / group;
 #define INT4_CALL(R) \
     int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-#define INT4_PAIR(T1, T2) \
-    int4_tile_pair(xq, xs, xg, K, packed, scales, zeros, G, group, T1, T2, y, y_bf16, prefetch_rows, prefetch_ahead)
-    PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg), INT4_PAIR)
+#define INT4_STREAMS(T, GAP, S) \
+    int4_tile_streams(xq, xs, xg, K, packed, scales, zeros, G, group, T, GAP, S, y, y_bf16, prefetch_rows, prefetch_ahead)
+    PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg), INT4_STREAMS)
 }
 
 /* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP; a pass of prefetch_rows
    or more activation rows prefetches its weights, prefetch_ahead bytes ahead; one row walks each thread's tiles as
-   `streams` (1 or 2) streams (int8_tile_pair). Returns 0, or -1 if scratch memory ran out. */
+   `streams` (1, 2 or MAX_STREAMS) streams (int8_tile_streams). Returns 0, or -1 if scratch memory ran out. */
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
                    void* y, int y_bf16, int nthreads, int prefetch_rows, int prefetch_ahead, int streams) {
 #define INT8_CALL(R) \
     int8_tile(R, xq, xs, xqsum, K, qweight, wscale, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-#define INT8_PAIR(T1, T2) \
-    int8_tile_pair(xq, xs, xqsum, K, qweight, wscale, T1, T2, y, y_bf16, prefetch_rows, prefetch_ahead)
-    PRODUCT(INT8_CALL, (void)0, INT8_PAIR)
+#define INT8_STREAMS(T, GAP, S) \
+    int8_tile_streams(xq, xs, xqsum, K, qweight, wscale, T, GAP, S, y, y_bf16, prefetch_rows, prefetch_ahead)
+    PRODUCT(INT8_CALL, (void)0, INT8_STREAMS)
 }
 
