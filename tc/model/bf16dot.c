@@ -26,7 +26,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_BF16DOT_ABI 6
+#define TC_BF16DOT_ABI 7
 #define MAX_ROWS 8 /* activation rows per pass over the weights: one accumulator each, all in registers */
 /* A pass prefetches its weights where it holds `prefetch_rows` or more activation rows (the caller says;
    tc/model/native.py settles it by a probe at load). With 3 or more rows each weight vector feeds that many dot
@@ -36,13 +36,14 @@
    EPYC, and at 12.6-14.9 GB/s against 15.1-17.6 with it on a 2-core Sapphire Rapids VM (demo shapes, weights from
    memory, both threads). How far ahead, in bytes, is the caller's `prefetch_ahead` (native.py's probe again). */
 #define TILE 4 /* weight rows a tile reads together */
-#define MAX_STREAMS 4 /* weight streams a thread may walk for one row: 1, 2 or this many */
-/* One row may also walk each thread's rows as several streams side by side (`streams` 2 or 4): its share cut in
-   that many parts, row j of each part read in turn. Each stream is still read in order, and a thread keeps that
-   many times the loads in flight: on a 2-core Sapphire Rapids VM (both threads, weights from memory, prefetched
-   2 KiB ahead) [9728, 896] streamed at 18.6 GB/s in one stream, 25.1 in two and 27.6 in four; [896, 4864] 19.3,
-   24.2 and 26.9; the demo's lm_head 23.8, 30.6 and 36.6. Each output's float32 sum is that of one stream, term
-   for term, so the bits are the same; which is fastest here is native.py's probe's to say (one_row_prefetch). */
+#define MAX_STREAMS 8 /* weight streams a thread may walk for one row: 1, 2, 4 or this many */
+/* One row may also walk each thread's rows as several streams side by side (`streams` 2, 4 or 8): its share cut
+   in that many parts, row j of each part read in turn. Each stream is still read in order, and a thread keeps that
+   many times the loads in flight: on a 2-core Sapphire Rapids VM one row of [896, 4864] from memory (both threads,
+   the best prefetch for each, in one process) took 466 us in one stream, 414 in two, 365 in four and 321 in eight
+   (27 GB/s; int8 226, 173, 153 and 151, int4 125, 96, 88 and 86: qdot.c's tile streams). Each output's float32
+   sum is that of one stream, term for term, so the bits are the same; which is fastest here is native.py's
+   probe's to say (one_row_prefetch). */
 
 int tc_bf16dot_abi(void) { return TC_BF16DOT_ABI; }
 
@@ -250,8 +251,10 @@ TC_INLINE void dot_streams(const uint16_t* w, size_t gap, const uint16_t* x, int
                 const int hi = done + (int)((long)(n - done) * (t + 1) / threads), part = (hi - lo) / streams;     \
                 for (int j = lo; j < lo + part; j++) {                                                              \
                     float acc[MAX_STREAMS];                                                                         \
-                    if (streams == MAX_STREAMS)                                                                     \
-                        dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, MAX_STREAMS, acc);         \
+                    if (streams == 8)                                                                               \
+                        dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, 8, acc);                   \
+                    else if (streams == 4)                                                                          \
+                        dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, 4, acc);                   \
                     else                                                                                            \
                         dot_streams(w + (size_t)j * k, (size_t)part * k, x, k, prefetch, 2, acc);                   \
                     for (int s = 0; s < streams; s++) STORE(1, acc + s, j + s * part);                              \
@@ -282,7 +285,7 @@ PRODUCT(8)
 /* y [m, n] = x [m, k] @ w [n, k]^T (+ bias [n], or NULL), all contiguous bfloat16, in passes of MAX_ROWS rows
    (each pass reads the weights once); tiled: passes of several rows read the weight in tiles (dot_tile); passes
    of prefetch_rows or more rows prefetch their weights (tiles always do), prefetch_ahead bytes ahead; a pass of one
-   row walks each thread's rows as `streams` (1, 2 or MAX_STREAMS) streams (dot_streams). */
+   row walks each thread's rows as `streams` (1, 2, 4 or 8) streams (dot_streams). */
 void tc_bf16_linear(const uint16_t* x, int m, int k, const uint16_t* w, int n, const uint16_t* bias, uint16_t* y,
                     int nthreads, int tiled, int prefetch_rows, int prefetch_ahead, int streams) {
     for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {

@@ -67,10 +67,10 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 8  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 9  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
-BF16DOT_ABI = 6  # bf16dot.c's TC_BF16DOT_ABI
+BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
@@ -86,7 +86,7 @@ PREFETCH_ROWS = {"bf16": 3, "int8": 2, "int4": 2}
 PREFETCH_AHEAD = {"bf16": 1024, "int8": 2048, "int4": 2048}
 FAR_AHEAD = 8192
 PREFETCH_GAIN = 1.03  # ... by this much for one row streamed from memory
-STREAMS = (1, 2, 4)  # weight streams a thread may walk for one row (bf16dot.c's and qdot.c's MAX_STREAMS: the last)
+STREAMS = (1, 2, 4, 8)  # weight streams a thread may walk for one row (bf16dot.c's and qdot.c's MAX_STREAMS: the last)
 PREFETCH_TURNS = 8  # ... the best of this many turns each
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
 MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native path is preferred
@@ -762,7 +762,7 @@ def one_row_prefetch(kind: str) -> int:
     weights (qdot.c, bf16dot.c), and how far ahead, settled once per process and set on kernels(): 1 where one
     decode row is PREFETCH_GAIN faster with the prefetch (PREFETCH_AHEAD[kind] or FAR_AHEAD bytes ahead, whichever
     is faster), else PREFETCH_ROWS[kind] (and PREFETCH_AHEAD[kind] for those passes). The same turns also time
-    each thread walking its rows as two or four streams (`Kernels.streams`: bf16dot.c's dot_streams, qdot.c's tile
+    each thread walking its rows as 2, 4 or 8 streams (`Kernels.streams`: bf16dot.c's dot_streams, qdot.c's tile
     streams), which the fastest setting keeps where it is PREFETCH_GAIN faster than one stream left to the hardware.
 
     Machines differ here, so it is measured, as a step runs it: one row of the demo model's down projection

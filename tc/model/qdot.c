@@ -26,7 +26,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 8
+#define TC_QDOT_ABI 9
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -34,7 +34,7 @@
 #endif
 #define MB 64 /* activation rows per block: a block's codes stay in cache while the weights stream past */
 #define XGROUP 32 /* activation columns per quantization block */
-#define MAX_STREAMS 4 /* tile streams a thread may walk for one row: 1, 2 or this many */
+#define MAX_STREAMS 8 /* tile streams a thread may walk for one row: 1, 2, 4 or this many */
 /* A tile prefetches its weights, `prefetch_ahead` bytes ahead, where it serves `prefetch_rows` or more activation
    rows (the caller says both; tc/model/native.py settles them for each kind of product by a probe at load). With many rows each 32-byte weight
    vector feeds that many dot products, and the hardware prefetcher alone left the loop waiting on its loads: on a
@@ -334,8 +334,10 @@ static void* scratch_for(size_t bytes) {
             const int lo_ = (int)((long)tiles_ * t_ / threads_), hi_ = (int)((long)tiles_ * (t_ + 1) / threads_); \
             const int part_ = (hi_ - lo_) / streams;                                                          \
             for (int t = lo_; t < lo_ + part_; t++) {                                                         \
-                if (streams == MAX_STREAMS)                                                                   \
-                    STREAMS(t, part_, MAX_STREAMS);                                                           \
+                if (streams == 8)                                                                             \
+                    STREAMS(t, part_, 8);                                                                     \
+                else if (streams == 4)                                                                        \
+                    STREAMS(t, part_, 4);                                                                     \
                 else                                                                                          \
                     STREAMS(t, part_, 2);                                                                     \
             }                                                                                                 \
@@ -369,8 +371,8 @@ static void* scratch_for(size_t bytes) {
 
 /* y[M, N] = x[M, K] @ W^T for an int4 W (layout above); x and y float32, or bfloat16 where *_bf16.
    N a multiple of 8, group a multiple of XGROUP dividing K; a pass of prefetch_rows or more activation rows
-   prefetches its weights, prefetch_ahead bytes ahead (above); one row walks each thread's tiles as `streams` (1, 2
-   or MAX_STREAMS) streams (int4_tile_streams). Returns 0, or -1 if scratch memory ran out. */
+   prefetches its weights, prefetch_ahead bytes ahead (above); one row walks each thread's tiles as `streams` (1, 2,
+   4 or 8) streams (int4_tile_streams). Returns 0, or -1 if scratch memory ran out. */
 int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packed, const uint16_t* scales,
                    const uint16_t* zeros, int N, int group, void* y, int y_bf16, int nthreads, int prefetch_rows,
                    int prefetch_ahead, int streams) {
@@ -384,7 +386,7 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
 
 /* y[M, N] = x[M, K] @ W^T for an int8 W (layout above); N a multiple of 8, K of XGROUP; a pass of prefetch_rows
    or more activation rows prefetches its weights, prefetch_ahead bytes ahead; one row walks each thread's tiles as
-   `streams` (1, 2 or MAX_STREAMS) streams (int8_tile_streams). Returns 0, or -1 if scratch memory ran out. */
+   `streams` (1, 2, 4 or 8) streams (int8_tile_streams). Returns 0, or -1 if scratch memory ran out. */
 int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweight, const float* wscale, int N,
                    void* y, int y_bf16, int nthreads, int prefetch_rows, int prefetch_ahead, int streams) {
 #define INT8_CALL(R) \
