@@ -110,7 +110,8 @@ class DecodePlan:
         # what a step copies in and out by address or through one view: each tensor op of a step costs tens of
         # microseconds where the weights have just swept the caches
         self._x = buffers.x.view(1, rows, -1)
-        self._x_bytes = memoryview((ctypes.c_ubyte * (buffers.x.numel() * 2)).from_address(buffers.x.data_ptr())).cast("B")
+        x_bytes = (ctypes.c_ubyte * (buffers.x.numel() * 2)).from_address(buffers.x.data_ptr())  # self keeps x
+        self._x_bytes = memoryview(x_bytes).cast("B")  # ... and run_bytes writes into it
         self._rotary_rows = buffers.cos.data_ptr(), buffers.sin.data_ptr()
         self._rotary_row_bytes = buffers.cos.shape[-1] * buffers.cos.element_size()
         self._positions, self._capacities = positions, capacities

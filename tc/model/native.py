@@ -142,8 +142,8 @@ class Kernels:
         # may lower it to 1
         self.prefetch_rows = dict(PREFETCH_ROWS)
         self.prefetch_ahead = dict(PREFETCH_AHEAD)  # ... and how many weight bytes ahead (one_row_prefetch again)
-        # ... and, for one row, how many weight streams a thread walks (1, 2 or STREAMS[-1]: bf16dot.c's
-        # dot_streams, qdot.c's tile streams)
+        # ... and, for one row, how many weight streams a thread walks (one of STREAMS: bf16dot.c's dot_streams,
+        # qdot.c's tile streams; one_row_prefetch again)
         self.streams = {"bf16": 1, "int8": 1, "int4": 1}
         if lib.tc_qdot_activation_group() != ACTIVATION_GROUP:
             raise RuntimeError(f"the library quantizes activations per {lib.tc_qdot_activation_group()} columns, "

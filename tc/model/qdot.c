@@ -316,7 +316,7 @@ static void* scratch_for(size_t bytes) {
 }
 
 /* Quantize x's rows, then run CALL(r) on every tile and every group of r <= MR rows, in one parallel region. */
-#define PRODUCT(CALL, PREP, STREAMS)                                                                                   \
+#define PRODUCT(CALL, PREP, STREAMS)                                                                          \
     size_t codes = ((size_t)M * K + 63) / 64 * 64, blocks = (size_t)M * (K / XGROUP);                        \
     int8_t* xq = (int8_t*)scratch_for(codes + blocks * 12);                                                   \
     if (!xq) return -1;                                                                                       \
@@ -379,8 +379,9 @@ int tc_int4_linear(const void* x, int x_bf16, int M, int K, const uint8_t* packe
     int G = K / group;
 #define INT4_CALL(R) \
     int4_tile(R, xq, xs, xg, K, packed, scales, zeros, G, group, t, m0, N, y, y_bf16, prefetch_rows, prefetch_ahead)
-#define INT4_STREAMS(T, GAP, S) \
-    int4_tile_streams(xq, xs, xg, K, packed, scales, zeros, G, group, T, GAP, S, y, y_bf16, prefetch_rows, prefetch_ahead)
+#define INT4_STREAMS(T, GAP, S)                                                                       \
+    int4_tile_streams(xq, xs, xg, K, packed, scales, zeros, G, group, T, GAP, S, y, y_bf16, prefetch_rows, \
+                      prefetch_ahead)
     PRODUCT(INT4_CALL, int4_group_sums(xs, xqsum, m, K, group, xg), INT4_STREAMS)
 }
 
