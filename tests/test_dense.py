@@ -14,15 +14,7 @@ from tc.model.quant import Int4Linear, Int8Linear, quantize_linears
 from tiny_model import write_tiny_model
 
 
-def can_pack() -> bool:
-    try:
-        PackedLinear(torch.ones(16, 16, dtype=torch.bfloat16))
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch build has no oneDNN blocked linear")
+needs_pack = pytest.mark.skipif(not dense.can_pack(), reason="no oneDNN blocked bf16 linear on this CPU")
 needs_native = pytest.mark.skipif(dense._native_bf16() is None, reason="no native bf16 product on this machine")
 
 
@@ -40,6 +32,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@needs_pack
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3, 5), (2, 7)])
 def test_packed_product_equals_the_reference(bias, lead):
@@ -54,6 +47,7 @@ def test_packed_product_equals_the_reference(bias, lead):
     assert rel_err(y, ref) <= 1.01 * rel_err(lin(x), ref) + 1e-6  # no worse than F.linear in the same dtype
 
 
+@needs_pack
 def test_packed_product_reads_a_strided_input():
     lin = make_linear(96, 64, True, torch.bfloat16)
     x = torch.randn(3, 5, 128).bfloat16()[..., ::2]  # [3, 5, 64], every other column
@@ -63,6 +57,7 @@ def test_packed_product_reads_a_strided_input():
     assert rel_err(y, F.linear(x.float(), lin.weight.float(), lin.bias.float())) < 1e-2
 
 
+@needs_pack
 def test_a_packed_layer_gives_its_weight_back_and_holds_only_its_bytes():
     lin = make_linear(96, 64, True, torch.bfloat16)
     packed = PackedLinear.from_linear(lin)
@@ -72,6 +67,7 @@ def test_a_packed_layer_gives_its_weight_back_and_holds_only_its_bytes():
     assert held == lin.weight.numel() * lin.weight.element_size()
 
 
+@needs_pack
 def test_a_packed_layer_refuses_to_change_dtype_or_device():
     packed = PackedLinear.from_linear(make_linear(32, 32, False, torch.bfloat16))
     for move in (lambda m: m.float(), lambda m: m.to("meta")):
@@ -95,6 +91,7 @@ def test_fp32_is_never_packed():
     assert pack_linears(model, force=True) == 0 and isinstance(model[0], Linear)
 
 
+@needs_pack
 def test_pack_linears_packs_only_cpu_bf16_and_keeps_sharing():
     shared = make_linear(32, 32, False, torch.bfloat16)
     model = nn.Sequential(shared, nn.ReLU(), shared, make_linear(16, 32, True, torch.float32))
@@ -106,7 +103,8 @@ def test_pack_linears_packs_only_cpu_bf16_and_keeps_sharing():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("layer", ["packed", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("layer", [pytest.param("packed", marks=needs_pack),
+                                   pytest.param("native", marks=needs_native)])
 def test_quantizing_a_packed_or_native_layer_gives_the_same_codes(mode, layer):
     lin = make_linear(64, 256, True, torch.bfloat16)
     fast = (PackedLinear if layer == "packed" else NativeLinear).from_linear(lin)
@@ -119,6 +117,23 @@ def test_quantizing_a_packed_or_native_layer_gives_the_same_codes(mode, layer):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_can_pack_says_whether_a_packed_layer_can_be_made():
+    try:
+        PackedLinear(torch.ones(16, 16, dtype=torch.bfloat16))
+        made = True
+    except RuntimeError:  # an AVX2-only CPU: oneDNN has no bf16 path for the blocked layout
+        made = False
+    assert dense.can_pack() == made
+
+
+def test_forced_packing_where_this_cpu_cannot_pack_leaves_the_layers_plain(monkeypatch):
+    monkeypatch.setattr(dense, "can_pack", lambda dtype=torch.bfloat16: False)
+    model = nn.Sequential(make_linear(32, 64, True, torch.bfloat16), make_linear(64, 32, False, torch.bfloat16))
+    assert pack_linears(model, force=True) == 0
+    assert all(type(m) is Linear for m in model)
+
+
+@needs_pack
 def test_a_packed_model_follows_the_plain_one(tiny_model_dir):
     ids = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120]
     plain = OurModel(tiny_model_dir, torch.bfloat16, pack=False)
@@ -153,6 +168,7 @@ def test_an_lm_head_tied_to_the_embedding_may_take_the_native_product(tmp_path, 
     assert rel_err(head.lm_head(x), ref) < 1e-2
 
 
+@needs_pack
 def test_the_head_packs_its_lm_head_only_when_asked(tiny_model_dir):
     from tc.model.config import Qwen2Config
     from tc.model.qwen2 import HeadModel

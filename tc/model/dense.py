@@ -98,6 +98,19 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=None)
+def can_pack(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch and CPU hold a weight of `dtype` in oneDNN's blocked layout at all: an AVX2-only CPU
+    has no bf16 path for it (oneDNN asks for avx512bw/vl/dq or avx_ne_convert)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _pack(torch.ones(16, 16, dtype=dtype))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
 def fastest_product(out_features: int, in_features: int, dtype: torch.dtype, allowed: tuple[str, ...] = PRODUCTS
                     ) -> str:
     """Which of the `allowed` PRODUCTS a weight of this shape should take on this CPU (probed once per shape and
@@ -272,8 +285,9 @@ def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple
     """Give each CPU nn.Linear below `module` in bf16 the fastest product here: a PackedLinear or a NativeLinear
     in its place where `fastest_product` finds one of them fastest for its shape, of those `allowed`.
 
-    force=None asks `fastest_product` per shape; True packs every one that can be packed (blocked); False changes
-    nothing. A Linear shared by several parents stays shared. Returns how many were replaced.
+    force=None asks `fastest_product` per shape; True packs every one that can be packed (blocked: none where
+    `can_pack` says this CPU cannot); False changes nothing. A Linear shared by several parents stays shared.
+    Returns how many were replaced.
     """
     if force is False:
         return 0
@@ -287,8 +301,10 @@ def pack_linears(module: nn.Module, *, force: bool | None = None, allowed: tuple
             if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES:
                 continue
             if id(child) not in replacements:
-                product = "packed" if force else fastest_product(child.out_features, child.in_features, w.dtype,
-                                                                 allowed)
+                if force:
+                    product = "packed" if can_pack(w.dtype) else "plain"
+                else:
+                    product = fastest_product(child.out_features, child.in_features, w.dtype, allowed)
                 chosen[child.out_features, child.in_features] = product
                 if product == "plain" or isinstance(child, NativeLinear):
                     continue
