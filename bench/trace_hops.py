@@ -21,9 +21,13 @@ tokens runs, and each decode step is laid out from the marks, head and workers o
     w2 encoded -> head read                the whole transfer to the head
     head read -> received                  decoding the answer
     head received -> woke                  the head's reader hands the answer to the step's thread
+    head woke -> chosen                    the final norm, the lm_head and sampling
+    head chosen -> next send               the head between two steps: streaming the token out, bookkeeping,
+                                           embedding the next input (from a step to the next one traced)
 
 Prints each segment's median, 10th and 90th percentile in microseconds, and per step the stages' compute, the
-rest of the step (every hand-off above: what the hops cost), and that per hop.
+hand-offs (every segment above but the stages', the head's lm_head and sampling, and its time between steps:
+what the hops cost), and that per hop.
 
     python bench/trace_hops.py [--quant int4] [--workers 2] [--tokens 64] [--threads 2]
 """
@@ -94,16 +98,25 @@ def main() -> None:
     print(f"{len(steps)} decode steps, {args.quant}, head + {args.workers} workers on loopback, "
           f"{args.threads} threads each (microseconds)")
     print(f"{'segment':44} {'median':>9} {'p10':>9} {'p90':>9}")
-    for label, values in segments(steps):
+    rows = segments(steps)
+    # a step's end to the next traced step's start; where a step between them was left out the gap spans it, so
+    # only gaps shorter than a step's own time count
+    gaps = [(b[0][2] - a[-1][2]) / 1e3 for a, b in zip(steps, steps[1:])]
+    rows.append(("head chosen -> next send", [g for g in gaps if g < (steps[0][-1][2] - steps[0][0][2]) / 1e3]))
+    for label, values in rows:
         deciles = statistics.quantiles(values, n=10)
         print(f"{label:44} {statistics.median(values):9.1f} {deciles[0]:9.1f} {deciles[-1]:9.1f}")
-    whole = [(step[-1][2] - step[0][2]) / 1e3 for step in steps]
+    whole = [(step[-2][2] - step[0][2]) / 1e3 for step in steps]  # send -> woke
     compute = [sum(b[2] - a[2] for a, b in zip(step, step[1:]) if a[1] == "compute") / 1e3 for step in steps]
     rest = [w - c for w, c in zip(whole, compute)]
     hops = args.workers + 1
+    chosen = statistics.median((step[-1][2] - step[-2][2]) / 1e3 for step in steps)
+    between = statistics.median(rows[-1][1])
     print(f"per step: head send -> woke {statistics.median(whole):.0f}, stages' compute "
           f"{statistics.median(compute):.0f}, hand-offs {statistics.median(rest):.0f} "
-          f"({statistics.median(rest) / hops:.0f} a hop over {hops} hops)")
+          f"({statistics.median(rest) / hops:.0f} a hop over {hops} hops); the head's lm_head and sampling "
+          f"{chosen:.0f}, between steps {between:.0f}; send to next send "
+          f"{statistics.median(whole) + chosen + between:.0f}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from .model.qwen2 import HeadModel, Span
 from .model.tokenizer import TextTokenizer
 from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, new_rng, prompt_logprobs,
                        token_logprob)
+from .trace import mark
 
 PROMPT_LOGITS_CHUNK = 128  # prompt positions turned into logits at once: [128, vocab] fp32 stays small
 
@@ -489,7 +490,9 @@ class Generator:
         if not choosing:
             return []
         logits = self._logits(torch.cat(last_rows, dim=1))[0]  # [sequences choosing, vocab]: one lm_head read
-        return [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
+        chosen = [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
+        mark("chosen")
+        return chosen
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """Generate a completion for `prompt_ids` alone, one `Step` per token, the last carrying the Completion.

@@ -20,6 +20,8 @@ order through head + 2 workers with direct hops:
     head:    read          the last stage's answer is read whole
              received      ... and decoded by the head's reader
              woke          the step's thread has it
+             chosen        ... and has chosen the step's tokens (final norm, lm_head, sampling); from here to the
+                           next step's `send` the head streams them out, keeps its books and embeds the next input
 
 `encoded` and `read` split a hand-off into the software's parts and the socket's: from `computed` to `encoded`
 the output is built into a message and encoded; from `encoded` to the next process's `read`, the send's system
@@ -55,7 +57,7 @@ def mark(event: str) -> None:
 CHAIN_HEAD = ("send", "encoded", "sent")
 CHAIN_FIRST_WORKER = ("read", "received", "computing", "compute", "computed", "encoded")
 CHAIN_NEXT_WORKER = ("read", "peer received", "computing", "compute", "computed", "encoded")
-CHAIN_END = ("read", "received", "woke")
+CHAIN_END = ("read", "received", "woke", "chosen")
 SENT = ("sent", "passed", "answered")  # marks made when a send returns
 
 

@@ -17,7 +17,7 @@ CHAIN = [("head", "send"), ("head", "encoded"), ("head", "sent"),
          ("w1", "encoded"), ("w1", "passed"),
          ("w2", "read"), ("w2", "peer received"), ("w2", "computing"), ("w2", "compute"), ("w2", "computed"),
          ("w2", "encoded"), ("w2", "answered"),
-         ("head", "read"), ("head", "received"), ("head", "woke")]
+         ("head", "read"), ("head", "received"), ("head", "woke"), ("head", "chosen")]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_every_step_through_head_and_two_workers_is_traced_hand_off_by_hand_off(
         assert times[("w1", "computed")] < times[("w1", "encoded")] < times[("w2", "read")] \
             < times[("w2", "peer received")]
         assert times[("w2", "computed")] < times[("w2", "encoded")] < times[("head", "read")] \
-            < times[("head", "received")] < times[("head", "woke")]
+            < times[("head", "received")] < times[("head", "woke")] < times[("head", "chosen")]
 
 
 def test_marks_cost_nothing_and_write_nothing_unless_asked(tmp_path):
@@ -78,7 +78,7 @@ def test_the_reader_keeps_whole_chains_only():
            (8, w1, "computing"), (9, w1, "compute"), (20, w1, "computed"), (21, w1, "encoded"), (22, w2, "read"),
            (23, w2, "peer received"), (24, w1, "passed"), (25, w2, "computing"), (26, w2, "compute"),
            (40, w2, "computed"), (41, w2, "encoded"), (42, head, "read"), (43, w2, "answered"),
-           (44, head, "received"), (45, head, "woke")]
+           (44, head, "received"), (45, head, "woke"), (46, head, "chosen")]
     cut = [(100, head, "send"), (101, head, "encoded"), (102, head, "sent"), (103, w1, "read")]
     steps = decode_steps(sorted(one + cut), workers=2)
     assert len(steps) == 1
