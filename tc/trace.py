@@ -87,8 +87,11 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
         wanted.append((f"w{w + 1}", None, "passed" if w + 1 < workers else "answered"))
     wanted += [("head", head, e) for e in CHAIN_END]
     steps = []
-    for a, b in zip(starts, [*starts[1:], len(events)]):
-        window = events[a:b]
+    bounds = [*starts[1:], len(events), len(events)]
+    for a, b, c in zip(starts, bounds, bounds[1:]):
+        # the step's marks lie between its send and the next step's, but for a send's return (SENT): on shared
+        # cores the last worker's call may return only once the head has chosen the token and sent the next step
+        window, limit = events[a:c], b - a
         chain: list[tuple[str, str, int]] = []
         ok = True
         pids: dict[str, int] = {}
@@ -99,12 +102,12 @@ def decode_steps(events: list[tuple[int, int, str]], workers: int, since_ns: int
             # moment the send began, not from its end
             at = after[-2] if chain and chain[-1][1] in SENT else (after[-1] if after else 0)
             if pid is not None:
-                found = next((i for i in range(at, len(window)) if window[i][2] == event and window[i][1] == pid),
-                             None)
+                end = len(window) if event in SENT else limit
+                found = next((i for i in range(at, end) if window[i][2] == event and window[i][1] == pid), None)
             else:  # a worker not met yet: the one whose next marks are the chain's up to taking the step to compute
                 # (a ping read meanwhile is answered instead)
                 following = [e for _, _, e in wanted[k + 1:k + 1 + _marks_to_computing(wanted, k)]]
-                found = next((i for i in range(at, len(window)) if window[i][2] == event
+                found = next((i for i in range(at, limit) if window[i][2] == event
                               and window[i][1] not in (head, *pids.values())
                               and _next_of(window, i, len(following)) == following), None)
             if found is None:

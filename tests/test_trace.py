@@ -87,3 +87,21 @@ def test_the_reader_keeps_whole_chains_only():
     assert (times[("w1", "read")], times[("w2", "read")], times[("w2", "peer received")]) == (5, 22, 23)
     assert times[("head", "read")] == 42  # read before the last worker's send returned
     assert decode_steps(sorted(one + cut), workers=2, since_ns=1) == []
+
+
+def test_a_send_that_returns_after_the_next_step_began_still_belongs_to_its_step():
+    """On shared cores the last worker's send may return only once the head has chosen the token and sent the next
+    step: that step's `answered` then comes after the next `send`, and both steps are still whole."""
+    head, w1, w2 = 10, 11, 12
+
+    def step(t: int, answered_at: int) -> list[tuple[int, int, str]]:
+        return [(t, head, "send"), (t + 1, head, "encoded"), (t + 2, head, "sent"), (t + 3, w1, "read"),
+                (t + 4, w1, "received"), (t + 5, w1, "computing"), (t + 6, w1, "compute"), (t + 7, w1, "computed"),
+                (t + 8, w1, "encoded"), (t + 9, w1, "passed"), (t + 10, w2, "read"), (t + 11, w2, "peer received"),
+                (t + 12, w2, "computing"), (t + 13, w2, "compute"), (t + 14, w2, "computed"), (t + 15, w2, "encoded"),
+                (t + 16, head, "read"), (t + 17, head, "received"), (t + 18, head, "woke"), (t + 19, head, "chosen"),
+                (answered_at, w2, "answered")]
+
+    steps = decode_steps(sorted(step(0, 25) + step(20, 36)), workers=2)
+    assert [[(node, event) for node, event, _ in s] for s in steps] == [CHAIN, CHAIN]
+    assert [dict(((node, event), ns) for node, event, ns in s)[("w2", "answered")] for s in steps] == [25, 36]
