@@ -102,9 +102,10 @@ def main() -> None:
     # a step's end to the next traced step's start; where a step between them was left out the gap spans it, so
     # only gaps shorter than a step's own time count
     gaps = [(b[0][2] - a[-1][2]) / 1e3 for a, b in zip(steps, steps[1:])]
-    rows.append(("head chosen -> next send", [g for g in gaps if g < (steps[0][-1][2] - steps[0][0][2]) / 1e3]))
+    rows.append(("head chosen -> next send", [g for g in gaps if g < (steps[0][-1][2] - steps[0][0][2]) / 1e3]
+                 or [float("nan")]))  # nan: no two steps traced one after the other
     for label, values in rows:
-        deciles = statistics.quantiles(values, n=10)
+        deciles = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
         print(f"{label:44} {statistics.median(values):9.1f} {deciles[0]:9.1f} {deciles[-1]:9.1f}")
     whole = [(step[-2][2] - step[0][2]) / 1e3 for step in steps]  # send -> woke
     compute = [sum(b[2] - a[2] for a, b in zip(step, step[1:]) if a[1] == "compute") / 1e3 for step in steps]
