@@ -106,7 +106,8 @@ def can_pack(dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
     try:
         _pack(torch.ones(16, 16, dtype=dtype))
-    except (RuntimeError, NotImplementedError, AttributeError):
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        log.info("no blocked oneDNN layout for %s on this CPU (%s)", dtype, exc)
         return False
     return True
 
@@ -222,7 +223,7 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype
 def _packed_or_none(weight: torch.Tensor, bias: torch.Tensor, block: torch.Tensor, want: torch.Tensor
                     ) -> torch.Tensor | None:
     """`weight` in oneDNN's blocked layout, or None where this torch has none or its product disagrees."""
-    if not torch.backends.mkldnn.is_available():
+    if not can_pack(weight.dtype):
         return None
     try:
         packed = _pack(weight)
