@@ -167,6 +167,32 @@ def test_int8_equals_its_reference(rows, cols):
 
 
 @needs_kernels
+@pytest.mark.parametrize("build", ["native", "haswell"])  # haswell: AVX2 without VNNI, whose int4 sums use int16
+@pytest.mark.parametrize("rows", [1, 4, 5])  # one row (in streams too), a whole pass, a pass and a remainder
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int4_sums_at_their_largest_stay_exact(build, rows, sign):
+    # every code 15 (weight 7 with scale 1, zero 0) against activations that quantize to +-127 in every column:
+    # the largest sums an activation block can make, which must not wrap or saturate however they are added up
+    kernels = KERNELS if build == "native" else native.load(native._compiler(), "haswell")
+    out_rows, cols = 136, 4864
+    q = quant.Int4Weight(packed=torch.full((out_rows, cols // 2), 0xFF, dtype=torch.uint8),
+                         scales=torch.ones(out_rows, cols // 128, dtype=torch.bfloat16),
+                         zeros=torch.zeros(out_rows, cols // 128, dtype=torch.bfloat16), shape=(out_rows, cols),
+                         group_size=128)
+    assert torch.equal(quant.dequantize_int4(q), torch.full((out_rows, cols), 7.0))
+    packed, scales, zeros = native.tile_int4(q.packed.clone(), q.scales, q.zeros)
+    x = torch.full((rows, cols), sign, dtype=torch.float32)
+    chosen = kernels.streams["int4"]
+    try:
+        for streams in native.STREAMS if rows == 1 else (1,):
+            kernels.streams["int4"] = streams
+            got = kernels.int4_linear(x, packed, scales, zeros, 128)
+            assert relative(got, torch.full((rows, out_rows), 7.0 * cols * sign)) < 1e-6
+    finally:
+        kernels.streams["int4"] = chosen
+
+
+@needs_kernels
 def test_the_avx2_build_without_vnni_agrees_too():
     # the code path of CPUs with AVX2 but neither VNNI nor AVX-512 (vpmaddubsw, 4 rows per pass), built here
     avx2 = native.load(native._compiler(), "haswell")

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 9  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 10  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
