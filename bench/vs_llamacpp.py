@@ -1,7 +1,7 @@
 """tc against llama.cpp on the demo model, side by side: the benchmark the project's speed targets are judged by.
 
     python bench/vs_llamacpp.py [--modes fp16 int8 int4] [--tokens 64] [--prompt-tokens 512] [--repeat 3]
-                                [--only tc|llamacpp] [--skip-build]
+                                [--rounds 1] [--only tc|llamacpp] [--skip-build]
 
 For each weight mode it pairs tc with the llama.cpp format of about the same size: tc fp16 (bf16 compute) with
 GGUF bf16, tc int8 with Q8_0, tc int4 with Q4_0 (llama.cpp groups by 32, tc by the topology's default 128). Under
@@ -19,6 +19,11 @@ over --tokens new tokens from an almost empty context, as llama-bench's tgN meas
 one-token prompt, with ``ignore_eos`` so every run makes exactly that many tokens; through the API the decode time
 is a (tokens + 1)-token request minus a 1-token one, so the HTTP round trip and the one-token prefill cancel.
 Figures are the mean (± standard deviation) of --repeat runs after a warm-up. Nothing is asserted.
+
+With --rounds N every setup of every mode is measured N times, the setups taking turns in an order reversed every
+other round, and each figure is the mean (± standard deviation) of its N rounds' means: on a machine whose speed
+drifts by tens of per cent within minutes (a VM whose host is shared), measuring one setup after the other lets
+the drift decide the ratios, and taking turns spreads it over all of them.
 
 On first use the script builds llama.cpp from the source vendored in the ``llama-cpp-python`` sdist on PyPI
 (fetched with pip, version and sha256 pinned): Release, ``nice``, ``-j2``, only llama-bench, llama-quantize,
@@ -169,6 +174,20 @@ def parse_llama_bench(output: str) -> Measured:
     if missing:
         raise BenchError(f"llama-bench's output has no {' or '.join(sorted(missing))} test; run it with -p N -n N")
     return Measured(found["prefill"], found["decode"])
+
+
+def round_order(setups: Sequence[str], round_number: int) -> list[str]:
+    """The order the setups take their turns in a round: as given in even rounds, reversed in odd ones, so that
+    none is always first or always last while the machine drifts."""
+    return list(setups) if round_number % 2 == 0 else list(reversed(setups))
+
+
+def pool_rounds(rounds: Sequence[Measured]) -> Measured:
+    """One setup's figures over several rounds: the mean and standard deviation of the rounds' means (a single
+    round's figures as they are)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    return Measured(Rate.of([m.prefill.mean for m in rounds]), Rate.of([m.decode.mean for m in rounds]))
 
 
 def ratio(value: Rate, reference: Rate | None) -> str:
@@ -472,13 +491,15 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode run (default 64)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for prefill (default 512)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure, after a warm-up (default 3)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every setup this many times, taking turns (default 1)")
     parser.add_argument("--only", choices=["tc", "llamacpp"], help="run only one tool's setups")
     parser.add_argument("--skip-build", action="store_true",
                         help="never build or convert: use the cached build and models, or stop with an error")
     parser.add_argument("--child-single", metavar="MODE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.tokens < 1 or args.prompt_tokens < 1 or args.repeat < 1:
-        parser.error("--tokens, --prompt-tokens and --repeat must be at least 1")
+    if min(args.tokens, args.prompt_tokens, args.repeat, args.rounds) < 1:
+        parser.error("--tokens, --prompt-tokens, --repeat and --rounds must be at least 1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="vs_llamacpp: %(message)s")
     if args.child_single:
         print(json.dumps(tc_single_child(args.child_single, args.tokens, args.prompt_tokens, args.repeat)))
@@ -490,7 +511,9 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"\ndemo model ({MODEL_SLUG}), {THREADS} threads a process, prefill of {args.prompt_tokens} tokens, "
-          f"decode of {args.tokens} tokens, mean ± sd of {args.repeat} runs; llama.cpp {LLAMA_CPP_PYTHON_VERSION} "
+          f"decode of {args.tokens} tokens, mean ± sd of "
+          f"{f'{args.rounds} rounds of {args.repeat} runs each' if args.rounds > 1 else f'{args.repeat} runs'}; "
+          f"llama.cpp {LLAMA_CPP_PYTHON_VERSION} "
           f"(llama-cpp-python's vendored tree); {os.cpu_count()} cores, 1-minute load average "
           f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
     print(format_table(results, args.modes))
@@ -498,33 +521,33 @@ def main() -> int:
 
 
 def run_all(args: argparse.Namespace) -> dict[tuple[str, str], Measured]:
-    results: dict[tuple[str, str], Measured] = {}
-
-    def record(mode: str, setup: str, measured: Measured) -> None:
-        results[(mode, setup)] = measured
-        log.info("%s %s: prefill %.1f tok/s, decode %.1f tok/s", setup, mode, measured.prefill.mean,
-                 measured.decode.mean)
-
+    setups = [setup for setup in SETUPS if (args.only != "tc" or setup in (TC_ONE, TC_CLUSTER))
+              and (args.only != "llamacpp" or setup in (LLAMA_ONE, LLAMA_RPC))]
     if args.only != "tc":
         cache = llamacpp_cache()
         src = cache / "src" if args.skip_build else fetch_source(cache)
         bin_dir = build_llamacpp(src, cache, this_machines_cpu_options(), args.skip_build)
         ggufs = convert_models(src, bin_dir, cache, args.modes, args.skip_build)
+    rounds: dict[tuple[str, str], list[Measured]] = {}
     with tempfile.TemporaryDirectory(prefix="vs-llamacpp-") as tmp:
         workdir = Path(tmp)
-        for mode in args.modes:
-            if args.only != "tc":
-                log.info("llama.cpp %s: one process", GGUF_TYPES[mode])
-                record(mode, LLAMA_ONE, llama_bench(bin_dir, ggufs[mode], args))
-                log.info("llama.cpp %s: two RPC servers", GGUF_TYPES[mode])
-                with rpc_servers(bin_dir, 2, workdir) as endpoints:
-                    record(mode, LLAMA_RPC, llama_bench(bin_dir, ggufs[mode], args, endpoints))
-            if args.only != "llamacpp":
-                log.info("tc %s: one process", mode)
-                record(mode, TC_ONE, tc_single(mode, args))
-                log.info("tc %s: head + 2 workers", mode)
-                record(mode, TC_CLUSTER, tc_cluster(mode, args, workdir))
-    return results
+        for round_number in range(args.rounds):
+            for mode in args.modes:
+                for setup in round_order(setups, round_number):
+                    log.info("round %d of %d: %s, %s", round_number + 1, args.rounds, setup, mode)
+                    if setup == LLAMA_ONE:
+                        measured = llama_bench(bin_dir, ggufs[mode], args)
+                    elif setup == LLAMA_RPC:
+                        with rpc_servers(bin_dir, 2, workdir) as endpoints:
+                            measured = llama_bench(bin_dir, ggufs[mode], args, endpoints)
+                    elif setup == TC_ONE:
+                        measured = tc_single(mode, args)
+                    else:
+                        measured = tc_cluster(mode, args, workdir)
+                    log.info("%s %s: prefill %.1f tok/s, decode %.1f tok/s", setup, mode, measured.prefill.mean,
+                             measured.decode.mean)
+                    rounds.setdefault((mode, setup), []).append(measured)
+    return {key: pool_rounds(measured) for key, measured in rounds.items()}
 
 
 if __name__ == "__main__":

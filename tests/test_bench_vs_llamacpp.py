@@ -138,3 +138,20 @@ def test_table_ratios_are_against_llamacpp_of_the_same_mode():
     assert int4_cluster.split()[-4:] == ["0.50x", "0.25x", "-", "-"]  # no RPC run of int4
     one_process = next(line for line in lines if line.startswith(vs.LLAMA_ONE))
     assert one_process.split()[-4:] == ["-", "-", "2.00x", "1.25x"]  # never against itself
+
+
+def test_rounds_take_turns_in_alternating_order():
+    setups = [vs.LLAMA_ONE, vs.LLAMA_RPC, vs.TC_ONE, vs.TC_CLUSTER]
+    assert vs.round_order(setups, 0) == setups
+    assert vs.round_order(setups, 1) == list(reversed(setups))
+    assert vs.round_order(setups, 2) == setups
+    assert setups == [vs.LLAMA_ONE, vs.LLAMA_RPC, vs.TC_ONE, vs.TC_CLUSTER]  # the caller's list is left alone
+
+
+def test_rounds_pool_into_the_mean_and_spread_of_their_means():
+    rate = vs.Rate
+    one = vs.Measured(rate(100.0, 9.0), rate(20.0, 3.0))
+    assert vs.pool_rounds([one]) is one  # a single round keeps its own runs' spread
+    pooled = vs.pool_rounds([one, vs.Measured(rate(120.0, 1.0), rate(30.0, 1.0)),
+                             vs.Measured(rate(140.0, 1.0), rate(25.0, 1.0))])
+    assert pooled == vs.Measured(rate(120.0, 20.0), rate(25.0, 5.0))
