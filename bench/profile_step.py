@@ -279,8 +279,9 @@ def head_budget(setup: Setup, n: int) -> dict[str, float]:
                  "greedy": median_ms(lambda: choose(logits, greedy, None, rng), n),
                  "top-p": median_ms(lambda: choose(logits, top_p, None, rng), n)}
         lm = head.lm_head
+        can_pack = getattr(setup.dense, "can_pack", lambda: True)  # a revision from before it: it assumed so
         if setup.dense is not None and isinstance(lm, torch.nn.Linear) and lm.weight.dtype == torch.bfloat16 \
-                and hasattr(setup.dense, "PackedLinear"):
+                and hasattr(setup.dense, "PackedLinear") and can_pack():  # an AVX2-only CPU has no blocked bf16
             blocked = setup.dense.PackedLinear.from_linear(lm)  # what HeadModel.load(pack=True) would hold
             times["blocked"] = median_ms(lambda: blocked(normed).float(), n)
             del blocked
