@@ -2,6 +2,8 @@
 them, packing a model, quantizing a packed layer."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -334,3 +336,48 @@ def test_pack_linears_logs_each_shapes_product_once_a_process(monkeypatch, caplo
         pack_linears(layer())
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bf16 products")]
     assert said == ["bf16 products: [8, 16] plain, [16, 8] plain", "bf16 products: [8, 16] plain"]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows_per_slab", [5, 23, 1000])  # several slabs with a short last one, exactly one, one
+def test_float_linear_is_the_fp32_product_rounded_to_bf16_slab_by_slab(monkeypatch, bias, rows_per_slab):
+    lin = make_linear(23, 40, bias, torch.bfloat16, seed=3)
+    monkeypatch.setattr(dense, "UPCAST_SLAB_BYTES", 4 * 40 * rows_per_slab)
+    x = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ran = []  # on a thread of its own, whose buffer no earlier call grew
+    thread = threading.Thread(target=lambda: ran.append((dense.float_linear(x, lin.weight, lin.bias),
+                                                         dense._upcast.buffer.numel())))
+    thread.start()
+    thread.join()
+    got, kept = ran[0]
+    want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 9, 23)
+    # each slab's fp32 sums may be ordered otherwise than the whole product's: at most one bf16 rounding apart
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+    assert kept == 40 * min(23, rows_per_slab)  # a slab's worth is kept, no more
+
+
+def test_float_linear_keeps_its_buffer_per_thread_and_leaves_the_weight_alone():
+    lin = make_linear(64, 48, False, torch.bfloat16, seed=5)
+    before = lin.weight.clone()
+    x = torch.randn(8, 48, generator=torch.Generator().manual_seed(6)).bfloat16()
+    first = dense.float_linear(x, lin.weight, None)
+    kept = dense._upcast.buffer.data_ptr()
+    assert torch.equal(dense.float_linear(x, lin.weight, None), first)
+    assert dense._upcast.buffer.data_ptr() == kept  # the same buffer again, not a fresh copy each call
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append((dense.float_linear(x, lin.weight, None),
+                                                               dense._upcast.buffer.data_ptr())))
+    thread.start()
+    thread.join()
+    assert torch.equal(elsewhere[0][0], first) and elsewhere[0][1] != kept  # another thread, its own buffer
+    assert torch.equal(lin.weight, before)
+
+
+def test_linear_takes_the_fp32_product_for_many_bf16_rows_where_bf16_matmul_is_slow(monkeypatch):
+    lin = make_linear(24, 32, True, torch.bfloat16, seed=7)
+    monkeypatch.setattr(dense, "cpu_bf16_matmul_is_slow", lambda: True)
+    many = torch.randn(1, dense.UPCAST_MIN_TOKENS, 32, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert torch.equal(lin(many), dense.float_linear(many, lin.weight, lin.bias))
+    few = many[:, :dense.UPCAST_MIN_TOKENS - 1]  # a decode step's rows stay in bf16: memory-bound, fewer bytes
+    assert torch.equal(lin(few), F.linear(few, lin.weight, lin.bias))
