@@ -381,3 +381,26 @@ def test_linear_takes_the_fp32_product_for_many_bf16_rows_where_bf16_matmul_is_s
     assert torch.equal(lin(many), dense.float_linear(many, lin.weight, lin.bias))
     few = many[:, :dense.UPCAST_MIN_TOKENS - 1]  # a decode step's rows stay in bf16: memory-bound, fewer bytes
     assert torch.equal(lin(few), F.linear(few, lin.weight, lin.bias))
+
+
+def test_float_linear_serves_calls_in_and_out_of_inference_mode_on_one_thread():
+    # a worker's first prefill runs under inference_mode, a layer's speed probe later under no_grad: the buffer
+    # made by the first must take the second's weight (an inference tensor could not be written outside it)
+    lin = make_linear(32, 40, True, torch.bfloat16, seed=9).requires_grad_(True)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(10)).bfloat16()
+    ran = []
+
+    def calls() -> None:
+        with torch.inference_mode():
+            ran.append(dense.float_linear(x, lin.weight, lin.bias))
+        with torch.no_grad():
+            ran.append(dense.float_linear(x, lin.weight, lin.bias))
+        ran.append(dense.float_linear(x, lin.weight, lin.bias))
+        ran.append(dense._upcast.buffer)
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    assert len(ran) == 4, "a call raised on the thread"
+    assert torch.equal(ran[0], ran[1]) and torch.equal(ran[1], ran[2])
+    assert not ran[3].is_inference() and not ran[3].requires_grad and ran[3].grad_fn is None

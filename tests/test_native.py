@@ -168,7 +168,7 @@ def test_int8_equals_its_reference(rows, cols):
 
 @needs_kernels
 @pytest.mark.parametrize("build", ["native", "haswell"])  # haswell: AVX2 without VNNI, whose int4 sums use int16
-@pytest.mark.parametrize("rows", [1, 4, 5])  # one row (in streams too), a whole pass, a pass and a remainder
+@pytest.mark.parametrize("rows", [1, 4, 5])  # one row (in streams too), four (a whole pass on AVX2), five
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_int4_sums_at_their_largest_stay_exact(build, rows, sign):
     # every code 15 (weight 7 with scale 1, zero 0) against activations that quantize to +-127 in every column:

@@ -100,23 +100,34 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     call, a weight over glibc's 32 MB mapping threshold had every page of its copy faulted in again every time:
     on a 2-core Zen 3 EPYC the demo's fused gate/up projection ([9728, 896], 35 MB in fp32) took 1.6-2.6x as
     long for 8 to 128 rows (26 ms against 13 for 64) and 1.2x for 512, and 12 demo layers read a 256-token
-    prompt chunk in 0.82x the time so (`python bench/profile_step.py --modes fp16 --context 256 --against REV`)."""
+    prompt chunk in 0.82x the time so (`python bench/profile_step.py --modes fp16 --context 256 --against REV`).
+    The buffer stays with its thread: up to UPCAST_SLAB_BYTES (one weight row where that is larger) for each thread
+    that makes such products, where the copies it replaces came and went."""
     out_features, in_features = weight.shape
     rows = max(1, UPCAST_SLAB_BYTES // (4 * in_features))
     wanted = min(out_features, rows) * in_features
     buffer = getattr(_upcast, "buffer", None)
     if buffer is None or buffer.numel() < wanted:
-        buffer = _upcast.buffer = torch.empty(wanted)
-    xf = x.float()
+        # a normal tensor even when made under inference_mode (a model's forward): an inference tensor could not
+        # be written again outside it (a layer's speed probe, under no_grad)
+        with torch.inference_mode(False):
+            buffer = _upcast.buffer = torch.empty(wanted, dtype=torch.float32, device="cpu")
+    weight, xf = weight.detach(), x.float()  # the kept buffer never joins an autograd graph
     if out_features <= rows:
-        weight_f = buffer[:out_features * in_features].view(out_features, in_features).copy_(weight)
+        weight_f = _converted(buffer, weight)
         return F.linear(xf, weight_f, None if bias is None else bias.float()).to(x.dtype)
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     for start in range(0, out_features, rows):
         end = min(out_features, start + rows)
-        weight_f = buffer[:(end - start) * in_features].view(end - start, in_features).copy_(weight[start:end])
-        y[..., start:end] = F.linear(xf, weight_f, None if bias is None else bias[start:end].float())
+        y[..., start:end] = F.linear(xf, _converted(buffer, weight[start:end]),
+                                     None if bias is None else bias[start:end].float())
     return y
+
+
+def _converted(buffer: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [rows, in] in float32, written over the start of `buffer`."""
+    with torch.no_grad():
+        return buffer[:weight.numel()].view(weight.shape).copy_(weight)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

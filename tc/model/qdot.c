@@ -4,9 +4,9 @@
    with ctypes; see that module for why and for what it is checked against.
 
    Both products work on tiles of 8 weight rows laid out so that one 32-byte vector holds 4 consecutive columns
-   of each of the 8 rows: a u8 x s8 dot-product instruction (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd) then
-   adds 4 products into each of 8 int32 lanes, one lane per weight row, against the same 4 activation codes
-   broadcast to every lane. Nothing is ever summed across lanes, and every weight vector loaded serves up to MR
+   of each of the 8 rows: a u8 x s8 dot-product instruction (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, the
+   latter once per activation block for int4: int4_pairs) then adds 4 products into each of 8 int32 lanes, one
+   lane per weight row, against the same 4 activation codes broadcast to every lane. Nothing is ever summed across lanes, and every weight vector loaded serves up to MR
    activation rows at once, which is what makes a batch of rows cost little more than one.
 
    Activations are quantized per row and per XGROUP columns: xq = round(x / xs), xs = max|x| / 127 over the
@@ -64,7 +64,7 @@ TC_INLINE __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    /* pairs of u8 x s8 products fit int16 here: int4 codes are < 16, and dot_s8s8 keeps |u| <= 127 */
+    /* pairs of u8 x s8 products fit int16 here: dot_s8s8 keeps |u| <= 127 (int4 tiles sum in int16 themselves) */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
