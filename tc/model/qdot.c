@@ -5,9 +5,10 @@
 
    Both products work on tiles of 8 weight rows laid out so that one 32-byte vector holds 4 consecutive columns
    of each of the 8 rows: a u8 x s8 dot-product instruction (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, the
-   latter once per activation block for int4: int4_pairs) then adds 4 products into each of 8 int32 lanes, one
-   lane per weight row, against the same 4 activation codes broadcast to every lane. Nothing is ever summed across lanes, and every weight vector loaded serves up to MR
-   activation rows at once, which is what makes a batch of rows cost little more than one.
+   latter once per activation block for int4: int4_accumulate) then adds 4 products into each of 8 int32 lanes,
+   one lane per weight row, against the same 4 activation codes broadcast to every lane. Nothing is ever summed
+   across lanes, and every weight vector loaded serves up to MR activation rows at once, which is what makes a
+   batch of rows cost little more than one.
 
    Activations are quantized per row and per XGROUP columns: xq = round(x / xs), xs = max|x| / 127 over the
    block (small blocks, as llama.cpp's Q8_0: a large activation in one channel coarsens only its own block).
@@ -115,25 +116,41 @@ TC_INLINE __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Without VNNI a u8 x s8 dot product is two multiplies: vpmaddubsw (pairs of products summed into int16 lanes)
-   and vpmaddwd (pairs of those widened into int32). An int4 tile adds the int16 pair sums of a whole activation
-   block first and widens them once: exact, since a block's (XGROUP / 4 of them, each at most 2 x 15 x 127) fit
-   int16, and 9 multiplies a block and row instead of 16. The products of many rows (a prefill) are bound by
-   those multiplies: on a 2-core AVX2 Zen 3 EPYC (same bits) the demo's int4 products of 64 or 256 rows took 1.43-1.46x
-   less time, a prefill of 128 positions through 12 int4 layers 0.64-0.70x the time; and one row, over weights
-   in DRAM, ~10% less at every prefetch and stream setting. */
-_Static_assert(XGROUP / 4 * 2 * 15 * 127 <= 32767, "an int4 block's pair sums must fit int16");
-
-/* v's low nibbles times xl plus its high nibbles times xh, as int16 pair sums (vpmaddubsw). */
-TC_INLINE __m256i int4_pairs(__m256i v, __m256i xl, __m256i xh) {
+/* An int4 vector's codes as two vectors of bytes: its low nibbles (columns 0-3 of each row) and its high ones. */
+TC_INLINE void int4_nibbles(__m256i v, __m256i* lo, __m256i* hi) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    return _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, mask), xl),
-                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xh));
+    *lo = _mm256_and_si256(v, mask);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
 }
 
-/* int16 pair sums -> int32 sums of 4 products per lane (vpmaddwd against ones). */
-TC_INLINE __m256i widen_pairs(__m256i pairs) {
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+/* Adds one vector's int4 products within an activation block: low nibbles `lo` against activation codes xl,
+   high ones `hi` against xh. With VNNI into two int32 chains (hi_acc may be lo_acc itself: one chain).
+   Without VNNI a u8 x s8 dot product is two multiplies, vpmaddubsw (pairs of products summed into int16 lanes)
+   and vpmaddwd (pairs of those widened into int32): here the int16 pair sums of the whole block are added in
+   lo_acc first and widened once, by int4_block_sums: exact, since a block's (XGROUP / 4 of them, each at most
+   2 x 15 x 127) fit int16, and 9 multiplies a block and row instead of 16. The products of many rows (a prefill)
+   are bound by those multiplies: on a 2-core AVX2 Zen 3 EPYC (same bits) the demo's int4 products of 64 or 256
+   rows took 1.43-1.46x less time, a prefill of 128 positions through 12 int4 layers 0.64-0.70x the time; and one
+   row, over weights in DRAM, ~10% less at every prefetch and stream setting. */
+_Static_assert(XGROUP / 4 * 2 * 15 * 127 <= 32767, "an int4 block's pair sums must fit int16");
+TC_INLINE void int4_accumulate(__m256i* lo_acc, __m256i* hi_acc, __m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+#if HAS_VNNI
+    *lo_acc = dot_u8s8(*lo_acc, lo, xl);
+    *hi_acc = dot_u8s8(*hi_acc, hi, xh);
+#else
+    (void)hi_acc;
+    *lo_acc = _mm256_add_epi16(*lo_acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+#endif
+}
+
+/* A block's int32 sums per lane from int4_accumulate's accumulators (`split`: two chains, to be added). */
+TC_INLINE __m256i int4_block_sums(__m256i lo_acc, __m256i hi_acc, int split) {
+#if HAS_VNNI
+    return split ? _mm256_add_epi32(lo_acc, hi_acc) : lo_acc;
+#else
+    (void)hi_acc, (void)split;
+    return _mm256_madd_epi16(lo_acc, _mm256_set1_epi16(1));
+#endif
 }
 
 /* Row m of x -> its codes and, per XGROUP columns, xs (scale) and xqsum (sum of codes). */
@@ -186,46 +203,24 @@ TC_INLINE void int4_tile(const int mr, const int8_t* xq, const float* xs, const 
         __m256 gacc[MR];
         for (int j = 0; j < mr; j++) gacc[j] = _mm256_setzero_ps();
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
-#if !HAS_VNNI
-            __m256i pairs[MR];
-            for (int j = 0; j < mr; j++) pairs[j] = _mm256_setzero_si256();
-            for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
-                __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-                prefetch_weights(wt, kb, mr, prefetch_rows, prefetch_ahead);
-                for (int j = 0; j < mr; j++) {
-                    const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
-                    pairs[j] = _mm256_add_epi16(pairs[j], int4_pairs(v, bcast4(xp), bcast4(xp + 4)));
-                }
-            }
-            for (int j = 0; j < mr; j++) {
-                __m256 dot = _mm256_cvtepi32_ps(widen_pairs(pairs[j]));
-                gacc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xs[(m0 + j) * B + b]), gacc[j]);
-            }
-#else
-            /* a few rows get two independent chains each (low and high nibbles) to keep the dot-product unit
-               busy; many rows have chains enough, and their registers are needed for the accumulators */
-            const int split = mr <= 4;
-            const __m256i mask = _mm256_set1_epi8(0x0F);
+            /* with VNNI a few rows get two independent chains each (low and high nibbles) to keep the dot-product
+               unit busy; many rows have chains enough, and their registers are needed for the accumulators */
+            const int split = HAS_VNNI && mr <= 4;
             __m256i lo_acc[MR], hi_acc[MR];
             for (int j = 0; j < mr; j++) lo_acc[j] = hi_acc[j] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
-                __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32)), lo, hi;
                 prefetch_weights(wt, kb, mr, prefetch_rows, prefetch_ahead);
-                __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                int4_nibbles(v, &lo, &hi);
                 for (int j = 0; j < mr; j++) {
                     const int8_t* xp = xq + (size_t)(m0 + j) * K + kb * 8;
-                    lo_acc[j] = dot_u8s8(lo_acc[j], lo, bcast4(xp));
-                    if (split)
-                        hi_acc[j] = dot_u8s8(hi_acc[j], hi, bcast4(xp + 4));
-                    else
-                        lo_acc[j] = dot_u8s8(lo_acc[j], hi, bcast4(xp + 4));
+                    int4_accumulate(&lo_acc[j], split ? &hi_acc[j] : &lo_acc[j], lo, hi, bcast4(xp), bcast4(xp + 4));
                 }
             }
             for (int j = 0; j < mr; j++) {
-                __m256 dot = _mm256_cvtepi32_ps(split ? _mm256_add_epi32(lo_acc[j], hi_acc[j]) : lo_acc[j]);
+                __m256 dot = _mm256_cvtepi32_ps(int4_block_sums(lo_acc[j], hi_acc[j], split));
                 gacc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xs[(m0 + j) * B + b]), gacc[j]);
             }
-#endif
         }
         __m256 s = bf16x8_load(scales + ((size_t)t * G + g) * 8);
         __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_load(zeros + ((size_t)t * G + g) * 8));
@@ -250,39 +245,21 @@ TC_INLINE void int4_tile_streams(const int8_t* xq, const float* xs, const float*
         __m256 gacc[MAX_STREAMS];
         for (int s = 0; s < S; s++) gacc[s] = _mm256_setzero_ps();
         for (int b = g * BPG; b < (g + 1) * BPG; b++) {
-#if !HAS_VNNI
-            __m256i pairs[MAX_STREAMS];
-            for (int s = 0; s < S; s++) pairs[s] = _mm256_setzero_si256();
+            __m256i lo_acc[MAX_STREAMS], hi_acc[MAX_STREAMS];
+            for (int s = 0; s < S; s++) lo_acc[s] = hi_acc[s] = _mm256_setzero_si256();
             for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
                 __m256i xl = bcast4(xq + kb * 8), xh = bcast4(xq + kb * 8 + 4);
                 for (int s = 0; s < S; s++) {
                     const uint8_t* wt = packed + (size_t)(t + s * gap) * 4 * K;
-                    __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32)), lo, hi;
                     prefetch_weights(wt, kb, 1, prefetch_rows, prefetch_ahead);
-                    pairs[s] = _mm256_add_epi16(pairs[s], int4_pairs(v, xl, xh));
+                    int4_nibbles(v, &lo, &hi);
+                    int4_accumulate(&lo_acc[s], &hi_acc[s], lo, hi, xl, xh);
                 }
             }
             __m256 scale = _mm256_set1_ps(xs[b]);
             for (int s = 0; s < S; s++)
-                gacc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen_pairs(pairs[s])), scale, gacc[s]);
-#else
-            const __m256i mask = _mm256_set1_epi8(0x0F);
-            __m256i lo[MAX_STREAMS], hi[MAX_STREAMS];
-            for (int s = 0; s < S; s++) lo[s] = hi[s] = _mm256_setzero_si256();
-            for (int kb = b * (XGROUP / 8); kb < (b + 1) * (XGROUP / 8); kb++) {
-                __m256i xl = bcast4(xq + kb * 8), xh = bcast4(xq + kb * 8 + 4);
-                for (int s = 0; s < S; s++) {
-                    const uint8_t* wt = packed + (size_t)(t + s * gap) * 4 * K;
-                    __m256i v = _mm256_loadu_si256((const __m256i*)(wt + (size_t)kb * 32));
-                    prefetch_weights(wt, kb, 1, prefetch_rows, prefetch_ahead);
-                    lo[s] = dot_u8s8(lo[s], _mm256_and_si256(v, mask), xl);
-                    hi[s] = dot_u8s8(hi[s], _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xh);
-                }
-            }
-            __m256 scale = _mm256_set1_ps(xs[b]);
-            for (int s = 0; s < S; s++)
-                gacc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo[s], hi[s])), scale, gacc[s]);
-#endif
+                gacc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int4_block_sums(lo_acc[s], hi_acc[s], 1)), scale, gacc[s]);
         }
         __m256 sum = _mm256_set1_ps(xg[g]);
         for (int s = 0; s < S; s++) {
