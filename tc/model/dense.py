@@ -96,8 +96,9 @@ _upcast = threading.local()  # each thread's buffer for float_linear's slabs of 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear of bf16 x and weight computed in fp32 and rounded back to bf16: the weight converted at most
     UPCAST_SLAB_BYTES of it at a time into a buffer the calling thread keeps, each slab's columns of the output
-    multiplied on their own (on the EPYC below, the same bits as converting it whole). Converted whole, into a fresh tensor each
-    call, a weight over glibc's 32 MB mapping threshold had every page of its copy faulted in again every time:
+    multiplied on their own (on the EPYC below, the same bits as converting it whole). Converted whole, into a
+    fresh tensor each call, a weight over glibc's 32 MB mapping threshold had every page of its copy faulted in
+    again every time:
     on a 2-core Zen 3 EPYC the demo's fused gate/up projection ([9728, 896], 35 MB in fp32) took 1.6-2.6x as
     long for 8 to 128 rows (26 ms against 13 for 64) and 1.2x for 512, and 12 demo layers read a 256-token
     prompt chunk in 0.82x the time so (`python bench/profile_step.py --modes fp16 --context 256 --against REV`).
