@@ -98,12 +98,11 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     UPCAST_SLAB_BYTES of it at a time into a buffer the calling thread keeps, each slab's columns of the output
     multiplied on their own (on the EPYC below, the same bits as converting it whole). Converted whole, into a
     fresh tensor each call, a weight over glibc's 32 MB mapping threshold had every page of its copy faulted in
-    again every time:
-    on a 2-core Zen 3 EPYC the demo's fused gate/up projection ([9728, 896], 35 MB in fp32) took 1.6-2.6x as
-    long for 8 to 128 rows (26 ms against 13 for 64) and 1.2x for 512, and 12 demo layers read a 256-token
-    prompt chunk in 0.82x the time so (`python bench/profile_step.py --modes fp16 --context 256 --against REV`).
-    The buffer stays with its thread: up to UPCAST_SLAB_BYTES (one weight row where that is larger) for each thread
-    that makes such products, where the copies it replaces came and went."""
+    again every time: on a 2-core Zen 3 EPYC the demo's fused gate/up projection ([9728, 896], 35 MB in fp32)
+    took 1.6-2.6x as long for 8 to 128 rows (26 ms against 13 for 64) and 1.2x for 512, and 12 demo layers read a
+    256-token prompt chunk in 0.82x the time so (`python bench/profile_step.py --modes fp16 --context 256
+    --against REV`). The buffer stays with its thread: up to UPCAST_SLAB_BYTES (one weight row where that is
+    larger) for each thread that makes such products, where the copies it replaces came and went."""
     out_features, in_features = weight.shape
     rows = max(1, UPCAST_SLAB_BYTES // (4 * in_features))
     wanted = min(out_features, rows) * in_features
