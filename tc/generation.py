@@ -469,7 +469,7 @@ class Generator:
         choosing_next += [f for f, _ in forked if f.grammar is not None]
         masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
         try:
-            hidden = self.pipeline.run([e for _, e in planned], self.head.embed(torch.tensor([ids])))
+            hidden = self.pipeline.run([e for _, e in planned], self.head.embed_ids(ids))
         finally:
             if masks is not None:
                 masks.result()

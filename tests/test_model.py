@@ -248,3 +248,21 @@ def test_a_caches_storage_is_its_layer_slots_one_after_another():
     assert layer_bytes == 2 * 2 * 10 * 8 * 2
     with pytest.raises(CacheFullError, match="position 10 is past"):
         cache.storage(10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_ids_given_as_ints_gives_the_embedding_modules_rows(tiny_model_dir, dtype):
+    """The head's per-step path (embed_ids: an index from the ints' bytes, one index_select) reads the same rows
+    as nn.Embedding over a tensor of the ids, bit for bit, scaled as the family asks; an id outside the
+    vocabulary fails as it does there."""
+    head = OurModel(tiny_model_dir, dtype).head
+    for ids in ([7], PROMPT, []):
+        want = head.embed(torch.tensor([ids], dtype=torch.int64))
+        got = head.embed_ids(ids)
+        assert got.dtype == dtype and got.shape == want.shape == (1, len(ids), head.config.hidden_size)
+        assert torch.equal(got, want)
+    head.embedding_scale = 3.5  # as Gemma's sqrt(hidden_size)
+    assert torch.equal(head.embed_ids(PROMPT), head.embed(torch.tensor([PROMPT])))
+    assert not torch.equal(head.embed_ids(PROMPT), head.embed(torch.tensor([PROMPT])) / 3.5)
+    with pytest.raises(IndexError):
+        head.embed_ids([head.config.vocab_size])
