@@ -90,6 +90,7 @@ class Metrics:
                                        "worker reports it", ["node", "phase"], buckets=STEP_BUCKETS, registry=r)
         self.hop_network = Histogram("tc_hop_network_seconds", "Round trip to a worker minus its compute time, "
                                      "for one step", ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
+        self._series: dict[tuple[str, str], tuple] = {}  # (node, phase) -> observe_step's two histograms
 
     def watch(self, waiting: Callable[[], int], running: Callable[[], int],
               nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], *, slots: Callable[[], int],
@@ -104,8 +105,18 @@ class Metrics:
     def observe_step(self, phase: str, hops: Sequence[Hop]) -> None:
         """One pipeline step ("prefill" or "decode") with each hop's (node, compute s, round trip s)."""
         for node, compute_s, round_trip_s in hops:
-            self.stage_compute.labels(node, phase).observe(compute_s)
-            self.hop_network.labels(node, phase).observe(max(round_trip_s - compute_s, 0.0))
+            stage, hop = self._step_series(node, phase)
+            stage.observe(compute_s)
+            hop.observe(max(round_trip_s - compute_s, 0.0))
+
+    def _step_series(self, node: str, phase: str) -> tuple:
+        """The (stage compute, hop network) histograms of `node` in `phase`, looked up by label once: this runs
+        after every step, and prometheus_client's label lookup costs more than the observations."""
+        series = self._series.get((node, phase))
+        if series is None:
+            series = self._series[(node, phase)] = (self.stage_compute.labels(node, phase),
+                                                    self.hop_network.labels(node, phase))
+        return series
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
