@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from tc.protocol.cbor import CBOR_INT_MAX, BytesLike, decode_cbor, encode_cbor_parts
 from tc.protocol.errors import FrameTooLarge, ProtocolError
 from tc.protocol.messages import DEFAULT_MAX_FRAME_BYTES, MESSAGE_TYPES, Message
+from tc.protocol.step_reader import STEP_READERS
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size  # 8
@@ -129,7 +130,11 @@ def decode_body(body: BytesLike) -> Envelope:
     seq = raw["seq"]
     if type(seq) is not int or seq < 0:
         raise ProtocolError(f"{type_name} envelope 'seq' must be a non-negative int, got {seq!r}")
-    return Envelope(cls.from_payload(raw["payload"]), request_id, seq)
+    # a decode step's two messages are read in one pass where they can be (step_reader.py); else, and for
+    # every other message, through their fields' kinds
+    read = STEP_READERS.get(type_name)
+    message = read(raw["payload"]) if read is not None else None
+    return Envelope(cls.from_payload(raw["payload"]) if message is None else message, request_id, seq)
 
 
 class FrameDecoder:
