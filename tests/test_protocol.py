@@ -866,6 +866,30 @@ def test_messages_hold_tensors_in_wire_form_and_pass_received_ones_on_unchanged(
         HiddenState(hidden_state=WireTensor.of(row[0]), compute_seconds=0.5)
 
 
+def test_a_batch_passed_on_is_the_batch_a_stage_would_build_with_its_output_and_time():
+    """RunBatch.passed_on checks only what it changes; the message is the one the full constructor makes."""
+    received = decode_body(encode_body(RunBatch(
+        entries=(BatchEntry(sequence=1, position_start=3, length=2, cache_capacity=8, copies=(4,)),
+                 BatchEntry(sequence=2, position_start=0, length=1, cache_capacity=3)),
+        hidden_state=random_bits((1, 3, 8), torch.bfloat16), route=5, upstream_seconds=(0.25,), released=(7,)))).message
+    output = WireTensor.of(random_bits((1, 3, 8), torch.bfloat16))
+    passed = received.passed_on(output, 0.125)
+    built = RunBatch(entries=received.entries, hidden_state=output, route=5, upstream_seconds=(0.25, 0.125),
+                     released=(7,))
+    assert vars(passed) == vars(built) and type(passed) is RunBatch
+    assert received.upstream_seconds == (0.25,) and received.hidden_state != output  # the batch received is kept
+    assert decode_body(encode_body(passed)).message.upstream_seconds == (0.25, 0.125)
+    assert passed.passed_on(output, 1).upstream_seconds == (0.25, 0.125, 1.0)  # a number, normalised
+    with pytest.raises(ValueError, match="does not hold the batch's rows"):
+        received.passed_on(WireTensor.of(random_bits((1, 2, 8), torch.bfloat16)), 0.1)
+    with pytest.raises(ValueError, match="must have 3 dimensions"):
+        received.passed_on(WireTensor.of(random_bits((3, 8), torch.bfloat16)), 0.1)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        received.passed_on(output, -1.0)
+    with pytest.raises(TypeError, match="must be a number"):
+        received.passed_on(output, "0.1")
+
+
 @pytest.mark.parametrize(
     "value, error",
     [

@@ -683,6 +683,22 @@ class RunBatch(Message):
         if shape[0] != 1 or shape[1] != rows:
             raise ValueError(f"RunBatch hidden_state has shape {list(shape)}; its entries need [1, {rows}, hidden]")
 
+    def passed_on(self, hidden_state: WireTensor, compute_seconds: float) -> RunBatch:
+        """This batch as the next stage gets it: this stage's output for its rows, and this stage's compute time
+        after the times of those before it.
+
+        Only those two are checked: the other fields are this batch's, checked when it was made or read, and
+        checking them again cost ~100 us of a hop on caches a stage's weights had just swept."""
+        hidden_state = HIDDEN.check(hidden_state, "RunBatch.hidden_state")
+        if hidden_state.shape[:2] != self.hidden_state.shape[:2]:
+            raise ValueError(f"the output's shape {list(hidden_state.shape)} does not hold the batch's rows "
+                             f"{list(self.hidden_state.shape[:2])}")
+        passed = RunBatch.__new__(RunBatch)
+        passed.__dict__.update(vars(self), hidden_state=hidden_state,
+                               upstream_seconds=self.upstream_seconds + (SECONDS.check(compute_seconds,
+                                                                                      "compute_seconds"),))
+        return passed
+
     @property
     def is_decode(self) -> bool:
         """Every entry is one position: a decode step (for step deadlines and metrics)."""

@@ -429,9 +429,8 @@ class Worker:
         if isinstance(output, InferenceError):
             reply = output
         else:
-            if on_route and route.next_host is not None and forwarder.send(route, RunBatch(
-                    entries=msg.entries, hidden_state=output.hidden_state, route=msg.route, released=msg.released,
-                    upstream_seconds=msg.upstream_seconds + (output.compute_seconds,)), env.request_id, env.seq):
+            if on_route and route.next_host is not None and forwarder.send(
+                    route, msg.passed_on(output.hidden_state, output.compute_seconds), env.request_id, env.seq):
                 mark("passed")
                 return  # the head hears from the last stage, or from one that could not pass it on
             reply = HiddenState(hidden_state=output.hidden_state, compute_seconds=output.compute_seconds,
