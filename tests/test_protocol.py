@@ -46,7 +46,7 @@ from tc.protocol import (
     tensor_from_wire,
     tensor_to_wire,
 )
-from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure
+from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure, WireStruct
 from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
 from tc.protocol.tensors import MAX_TENSOR_RANK, WireTensor
 
@@ -232,6 +232,24 @@ def test_every_message_round_trips(name):
     got = decode_one(encode(message, request_id="req-1", seq=17))
     assert (got.request_id, got.seq) == ("req-1", 17)
     assert_same_message(got.message, message)
+
+
+def _key_order(value: Any) -> Any:
+    """A payload's maps' keys in order, all the way down (CBOR writes them in that order)."""
+    if isinstance(value, dict):
+        return [(key, _key_order(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [_key_order(item) for item in value]
+    return type(value).__name__
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_a_payload_written_out_is_the_one_its_fields_make(name):
+    """RUN_BATCH and HIDDEN_STATE write their payloads out by hand; every message's is what its kinds make, key
+    order included, so its frame is byte for byte the same."""
+    message = SAMPLES[name]()
+    payload, reference = message.to_payload(), WireStruct.to_payload(message)
+    assert payload == reference and _key_order(payload) == _key_order(reference)
 
 
 @pytest.mark.parametrize("name", SAMPLES)
