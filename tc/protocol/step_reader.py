@@ -10,7 +10,7 @@ decode step's RUN_BATCH payload took 133-151 us on cold caches (18 us hot); read
 Each reader accepts only the common shape of its message (a decode or prefill batch without `copies`, numbers of
 the exact type the encoder writes) and gives exactly what the reference gives for it: the same field values,
 checked the same. Anything else, valid or not, returns None, and decode_body then reads the payload through the
-reference, which builds the rarer forms and words every error. tests/test_protocol.py holds the two to the same
+reference, which builds the rarer forms and words every error. tests/test_step_reader.py holds the two to the same
 answers.
 """
 from __future__ import annotations
