@@ -160,6 +160,9 @@ SAMPLES: dict[str, Callable[[], Message]] = {
                                                              cache_capacity=16),),
                                          hidden_state=hidden(seq=1, dtype=torch.bfloat16), route=3,
                                          released=(1, 2), upstream_seconds=(0.004, 0.5)),
+    "run-batch-copies": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=0, length=2, cache_capacity=9,
+                                                             copies=(5, 6)),),
+                                         hidden_state=hidden(seq=2, dtype=torch.bfloat16)),
     "hidden-state-passed-on": lambda: HiddenState(hidden_state=hidden(seq=2, dtype=torch.bfloat16),
                                                   compute_seconds=0.01, upstream_seconds=(0.02,)),
     "route": lambda: Route(route=2, next_host="10.0.0.7", next_port=40123, next_key=b"k" * 32,
@@ -897,7 +900,11 @@ def test_a_batch_passed_on_is_the_batch_a_stage_would_build_with_its_output_and_
     assert vars(passed) == vars(built) and type(passed) is RunBatch
     assert received.upstream_seconds == (0.25,) and received.hidden_state != output  # the batch received is kept
     assert decode_body(encode_body(passed)).message.upstream_seconds == (0.25, 0.125)
-    assert passed.passed_on(output, 1).upstream_seconds == (0.25, 0.125, 1.0)  # a number, normalised
+    assert [type(t) for t in passed.upstream_seconds] == [float, float]
+    again = passed.passed_on(output, 1).upstream_seconds
+    assert again == (0.25, 0.125, 1.0) and type(again[-1]) is float  # a number, normalised as the constructor does
+    listed = WireTensor(output.dtype, list(output.shape), output.data)  # a shape given as a list, as the constructor
+    assert received.passed_on(listed, 0.5).hidden_state is listed       # takes it
     with pytest.raises(ValueError, match="does not hold the batch's rows"):
         received.passed_on(WireTensor.of(random_bits((1, 2, 8), torch.bfloat16)), 0.1)
     with pytest.raises(ValueError, match="must have 3 dimensions"):

@@ -107,8 +107,9 @@ def test_a_common_payload_is_read_in_one_pass_to_what_the_reference_reads(name):
     assert same(envelope.message, read) and (envelope.request_id, envelope.seq) == ("req-1", 9)
 
 
-def test_what_the_reader_builds_owns_its_bytes():
-    body = bytearray(encode_body(COMMON["decode step"]))
+@pytest.mark.parametrize("name", ["decode step", "answer"])
+def test_what_the_reader_builds_owns_its_bytes(name):
+    body = bytearray(encode_body(COMMON[name]))
     message = decode_body(memoryview(body)).message
     before = bytes(message.hidden_state.data)
     body[:] = bytes(len(body))  # the connection reuses its buffer for the next frame

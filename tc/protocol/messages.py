@@ -702,13 +702,13 @@ class RunBatch(Message):
         Only those two are checked: the other fields are this batch's, checked when it was made or read, and
         checking them again cost ~100 us of a hop on caches a stage's weights had just swept."""
         hidden_state = HIDDEN.check(hidden_state, "RunBatch.hidden_state")
-        if hidden_state.shape[:2] != self.hidden_state.shape[:2]:
+        seconds = SECONDS.check(compute_seconds, "compute_seconds")
+        if tuple(hidden_state.shape[:2]) != tuple(self.hidden_state.shape[:2]):
             raise ValueError(f"the output's shape {list(hidden_state.shape)} does not hold the batch's rows "
                              f"{list(self.hidden_state.shape[:2])}")
         passed = RunBatch.__new__(RunBatch)
         passed.__dict__.update(vars(self), hidden_state=hidden_state,
-                               upstream_seconds=self.upstream_seconds + (SECONDS.check(compute_seconds,
-                                                                                      "compute_seconds"),))
+                               upstream_seconds=self.upstream_seconds + (seconds,))
         return passed
 
     @property
