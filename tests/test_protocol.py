@@ -46,7 +46,8 @@ from tc.protocol import (
     tensor_from_wire,
     tensor_to_wire,
 )
-from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure, WireStruct
+from tc.protocol.framing import HEADER_SIZE
+from tc.protocol.messages import PeerAck, PeerChallenge, PeerHello, Route, SpeedFigure
 from tc.protocol.cbor import BY_REFERENCE_BYTES, MAX_ITEMS, MAX_NESTING, decode_cbor, encode_cbor, encode_cbor_parts
 from tc.protocol.tensors import MAX_TENSOR_RANK, WireTensor
 
@@ -163,6 +164,11 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "run-batch-copies": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=0, length=2, cache_capacity=9,
                                                              copies=(5, 6)),),
                                          hidden_state=hidden(seq=2, dtype=torch.bfloat16)),
+    "run-batch-prefill-large": lambda: RunBatch(entries=(BatchEntry(sequence=2, position_start=0, length=40,
+                                                                    cache_capacity=64),),
+                                                hidden_state=hidden(seq=40, width=896), upstream_seconds=(0.5,)),
+    "hidden-state-large": lambda: HiddenState(hidden_state=hidden(seq=40, width=896, dtype=torch.float32),
+                                              compute_seconds=0.25, upstream_seconds=(0.5,)),
     "hidden-state-passed-on": lambda: HiddenState(hidden_state=hidden(seq=2, dtype=torch.bfloat16),
                                                   compute_seconds=0.01, upstream_seconds=(0.02,)),
     "route": lambda: Route(route=2, next_host="10.0.0.7", next_port=40123, next_key=b"k" * 32,
@@ -237,22 +243,20 @@ def test_every_message_round_trips(name):
     assert_same_message(got.message, message)
 
 
-def _key_order(value: Any) -> Any:
-    """A payload's maps' keys in order, all the way down (CBOR writes them in that order)."""
-    if isinstance(value, dict):
-        return [(key, _key_order(item)) for key, item in value.items()]
-    if isinstance(value, list):
-        return [_key_order(item) for item in value]
-    return type(value).__name__
-
-
 @pytest.mark.parametrize("name", SAMPLES)
-def test_a_payload_written_out_is_the_one_its_fields_make(name):
-    """RUN_BATCH and HIDDEN_STATE write their payloads out by hand; every message's is what its kinds make, key
-    order included, so its frame is byte for byte the same."""
+@pytest.mark.parametrize("request_id, seq", [(None, 0), ("req-é" * 9, 2**64 - 1)])
+def test_a_frame_is_the_cbor_of_its_envelope(name, request_id, seq):
+    """RUN_BATCH and HIDDEN_STATE write their frames by hand (step_frames.py); every message's frame is the
+    CBOR of its envelope map, part for part (tensor data by reference in the same places), so a receiver cannot
+    tell which wrote it."""
     message = SAMPLES[name]()
-    payload, reference = message.to_payload(), WireStruct.to_payload(message)
-    assert payload == reference and _key_order(payload) == _key_order(reference)
+    envelope = {"type": message.TYPE, "request_id": request_id, "seq": seq, "payload": message.to_payload()}
+    reference = encode_cbor_parts(envelope, reserve=HEADER_SIZE)
+    parts = encode_frame_parts(message, request_id, seq)
+    assert [type(part) for part in parts] == [type(part) for part in reference]
+    assert bytes(parts[0])[HEADER_SIZE:] == bytes(reference[0])[HEADER_SIZE:]
+    assert [bytes(part) for part in parts[1:]] == [bytes(part) for part in reference[1:]]
+    assert all(a is b for a, b in zip(parts[1::2], reference[1::2]))  # tensor data: the very same objects
 
 
 @pytest.mark.parametrize("name", SAMPLES)

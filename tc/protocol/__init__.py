@@ -4,7 +4,7 @@
 - tensors.py: tensors as {dtype, shape, data} maps (pure)
 - cbor.py: the strict CBOR subset the frames are written in (pure)
 - framing.py: frames, envelopes, the incremental FrameDecoder (pure)
-- step_reader.py: RUN_BATCH and HIDDEN_STATE, a decode step's messages, read in one pass where they can be (pure)
+- step_frames.py: RUN_BATCH and HIDDEN_STATE, a decode step's frames, written and read in one pass (pure)
 - connection.py: the only I/O, a blocking socket that sends and receives whole frames
 - errors.py: ProtocolError (the peer misbehaved) and ConnectionClosed
 """

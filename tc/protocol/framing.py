@@ -20,7 +20,8 @@ far, keeping the rest buffered. The socket code (connection.py) is a thin layer 
 byte by byte without any socket.
 
 Bodies are CBOR in a strict subset, encoded and decoded by cbor.py (which says why not cbor2 at run time): no
-tags, definite lengths, text-keyed maps, bounded nesting. Byte strings are never copied on the way out: large
+tags, definite lengths, text-keyed maps, bounded nesting; a decode step's RUN_BATCH and HIDDEN_STATE are written and
+read in one pass over the same bytes by step_frames.py. Byte strings are never copied on the way out: large
 ones (tensor data) stay separate parts of the frame, which ``encode_frame_parts`` returns for a gathering send.
 On the way in they are views of the received body, and each message copies what it keeps, so an Envelope never
 refers to the buffer it was decoded from.
@@ -37,14 +38,15 @@ from dataclasses import dataclass
 
 from tc.protocol.cbor import CBOR_INT_MAX, BytesLike, decode_cbor, encode_cbor_parts
 from tc.protocol.errors import FrameTooLarge, ProtocolError
-from tc.protocol.messages import DEFAULT_MAX_FRAME_BYTES, MESSAGE_TYPES, Message
-from tc.protocol.step_reader import STEP_READERS
+from tc.protocol.messages import DEFAULT_MAX_FRAME_BYTES, MESSAGE_TYPES, HiddenState, Message, RunBatch
+from tc.protocol.step_frames import read_step_body, write_step_frame
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size  # 8
 
 _ENVELOPE_KEYS = ("type", "request_id", "seq", "payload")
 _ENVELOPE_KEY_SET = frozenset(_ENVELOPE_KEYS)
+_STEP_MESSAGES = (RunBatch, HiddenState)
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,11 @@ def encode_frame_parts(message: Message, request_id: str | None = None, seq: int
         raise TypeError(f"seq must be an int, got {type(seq).__name__}")
     if not 0 <= seq <= CBOR_INT_MAX:
         raise ValueError(f"seq must be in [0, 2**64 - 1], got {seq}")
-    envelope = {"type": message.TYPE, "request_id": request_id, "seq": seq, "payload": message.to_payload()}
-    parts = encode_cbor_parts(envelope, reserve=HEADER_SIZE)
+    if type(message) in _STEP_MESSAGES:  # a decode step's two messages: written in one pass (step_frames.py)
+        parts = write_step_frame(message, request_id, seq, HEADER_SIZE)
+    else:
+        envelope = {"type": message.TYPE, "request_id": request_id, "seq": seq, "payload": message.to_payload()}
+        parts = encode_cbor_parts(envelope, reserve=HEADER_SIZE)
     body_length = sum(len(part) for part in parts) - HEADER_SIZE
     _HEADER.pack_into(parts[0], 0, body_length)  # parts[0] is the bytearray that began with the reserved bytes
     return parts
@@ -110,6 +115,16 @@ def decode_body(body: BytesLike) -> Envelope:
 
     The Envelope never refers to ``body``: the caller may reuse the buffer as soon as this returns.
     """
+    with memoryview(body) as view:
+        # a decode step's two messages are read in one pass where they have the form every step sends
+        # (step_frames.py); else, and for every other message, through cbor.py and their fields' kinds
+        step = read_step_body(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return Envelope(*step) if step is not None else decode_envelope(body)
+
+
+def decode_envelope(body: BytesLike) -> Envelope:
+    """decode_body's reference path: any body, through cbor.py and the message's fields' kinds. Raises as
+    decode_body does."""
     raw = decode_cbor(body)
     if type(raw) is not dict:
         raise ProtocolError(f"a frame body must be the envelope map, got a CBOR {type(raw).__name__}")
@@ -130,11 +145,7 @@ def decode_body(body: BytesLike) -> Envelope:
     seq = raw["seq"]
     if type(seq) is not int or seq < 0:
         raise ProtocolError(f"{type_name} envelope 'seq' must be a non-negative int, got {seq!r}")
-    # a decode step's two messages are read in one pass where they can be (step_reader.py); else, and for
-    # every other message, through their fields' kinds
-    read = STEP_READERS.get(type_name)
-    message = read(raw["payload"]) if read is not None else None
-    return Envelope(cls.from_payload(raw["payload"]) if message is None else message, request_id, seq)
+    return Envelope(cls.from_payload(raw["payload"]), request_id, seq)
 
 
 class FrameDecoder:

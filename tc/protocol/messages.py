@@ -683,18 +683,6 @@ class RunBatch(Message):
         if shape[0] != 1 or shape[1] != rows:
             raise ValueError(f"RunBatch hidden_state has shape {list(shape)}; its entries need [1, {rows}, hidden]")
 
-    def to_payload(self) -> dict[str, Any]:
-        """WireStruct.to_payload's map, written out: a decode step's frame is encoded on every hop, where each
-        field kind's call costs microseconds on cold caches (step_reader.py reads it back the same way)."""
-        return {
-            "entries": [{"sequence": e.sequence, "position_start": e.position_start, "length": e.length,
-                         "cache_capacity": e.cache_capacity, "copies": list(e.copies)} for e in self.entries],
-            "hidden_state": self.hidden_state.to_map(),
-            "route": self.route,
-            "upstream_seconds": list(self.upstream_seconds),
-            "released": list(self.released),
-        }
-
     def passed_on(self, hidden_state: WireTensor, compute_seconds: float) -> RunBatch:
         """This batch as the next stage gets it: this stage's output for its rows, and this stage's compute time
         after the times of those before it.
@@ -727,11 +715,6 @@ class HiddenState(Message):
     hidden_state: WireTensor = wire(HIDDEN)  # [1, seq, hidden]
     compute_seconds: float = wire(SECONDS)
     upstream_seconds: tuple[float, ...] = wire(_TupleOf(SECONDS), default=())  # the RUN_BATCH's, passed back
-
-    def to_payload(self) -> dict[str, Any]:
-        """WireStruct.to_payload's map, written out (see RunBatch.to_payload)."""
-        return {"hidden_state": self.hidden_state.to_map(), "compute_seconds": self.compute_seconds,
-                "upstream_seconds": list(self.upstream_seconds)}
 
 
 @_message
