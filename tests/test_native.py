@@ -336,6 +336,26 @@ def test_layers_take_the_native_path_where_it_wins_and_keep_their_sizes():
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_a_widened_int8_product_is_the_bf16_one_in_float32(rows):
+    """The head's logits: the kernel writes the bfloat16 values widened, bit for bit what converting after gives."""
+    w = weights(4096, 384, rows)
+    q8 = quantize_int8(w)
+    qweight = native.tile_int8(q8.qweight.clone())
+    x = activations(rows, 384, rows, torch.bfloat16)
+    x[0, 5] = 300.0  # products far from 1, where the bfloat16 rounding leaves most of the float32 bits
+    widened = KERNELS.int8_product(x, qweight, q8.scale, None, widened=True)
+    assert widened.dtype == torch.float32
+    assert torch.equal(widened, KERNELS.int8_product(x, qweight, q8.scale, None).float())
+    with pytest.raises(ValueError, match="no bias"):
+        KERNELS.int8_product(x, qweight, q8.scale, torch.ones(4096, dtype=torch.bfloat16), widened=True)
+    for bias in (False, True):  # the layer's: the kernel's float32 where forward takes it, forward's widened else
+        layer = Int8Linear.from_linear(torch.nn.Linear(384, 4096, bias=bias).bfloat16())
+        for batch in (x, x.unsqueeze(0), x.float()):
+            assert torch.equal(layer.widened(batch), layer(batch).float())
+
+
+@needs_kernels
 def test_int8_prefill_rows_take_the_path_the_probe_chose():
     lin = torch.nn.Linear(256, 64, bias=False).bfloat16()
     dense = Int8Linear.from_linear(lin, dense_prefill=True)

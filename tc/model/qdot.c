@@ -96,11 +96,13 @@ TC_INLINE __m256 load8(const void* x, int bf16, size_t i) {
     return bf16 ? bf16x8_load((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i);
 }
 
+/* y_bf16 says how a product's outputs are written: 0 float32, 1 bfloat16, 2 rounded to bfloat16 and written as
+   float32 (the values of 1 widened, for a caller that wants them in float32: the head's logits) */
 TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
-    if (bf16)
+    if (bf16 == 1)
         bf16x8_store((uint16_t*)y + i, v);
     else
-        _mm256_storeu_ps((float*)y + i, v);
+        _mm256_storeu_ps((float*)y + i, bf16 == 2 ? bf16x8_round(v) : v);
 }
 
 /* A tile's prefetch of the weights `ahead` bytes past vector kb (32 bytes each, one 64-byte line per two) where it

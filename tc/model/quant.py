@@ -860,6 +860,14 @@ class Int8Linear(_QuantLinear):
             y = _int8_dense(x2, qweight, scale)
         return self._finish(y, x)
 
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).float(), the same values: written as float32 by the kernel itself where forward takes
+        int8_product for x and there is no bias. The head's lm_head: its decode step's logits would otherwise be
+        converted after the product, 600 KB read and written again on caches the product has just swept."""
+        if self._decode_rows(x) and self._buffers["bias"] is None:
+            return self._native.int8_product(x, self._buffers["qweight"], self._buffers["scale"], None, widened=True)
+        return self(x).float()
+
     def native_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[native.Call] | None:
         """The native calls that write this product of x into y as forward would compute it, for a decode plan;
         None where forward would not take int8_product for x."""

@@ -680,8 +680,11 @@ class HeadModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, L, vocab] for final hidden states [B, L, hidden]."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        """fp32 logits [B, L, vocab] for final hidden states [B, L, hidden]: the lm_head's output widened, which
+        an int8 lm_head writes as float32 itself (quant.Int8Linear.widened)."""
+        normed = self.norm(hidden)
+        widened = getattr(self.lm_head, "widened", None)
+        logits = widened(normed) if widened is not None else self.lm_head(normed).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
