@@ -21,7 +21,7 @@ import struct
 import sys
 from typing import Any
 
-from tc.protocol.cbor import BytesLike, _Encoder, _head
+from tc.protocol.cbor import _ARGUMENT_SIZE, _FLOAT64, BytesLike, _Encoder, _head
 from tc.protocol.messages import BatchEntry, HiddenState, RunBatch
 from tc.protocol.tensors import _ITEM_SIZES, _MAX_DIM, WireTensor
 
@@ -33,9 +33,6 @@ HIDDEN_STATE_FIELDS = ("hidden_state", "compute_seconds", "upstream_seconds")
 TENSOR_FIELDS = ("dtype", "shape", "data")
 
 _FLOAT = struct.Struct(">Bd")  # a float as the general path writes it: 0xfb and 8 bytes
-_F64 = struct.Struct(">d")
-# Additional information 24..27 of an integer head: its value follows in 1, 2, 4 or 8 bytes.
-_ARGUMENT_SIZE = {24: 1, 25: 2, 26: 4, 27: 8}
 # tensors.WireTensor.from_map refuses to read tensor bytes on a big-endian machine; the reference says so there.
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -68,18 +65,12 @@ _RANK_3 = _SHAPE + b"\x83"
 _DATA = _text("data")
 _ROUTE, _UPSTREAM, _RELEASED = _text("route"), _text("upstream_seconds"), _text("released")
 _COMPUTE = _text("compute_seconds")
+_DTYPE_TEXT = {name: _text(name) for name in _ITEM_SIZES}  # each wire dtype's name, written once here
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing: the general path's bytes, field by field
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _uint(out: bytearray, value: int) -> None:
-    if value < 24:
-        out.append(value)
-    else:
-        _head(out, 0, value)
 
 
 def write_step_frame(message: RunBatch | HiddenState, request_id: str | None, seq: int,
@@ -100,41 +91,41 @@ def write_step_frame(message: RunBatch | HiddenState, request_id: str | None, se
         _head(out, 3, len(data))
         out += data
     out += _SEQ
-    _uint(out, seq)
+    _head(out, 0, seq)
     if run_batch:
         out += _RUN_BATCH_PAYLOAD
         _head(out, 4, len(message.entries))
         for entry in message.entries:
             out += _ENTRY_SEQUENCE
-            _uint(out, entry.sequence)
+            _head(out, 0, entry.sequence)
             out += _POSITION_START
-            _uint(out, entry.position_start)
+            _head(out, 0, entry.position_start)
             out += _LENGTH
-            _uint(out, entry.length)
+            _head(out, 0, entry.length)
             out += _CACHE_CAPACITY
-            _uint(out, entry.cache_capacity)
+            _head(out, 0, entry.cache_capacity)
             if entry.copies:
                 out += _COPIES
                 _head(out, 4, len(entry.copies))
                 for copy in entry.copies:
-                    _uint(out, copy)
+                    _head(out, 0, copy)
             else:
                 out += _NO_COPIES
     else:
         out += _HIDDEN_STATE_PAYLOAD
     tensor = message.hidden_state
     out += _TENSOR_DTYPE
-    out += _text(tensor.dtype)
+    out += _DTYPE_TEXT[tensor.dtype]
     out += _SHAPE
     _head(out, 4, len(tensor.shape))
     for size in tensor.shape:
-        _uint(out, size)
+        _head(out, 0, size)
     out += _DATA
     encoder._bytes(tensor.data)  # inline when small; else its own part, and the rest goes in a fresh one
     out = encoder.out
     if run_batch:
         out += _ROUTE
-        _uint(out, message.route)
+        _head(out, 0, message.route)
     else:
         out += _COMPUTE
         out += _FLOAT.pack(0xFB, message.compute_seconds)
@@ -146,7 +137,7 @@ def write_step_frame(message: RunBatch | HiddenState, request_id: str | None, se
         out += _RELEASED
         _head(out, 4, len(message.released))
         for sequence in message.released:
-            _uint(out, sequence)
+            _head(out, 0, sequence)
     return encoder.finish()
 
 
@@ -291,7 +282,7 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
         pos = _expect(view, pos, _COMPUTE)
         if view[pos] != 0xFB:
             raise _Declined
-        compute = _F64.unpack_from(view, pos + 1)[0]
+        compute = _FLOAT64.unpack_from(view, pos + 1)[0]
         if not 0.0 <= compute < math.inf:
             raise _Declined
         pos = _expect(view, pos + 9, _UPSTREAM)
