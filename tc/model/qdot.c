@@ -98,11 +98,11 @@ TC_INLINE __m256 load8(const void* x, int bf16, size_t i) {
 
 /* y_bf16 says how a product's outputs are written: 0 float32, 1 bfloat16, 2 rounded to bfloat16 and written as
    float32 (the values of 1 widened, for a caller that wants them in float32: the head's logits) */
-TC_INLINE void store8(void* y, int bf16, size_t i, __m256 v) {
-    if (bf16 == 1)
+TC_INLINE void store8(void* y, int y_bf16, size_t i, __m256 v) {
+    if (y_bf16 == 1)
         bf16x8_store((uint16_t*)y + i, v);
     else
-        _mm256_storeu_ps((float*)y + i, bf16 == 2 ? bf16x8_round(v) : v);
+        _mm256_storeu_ps((float*)y + i, y_bf16 == 2 ? bf16x8_round(v) : v);
 }
 
 /* A tile's prefetch of the weights `ahead` bytes past vector kb (32 bytes each, one 64-byte line per two) where it
