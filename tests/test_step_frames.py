@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tc.protocol import BatchEntry, HiddenState, ProtocolError, RunBatch, decode_body, encode_body
-from tc.protocol.cbor import decode_cbor, encode_cbor
+from tc.protocol.cbor import MAX_ITEMS, decode_cbor, encode_cbor
 from tc.protocol.framing import Envelope, decode_envelope
 from tc.protocol.step_frames import (
     BATCH_ENTRY_FIELDS,
@@ -223,6 +224,52 @@ def test_a_cut_or_lengthened_frame_is_left_to_the_reference(name):
     for cut in range(len(body)):
         assert read(body[:cut]) is None, f"read a body cut to {cut} of {len(body)} bytes"
     assert read(body + b"\x00") is None and isinstance(reference(body + b"\x00"), ProtocolError)
+
+
+def _at_the_item_limit(part: str, over: int) -> RunBatch | HiddenState:
+    """A frame of cbor.MAX_ITEMS + `over` items as the reference counts them, the most of them in `part`."""
+    if part == "entries":  # 27 + 11 a sequence: as near the limit as whole entries go, the rest released
+        count = (MAX_ITEMS - 27) // 11
+        return RunBatch(entries=tuple(entry(s) for s in range(count)), hidden_state=hidden(count, width=1),
+                        released=tuple(range(count, count + MAX_ITEMS - 27 - 11 * count + over)))
+    if part == "released":
+        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), released=tuple(range(1, MAX_ITEMS - 37 + over)))
+    if part == "times":
+        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), upstream_seconds=(0.5,) * (MAX_ITEMS - 38 + over))
+    return HiddenState(hidden_state=hidden(1), compute_seconds=0.5, upstream_seconds=(0.5,) * (MAX_ITEMS - 23 + over))
+
+
+@pytest.mark.parametrize("part", ["entries", "released", "times", "answer's times"])
+def test_a_frame_of_more_items_than_the_reference_reads_is_left_to_it(part):
+    """The reader counts a frame's items as the reference does (cbor.MAX_ITEMS): it reads a frame at the limit as
+    the reference does, and leaves one item more to the reference, which refuses it, before building anything."""
+    body = encode_body(_at_the_item_limit(part, 0), "req-1", 9)
+    assert same(read(body), reference(body))
+    over = encode_body(_at_the_item_limit(part, 1), "req-1", 9)
+    assert isinstance(reference(over), ProtocolError) and "items" in str(reference(over))
+    assert read(over) is None
+    with pytest.raises(ProtocolError, match="items"):  # as a connection reads it: refused, the link closed
+        decode_body(memoryview(bytearray(over)))
+
+
+def test_a_huge_count_is_left_to_the_reference_before_anything_is_built():
+    """A million times or released sequences, far under the frame limit: declined at the count, before a value is
+    read (a frame of 130 million one-byte sequences took 80 s and 1.7 GiB to build when only its bytes bounded
+    them). Reading them would allocate tens of MB; the reader allocates next to nothing."""
+    many = 1_000_000
+    for part, body in (("released", encode_body(RunBatch(entries=(entry(0),), hidden_state=hidden(1)), "r", 1)),
+                       ("times", encode_body(HiddenState(hidden_state=hidden(1), compute_seconds=0.5), "r", 1))):
+        assert body.endswith(b"\x80")  # the empty array the frame ends with: released, or the answer's times
+        element = b"\x01" if part == "released" else b"\xfb" + bytes(8)
+        huge = body[:-1] + b"\x9a" + many.to_bytes(4, "big") + element * many
+        assert isinstance(reference(huge), ProtocolError)
+        tracemalloc.start()
+        try:
+            assert read(huge) is None
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{peak} bytes allocated to read {many} {part} before counting them"
 
 
 def test_bad_text_is_left_to_the_reference():

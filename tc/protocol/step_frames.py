@@ -21,7 +21,7 @@ import struct
 import sys
 from typing import Any
 
-from tc.protocol.cbor import _ARGUMENT_SIZE, _FLOAT64, BytesLike, _Encoder, _head
+from tc.protocol.cbor import _ARGUMENT_SIZE, _FLOAT64, MAX_ITEMS, BytesLike, _Encoder, _head
 from tc.protocol.messages import BatchEntry, HiddenState, RunBatch
 from tc.protocol.tensors import _ITEM_SIZES, _MAX_DIM, WireTensor
 
@@ -66,6 +66,15 @@ _DATA = _text("data")
 _ROUTE, _UPSTREAM, _RELEASED = _text("route"), _text("upstream_seconds"), _text("released")
 _COMPUTE = _text("compute_seconds")
 _DTYPE_TEXT = {name: _text(name) for name in _ITEM_SIZES}  # each wire dtype's name, written once here
+
+# The items of a frame as the reference counts them against cbor.MAX_ITEMS (every container's children: a map's
+# keys and values, an array's elements), so that the reader refuses no less than it does and never builds
+# millions of objects from one frame: the envelope's 4 pairs, the payload's pairs, the hidden state's 3 pairs and
+# its shape of 3; then each entry (its place in the array and its 5 pairs), each time and each released sequence.
+_FIXED_ITEMS = 2 * 4 + 2 * len(TENSOR_FIELDS) + 3
+RUN_BATCH_ITEMS = _FIXED_ITEMS + 2 * len(RUN_BATCH_FIELDS)
+HIDDEN_STATE_ITEMS = _FIXED_ITEMS + 2 * len(HIDDEN_STATE_FIELDS)
+ENTRY_ITEMS = 1 + 2 * len(BATCH_ENTRY_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,17 +179,19 @@ def _expect(view: memoryview, pos: int, literal: bytes) -> int:
     return end
 
 
-def _read_seconds(view: memoryview, pos: int) -> tuple[tuple[float, ...], int]:
-    """An array of durations as the writer writes them (8-byte floats, finite, >= 0)."""
+def _read_seconds(view: memoryview, pos: int, items: int) -> tuple[tuple[float, ...], int, int]:
+    """An array of durations as the writer writes them (8-byte floats, finite, >= 0), the position after it and
+    the frame's items so far (`items` before it)."""
     count, pos = _read_head(view, pos, 4)
+    items += count
     end = pos + 9 * count
-    if end > len(view):
+    if end > len(view) or items > MAX_ITEMS:
         raise _Declined
     values = struct.unpack_from(">" + "Bd" * count, view, pos)
     seconds = values[1::2]
     if any(marker != 0xFB for marker in values[::2]) or not all(0.0 <= s < math.inf for s in seconds):
         raise _Declined
-    return seconds, end
+    return seconds, end, items
 
 
 def read_step_body(body: memoryview) -> tuple[RunBatch | HiddenState, str | None, int] | None:
@@ -223,6 +234,9 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
         count, pos = _read_head(view, pos, 4)
         if not count:
             raise _Declined
+        items = RUN_BATCH_ITEMS + ENTRY_ITEMS * count
+        if items > MAX_ITEMS:  # past what the reference reads: its to refuse, before anything is built
+            raise _Declined
         entries = []
         sequences = set()
         for _ in range(count):
@@ -243,6 +257,7 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
                                 cache_capacity=capacity, copies=()))
     else:
         pos = _expect(view, pos, _HIDDEN_STATE_PAYLOAD)
+        items = HIDDEN_STATE_ITEMS
 
     # the hidden state: [1, rows, width]
     pos = _expect(view, pos, _TENSOR_DTYPE)
@@ -267,9 +282,11 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
         pos = _expect(view, pos, _ROUTE)
         route, pos = _read_head(view, pos, 0)
         pos = _expect(view, pos, _UPSTREAM)
-        upstream, pos = _read_seconds(view, pos)
+        upstream, pos, items = _read_seconds(view, pos, items)
         pos = _expect(view, pos, _RELEASED)
         count, pos = _read_head(view, pos, 4)
+        if items + count > MAX_ITEMS:
+            raise _Declined
         released = []
         for _ in range(count):
             sequence, pos = _read_head(view, pos, 0)
@@ -286,7 +303,7 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
         if not 0.0 <= compute < math.inf:
             raise _Declined
         pos = _expect(view, pos + 9, _UPSTREAM)
-        upstream, pos = _read_seconds(view, pos)
+        upstream, pos, _ = _read_seconds(view, pos, items)
         message = _new(HiddenState, hidden_state=hidden, compute_seconds=compute, upstream_seconds=upstream)
     if pos != len(view):
         raise _Declined
