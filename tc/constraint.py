@@ -29,16 +29,23 @@ JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",
 # sampled model can write digit after digit until max_tokens ends the reply unparsed (seen at temperature 0.9:
 # "population_millions": 27270000000...). Any reply within the bound is valid under the schema as given.
 NUMBER_BOUND = 10**15
+# Objects and arrays within one another that a schema may hold: the grammar engine's JSON reader refuses a schema
+# nested deeper ("recursion limit exceeded"), and a request's body may nest far deeper than Python's own recursion
+# reaches (a schema of 300 levels ended bound_numbers in a RecursionError, a 500 instead of a 400).
+MAX_SCHEMA_NESTING = 128
 
 
-def bound_numbers(schema: Any) -> Any:
+def bound_numbers(schema: Any, _depth: int = 0) -> Any:
     """`schema` with every number and integer that has no lower or upper bound given -NUMBER_BOUND or NUMBER_BOUND
-    (a copy; the schema is not changed). Every value the result allows, the original allows too."""
+    (a copy; the schema is not changed). Every value the result allows, the original allows too. Raises
+    GrammarError for a schema nested more than MAX_SCHEMA_NESTING deep."""
+    if isinstance(schema, (list, dict)) and _depth >= MAX_SCHEMA_NESTING:
+        raise GrammarError(f"the schema nests objects and arrays more than {MAX_SCHEMA_NESTING} levels deep")
     if isinstance(schema, list):
-        return [bound_numbers(item) for item in schema]
+        return [bound_numbers(item, _depth + 1) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    bounded = {key: bound_numbers(value) for key, value in schema.items()}
+    bounded = {key: bound_numbers(value, _depth + 1) for key, value in schema.items()}
     kind = schema.get("type")
     kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
     if {"number", "integer"} & set(k for k in kinds if isinstance(k, str)):

@@ -147,6 +147,38 @@ def test_unsupported_schema_features_are_refused_by_name(client, schema, named):
     assert named in error["message"]
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("levels", [150, 300, 450])
+def test_a_schema_nested_past_what_the_engine_reads_is_a_400(client, levels):
+    """However deep a schema nests (the body parser takes far more than the engine), the answer is a 400 that
+    says why, for a reply's format and for a tool's parameters alike; 300 levels was once a RecursionError, a 500."""
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "response_format": schema_format(_nested(levels))})
+    assert reply.status_code == 400, reply.text
+    error = reply.json["error"]
+    assert error["param"] == "response_format.json_schema.schema" and error["code"] == "invalid_value"
+    assert "levels deep" in error["message"] or "recursion limit" in error["message"]
+    deep_tool = {"type": "function", "function": {"name": "deep", "parameters": _nested(levels)}}
+    for parallel in (True, False):  # one call (json_schema) or several (json_sequence)
+        reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [deep_tool], "tool_choice": "required",
+                                                 "parallel_tool_calls": parallel})
+        assert reply.status_code == 400, reply.text
+        assert reply.json["error"]["param"] == "tools" and reply.json["error"]["code"] == "invalid_value"
+
+
+def test_a_schema_as_deep_as_the_engine_reads_is_served(client):
+    """The nesting bound refuses nothing the engine would take: 60 levels (121 objects within one another)."""
+    reply = chat(client, max_tokens=4, response_format=schema_format(_nested(60)))
+    assert reply["choices"][0]["message"]["content"].startswith('{"a"')
+
+
 def test_without_the_grammar_engine_response_format_names_the_package(generator, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # what an absent package looks like to `import`
     client = make_client(generator)
