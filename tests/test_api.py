@@ -442,6 +442,18 @@ def test_seeded_sampling_repeats(client):
     assert first["choices"] == second["choices"]
 
 
+def test_a_developer_message_is_a_system_message(client):
+    """OpenAI's newer clients send their instructions as role "developer": the same request as "system"."""
+    assert parse_chat_request({"model": "m", "messages": [{"role": "developer", "content": "be brief"}]}).messages \
+        == (ChatMessage("system", "be brief"),)
+    replies = [post(client, CHAT, {"model": MODEL, "max_tokens": 5, "temperature": 0, "messages": [
+        {"role": role, "content": "You are terse."}, {"role": "user", "content": "Hello"}]}) for role in
+        ("developer", "system")]
+    assert all(r.status_code == 200 for r in replies), replies[0].text
+    assert replies[0].json["choices"] == replies[1].json["choices"]
+    assert replies[0].json["usage"] == replies[1].json["usage"]
+
+
 def test_greedy_chat_matches_the_generator(client, generator):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}

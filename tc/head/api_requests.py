@@ -24,6 +24,9 @@ MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logpr
 MAX_CHOICES = 16  # choices per request (n); each is a sequence in the batch, so head.max_batch bounds it too
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's name for the system role in requests to its newer models, which its clients and SDK examples now send;
+# a chat template knows it as "system", which is what it is taken for.
+DEVELOPER_ROLE = "developer"
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
@@ -623,8 +626,10 @@ def _message(value: Any, index: int) -> ChatMessage:
     param = f"messages[{index}]"
     value = _object(value, param, _MESSAGE_FIELDS, _MESSAGE_NEUTRAL)
     role = _string(_required(value, "role", f"{param}."), f"{param}.role")
+    if role == DEVELOPER_ROLE:
+        role = "system"
     if role not in CHAT_ROLES:
-        raise RequestError(f"'{param}.role' is '{role}'; use one of {', '.join(CHAT_ROLES)}",
+        raise RequestError(f"'{param}.role' is '{role}'; use one of {', '.join((*CHAT_ROLES, DEVELOPER_ROLE))}",
                            param=f"{param}.role", code="invalid_value")
     calls: tuple[MessageToolCall, ...] = ()
     if value.get("tool_calls") is not None:
