@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import math
 import struct
+import tracemalloc
 from typing import Any, Callable
 
 import cbor2
@@ -212,6 +213,20 @@ def frame_of(obj: Any) -> bytes:
 
 def envelope(type_name: Any, payload: Any, request_id: Any = None, seq: Any = 0) -> dict[str, Any]:
     return {"type": type_name, "request_id": request_id, "seq": seq, "payload": payload}
+
+
+def test_a_config_with_a_long_key_above_many_values_is_checked_in_its_own_size():
+    """Each value's place in a config is made text only for an error: made for every value, a long key was copied
+    once per value below it, so a frame under the handshake's 1 MiB (read before any proof of who sent it) asked
+    for tens of GB. Here a 25 KB frame would have taken 100 MB."""
+    body = encode_cbor(envelope("ASSIGNMENT", assignment_payload(config={"K" * 20_000: [0] * 5_000})))
+    tracemalloc.start()
+    try:
+        assert decode_body(body).message.config == {"K" * 20_000: [0] * 5_000}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes to check a config of {len(body)} bytes"
 
 
 def decode_one(frame: bytes, **kwargs: Any) -> Envelope:
@@ -479,6 +494,8 @@ BAD_PAYLOADS = {
     "hello missing auth": ("HELLO", {k: v for k, v in hello_payload().items() if k != "auth"}, ["HELLO", "auth"]),
     "empty layer range": ("ASSIGNMENT", assignment_payload(layer_end_exclusive=8), ["ASSIGNMENT", "layer range"]),
     "config bytes value": ("ASSIGNMENT", assignment_payload(config={"a": [b"x"]}), ["ASSIGNMENT.config.a[0]"]),
+    "config bytes value deep down": ("ASSIGNMENT", assignment_payload(config={"a": {"b": [1, {"c": b"x"}]}, "d": 1}),
+                                     ["ASSIGNMENT.config.a.b[1].c"]),
     "tensor rank 2": (
         "RUN_BATCH", {**RELAYED, "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 8))}, ["RUN_BATCH.hidden_state"]
     ),

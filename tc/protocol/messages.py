@@ -186,25 +186,36 @@ class _TupleOf(_Kind):
 
 
 def _check_json(value: Any, where: str) -> None:
-    # Iterative walk: a config is a handful of levels deep, but a peer's nesting should not cost our stack.
-    stack = [(value, where)]
+    # Iterative walk: a config is a handful of levels deep, but a peer's nesting should not cost our stack. Each
+    # item's place is a link to its parent's, made text only for an error: a path string made for every item copied
+    # a long key once per item below it (a 1 MB frame, before any proof of who sent it, asked for tens of GB).
+    stack: list[tuple[Any, tuple | None]] = [(value, None)]
     while stack:
-        item, path = stack.pop()
+        item, place = stack.pop()
         if type(item) is int and not CBOR_INT_MIN <= item <= CBOR_INT_MAX:
-            raise ValueError(f"{path} = {item} does not fit a CBOR integer (64 bits and a sign)")
+            raise ValueError(f"{_json_path(where, place)} = {item} does not fit a CBOR integer (64 bits and a sign)")
         if item is None or type(item) in (str, int, float, bool):
             continue
         if type(item) is list:
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+            stack.extend((v, (place, i)) for i, v in enumerate(item))
         elif type(item) is dict:
             for key, v in item.items():
                 if type(key) is not str:
-                    raise TypeError(f"{path} has a non-string key {key!r}; configs are JSON objects")
-                stack.append((v, f"{path}.{key}"))
+                    raise TypeError(f"{_json_path(where, place)} has a non-string key {key!r}; configs are JSON "
+                                    "objects")
+                stack.append((v, (place, key)))
         else:
-            raise TypeError(
-                f"{path} holds a {_type_name(item)}; only JSON values (dict, list, str, number, bool, None) fit"
-            )
+            raise TypeError(f"{_json_path(where, place)} holds a {_type_name(item)}; only JSON values (dict, list, "
+                            "str, number, bool, None) fit")
+
+
+def _json_path(where: str, place: tuple | None) -> str:
+    """`where` and the steps down to `place` (links of (parent's place, key or index)): where.key[3].other"""
+    steps = []
+    while place is not None:
+        place, step = place
+        steps.append(f"[{step}]" if type(step) is int else f".{step}")
+    return where + "".join(reversed(steps))
 
 
 class _JsonMap(_Kind):
