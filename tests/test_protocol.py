@@ -634,6 +634,7 @@ BAD_TENSORS = {
     "float dim": good_tensor(shape=[1.0, 2, 3]),
     "rank 5": good_tensor(shape=[1, 1, 2, 3, 1]),
     "dim beyond int64": good_tensor(shape=[0, 2**63], data=b""),
+    "strides beyond int64": good_tensor(shape=[0, 2**62, 2**62], data=b""),
     "data too short": good_tensor(data=bytes(23)),
     "data too long": good_tensor(data=bytes(25)),
     "data as str": good_tensor(data="x" * 24),

@@ -120,6 +120,10 @@ class WireTensor:
             raise ProtocolError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
         if len(shape) > MAX_TENSOR_RANK:
             raise ProtocolError(f"tensor rank {len(shape)} is over the limit of {MAX_TENSOR_RANK} (shape {shape})")
+        # torch's strides are products of the later dimensions (an empty one counted as 1), in int64: an empty
+        # tensor's bytes match any other dimensions, so only this keeps such a shape from failing in .tensor()
+        if math.prod(max(dim, 1) for dim in shape) > _MAX_DIM:
+            raise ProtocolError(f"tensor shape {shape} is past what torch can lay out (its strides overflow 64 bits)")
         data = obj["data"]
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"tensor data must be a byte string, got {type(data).__name__}")
