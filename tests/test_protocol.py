@@ -587,6 +587,15 @@ def test_older_peers_are_told_apart():
         FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": good_tensor()})))
 
 
+def test_an_error_quoting_a_long_string_of_the_peers_is_cut():
+    """The message is logged and sent back in an ERROR: a megabyte type name is not quoted whole."""
+    with pytest.raises(ProtocolError) as refused:
+        FrameDecoder().feed(frame_of(envelope("X" * 1_000_000, {})))
+    message = str(refused.value)
+    assert message.startswith("unknown message type 'XXX") and message.endswith("more characters)")
+    assert len(message) < 1100
+
+
 SPEED = SpeedFigure(device="cuda:0", dtype="bf16", quant="int8", decode_bytes_per_s=9.5e11,
                     prefill_bytes_per_s=4.0e13, layer_overhead_s=4e-5)
 

@@ -14,8 +14,18 @@ subclasses ``ConnectionError`` so that code handling socket failures handles it 
 from __future__ import annotations
 
 
+# A message quoting what the peer sent (an unknown type's name, a bad value) is cut to this many characters: it is
+# logged and sent back in an ERROR, and a peer's string may be as long as its frame.
+MAX_MESSAGE_CHARS = 1000
+
+
 class ProtocolError(Exception):
     """The peer sent bytes that break the protocol; the message says what and where."""
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+        super().__init__(message, *args)
 
 
 class FrameTooLarge(ProtocolError):
