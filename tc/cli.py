@@ -13,9 +13,15 @@ log = logging.getLogger("tc")
 
 def _host_port(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (for example 192.168.1.50:7001)")
     return host, int(port)
+
+
+def _port(value: str) -> int:
+    if not value.isascii() or not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port; use 0-65535 (0: any free port)")
+    return int(value)
 
 
 def _positive_float(value: str) -> float:
@@ -32,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = sub.add_parser("head", help="run the head: HTTP API, tokenizer, sampling; workers join it")
     head.add_argument("topology", type=Path, help="the topology YAML file")
-    head.add_argument("--api-port", type=int, help="override head.api's port")
-    head.add_argument("--listen-port", type=int, help="override head.listen's port")
+    head.add_argument("--api-port", type=_port, help="override head.api's port")
+    head.add_argument("--listen-port", type=_port, help="override head.listen's port")
 
     worker = sub.add_parser("worker", help="run a worker that joins a head and serves a range of layers")
     worker.add_argument("--join", type=_host_port, metavar="HOST:PORT",

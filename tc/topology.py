@@ -12,6 +12,7 @@ What needs the model's layer count (a pin past the last layer, layers no node co
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -28,11 +29,13 @@ QUANT_MODES = WEIGHT_MODES
 DTYPES = ("fp16", "bf16", "fp32")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "mps")
 # Only CUDA numbers its devices; "cpu:0" or "mps:1" would only hide a typo.
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d+))?$")
-NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-REPO_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HOST_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-_IPV6_PATTERN = re.compile(r"^[0-9A-Fa-f:.]+$")
+# Each pattern is matched against the whole text (fullmatch: `$` would also match before a final newline), in
+# ASCII only (`\d` and `\w` take any script's digits and letters).
+DEVICE_PATTERN = re.compile(r"(auto|cpu|mps|cuda)(?::([0-9]{1,4}))?")
+NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")  # one dot-separated part of a host name
+_PORT_PATTERN = re.compile(r"[0-9]{1,5}")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 DEFAULT_MAX_QUEUE = 16
@@ -45,6 +48,21 @@ DEFAULT_PREFILL_CHUNK = 256  # prompt positions per step while other sequences d
 DEFAULT_STEP_TIMEOUT_S = 30.0  # the floor of a step's bound (tc.head.step_deadline)
 DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
 MIN_JOIN_TOKEN_CHARS = 16
+# The most (and least) each key takes: past these a value only overflows or breaks what uses it (a body limit of 0
+# bytes, a heartbeat that never comes or comes every nanosecond, a thread per queued request by the million).
+MAX_COUNT = 1 << 20  # prefill_chunk, and any count without a bound of its own
+MAX_THREADS = 1024
+MAX_QUEUE = 4096  # each waiting request holds one of the API's threads
+MAX_BATCH = 1024
+MAX_MICRO_BATCHES = 64
+MAX_GROUP_SIZE = 1 << 16
+MAX_SECONDS = 86_400.0
+HEARTBEAT_RANGE_S = (0.05, 3600.0)
+SIZE_RANGE_MB = (1 / 1024, float(1 << 16))  # max_frame_mb and max_body_mb: 1 KiB to 64 GiB
+MAX_MEMORY_GB = float(1 << 20)
+MAX_STEP_FACTOR = 1000.0
+MAX_GBPS = 1e6
+MAX_LAYER_MS = 1e6
 MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
@@ -166,6 +184,9 @@ class Topology:
             api = HostPort(api.host, _check_port(api_port, allow_zero=True))
         if listen_port is not None:
             listen = HostPort(listen.host, _check_port(listen_port, allow_zero=True))
+        if api.port == listen.port != 0 and (api.host == listen.host or {api.host, listen.host} & set(_WILDCARD_HOSTS)):
+            raise TopologyError("head.listen", f"port {listen.port} is also head.api's port (after --api-port / "
+                                "--listen-port); give them different ports")
         return replace(self, head=replace(self.head, api=api, listen=listen))
 
     def node(self, node_id: str) -> NodeEntry:
@@ -275,7 +296,7 @@ def parse_device(text: str) -> tuple[str, int | None]:
 
     Raises DeviceError for anything but auto, cpu, cuda, cuda:N or mps.
     """
-    match = DEVICE_PATTERN.match(text) if isinstance(text, str) else None
+    match = DEVICE_PATTERN.fullmatch(text) if isinstance(text, str) else None
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
         raise DeviceError(f"{text!r} is not a device; {_DEVICE_HINT}")
     index = match.group(2)
@@ -291,16 +312,32 @@ def parse_host_port(text: str) -> HostPort:
         raise AddressError(f"{text!r} has no port; write host:port like 0.0.0.0:8000")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-        valid_host = bool(_IPV6_PATTERN.match(host))
+        valid_host = _is_ip(host, ipaddress.IPv6Address)
     else:
-        valid_host = bool(_HOST_PATTERN.match(host))
         if ":" in host:
             raise AddressError(f"{text!r}: put an IPv6 host in brackets, like [::]:8000")
+        valid_host = _is_host_name(host)
     if not valid_host:
         raise AddressError(f"{text!r} has no valid host; write host:port like 0.0.0.0:8000 or localhost:7001")
-    if not port_text.isdigit():
+    if not _PORT_PATTERN.fullmatch(port_text):
         raise AddressError(f"{text!r}: port {port_text!r} is not a number; write host:port like 0.0.0.0:8000")
     return HostPort(host, _check_port(int(port_text), allow_zero=False))
+
+
+def _is_ip(text: str, kind: type) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_host_name(host: str) -> bool:
+    """An IPv4 address (four numbers 0-255), or a host name: dot-separated parts of letters, digits, '_' and '-'
+    (not at either end of a part)."""
+    if re.fullmatch(r"[0-9.]+", host):
+        return _is_ip(host, ipaddress.IPv4Address)
+    return 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in host.split("."))
 
 
 def _check_port(port: int, allow_zero: bool) -> int:
@@ -348,6 +385,9 @@ def load_topology(path: Path) -> Topology:
         raise TopologyError("", _yaml_error_text(exc), source) from exc
     except yaml.YAMLError as exc:
         raise TopologyError("", f"YAML error: {exc}", source) from exc
+    except RecursionError as exc:  # the YAML reader recurses once per level of nesting
+        raise TopologyError("", "lists or mappings nested hundreds of levels deep; a topology is a few levels",
+                            source) from exc
     return parse_topology(data, path.parent, source=source)
 
 
@@ -381,12 +421,23 @@ def _describe(value: object) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def _shown(value: object) -> str:
+    """A number as an error quotes it: a whole number of hundreds of digits cut short."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past any float
+        return False
 
 
 class _Parser:
@@ -417,18 +468,26 @@ class _Parser:
             raise self.fail(_join(path, key), f"missing; add it, e.g. {key}: {example}")
         return section[key]
 
-    def integer(self, value: object, path: str, minimum: int, hint: str = "") -> int:
+    def integer(self, value: object, path: str, minimum: int, hint: str = "", maximum: int = MAX_COUNT) -> int:
         if not _is_int(value):
             raise self.fail(path, f"expected a whole number >= {minimum}, got {_describe(value)}{hint}")
         if value < minimum:  # type: ignore[operator]
-            raise self.fail(path, f"{value} is too small; use a whole number >= {minimum}{hint}")
+            raise self.fail(path, f"{_shown(value)} is too small; use a whole number >= {minimum}{hint}")
+        if value > maximum:  # type: ignore[operator]
+            raise self.fail(path, f"{_shown(value)} is more than this key takes; use at most {maximum}{hint}")
         return value  # type: ignore[return-value]
 
-    def positive_number(self, value: object, path: str, unit: str) -> float:
+    def positive_number(self, value: object, path: str, unit: str, maximum: float, minimum: float = 0.0) -> float:
+        """A number of `unit` in (0, maximum], or in [minimum, maximum] for a `minimum` above 0: every key has a
+        most that makes sense, past which the value would overflow or break what uses it."""
         if not _is_number(value):
             raise self.fail(path, f"expected a positive number of {unit}, got {_describe(value)}")
         if value <= 0:  # type: ignore[operator]
             raise self.fail(path, f"{value} is not positive; give a number of {unit} > 0")
+        if value < minimum:  # type: ignore[operator]
+            raise self.fail(path, f"{value} is too small; give at least {minimum:g} {unit}")
+        if value > maximum:  # type: ignore[operator]
+            raise self.fail(path, f"{_shown(value)} is more than this key takes; give at most {maximum:g} {unit}")
         return float(value)  # type: ignore[arg-type]
 
     def string(self, value: object, path: str) -> str:
@@ -464,12 +523,12 @@ class _Parser:
         name = _default_name(model, is_local) if top.get("name") is None else self.string(top["name"], "name")
         quant = self.choice(self.required(top, "quant", "", "int8"), "quant", QUANT_MODES, "weight mode")
         group_size = top.get("group_size", DEFAULT_GROUP_SIZE)
-        group_size = self.integer(group_size, "group_size", 2, "; the int4 group size, e.g. 128")
+        group_size = self.integer(group_size, "group_size", 2, "; the int4 group size, e.g. 128", MAX_GROUP_SIZE)
         if group_size % 2:
             raise self.fail("group_size", f"{group_size} is odd; int4 packs two values a byte: use e.g. 128")
         dtype = self.choice(self.required(top, "dtype", "", "bf16"), "dtype", DTYPES, "compute dtype")
         cache = top.get("hf_cache_dir")
-        hf_cache_dir = None if cache is None else self.local_path(self.string(cache, "hf_cache_dir"))
+        hf_cache_dir = None if cache is None else self.local_path(self.string(cache, "hf_cache_dir"), "hf_cache_dir")
         chat_template = self.optional(top, "chat_template", "", self.template_file)
         head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
         nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
@@ -479,14 +538,30 @@ class _Parser:
             chat_template=chat_template,
         )
 
-    def local_path(self, text: str) -> Path:
-        path = Path(text).expanduser()
-        return path if path.is_absolute() else (self.base_dir / path).resolve()
+    def local_path(self, text: str, key: str) -> Path:
+        try:
+            path = Path(text).expanduser()
+            return path if path.is_absolute() else (self.base_dir / path).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:  # ~nosuchuser, a NUL byte, a name too long
+            raise self.fail(key, f"{text[:80]!r} is not a usable path ({exc}); give a path on this machine") from exc
+
+    def is_dir(self, path: Path, key: str) -> bool:
+        return self.exists(path, key, Path.is_dir)
+
+    def is_file(self, path: Path, key: str) -> bool:
+        return self.exists(path, key, Path.is_file)
+
+    def exists(self, path: Path, key: str, test: Callable[[Path], bool]) -> bool:
+        try:
+            return test(path)
+        except (OSError, ValueError) as exc:  # a name too long for the file system
+            raise self.fail(key, f"{str(path)[:80]!r} is not a usable path ({exc}); give a path on this "
+                            "machine") from exc
 
     def template_file(self, value: object, path: str) -> Path:
         # read by the head when it loads the tokenizer; checked here so a wrong path fails before anything loads
-        file = self.local_path(self.string(value, path))
-        if not file.is_file():
+        file = self.local_path(self.string(value, path), path)
+        if not self.is_file(file, path):
             raise self.fail(path, f"{value}: no such file; give the path of a Jinja chat template file (relative "
                             "paths are relative to this file), or remove the key to use the model's own template")
         return file
@@ -494,23 +569,23 @@ class _Parser:
     def model(self, value: object) -> tuple[str, bool]:
         text = self.string(value, "model")
         example = "Qwen/Qwen2.5-0.5B-Instruct"
-        looks_local = text.startswith(("/", ".", "~")) or (self.base_dir / text).is_dir()
+        looks_local = text.startswith(("/", ".", "~")) or self.is_dir(self.base_dir / text, "model")
         if not looks_local:
-            if not REPO_ID_PATTERN.match(text):
+            if not REPO_ID_PATTERN.fullmatch(text) or ".." in text:
                 raise self.fail(
                     "model",
                     f"{text!r} is neither a HuggingFace repo id (org/name) nor a directory next to the file; "
                     f"give a repo id like {example} or a local path like ./models/qwen",
                 )
             return text, False
-        path = self.local_path(text)
-        if not path.is_dir():
+        path = self.local_path(text, "model")
+        if not self.is_dir(path, "model"):
             raise self.fail(
                 "model",
                 f"{text}: no such directory; give an existing local model directory or a HuggingFace repo id "
                 f"like {example}",
             )
-        if not (path / "config.json").is_file():
+        if not self.is_file(path / "config.json", "model"):
             raise self.fail(
                 "model", f"{text}: has no config.json; point model at the directory holding config.json and "
                 "the *.safetensors files",
@@ -525,28 +600,33 @@ class _Parser:
             api.host == listen.host or api.host in _WILDCARD_HOSTS or listen.host in _WILDCARD_HOSTS
         ):
             raise self.fail("head.listen", f"port {listen.port} is also head.api's port; give them different ports")
-        threads = self.optional(head, "threads", "head", lambda v, p: self.integer(v, p, 1))
-        max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1)
-        max_batch = self.optional(head, "max_batch", "head", lambda v, p: self.integer(v, p, 1))
+        threads = self.optional(head, "threads", "head", lambda v, p: self.integer(v, p, 1, maximum=MAX_THREADS))
+        max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1, maximum=MAX_QUEUE)
+        max_batch = self.optional(head, "max_batch", "head", lambda v, p: self.integer(v, p, 1, maximum=MAX_BATCH))
         prefill_chunk = self.integer(head.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), "head.prefill_chunk", 1)
-        micro_batches = self.integer(head.get("micro_batches", 1), "head.micro_batches", 1)
+        micro_batches = self.integer(head.get("micro_batches", 1), "head.micro_batches", 1,
+                                     maximum=MAX_MICRO_BATCHES)
         direct_hops = self.boolean(head.get("direct_hops", True), "head.direct_hops")
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
-        heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds")
-        timeout = self.optional(head, "heartbeat_timeout_s", "head", lambda v, p: self.positive_number(v, p, "seconds"))
+        low, high = HEARTBEAT_RANGE_S
+        heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds", high, low)
+        timeout = self.optional(head, "heartbeat_timeout_s", "head",
+                                lambda v, p: self.positive_number(v, p, "seconds", MAX_SECONDS))
         if timeout is not None and timeout <= heartbeat_s:
             raise self.fail("head.heartbeat_timeout_s", f"{timeout:g} s is not longer than heartbeat_s "
                             f"({heartbeat_s:g} s), so a healthy worker would count as lost between two pings; "
                             f"give at least {2 * heartbeat_s:g}")
         resume = self.boolean(head.get("resume", True), "head.resume")
         grace = head.get("resume_grace_s", DEFAULT_RESUME_GRACE_S)
-        resume_grace_s = self.positive_number(grace, "head.resume_grace_s", "seconds")
+        resume_grace_s = self.positive_number(grace, "head.resume_grace_s", "seconds", MAX_SECONDS)
         join_token = self.optional(head, "join_token", "head", self.join_token)
+        low, high = SIZE_RANGE_MB
         max_frame_mb = self.positive_number(head.get("max_frame_mb", DEFAULT_MAX_FRAME_MB), "head.max_frame_mb",
-                                            "MiB")
-        max_body_mb = self.positive_number(head.get("max_body_mb", DEFAULT_MAX_BODY_MB), "head.max_body_mb", "MiB")
+                                            "MiB", high, low)
+        max_body_mb = self.positive_number(head.get("max_body_mb", DEFAULT_MAX_BODY_MB), "head.max_body_mb", "MiB",
+                                           high, low)
         step_timeout_s = self.positive_number(head.get("step_timeout_s", DEFAULT_STEP_TIMEOUT_S),
-                                              "head.step_timeout_s", "seconds")
+                                              "head.step_timeout_s", "seconds", MAX_SECONDS)
         step_factor = self.step_factor(head.get("step_timeout_factor", DEFAULT_STEP_TIMEOUT_FACTOR),
                                        "head.step_timeout_factor")
         speed = self.optional(head, "speed", "head", self.speed)
@@ -565,11 +645,12 @@ class _Parser:
         missing = [key for key in SPEED_KEYS if section.get(key) is None]
         if missing:
             raise self.fail(path, f"lacks {', '.join(missing)}; {hint}")
-        decode = self.positive_number(section["decode_gbps"], f"{path}.decode_gbps", "GB/s")
-        prefill = self.positive_number(section["prefill_gbps"], f"{path}.prefill_gbps", "GB/s")
+        decode = self.positive_number(section["decode_gbps"], f"{path}.decode_gbps", "GB/s", MAX_GBPS)
+        prefill = self.positive_number(section["prefill_gbps"], f"{path}.prefill_gbps", "GB/s", MAX_GBPS)
         layer_ms = section["layer_ms"]
-        if not _is_number(layer_ms) or layer_ms < 0:
-            raise self.fail(f"{path}.layer_ms", f"expected a number of milliseconds >= 0, got {_describe(layer_ms)}")
+        if not _is_number(layer_ms) or not 0 <= layer_ms <= MAX_LAYER_MS:
+            raise self.fail(f"{path}.layer_ms", f"expected a number of milliseconds >= 0 (at most {MAX_LAYER_MS:g}), "
+                            f"got {_describe(layer_ms)}")
         return Speed.from_topology(decode, prefill, float(layer_ms))
 
     def step_factor(self, value: object, path: str) -> float:
@@ -579,6 +660,8 @@ class _Parser:
         if value < 1:  # type: ignore[operator]
             raise self.fail(path, f"{value} is below 1, so a worker could be dropped for a step no slower than its "
                             f"recent ones; give 1 or more (default {DEFAULT_STEP_TIMEOUT_FACTOR:g})")
+        if value > MAX_STEP_FACTOR:  # type: ignore[operator]
+            raise self.fail(path, f"{_shown(value)} is more than this key takes; give at most {MAX_STEP_FACTOR:g}")
         return float(value)  # type: ignore[arg-type]
 
     def boolean(self, value: object, path: str) -> bool:
@@ -624,7 +707,7 @@ class _Parser:
     def node(self, value: object, path: str) -> NodeEntry:
         node = self.mapping(value, path, NODE_KEYS, "a mapping with id and device")
         node_id = self.string(self.required(node, "id", path, "gpu-box"), f"{path}.id")
-        if not NODE_ID_PATTERN.match(node_id):
+        if not NODE_ID_PATTERN.fullmatch(node_id):
             raise self.fail(
                 f"{path}.id", f"{node_id!r} has characters other than letters, digits, '_', '.', '-'; rename it, "
                 "e.g. gpu-box",
@@ -643,9 +726,10 @@ class _Parser:
             id=node_id,
             device=device,
             dtype=self.optional(node, "dtype", path, lambda v, p: self.choice(v, p, DTYPES, "compute dtype")),
-            max_memory_gb=self.optional(node, "max_memory_gb", path, lambda v, p: self.positive_number(v, p, "GiB")),
+            max_memory_gb=self.optional(node, "max_memory_gb", path,
+                                        lambda v, p: self.positive_number(v, p, "GiB", MAX_MEMORY_GB)),
             layers=layers,
-            threads=self.optional(node, "threads", path, lambda v, p: self.integer(v, p, 1)),
+            threads=self.optional(node, "threads", path, lambda v, p: self.integer(v, p, 1, maximum=MAX_THREADS)),
             spare=spare,
             speed=self.optional(node, "speed", path, self.speed),
         )
@@ -654,11 +738,13 @@ class _Parser:
         hint = 'write "a-b" (inclusive, counting from 0) like 14-23, or one layer like 7'
         if _is_int(value):
             if value < 0:  # type: ignore[operator]
-                raise self.fail(path, f"{value} is negative; layers count from 0; {hint}")
+                raise self.fail(path, f"{_shown(value)} is negative; layers count from 0; {hint}")
+            if value > MAX_COUNT:  # type: ignore[operator]
+                raise self.fail(path, f"{_shown(value)} is past any model's layers; {hint}")
             return value, value + 1  # type: ignore[operator,return-value]
         if not isinstance(value, str):
             raise self.fail(path, f"expected a layer range, got {_describe(value)}; {hint}")
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", value)
+        match = re.fullmatch(r" *([0-9]{1,6}) *(?:- *([0-9]{1,6}) *)?", value)
         if match is None:
             raise self.fail(path, f"{value!r} is not a layer range; {hint}")
         start = int(match.group(1))

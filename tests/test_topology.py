@@ -169,6 +169,49 @@ BAD = [
      "nodes[2].layers", "overlaps nodes[0] (gpu-box) layers 10-13"),
     ("same single pin twice", changed(("nodes.0.layers", 7), ("nodes.1.layers", "7")), "nodes[1].layers",
      "overlaps"),
+    # text that a pattern once matched short of its end, or in other scripts' digits and letters
+    ("node id and a newline", changed(("nodes.0.id", "gpu-box\n")), "nodes[0].id", "characters other than"),
+    ("device and a newline", changed(("nodes.0.device", "cpu\n")), "nodes[0].device", "is not a device"),
+    ("device in Arabic digits", changed(("nodes.0.device", "cuda:\u0663")), "nodes[0].device", "is not a device"),
+    ("repo id and a newline", changed(("model", "Qwen/x\n")), "model", "neither a HuggingFace repo id"),
+    ("repo id climbing out", changed(("model", "Qwen/..")), "model", "neither a HuggingFace repo id"),
+    ("repo id beyond ASCII", changed(("model", "Qw\u00e9n/m")), "model", "neither a HuggingFace repo id"),
+    ("api port in wide digits", changed(("head.api", "0.0.0.0:\uff18\uff10\uff10\uff10")), "head.api",
+     "is not a number"),
+    ("api port a superscript", changed(("head.api", "127.0.0.1:\u00b2")), "head.api", "is not a number"),
+    ("api port of 5000 digits", changed(("head.api", "0.0.0.0:" + "9" * 5000)), "head.api", "is not a number"),
+    ("api host past IPv4", changed(("head.api", "999.999.999.999:8000")), "head.api", "no valid host"),
+    ("api host of dots", changed(("head.api", "...:8000")), "head.api", "no valid host"),
+    ("api host a dash", changed(("head.api", "-:8000")), "head.api", "no valid host"),
+    ("api host and a newline", changed(("head.api", "localhost\n:8000")), "head.api", "no valid host"),
+    ("api host not IPv6", changed(("head.api", "[:::::]:8000")), "head.api", "no valid host"),
+    ("pin of 5000 digits", changed(("nodes.1.layers", "0-" + "9" * 5000)), "nodes[1].layers", "not a layer range"),
+    ("pin in Arabic digits", changed(("nodes.1.layers", "\u0661\u0664-\u0661\u0669")), "nodes[1].layers",
+     "not a layer range"),
+    ("pin past any model", changed(("nodes.1.layers", 10**30)), "nodes[1].layers", "past any model's layers"),
+    # numbers past what a key takes: they overflowed, or broke what used them, once the head ran
+    ("memory past a float", changed(("nodes.1.max_memory_gb", 10**400)), "nodes[1].max_memory_gb",
+     "expected a positive number"),
+    ("memory near the float limit", changed(("nodes.1.max_memory_gb", 1e308)), "nodes[1].max_memory_gb",
+     "at most"),
+    ("head threads past a C long", changed(("head.threads", 10**30)), "head.threads", "at most 1024"),
+    ("node threads huge", changed(("nodes.2.threads", 100_000)), "nodes[2].threads", "at most 1024"),
+    ("max_queue a thread each", changed(("head.max_queue", 10**30)), "head.max_queue", "at most 4096"),
+    ("max_batch huge", changed(("head.max_batch", 100_000)), "head.max_batch", "at most 1024"),
+    ("group_size huge", changed(("group_size", 10**30)), "group_size", "at most"),
+    ("heartbeat every nanosecond", changed(("head.heartbeat_s", 1e-9)), "head.heartbeat_s", "at least 0.05"),
+    ("heartbeat never", changed(("head.heartbeat_s", 1e308)), "head.heartbeat_s", "at most 3600"),
+    ("body limit of no bytes", changed(("head.max_body_mb", 1e-300)), "head.max_body_mb", "at least"),
+    ("frame limit past a float", changed(("head.max_frame_mb", 1e308)), "head.max_frame_mb", "at most"),
+    ("step factor huge", changed(("head.step_timeout_factor", 10**400)), "head.step_timeout_factor",
+     "expected a number >= 1"),
+    ("grace of centuries", changed(("head.resume_grace_s", 1e12)), "head.resume_grace_s", "at most"),
+    # paths the file system refuses
+    ("model path of a NUL", changed(("model", "./a\0b")), "model", "not a usable path"),
+    ("model path too long", changed(("model", "a" * 5000)), "model", "not a usable path"),
+    ("model path of no such user", changed(("model", "~no-such-user-here/m")), "model", "not a usable path"),
+    ("cache path of a NUL", changed(("hf_cache_dir", "a\0b")), "hf_cache_dir", "not a usable path"),
+    ("template path too long", changed(("chat_template", "x" * 5000)), "chat_template", "not a usable path"),
 ]
 
 
@@ -381,6 +424,37 @@ def test_with_ports(base_dir: Path) -> None:
     assert topo.with_ports(listen_port=7100).head.api.port == 8000
     with pytest.raises(AddressError):
         topo.with_ports(api_port=70000)
+    with pytest.raises(TopologyError, match="also head.api's port") as info:
+        topo.with_ports(listen_port=8000)  # what --listen-port equal to the API's port asked for
+    assert info.value.key_path == "head.listen"
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http", "\uff18\uff10\uff10\uff10"])
+def test_the_command_line_takes_only_ports(port: str, capsys) -> None:
+    from tc.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["head", "topology.yaml", "--api-port", port])
+    assert info.value.code == 2 and "is not a port; use 0-65535" in capsys.readouterr().err
+    assert build_parser().parse_args(["head", "topology.yaml", "--listen-port", "0"]).listen_port == 0
+
+
+def test_an_address_the_head_cannot_listen_on_names_its_key() -> None:
+    """A port in use (or an address not of this machine) is a one-line error at the key, not a traceback."""
+    import socket
+
+    from tc.head.main import _listening
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = HostPort("127.0.0.1", taken.getsockname()[1])
+        with pytest.raises(TopologyError) as info, _listening("head.listen", address):
+            socket.create_server((address.host, address.port))
+    assert info.value.key_path == "head.listen" and f"cannot listen on {address}" in info.value.message
+
+
+def test_a_file_nested_past_any_topology_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="nested hundreds of levels deep"):
+        load_topology(write(tmp_path, "nodes: " + "[" * 3000 + "]" * 3000 + "\n"))
 
 
 def test_unknown_node_lookup_names_the_ids(base_dir: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import platform
@@ -9,6 +10,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
@@ -27,7 +29,7 @@ from ..batch_memory import plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
-from ..topology import Topology, load_topology
+from ..topology import HostPort, Topology, TopologyError, load_topology
 from .admission import device_for, speed_for
 from .api import create_app
 from .http_server import HttpServer, start_http_server
@@ -139,6 +141,18 @@ class Head:
         self.http.stop(SHUTDOWN_DRAIN_S)
 
 
+@contextlib.contextmanager
+def _listening(key: str, address: HostPort) -> Iterator[None]:
+    """Turns a failure to listen at the topology's `key` (a port in use, an address not of this machine) into a
+    TopologyError that names the key."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:  # Waitress raises ValueError for a host it cannot resolve
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TopologyError(key, f"cannot listen on {address}: {reason}; free that port or give another address "
+                            "(the host must be an address of this machine, or 0.0.0.0)") from exc
+
+
 def start_head(topology: Topology) -> Head:
     """Load the head's share of the model, listen for workers and serve the API. Returns once serving."""
     started = time.perf_counter()
@@ -200,10 +214,13 @@ def start_head(topology: Topology) -> Head:
     max_body = topology.head.max_body_bytes
     # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
     # unbounded backlog) decides who waits and who gets a 429
-    http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry), topology.head.api.host,
-                             topology.head.api.port, threads=registry.batch.max_batch + topology.head.max_queue + 4,
-                             max_body_bytes=max_body)
-    listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
+    with _listening("head.api", topology.head.api):
+        http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry),
+                                 topology.head.api.host, topology.head.api.port,
+                                 threads=registry.batch.max_batch + topology.head.max_queue + 4,
+                                 max_body_bytes=max_body)
+    with _listening("head.listen", topology.head.listen):
+        listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
                                          len(plan.stages), topology.name, http.url)
     log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
