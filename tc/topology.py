@@ -459,7 +459,8 @@ class _Parser:
             if key not in allowed:
                 close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
                 guess = f"did you mean {close[0]!r}? " if close else ""
-                key_path = f"{path}.{key}" if path else key
+                shown = key if NODE_ID_PATTERN.fullmatch(key) else repr(key)  # a newline or a space: quoted
+                key_path = f"{path}.{shown}" if path else shown
                 raise self.fail(key_path, f"unknown key; {guess}allowed keys here: {', '.join(allowed)}")
         return value
 

@@ -169,6 +169,7 @@ BAD = [
      "nodes[2].layers", "overlaps nodes[0] (gpu-box) layers 10-13"),
     ("same single pin twice", changed(("nodes.0.layers", 7), ("nodes.1.layers", "7")), "nodes[1].layers",
      "overlaps"),
+    ("unknown key of two lines", changed(("head.na\nme", 1)), "head.'na\\nme'", "unknown key"),
     # text that a pattern once matched short of its end, or in other scripts' digits and letters
     ("node id and a newline", changed(("nodes.0.id", "gpu-box\n")), "nodes[0].id", "characters other than"),
     ("device and a newline", changed(("nodes.0.device", "cpu\n")), "nodes[0].device", "is not a device"),
