@@ -30,7 +30,7 @@ from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.main import load_config_and_plan
 from tc.head.service import GenerationService, Readiness
-from tc.head.workers import WorkerRegistry
+from tc.head.workers import MAX_PENDING_HANDSHAKES, WorkerRegistry
 from tc.local import LocalPipeline
 from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
@@ -338,3 +338,32 @@ def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path
     finally:
         registry.stop()
 
+
+
+def test_connections_that_hold_every_handshake_place_give_way_to_a_worker(tmp_path, model_dir, caplog):
+    """Idle connections to the join port (a plain connect takes a place, no token needed) cannot keep a worker
+    out: one more than MAX_PENDING_HANDSHAKES closes the oldest, and a worker finishes its handshake at once."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)  # the 10 s deadline: idle places are not freed by it here
+    port = registry.start("127.0.0.1", 0)
+    idle: list[socket.socket] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="tc.head.workers"):
+            for _ in range(MAX_PENDING_HANDSHAKES + 8):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            wait_for(lambda: sum(closed_by_peer(s) for s in idle) == 8, 10, "the oldest 8 closed")
+            assert all(closed_by_peer(s) for s in idle[:8])  # the oldest ones, in order
+            conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5))
+            with conn:
+                conn.send(worker_hello("a"))
+                assert isinstance(conn.recv(timeout=5).message, HelloAck)
+                assert isinstance(conn.recv(timeout=5).message, Assignment)
+            # one warning for them all, not a line per connection
+            assert caplog.text.count("closed for newer connections") == 1
+            assert "went away during its handshake" not in caplog.text
+    finally:
+        for sock in idle:
+            sock.close()
+        registry.stop()

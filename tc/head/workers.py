@@ -19,7 +19,9 @@ the worker the same way. Dropping closes the socket, which also wakes a thread b
 worker frees its slot for the next worker that joins: the head never needs a restart.
 
 A joining peer has HELLO_TIMEOUT_S for its whole handshake, however it paces its bytes; at most
-MAX_PENDING_HANDSHAKES are in progress at once. Stopping tells every worker (an ERROR shutting_down) before
+MAX_PENDING_HANDSHAKES are in progress at once, and a connection past that closes the oldest of them: a worker
+finishes its handshake within a round trip or two, so connections that sit idle to fill the places (a plain TCP
+connect takes one, no token needed) are the ones that go, and a worker still gets in. Stopping tells every worker (an ERROR shutting_down) before
 closing its connection.
 
 Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
@@ -61,7 +63,8 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0  # the whole handshake, both rounds when a token is set: a deadline, not a per-read limit
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a HELLO is a few hundred bytes; a peer not yet admitted gets no more
-MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; more are closed at once
+MAX_PENDING_HANDSHAKES = 32  # connections still in their handshake; one more closes the oldest
+EVICTION_WARNING_EVERY_S = 60.0  # handshakes closed for newer ones are logged at most this often
 SLOT_HISTORY = 50  # joins and losses remembered per slot, for operators
 RECENT_DECODES = 32  # decode steps per worker kept for /v1/cluster's measured times
 FAREWELL_TIMEOUT_S = 1.0  # on stop, the longest wait for the workers to read the ERROR shutting_down and hang up
@@ -443,7 +446,9 @@ class WorkerRegistry:
         self.handshake_timeout_s = handshake_timeout_s
         self.hop_bytes = hop_bytes_per_position(config.hidden_size, topology.dtype)
         self._token_key = token_key(settings.join_token) if settings.join_token else None
-        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._pending_lock = threading.Lock()
+        self._pending: dict[socket.socket, str] = {}  # sockets in their handshake, oldest first, and their peers
+        self._evicted, self._last_eviction_warning = 0, 0.0
 
     # --- views -------------------------------------------------------------------------------------------------
     def readiness(self) -> Readiness:
@@ -556,19 +561,39 @@ class WorkerRegistry:
                     return  # listener closed
                 time.sleep(0.1)  # EMFILE and the like: back off rather than spin
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("refused a connection from %s:%s: %d handshakes already in progress", addr[0], addr[1],
-                            MAX_PENDING_HANDSHAKES)
-                sock.close()
-                continue
+            self._admit_pending(sock, f"{addr[0]}:{addr[1]}")
             threading.Thread(target=self._join, args=(sock, addr), name=f"join-{addr[0]}:{addr[1]}",
                              daemon=True).start()
+
+    def _admit_pending(self, sock: socket.socket, peer: str) -> None:
+        """Count `sock` among the handshakes in progress; with MAX_PENDING_HANDSHAKES already, close the oldest."""
+        with self._pending_lock:
+            oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING_HANDSHAKES else None
+            if oldest is not None:
+                oldest_peer = self._pending.pop(oldest)
+                self._evicted += 1
+            self._pending[sock] = peer
+            now = time.monotonic()
+            warn = oldest is not None and now - self._last_eviction_warning >= EVICTION_WARNING_EVERY_S
+            if warn:
+                self._last_eviction_warning, evicted, self._evicted = now, self._evicted, 0
+        if oldest is None:
+            return
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # wakes its thread, blocked reading, which then closes it
+        except OSError:
+            pass
+        if warn:
+            log.warning("%d handshake(s) in progress closed for newer connections (%d at once at most; the last "
+                        "from %s): something keeps connections to the join port open without joining",
+                        evicted, MAX_PENDING_HANDSHAKES, oldest_peer)
 
     def _join(self, sock: socket.socket, addr: tuple) -> None:
         try:
             admitted = self._handshake(sock, f"{addr[0]}:{addr[1]}")
         finally:
-            self._handshakes.release()
+            with self._pending_lock:
+                self._pending.pop(sock, None)
         if admitted is not None:
             self._serve(*admitted)
 
@@ -608,7 +633,10 @@ class WorkerRegistry:
             return None
         except (ConnectionClosed, OSError) as exc:  # TimeoutError is an OSError
             why = f"it did not finish within {self.handshake_timeout_s:g}s" if deadline.struck else str(exc)
-            log.warning("a worker from %s went away during its handshake: %s", peer, why)
+            with self._pending_lock:
+                evicted = sock not in self._pending  # closed for a newer connection: counted in one warning
+            log.log(logging.DEBUG if evicted else logging.WARNING, "a worker from %s went away during its "
+                    "handshake: %s", peer, "closed for a newer connection" if evicted else why)
             conn.close()
             self._lost_if_placed(conn, f"handshake failed: {why}")
             return None
