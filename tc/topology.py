@@ -184,7 +184,8 @@ class Topology:
             api = HostPort(api.host, _check_port(api_port, allow_zero=True))
         if listen_port is not None:
             listen = HostPort(listen.host, _check_port(listen_port, allow_zero=True))
-        if api.port == listen.port != 0 and (api.host == listen.host or {api.host, listen.host} & set(_WILDCARD_HOSTS)):
+        shared_host = api.host == listen.host or {api.host, listen.host} & set(_WILDCARD_HOSTS)
+        if api.port == listen.port != 0 and shared_host:
             raise TopologyError("head.listen", f"port {listen.port} is also head.api's port (after --api-port / "
                                 "--listen-port); give them different ports")
         return replace(self, head=replace(self.head, api=api, listen=listen))

@@ -21,8 +21,8 @@ worker frees its slot for the next worker that joins: the head never needs a res
 A joining peer has HELLO_TIMEOUT_S for its whole handshake, however it paces its bytes; at most
 MAX_PENDING_HANDSHAKES are in progress at once, and a connection past that closes the oldest of them: a worker
 finishes its handshake within a round trip or two, so connections that sit idle to fill the places (a plain TCP
-connect takes one, no token needed) are the ones that go, and a worker still gets in. Stopping tells every worker (an ERROR shutting_down) before
-closing its connection.
+connect takes one, no token needed) are the ones that go, and a worker still gets in. Stopping tells every worker
+(an ERROR shutting_down) before closing its connection.
 
 Anything a peer sends that breaks the protocol (garbage, an oversized or out-of-order frame, a reply nobody
 asked for, a hidden state of the wrong shape) closes that one connection with an ERROR saying why.
