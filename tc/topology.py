@@ -521,7 +521,7 @@ class _Parser:
                 "version", f"{shown} is not a topology format this tc reads; write version: {TOPOLOGY_VERSION}"
             )
         model, is_local = self.model(self.required(top, "model", "", "Qwen/Qwen2.5-0.5B-Instruct"))
-        revision = None if top.get("revision") is None else self.string(top["revision"], "revision")
+        revision = None if top.get("revision") is None else self.revision(top["revision"], "revision")
         name = _default_name(model, is_local) if top.get("name") is None else self.string(top["name"], "name")
         quant = self.choice(self.required(top, "quant", "", "int8"), "quant", QUANT_MODES, "weight mode")
         group_size = top.get("group_size", DEFAULT_GROUP_SIZE)
@@ -539,6 +539,15 @@ class _Parser:
             group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
             chat_template=chat_template,
         )
+
+    def revision(self, value: object, path: str) -> str:
+        # what git allows in a ref name (a branch, a tag) or a commit hash: a newline or a space would only fail
+        # at the download, after the head has started
+        text = self.string(value, path)
+        if re.search(r"[\x00-\x20\x7f~^:?*\[\\]", text) or ".." in text or "@{" in text:
+            raise self.fail(path, f"{text[:80]!r} is not a git revision: give a branch, tag or commit hash (no "
+                            "spaces, control characters, ~^:?*[\\ or '..'), e.g. main")
+        return text
 
     def local_path(self, text: str, key: str) -> Path:
         try:
