@@ -11,17 +11,26 @@ from typing import NoReturn
 log = logging.getLogger("tc")
 
 
+def _port_number(text: str) -> int | None:
+    """A port written in ASCII digits, 0-65535; None for anything else."""
+    if text.isascii() and text.isdigit() and len(text) <= 5 and int(text) <= 65535:
+        return int(text)
+    return None
+
+
 def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+    host, sep, port_text = value.rpartition(":")
+    port = _port_number(port_text)
+    if not sep or not host or not port:
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (for example 192.168.1.50:7001)")
-    return host, int(port)
+    return host, port
 
 
 def _port(value: str) -> int:
-    if not value.isascii() or not value.isdigit() or not 0 <= int(value) <= 65535:
+    port = _port_number(value)
+    if port is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a port; use 0-65535 (0: any free port)")
-    return int(value)
+    return port
 
 
 def _positive_float(value: str) -> float:

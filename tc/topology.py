@@ -184,8 +184,7 @@ class Topology:
             api = HostPort(api.host, _check_port(api_port, allow_zero=True))
         if listen_port is not None:
             listen = HostPort(listen.host, _check_port(listen_port, allow_zero=True))
-        shared_host = api.host == listen.host or {api.host, listen.host} & set(_WILDCARD_HOSTS)
-        if api.port == listen.port != 0 and shared_host:
+        if listen.port != 0 and _same_port(api, listen):
             raise TopologyError("head.listen", f"port {listen.port} is also head.api's port (after --api-port / "
                                 "--listen-port); give them different ports")
         return replace(self, head=replace(self.head, api=api, listen=listen))
@@ -323,6 +322,13 @@ def parse_host_port(text: str) -> HostPort:
     if not _PORT_PATTERN.fullmatch(port_text):
         raise AddressError(f"{text!r}: port {port_text!r} is not a number; write host:port like 0.0.0.0:8000")
     return HostPort(host, _check_port(int(port_text), allow_zero=False))
+
+
+def _same_port(api: HostPort, listen: HostPort) -> bool:
+    """Whether the two addresses would listen on one port: the same port, on the same host or a wildcard."""
+    return api.port == listen.port and (
+        api.host == listen.host or api.host in _WILDCARD_HOSTS or listen.host in _WILDCARD_HOSTS
+    )
 
 
 def _is_ip(text: str, kind: type) -> bool:
@@ -554,7 +560,7 @@ class _Parser:
             path = Path(text).expanduser()
             return path if path.is_absolute() else (self.base_dir / path).resolve()
         except (OSError, RuntimeError, ValueError) as exc:  # ~nosuchuser, a NUL byte, a name too long
-            raise self.fail(key, f"{text[:80]!r} is not a usable path ({exc}); give a path on this machine") from exc
+            raise self.unusable_path(key, text, exc) from exc
 
     def is_dir(self, path: Path, key: str) -> bool:
         return self.exists(path, key, Path.is_dir)
@@ -566,8 +572,10 @@ class _Parser:
         try:
             return test(path)
         except (OSError, ValueError) as exc:  # a name too long for the file system
-            raise self.fail(key, f"{str(path)[:80]!r} is not a usable path ({exc}); give a path on this "
-                            "machine") from exc
+            raise self.unusable_path(key, str(path), exc) from exc
+
+    def unusable_path(self, key: str, text: str, exc: Exception) -> TopologyError:
+        return self.fail(key, f"{text[:80]!r} is not a usable path ({exc}); give a path on this machine")
 
     def template_file(self, value: object, path: str) -> Path:
         # read by the head when it loads the tokenizer; checked here so a wrong path fails before anything loads
@@ -607,9 +615,7 @@ class _Parser:
         head = self.mapping(value, "head", HEAD_KEYS, "a mapping with api and listen")
         api = self.address(self.required(head, "api", "head", "0.0.0.0:8000"), "head.api")
         listen = self.address(self.required(head, "listen", "head", "0.0.0.0:7001"), "head.listen")
-        if api.port == listen.port and (
-            api.host == listen.host or api.host in _WILDCARD_HOSTS or listen.host in _WILDCARD_HOSTS
-        ):
+        if _same_port(api, listen):
             raise self.fail("head.listen", f"port {listen.port} is also head.api's port; give them different ports")
         threads = self.optional(head, "threads", "head", lambda v, p: self.integer(v, p, 1, maximum=MAX_THREADS))
         max_queue = self.integer(head.get("max_queue", DEFAULT_MAX_QUEUE), "head.max_queue", 1, maximum=MAX_QUEUE)
