@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -454,6 +455,30 @@ def test_an_address_the_head_cannot_listen_on_names_its_key() -> None:
         with pytest.raises(TopologyError) as info, _listening("head.listen", address):
             socket.create_server((address.host, address.port))
     assert info.value.key_path == "head.listen" and f"cannot listen on {address}" in info.value.message
+
+
+@pytest.mark.parametrize("key", ["head.api", "head.listen"])
+def test_a_port_in_use_stops_the_head_before_it_loads_anything(tmp_path: Path, key: str, caplog) -> None:
+    """The head checks both its ports before it fetches and loads its tensors, so an operator who left another
+    head running hears of it at once, not minutes into a large model's load."""
+    import socket
+
+    from cluster import free_port, write_topology
+    from tc.head.main import start_head
+    from tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", seed=7)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        other = f"127.0.0.1:{free_port()}"
+        head = {"api": busy, "listen": other} if key == "head.api" else {"api": other, "listen": busy}
+        topology = load_topology(write_topology(tmp_path / "t.yaml", model, [{"id": "w", "device": "cpu"}],
+                                                head=head))
+        caplog.set_level(logging.INFO)
+        with pytest.raises(TopologyError) as info:
+            start_head(topology)
+    assert info.value.key_path == key and f"cannot listen on {busy}" in info.value.message
+    assert "head tensors loaded" not in caplog.text and "batch:" in caplog.text
 
 
 def test_a_file_nested_past_any_topology_is_refused(tmp_path: Path) -> None:

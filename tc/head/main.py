@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -153,6 +154,23 @@ def _listening(key: str, address: HostPort) -> Iterator[None]:
                             "(the host must be an address of this machine, or 0.0.0.0)") from exc
 
 
+def check_can_listen(key: str, address: HostPort) -> None:
+    """Binds the topology's `key` address once and lets it go: a port in use then stops the head at once, not
+    after it has fetched and loaded its tensors (minutes for a large model). Port 0 is always free. Raises
+    TopologyError, as the real bind later would."""
+    if address.port == 0:
+        return
+    with _listening(key, address):
+        try:
+            family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+        except socket.gaierror as exc:
+            raise ValueError(exc.strerror or str(exc)) from exc
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Waitress and the join port bind
+            probe.bind((address.host, address.port))
+
+
 def start_head(topology: Topology) -> Head:
     """Load the head's share of the model, listen for workers and serve the API. Returns once serving."""
     started = time.perf_counter()
@@ -173,6 +191,8 @@ def start_head(topology: Topology) -> Head:
                  explain(plan, plan_forecast(topology, config, plan, speed)) if timed else plan.table())
     batch = plan_batch(plan, config, topology.head.max_batch)  # refuses a batch that cannot fit, before loading
     log.info("batch: %s", batch.describe())
+    check_can_listen("head.api", topology.head.api)
+    check_can_listen("head.listen", topology.head.listen)
     names = head_tensor_names(config)
     model_dir = source.fetch_tensors(names)
     source.fetch_tokenizer()
