@@ -19,11 +19,13 @@ def _port_number(text: str) -> int | None:
 
 
 def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port_text = value.rpartition(":")
-    port = _port_number(port_text)
-    if not sep or not host or not port:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (for example 192.168.1.50:7001)")
-    return host, port
+    from .topology import AddressError, parse_host_port
+
+    try:
+        address = parse_host_port(value)  # the topology's own rules: an IPv6 host in brackets, a port 1-65535
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return address.host, address.port
 
 
 def _port(value: str) -> int:
@@ -33,10 +35,51 @@ def _port(value: str) -> int:
     return port
 
 
+def _in_range(value: str, kind: type, low: float, high: float) -> float:
+    """`value` as a number of `kind` (int or float) in [low, high]: NaN, inf and words are refused too."""
+    try:
+        number = kind(value)
+    except ValueError:
+        number = None
+    if number is None or not low <= number <= high:
+        word = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{value!r} is not {word} from {low:g} to {high:g}")
+    return number
+
+
+# Flags that stand in for a topology key take that key's range (tc.topology, imported when such a flag is given:
+# it brings torch), so that nothing passes here that the key would refuse.
+def _threads(value: str) -> int:
+    from .topology import MAX_THREADS
+    return int(_in_range(value, int, 1, MAX_THREADS))
+
+
+def _gib(value: str) -> float:
+    from .topology import MAX_MEMORY_GB
+    number = _positive_float(value)  # (0, MAX_MEMORY_GB], as the key's
+    if number > MAX_MEMORY_GB:
+        raise argparse.ArgumentTypeError(f"{value!r} GiB is more than {MAX_MEMORY_GB:g}")
+    return number
+
+
+def _mib(value: str) -> float:
+    from .topology import SIZE_RANGE_MB
+    return _in_range(value, float, *SIZE_RANGE_MB)
+
+
+def _wait_s(value: str) -> float:
+    from .topology import HEARTBEAT_RANGE_S
+    return _in_range(value, float, *HEARTBEAT_RANGE_S)
+
+
 def _positive_float(value: str) -> float:
-    number = float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
+    """A finite number above 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number greater than 0")
     return number
 
 
@@ -56,16 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", help="the topology entry to fill (default: the first free one that fits)")
     worker.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     worker.add_argument("--hf-cache-dir", type=Path, help="HuggingFace cache directory for model downloads")
-    worker.add_argument("--max-memory-gb", type=_positive_float, metavar="GIB",
+    worker.add_argument("--max-memory-gb", type=_gib, metavar="GIB",
                         help="memory this worker may use, in GiB (2**30 bytes) like the topology's max_memory_gb; "
                              "its layers' weights must fit in it (default: what the device reports)")
-    worker.add_argument("--threads", type=int, help="torch threads (default: the topology's, else all cores)")
-    worker.add_argument("--retry-max-s", type=float, default=30.0, help="longest wait between join attempts")
+    worker.add_argument("--threads", type=_threads, help="torch threads (default: the topology's, else all cores)")
+    worker.add_argument("--retry-max-s", type=_wait_s, default=30.0, help="longest wait between join attempts")
     worker.add_argument("--join-token-file", type=Path, metavar="PATH",
                         help="file holding the cluster's join token (or set TC_JOIN_TOKEN / TC_JOIN_TOKEN_FILE)")
     worker.add_argument("--head-timeout-s", type=_positive_float, metavar="S",
                         help="rejoin when the head sends nothing for this long (default 30)")
-    worker.add_argument("--max-frame-mb", type=_positive_float, metavar="MIB",
+    worker.add_argument("--max-frame-mb", type=_mib, metavar="MIB",
                         help="largest frame accepted from the head (default 256)")
     worker.add_argument("--peer-port", type=int, default=0, metavar="PORT",
                         help="port on which the stage before this one passes hidden states straight here, on the "
@@ -99,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    gen.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    gen.add_argument("--threads", type=_threads, help="torch threads (default: all cores)")
     return parser
 
 
@@ -122,7 +165,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = generator.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = generator.tokenizer.encode(prompt)
-    result = generator.generate(ids, params, on_text=lambda piece: print(piece, end="", flush=True))
+    try:
+        result = generator.generate(ids, params, on_text=lambda piece: print(piece, end="", flush=True))
+    except ValueError as exc:  # a prompt the model cannot take: empty, or longer than its context
+        log.error("%s", exc)
+        return 2
     print()
     print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
           f"first token {result.time_to_first_token_s * 1000:.0f} ms, "
@@ -159,6 +206,21 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _leave_at_once_on_signal() -> None:
+    """Until the head or worker sets its own handlers (once it serves, where leaving tells the others), SIGINT and
+    SIGTERM end the process at once, status 0, with a line that says so: a start (a download, a load, the speed
+    probe) is minutes on a large model, and the default handlers ended it with a traceback, or killed it without
+    a word while torch ran, or aborted it."""
+    import signal
+
+    def leave(signum: int, _frame: object) -> None:
+        log.info("%s received while starting: exiting", signal.Signals(signum).name)
+        exit_process(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors in what the user gave us (files, settings): one line, no traceback."""
     from .model.config import ConfigError
@@ -179,10 +241,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_plan(args)
     if args.command == "head":
+        _leave_at_once_on_signal()
         from .head.main import run_head
 
         return run_head(args)
     if args.command == "worker":
+        _leave_at_once_on_signal()
         from .worker.main import run_worker
 
         return run_worker(args)

@@ -7,6 +7,7 @@ distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them,
 """
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class SamplingParams:
         """
         problems = [
             (not self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
-            (not self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (not 0 <= self.temperature < math.inf, f"temperature must be >= 0 and finite, got {self.temperature}"),
+            (self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63,
+             f"seed must fit a signed 64-bit integer, got {self.seed}"),
             (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (not self.top_k >= 0, f"top_k must be >= 0 (0: every token), got {self.top_k}"),
             (not self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),

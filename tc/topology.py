@@ -308,7 +308,7 @@ def parse_host_port(text: str) -> HostPort:
     if not isinstance(text, str):
         raise AddressError(f"expected \"host:port\" like 0.0.0.0:8000, got {_describe(text)}")
     host, sep, port_text = text.rpartition(":")
-    if not sep or not port_text:
+    if not sep or not port_text or text.endswith("]"):  # "[::1]": the last colon is the address's own
         raise AddressError(f"{text!r} has no port; write host:port like 0.0.0.0:8000")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

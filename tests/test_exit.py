@@ -37,3 +37,26 @@ def test_a_process_with_a_thread_inside_torch_exits_with_its_status_and_its_outp
         assert done.returncode == 3, done.stderr
         assert done.stdout == "printed last"  # buffered (stdout is a pipe), so only the flush writes it
         assert "logged last" in done.stderr
+
+
+def test_a_signal_while_a_worker_starts_ends_it_at_once_without_a_traceback(tmp_path):
+    """SIGINT or SIGTERM during a start (here the first speed probe, seconds long; a download or a load on a large
+    model) leaves with status 0 and one line, where Python's default handlers printed a traceback or aborted."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        bench_dir = tmp_path / sig.name  # no figures kept: the worker measures before it joins
+        worker = subprocess.Popen([sys.executable, "-m", "tc", "worker", "--join", "127.0.0.1:9", "--device", "cpu",
+                                   "--bench-dir", str(bench_dir)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env)
+        first = worker.stdout.readline()  # its first log line: the probe is under way
+        assert worker.poll() is None, first + worker.communicate()[0]  # still measuring
+        started = time.monotonic()
+        worker.send_signal(sig)
+        output = first + worker.communicate(timeout=60)[0]
+        assert worker.returncode == 0, output
+        assert time.monotonic() - started < 10, output
+        assert f"{sig.name} received while starting: exiting" in output and "Traceback" not in output, output
+        assert "joining 127.0.0.1:9" not in output  # it left; it did not go on to join

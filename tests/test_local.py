@@ -39,7 +39,9 @@ def test_an_unknown_mode_is_refused(tiny_model_dir):
         load_local_generator(tiny_model_dir, "fp32", quant="int3")
 
 
-@pytest.mark.parametrize("flag, value, named", [("--top-p", "0", "top_p"), ("--temperature", "-1", "temperature")])
+@pytest.mark.parametrize("flag, value, named", [("--top-p", "0", "top_p"), ("--temperature", "-1", "temperature"),
+                                                ("--temperature", "inf", "temperature"),
+                                                ("--seed", "99999999999999999999999", "seed")])
 def test_generate_refuses_a_bad_sampling_value_in_one_line_before_loading(tiny_model_dir, flag, value, named):
     done = subprocess.run([sys.executable, "-m", "tc", "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
                            flag, value], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
@@ -47,3 +49,12 @@ def test_generate_refuses_a_bad_sampling_value_in_one_line_before_loading(tiny_m
     assert done.returncode == 2, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert "loaded" not in done.stderr  # refused before the model was read
+
+
+@pytest.mark.parametrize("prompt, named", [("", "the prompt is empty"), ("hi " * 5000, "the context holds")])
+def test_generate_refuses_a_prompt_the_model_cannot_take_in_one_line(tiny_model_dir, prompt, named):
+    done = subprocess.run([sys.executable, "-m", "tc", "generate", "--model", str(tiny_model_dir), "--prompt", prompt],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -199,8 +199,10 @@ def test_seeded_generation_repeats(generator):
 
 BAD_PARAMS = {
     "negative max_tokens": ({"max_tokens": -1}, "max_tokens must be >= 0, got -1"),
-    "negative temperature": ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
-    "NaN temperature": ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    "negative temperature": ({"temperature": -0.5}, "temperature must be >= 0 and finite, got -0.5"),
+    "NaN temperature": ({"temperature": float("nan")}, "temperature must be >= 0 and finite, got nan"),
+    "infinite temperature": ({"temperature": float("inf")}, "temperature must be >= 0 and finite, got inf"),
+    "seed past 64 bits": ({"seed": 1 << 63}, "seed must fit a signed 64-bit integer"),
     "zero top_p": ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
     "top_p over 1": ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
     "negative top_k": ({"top_k": -1}, "top_k must be >= 0"),

@@ -444,6 +444,45 @@ def test_the_command_line_takes_only_ports(port: str, capsys) -> None:
     assert build_parser().parse_args(["head", "topology.yaml", "--listen-port", "0"]).listen_port == 0
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["worker", "--join", "h:7001", "--threads", "-1"], "argument --threads: '-1' is not a whole number from 1"),
+    (["worker", "--join", "h:7001", "--threads", "2000"], "from 1 to 1024"),
+    (["generate", "--model", "m", "--prompt", "p", "--threads", "0"], "argument --threads: '0'"),
+    (["worker", "--join", "h:7001", "--retry-max-s", "-1"], "argument --retry-max-s: '-1' is not a number"),
+    (["worker", "--join", "h:7001", "--retry-max-s", "0"], "argument --retry-max-s"),
+    (["worker", "--join", "h:7001", "--retry-max-s", "nan"], "argument --retry-max-s"),
+    (["worker", "--join", "h:7001", "--retry-max-s", "inf"], "argument --retry-max-s"),
+    (["worker", "--join", "h:7001", "--max-memory-gb", "inf"], "argument --max-memory-gb: 'inf'"),
+    (["worker", "--join", "h:7001", "--max-memory-gb", "nan"], "argument --max-memory-gb: 'nan'"),
+    (["worker", "--join", "h:7001", "--max-memory-gb", "1e30"], "argument --max-memory-gb: '1e30' GiB is more"),
+    (["worker", "--join", "h:7001", "--max-frame-mb", "1e-9"], "argument --max-frame-mb: '1e-9'"),
+    (["worker", "--join", "h:7001", "--head-timeout-s", "inf"], "argument --head-timeout-s: 'inf'"),
+    (["worker", "--join", "::1"], "put an IPv6 host in brackets"),
+    (["worker", "--join", "::1:7001"], "put an IPv6 host in brackets"),
+    (["worker", "--join", "[::1]"], "has no port"),
+    (["worker", "--join", "h:0"], "--join"),
+])
+def test_flags_that_stand_for_topology_keys_take_their_ranges(argv: list[str], refused: str, capsys) -> None:
+    """Each worker and generate flag with a topology twin refuses what the key refuses (NaN, inf, 0, negatives,
+    past the key's most), in argparse's one line: these were tracebacks (--threads -1, --max-memory-gb inf or
+    1e30, --max-frame-mb 1e-9) or a worker retrying in a busy loop (--retry-max-s -1)."""
+    from tc.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and refused in capsys.readouterr().err
+
+
+def test_join_takes_an_ipv6_host_in_brackets_as_the_topology_writes_it() -> None:
+    from tc.cli import build_parser
+
+    assert build_parser().parse_args(["worker", "--join", "[::1]:7001"]).join == ("::1", 7001)
+    assert build_parser().parse_args(["worker", "--join", "head.lan:7001"]).join == ("head.lan", 7001)
+    args = build_parser().parse_args(["worker", "--join", "h:1", "--threads", "3", "--retry-max-s", "0.5",
+                                      "--max-memory-gb", "0.5", "--max-frame-mb", "64"])
+    assert (args.threads, args.retry_max_s, args.max_memory_gb, args.max_frame_mb) == (3, 0.5, 0.5, 64.0)
+
+
 def test_an_address_the_head_cannot_listen_on_names_its_key() -> None:
     """A port in use (or an address not of this machine) is a one-line error at the key, not a traceback."""
     import socket

@@ -53,7 +53,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHU
                                  Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
                                  HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
                                  RunBatch, SpeedFigure)
-from ..topology import GIB
+from ..topology import GIB, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread
 from ..trace import mark
@@ -210,12 +210,12 @@ class Worker:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
         delay = 1.0
         while not self.stop.is_set():
-            address = f"{self.options.host}:{self.options.port}"
+            address = HostPort(self.options.host, self.options.port)
             try:
                 conn = connect(self.options.host, self.options.port, timeout=10.0,
                                max_frame_bytes=self.options.max_frame_bytes)
             except OSError as exc:
-                log.warning("head at %s not reachable (%s); retrying in %.0fs", address, exc, delay)
+                log.warning("head at %s not reachable (%s); retrying in %.3gs", address, exc, delay)
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
                 continue
