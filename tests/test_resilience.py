@@ -159,6 +159,36 @@ def test_workers_rejoin_a_head_that_comes_back(tmp_path, model_dir, greedy):
             assert "already loaded; reusing" in cluster.workers[name].output()
 
 
+def test_workers_reload_a_checkpoint_rewritten_while_the_head_was_down(tmp_path):
+    """A worker keeps its layers across a head's restart only when the checkpoint is the one it loaded: here the
+    model directory is written afresh (other weights, same path) while the head is down, and the restarted head's
+    cluster answers as the new model does, where the workers had served their old layers without a word."""
+    model_dir = write_tiny_model(tmp_path / "model" / "tiny-qwen", seed=7, shards=2)
+
+    def greedy_text() -> str:
+        model = OurModel(model_dir)
+        tok = TextTokenizer.load(model_dir)
+        gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+        return gen.generate(tok.encode(PROMPT), SamplingParams(12, temperature=0, ignore_eos=True)).text
+
+    with start(tmp_path, model_dir) as cluster:
+        old = greedy_text()
+        assert_serves(cluster, lambda _: old)
+        cluster.head.proc.kill()
+        cluster.head.proc.wait()
+        cluster.head.log.close()
+        write_tiny_model(model_dir, seed=8, shards=2)
+        new = greedy_text()
+        assert new != old
+        cluster.start_head()  # same ports
+        cluster.wait_api()
+        cluster.wait_ready(120)
+        assert_serves(cluster, lambda _: new)
+        for name in ("a", "b"):
+            assert "already loaded; reusing" not in cluster.workers[name].output()
+            assert cluster.workers[name].output().count("assigned layers") == 2
+
+
 def test_request_resumes_on_the_restarted_worker_with_the_same_text(tmp_path, model_dir, greedy):
     with start(tmp_path, model_dir, resume=True, resume_grace_s=120) as cluster:
         b = cluster.workers.pop("b")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import queue
@@ -101,8 +102,23 @@ class WorkerOptions:
 
 
 def _assignment_key(a: Assignment) -> tuple:
+    """What layers loaded for an earlier assignment must match to serve this one: the same settings, the same
+    config.json, and for a local model directory the same files. A head restarted over a checkpoint rewritten in
+    place (same path, new weights) would otherwise be served the old layers, and answer wrongly without a word.
+    A Hub model is named by its revision; a branch that moved since the load is not seen here."""
     return (a.model_id, a.revision, a.device, a.quant, a.group_size, a.compute_dtype, a.layer_start,
-            a.layer_end_exclusive)
+            a.layer_end_exclusive, a.model_source, json.dumps(a.config, sort_keys=True),
+            _local_files(a.model_id) if a.model_source == "local" else ())
+
+
+def _local_files(model_dir: str) -> tuple:
+    """The name, size and modification time of each file of a local model directory (its top level, where
+    config.json and the shards are); nothing when it cannot be read (the load then says why)."""
+    try:
+        with os.scandir(model_dir) as entries:
+            return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()))
+    except OSError:
+        return ()
 
 
 def read_token_file(path: Path) -> str:
