@@ -157,6 +157,44 @@ def test_concurrent_requests_are_all_served(server, client):
     assert len(results) == 3 and len(set(results)) == 1
 
 
+def test_idle_connections_past_a_hundred_leave_the_api_answering(generator):
+    """Clients' pools keep idle keep-alive connections open for minutes; Waitress's default stopped accepting at
+    100 open connections, so /health and every new client met silence, not even a 429."""
+    running = serve(generator)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", running.port), timeout=10))
+        connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        connection.close()
+    finally:
+        for sock in idle:
+            sock.close()
+        running.stop()
+
+
+def test_the_connection_limit_stays_under_the_files_this_process_may_open():
+    import resource
+
+    from tc.head.http_server import FD_HEADROOM, IDLE_CONNECTIONS, connection_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+        limit = connection_limit(8)
+        now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # raised where the hard limit allows; else kept under the soft one, never under the request threads
+        if now >= 8 + IDLE_CONNECTIONS + FD_HEADROOM:
+            assert limit == 8 + IDLE_CONNECTIONS
+        else:
+            assert limit == max(now - FD_HEADROOM, 8)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_stop_closes_the_port(generator):
     running = serve(generator)
     status, _, _ = raw_post(running, "/v1/completions", b"{}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import select
 import threading
 import time
@@ -33,6 +34,8 @@ DRAIN_TIMEOUT_S = 5.0
 BACKLOG_DRAIN_S = 1.0  # after the listener closes: time for the requests of connections taken from its backlog
 QUIET_S = 0.2  # a connection counts as idle once it has been quiet this long: a new one's request may be in transit
 MAX_BACKLOG = 4096  # connections taken from the listen backlog when it closes (Linux caps the backlog at 4096)
+IDLE_CONNECTIONS = 1000  # open connections allowed past one per request thread (connection_limit)
+FD_HEADROOM = 256  # file descriptors kept for everything else the head opens
 SHUTDOWN_REPLY = ErrorReply(503, "service_unavailable", "the server is shutting down and takes no new requests; "
                             "retry once it is back", None, "shutting_down", (("Retry-After", RETRY_AFTER_S),))
 
@@ -177,6 +180,30 @@ class HttpServer:
         self.stop()
 
 
+def connection_limit(threads: int) -> int:
+    """Connections Waitress keeps open before it stops accepting: IDLE_CONNECTIONS past one per request thread.
+
+    Waitress's own default, 100, counts idle keep-alive connections too (a client's pool keeps its connections
+    open for two minutes), and past it nobody is accepted, /health included: no 429, only silence. Past the
+    request threads, the bounded queue is what refuses, so the limit only has to hold the idle ones. Each
+    connection is a file descriptor: the soft limit on them is raised as far as the hard one allows, and the
+    connection limit kept under it (with FD_HEADROOM for the model's files, the workers' links and the logs)."""
+    want = threads + IDLE_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want + FD_HEADROOM:
+        raised = want + FD_HEADROOM if hard == resource.RLIM_INFINITY else min(hard, want + FD_HEADROOM)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (OSError, ValueError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want + FD_HEADROOM:
+        log.warning("this process may open %d files, so the API keeps at most %d connections open (%d wanted); "
+                    "raise the limit (ulimit -n) for more", soft, max(soft - FD_HEADROOM, threads), want)
+        return max(soft - FD_HEADROOM, threads)
+    return want
+
+
 def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HttpServer:
     """Serve the WSGI `app` on host:port (port 0: any free port, see `.port`) from a daemon thread.
@@ -186,7 +213,8 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
     socket_map: dict = {}
     gate = ShutdownGate(app)
     server = create_server(gate, map=socket_map, host=host, port=port, threads=threads,
-                           max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc")
+                           max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc",
+                           connection_limit=connection_limit(threads), asyncore_use_poll=True)
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
     running = HttpServer(server, socket_map, thread, host, gate)
