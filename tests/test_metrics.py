@@ -86,6 +86,21 @@ def test_metrics_parse_and_counters_move(generator):
     assert not [k for k in after if k[0].startswith(("tc_stage_compute", "tc_hop_network")) and after[k]]
 
 
+def test_a_request_refused_with_a_429_is_not_a_failed_generation(generator):
+    """Load shed at a full queue is counted as the HTTP status it is, not as generations that failed (dashboards
+    alert on those)."""
+    client, service = make_client(generator, max_queue=0, max_batch=1)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0)) as stream:
+        assert client.simulate_post("/v1/completions", json=body).status_code == 429
+        stream.drain()
+    samples = scrape(client)
+    route = {"method": "POST", "route": "/v1/completions"}
+    assert value(samples, "tc_http_requests_total", **route, status="429") == 1
+    assert value(samples, "tc_generations_total", outcome="error") == 0
+    assert value(samples, "tc_generations_total", outcome="length") == 1  # the one that ran
+
+
 def test_node_up_follows_readiness(generator):
     client, _ = make_client(generator, readiness=lambda: Readiness(3, ("a",), ("b", "c")))
     samples = scrape(client)

@@ -431,3 +431,14 @@ def test_concurrent_streams_run_together_and_each_gets_its_own_text(slow):
         thread.join(60)
     assert not errors and texts == solo
     assert max(len(step) for step in pipeline.steps[before:]) == 3  # all three in one step: a batch
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1e", "\r", "\n"])
+def test_an_event_is_one_line_for_every_reader(char):
+    """Text with a character that str.splitlines (and so requests' iter_lines) ends a line at stays one line of
+    the stream, and reads back the same: U+2028, U+2029 and U+0085 went out raw and split the JSON."""
+    from tc.head.streaming import sse
+
+    event = sse({"text": f"a{char}b", "n": 1})
+    assert event.endswith(b"\n\n") and len(event[:-2].decode().splitlines()) == 1
+    assert json.loads(event[len(b"data: "):-2]) == {"text": f"a{char}b", "n": 1}

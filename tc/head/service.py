@@ -303,7 +303,8 @@ class GenerationService:
         with self._lock:
             # max_queue requests may wait while max_batch run
             if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
-                self.metrics.generations.labels("error").inc()
+                # not a generation: it never queued (its 429 counts in tc_http_requests_total, as a 503 of
+                # _check_ready's does)
                 raise QueueFull(self.max_queue)
             self._waiting.extend(requests)
             if self._loop is None:

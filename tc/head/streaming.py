@@ -31,9 +31,16 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": \n\n"  # an SSE comment: clients skip it; writing it shows whether the client is still there
 
 
+# Characters JSON leaves raw (it escapes those under U+0020) that some line readers end a line at (Python's
+# str.splitlines, which requests' iter_lines uses): an event split there is no JSON. Escaped, they read the same.
+_LINE_LIKE = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `payload` as JSON (which escapes every line break inside strings)."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event carrying `payload` as JSON (which escapes \\n and \\r inside strings; the other
+    characters some readers split lines at are escaped here)."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_LIKE)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def _byte_decoder() -> dict[str, int]:
