@@ -5,8 +5,11 @@ import http.client
 import json
 import socket
 import threading
+import time
+import urllib.request
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 import torch
 
@@ -17,6 +20,7 @@ from tc.head.http_server import HttpServer, start_http_server, waitress_body_lim
 from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
+from tiny_model import write_tiny_model
 
 MODEL = "tiny"
 BODY_LIMIT = 64 * 1024
@@ -193,6 +197,47 @@ def test_the_connection_limit_stays_under_the_files_this_process_may_open():
             assert limit == max(now - FD_HEADROOM, 8)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_whole_reply_whose_client_left_gives_its_place_back(tmp_path):
+    """A client that closes its connection while its (not streamed) reply is generated: the generation ends
+    within a step, counted abandoned and logged with status 499, where it used to run to max_tokens, holding a
+    place in the batch that others waited for."""
+    model_dir = write_tiny_model(tmp_path / "long", seed=3, max_position_embeddings=8192)
+    model = OurModel(model_dir)
+    generator = Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+    service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
+                                max_batch=1)
+    running_server = start_http_server(create_app(service), "127.0.0.1", 0, threads=4)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 8000, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", running_server.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        def running() -> int:
+            with urllib.request.urlopen(running_server.url + "/v1/cluster", timeout=10) as reply:
+                return json.load(reply)["queue"]["running"]
+
+        deadline = time.monotonic() + 30
+        while running() == 0:  # under way
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sock.close()
+        while running():
+            assert time.monotonic() < deadline, "the generation ran on after its client left"
+            time.sleep(0.01)
+        status, _, reply = raw_post(running_server, "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 200, reply  # the place is free again
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(service.metrics.render()[0].decode()) for s in f.samples}
+        assert samples[("tc_generations_total", (("outcome", "abandoned"),))] == 1
+        assert samples[("tc_completion_tokens_total", ())] < 8000
+        assert samples[("tc_http_requests_total", (("method", "POST"), ("route", "/v1/completions"),
+                                                   ("status", "499")))] == 1
+    finally:
+        running_server.stop()
 
 
 def test_stop_closes_the_port(generator):

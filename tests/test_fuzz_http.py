@@ -249,8 +249,7 @@ def live_post(server: HttpServer, body: bytes, path: str = "/v1/completions",
 
 def live_raw(server: HttpServer, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        sock.sendall(data)  # and no half-close: the server takes a client that half-closes as gone (docs/api.md)
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)

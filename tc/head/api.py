@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 import falcon
 
 from ..constraint import GrammarEngine
-from ..generation import text_with_offsets
+from ..generation import Completion, text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
 from ..batch_memory import BatchPlan
 from ..planner import Plan
@@ -36,8 +36,8 @@ from .api_requests import (
 )
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
-from .service import (ClusterNotReady, GenerationGroup, GenerationService, GenerationSummary, QueueFull,
-                      Readiness, ServiceError, StageFailed, WorkerLost)
+from .service import (ClusterNotReady, GenerationGroup, GenerationService, GenerationStream, GenerationSummary,
+                      QueueFull, Readiness, ServiceError, StageFailed, WorkerLost)
 from .structured_output import StructuredOutput
 from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
@@ -92,6 +92,8 @@ def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
         return ErrorReply(503, "service_unavailable", str(exc), None, "service_unavailable")
     if isinstance(exc, falcon.HTTPError):
         return _falcon_error_reply(exc, request_line)
+    if isinstance(exc, ClientGone):  # nginx's status for it: the reply goes nowhere, the log and metrics say why
+        return ErrorReply(499, "client_closed_request", str(exc), None, "client_closed_request")
     return ErrorReply(500, "internal_error", INTERNAL_ERROR_MESSAGE, None, "internal_error")
 
 
@@ -261,8 +263,10 @@ class _Generation:
         req.context.request_id, req.context.generation = request_id, group
         replies = [make_reply() for _ in generations]  # a reply object per choice: chat replies keep state
         if not stream:
+            # Waitress's check that the client has closed its connection (channel_request_lookahead gives it)
+            gone = req.env.get("waitress.client_disconnected")
             with group:
-                bodies = [reply.whole(generation.drain()) for reply, generation in zip(replies, generations)]
+                bodies = [reply.whole(_drain(generation, gone)) for reply, generation in zip(replies, generations)]
             resp.media = bodies[0] if n == 1 else merge_choices(bodies)
             return
         started, request_line = req.context.started, f"{req.method} {req.path}"
@@ -280,6 +284,20 @@ class _Generation:
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")  # reverse proxies must not hold events back
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its whole reply was ready: nobody will read it."""
+
+
+def _drain(generation: GenerationStream, gone: Callable[[], bool] | None) -> Completion:
+    """generation.drain(), given up once the client is `gone` (looked at every step): its place in the batch goes
+    back within a step, as a stream's does, where a client that timed out held it to max_tokens."""
+    for _ in generation:
+        if gone is not None and gone():
+            raise ClientGone(f"the client closed the connection after {generation.completion_tokens} tokens")
+    assert generation.completion is not None
+    return generation.completion
 
 
 def _stream_error_body(exc: Exception, request_line: str) -> dict[str, Any]:

@@ -214,7 +214,10 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
     gate = ShutdownGate(app)
     server = create_server(gate, map=socket_map, host=host, port=port, threads=threads,
                            max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc",
-                           connection_limit=connection_limit(threads), asyncore_use_poll=True)
+                           connection_limit=connection_limit(threads), asyncore_use_poll=True,
+                           # reads on while a request runs, so that a client that closed its connection is seen
+                           # (waitress.client_disconnected); one that only half-closes is taken as gone too
+                           channel_request_lookahead=1)
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
     running = HttpServer(server, socket_map, thread, host, gate)
