@@ -47,18 +47,27 @@ class ModelSource:
             return Path(hf_hub_download(self.model, filename, revision=self.revision,
                                         cache_dir=str(self.cache_dir) if self.cache_dir else None))
         except errors.LocalEntryNotFoundError as exc:  # offline, or the Hub unreachable, and not in the cache
+            if optional:  # a cache filled by snapshot_download or `hf download` records no absent files
+                log.warning("%s of %s is not in the HF cache and the Hub could not be asked for it; going on "
+                            "without it", filename, self.model)
+                return None
             raise ModelSourceError(
-                f"cannot get {filename} of {self.model}: it is not in the HF cache and the Hub is not reachable "
-                f"({exc}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror), or copy the model "
-                "directory here and give its path as model: in topology.yaml") from exc
+                f"cannot get {filename} of {self.model}: it is not in the HF cache and the Hub did not provide it "
+                f"({_first_line(exc)}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror; "
+                "HF_HUB_OFFLINE=1 uses the cache alone), or copy the model directory here and give its path as "
+                "model: in topology.yaml") from exc
         except not_found:
             if optional:
                 return None
             raise ModelSourceError(f"{self.model} has no {filename}") from None
+        except errors.RevisionNotFoundError as exc:
+            raise ModelSourceError(f"{self.model} has no revision {self.revision!r}; give a branch, tag or commit "
+                                   "of the repo as revision: in topology.yaml") from exc
         except errors.RepositoryNotFoundError as exc:
             raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private or gated)") from exc
-        except OSError as exc:  # network and HTTP errors are OSError subclasses
-            raise ModelSourceError(f"cannot download {filename} of {self.model}: {exc}") from exc
+        except Exception as exc:  # an HTTP error, a broken-off body, a name the cache refuses: one line, not a trace
+            raise ModelSourceError(f"cannot download {filename} of {self.model}: {type(exc).__name__}: "
+                                   f"{_first_line(exc)}") from exc
 
     def config_dir(self) -> Path:
         """The directory holding config.json (downloading it if needed)."""
@@ -81,8 +90,7 @@ class ModelSource:
         if index is None:
             files = [SINGLE_FILE]
         else:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({weight_map[n] for n in names if n in weight_map})
+            files = self._shards(index, names)
         for i, file in enumerate(files, 1):
             started = time.perf_counter()
             log.info("fetching %s (%d/%d) of %s", file, i, len(files), self.model)
@@ -91,9 +99,29 @@ class ModelSource:
             log.info("have %s: %.0f MB in %.1fs", file, path.stat().st_size / 1e6, time.perf_counter() - started)
         return root
 
+    def _shards(self, index: Path, names: Iterable[str]) -> list[str]:
+        """The shard files the index puts `names` in. Raises ModelSourceError for an index that is no JSON object
+        with a weight_map of file names."""
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = {weight_map[n] for n in names if n in weight_map}
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON (or UTF-8), no weight_map, not an object
+            raise ModelSourceError(f"{INDEX_FILE} of {self.model} is malformed ({type(exc).__name__}: "
+                                   f"{_first_line(exc)}); the repo's checkpoint is damaged") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in files):
+            raise ModelSourceError(f"{INDEX_FILE} of {self.model} is malformed: its weight_map is no object of "
+                                   "file names; the repo's checkpoint is damaged")
+        return sorted(files)
+
     def fetch_tokenizer(self) -> Path:
         root = self.config_dir()
         if not self.is_local:
             for file in TOKENIZER_FILES:
                 self._download(file, optional=file not in REQUIRED_TOKENIZER_FILES)
         return root
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message, its first line only (huggingface_hub's run to several, with URLs)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -18,8 +18,9 @@ ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<fil
 
 
 class HubStandIn:
-    def __init__(self, repos: dict[str, Path]):
+    def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None):
         self.repos = repos
+        self.revisions = revisions  # the revisions it knows (None: any); another is the Hub's RevisionNotFound
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self._etags: dict[Path, str] = {}
         handler = self._handler_class()
@@ -62,6 +63,8 @@ class HubStandIn:
                 match = ROUTE.match(self.path.split("?", 1)[0])
                 if match is None or match["repo"] not in hub.repos:
                     return self._not_found("RepoNotFound")
+                if hub.revisions is not None and match["revision"] not in hub.revisions:
+                    return self._not_found("RevisionNotFound")
                 path = hub.repos[match["repo"]] / match["filename"]
                 if not path.is_file():
                     return self._not_found("EntryNotFound")

@@ -1,0 +1,89 @@
+"""Fetching a model from a HuggingFace repo (tc/model_source.py) against a local stand-in for the Hub's routes:
+what goes wrong there is one line that says what to do, never a traceback, and a cache filled by other tools
+serves offline."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hub_standin import COMMIT, HubStandIn
+from tc.model_source import ModelSource, ModelSourceError
+from tiny_model import write_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "acme/tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("hub") / "tiny", seed=3, shards=2)
+
+
+@pytest.fixture
+def hub_env(monkeypatch):
+    """Point huggingface_hub at a stand-in for this test: HF_ENDPOINT is read when a download starts."""
+    def point(hub: HubStandIn) -> None:
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    return point
+
+
+def test_an_unknown_revision_names_the_topology_key(tmp_path, model_dir, hub_env):
+    with HubStandIn({REPO: model_dir}, revisions={"main", COMMIT}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource(REPO, is_local=False, revision="no-such-branch", cache_dir=tmp_path / "cache").config_dir()
+    message = str(info.value)
+    assert "has no revision 'no-such-branch'" in message and "revision: in topology.yaml" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("index", ["not json", "[1, 2]", '{"metadata": {}}', '{"weight_map": [1]}',
+                                   '{"weight_map": {"model.embed_tokens.weight": 5}}'])
+def test_a_malformed_shard_index_is_one_line_naming_it(tmp_path, model_dir, hub_env, index):
+    repo = tmp_path / "repo"
+    shutil.copytree(model_dir, repo)
+    (repo / "model.safetensors.index.json").write_text(index)
+    with HubStandIn({REPO: repo}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError, match="model.safetensors.index.json of acme/tiny is malformed"):
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
+                ["model.embed_tokens.weight"])
+
+
+def test_a_cache_without_records_of_absent_files_serves_offline(tmp_path, model_dir, hub_env):
+    """snapshot_download and `hf download` fill a cache without the records of files a repo lacks (the optional
+    tokenizer files, here the chat template files): offline, those are gone without a word, where the head
+    refused a complete cached model."""
+    cache = tmp_path / "cache"
+    with HubStandIn({REPO: model_dir}) as hub:
+        hub_env(hub)
+        source = ModelSource(REPO, is_local=False, cache_dir=cache)
+        source.fetch_tokenizer()
+        source.fetch_tensors(["model.embed_tokens.weight", "lm_head.weight"])
+    for marker in cache.glob("models--acme--tiny/.no_exist"):
+        shutil.rmtree(marker)
+    script = ("import sys; from tc.model_source import ModelSource; "
+              f"print(ModelSource({REPO!r}, is_local=False, cache_dir=sys.argv[1]).fetch_tokenizer())")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (Path(done.stdout.strip()) / "tokenizer.json").is_file()
+    assert "is not in the HF cache and the Hub could not be asked for it" in done.stderr
+    # a required file missing from the cache is still an error that says what to do
+    for blob in cache.glob("models--acme--tiny/snapshots/*/tokenizer.json"):
+        blob.unlink()
+    done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode != 0 and "cannot get tokenizer.json of acme/tiny" in done.stderr
+    assert json.dumps("HF_HUB_OFFLINE=1")[1:-1] in done.stderr
