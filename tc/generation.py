@@ -63,6 +63,9 @@ class Pipeline(Protocol):
     def release(self, sequences: Sequence[int]) -> None:
         """Drop these sequences' caches (unknown ones are ignored)."""
 
+    # A pipeline may also have `max_positions`: the most positions one run may carry (a remote one's frames are
+    # bounded), past which Generator.step reads prompts over several steps. None, or no such attribute: any.
+
 
 class LocalPipeline:
     """All stages in this process, each computing in its own dtype."""
@@ -428,7 +431,7 @@ class Generator:
 
         Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
         positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
-        reads all of its prompt. A follower (`start_choices`) waits while its leader reads the prompt, and gets a
+        reads all of its prompt, as far as the pipeline's max_positions allow. A follower (`start_choices`) waits while its leader reads the prompt, and gets a
         copy of the leader's cache in the step that reads the prompt's end. The pipeline's errors pass through.
         """
         present, heirs = {s.id for s in sequences}, {}
@@ -444,6 +447,10 @@ class Generator:
             if sequence.leader is not None:
                 followers.setdefault(sequence.leader.id, []).append(sequence)
         budget = prompt_budget if prompt_budget is not None and any(s.decoding for s in sequences) else None
+        cap = getattr(self.pipeline, "max_positions", None)
+        if cap is not None:  # what a step may carry, less a position for each decoding sequence; at least one
+            room = max(1, cap - sum(1 for s in sequences if s.decoding))
+            budget = room if budget is None else min(budget, room)
         planned: list[tuple[SequenceState, Entry]] = []
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []

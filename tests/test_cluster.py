@@ -85,6 +85,32 @@ def test_two_workers_match_the_single_process_model(tmp_path, model_dir):
         assert "assigned layers 0-1" in head_log and "assigned layers 2-3" in head_log
 
 
+def test_a_prompt_past_a_workers_frame_limit_is_read_over_several_steps(tmp_path, model_dir):
+    """A worker that takes small frames (--max-frame-mb) gets a long prompt in parts, each within its limit, and
+    the text is the single-process model's; one whose limit cannot carry a single step is refused at its join,
+    naming the flag. Before, the prompt's one frame made the worker drop the head and rejoin, again and again,
+    until the request failed as worker_lost."""
+    topo = write_topology(tmp_path / "t.yaml", model_dir, NODES)
+    prompt = "the quick brown fox " * 10  # 200 positions (a byte each): past what 0.02 MiB frames carry
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        for cap_mb, refusal in (("0.001", "too small for this worker's own HELLO"),
+                                ("0.002", "start it with --max-frame-mb 1 or more")):
+            cluster.start_worker("a", "--max-frame-mb", cap_mb, name="tiny-frames")
+            tiny = cluster.workers.pop("tiny-frames")
+            assert tiny.proc.wait(60) == 2, tiny.output()  # refused: it would fail every request
+            assert refusal in tiny.output() and "Traceback" not in tiny.output()
+        cluster.start_worker("a", "--max-frame-mb", "0.02")
+        cluster.start_worker("b")
+        cluster.wait_ready()
+        status, body = completion(cluster, prompt, 6)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == local_greedy(model_dir, prompt, 6)
+        assert body["usage"]["prompt_tokens"] > 150
+        assert "broke the protocol" not in cluster.workers["a"].output()
+
+
 def test_refused_workers_leave_the_head_serving(tmp_path, model_dir):
     nodes = [{"id": "a", "device": "cpu"}, {"id": "gpu", "device": "cuda:0"}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"heartbeat_s": 1})

@@ -77,6 +77,11 @@ class RemotePipeline:
         self._route = 0  # the route the workers of `_routed` were sent (0: none, the head relays)
         self._routed: list[WorkerLink] = []
 
+    @property
+    def max_positions(self) -> int:
+        """Positions one step may carry (Pipeline.max_positions): what every worker's frames take."""
+        return self.registry.step_positions()
+
     def _relay(self, entries: tuple[BatchEntry, ...], hidden: torch.Tensor, released: tuple[int, ...],
                links: list[WorkerLink]) -> torch.Tensor:
         """The batch (`entries`, their rows `hidden` [1, rows, hidden_size], and the sequences `released` since

@@ -72,6 +72,8 @@ SHUTTING_DOWN_WORD = "the head is shutting down; rejoin when it is back"
 _LOST = object()  # put on a link's reply queue when its connection ends
 PROBE_ECHOES = 5  # PINGs of each size when a link is probed: the least time of each is the link's own
 PROBE_TIMEOUT_S = 5.0  # the longest wait for one probe's PONG; a worker that does not answer is left unmeasured
+# a step's frame past its hidden states: the envelope, and per sequence its entry and release (~85 bytes measured)
+STEP_FRAME_MARGIN, STEP_FRAME_MARGIN_PER_SEQUENCE = 512, 96
 PROBE_POSITIONS = 512  # the large probe carries this many positions of hidden states: one prefill's frame
 PING_FORGET_S = 60.0  # a PING unanswered this long is forgotten
 PROBE_FRAME_MARGIN = 4096  # the envelope around a probe's payload
@@ -505,6 +507,27 @@ class WorkerRegistry:
                 })
         return rows
 
+    def step_positions(self) -> int:
+        """Positions of hidden states one step may carry: its frames, to every worker and back, must fit what each
+        end takes (head.max_frame_bytes here, each worker's --max-frame-mb). A prompt longer than that is read
+        over several steps."""
+        with self.lock:
+            caps = [self.max_frame_bytes, *(s.link.hello.max_frame_bytes for s in self.slots.values() if s.link)]
+        return max(1, (min(caps) - self._frame_margin()) // self.hop_bytes)
+
+    def _frame_margin(self) -> int:
+        return STEP_FRAME_MARGIN + STEP_FRAME_MARGIN_PER_SEQUENCE * self.batch.max_batch
+
+    def _check_frames(self, hello: Hello) -> None:
+        """Refuses a worker whose frame limit cannot carry one decode step of a full batch and a prompt position:
+        every request would fail at it (it drops the head at the first such frame, and rejoins to fail again)."""
+        need = self._frame_margin() + self.hop_bytes * (self.batch.max_batch + 1)
+        if hello.max_frame_bytes < need:
+            raise Refusal(f"this worker takes frames of at most {hello.max_frame_bytes} bytes (--max-frame-mb), "
+                          f"under the {need} that one step of this model takes ({self.batch.max_batch} sequences "
+                          f"of hidden size {self.config.hidden_size}); start it with --max-frame-mb "
+                          f"{-(-need // (1 << 20))} or more")
+
     def links_in_order(self) -> list[WorkerLink]:
         """The ready workers' links in pipeline order. Raises WorkerLost for the first missing one."""
         links = []
@@ -666,6 +689,7 @@ class WorkerRegistry:
             raise Refusal(f"node {hello.node_id} is served by the spare {served_by_spare[hello.node_id]} since its "
                           "worker was lost; this worker is not needed now (start it again once the spare is gone, "
                           "or declare another spare entry for it)")
+        self._check_frames(hello)
         taken = ({n for n, s in self.slots.items() if s.link is not None}
                  | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
         entry = choose_entry(hello, self.topology, self.plan, taken)

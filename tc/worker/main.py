@@ -241,6 +241,9 @@ class Worker:
             except Refused as exc:
                 log.error("the head refused this worker: %s", exc)
                 return REFUSED_EXIT
+            except WorkerSetupError as exc:
+                log.error("%s", exc)
+                return REFUSED_EXIT
             except (ConnectionClosed, OSError, ProtocolError) as exc:
                 if self.stop.is_set():
                     break
@@ -287,7 +290,11 @@ class Worker:
         """HELLO, and the join-token exchange when this worker has a token. Returns the node id given."""
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         nonce = new_nonce() if self._key is not None else None
-        conn.send(self.hello(auth=nonce))
+        hello = self.hello(auth=nonce)
+        try:
+            conn.send(hello)
+        except ValueError as exc:  # its own frame limit: no head could ever hear it
+            raise WorkerSetupError(f"--max-frame-mb is too small for this worker's own HELLO ({exc})") from exc
         ack = self._expect_ack(conn)
         if self._key is not None:
             assert nonce is not None
