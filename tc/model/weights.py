@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from .config import ModelConfig
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+REDO = "re-download or re-convert the checkpoint"  # what to do about a malformed file, closing its message
 SLAB_BYTES = 4 << 20  # a weight quantized while it loads streams from its file this many bytes of rows at a time
 
 _DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
@@ -162,7 +164,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors file's header. Reads only the header bytes."""
+    """Parse one safetensors file's header. Reads only the header bytes.
+
+    Every entry is checked here, before any offset is trusted: a span outside the data (a negative offset
+    reaches back into the header) would otherwise be read as weights without a word."""
     try:
         with open(path, "rb") as f:
             raw_len = f.read(8)
@@ -172,25 +177,70 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if header_len > MAX_HEADER_BYTES:
                 raise WeightsError(f"{path}: header of {header_len} bytes; not a safetensors file?")
             header = json.loads(f.read(header_len))
+            file_size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise WeightsError(f"cannot read {path}: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise WeightsError(f"{path}: malformed safetensors header: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise WeightsError(f"{path}: malformed safetensors header: {exc}; {REDO}") from exc
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: malformed safetensors header: a JSON {_json_type(header)}, not an object; {REDO}")
     data_start = 8 + header_len
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # free-form strings (the format, the converter); nothing tc reads
             continue
-        begin, end = entry["data_offsets"]
+        dtype, shape, (begin, end) = _checked_entry(path, name, entry, file_size - data_start)
         tensors[name] = TensorInfo(
             name=name,
             file=path,
-            dtype=entry["dtype"],
-            shape=tuple(entry["shape"]),
+            dtype=dtype,
+            shape=shape,
             start=data_start + begin,
             end=data_start + end,
         )
     return tensors
+
+
+def _checked_entry(path: Path, name: str, entry: object, data_size: int
+                   ) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """A header entry's dtype, shape and data_offsets, each of the type the format prescribes, the offsets
+    within the `data_size` bytes after the header. Raises WeightsError naming the file and tensor otherwise."""
+    def malformed(what: str) -> WeightsError:
+        return WeightsError(f"{path}: malformed safetensors header: tensor {_one_line(name)} {what}; {REDO}")
+
+    if not isinstance(entry, dict):
+        raise malformed(f"is a JSON {_json_type(entry)}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise malformed(f"has dtype {_brief(dtype)}, not a string")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise malformed(f"has shape {_brief(shape)}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)
+            and offsets[0] <= offsets[1] <= data_size):
+        raise malformed(f"has data_offsets {_brief(offsets)}, not [begin, end] with 0 <= begin <= end <= "
+                        f"{max(data_size, 0)} (the bytes after the header)")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _is_count(value: object) -> bool:
+    """A non-negative JSON integer (True and False are ints to Python, not to JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+    return names.get(type(value), "null")
+
+
+def _brief(value: object) -> str:
+    """`value` as one short line for a message, quoted if it is a string: a header can hold anything."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _one_line(name: str) -> str:
+    """A tensor name for a message: as it is, unless it holds what would break the message's single line."""
+    return name if name.isprintable() else repr(name)
 
 
 class WeightIndex:
