@@ -1,8 +1,9 @@
-"""A malformed safetensors header is refused with one WeightsError line naming the file, never a traceback, never
-bytes from outside a tensor's data read as its weights."""
+"""A malformed safetensors header or shard index is refused with one WeightsError line naming the file, never a
+traceback, never bytes from outside a tensor's data read as its weights, never a file outside the model directory."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Callable
 import pytest
 
 from tc.model.config import Qwen2Config
-from tc.model.weights import SINGLE_FILE, WeightIndex, WeightsError
+from tc.model.weights import INDEX_FILE, SINGLE_FILE, WeightIndex, WeightsError
 from tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +65,11 @@ def tiny(tmp_path) -> Path:
     return write_tiny_model(tmp_path / "tiny", seed=0)
 
 
+@pytest.fixture()
+def sharded(tmp_path) -> Path:
+    return write_tiny_model(tmp_path / "sharded", seed=0, shards=2)
+
+
 def test_negative_offsets_do_not_read_the_header_as_weights(tiny):
     """[-L-100, -100] once pointed back into the header, and its bytes loaded as model.norm.weight."""
     path = tiny / SINGLE_FILE
@@ -106,6 +112,61 @@ def test_metadata_entry_is_still_legal(tiny):
     index = WeightIndex.open(tiny)
     assert "__metadata__" not in index.tensors
     assert tuple(index.load([NORM])[NORM].shape) == (64,)
+
+
+def rewrite_index(model_dir: Path, change: Callable[[dict], object]) -> Path:
+    path = model_dir / INDEX_FILE
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    return path
+
+
+def set_file(name: str, file: object) -> Callable[[dict], dict]:
+    def change(index: dict) -> dict:
+        index["weight_map"][name] = file
+        return index
+    return change
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda i: [i], "its weight_map is None, not an object"),
+    (lambda i: {"metadata": i["metadata"]}, "its weight_map is None, not an object"),
+    (lambda i: {**i, "weight_map": list(i["weight_map"])}, "its weight_map is \\['model.*\\.\\.\\., not an object"),
+    (set_file(NORM, None), f"weight_map entry {NORM} names None, not a file name"),
+    (set_file(NORM, 2), f"weight_map entry {NORM} names 2, not a file name"),
+    (set_file(NORM, ""), f"weight_map entry {NORM} names '', not a file name"),
+], ids=["index-list", "no-weight-map", "weight-map-list", "file-null", "file-int", "file-empty"])
+def test_malformed_shard_index_is_a_weights_error(sharded, change, match):
+    path = rewrite_index(sharded, change)
+    with pytest.raises(WeightsError, match=match) as exc:
+        WeightIndex.open(sharded)
+    assert_one_line(exc, path)
+
+
+def test_shard_index_that_is_not_utf8_is_a_weights_error(sharded):
+    path = sharded / INDEX_FILE
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(WeightsError, match="unreadable shard index") as exc:
+        WeightIndex.open(sharded)
+    assert_one_line(exc, path)
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "subdir", "dot-dot", "windows-drive", "backslash"])
+def test_shard_index_cannot_name_a_file_outside_the_model_directory(sharded, tmp_path, where):
+    """Where a name reaches a file at all, it is a real copy of the shard holding model.norm.weight, so only the
+    refusal stops it being opened."""
+    shard = json.loads((sharded / INDEX_FILE).read_text())["weight_map"][NORM]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(sharded / shard, outside / shard)
+    (sharded / "sub").mkdir()
+    shutil.copy(sharded / shard, sharded / "sub" / shard)
+    file = {"absolute": str(outside / shard), "parent": f"../outside/{shard}", "subdir": f"sub/{shard}",
+            "dot-dot": "..", "windows-drive": f"C:{shard}", "backslash": f"sub\\{shard}"}[where]
+    path = rewrite_index(sharded, set_file(NORM, file))
+    with pytest.raises(WeightsError, match=rf"weight_map entry {NORM} names .*, not a file name in the model "
+                                           r"directory; re-download or re-convert the checkpoint") as exc:
+        WeightIndex.open(sharded, only=[NORM])
+    assert_one_line(exc, path)
 
 
 def test_unsharded_checkpoint_still_loads_and_validates(tiny):

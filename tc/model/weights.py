@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -222,6 +222,31 @@ def _checked_entry(path: Path, name: str, entry: object, data_size: int
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The shard index's weight_map (tensor name -> shard file), every file a plain name in the model directory:
+    an index that named "/etc/passwd" or "../x.safetensors" would have us open a file outside it."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise WeightsError(f"{index_path}: unreadable shard index: {exc}; {REDO}") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index_path}: malformed shard index: its weight_map is {_brief(weight_map)}, "
+                           f"not an object mapping tensor names to shard files; {REDO}")
+    for name, file in weight_map.items():
+        if not _is_plain_file_name(file):
+            raise WeightsError(f"{index_path}: malformed shard index: weight_map entry {_one_line(name)} names "
+                               f"{_brief(file)}, not a file name in the model directory; {REDO}")
+    return weight_map
+
+
+def _is_plain_file_name(file: object) -> bool:
+    """Whether `file` names a file directly inside a directory, on any platform: no absolute path, no separator
+    (/ or \\, nor a Windows drive's "C:"), not "." or "..", no NUL (which open() refuses with a ValueError)."""
+    return (isinstance(file, str) and file not in ("", ".", "..") and "\0" not in file
+            and PurePosixPath(file).name == file and PureWindowsPath(file).name == file)
+
+
 def _is_count(value: object) -> bool:
     """A non-negative JSON integer (True and False are ints to Python, not to JSON)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -260,10 +285,7 @@ class WeightIndex:
         model_dir = Path(model_dir)
         index_path = model_dir / INDEX_FILE
         if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as exc:
-                raise WeightsError(f"{index_path}: unreadable shard index: {exc}") from exc
+            weight_map = _read_weight_map(index_path)
             wanted = weight_map if only is None else {n: weight_map[n] for n in only if n in weight_map}
             files = sorted(set(wanted.values()))
         elif (model_dir / SINGLE_FILE).is_file():
