@@ -186,3 +186,18 @@ def test_generate_reports_a_corrupt_header_in_one_line(tiny):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"{NORM} has data_offsets [-356, -100]" in errors[0], proc.stderr
+
+
+def test_deeply_nested_json_is_a_weights_error(tiny, tmp_path):
+    """JSON nested deeper than the parser's recursion limit raised RecursionError, past the WeightsError catch."""
+    nested = b"[" * 200_000
+    path = tiny / SINGLE_FILE
+    path.write_bytes(struct.pack("<Q", len(nested)) + nested)
+    with pytest.raises(WeightsError, match="malformed safetensors header") as exc:
+        WeightIndex.open(tiny)
+    assert_one_line(exc, path)
+    sharded = write_tiny_model(tmp_path / "sharded", seed=0, shards=2)
+    (sharded / INDEX_FILE).write_bytes(nested)
+    with pytest.raises(WeightsError, match="unreadable shard index") as exc:
+        WeightIndex.open(sharded)
+    assert_one_line(exc, sharded / INDEX_FILE)
