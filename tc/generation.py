@@ -431,8 +431,9 @@ class Generator:
 
         Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
         positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
-        reads all of its prompt, as far as the pipeline's max_positions allow. A follower (`start_choices`) waits while its leader reads the prompt, and gets a
-        copy of the leader's cache in the step that reads the prompt's end. The pipeline's errors pass through.
+        reads all of its prompt, as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
+        while its leader reads the prompt, and gets a copy of the leader's cache in the step that reads the
+        prompt's end. The pipeline's errors pass through.
         """
         present, heirs = {s.id for s in sequences}, {}
         for sequence in sequences:
