@@ -4,13 +4,14 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import sys
 import time
 from typing import Iterator
 
 import pytest
 import torch
 
-from cluster import Cluster, worker_hello, write_topology
+from cluster import ROOT, Cluster, Process, worker_hello, write_topology
 from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.generation import Generator
@@ -211,3 +212,42 @@ def test_openai_client_against_the_cluster(tmp_path, model_dir):
         chat = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=5, temperature=0)
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+
+
+def test_a_refusal_quotes_a_workers_strings_cut_short(tmp_path, model_dir):
+    """A worker's node id or version may be anything up to a frame's size; the refusal (a log line, and the
+    worker's error) quotes the first 80 characters and says how long it was, where a 100 KB id gave a 100 KB line."""
+    from tc.head.admission import Refusal, choose_entry
+    from tc.topology import load_topology
+
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, NODES))
+    for hello in (worker_hello("x" * 100_000), worker_hello(protocol_version=0, tc_version="v" * 100_000)):
+        with pytest.raises(Refusal) as info:
+            choose_entry(hello, topology, None, set())
+        assert len(str(info.value)) < 400 and "(100000 characters)" in str(info.value)
+
+
+def test_a_join_address_that_is_no_head_says_so(tmp_path):
+    """--join at an HTTP server (the head's API port, say) is not a head that was lost: the worker says nothing
+    there answered as a tc head and which address --join should name."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{server.server_address[1]}",
+                      "--no-bench", "--retry-max-s", "1"], tmp_path / "worker.log", cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while "no tc head answered" not in worker.output():
+            assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
+            time.sleep(0.2)
+        assert f"no tc head answered at 127.0.0.1:{server.server_address[1]}" in worker.output()
+        assert "head.listen" in worker.output() and "lost the head" not in worker.output()
+    finally:
+        worker.stop()
+        server.shutdown()

@@ -81,17 +81,23 @@ def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None) -> str | Non
     return stage_fit_problem(entry, hello, plan.stage_for(entry.id))
 
 
+def _quoted(text: str, most: int = 80) -> str:
+    """A worker's own string for a refusal (logged, and sent back): quoted, and cut short, as it may be anything
+    up to a frame's size."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
+
+
 def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str]) -> NodeEntry:
     """The entry this worker fills (`plan` None: not made yet, so no memory check). Raises Refusal with a reason
     the operator can act on."""
     if hello.protocol_version != PROTOCOL_VERSION:
-        raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {hello.tc_version}) and the head "
-                      f"speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")
+        raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {_quoted(hello.tc_version)}) and "
+                      f"the head speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")
     if hello.node_id is not None:
         try:
             entry = topology.node(hello.node_id)
         except KeyError:
-            raise Refusal(f"unknown node id {hello.node_id!r}; topology.yaml lists "
+            raise Refusal(f"unknown node id {_quoted(hello.node_id)}; topology.yaml lists "
                           f"{', '.join(topology.node_ids)}") from None
         if entry.id in taken:
             raise Refusal(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "

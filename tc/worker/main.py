@@ -197,6 +197,7 @@ class Worker:
         self._key = token_key(options.join_token) if options.join_token else None
         self._conn: Connection | None = None
         self._node_id: str | None = None
+        self._head_answered = False  # whether this connection's other end has answered as a tc head does
         self._compute_failure: str | None = None  # why this connection's compute thread ended it, if it did
         self.speeds: tuple[SpeedFigure, ...] = ()  # what measure_speeds found; HELLO carries it
         self._peers: PeerListener | None = None  # this connection's listener for the stage before, if any
@@ -235,7 +236,7 @@ class Worker:
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
                 continue
-            self._conn = conn
+            self._conn, self._head_answered = conn, False
             try:
                 served = self.session(conn)
             except Refused as exc:
@@ -247,7 +248,11 @@ class Worker:
             except (ConnectionClosed, OSError, ProtocolError) as exc:
                 if self.stop.is_set():
                     break
-                log.warning("lost the head at %s (%s); rejoining", address, exc)
+                if not self._head_answered:  # nothing at that address has answered as a tc head
+                    log.warning("no tc head answered at %s (%s): check that --join names the head's head.listen "
+                                "address, not its API port; retrying in %.3gs", address, exc, delay)
+                else:
+                    log.warning("lost the head at %s (%s); rejoining", address, exc)
                 served = False
             finally:
                 self._conn = None
@@ -278,6 +283,7 @@ class Worker:
 
     def _expect_ack(self, conn: Connection) -> HelloAck:
         env = conn.recv()
+        self._head_answered = True
         if isinstance(env.message, Error) and env.message.code == ERROR_SHUTTING_DOWN:
             raise ConnectionClosed(env.message.message)  # not a refusal: rejoin once the head is back
         if isinstance(env.message, Error):
