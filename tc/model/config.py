@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,12 @@ from .rope import DEFAULT_ROPE_THETA, Rope, parse_rope
 __all__ = ["ConfigError", "DEFAULT_ROPE_THETA", "Experts", "ModelConfig", "Qwen2Config", "Rope", "rope_theta"]
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what MLP computes (transformers' ACT2FN names)
+# Upper bounds far above any real model (the largest have a few hundred layers, hidden sizes near 32k, MLPs near
+# 100k, vocabularies near 260k, 128 heads). A bigger value is a damaged file, and believing it would have the
+# planner and the head loop over the layers or size tensors until memory runs out.
+SIZE_LIMITS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+               "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 13, "vocab_size": 1 << 22,
+               "num_experts": 1 << 14, "num_local_experts": 1 << 14}
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,7 @@ class ModelConfig:
         """Read config.json at `path`. Raises ConfigError."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
             raise ConfigError(f"cannot read {path}: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{path} holds a {type(data).__name__}, not a JSON object")
@@ -129,6 +136,36 @@ def require(data: dict[str, Any], key: str, kind: type | tuple[type, ...] = int,
     return value
 
 
+def within_limit(key: str, value: int) -> int:
+    """`value` of size `key`, unless it passes SIZE_LIMITS. Raises ConfigError."""
+    if value > SIZE_LIMITS[key]:
+        raise ConfigError(f"config.json sets {key} = {value}; no model has that many (tc takes up to "
+                          f"{SIZE_LIMITS[key]}): is the file damaged?")
+    return value
+
+
+def flag(data: dict[str, Any], key: str, default: bool = False) -> bool:
+    """config.json's boolean `key`, `default` when absent or null. Raises ConfigError for anything but true or
+    false: bool() would take the string "false" for true."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ConfigError(f"config.json sets {key} = {value!r}; expected true or false")
+    return value
+
+
+def token_ids(value: Any, where: str) -> list[int]:
+    """The ids of a token id setting such as eos_token_id: an id, a list of ids, or null (none). Raises
+    ConfigError naming `where` (the file and key) for anything else, which would otherwise be dropped unread."""
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(type(i) is int for i in ids):
+        raise ConfigError(f"{where} = {value!r}; expected a token id (an integer) or a list of them")
+    return ids
+
+
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
                   act_key: str = "hidden_act") -> dict[str, Any]:
     """The ModelConfig fields every family reads the same way, from config.json's dict.
@@ -141,10 +178,14 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
         values[key] = require(data, key, int, family)
         if values[key] <= 0:
             raise ConfigError(f"config.json sets {key} = {values[key]!r}; it must be positive")
-    values["rms_norm_eps"] = float(require(data, "rms_norm_eps", float, family))
+        if key in SIZE_LIMITS:
+            within_limit(key, values[key])
+    eps = values["rms_norm_eps"] = float(require(data, "rms_norm_eps", float, family))
+    if not math.isfinite(eps) or eps <= 0:  # JSON readers take NaN and Infinity; either makes every norm garbage
+        raise ConfigError(f"config.json sets rms_norm_eps = {eps!r}; it must be a small positive number such as 1e-06")
     kv = data.get("num_key_value_heads")
     values["num_key_value_heads"] = (values["num_attention_heads"] if kv is None  # no GQA: a KV head per head
-                                     else require(data, "num_key_value_heads"))
+                                     else within_limit("num_key_value_heads", require(data, "num_key_value_heads")))
     heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
     if kv_heads <= 0 or heads % kv_heads:
         raise ConfigError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
@@ -158,8 +199,9 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
     values["head_dim"] = require({"head_dim": head_dim}, "head_dim")
     if head_dim <= 0 or head_dim % 2:
         raise ConfigError(f"head_dim = {head_dim!r}; rotary embeddings need a positive even head size")
-    tie = data.get("tie_word_embeddings")
-    values["tie_word_embeddings"] = tie_default if tie is None else bool(tie)
+    within_limit("head_dim", head_dim)
+    values["tie_word_embeddings"] = flag(data, "tie_word_embeddings", tie_default)
+    token_ids(data.get("eos_token_id"), "config.json sets eos_token_id")  # read by the tokenizer; refused early
     act = data.get(act_key) or "silu"  # transformers' default for every family that names none
     if act not in ACTIVATIONS:
         raise ConfigError(f"config.json sets {act_key} = {act!r}; tc's MLP computes {', '.join(ACTIVATIONS)} only")

@@ -55,6 +55,8 @@ def family_for(data: dict[str, Any]) -> Family:
     model_type = data.get("model_type")
     if not isinstance(archs, list):
         raise ConfigError(f"config.json sets architectures = {archs!r}; expected a list of class names")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"config.json sets model_type = {model_type!r}; expected a name such as \"qwen2\"")
     for family in FAMILIES.values():
         if any(a in family.architectures for a in archs):
             return family

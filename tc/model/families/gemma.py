@@ -7,7 +7,7 @@ import copy
 import math
 from typing import Any, Callable
 
-from ..config import ConfigError, ModelConfig, common_fields, layer_windows, require
+from ..config import ConfigError, ModelConfig, common_fields, flag, layer_windows, require
 from ..rope import parse_rope
 
 
@@ -33,8 +33,8 @@ def _cap(data: dict[str, Any], key: str) -> float | None:
 
 def parse_gemma2(data: dict[str, Any]) -> ModelConfig:
     # Gemma 2 alternates: even layers slide, odd ones attend globally
-    return ModelConfig(**_gemma(data, "gemma2", lambda i: i % 2 == 0), qkv_bias=bool(data.get("attention_bias", False)),
-                       o_bias=bool(data.get("attention_bias", False)),
+    return ModelConfig(**_gemma(data, "gemma2", lambda i: i % 2 == 0), qkv_bias=flag(data, "attention_bias"),
+                       o_bias=flag(data, "attention_bias"),
                        attn_softcap=_cap(data, "attn_logit_softcapping"),
                        final_softcap=_cap(data, "final_logit_softcapping"))
 
@@ -57,7 +57,7 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
     elif data.get("rope_local_base_freq") is not None:  # 4.x: the sliding layers' base beside rope_theta
         local = parse_rope({"rope_theta": data["rope_local_base_freq"]})
     values["rope"] = rope
-    return ModelConfig(**values, qkv_bias=bool(data.get("attention_bias", False)),
-                       o_bias=bool(data.get("attention_bias", False)), qk_norm=True,
+    return ModelConfig(**values, qkv_bias=flag(data, "attention_bias"),
+                       o_bias=flag(data, "attention_bias"), qk_norm=True,
                        attn_softcap=_cap(data, "attn_logit_softcapping"),
                        final_softcap=_cap(data, "final_logit_softcapping"), local_rope=local)

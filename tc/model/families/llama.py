@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig, common_fields
+from ..config import ModelConfig, common_fields, flag
 
 
 def parse(data: dict[str, Any]) -> ModelConfig:
-    bias = bool(data.get("attention_bias", False))  # transformers puts it on q, k, v and o alike
+    bias = flag(data, "attention_bias")  # transformers puts it on q, k, v and o alike
     return ModelConfig(**common_fields(data, "llama"), qkv_bias=bias, o_bias=bias,
-                       mlp_bias=bool(data.get("mlp_bias", False)))
+                       mlp_bias=flag(data, "mlp_bias"))

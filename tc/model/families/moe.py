@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, Experts, ModelConfig, common_fields, require
+from ..config import ConfigError, Experts, ModelConfig, common_fields, flag, require, within_limit
 from .qwen2 import refuse_sliding_window
 
 
@@ -20,23 +20,24 @@ def _qwen_experts(data: dict[str, Any], family: str, shared: bool) -> Experts:
     values = common_fields(data, family)
     # Qwen's published files say num_experts; transformers 5.x writes Mixtral's name, num_local_experts
     count_key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
-    return Experts(count=require(data, count_key, int, family), top_k=require(data, "num_experts_per_tok"),
+    return Experts(count=within_limit(count_key, require(data, count_key, int, family)),
+                   top_k=require(data, "num_experts_per_tok"),
                    intermediate_size=require(data, "moe_intermediate_size"),
-                   normalize_top_k=bool(data.get("norm_topk_prob", False)),
+                   normalize_top_k=flag(data, "norm_topk_prob"),
                    shared_intermediate_size=require(data, "shared_expert_intermediate_size") if shared else 0,
                    layers=_sparse_layers(data, values["num_hidden_layers"]))
 
 
 def parse_qwen2_moe(data: dict[str, Any]) -> ModelConfig:
     refuse_sliding_window(data, "qwen2_moe")
-    bias = data.get("qkv_bias", True)  # transformers' Qwen2MoeConfig default
-    return ModelConfig(**common_fields(data, "qwen2_moe"), qkv_bias=bool(bias),
+    bias = "qkv_bias" not in data or flag(data, "qkv_bias")  # absent: transformers' Qwen2MoeConfig default
+    return ModelConfig(**common_fields(data, "qwen2_moe"), qkv_bias=bias,
                        experts=_qwen_experts(data, "qwen2_moe", shared=True))
 
 
 def parse_qwen3_moe(data: dict[str, Any]) -> ModelConfig:
     refuse_sliding_window(data, "qwen3_moe")
-    bias = bool(data.get("attention_bias", False))
+    bias = flag(data, "attention_bias")
     return ModelConfig(**common_fields(data, "qwen3_moe"), qkv_bias=bias, o_bias=bias, qk_norm=True,
                        experts=_qwen_experts(data, "qwen3_moe", shared=False))
 
@@ -44,7 +45,7 @@ def parse_qwen3_moe(data: dict[str, Any]) -> ModelConfig:
 def parse_mixtral(data: dict[str, Any]) -> ModelConfig:
     values = common_fields(data, "mixtral")
     window = None if data.get("sliding_window") is None else require(data, "sliding_window")
-    experts = Experts(count=require(data, "num_local_experts", int, "mixtral"),
+    experts = Experts(count=within_limit("num_local_experts", require(data, "num_local_experts", int, "mixtral")),
                       top_k=require(data, "num_experts_per_tok"),
                       intermediate_size=values["intermediate_size"], normalize_top_k=True,
                       block_name="block_sparse_moe", projections=("w1", "w3", "w2"))

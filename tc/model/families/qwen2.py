@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, ModelConfig, common_fields
+from ..config import ConfigError, ModelConfig, common_fields, flag
 
 
 def refuse_sliding_window(data: dict[str, Any], family: str) -> None:
     """Qwen's use_sliding_window slides from max_window_layers on, which no released checkpoint turns on."""
-    if data.get("use_sliding_window"):
+    if flag(data, "use_sliding_window"):
         raise ConfigError(f"config.json sets use_sliding_window = {data['use_sliding_window']!r}; sliding window "
                           f"attention is not implemented for {family} in tc (every layer attends to the whole "
                           "context)")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig, common_fields
+from ..config import ModelConfig, common_fields, flag
 from .qwen2 import refuse_sliding_window
 
 
 def parse(data: dict[str, Any]) -> ModelConfig:
     refuse_sliding_window(data, "qwen3")
-    bias = bool(data.get("attention_bias", False))
+    bias = flag(data, "attention_bias")
     return ModelConfig(**common_fields(data, "qwen3"), qkv_bias=bias, o_bias=bias, qk_norm=True)

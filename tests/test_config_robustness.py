@@ -1,0 +1,94 @@
+"""Damaged or odd model files are refused at load in one line naming the file and key, not run into a hang, a
+traceback or silently wrong output. Each case edits a real tiny model directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tc.model.config import ConfigError, ModelConfig
+from tiny_model import write_tiny_model
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    return write_tiny_model(tmp_path / "model")
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_file(model_dir / "config.json")
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 1_000_000_000), ("hidden_size", 1 << 20),
+                                        ("intermediate_size", 1 << 30), ("vocab_size", 1 << 30),
+                                        ("num_attention_heads", 1 << 20), ("num_key_value_heads", 1 << 20),
+                                        ("head_dim", 1 << 20)])
+def test_sizes_no_model_has_are_refused(model_dir, key, value):
+    edit_json(model_dir / "config.json", **{key: value})
+    with pytest.raises(ConfigError, match=f"{key} = {value}; no model has that many"):
+        load_config(model_dir)
+
+
+def test_experts_no_model_has_are_refused(model_dir):
+    edit_json(model_dir / "config.json", architectures=["MixtralForCausalLM"], model_type="mixtral",
+              num_local_experts=1_000_000_000, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match="num_local_experts = 1000000000; no model"):
+        load_config(model_dir)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1e-6, 0])
+def test_rms_norm_eps_must_be_finite_and_positive(model_dir, eps):
+    edit_json(model_dir / "config.json", rms_norm_eps=eps)
+    with pytest.raises(ConfigError, match="rms_norm_eps"):
+        load_config(model_dir)
+
+
+@pytest.mark.parametrize("theta", [float("nan"), float("inf"), -1.0, 0])
+def test_rope_theta_must_be_finite_and_positive(model_dir, theta):
+    edit_json(model_dir / "config.json", rope_theta=theta)
+    with pytest.raises(ConfigError, match="rope_theta"):
+        load_config(model_dir)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"use_sliding_window": "false"}, "use_sliding_window"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": "false"}, "attention_bias"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": 0}, "mlp_bias"),
+])
+def test_booleans_must_be_json_booleans(model_dir, changes, key):
+    # bool("false") is True: read that way, the string turns the setting on
+    edit_json(model_dir / "config.json", **changes)
+    with pytest.raises(ConfigError, match=f"{key} = .*expected true or false"):
+        load_config(model_dir)
+
+
+def test_json_booleans_still_read(model_dir):
+    edit_json(model_dir / "config.json", tie_word_embeddings=True)
+    assert load_config(model_dir).tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("value", ["256", ["256"], [256, None], 2.5])
+def test_eos_token_id_in_config_json_must_be_ids(model_dir, value):
+    edit_json(model_dir / "config.json", eos_token_id=value)
+    with pytest.raises(ConfigError, match="config.json sets eos_token_id"):
+        load_config(model_dir)
+
+
+def test_config_json_not_text_is_refused(model_dir):
+    (model_dir / "config.json").write_bytes(b"\xff\xfe\x00garbage\x80")
+    with pytest.raises(ConfigError, match="config.json"):
+        load_config(model_dir)
+
+
+def test_model_type_not_a_name_is_refused(model_dir):
+    edit_json(model_dir / "config.json", architectures=None, model_type=["qwen2"])
+    with pytest.raises(ConfigError, match=r"model_type = \['qwen2'\]"):
+        load_config(model_dir)
