@@ -3,12 +3,18 @@ traceback or silently wrong output. Each case edits a real tiny model directory.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tc.model.config import ConfigError, ModelConfig
+from tc.model.tokenizer import TextTokenizer, TokenizerError
 from tiny_model import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -82,6 +88,12 @@ def test_eos_token_id_in_config_json_must_be_ids(model_dir, value):
         load_config(model_dir)
 
 
+def test_eos_token_id_in_generation_config_must_be_ids(model_dir):
+    edit_json(model_dir / "generation_config.json", eos_token_id="258")
+    with pytest.raises(TokenizerError, match="generation_config.json sets eos_token_id = '258'"):
+        TextTokenizer.load(model_dir)
+
+
 def test_config_json_not_text_is_refused(model_dir):
     (model_dir / "config.json").write_bytes(b"\xff\xfe\x00garbage\x80")
     with pytest.raises(ConfigError, match="config.json"):
@@ -92,3 +104,55 @@ def test_model_type_not_a_name_is_refused(model_dir):
     edit_json(model_dir / "config.json", architectures=None, model_type=["qwen2"])
     with pytest.raises(ConfigError, match=r"model_type = \['qwen2'\]"):
         load_config(model_dir)
+
+
+@pytest.mark.parametrize("content", [b"{}", b"not json", b"\x00\xff\x80"])
+def test_tokenizer_json_that_is_no_tokenizer_is_refused(model_dir, content):
+    (model_dir / "tokenizer.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        TextTokenizer.load(model_dir)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_tokenizer_side_files_must_be_json_objects(model_dir, name):
+    (model_dir / name).write_text(json.dumps(["eos_token", 5]))
+    with pytest.raises(TokenizerError, match=f"{name} holds a list, not a JSON object"):
+        TextTokenizer.load(model_dir)
+
+
+def test_tokenizer_config_not_text_is_refused(model_dir):
+    (model_dir / "tokenizer_config.json").write_bytes(b"\xff\xfe\x00\x80")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        TextTokenizer.load(model_dir)
+
+
+def test_a_special_token_that_is_no_string_names_no_token(model_dir):
+    edit_json(model_dir / "tokenizer_config.json", eos_token=5, pad_token={"content": 7})
+    tokenizer = TextTokenizer.load(model_dir)
+    assert tokenizer.special_tokens["eos_token"] is None and tokenizer.special_tokens["pad_token"] is None
+    assert tokenizer.eos_token_ids == {256, 258}  # still from generation_config.json
+
+
+def _break_config(d: Path) -> None:
+    (d / "config.json").write_bytes(b"\xff\xfe\x00\x80")
+
+
+def _break_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").write_text("{}")
+
+
+def _break_tokenizer_config(d: Path) -> None:
+    (d / "tokenizer_config.json").write_text("[1, 2]")
+
+
+# (the layer count of test_sizes_no_model_has_are_refused is not run here: before the fix it hangs eating memory)
+@pytest.mark.parametrize("damage, named", [(_break_config, "config.json"),
+                                           (_break_tokenizer, "tokenizer.json"),
+                                           (_break_tokenizer_config, "tokenizer_config.json holds a list")])
+def test_generate_prints_one_line_and_exits_2(model_dir, damage, named):
+    damage(model_dir)
+    done = subprocess.run([sys.executable, "-m", "tc", "generate", "--model", str(model_dir), "--prompt", "hi",
+                           "--max-tokens", "2", "--dtype", "fp32"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr

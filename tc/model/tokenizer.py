@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer
 
 from .chat_template import SEARCHED, ChatTemplateError, ChatTemplateFileError, ChatTemplates, find_chat_templates
+from .config import ConfigError, token_ids
 
 __all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError"]
 
@@ -21,19 +22,31 @@ class TokenizerError(ValueError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} when there is no such file. Raises TokenizerError naming it."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
         raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} holds a {type(data).__name__}, not a JSON object: is the file damaged?")
+    return data
 
 
 def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json writes special tokens as a string or as {"content": ...}
+    # tokenizer_config.json writes special tokens as a string or as {"content": ...}; anything else names no token
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _eos_ids(path: Path, data: dict[str, Any]) -> list[int]:
+    """The eos_token_id ids `data` (read from `path`) gives. Raises TokenizerError for a value not made of ids."""
+    try:
+        return token_ids(data.get("eos_token_id"), f"{path} sets eos_token_id")
+    except ConfigError as exc:
+        raise TokenizerError(str(exc)) from exc
 
 
 @dataclass
@@ -53,17 +66,15 @@ class TextTokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir}: no tokenizer.json; tc needs a fast (tokenizers) tokenizer file")
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot read as a tokenizer
+            raise TokenizerError(f"cannot read {path} as a tokenizer: {exc}; is the file damaged?") from exc
         tok_config = _read_json(model_dir / "tokenizer_config.json")
-        gen_config = _read_json(model_dir / "generation_config.json")
-        model_config = _read_json(model_dir / "config.json")
         specials = {k: _token_text(tok_config.get(k)) for k in SPECIAL_TOKEN_KEYS}
         eos: set[int] = set()
-        for source in (gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
-            if isinstance(source, int):
-                eos.add(source)
-            elif isinstance(source, list):
-                eos.update(i for i in source if isinstance(i, int))
+        for name in ("generation_config.json", "config.json"):
+            eos.update(_eos_ids(model_dir / name, _read_json(model_dir / name)))
         if specials["eos_token"] is not None:
             token_id = tokenizer.token_to_id(specials["eos_token"])
             if token_id is not None:
