@@ -10,7 +10,7 @@ from .generation import Generator, LocalPipeline
 from .model import quant as quantization
 from .model.config import ModelConfig
 from .model.qwen2 import HeadModel, Stage, half_dtype, resolve_compute_dtype
-from .model.tokenizer import TextTokenizer
+from .model.tokenizer import TextTokenizer, check_vocab
 from .model.weights import WeightIndex
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     config = ModelConfig.from_file(Path(model_dir) / "config.json")
     index = WeightIndex.open(model_dir)
     index.validate(config)
+    tokenizer = TextTokenizer.load(model_dir)  # before the weights: a damaged or foreign tokenizer fails at once
+    check_vocab(tokenizer, config.vocab_size, model_dir)
     torch_dtype = resolve_compute_dtype(dtype, device)
     # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
     head_mode = quantization.head_weight_mode(quant)
@@ -36,7 +38,6 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     # each weight is quantized as it loads (nothing to do for fp16), as a worker does
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device,
                        quantization.Quantization(quant, group_size, half_dtype(device)))
-    tokenizer = TextTokenizer.load(model_dir)
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
              quant, time.perf_counter() - started)
     return Generator(head, tokenizer, LocalPipeline([stage], device), head.embed_tokens.weight.dtype)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tc.local import load_local_generator
 from tc.model.config import ConfigError, ModelConfig
+from tc.model import tokenizer as tokenizers
 from tc.model.tokenizer import TextTokenizer, TokenizerError
 from tiny_model import write_tiny_model
 
@@ -131,6 +133,20 @@ def test_a_special_token_that_is_no_string_names_no_token(model_dir):
     tokenizer = TextTokenizer.load(model_dir)
     assert tokenizer.special_tokens["eos_token"] is None and tokenizer.special_tokens["pad_token"] is None
     assert tokenizer.eos_token_ids == {256, 258}  # still from generation_config.json
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    # the byte tokenizer holds 259 tokens; an embedding of 258 rows has no row for id 258
+    model_dir = write_tiny_model(tmp_path / "model", vocab_size=258)
+    with pytest.raises(TokenizerError, match="holds 259 tokens but config.json's vocab_size is 258"):
+        tokenizers.check_vocab(TextTokenizer.load(model_dir), 258, model_dir)
+    with pytest.raises(TokenizerError, match="259 tokens.*258"):
+        load_local_generator(model_dir, dtype="fp32")
+
+
+def test_a_tokenizer_within_the_vocabulary_loads(model_dir):
+    generator = load_local_generator(model_dir, dtype="fp32")
+    tokenizers.check_vocab(generator.tokenizer, 259, model_dir)  # exactly as many ids as rows
 
 
 def _break_config(d: Path) -> None:

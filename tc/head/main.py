@@ -21,7 +21,7 @@ from ..generation import Generator
 from ..model import quant
 from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
-from ..model.tokenizer import TextTokenizer
+from ..model.tokenizer import TextTokenizer, check_vocab
 from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is_quantized, layer_prefix,
                              layer_shapes)
 from ..model_source import ModelSource
@@ -210,6 +210,7 @@ def start_head(topology: Topology) -> Head:
 
     head_model = on_own_thread(load_head_model, "head-load")
     tokenizer = TextTokenizer.load(model_dir, chat_template=topology.chat_template)
+    check_vocab(tokenizer, config.vocab_size, model_dir)
     if tokenizer.chat_templates is not None:
         log.info("chat template from %s", tokenizer.chat_templates.source)
     else:

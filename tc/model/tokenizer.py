@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from .chat_template import SEARCHED, ChatTemplateError, ChatTemplateFileError, ChatTemplates, find_chat_templates
 from .config import ConfigError, token_ids
 
-__all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError"]
+__all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError", "check_vocab"]
 
 # the special tokens transformers hands a chat template (its `special_tokens_map`), by their config keys
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -47,6 +47,15 @@ def _eos_ids(path: Path, data: dict[str, Any]) -> list[int]:
         return token_ids(data.get("eos_token_id"), f"{path} sets eos_token_id")
     except ConfigError as exc:
         raise TokenizerError(str(exc)) from exc
+
+
+def check_vocab(tokenizer: "TextTokenizer", vocab_size: int, model_dir: Path) -> None:
+    """Refuse a tokenizer with ids past the model's embedding (config.json's vocab_size): a prompt holding one
+    would fail inside the head on every request rather than once here. Raises TokenizerError."""
+    size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise TokenizerError(f"{Path(model_dir) / 'tokenizer.json'} holds {size} tokens but config.json's vocab_size "
+                             f"is {vocab_size}; use the tokenizer that came with this model")
 
 
 @dataclass
