@@ -27,6 +27,7 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     config = ModelConfig.from_file(Path(model_dir) / "config.json")
     index = WeightIndex.open(model_dir)
     index.validate(config)
+    index.refuse_unused_in_layers(config, 0, config.num_hidden_layers)  # as every worker refuses them
     tokenizer = TextTokenizer.load(model_dir)  # before the weights: a damaged or foreign tokenizer fails at once
     check_vocab(tokenizer, config.vocab_size, model_dir)
     torch_dtype = resolve_compute_dtype(dtype, device)

@@ -58,3 +58,21 @@ def test_generate_refuses_a_prompt_the_model_cannot_take_in_one_line(tiny_model_
                           timeout=120)
     assert done.returncode == 2, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_generate_refuses_layer_tensors_a_worker_would_refuse(tmp_path):
+    """A checkpoint with weights tc would leave out (a variant's extra bias or norm) is refused by every worker;
+    `tc generate` ran it and printed what the model without them computes."""
+    from safetensors.torch import load_file, save_file
+
+    from tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "extra", seed=2)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.extra_norm.weight"] = torch.ones(64)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    done = subprocess.run([sys.executable, "-m", "tc", "generate", "--model", str(model_dir), "--prompt", "hi",
+                           "--max-tokens", "2", "--dtype", "fp32"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model.layers.1.mlp.extra_norm.weight" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -324,6 +324,17 @@ class WeightIndex:
         prefixes = tuple(layer_prefix(i) for i in range(start, end))  # "model.layers.1." never matches layer 10
         return sorted(n for n in self.declared if n.startswith(prefixes))
 
+    def refuse_unused_in_layers(self, config: ModelConfig, start: int, end: int) -> None:
+        """validate() finds every tensor tc needs; a checkpoint that lists more for layers [start, end) holds
+        weights tc would leave out (a bias or norm of a variant of the family), and would run without error and
+        compute the wrong thing. Raises WeightsError naming them."""
+        unused = sorted(set(self.declared_in_layers(start, end)) - set(layer_tensor_names(config, start, end)))
+        if unused:
+            shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            raise WeightsError(f"layers {start}-{end - 1} of this checkpoint hold tensors tc's {config.model_type} "
+                               f"does not use ({shown}); it is not a plain {config.model_type} checkpoint, and "
+                               "running it without them would compute the wrong thing")
+
     def nbytes(self, names: Iterable[str]) -> int:
         return sum(self.tensors[n].nbytes for n in names)
 

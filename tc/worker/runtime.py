@@ -91,12 +91,7 @@ def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
     found = index.declared_in_layers(start, end)
     if len(found) == assignment.tensor_count:
         return
-    unknown = sorted(set(found) - set(layer_tensor_names(ModelConfig.from_dict(assignment.config), start, end)))
-    if unknown:
-        shown = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
-        raise WeightsError(f"layers {start}-{end - 1} of this checkpoint hold tensors tc's {assignment.architecture} "
-                           f"does not use ({shown}); it is not a plain {assignment.architecture} checkpoint, and "
-                           "running it without them would compute the wrong thing")
+    index.refuse_unused_in_layers(ModelConfig.from_dict(assignment.config), start, end)
     raise WeightsError(f"the head planned {assignment.tensor_count} tensors for layers {start}-{end - 1} and this "
                        f"worker (tc {__version__}) finds {len(found)}; run the same tc release on the head and "
                        "every worker")
