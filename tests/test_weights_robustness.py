@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from tc.model.config import Qwen2Config
 from tc.model.weights import INDEX_FILE, SINGLE_FILE, WeightIndex, WeightsError
@@ -201,3 +202,25 @@ def test_deeply_nested_json_is_a_weights_error(tiny, tmp_path):
     with pytest.raises(WeightsError, match="unreadable shard index") as exc:
         WeightIndex.open(sharded)
     assert_one_line(exc, sharded / INDEX_FILE)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_weight_that_is_not_finite_is_refused_on_every_read(tmp_path, bad):
+    """One NaN or infinity in a weight makes every logit NaN (greedy then answers token 0 for ever, sampling ""):
+    refused as the tensor is read, whole (load, load_rows) or in slabs (row_slabs, as a quantizing load reads)."""
+    from safetensors.torch import load_file, save_file
+
+    from tc.model.weights import WeightIndex, WeightsError
+    from tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "m", seed=4)
+    tensors = load_file(model_dir / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"
+    tensors[name][7, 3] = bad
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    index = WeightIndex.open(model_dir)
+    for read in (lambda: index.load([name]), lambda: index.load_rows([name], torch.float32),
+                 lambda: list(index.row_slabs([name], torch.bfloat16, slab_bytes=256))):
+        with pytest.raises(WeightsError, match=f"tensor {name} holds NaN or infinite values"):
+            read()
+    assert index.load(["model.layers.1.mlp.down_proj.weight"])  # the others read as before
