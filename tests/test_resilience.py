@@ -205,6 +205,43 @@ def test_request_resumes_on_the_restarted_worker_with_the_same_text(tmp_path, mo
         assert "resumed on a refilled pipeline" in cluster.head.output()
 
 
+def test_a_resume_replays_in_steps_that_fit_the_workers_frames(tmp_path, model_dir):
+    """Workers that take small frames (--max-frame-mb): the replay of a sequence's history after a worker is lost
+    goes in steps each within their limit, where it went as one frame (the whole history of every sequence in
+    flight) that the new worker refused, failing the request."""
+    import http.client
+    import json
+
+    prompt = "a long prompt of more positions than one step of small frames carries " * 2  # 144 positions
+    max_tokens = 100  # long enough that b is lost mid-generation: 144 + 100 positions fit the context of 256
+    model = OurModel(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    expected = Generator(model.head, tok, model.pipeline(), torch.float32).generate(
+        tok.encode(prompt), SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
+    with start(tmp_path, model_dir, ("a", "b"), ("a", "b"), "--max-frame-mb", "0.02", resume=True,
+               resume_grace_s=120) as cluster:
+        connection = http.client.HTTPConnection("127.0.0.1", cluster.api_port, timeout=180)
+        connection.request("POST", "/v1/completions", json.dumps(
+            {"model": "tiny-qwen", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+             "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        b, texts = cluster.workers.pop("b"), []
+        for line in response:
+            if line.startswith(b"data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(texts) == 3:  # the prompt read (past what one step carries) and tokens chosen: lose b
+                    b.proc.kill()
+                    b.stop()
+                    cluster.start_worker("b", "--max-frame-mb", "0.02", name="b-again")
+            elif line.startswith(b"data: [DONE]"):
+                break
+        connection.close()
+        assert "".join(texts) == expected
+        assert "resumed on a refilled pipeline" in cluster.head.output()
+        assert "broke the protocol" not in cluster.workers["b-again"].output()
+
+
 def test_spare_takes_over_a_lost_node_and_the_request_resumes(tmp_path, model_dir, greedy):
     with start(tmp_path, model_dir, ("a", "b", "spare1"), ("a", "b", "spare1"), resume_grace_s=120) as cluster:
         wait_for(lambda: "spare spare1 joined" in cluster.head.output(), 30, "the spare to stand by")

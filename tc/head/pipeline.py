@@ -306,11 +306,7 @@ class RemotePipeline:
             raise lost
         deadline = time.monotonic() + self.resume_grace_s
         replayed = {sequence: torch.cat(inputs, dim=1) for sequence, (_, inputs) in self._inputs.items()}
-        message = RunBatch(entries=tuple(BatchEntry(sequence=sequence, position_start=0, length=h.shape[1],
-                                                    cache_capacity=self._inputs[sequence][0])
-                                         for sequence, h in replayed.items()),
-                           hidden_state=torch.cat(list(replayed.values()), dim=1))
-        positions = message.hidden_state.shape[1]
+        positions = sum(h.shape[1] for h in replayed.values())
         log.warning("worker %s was lost (%s); %d request(s) wait up to %.0fs for it to be replaced, then resume "
                     "(%d positions in all)", lost.node_id, _reason(lost), len(replayed), self.resume_grace_s,
                     positions)
@@ -320,11 +316,10 @@ class RemotePipeline:
                     raise HeadShuttingDown() from lost
                 raise WorkerLost(lost.node_id, f"{_reason(lost)}; no worker filled its place within the "
                                  f"{self.resume_grace_s:g}s resume grace period") from lost
-            self._new_step()
             started = time.perf_counter()
             try:
                 self._links = self.registry.links_in_order()
-                out = self._relay(message.entries, message.hidden_state.tensor(), (), self._links)
+                outputs = self._replay(replayed, self._links)
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again
@@ -332,11 +327,35 @@ class RemotePipeline:
             self.resumes += 1
             log.info("%d request(s) resumed on a refilled pipeline: %d positions replayed in %.2fs", len(replayed),
                      positions, time.perf_counter() - started)
-            ends, row = {}, 0
-            for e in message.entries:
-                row += e.length
-                ends[e.sequence] = row
-            return torch.cat([out[:, ends[e.sequence] - e.length:ends[e.sequence]] for e in entries], dim=1)
+            return torch.cat([outputs[e.sequence][:, -e.length:] for e in entries], dim=1)
+
+    def _replay(self, replayed: dict[int, torch.Tensor], links: list[WorkerLink]) -> dict[int, torch.Tensor]:
+        """Every sequence's inputs so far through a refilled pipeline, from position 0, in steps of at most
+        max_positions (a step's frames must fit every worker's limit, and the whole history of every sequence
+        in flight would not); returns each sequence's outputs. Raises WorkerLost."""
+        outputs: dict[int, list[torch.Tensor]] = {sequence: [] for sequence in replayed}
+        room = self.max_positions
+        steps: list[list[tuple[int, int, int]]] = [[]]  # per step: (sequence, first position, positions)
+        for sequence, h in replayed.items():
+            start = 0
+            while start < h.shape[1]:
+                free = room - sum(n for _, _, n in steps[-1])
+                if free <= 0:
+                    steps.append([])
+                    free = room
+                take = min(free, h.shape[1] - start)
+                steps[-1].append((sequence, start, take))
+                start += take
+        for step in steps:
+            self._new_step()
+            entries = tuple(BatchEntry(sequence=sequence, position_start=start, length=n,
+                                       cache_capacity=self._inputs[sequence][0]) for sequence, start, n in step)
+            hidden = torch.cat([replayed[sequence][:, start:start + n] for sequence, start, n in step], dim=1)
+            out, row = self._relay(entries, hidden, (), links), 0
+            for sequence, _, n in step:
+                outputs[sequence].append(out[:, row:row + n])
+                row += n
+        return {sequence: torch.cat(parts, dim=1) for sequence, parts in outputs.items()}
 
 
 def split_entries(entries: Sequence[BatchEntry], groups: int) -> list[tuple[BatchEntry, ...]]:
