@@ -199,13 +199,11 @@ def test_the_connection_limit_stays_under_the_files_this_process_may_open():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_whole_reply_whose_client_left_gives_its_place_back(tmp_path):
+def test_a_whole_reply_whose_client_left_gives_its_place_back(long_generator):
     """A client that closes its connection while its (not streamed) reply is generated: the generation ends
     within a step, counted abandoned and logged with status 499, where it used to run to max_tokens, holding a
     place in the batch that others waited for."""
-    model_dir = write_tiny_model(tmp_path / "long", seed=3, max_position_embeddings=8192)
-    model = OurModel(model_dir)
-    generator = Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+    generator = long_generator
     service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
                                 max_batch=1)
     running_server = start_http_server(create_app(service), "127.0.0.1", 0, threads=4)
@@ -236,6 +234,52 @@ def test_a_whole_reply_whose_client_left_gives_its_place_back(tmp_path):
         assert samples[("tc_completion_tokens_total", ())] < 8000
         assert samples[("tc_http_requests_total", (("method", "POST"), ("route", "/v1/completions"),
                                                    ("status", "499")))] == 1
+    finally:
+        running_server.stop()
+
+
+@pytest.fixture(scope="module")
+def long_generator(tmp_path_factory) -> Generator:
+    """A tiny model with room for thousands of tokens: a generation that runs for seconds."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("long") / "long", seed=3, max_position_embeddings=8192)
+    model = OurModel(model_dir)
+    return Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_left_while_queued_frees_its_place(long_generator, stream):
+    """A client that gives up while its request waits for a place (a timeout under load, and the SDK retries):
+    the request leaves the queue within a moment, counted abandoned, where it stayed to be read and answered for
+    nobody, and held a place in the queue that others were refused for."""
+    generator = long_generator
+    service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
+                                max_batch=1, max_queue=4)
+    running_server = start_http_server(create_app(service), "127.0.0.1", 0, threads=4)
+
+    def queue() -> dict:
+        with urllib.request.urlopen(running_server.url + "/v1/cluster", timeout=10) as reply:
+            return json.load(reply)["queue"]
+
+    try:
+        with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=8000, temperature=0,
+                                                                              ignore_eos=True)):
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream}).encode()
+            sock = socket.create_connection(("127.0.0.1", running_server.port), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while queue()["waiting"] != 1:  # it waits behind the held generation
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            sock.close()
+            while queue()["waiting"]:
+                assert time.monotonic() < deadline, "the request stayed queued after its client left"
+                time.sleep(0.01)
+            assert queue()["running"] == 1  # the held one runs on
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(service.metrics.render()[0].decode()) for s in f.samples}
+        assert samples[("tc_generations_total", (("outcome", "abandoned"),))] == 2  # it, and the one held here
+        assert ("tc_generations_total", (("outcome", "error"),)) not in samples
     finally:
         running_server.stop()
 

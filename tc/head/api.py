@@ -36,8 +36,8 @@ from .api_requests import (
 )
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
-from .service import (ClusterNotReady, GenerationGroup, GenerationService, GenerationStream, GenerationSummary,
-                      QueueFull, Readiness, ServiceError, StageFailed, WorkerLost)
+from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
+                      GenerationSummary, QueueFull, Readiness, ServiceError, StageFailed, WorkerLost)
 from .structured_output import StructuredOutput
 from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
@@ -258,13 +258,13 @@ class _Generation:
         if n > self.service.max_batch:
             raise RequestError(f"'n' is {n}, but this server generates at most {self.service.max_batch} sequences "
                                "at once (head.max_batch); ask for fewer choices", param="n", code="invalid_value")
-        generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)])
+        # Waitress's check that the client has closed its connection (channel_request_lookahead gives it)
+        gone = req.env.get("waitress.client_disconnected")
+        generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)], gone)
         group = GenerationGroup(generations)
         req.context.request_id, req.context.generation = request_id, group
         replies = [make_reply() for _ in generations]  # a reply object per choice: chat replies keep state
         if not stream:
-            # Waitress's check that the client has closed its connection (channel_request_lookahead gives it)
-            gone = req.env.get("waitress.client_disconnected")
             with group:
                 bodies = [reply.whole(_drain(generation, gone)) for reply, generation in zip(replies, generations)]
             resp.media = bodies[0] if n == 1 else merge_choices(bodies)
@@ -284,10 +284,6 @@ class _Generation:
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")  # reverse proxies must not hold events back
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its whole reply was ready: nobody will read it."""
 
 
 def _drain(generation: GenerationStream, gone: Callable[[], bool] | None) -> Completion:

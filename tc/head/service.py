@@ -38,6 +38,7 @@ from ..topology import DEFAULT_PREFILL_CHUNK
 from .metrics import Hop, Metrics
 
 DEFAULT_MAX_BATCH = 8
+GONE_CHECK_S = 0.25  # how often a request waiting for its first step looks whether its client has gone
 RATE_WINDOW_S = 10.0  # aggregate tokens/s is measured over this much recent time
 
 
@@ -63,6 +64,10 @@ class ClusterNotReady(ServiceError):
             f"Model is not ready. Required nodes: {readiness.required}, connected ready nodes: "
             f"{len(readiness.ready)}" + (f" (waiting for: {', '.join(readiness.missing)})" if readiness.missing else "")
         )
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its reply was ready: nobody will read it."""
 
 
 class QueueFull(ServiceError):
@@ -115,8 +120,16 @@ class _Request:
     def queue_wait_s(self) -> float:
         return (self.admitted_at or time.perf_counter()) - self.queued_at
 
-    def next(self) -> Step:
-        item = self.outbox.get()
+    def next(self, gone: Callable[[], bool] | None = None) -> Step:
+        """The next step, waited for; with `gone` (the client's connection closed?) looked at every GONE_CHECK_S
+        while waiting, so that a request whose client left while it queued gives its place up (ClientGone)."""
+        while True:
+            try:
+                item = self.outbox.get() if gone is None else self.outbox.get(timeout=GONE_CHECK_S)
+                break
+            except queue.Empty:
+                if gone():
+                    raise ClientGone("the client closed the connection while its request waited") from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -293,9 +306,11 @@ class GenerationService:
         """
         return self.open_choices(prompt_ids, [params])[0]
 
-    def open_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams]) -> list[GenerationStream]:
+    def open_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams],
+                     gone: Callable[[], bool] | None = None) -> list[GenerationStream]:
         """Start one generation per entry of `choices` for the same prompt, all at once (they join the batch in
-        the same step), as `open` does; if one cannot start, none is left running."""
+        the same step), as `open` does; if one cannot start, none is left running. `gone` says whether the
+        client has closed its connection: if it does while the request waits for its first step, ClientGone."""
         self._check_ready()
         # ValueError; the choices read the prompt once, and each of the others starts from a copy of its cache
         requests = [_Request(sequence) for sequence in self.generator.start_choices(prompt_ids, choices)]
@@ -313,13 +328,17 @@ class GenerationService:
         streams: list[GenerationStream] = []
         try:
             for request in requests:
-                streams.append(GenerationStream(self, request, request.next()))
-        except BaseException:
-            self.metrics.generations.labels("error").inc()
+                streams.append(GenerationStream(self, request, request.next(gone)))
+        except BaseException as exc:
+            self.metrics.generations.labels("abandoned" if isinstance(exc, ClientGone) else "error").inc(
+                len(requests) - len(streams))  # those with a stream count as they close
             for stream in streams:
                 stream.close()
-            for request in requests[len(streams):]:
-                request.abandoned = True  # the loop drops it at its next step boundary
+            with self._lock:
+                for request in requests[len(streams):]:
+                    request.abandoned = True  # in the batch: the loop drops it at its next step boundary
+                    if request in self._waiting:  # still queued: its place in the queue is free at once
+                        self._waiting.remove(request)
             raise
         for stream in streams:
             self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
