@@ -6,13 +6,12 @@ tensors it will load.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Iterable
 
-from .model.weights import INDEX_FILE, SINGLE_FILE
+from .model.weights import INDEX_FILE, SINGLE_FILE, WeightsError, read_weight_map
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +99,13 @@ class ModelSource:
         return root
 
     def _shards(self, index: Path, names: Iterable[str]) -> list[str]:
-        """The shard files the index puts `names` in. Raises ModelSourceError for an index that is no JSON object
-        with a weight_map of file names."""
+        """The shard files the index puts `names` in (read as WeightIndex reads it). Raises ModelSourceError for
+        an index that is no JSON object with a weight_map of file names in the model directory."""
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = {weight_map[n] for n in names if n in weight_map}
-        except (ValueError, KeyError, TypeError) as exc:  # not JSON (or UTF-8), no weight_map, not an object
-            raise ModelSourceError(f"{INDEX_FILE} of {self.model} is malformed ({type(exc).__name__}: "
-                                   f"{_first_line(exc)}); the repo's checkpoint is damaged") from exc
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in files):
-            raise ModelSourceError(f"{INDEX_FILE} of {self.model} is malformed: its weight_map is no object of "
-                                   "file names; the repo's checkpoint is damaged")
-        return sorted(files)
+            weight_map = read_weight_map(index)
+        except WeightsError as exc:
+            raise ModelSourceError(f"{INDEX_FILE} of {self.model} is malformed: {exc}") from exc
+        return sorted({weight_map[n] for n in names if n in weight_map})
 
     def fetch_tokenizer(self) -> Path:
         root = self.config_dir()

@@ -222,7 +222,7 @@ def _checked_entry(path: Path, name: str, entry: object, data_size: int
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
-def _read_weight_map(index_path: Path) -> dict[str, str]:
+def read_weight_map(index_path: Path) -> dict[str, str]:
     """The shard index's weight_map (tensor name -> shard file), every file a plain name in the model directory:
     an index that named "/etc/passwd" or "../x.safetensors" would have us open a file outside it."""
     try:
@@ -285,7 +285,7 @@ class WeightIndex:
         model_dir = Path(model_dir)
         index_path = model_dir / INDEX_FILE
         if index_path.is_file():
-            weight_map = _read_weight_map(index_path)
+            weight_map = read_weight_map(index_path)
             wanted = weight_map if only is None else {n: weight_map[n] for n in only if n in weight_map}
             files = sorted(set(wanted.values()))
         elif (model_dir / SINGLE_FILE).is_file():
