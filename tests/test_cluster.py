@@ -112,6 +112,26 @@ def test_a_prompt_past_a_workers_frame_limit_is_read_over_several_steps(tmp_path
         assert "broke the protocol" not in cluster.workers["a"].output()
 
 
+def test_a_step_fits_the_frames_of_a_stage_that_computes_wider_than_the_head(tmp_path, model_dir):
+    """A node computing in fp32 under a bf16 topology passes on 4 bytes a value where the head sends 2: a step's
+    positions are bounded for the widest form, so a long prompt's parts fit the next worker's small frames. Before,
+    they were bounded for the head's 2 bytes; the first stage's fp32 output of a part was twice what the next
+    worker takes, which dropped the head at every attempt until the request failed as worker_lost."""
+    nodes = [{"id": "a", "device": "cpu", "dtype": "fp32"}, {"id": "b", "device": "cpu"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, dtype="bf16", head={"resume": False})
+    prompt = "the quick brown fox " * 10
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        cluster.start_worker("b", "--max-frame-mb", "0.02")
+        cluster.wait_ready()
+        status, body = completion(cluster, prompt, 4)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] > 150 and body["usage"]["completion_tokens"] == 4
+        assert "broke the protocol" not in cluster.workers["b"].output()
+
+
 def test_refused_workers_leave_the_head_serving(tmp_path, model_dir):
     nodes = [{"id": "a", "device": "cpu"}, {"id": "gpu", "device": "cuda:0"}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"heartbeat_s": 1})

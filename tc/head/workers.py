@@ -52,6 +52,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERRO
                                  Assignment, Error, Hello, HelloAck, HiddenState, InferenceError,
                                  LoadComplete, LoadFailed, LoadProgress, Message, Ping, Pong, Release, Route,
                                  RunBatch)
+from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
 from ..topology import Topology
 from ..trace import mark
@@ -447,6 +448,9 @@ class WorkerRegistry:
         self.step_budget = StepBudget(settings.step_timeout_s, settings.step_timeout_factor)
         self.handshake_timeout_s = handshake_timeout_s
         self.hop_bytes = hop_bytes_per_position(config.hidden_size, topology.dtype)
+        # what one position may take in a step's frames: a stage may compute, and pass on, in a wider dtype than
+        # the head's (a node's own dtype, or its device's fallback), so frames are sized for the widest there is
+        self.frame_bytes_per_position = config.hidden_size * max(d.itemsize for d in WIRE_DTYPES.values())
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._pending_lock = threading.Lock()
         self._pending: dict[socket.socket, str] = {}  # sockets in their handshake, oldest first, and their peers
@@ -513,7 +517,7 @@ class WorkerRegistry:
         over several steps."""
         with self.lock:
             caps = [self.max_frame_bytes, *(s.link.hello.max_frame_bytes for s in self.slots.values() if s.link)]
-        return max(1, (min(caps) - self._frame_margin()) // self.hop_bytes)
+        return max(1, (min(caps) - self._frame_margin()) // self.frame_bytes_per_position)
 
     def _frame_margin(self) -> int:
         return STEP_FRAME_MARGIN + STEP_FRAME_MARGIN_PER_SEQUENCE * self.batch.max_batch
@@ -521,7 +525,7 @@ class WorkerRegistry:
     def _check_frames(self, hello: Hello) -> None:
         """Refuses a worker whose frame limit cannot carry one decode step of a full batch and a prompt position:
         every request would fail at it (it drops the head at the first such frame, and rejoins to fail again)."""
-        need = self._frame_margin() + self.hop_bytes * (self.batch.max_batch + 1)
+        need = self._frame_margin() + self.frame_bytes_per_position * (self.batch.max_batch + 1)
         if hello.max_frame_bytes < need:
             raise Refusal(f"this worker takes frames of at most {hello.max_frame_bytes} bytes (--max-frame-mb), "
                           f"under the {need} that one step of this model takes ({self.batch.max_batch} sequences "
