@@ -23,6 +23,7 @@ from tc.planner import Plan, format_bytes
 from tc.speed import Speed
 
 DEFAULT_PREFILL_POSITIONS = 512
+SMALLER_MODES = {"fp16": "quant: int8 or int4", "int8": "quant: int4"}  # what quantizing further can still pick
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Forecast:
     stages: tuple[StageForecast, ...]
     head_decode_s: float | None
     prefill_positions: int
+    quant: str = "fp16"  # the topology's weight mode: advice never suggests the mode already in use
+    plan_from: str = "topology"  # head.plan_from: whether the workers' own speeds will make the plan
 
     @property
     def complete(self) -> bool:
@@ -98,27 +101,31 @@ class Forecast:
         """What would most improve decode, in one sentence an operator can act on."""
         missing = [s.node_id for s in self.stages if s.decode_s is None]
         if missing:
-            return (f"no speed known for {', '.join(missing)}: start their workers (they measure themselves), or "
-                    "copy `tc.pyz worker --bench` figures into nodes[].speed, to have the split follow speed")
+            measured = ("start their workers (they measure themselves)" if self.plan_from == "workers" else
+                        "set head.plan_from: workers (each worker measures itself as it joins)")
+            return (f"no speed known for {', '.join(missing)}: {measured}, or copy `tc.pyz worker --bench` figures "
+                    "into nodes[].speed, to have the split follow speed")
         if self.head_decode_s is None:
             return "the head's speed is not known, so tokens per second cannot be predicted"
         found = self.bottleneck()
         assert found is not None
         name, share = found
         pct = f"{share * 100:.0f}%"
-        if name == "head":
+        smaller = SMALLER_MODES.get(self.quant)
+        quantize = f"quantize ({smaller}), " if smaller else ""
+        if name == "head":  # lm_head stays int8 under int4: only an fp16 head has a smaller mode to go to
             return (f"the head holds {pct} of the time (embedding, lm_head, sampling): run the head on a faster "
-                    "machine, or quantize (quant: int8 or int4 also shrinks lm_head)")
+                    "machine" + (", or quantize (quant: int8 or int4 also shrinks lm_head)" if self.quant == "fp16"
+                                 else ""))
         if name.startswith("link"):
             return (f"the {name} holds {pct} of the time: put that machine on a faster or nearer network, or "
                     "drop it from the pipeline")
         stage = next(s for s in self.stages if f"node {s.node_id}" == name)
         if stage.pinned:
-            return (f"{name} holds {pct} of the time: pin fewer layers on it, quantize (quant: int8 or int4), or "
-                    "give it a faster device")
+            return f"{name} holds {pct} of the time: pin fewer layers on it, {quantize}or give it a faster device"
         # unpinned and timed: the split already gave it no more than its speed allows
-        return (f"{name} holds {pct} of the time, with no more layers than its speed allows: quantize (quant: "
-                "int8 or int4), give it a faster device, or add a node beside it")
+        return (f"{name} holds {pct} of the time, with no more layers than its speed allows: {quantize}give it a "
+                "faster device, or add a node beside it")
 
 
 def hop_bytes_per_position(hidden_size: int, dtype: str) -> int:
@@ -127,10 +134,11 @@ def hop_bytes_per_position(hidden_size: int, dtype: str) -> int:
 
 
 def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,
-             prefill_positions: int = DEFAULT_PREFILL_POSITIONS, direct_hops: bool = False) -> Forecast:
+             prefill_positions: int = DEFAULT_PREFILL_POSITIONS, direct_hops: bool = False, quant: str = "fp16",
+             plan_from: str = "topology") -> Forecast:
     """The plan's predictions. `hop_bytes_per_position`: one position of hidden states as sent (hidden size x
-    the element size); `direct_hops`: workers pass hidden states to each other (the module's docstring). Raises
-    ValueError for a non-positive prefill length."""
+    the element size); `direct_hops`: workers pass hidden states to each other (the module's docstring); `quant`
+    and `plan_from`: the topology's, for the advice. Raises ValueError for a non-positive prefill length."""
     if prefill_positions < 1:
         raise ValueError(f"prefill_positions must be >= 1, got {prefill_positions}")
     stages = []
@@ -148,7 +156,7 @@ def forecast(plan: Plan, hop_bytes_per_position: int, head: HeadCost | None,
             hop_prefill_s=None if link is None else share * link.hop_s(hop_bytes_per_position * prefill_positions),
             pinned=stage.pinned,
         ))
-    return Forecast(tuple(stages), None if head is None else head.decode_s, prefill_positions)
+    return Forecast(tuple(stages), None if head is None else head.decode_s, prefill_positions, quant, plan_from)
 
 
 def _ms(seconds: float | None) -> str:

@@ -180,3 +180,48 @@ def test_plan_explain_prints_the_timed_table(tmp_path, capsys):
     assert "predicted: decode" in out and "tokens/s" in out and "to improve: node slow holds" in out
     assert main(["plan", str(topology)]) == 0  # without --explain: today's table
     assert "decode ms" not in capsys.readouterr().out
+
+
+def test_advice_offers_only_weight_modes_smaller_than_the_one_in_use():
+    """A topology already in int8 is told of int4 alone, one in int4 of no mode at all; the head's lm_head stays
+    int8 under int4, so only an fp16 head is told to quantize."""
+    pinned = make_plan(24, LAYERS, [node("cpu", CPU, pin=(0, 12)), node("gpu", CUDA)])
+    balanced = make_plan(24, LAYERS, [node("cpu", CPU), node("gpu", CUDA)])
+    for plan in (pinned, balanced):
+        assert "(quant: int8 or int4)" in forecast(plan, 1792, HeadCost(1 * MB, CUDA)).advice()
+        int8 = forecast(plan, 1792, HeadCost(1 * MB, CUDA), quant="int8").advice()
+        assert "quantize (quant: int4)" in int8 and "int8 or" not in int8
+        assert "quant" not in forecast(plan, 1792, HeadCost(1 * MB, CUDA), quant="int4").advice()
+    head_bound = make_plan(24, LAYERS, [node("gpu", CUDA)])
+    slow_head = HeadCost(2000 * MB, CPU)
+    assert forecast(head_bound, 1792, slow_head).bottleneck()[0] == "head"
+    assert "quantize" in forecast(head_bound, 1792, slow_head).advice()
+    for mode in ("int8", "int4"):
+        assert "quant" not in forecast(head_bound, 1792, slow_head, quant=mode).advice()
+
+
+def test_plan_explain_advice_follows_the_topology(tmp_path, capsys):
+    """`tc plan --explain` advises from the topology's weight mode and plan source: a plan from the topology never
+    takes the workers' measurements, so starting them would not make the split follow speed."""
+    from tc.cli import main
+    from cluster import write_topology
+    from tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    fast = {"decode_gbps": 50, "prefill_gbps": 5000, "layer_ms": 0.05}
+    slow = {"decode_gbps": 0.005, "prefill_gbps": 0.5, "layer_ms": 2}
+    timed = write_topology(tmp_path / "timed.yaml", model, [
+        {"id": "slow", "device": "cpu", "speed": slow}, {"id": "fast", "device": "cpu", "speed": fast},
+    ], head={"speed": fast}, quant="int8")
+    assert main(["plan", "--explain", str(timed)]) == 0
+    advice = [line for line in capsys.readouterr().out.splitlines() if line.startswith("to improve:")]
+    assert advice and "node slow holds" in advice[0] and "quantize (quant: int4)" in advice[0], advice
+    assert "int8 or int4" not in advice[0]
+    untimed = write_topology(tmp_path / "untimed.yaml", model, [{"id": "a", "device": "cpu"}], head={"speed": fast})
+    assert main(["plan", "--explain", str(untimed)]) == 0
+    out = capsys.readouterr().out
+    assert "no speed known for a: set head.plan_from: workers" in out and "start their workers" not in out
+    waiting = write_topology(tmp_path / "waiting.yaml", model, [{"id": "a", "device": "cpu"}],
+                             head={"speed": fast, "plan_from": "workers"})
+    assert main(["plan", "--explain", str(waiting)]) == 0
+    assert "no speed known for a: start their workers" in capsys.readouterr().out

@@ -101,7 +101,7 @@ def head_speed(topology: Topology) -> Speed:
 def plan_forecast(topology: Topology, config: ModelConfig, plan: Plan, speed: Speed | None) -> Forecast:
     head = None if speed is None else HeadCost(head_weight_bytes(topology, config), speed)
     return forecast(plan, hop_bytes_per_position(config.hidden_size, topology.dtype), head,
-                    direct_hops=topology.head.direct_hops)
+                    direct_hops=topology.head.direct_hops, quant=topology.quant, plan_from=topology.head.plan_from)
 
 
 def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, Plan]:
