@@ -6,6 +6,7 @@ import re
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -27,11 +28,11 @@ class HandWorker:
     """A joined connection that says HELLO with chosen speeds; its reader answers every PING at once (echoing the
     payload, as a real worker's reader does, so the head can probe the link) and keeps each ASSIGNMENT."""
 
-    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float | None):
-        """`decode_gbps` None: a worker that measured nothing."""
+    def __init__(self, cluster: Cluster, node_id: str, decode_gbps: float | None, **hello):
+        """`decode_gbps` None: a worker that measured nothing; `hello`: other HELLO fields."""
         sock = socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10)
         self.conn = Connection(sock)
-        self.conn.send(worker_hello(node_id, speeds=() if decode_gbps is None else (figure(decode_gbps),)))
+        self.conn.send(worker_hello(node_id, speeds=() if decode_gbps is None else (figure(decode_gbps),), **hello))
         assert isinstance(self.conn.recv().message, HelloAck)
         self.conn.settimeout(None)
         self.assignments: queue.Queue[Assignment] = queue.Queue()
@@ -111,6 +112,29 @@ def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
             spans.append((message.layer_start, message.layer_end_exclusive))
             worker.close()
         assert spans == [(0, 4), (4, 8)]
+
+
+def test_workers_offering_less_memory_get_a_smaller_batch_not_a_refusal(tmp_path, model_dir):
+    """head.max_batch left out means as many as the nodes fit: workers whose memory holds 6 full-context caches
+    beside their layers are planned with a batch of 6, which the API serves, rather than refused for the 8 a
+    plan from the topology alone (no memory known) allowed."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        # 4 layers of the tiny model: 338 KiB of weights; a full-context cache 256 KiB a sequence
+        workers = [HandWorker(cluster, node["id"], None, max_memory_bytes=2_000_000) for node in NODES]
+        assignments = [worker.next_assignment(10) for worker in workers]
+        assert all(a is not None for a in assignments), cluster.head.output()
+        assert [a.max_sequences for a in assignments] == [6, 6]
+        status, view = cluster.get("/v1/cluster")
+        assert view["plan"]["max_batch"] == 6 and view["batch"]["slots"] == 6
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=5) as reply:
+            assert "tc_batch_slots 6.0" in reply.read().decode()
+        assert "batch: up to 6 sequences at once" in cluster.head.output()
+        for worker in workers:
+            worker.close()
 
 
 def test_real_workers_plan_from_their_measurements_and_the_cluster_view_compares(tmp_path, model_dir):

@@ -26,7 +26,7 @@ from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is
                              layer_shapes)
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
-from ..batch_memory import plan_batch
+from ..batch_memory import BatchPlan, plan_batch
 from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
@@ -232,6 +232,12 @@ def start_head(topology: Topology) -> Head:
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
                                 prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops)
+
+    def planned(made: BatchPlan) -> None:  # the workers' memory may hold fewer sequences than the topology's plan
+        service.max_batch = made.max_batch
+        log.info("batch: %s", made.describe())
+
+    registry.on_plan = planned
     max_body = topology.head.max_body_bytes
     # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
     # unbounded backlog) decides who waits and who gets a 429

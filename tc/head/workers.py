@@ -37,7 +37,7 @@ from collections import deque
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..batch_memory import BatchPlan, plan_batch
@@ -430,8 +430,10 @@ class WorkerRegistry:
         self.plan_problem = ""  # why plan_once failed, for operators; the workers keep waiting
         if batch is None and plan is None:
             raise ValueError("without a plan, give the batch the head serves (batch_memory.plan_batch)")
-        # PlanError when max_batch cannot fit; a plan made later is checked against the same max_batch
+        # PlanError when max_batch cannot fit; a plan made later must fit head.max_batch where the topology sets it,
+        # else holds as many as its nodes fit, up to this batch (what the HTTP threads are sized for)
         self.batch = batch if batch is not None else plan_batch(plan, config, topology.head.max_batch)
+        self.on_plan: Callable[[BatchPlan], None] | None = None  # told the batch of a plan made once workers join
         node_ids = [s.node_id for s in plan.stages] if plan is not None else [e.id for e in topology.pipeline_nodes]
         self.slots = {node_id: Slot(node_id) for node_id in node_ids}
         self.standby: dict[str, WorkerLink] = {}  # spare entry id -> its link, while it waits for a lost node
@@ -728,7 +730,10 @@ class WorkerRegistry:
         links = {node_id: s.link.link_speed for node_id, s in self.slots.items() if s.link is not None}
         try:
             plan = self.plan_once(hellos, links)
-            batch = plan_batch(plan, self.config, self.batch.max_batch)  # its nodes must hold the batch too
+            asked = self.topology.head.max_batch
+            batch = plan_batch(plan, self.config, asked)  # its nodes must hold the batch too
+            if asked is None and batch.max_batch > self.batch.max_batch:
+                batch = replace(batch, max_batch=self.batch.max_batch)
         except PlanError as exc:
             # the workers stay joined and waiting: replacing the one named (or fixing its limits) plans again
             self.plan_problem = str(exc)
@@ -738,6 +743,8 @@ class WorkerRegistry:
             return []
         self.plan, self.batch = plan, batch
         self.plan_problem = ""
+        if self.on_plan is not None:
+            self.on_plan(batch)
         return [self._occupy(s, s.link) for s in self.slots.values() if s.link is not None]
 
     def _occupy(self, slot: Slot, link: WorkerLink) -> tuple[WorkerLink, Assignment]:
