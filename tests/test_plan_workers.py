@@ -114,6 +114,17 @@ def test_workers_without_speeds_get_the_byte_split(tmp_path, model_dir):
         assert spans == [(0, 4), (4, 8)]
 
 
+def test_plan_says_the_head_will_plan_from_the_workers(tmp_path, model_dir, capsys):
+    """`tc plan` on a topology whose head plans from the workers says that the split it shows is not final."""
+    from tc.cli import main
+
+    for plan_from, said in (("workers", True), ("topology", False)):
+        topology = write_topology(tmp_path / f"{plan_from}.yaml", model_dir, NODES, head={"plan_from": plan_from})
+        assert main(["plan", str(topology)]) == 0
+        out = capsys.readouterr().out
+        assert ("the head makes its plan once all 2 workers have joined" in out) == said, out
+
+
 def test_workers_offering_less_memory_get_a_smaller_batch_not_a_refusal(tmp_path, model_dir):
     """head.max_batch left out means as many as the nodes fit: workers whose memory holds 6 full-context caches
     beside their layers are planned with a batch of 6, which the API serves, rather than refused for the 8 a

@@ -123,6 +123,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
           else plan.table())
     print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")
+    if topology.head.plan_from == "workers":
+        print(f"head.plan_from: workers: the head makes its plan once all {len(plan.stages)} workers have joined, "
+              "from their own speeds and memory and their links; the split above is from this file alone")
     return 0
 
 
