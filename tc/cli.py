@@ -84,7 +84,11 @@ def _positive_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tc", description="TrueCluster: one LLM across your machines.")
+    parser.add_argument("--version", action="version", version=f"tc {__version__}",
+                        help="print the tc release and exit (the head and every worker must run the same)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -279,6 +279,16 @@ def test_help_runs_from_pyz_in_a_clean_env(pyz, tmp_path):
         assert command in proc.stdout
 
 
+def test_version_runs_from_pyz_in_a_clean_env(pyz, tmp_path):
+    """The release a tc.pyz is, which the head and every worker must share (a mismatch is refused by name)."""
+    from tc import __version__
+
+    argv, env = pyz_command(pyz, tmp_path)
+    proc = _run([*argv, "--version"], env, pyz_run_dir(argv))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"tc {__version__}\n"
+
+
 def test_plan_runs_from_pyz_in_a_clean_env(pyz, tmp_path, tiny_model_dir):
     topology = tmp_path / "topology.yaml"
     topology.write_text(
