@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import sys
 import time
@@ -16,6 +17,7 @@ from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
+from tc.planner import format_bytes
 from tc.protocol.connection import Connection
 from tc.protocol.messages import PROTOCOL_VERSION, Error, Hello
 from tc.sampling import SamplingParams
@@ -84,6 +86,14 @@ def test_two_workers_match_the_single_process_model(tmp_path, model_dir):
         assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["finish_reason"] == "length"
         head_log = cluster.head.output()
         assert "assigned layers 0-1" in head_log and "assigned layers 2-3" in head_log
+        # each worker's weights as it reports them loaded, in the binary units of the plan's table (KiB here)
+        _, view = cluster.get("/v1/cluster")
+        for node in view["nodes"]:
+            loaded = format_bytes(node["loaded_weight_bytes"])
+            assert loaded.endswith(" KiB"), loaded
+            assert f"worker {node['id']} ready: {loaded} of weights on cpu" in head_log, head_log
+            assert f"ready: {loaded} of weights" in cluster.workers[node["id"]].output()
+        assert re.search(r"head tensors loaded \([0-9.]+ KiB, torch.float32\)", head_log), head_log
 
 
 def test_a_prompt_past_a_workers_frame_limit_is_read_over_several_steps(tmp_path, model_dir):

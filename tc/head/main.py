@@ -27,7 +27,7 @@ from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
 from ..batch_memory import BatchPlan, plan_batch
-from ..planner import Plan, layer_weight_bytes, make_plan, node_specs
+from ..planner import Plan, format_bytes, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
@@ -219,7 +219,7 @@ def start_head(topology: Topology) -> Head:
     else:
         log.warning("the model has no chat template: /v1/chat/completions will answer 400 until chat_template: "
                     "in the topology file names one")
-    log.info("head tensors loaded (%.0f MB, %s) in %.1fs", index.nbytes(names) / 1e6, dtype,
+    log.info("head tensors loaded (%s, %s) in %.1fs", format_bytes(index.nbytes(names)), dtype,
              time.perf_counter() - started)
 
     def plan_once(hellos: dict[str, Hello], links: dict[str, LinkSpeed | None]) -> Plan:

@@ -44,7 +44,7 @@ from ..batch_memory import BatchPlan, plan_batch
 from ..forecast import hop_bytes_per_position
 from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
-from ..planner import Plan, PlanError, Stage
+from ..planner import Plan, PlanError, Stage, format_bytes
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
@@ -868,8 +868,8 @@ class WorkerRegistry:
             slot.state, slot.detail, slot.loaded = "ready", "ready", msg
             ready = sum(s.state == "ready" for s in self.slots.values())
             self.changed.notify_all()
-        log.info("worker %s ready: %.0f MB of weights on %s (%s), loaded in %.1fs [%d/%d workers ready]",
-                 link.name, msg.weight_bytes / 1e6, msg.device, msg.compute_dtype, msg.load_seconds, ready,
+        log.info("worker %s ready: %s of weights on %s (%s), loaded in %.1fs [%d/%d workers ready]",
+                 link.name, format_bytes(msg.weight_bytes), msg.device, msg.compute_dtype, msg.load_seconds, ready,
                  len(self.slots))
         if ready == len(self.slots) and self.on_ready is not None:
             self.on_ready()

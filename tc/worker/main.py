@@ -46,6 +46,7 @@ from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import compute_dtype_name
 from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
+from ..planner import format_bytes
 from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
@@ -536,8 +537,8 @@ class Worker:
                 conn.send(LoadFailed(reason=reason))
                 return None
             self.loaded = (key, loaded)
-        log.info("layers %d-%d ready: %.0f MB of weights, %s, loaded in %.1fs", start, end - 1,
-                 loaded.weight_bytes / 1e6, loaded.dtype, loaded.load_seconds)
+        log.info("layers %d-%d ready: %s of weights, %s, loaded in %.1fs", start, end - 1,
+                 format_bytes(loaded.weight_bytes), loaded.dtype, loaded.load_seconds)
         # the dtype it computes in after any fallback (fp16 asked of a CPU computes in fp32), not the one asked for
         conn.send(LoadComplete(load_seconds=loaded.load_seconds, weight_bytes=loaded.weight_bytes,
                                device=loaded.device, compute_dtype=compute_dtype_name(loaded.dtype)))
