@@ -398,6 +398,29 @@ def next_load_report(conn: Connection):
             return message
 
 
+def test_a_rejoined_worker_reports_its_kept_layers_as_taking_no_load_time(tmp_path, model_dir):
+    """A worker that rejoins with the assignment it has loaded keeps its layers, and its LOAD_COMPLETE says no time
+    went to loading them: it repeated the first load's seconds, and the head's log showed a reload that never
+    happened."""
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
+    try:
+        conn = head.accept()
+        conn.send(assignment_for(model_dir))
+        first = next_load_report(conn)
+        assert isinstance(first, LoadComplete) and first.load_seconds > 0, first
+        conn.close()
+        conn = head.accept()  # it rejoined
+        conn.send(assignment_for(model_dir))
+        again = next_load_report(conn)
+        assert isinstance(again, LoadComplete) and again.load_seconds == 0.0, again
+        assert again.weight_bytes == first.weight_bytes
+        assert "already loaded; reusing them" in worker.output()
+        conn.close()
+    finally:
+        cluster.stop()
+        head.close()
+
+
 def test_worker_reports_a_load_failure_of_any_kind_and_stays_out_of_service(tmp_path, model_dir):
     head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
     try:

@@ -34,7 +34,7 @@ import os
 import queue
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -510,7 +510,7 @@ class Worker:
         apply_threads(assignment.threads, self.options.threads)
         if self.loaded is not None and self.loaded[0] == key:
             log.info("layers %d-%d already loaded; reusing them", start, end - 1)
-            loaded = self.loaded[1]
+            loaded = replace(self.loaded[1], load_seconds=0.0)  # nothing was loaded for this assignment
         else:
             self.loaded = None
             log.info("assigned layers %d-%d of %s (%s, compute %s) on %s", start, end - 1, assignment.model_id,
