@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 log = logging.getLogger("tc")
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def _port_number(text: str) -> int | None:
@@ -89,15 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tc", description="TrueCluster: one LLM across your machines.")
     parser.add_argument("--version", action="version", version=f"tc {__version__}",
                         help="print the tc release and exit (the head and every worker must run the same)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
+    # also after the command (`tc worker --join ... --log-level debug`), where it wins over one before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="(default info)")
 
-    head = sub.add_parser("head", help="run the head: HTTP API, tokenizer, sampling; workers join it")
+    head = sub.add_parser("head", parents=[common], help="run the head: HTTP API, tokenizer, sampling; workers join it")
     head.add_argument("topology", type=Path, help="the topology YAML file")
     head.add_argument("--api-port", type=_port, help="override head.api's port")
     head.add_argument("--listen-port", type=_port, help="override head.listen's port")
 
-    worker = sub.add_parser("worker", help="run a worker that joins a head and serves a range of layers")
+    worker = sub.add_parser("worker", parents=[common],
+                            help="run a worker that joins a head and serves a range of layers")
     worker.add_argument("--join", type=_host_port, metavar="HOST:PORT",
                         help="the head's listen address (required unless --bench)")
     worker.add_argument("--node-id", help="the topology entry to fill (default: the first free one that fits)")
@@ -131,13 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-bench", action="store_true",
                         help="do not measure before joining: the head then plans this node without its speed")
 
-    plan = sub.add_parser("plan", help="print the layer plan for a topology without starting anything")
+    plan = sub.add_parser("plan", parents=[common],
+                          help="print the layer plan for a topology without starting anything")
     plan.add_argument("topology", type=Path)
     plan.add_argument("--explain", action="store_true",
                       help="add memory headroom and predicted time per stage and hop, predicted tokens/s, and what "
                            "would most improve them (from nodes[].speed; the head's own speed is measured here)")
 
-    gen = sub.add_parser("generate", help="run the whole model in this process (the single-machine baseline)")
+    gen = sub.add_parser("generate", parents=[common],
+                         help="run the whole model in this process (the single-machine baseline)")
     gen.add_argument("--model", required=True, type=Path, help="a local model directory")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

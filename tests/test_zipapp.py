@@ -304,6 +304,23 @@ def test_plan_runs_from_pyz_in_a_clean_env(pyz, tmp_path, tiny_model_dir):
     assert {"a", "b"} <= {row[0] for row in rows if row}
 
 
+def test_log_level_is_taken_after_the_command_too(pyz, tmp_path):
+    """`tc plan --log-level error ...` as well as `tc --log-level error plan ...`: where an operator adds it to a
+    command line already written, after the command, it was refused as an unknown argument."""
+    topology = tmp_path / "topology.yaml"  # a repo id: resolving it logs at INFO, then fails offline at ERROR
+    topology.write_text("model: example-org/not-cached\nquant: fp16\ndtype: fp32\n"
+                        "head: {api: '127.0.0.1:18000', listen: '127.0.0.1:17001'}\nnodes:\n  - {id: a, device: cpu}\n")
+    argv, env = pyz_command(pyz, tmp_path)
+    env = {**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    loud = _run([*argv, "plan", str(topology)], env, pyz_run_dir(argv))
+    assert loud.returncode == 2 and " INFO " in loud.stderr and "cannot get config.json" in loud.stderr, loud.stderr
+    for args in (["plan", "--log-level", "error"], ["--log-level", "error", "plan"],
+                 ["--log-level", "debug", "plan", "--log-level", "error"]):
+        quiet = _run([*argv, *args, str(topology)], env, pyz_run_dir(argv))
+        assert quiet.returncode == 2 and "cannot get config.json" in quiet.stderr, (args, quiet.stderr)
+        assert " INFO " not in quiet.stderr and " DEBUG " not in quiet.stderr, (args, quiet.stderr)
+
+
 def _imported_modules(stderr: str) -> set[str]:
     """Module names from `-X importtime` lines: 'import time: self | cumulative |   name'."""
     return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")
