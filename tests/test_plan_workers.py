@@ -200,3 +200,31 @@ def test_a_spare_takes_the_lost_nodes_planned_layers(tmp_path, model_dir):
         assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == (0, 1)
         spare.close()
         fast.close()
+
+
+def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, model_dir):
+    """A spare's max_memory_gb bounds what it may take over, as a node's bounds its own layers: a spare capped
+    under a lost node's weights stands by, and one without a cap takes the node."""
+    stage_bytes = 4 * 86528  # 4 of the tiny model's 8 layers in fp16
+    small = stage_bytes / 2 / 2**30
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [
+        *NODES, {"id": "small", "device": "cpu", "spare": True, "max_memory_gb": small},
+        {"id": "big", "device": "cpu", "spare": True}], head={"heartbeat_s": 1})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        slow = HandWorker(cluster, "slow", None)
+        fast = HandWorker(cluster, "fast", None)
+        planned = slow.next_assignment(10)
+        assert planned is not None and fast.next_assignment(10) is not None
+        spare = HandWorker(cluster, "small", None)  # the machine itself offers all it has
+        slow.close()
+        assert spare.next_assignment(3) is None, "a spare took layers over its max_memory_gb"
+        output = cluster.head.output()
+        assert "spare small cannot take node slow" in output and "small's max_memory_gb is" in output, output
+        big = HandWorker(cluster, "big", None)
+        taken = big.next_assignment(10)
+        assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == \
+            (planned.layer_start, planned.layer_end_exclusive)
+        for worker in (spare, big, fast):
+            worker.close()

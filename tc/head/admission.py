@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import AbstractSet
 
-from ..planner import Plan, Stage, format_bytes
+from ..planner import GIB, Plan, Stage, format_bytes
 from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello, SpeedFigure
 from ..topology import NodeEntry, Topology
 
@@ -64,6 +64,11 @@ def speed_for(hello: Hello, device: str, dtype: str, quant: str) -> SpeedFigure 
 
 def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
+    limit = entry.max_memory_gb
+    if limit is not None and stage.weight_bytes > limit * GIB:  # the plan keeps a node's own layers within it
+        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
+                f"weights), but {entry.id}'s max_memory_gb is {limit:g} ({format_bytes(int(limit * GIB))}) in "
+                f"topology.yaml; raise it there, or pin fewer layers on {stage.node_id}")
     memory = worker_memory(hello, device_for(entry.device, hello))
     if memory is not None and stage.weight_bytes > memory:
         return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
