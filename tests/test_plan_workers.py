@@ -228,3 +228,21 @@ def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, m
             (planned.layer_start, planned.layer_end_exclusive)
         for worker in (spare, big, fast):
             worker.close()
+
+
+def test_plan_says_which_nodes_each_spare_can_stand_in_for(tmp_path, model_dir, capsys):
+    """`tc plan` names, for each spare, the nodes whose layers fit its max_memory_gb, so a spare too small for
+    any node is found before a node is lost, not when one is."""
+    from tc.cli import main
+
+    layer = 86528  # one of the tiny model's layers in fp16
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [
+        {"id": "slow", "device": "cpu", "layers": "0-1"}, {"id": "fast", "device": "cpu"},
+        {"id": "tiny", "device": "cpu", "spare": True, "max_memory_gb": layer / 2**30},
+        {"id": "mid", "device": "cpu", "spare": True, "max_memory_gb": 3 * layer / 2**30},
+        {"id": "any", "device": "cpu", "spare": True}])
+    assert main(["plan", str(topology)]) == 0
+    out = capsys.readouterr().out
+    assert "spare tiny: can take over no node: every node's layers need more than its max_memory_gb" in out, out
+    assert "spare mid: stands by for slow only; the layers of fast need more than its max_memory_gb" in out, out
+    assert "spare any: stands by for any node" in out, out

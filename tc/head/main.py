@@ -27,7 +27,7 @@ from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
 from ..batch_memory import BatchPlan, plan_batch
-from ..planner import Plan, format_bytes, layer_weight_bytes, make_plan, node_specs
+from ..planner import GIB, Plan, format_bytes, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
@@ -115,6 +115,23 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, 
     return source, config, build_plan(topology, config)
 
 
+def describe_spares(topology: Topology, plan: Plan) -> list[str]:
+    """One line per spare entry: which nodes' layers it could take over, as its max_memory_gb allows."""
+    lines = []
+    for entry in topology.spare_nodes:
+        limit = entry.max_memory_gb
+        fits = [s.node_id for s in plan.stages if limit is None or s.weight_bytes <= limit * GIB]
+        if len(fits) == len(plan.stages):
+            lines.append(f"spare {entry.id}: stands by for any node")
+            continue
+        cap = f"its max_memory_gb {limit:g} ({format_bytes(int(limit * GIB))})"
+        others = [s.node_id for s in plan.stages if s.node_id not in fits]
+        lines.append(f"spare {entry.id}: stands by for {', '.join(fits)} only; the layers of {', '.join(others)} "
+                     f"need more than {cap}" if fits else
+                     f"spare {entry.id}: can take over no node: every node's layers need more than {cap}; raise it")
+    return lines
+
+
 def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
@@ -123,6 +140,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
           else plan.table())
     print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")
+    for line in describe_spares(topology, plan):
+        print(line)
     if topology.head.plan_from == "workers":
         print(f"head.plan_from: workers: the head makes its plan once all {len(plan.stages)} workers have joined, "
               "from their own speeds and memory and their links; the split above is from this file alone")
@@ -194,6 +213,9 @@ def start_head(topology: Topology) -> Head:
                  explain(plan, plan_forecast(topology, config, plan, speed)) if timed else plan.table())
     batch = plan_batch(plan, config, topology.head.max_batch)  # refuses a batch that cannot fit, before loading
     log.info("batch: %s", batch.describe())
+    if not waiting:  # a plan made from the workers may differ; each takeover says why a spare cannot serve
+        for line in describe_spares(topology, plan):
+            log.info("%s", line)
     check_can_listen("head.api", topology.head.api)
     check_can_listen("head.listen", topology.head.listen)
     names = head_tensor_names(config)
