@@ -7,7 +7,8 @@ over callables, so they can never go stale.
 
 Hop times come from the remote pipeline after each step: for each worker, the head measures the round trip
 and the worker reports its compute time, so `round trip - compute` is the network (and framing) time of that
-hop. The single-process pipeline has no hops, so those series stay empty there.
+hop; with direct hops the head sees only the step's whole way, and each worker gets an even share of it. The
+single-process pipeline has no hops, so those series stay empty there.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class Metrics:
         self.stage_compute = Histogram("tc_stage_compute_seconds", "A stage's compute time for one step, as the "
                                        "worker reports it", ["node", "phase"], buckets=STEP_BUCKETS, registry=r)
         self.hop_network = Histogram("tc_hop_network_seconds", "Round trip to a worker minus its compute time, "
-                                     "for one step", ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
+                                     "for one step (with direct hops, an even share of the step's network time)",
+                                     ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
         self._series: dict[tuple[str, str], tuple] = {}  # (node, phase) -> observe_step's two histograms
 
     def watch(self, waiting: Callable[[], int], running: Callable[[], int],
