@@ -346,6 +346,22 @@ def test_missing_native_package_is_one_line_and_exit_3(pyz, tmp_path, without, n
     assert imported - set(sys.stdlib_module_names) == {"tc"}, imported - set(sys.stdlib_module_names)
 
 
+def test_a_torch_older_than_tc_runs_on_is_one_line_and_exit_3(pyz, tmp_path):
+    """A host whose torch predates the oldest release tc runs on (2.4) is told so, with the pip line, before
+    anything imports it: it failed later, somewhere inside the model code."""
+    argv, env = pyz_command(pyz, tmp_path, without=("torch",))
+    site_dir = Path(env["PYTHONPATH"])
+    (site_dir / "torch").mkdir()
+    (site_dir / "torch" / "__init__.py").write_text("raise ImportError('this torch is too old to import')\n")
+    dist_info = site_dir / "torch-2.3.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n")
+    proc = _run([*argv, "plan", "topology.yaml"], env, pyz_run_dir(argv))
+    assert proc.returncode == 3 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == ["error: tc needs torch 2.4 or newer, and this Python has torch 2.3.1; "
+                                        "upgrade with: python -m pip install 'torch>=2.4'"], proc.stderr
+
+
 def test_pyz_copied_alone_runs_a_head_and_a_worker(pyz, tmp_path):
     """The product as ops people use it: one tc.pyz in an empty directory, on a host without the pure packages."""
     from cluster import Cluster, write_topology
