@@ -1,6 +1,11 @@
 import os
 import sys
 
+if sys.version_info < (3, 10):  # first: installing the packages for this interpreter would not help
+    print(f"error: tc needs Python 3.10 or newer (3.10-3.12 are the releases it is tested on); this is Python "
+          f"{sys.version.split()[0]}: run tc.pyz with another python", file=sys.stderr)
+    sys.exit(3)
+
 from tc.deps import missing_message, missing_native_packages, old_torch_message
 from tc.openmp import settle_openmp
 

@@ -346,6 +346,30 @@ def test_missing_native_package_is_one_line_and_exit_3(pyz, tmp_path, without, n
     assert imported - set(sys.stdlib_module_names) == {"tc"}, imported - set(sys.stdlib_module_names)
 
 
+def _older_python() -> str | None:
+    """A Python older than 3.10 on this machine (plain or under pyenv), or None."""
+    for minor in (9, 8):
+        names = [shutil.which(f"python3.{minor}") or "",
+                 *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/3.{minor}.*/bin/python3.{minor}")))]
+        for name in names:
+            if name and subprocess.run([name, "-S", "-c", f"import sys; assert sys.version_info[:2] == (3, {minor})"],
+                                       capture_output=True).returncode == 0:
+                return name
+    return None
+
+
+def test_a_python_older_than_3_10_is_named_before_the_packages(pyz, tmp_path):
+    """On Python 3.9 tc.pyz said to pip install torch and the rest for that Python, which tc does not support: the
+    interpreter is what to change, and it says so first."""
+    python = _older_python()
+    if python is None:
+        pytest.skip("no Python older than 3.10 on this machine")
+    proc = _run([python, "-S", "-s", str(pyz), "--help"], clean_env([]), tmp_path)
+    assert proc.returncode == 3 and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: tc needs Python 3.10 or newer") and "pip install" not in line, line
+
+
 def test_a_torch_older_than_tc_runs_on_is_one_line_and_exit_3(pyz, tmp_path):
     """A host whose torch predates the oldest release tc runs on (2.4) is told so, with the pip line, before
     anything imports it: it failed later, somewhere inside the model code."""
