@@ -94,6 +94,21 @@ def test_two_workers_match_the_single_process_model(tmp_path, model_dir):
             assert f"worker {node['id']} ready: {loaded} of weights on cpu" in head_log, head_log
             assert f"ready: {loaded} of weights" in cluster.workers[node["id"]].output()
         assert re.search(r"head tensors loaded \([0-9.]+ KiB, torch.float32\)", head_log), head_log
+        # head.listen is 127.0.0.1: the hint joins that address, from this machine only
+        assert ("on this machine (head.listen is a loopback address: no other machine can join) run: python tc.pyz "
+                f"worker --join 127.0.0.1:{cluster.listen_port} [--node-id ID]") in head_log, head_log
+
+
+def test_the_join_hint_names_the_address_workers_reach():
+    from tc.head.main import join_hint
+
+    assert join_hint("0.0.0.0", 7001) == ("on each machine", "<this-host>:7001")
+    assert join_hint("::", 7001) == ("on each machine", "<this-host>:7001")
+    assert join_hint("192.168.1.50", 7001) == ("on each machine", "192.168.1.50:7001")
+    assert join_hint("head.lan", 7001) == ("on each machine", "head.lan:7001")
+    for loopback, address in (("127.0.0.1", "127.0.0.1:7001"), ("::1", "[::1]:7001"), ("localhost", "localhost:7001")):
+        where, joined = join_hint(loopback, 7001)
+        assert where.startswith("on this machine") and joined == address
 
 
 def test_a_prompt_past_a_workers_frame_limit_is_read_over_several_steps(tmp_path, model_dir):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import os
 import platform
@@ -276,10 +277,24 @@ def start_head(topology: Topology) -> Head:
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
                                          len(plan.stages), topology.name, http.url)
     log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
-    log.info("waiting for %d worker(s) on port %d; on each machine run: python tc.pyz worker --join "
-             "<this-host>:%d [--node-id ID]  (ids: %s)", len(plan.stages), listen_port, listen_port,
+    log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s [--node-id ID]  "
+             "(ids: %s)", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
              ", ".join(s.node_id for s in plan.stages))
     return Head(topology, registry, service, http, listen_port)
+
+
+def join_hint(host: str, port: int) -> tuple[str, str]:
+    """Where to run a worker, and the address it joins: a loopback head.listen takes workers of this machine only,
+    and one on a given address is joined there."""
+    if host in ("0.0.0.0", "::", ""):
+        return "on each machine", f"<this-host>:{port}"
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    where = ("on this machine (head.listen is a loopback address: no other machine can join)" if loopback
+             else "on each machine")
+    return where, str(HostPort(host, port))
 
 
 def run_head(args: argparse.Namespace) -> int:
