@@ -226,6 +226,7 @@ def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, m
         taken = big.next_assignment(10)
         assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == \
             (planned.layer_start, planned.layer_end_exclusive)
+        assert "[--node-id ID]  (ids: slow, fast; spares: small, big)" in cluster.head.output()
         for worker in (spare, big, fast):
             worker.close()
 

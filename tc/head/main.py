@@ -277,9 +277,10 @@ def start_head(topology: Topology) -> Head:
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
                                          len(plan.stages), topology.name, http.url)
     log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
+    spares = ", ".join(e.id for e in topology.spare_nodes)
     log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s [--node-id ID]  "
-             "(ids: %s)", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
-             ", ".join(s.node_id for s in plan.stages))
+             "(ids: %s%s)", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
+             ", ".join(s.node_id for s in plan.stages), f"; spares: {spares}" if spares else "")
     return Head(topology, registry, service, http, listen_port)
 
 
