@@ -327,7 +327,9 @@ def test_a_killed_worker_with_several_sequences_in_flight_resumes_them_all(tmp_p
         prompt_read = sum(len(tokenizer.encode(p)) for p in PROMPTS[:3])
         assert f"tc_prompt_tokens_total {float(prompt_read)}" in scrape(cluster)  # the n=2 prompt counts once
         log = cluster.head.output()
-        assert "request(s) resumed on a refilled pipeline" in log, log[-2000:]
+        # counted in sequences, as the batch holds them: the n=2 request is two
+        assert "4 sequence(s) resumed on a refilled pipeline" in log, log[-2000:]
+        assert "4 sequence(s) in flight wait up to 120s" in log, log[-2000:]
 
 
 # --- n choices: sequences of one prompt, side by side ------------------------------------------------------

@@ -307,8 +307,8 @@ class RemotePipeline:
         deadline = time.monotonic() + self.resume_grace_s
         replayed = {sequence: torch.cat(inputs, dim=1) for sequence, (_, inputs) in self._inputs.items()}
         positions = sum(h.shape[1] for h in replayed.values())
-        log.warning("worker %s was lost (%s); %d request(s) wait up to %.0fs for it to be replaced, then resume "
-                    "(%d positions in all)", lost.node_id, _reason(lost), len(replayed), self.resume_grace_s,
+        log.warning("worker %s was lost (%s); %d sequence(s) in flight wait up to %.0fs for it to be replaced, then "
+                    "resume (%d positions in all)", lost.node_id, _reason(lost), len(replayed), self.resume_grace_s,
                     positions)
         while True:
             if not self.registry.wait_ready(deadline - time.monotonic()):
@@ -325,7 +325,7 @@ class RemotePipeline:
                 lost = again
                 continue
             self.resumes += 1
-            log.info("%d request(s) resumed on a refilled pipeline: %d positions replayed in %.2fs", len(replayed),
+            log.info("%d sequence(s) resumed on a refilled pipeline: %d positions replayed in %.2fs", len(replayed),
                      positions, time.perf_counter() - started)
             return torch.cat([outputs[e.sequence][:, -e.length:] for e in entries], dim=1)
 
