@@ -6,17 +6,20 @@ import itertools
 import json
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from falcon import testing
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import BaseModel
 
 from model_helpers import OurModel
 from tiny_model import write_tiny_model
 from tc.generation import Completion, Generator, Step
 from tc.head.api import create_app
 from tc.head.api_requests import MessageToolCall, ToolChoice, parse_chat_request
+from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import ChatReply, ReplyContext, TokenText, ToolCalling
 from tc.model.chat_template import ChatTemplates
@@ -87,6 +90,14 @@ def client(generator) -> testing.TestClient:
     return testing.TestClient(create_app(service))
 
 
+@pytest.fixture(scope="module")
+def openai_client(generator):
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    server.stop()
+
+
 def prompt_tokens(client, **body) -> int:
     reply = client.simulate_post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **body})
     assert reply.status_code == 200, reply.text
@@ -116,6 +127,34 @@ def test_a_conversation_with_calls_and_results_renders(client, generator):
     assert "<tool_response>\n{\"temperature_c\": 18}\n</tool_response>" in prompt
     assert prompt_tokens(client, messages=[ASK, CALLED, ANSWERED], tools=[WEATHER]) == rendered_length(
         generator, template_input, [WEATHER])
+
+
+class Lookup(BaseModel):
+    id: int
+
+
+def test_the_openai_clients_parsed_messages_sent_back_as_they_are_continue_the_conversation(openai_client):
+    # parse() and stream() add their own readings to the message (parsed, parsed_arguments, a streamed call's
+    # index); the client sends them back with it. The forced call (by the grammar) makes the random model call.
+    tools = [openai.pydantic_function_tool(Lookup)]
+    asked = [{"role": "user", "content": "Look up item 7."}]
+    forced = dict(model="tiny", tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                  seed=1)
+    whole = openai_client.chat.completions.parse(messages=asked, **forced).choices[0].message
+    with openai_client.chat.completions.stream(messages=asked, **forced) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    for message in (whole, streamed):
+        (call,) = message.tool_calls
+        assert isinstance(call.function.parsed_arguments, Lookup)
+        answered = [*asked, message, {"role": "tool", "tool_call_id": call.id, "content": "found"}]
+        follow = openai_client.chat.completions.create(model="tiny", messages=answered, tools=tools, max_tokens=2)
+        assert follow.choices[0].message.role == "assistant"
+    formatted = openai_client.chat.completions.parse(model="tiny", messages=asked, response_format=Lookup,
+                                                     max_tokens=200, seed=1).choices[0].message
+    assert isinstance(formatted.parsed, Lookup)
+    follow = openai_client.chat.completions.create(
+        model="tiny", messages=[*asked, formatted, {"role": "user", "content": "And item 8?"}], max_tokens=2)
+    assert follow.choices[0].message.role == "assistant"
 
 
 # --- the reply, from what the model wrote ---------------------------------------------------------------------------

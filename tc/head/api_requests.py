@@ -223,14 +223,19 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpr
                                  "parallel_tool_calls", "response_format"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+# The openai client's parse() and stream() helpers add their own reading of a reply to its message object, and send
+# it back when that object is appended to the conversation: `parsed` (the content read into the response_format's
+# type), a call's `function.parsed_arguments` (its arguments read into the tool's type) and a streamed call's
+# `index`. They repeat what `content` and `arguments` hold, which is what the template renders, so any value of
+# theirs is taken and left unused.
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"refusal": (None,), "function_call": (None,), "audio": (None,),
                                                 "annotations": (None, [])}
 _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
-_CALL_FIELDS = frozenset({"id", "type", "function"})
-_CALL_FUNCTION_FIELDS = frozenset({"name", "arguments"})
+_CALL_FIELDS = frozenset({"id", "type", "function", "index"})
+_CALL_FUNCTION_FIELDS = frozenset({"name", "arguments", "parsed_arguments"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 
 
