@@ -20,7 +20,7 @@ from tc.head.http_server import HttpServer, start_http_server, waitress_body_lim
 from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
-from tiny_model import write_tiny_model
+from tiny_model import sentencepiece_tokenizer, write_tiny_model
 
 MODEL = "tiny"
 BODY_LIMIT = 64 * 1024
@@ -282,6 +282,33 @@ def test_a_request_whose_client_left_while_queued_frees_its_place(long_generator
         assert ("tc_generations_total", (("outcome", "error"),)) not in samples
     finally:
         running_server.stop()
+
+
+def test_logprob_tokens_of_a_sentencepiece_vocabulary_are_their_own_text_and_bytes(tmp_path):
+    """Llama 2's, Mistral's and Gemma's vocabularies spell a space "▁" and a byte that is no whole character as a
+    token "<0xE6>": those were shown as the text "<0xE6>" (bytes b"<0xE6>"), and "▁the" as "the"."""
+    model_dir = write_tiny_model(tmp_path / "sp", seed=0)
+    sentencepiece_tokenizer().save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
+                                                                 "chat_template": "{{ messages[0].content }}"}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    model = OurModel(model_dir)
+    running = serve(Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(model=MODEL, prompt="the café\n日", max_tokens=1, echo=True, logprobs=1,
+                                          temperature=0)
+        assert reply.choices[0].logprobs.tokens[:6] == [" the", " café", "\n", "bytes:\\xe6", "bytes:\\x97",
+                                                        "bytes:\\xa5"]
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the café"}],
+                                              max_tokens=4, logprobs=True, top_logprobs=20, temperature=0)
+        shown = [alt for entry in chat.choices[0].logprobs.content for alt in [entry, *entry.top_logprobs]]
+        for alt in shown:  # a piece of text is its UTF-8; a byte of a character is that byte
+            raw = bytes(alt.bytes)
+            assert alt.token == (f"bytes:\\x{raw[0]:02x}" if raw[:1] >= b"\x80" else raw.decode()), alt
+        assert any(alt.token.startswith("bytes:") for alt in shown)  # the random model's likeliest include bytes
+    finally:
+        running.stop()
 
 
 def test_stop_closes_the_port(generator):

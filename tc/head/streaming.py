@@ -17,6 +17,7 @@ Waitress stops iterating and calls `close()`, which ends the generation and free
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -57,15 +58,39 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: a token for one raw byte
+
+
+def _decoder_steps(tokenizer: TextTokenizer) -> list[dict[str, Any]]:
+    """The steps of the tokenizer's decoder, as tokenizer.json writes them ([] when it has none)."""
+    decoder = tokenizer.tokenizer.decoder
+    if decoder is None:
+        return []
+    state = json.loads(decoder.__getstate__())
+    return list(state.get("decoders", [])) if state.get("type") == "Sequence" else [state]
 
 
 class TokenText:
-    """Each token's exact bytes and its display string, as OpenAI's log-probability entries show them."""
+    """Each token's exact bytes and its display string, as OpenAI's log-probability entries show them.
+
+    A token's piece in the vocabulary spells its bytes one of two ways: byte-level BPE (GPT-2's, Qwen's, Llama 3's)
+    writes each byte as a stand-in character; SentencePiece (Llama 2's, Mistral's, Gemma's) writes text with "▁"
+    for a space, and a byte that is no whole character as a piece of its own, "<0xE6>". The tokenizer's decoder
+    says which. A piece is read on its own, not decoded, since decoding strips the space a word starts with.
+    """
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self._added = {i: t.content for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items()}
         self._cache: dict[int, tuple[bytes, str]] = {}
+        steps = _decoder_steps(tokenizer)
+        kinds = {step.get("type") for step in steps}
+        self._byte_level = "ByteLevel" in kinds
+        self._byte_fallback = "ByteFallback" in kinds
+        # what the decoder writes in place of SentencePiece's "▁" (and any other string it replaces)
+        self._replaced = [(step["pattern"]["String"], step.get("content", "")) for step in steps
+                          if step.get("type") == "Replace" and "String" in (step.get("pattern") or {})]
+        self._replaced += [(step.get("replacement", "▁"), " ") for step in steps if step.get("type") == "Metaspace"]
 
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
@@ -73,9 +98,17 @@ class TokenText:
         piece = self.tokenizer.tokenizer.id_to_token(token_id)
         if piece is None:  # an id past the tokenizer's vocabulary (an embedding row kept for padding)
             return b""
-        if all(ch in _BYTE_DECODER for ch in piece):
-            return bytes(_BYTE_DECODER[ch] for ch in piece)
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()  # not byte-level BPE
+        if self._byte_level:
+            if all(ch in _BYTE_DECODER for ch in piece):
+                return bytes(_BYTE_DECODER[ch] for ch in piece)
+        elif self._byte_fallback or self._replaced:  # SentencePiece
+            byte = _BYTE_PIECE.fullmatch(piece) if self._byte_fallback else None
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            for pattern, content in self._replaced:
+                piece = piece.replace(pattern, content)
+            return piece.encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     def get(self, token_id: int) -> tuple[bytes, str]:
         """(the token's UTF-8 bytes, its text; "bytes:\\xNN..." when the bytes are not whole characters)."""
