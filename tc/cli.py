@@ -175,7 +175,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = generator.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = generator.tokenizer.encode(prompt)
+    ids = generator.tokenizer.encode(prompt, add_special_tokens=not args.chat)  # a template writes its own
     try:
         result = generator.generate(ids, params, on_text=lambda piece: print(piece, end="", flush=True))
     except ValueError as exc:  # a prompt the model cannot take: empty, or longer than its context

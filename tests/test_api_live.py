@@ -12,6 +12,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 import torch
+from tokenizers import Tokenizer, processors
 
 from model_helpers import OurModel
 from tc.generation import Generator
@@ -284,16 +285,21 @@ def test_a_request_whose_client_left_while_queued_frees_its_place(long_generator
         running_server.stop()
 
 
+def serve_sentencepiece(tmp_path, tokenizer: Tokenizer, chat_template: str) -> HttpServer:
+    """The tiny model with a SentencePiece `tokenizer` (tiny_model.sentencepiece_tokenizer's vocabulary), served."""
+    model_dir = write_tiny_model(tmp_path / "sp", seed=0)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
+                                                                 "chat_template": chat_template}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    model = OurModel(model_dir)
+    return serve(Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32))
+
+
 def test_logprob_tokens_of_a_sentencepiece_vocabulary_are_their_own_text_and_bytes(tmp_path):
     """Llama 2's, Mistral's and Gemma's vocabularies spell a space "▁" and a byte that is no whole character as a
     token "<0xE6>": those were shown as the text "<0xE6>" (bytes b"<0xE6>"), and "▁the" as "the"."""
-    model_dir = write_tiny_model(tmp_path / "sp", seed=0)
-    sentencepiece_tokenizer().save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
-                                                                 "chat_template": "{{ messages[0].content }}"}))
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    model = OurModel(model_dir)
-    running = serve(Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32))
+    running = serve_sentencepiece(tmp_path, sentencepiece_tokenizer(), "{{ messages[0].content }}")
     try:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.completions.create(model=MODEL, prompt="the café\n日", max_tokens=1, echo=True, logprobs=1,
@@ -307,6 +313,29 @@ def test_logprob_tokens_of_a_sentencepiece_vocabulary_are_their_own_text_and_byt
             raw = bytes(alt.bytes)
             assert alt.token == (f"bytes:\\x{raw[0]:02x}" if raw[:1] >= b"\x80" else raw.decode()), alt
         assert any(alt.token.startswith("bytes:") for alt in shown)  # the random model's likeliest include bytes
+    finally:
+        running.stop()
+
+
+def test_a_text_prompt_starts_with_the_bos_token_its_tokenizer_adds(tmp_path):
+    """Llama's, Gemma's and Mistral's tokenizers start every text with their BOS token (their post-processor adds
+    it, as transformers' tokenizer(text) and vLLM's completions do): a /v1/completions prompt went without it, which
+    such a model reads as text unlike any it was trained on. Token ids are taken as given, and a chat prompt,
+    whose template writes the BOS itself, gets no second one."""
+    tokenizer = sentencepiece_tokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    running = serve_sentencepiece(tmp_path, tokenizer, "{{ bos_token }}{{ messages[0].content }}")
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(model=MODEL, prompt="the café", max_tokens=1, echo=True, logprobs=0,
+                                          temperature=0)
+        assert reply.choices[0].logprobs.tokens[:3] == ["<s>", " the", " café"]
+        assert reply.usage.prompt_tokens == 3
+        the_cafe = tokenizer.encode("the café", add_special_tokens=False).ids
+        assert client.completions.create(model=MODEL, prompt=the_cafe, max_tokens=1).usage.prompt_tokens == 2
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the café"}],
+                                              max_tokens=1)
+        assert chat.usage.prompt_tokens == 3
     finally:
         running.stop()
 

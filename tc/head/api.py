@@ -322,7 +322,9 @@ class CompletionsResource:
         request = parse_completion_request(read_json_body(req, self.max_body_bytes))
         check_model(request.model, self.service.model_id)
         if isinstance(request.prompt, str):
-            prompt_ids = self.service.tokenizer.encode(request.prompt)
+            # a text prompt starts as the model was trained to read a text (Llama's, Gemma's BOS); the prefix of a
+            # fill in the middle comes after the FIM token
+            prompt_ids = self.service.tokenizer.encode(request.prompt, add_special_tokens=request.suffix is None)
         else:
             prompt_ids = list(request.prompt)
         if request.suffix is not None:

@@ -94,9 +94,11 @@ class TextTokenizer:
             raise TokenizerError(str(exc)) from exc
         return cls(tokenizer, frozenset(eos), templates, specials)
 
-    def encode(self, text: str) -> list[int]:
-        # the chat template writes the special tokens itself, so none are added here
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """The ids of `text`. A chat template writes the special tokens itself, so by default none are added; a
+        plain prompt takes `add_special_tokens`: what the tokenizer's post-processor puts around a text (the BOS
+        token of Llama, Gemma and Mistral), as transformers' tokenizer(text) and vLLM's completions do."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
