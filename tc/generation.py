@@ -108,15 +108,17 @@ class IncrementalDecoder:
     """Turns a growing list of token ids into text pieces that never split a multi-byte character.
 
     A byte-level BPE token can end mid-character; the decoded tail then ends in U+FFFD, so we hold text back
-    until the character completes.
+    until the character completes. `context` are tokens the text comes after (a prompt's last ones), read only as
+    context: a SentencePiece decoder (Llama 2's, Mistral's) drops the space a text starts with, which the first
+    token's word keeps when it continues a text.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
         self.prefix_offset = 0  # ids before this are only context for decoding
-        self.read_offset = 0  # ids before this have been emitted as text
+        self.read_offset = len(self.ids)  # ids before this have been emitted as text (or are the context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -220,8 +222,8 @@ class CompletionText:
     final text and whatever was still held.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...]):
-        self.decoder = IncrementalDecoder(tokenizer)
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...], context: Sequence[int] = ()):
+        self.decoder = IncrementalDecoder(tokenizer, context=context)
         self.stops = stops
         self.text = ""  # every complete character decoded so far
         self.shown = 0  # text[:shown] has left the loop
@@ -260,6 +262,16 @@ class CompletionText:
         return final, final[self.shown:], rest
 
 
+TEXT_CONTEXT_TOKENS = 4  # prompt tokens a completion's text is decoded after, when it continues the prompt
+
+
+def _text_context(tokenizer: TextTokenizer, prompt_ids: Sequence[int]) -> Sequence[int]:
+    """The prompt's last tokens, to decode a completion's text after; none when they end inside a character (its
+    rest, in the completion, would read as a change to their text rather than text of its own)."""
+    context = prompt_ids[-TEXT_CONTEXT_TOKENS:]
+    return () if tokenizer.decode(context).endswith("\ufffd") else context
+
+
 class SequenceState:
     """One request in the loop: its prompt, where it stands, its own sampling state and its text so far.
 
@@ -280,7 +292,8 @@ class SequenceState:
         self.capacity = len(prompt_ids) + self.max_tokens
         self.rng = new_rng(params.seed)
         self.history: TokenHistory | None = None  # made with the first logits, which give the vocabulary's size
-        self.text = CompletionText(tokenizer, params.stop)
+        self.text = CompletionText(tokenizer, params.stop, _text_context(tokenizer, prompt_ids)
+                                   if params.continues_prompt else ())
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
         self.next_token: int | None = None  # the token the next decode step feeds in

@@ -37,6 +37,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS is never chosen, and stop strings are not looked for, before this many tokens
     ignore_eos: bool = False  # EOS is a token like any other: generation runs to max_tokens or a stop string
     constraint: TokenConstraint | None = None  # a grammar the tokens must follow (structured output); None: any
+    # the text continues the prompt's (a text completion): a SentencePiece word's space stays at its start, where
+    # a reply of its own (a chat message) starts at its first word, as transformers decodes it
+    continues_prompt: bool = False
 
     def __post_init__(self) -> None:
         """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).

@@ -340,6 +340,25 @@ def test_a_text_prompt_starts_with_the_bos_token_its_tokenizer_adds(tmp_path):
         running.stop()
 
 
+def test_a_completion_that_starts_with_a_word_keeps_its_space(tmp_path):
+    """A SentencePiece decoder (Llama 2's, Mistral's) drops the space a text starts with, and the completion's
+    text was decoded as a text of its own: "the café" went on "teY" where the model wrote " teY" (the prompt
+    and its completion read "the caféteY"). Its text is now what transformers' decoding of prompt and completion
+    together adds to the prompt's, streamed or not."""
+    running = serve_sentencepiece(tmp_path, sentencepiece_tokenizer(), "{{ messages[0].content }}")
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        # the seeded draw that makes the random model start with a word ("▁t")
+        ask = dict(model=MODEL, prompt="the café", max_tokens=3, temperature=2, seed=386, logprobs=0,
+                   extra_body={"ignore_eos": True})
+        reply = client.completions.create(**ask).choices[0]
+        assert reply.logprobs.tokens[0] == " t"
+        assert reply.text == "".join(reply.logprobs.tokens) == " teY"
+        assert "".join(chunk.choices[0].text for chunk in client.completions.create(**ask, stream=True)) == " teY"
+    finally:
+        running.stop()
+
+
 def test_stop_closes_the_port(generator):
     running = serve(generator)
     status, _, _ = raw_post(running, "/v1/completions", b"{}")

@@ -78,7 +78,8 @@ class SamplingFields:
     ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
     n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
 
-    def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False) -> SamplingParams:
+    def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False,
+                  continues_prompt: bool = False) -> SamplingParams:
         """Raises RequestError when min_tokens is over the completion's max_tokens."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.min_tokens > max_tokens >= 0:  # a negative max_tokens is SamplingParams' to refuse
@@ -89,7 +90,7 @@ class SamplingFields:
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs and self.logprobs is not None,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, continues_prompt=continues_prompt)
 
 
 @dataclass(frozen=True)
