@@ -135,6 +135,18 @@ CITY_SCHEMA = {"type": "object", "properties": {
     "required": ["city", "country", "landmarks", "is_capital"], "additionalProperties": False}
 
 
+def test_a_reply_in_a_code_block_streams_as_it_is_written_with_tools_offered(client):
+    """With tools offered, a reply's start is held while it may be a bare call (in a ```json fence too): one that
+    opened with ```python, which can be none, was held whole and came out in one piece at its end."""
+    stream = client.chat.completions.create(model=MODEL_NAME, tools=[WEATHER_TOOL], temperature=0, max_tokens=40,
+                                            stream=True, messages=[{"role": "user", "content": (
+                                                "Write a Python function that adds two numbers. Reply with only "
+                                                "a code block.")}])
+    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert "".join(pieces).startswith("```python"), pieces
+    assert len(pieces) > 10, pieces  # a piece a token or so, as without tools
+
+
 def test_openai_parse_returns_a_pydantic_object(client):
     reply = client.chat.completions.parse(
         model=MODEL_NAME, temperature=0, max_tokens=60, response_format=City,

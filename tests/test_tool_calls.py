@@ -129,6 +129,12 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "   \n  {\"name\": \"get_time\", \"arguments\": {}}  \n",
     "`not a fence",
     "Answer first. [TOOL_CALLS][{\"name\": \"search\", \"arguments\": {\"query\": \"q\"}}]",
+    "[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}]",
+    "```python\nprint(1)\n```\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+    "```\n{\"name\": \"get_time\", \"arguments\": {}}\n```",
+    "``` json\n{\"name\": \"get_time\", \"arguments\": {}}\n```",
+    "[ {\"name\": \"get_time\", \"arguments\": {}} ]",
+    "[1, 2] are the numbers",
 ]
 
 
@@ -159,6 +165,19 @@ def test_stream_sends_plain_text_at_once_and_a_call_when_its_block_closes():
     content, found = stream.push("</tool_call>")
     assert content == "" and [(c.id, c.name, c.arguments) for c in found] == [("call_0", "get_time", "{}")]
     assert stream.finish() == ("", [])
+
+
+@pytest.mark.parametrize(("opening", "more"), [("```py", "thon\nx = 1"), ("[1", ", 2]"), ("[here]", "(x.html)")])
+def test_stream_sends_a_reply_that_opens_as_no_call_can_at_once(opening, more):
+    # a bare call is an object or an array of objects, maybe in a ```json fence: these can be none
+    stream = ToolCallStream(NAMES, ids())
+    assert stream.push(opening) == (opening, [])
+    assert stream.push(more) == (more, [])
+
+
+def test_stream_holds_a_reply_that_may_still_be_a_bare_call():
+    for opening in ["{", "[", "[ {", "```", "```js", "```json\n", "```\n[", "<|python_tag|>"]:
+        assert ToolCallStream(NAMES, ids()).push(opening) == ("", []), opening
 
 
 def test_stream_without_parallel_calls_sends_only_the_first():

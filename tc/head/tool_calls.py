@@ -32,8 +32,6 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
 MARKERS = (HERMES_OPEN, MISTRAL_MARKER)  # may start a call anywhere in a reply
-# a reply whose first non-space text starts with one of these may be a bare call from its first character
-BARE_OPENERS = ("{", "[", "```", PYTHON_TAG)
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
 
@@ -185,6 +183,27 @@ def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str
     return ParsedReply(content if content.strip() else None, tuple(calls))
 
 
+def _may_start_bare_call(text: str) -> bool:
+    """Whether a reply that starts with `text` (its leading whitespace gone) may still be bare calls, as
+    `_bare_calls` reads them: an object, or an array of objects, maybe after <|python_tag|>, maybe in a ```json
+    fence. Text that can no longer be ("```python", "[1, 2]", "Sure") is content from its first character."""
+    if PYTHON_TAG.startswith(text):
+        return True
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):].lstrip()
+    if "```".startswith(text):
+        return True
+    if text.startswith("```"):
+        text = text[3:]
+        if "json".startswith(text):
+            return True
+        text = text.removeprefix("json").lstrip()
+    if not text or text[0] == "{":
+        return True  # an object may be a call until it is whole
+    rest = text[1:].lstrip()
+    return text[0] == "[" and (not rest or rest[0] == "{")
+
+
 def _held_marker_tail(text: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of a marker: a call may be starting."""
     longest = 0
@@ -220,8 +239,7 @@ class ToolCallStream:
     def _safe_end(self) -> int:
         """Where the text from `released` that cannot be part of a call ends."""
         at_start = not self.text[:self.released].strip()
-        stripped = self.text.lstrip()
-        if at_start and (stripped.startswith(BARE_OPENERS) or any(o.startswith(stripped) for o in BARE_OPENERS)):
+        if at_start and _may_start_bare_call(self.text.lstrip()):
             return self.released  # a bare call may fill the whole reply (and "`" may become "```"): hold it all
         hits = [i for i in (self.text.find(m, self.released) for m in MARKERS) if i >= 0]
         end = min(hits) if hits else len(self.text) - _held_marker_tail(self.text)
