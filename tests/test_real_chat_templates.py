@@ -1,0 +1,106 @@
+"""The real chat templates of the families tc runs, fed what a client sends, render as transformers renders them.
+
+The templates in chat_templates/ are the models' own (tokenizer_config.json's `chat_template` on the Hub); each
+model directory here pairs one with the special tokens its tokenizer_config.json names and the byte tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tiny_model import byte_tokenizer
+from tc.head.api_requests import parse_chat_request
+from tc.model.chat_template import ChatTemplateError
+from tc.model.tokenizer import TextTokenizer
+
+HERE = Path(__file__).parent
+LLAMA3 = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+SENTENCEPIECE = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+GEMMA = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+QWEN = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+# family: (its template, the special tokens of its tokenizer_config.json)
+FAMILIES = {
+    "qwen2.5": (HERE / "qwen25_chat_template.jinja", QWEN),
+    "qwen3": (HERE / "chat_templates/qwen3.jinja", QWEN),
+    "llama2": (HERE / "chat_templates/llama2.jinja", SENTENCEPIECE),
+    "llama3": (HERE / "chat_templates/llama3.jinja", LLAMA3),
+    "llama3.2": (HERE / "chat_templates/llama3.2.jinja", LLAMA3),
+    "smollm2": (HERE / "chat_templates/smollm2.jinja",
+                {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}),
+    "mistral-v0.2": (HERE / "chat_templates/mistral-v0.2.jinja", SENTENCEPIECE),
+    "mistral-v0.3": (HERE / "chat_templates/mistral-v0.3.jinja", SENTENCEPIECE),
+    "phi3": (HERE / "chat_templates/phi3.jinja", {**SENTENCEPIECE, "eos_token": "<|endoftext|>"}),
+    "gemma2": (HERE / "chat_templates/gemma2.jinja", GEMMA),
+    "gemma3": (HERE / "chat_templates/gemma3.jinja", GEMMA),
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city («Paris»)",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+CALL_ID = "Xy7Qa9Lm2"  # nine letters and digits: an id every template here takes
+CONVERSATIONS = {
+    "user": [{"role": "user", "content": "Hi"}],
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "developer": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "turns": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+              {"role": "assistant", "content": "Hello! "}, {"role": "user", "content": "Again"}],
+    "not alternating": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    "tools": [{"role": "user", "content": "Weather in Paris?"}],
+    "tool result": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": CALL_ID, "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                    {"role": "tool", "tool_call_id": CALL_ID, "content": "{\"temp_c\": 21}"}],
+}
+
+
+def model_dir(path: Path, family: str) -> Path:
+    template, specials = FAMILIES[family]
+    path.mkdir(parents=True, exist_ok=True)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        **specials, "chat_template": template.read_text(encoding="utf-8"),
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+def ours(directory: Path, body: dict) -> str:
+    """The prompt tc makes of a chat request's body."""
+    request = parse_chat_request({"model": "m", **body})
+    tools = [tool.as_template_input() for tool in request.offered_tools] or None
+    return TextTokenizer.load(directory).apply_chat_template([m.as_template_input() for m in request.messages],
+                                                             tools=tools)
+
+
+def theirs(directory: Path, body: dict) -> str:
+    """transformers' prompt for the same messages: `developer` read as `system`, and a call's arguments as the
+    object their JSON text holds (what tc, like vLLM, hands the template: templates write them with tojson)."""
+    messages = []
+    for message in body["messages"]:
+        message = {**message, "role": "system" if message["role"] == "developer" else message["role"]}
+        if "tool_calls" in message:
+            message["tool_calls"] = [{**call, "function": {**call["function"], "arguments": json.loads(
+                call["function"]["arguments"])}} for call in message["tool_calls"]]
+        messages.append(message)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    return tokenizer.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
+                                         tokenize=False)
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_real_templates_render_as_transformers_does(tmp_path, family, conversation):
+    directory = model_dir(tmp_path, family)
+    body = {"messages": CONVERSATIONS[conversation]}
+    if conversation in ("tools", "tool result"):
+        body["tools"] = TOOLS
+    try:
+        expected = theirs(directory, body)
+    except Exception as exc:  # the template refuses these messages: tc answers with the template's own words
+        with pytest.raises(ChatTemplateError, match=str(exc).split("!")[0][:40]):
+            ours(directory, body)
+    else:
+        assert ours(directory, body) == expected
+
