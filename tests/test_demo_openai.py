@@ -64,7 +64,7 @@ def test_openai_client_gets_a_parsed_weather_call(weather_call):
     choice = weather_call.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function" and len(call.id) == 9 and call.id.isalnum()
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"location": "Paris"}
 
@@ -107,7 +107,7 @@ def test_streamed_call_deltas_join_into_the_same_call(client, weather_call):
     whole = weather_call.choices[0].message.tool_calls[0]
     assert finish == "tool_calls"
     assert list(calls) == [0]
-    assert calls[0]["id"].startswith("call_")
+    assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
     assert (calls[0]["name"], calls[0]["arguments"]) == (whole.function.name, whole.function.arguments)
 
 

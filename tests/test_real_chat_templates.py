@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from tiny_model import byte_tokenizer
 from tc.head.api_requests import parse_chat_request
+from tc.head.streaming import new_call_id
 from tc.model.chat_template import ChatTemplateError
 from tc.model.tokenizer import TextTokenizer
 
@@ -36,6 +37,7 @@ FAMILIES = {
     "gemma2": (HERE / "chat_templates/gemma2.jinja", GEMMA),
     "gemma3": (HERE / "chat_templates/gemma3.jinja", GEMMA),
 }
+TOOL_FAMILIES = ("qwen2.5", "qwen3", "llama3.2", "mistral-v0.3")  # those whose template renders calls and results
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city («Paris»)",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}}, "required": ["city"]}}}]
@@ -104,3 +106,16 @@ def test_real_templates_render_as_transformers_does(tmp_path, family, conversati
     else:
         assert ours(directory, body) == expected
 
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_call_ids_tc_makes_render_back_in_every_family_that_calls_tools(tmp_path, family):
+    """The ids tc gives calls come back in the next request; Mistral's template refuses any id not 9 long."""
+    call_id = new_call_id()
+    body = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "21 C"}]}
+    directory = model_dir(tmp_path, family)
+    assert ours(directory, body) == theirs(directory, body)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
+import secrets
+import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -29,6 +30,8 @@ from .service import GenerationStream
 from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
+CALL_ID_LENGTH = 9
+CALL_ID_CHARACTERS = string.ascii_letters + string.digits
 KEEPALIVE = b": \n\n"  # an SSE comment: clients skip it; writing it shows whether the client is still there
 
 
@@ -232,7 +235,10 @@ class CompletionReply:
 
 
 def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """A call's id: nine letters and digits. The client sends it back with the call and its result, and Mistral's
+    chat templates refuse any other length (its models' own ids are nine letters and digits), where an id in
+    OpenAI's longer form would have failed the conversation's next request."""
+    return "".join(secrets.choice(CALL_ID_CHARACTERS) for _ in range(CALL_ID_LENGTH))
 
 
 @dataclass(frozen=True)
