@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from falcon import testing
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from model_helpers import OurModel
@@ -120,6 +120,16 @@ def test_special_tokens_reach_the_template(tmp_path):
     assert render(model) == "OTHER 2 <|im_end|>"
     (model / "chat_template.jinja").write_text("{{ unk_token }}|{{ pad_token }}", encoding="utf-8")
     assert render(model) == "<unk>|<|endoftext|>"
+
+
+def test_a_special_token_set_to_null_is_undefined_as_in_transformers(tmp_path):
+    """Qwen's tokenizer_config.json sets bos_token and unk_token to null: a template reading them saw "None"."""
+    template = "{{ bos_token }}{% if unk_token is defined %}unk{% endif %}{{ messages[0].content }}{{ eos_token }}"
+    model = tokenizer_dir(tmp_path, {"chat_template": template, "unk_token": None,
+                                     "tokenizer_class": "PreTrainedTokenizerFast"})
+    theirs = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(MESSAGES, tokenize=False,
+                                                                            add_generation_prompt=True)
+    assert render(model) == theirs == "Be brief.<|im_end|>"
 
 
 @pytest.mark.parametrize(("layout", "phrase"), [

@@ -89,7 +89,10 @@ class TextTokenizer:
             if token_id is not None:
                 eos.add(token_id)
         try:
-            templates = find_chat_templates(model_dir, tok_config, override=chat_template, context=specials)
+            # a token the config sets to null is not given at all, as in transformers: `{{ bos_token }}` writes
+            # nothing (not "None") and `bos_token is defined` is false
+            named = {key: token for key, token in specials.items() if token is not None}
+            templates = find_chat_templates(model_dir, tok_config, override=chat_template, context=named)
         except ChatTemplateFileError as exc:
             raise TokenizerError(str(exc)) from exc
         return cls(tokenizer, frozenset(eos), templates, specials)
