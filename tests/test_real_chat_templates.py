@@ -1,7 +1,8 @@
 """The real chat templates of the families tc runs, fed what a client sends, render as transformers renders them.
 
-The templates in chat_templates/ are the models' own (tokenizer_config.json's `chat_template` on the Hub); each
-model directory here pairs one with the special tokens its tokenizer_config.json names and the byte tokenizer.
+The templates in chat_templates/ are the models' own (tokenizer_config.json's `chat_template` on the Hub, and the
+one TRL's trainer writes into the models it fine-tunes); each model directory here pairs one with the special
+tokens its tokenizer_config.json names and the byte tokenizer.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ QWEN = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|
 FAMILIES = {
     "qwen2.5": (HERE / "qwen25_chat_template.jinja", QWEN),
     "qwen3": (HERE / "chat_templates/qwen3.jinja", QWEN),
+    # what TRL's SFT trainer saves with a Qwen2.5 model it fine-tuned: marks {% generation %} for transformers
+    "qwen2.5-trl-training": (HERE / "chat_templates/qwen2.5-trl-training.jinja", QWEN),
     "llama2": (HERE / "chat_templates/llama2.jinja", SENTENCEPIECE),
     "llama3": (HERE / "chat_templates/llama3.jinja", LLAMA3),
     "llama3.2": (HERE / "chat_templates/llama3.2.jinja", LLAMA3),
@@ -37,7 +40,8 @@ FAMILIES = {
     "gemma2": (HERE / "chat_templates/gemma2.jinja", GEMMA),
     "gemma3": (HERE / "chat_templates/gemma3.jinja", GEMMA),
 }
-TOOL_FAMILIES = ("qwen2.5", "qwen3", "llama3.2", "mistral-v0.3")  # those whose template renders calls and results
+# the families whose template renders calls and their results
+TOOL_FAMILIES = ("qwen2.5", "qwen2.5-trl-training", "qwen3", "llama3.2", "mistral-v0.3")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city («Paris»)",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}}, "required": ["city"]}}}]
