@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from falcon import testing
+from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -207,3 +208,37 @@ def test_chat_is_served_for_a_model_whose_template_is_only_in_chat_template_jinj
         "model": "tiny", "messages": MESSAGES, "max_tokens": 3, "temperature": 0})
     assert reply.status_code == 200, reply.text
     assert reply.json["usage"]["prompt_tokens"] == len(tokenizer.encode(CHATML_PROMPT))
+
+
+def test_the_tokenizer_s_bos_once_in_a_chat_prompt_and_in_a_completion_prompt(tmp_path):
+    """A tokenizer that adds a BOS itself, as Llama's and Gemma's tokenizer.json do, and a template that writes
+    one too (Llama 3's): a chat prompt holds it once, and a completion's prompt gets it as transformers gives it."""
+    model_dir = write_tiny_model(tmp_path, seed=0)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+        special_tokens=[("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    template = (Path(__file__).parent / "chat_templates" / "llama3.jinja").read_text(encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    theirs = AutoTokenizer.from_pretrained(str(model_dir))
+    model, ours = OurModel(model_dir), TextTokenizer.load(model_dir)
+    service = GenerationService("tiny", ours, Generator(model.head, ours, model.pipeline(), torch.float32),
+                                lambda: Readiness(1, ("w",), ()))
+    client = testing.TestClient(create_app(service))
+    chat = client.simulate_post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 1, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    ids = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids.count(theirs.bos_token_id) == 1
+    assert chat.json["usage"]["prompt_tokens"] == len(ids)
+    completion = client.simulate_post("/v1/completions", json={
+        "model": "tiny", "prompt": "Once upon", "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0})
+    assert completion.status_code == 200, completion.text
+    ids = theirs("Once upon")["input_ids"]
+    assert ids[0] == theirs.bos_token_id
+    assert completion.json["usage"]["prompt_tokens"] == len(ids)
+    assert completion.json["choices"][0]["logprobs"]["tokens"][0] == "<|begin_of_text|>"
