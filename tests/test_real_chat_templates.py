@@ -10,10 +10,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from falcon import testing
 from transformers import AutoTokenizer
 
-from tiny_model import byte_tokenizer
+from model_helpers import OurModel
+from tiny_model import byte_tokenizer, write_tiny_model
+from tc.generation import Generator
+from tc.head.api import create_app
 from tc.head.api_requests import parse_chat_request
+from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import new_call_id
 from tc.model.chat_template import ChatTemplateError
 from tc.model.tokenizer import TextTokenizer
@@ -123,3 +129,20 @@ def test_call_ids_tc_makes_render_back_in_every_family_that_calls_tools(tmp_path
         {"role": "tool", "tool_call_id": call_id, "content": "21 C"}]}
     directory = model_dir(tmp_path, family)
     assert ours(directory, body) == theirs(directory, body)
+
+
+def test_a_message_the_template_refuses_is_a_400_in_its_words(tmp_path):
+    """Gemma's template refuses a system message: the client gets a 400 saying so, not a 500."""
+    model_dir = write_tiny_model(tmp_path, seed=0)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = FAMILIES["gemma2"][0].read_text(encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tokenizer = OurModel(model_dir), TextTokenizer.load(model_dir)
+    service = GenerationService("tiny", tokenizer, Generator(model.head, tokenizer, model.pipeline(), torch.float32),
+                                lambda: Readiness(1, ("w",), ()))
+    reply = testing.TestClient(create_app(service)).simulate_post("/v1/chat/completions", json={
+        "model": "tiny", "messages": CONVERSATIONS["system"], "max_tokens": 1})
+    assert reply.status_code == 400, reply.text
+    error = reply.json["error"]
+    assert (error["code"], error["param"], error["message"]) == ("chat_template_error", "messages",
+                                                                 "System role not supported")
