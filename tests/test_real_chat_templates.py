@@ -40,6 +40,7 @@ FAMILIES = {
     "llama3.2": (HERE / "chat_templates/llama3.2.jinja", LLAMA3),
     "smollm2": (HERE / "chat_templates/smollm2.jinja",
                 {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}),
+    "mixtral-v0.1": (HERE / "chat_templates/mixtral-v0.1.jinja", SENTENCEPIECE),  # Mistral 7B v0.1's too
     "mistral-v0.2": (HERE / "chat_templates/mistral-v0.2.jinja", SENTENCEPIECE),
     "mistral-v0.3": (HERE / "chat_templates/mistral-v0.3.jinja", SENTENCEPIECE),
     "phi3": (HERE / "chat_templates/phi3.jinja", {**SENTENCEPIECE, "eos_token": "<|endoftext|>"}),
