@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,18 @@ def test_broken_template_files_fail_at_load(tmp_path, layout, phrase):
 def test_template_failures_are_client_errors(template):
     with pytest.raises(ChatTemplateError):
         ChatTemplates({"default": template}, "test").render(MESSAGES)
+
+
+def test_a_tool_schema_nested_past_python_s_recursion_is_a_client_error():
+    """A request's JSON may nest nearly as deep as Python recurses; writing it with tojson, further down the
+    stack, went past the limit: a RecursionError, the client's request answered as our 500."""
+    template = Path(__file__).with_name("qwen25_chat_template.jinja").read_text(encoding="utf-8")
+    parameters: dict = {}
+    for _ in range(sys.getrecursionlimit()):
+        parameters = {"a": parameters}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(ChatTemplateError, match="RecursionError"):
+        ChatTemplates({"default": template}, "test").render(MESSAGES, tools=tools)
 
 
 def test_several_templates_and_no_default_is_a_clear_error():

@@ -80,8 +80,9 @@ class ChatTemplates:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         # The template is the model's code, run on the client's messages: any failure in it (a `+` on a missing
-        # field, an index past the end) is about these messages, so it is the client's 400, not our 500.
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
+        # field, an index past the end, `tojson` on a tool's schema nested deeper than Python recurses) is about
+        # these messages, so it is the client's 400, not our 500.
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") \
                 from exc
 
