@@ -116,7 +116,13 @@ def test_real_templates_render_as_transformers_does(tmp_path, family, conversati
         with pytest.raises(ChatTemplateError, match=re.escape(str(exc).split("!")[0][:40])):
             ours(directory, body)
     else:
-        assert ours(directory, body) == expected
+        assert_alike(ours(directory, body), expected, directory, body)
+
+
+def assert_alike(rendered: str, expected: str, directory: Path, body: dict) -> None:
+    """`rendered` is transformers' prompt `expected`, or the one it renders now: a template that writes today's date
+    (Llama 3.2's) may see the day change between two renders, once at most."""
+    assert rendered == expected or rendered == theirs(directory, body)
 
 
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
@@ -130,7 +136,8 @@ def test_call_ids_tc_makes_render_back_in_every_family_that_calls_tools(tmp_path
              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": call_id, "content": "21 C"}]}
     directory = model_dir(tmp_path, family)
-    assert ours(directory, body) == theirs(directory, body)
+    expected = theirs(directory, body)
+    assert_alike(ours(directory, body), expected, directory, body)
 
 
 def test_a_message_the_template_refuses_is_a_400_in_its_words(tmp_path):
