@@ -6,7 +6,24 @@ if sys.version_info < (3, 10):  # first: installing the packages for this interp
           f"{sys.version.split()[0]}: run tc.pyz with another python", file=sys.stderr)
     sys.exit(3)
 
+from tc import version_line
 from tc.deps import missing_message, missing_native_packages, old_torch_message
+
+
+def _asks_version(argv: list[str]) -> bool:
+    """Whether `argv` asks for tc --version, which needs none of the native packages."""
+    for arg in argv:
+        if arg == "--version":
+            return True
+        if not arg.startswith("-"):  # the command: what follows is its own
+            return False
+    return False
+
+
+if _asks_version(sys.argv[1:]):  # the release of a tc.pyz shows on a host that has yet to get its packages
+    print(version_line())
+    sys.exit(0)
+
 from tc.openmp import settle_openmp
 
 settle_openmp(os.environ)  # before torch loads libgomp, which reads it once (tc/openmp.py)

@@ -85,10 +85,10 @@ def _positive_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import version_line
 
     parser = argparse.ArgumentParser(prog="tc", description="TrueCluster: one LLM across your machines.")
-    parser.add_argument("--version", action="version", version=f"tc {__version__}",
+    parser.add_argument("--version", action="version", version=version_line(),
                         help="print the tc release and exit (the head and every worker must run the same)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)

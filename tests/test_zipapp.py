@@ -370,6 +370,16 @@ def test_a_python_older_than_3_10_is_named_before_the_packages(pyz, tmp_path):
     assert line.startswith("error: tc needs Python 3.10 or newer") and "pip install" not in line, line
 
 
+def test_version_shows_on_a_host_without_the_native_packages(pyz, tmp_path):
+    """tc --version is how an operator tells which release a tc.pyz is, before installing anything for it: it
+    answered with the missing packages' pip line instead."""
+    from tc import __version__
+
+    argv, env = pyz_command(pyz, tmp_path, without=("torch", "tokenizers"))
+    proc = _run([*argv, "--version"], env, pyz_run_dir(argv))
+    assert proc.returncode == 0 and proc.stdout == f"tc {__version__}\n", proc.stderr
+
+
 def test_a_torch_older_than_tc_runs_on_is_one_line_and_exit_3(pyz, tmp_path):
     """A host whose torch predates the oldest release tc runs on (2.4) is told so, with the pip line, before
     anything imports it: it failed later, somewhere inside the model code."""
