@@ -164,8 +164,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     try:  # checked before the model loads: a bad value should not cost the wait
+        # a plain prompt's text goes on as a completion's does (its first word's space kept); a chat reply's starts
+        # at its first word
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+                                seed=args.seed, continues_prompt=not args.chat)
     except ValueError as exc:
         log.error("%s", exc)
         return 2

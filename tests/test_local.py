@@ -76,3 +76,25 @@ def test_generate_refuses_layer_tensors_a_worker_would_refuse(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "model.layers.1.mlp.extra_norm.weight" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_generate_writes_a_plain_prompts_text_as_a_completion_goes_on(tmp_path, capsys):
+    """A plain prompt is read as /v1/completions reads it (its BOS too), and its text goes on as a completion's:
+    under a SentencePiece tokenizer the text was decoded on its own, so it lost the space its first word starts
+    with ("the café" went on "the..." where the API's completion read " the...")."""
+    import json
+
+    from tiny_model import sentencepiece_tokenizer, write_tiny_model
+    from tc.cli import main
+
+    model_dir = write_tiny_model(tmp_path / "sp", seed=4)  # its first greedy token after the prompt is a word's
+    sentencepiece_tokenizer().save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    generator = load_local_generator(model_dir, "fp32")
+    ids = generator.tokenizer.encode("the café", add_special_tokens=True)
+    expected = generator.generate(ids, SamplingParams(max_tokens=4, temperature=0, continues_prompt=True)).text
+    assert expected.startswith(" ")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "the café", "--max-tokens", "4",
+                 "--dtype", "fp32"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
