@@ -257,7 +257,8 @@ class _Generation:
               n: int = 1) -> None:
         if n > self.service.max_batch:
             raise RequestError(f"'n' is {n}, but this server generates at most {self.service.max_batch} sequences "
-                               "at once (head.max_batch); ask for fewer choices", param="n", code="invalid_value")
+                               "at once (its batch: head.max_batch, or what the nodes' memory holds); ask for fewer "
+                               "choices", param="n", code="invalid_value")
         # Waitress's check that the client has closed its connection (channel_request_lookahead gives it)
         gone = req.env.get("waitress.client_disconnected")
         generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)], gone)
