@@ -33,6 +33,6 @@ def test_quantized_cluster_writes_coherent_code(tmp_path, demo_model_dir, bf16_t
     assert "return" in text and "n" in text, text  # it still writes the function
     if quant == "int8":  # int8 keeps the unquantized model's choices on a simple prompt
         assert text[:20] == bf16_text[:20], (text, bf16_text)
-    # the worker holds 12 layers: int8 about half of bf16's 358 MB, int4 about a quarter plus scales
-    weight_mb = float(worker_log.split("ready: ")[1].split(" MB")[0])
-    assert weight_mb < {"int8": 0.55, "int4": 0.32}[quant] * 358
+    # the worker holds 12 layers: int8 about half of bf16's 341.4 MiB, int4 about a quarter plus scales
+    weight_mib = float(worker_log.split("ready: ")[1].split(" MiB")[0])
+    assert weight_mib < {"int8": 0.55, "int4": 0.32}[quant] * 341.4
