@@ -62,10 +62,16 @@ def speed_for(hello: Hello, device: str, dtype: str, quant: str) -> SpeedFigure 
     return None
 
 
+def over_memory_cap(entry: NodeEntry, stage: Stage) -> bool:
+    """Whether `stage`'s weights pass `entry`'s max_memory_gb: the bound on a spare's takeover (the plan keeps a
+    node's own layers within it)."""
+    return entry.max_memory_gb is not None and stage.weight_bytes > entry.max_memory_gb * GIB
+
+
 def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
-    limit = entry.max_memory_gb
-    if limit is not None and stage.weight_bytes > limit * GIB:  # the plan keeps a node's own layers within it
+    if over_memory_cap(entry, stage):
+        limit = entry.max_memory_gb
         return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
                 f"weights), but {entry.id}'s max_memory_gb is {limit:g} ({format_bytes(int(limit * GIB))}) in "
                 f"topology.yaml; raise it there, or pin fewer layers on {stage.node_id}")

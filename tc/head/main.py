@@ -32,7 +32,7 @@ from ..planner import GIB, Plan, format_bytes, layer_weight_bytes, make_plan, no
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
-from .admission import device_for, speed_for
+from .admission import device_for, over_memory_cap, speed_for
 from .api import create_app
 from .http_server import HttpServer, start_http_server
 from .pipeline import RemotePipeline
@@ -120,11 +120,11 @@ def describe_spares(topology: Topology, plan: Plan) -> list[str]:
     """One line per spare entry: which nodes' layers it could take over, as its max_memory_gb allows."""
     lines = []
     for entry in topology.spare_nodes:
-        limit = entry.max_memory_gb
-        fits = [s.node_id for s in plan.stages if limit is None or s.weight_bytes <= limit * GIB]
+        fits = [s.node_id for s in plan.stages if not over_memory_cap(entry, s)]
         if len(fits) == len(plan.stages):
             lines.append(f"spare {entry.id}: stands by for any node")
             continue
+        limit = entry.max_memory_gb
         cap = f"its max_memory_gb {limit:g} ({format_bytes(int(limit * GIB))})"
         others = [s.node_id for s in plan.stages if s.node_id not in fits]
         lines.append(f"spare {entry.id}: stands by for {', '.join(fits)} only; the layers of {', '.join(others)} "
