@@ -358,6 +358,15 @@ class SequenceState:
         if self.grammar is not None:
             self.next_allowed = self.grammar.allowed()
 
+    @property
+    def chooses_the_argmax(self) -> bool:
+        """Whether its next token is the raw logits' argmax, and nothing else is read from them: greedy, with no
+        penalty, grammar, EOS held back (min_tokens) or log-probabilities (the head may then find the token
+        without all the logits: HeadModel.greedy_tokens)."""
+        params = self.params
+        return (params.temperature == 0 and params.logprobs is None and not params.penalised and self.grammar is None
+                and self.max_tokens > 0 and (params.ignore_eos or len(self.text.tokens) >= params.min_tokens))
+
     def advance(self, logits: torch.Tensor) -> Step:
         """Choose the next token from `logits` ([vocab], fp32) and return what it adds."""
         params, state = self.params, self.text
@@ -375,6 +384,13 @@ class SequenceState:
                        allowed=allowed)
         if self.grammar is not None:
             self.grammar.advance(token)
+        return self.take(token, logits)
+
+    def take(self, token: int, logits: torch.Tensor | None = None) -> Step:
+        """Add `token`, chosen from `logits` by `advance` (which its log-probabilities are read from), or without
+        them where it `chooses_the_argmax`, and return what it adds."""
+        params, state = self.params, self.text
+        eos = self.tokenizer.eos_token_ids
         self.last_token_at = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = self.last_token_at
@@ -510,8 +526,13 @@ class Generator:
             choosing.append((follower, next(i for s, i in choosing if s is leader)))
         if not choosing:
             return []
-        logits = self._logits(torch.cat(last_rows, dim=1))[0]  # [sequences choosing, vocab]: one lm_head read
-        chosen = [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
+        rows = torch.cat(last_rows, dim=1).to(self.dtype)
+        tokens = self.head.greedy_tokens(rows) if all(s.chooses_the_argmax for s, _ in choosing) else None
+        if tokens is not None:
+            chosen = [(sequence, sequence.take(tokens[i])) for sequence, i in choosing]
+        else:
+            logits = self.head.logits(rows)[0]  # [sequences choosing, vocab]: one lm_head read
+            chosen = [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
         mark("chosen")
         return chosen
 

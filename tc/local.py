@@ -36,6 +36,7 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"),
                           pack=None if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
     quantization.quantize_linears(head, head_mode, group_size)
+    head.screen_greedy()
     # each weight is quantized as it loads (nothing to do for fp16), as a worker does
     stage = Stage.load(config, index, 0, config.num_hidden_layers, torch_dtype, device,
                        quantization.Quantization(quant, group_size, half_dtype(device)))

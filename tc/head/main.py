@@ -232,6 +232,7 @@ def start_head(topology: Topology) -> Head:
         # less time a token, for the matrix held twice while it packs); a quantized one has nothing to pack
         loaded = HeadModel.load(config, index, dtype, pack=None if head_mode == "fp16" else False)
         quant.quantize_linears(loaded, head_mode, topology.group_size)
+        loaded.screen_greedy()
         return loaded
 
     head_model = on_own_thread(load_head_model, "head-load")

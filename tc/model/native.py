@@ -183,18 +183,22 @@ class Kernels:
         return y if bias is None else add_bias_(y, bias)
 
     def int8_product(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None, widened: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor | None, widened: bool = False, rounded: bool = True) -> torch.Tensor:
         """int8_linear as int4_product is int4_linear: contiguous bfloat16 x [..., K] -> [..., N] plus `bias`.
 
         widened (no bias): the same bfloat16 values written as float32, which the kernel does as it stores them,
-        for a caller that wants float32 (the head's logits) and would otherwise convert the whole output after."""
+        for a caller that wants float32 (the head's logits) and would otherwise convert the whole output after.
+        rounded=False (widened only): the float32 sums as they are, not rounded to bfloat16 first (the greedy
+        screen's bound counts on no rounding but that of the sums)."""
         if widened and bias is not None:
             raise ValueError("a widened int8 product takes no bias: add it in bfloat16, then widen")
+        if not rounded and not widened:
+            raise ValueError("an int8 product left unrounded is written in float32: ask for it widened")
         k = x.shape[-1]
         n = scale.shape[0]
         y = torch.empty(*x.shape[:-1], n, dtype=torch.float32 if widened else torch.bfloat16)
         if self._int8(x.data_ptr(), 1, x.numel() // k, k, qweight.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
-                      2 if widened else 1, torch.get_num_threads(), self.prefetch_rows["int8"],
+                      (2 if rounded else 0) if widened else 1, torch.get_num_threads(), self.prefetch_rows["int8"],
                       self.prefetch_ahead["int8"], self.streams["int8"]):
             raise _no_memory_for_codes(x.numel() // k, k)
         return y if bias is None else add_bias_(y, bias)

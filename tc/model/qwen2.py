@@ -25,6 +25,7 @@ import array
 import ctypes
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -36,7 +37,9 @@ from . import native
 from .config import ModelConfig
 from .decode_plan import DecodePlan, Plans
 from .dense import Linear, pack_linears
+from .greedy_screen import MAX_TIME_SHARE, GreedyScreen
 from .kv_cache import KVCache
+from .probe import race
 from .rope import Rotary, rotate_
 from .quant import Quantization
 from .weights import WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources
@@ -631,6 +634,7 @@ class HeadModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embedding_scale = config.embedding_scale  # Gemma: sqrt(hidden), rounded to the compute dtype
         self.final_softcap = config.final_softcap
+        self.greedy_screen: GreedyScreen | None = None  # screen_greedy's, for the lm_head it was made for
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, dtype: torch.dtype,
@@ -677,6 +681,51 @@ class HeadModel(nn.Module):
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         return hidden
+
+    def screen_greedy(self) -> GreedyScreen | None:
+        """Give greedy steps an int8 screen of a bf16 lm_head (greedy_screen.py) where the native int8 product
+        streams it faster than the lm_head's own product streams the bf16 weight: timed here once, on one row
+        of this machine's threads, the weights coming from memory as in a step. Call it once the lm_head is
+        final (after quantize_linears: a quantized lm_head has nothing to screen). Returns the screen, or None."""
+        weight = getattr(self.lm_head, "weight", None)
+        kernels = native.kernels()
+        self.greedy_screen = None
+        if (kernels is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16
+                or weight.device.type != "cpu" or not native.shape_ok_int8(*weight.shape)):
+            return None
+        started = time.perf_counter()
+        screen = GreedyScreen(weight, kernels)
+        x = self.norm(self.embed_ids([0]))[0].contiguous()  # a row of the model's scale; its values do not matter
+        screened_s, full_s = race([lambda: screen.screen(x), lambda: self.lm_head(x)], runs=3,
+                                  clock=time.perf_counter)
+        if screened_s > MAX_TIME_SHARE * full_s:
+            log.info("greedy steps read the whole bf16 lm_head: its int8 screen took %.1f ms against %.1f ms here",
+                     screened_s * 1e3, full_s * 1e3)
+            return None
+        log.info("greedy steps screen the lm_head in int8 (%.1f MiB more memory, made in %.1f s): %.1f ms against "
+                 "%.1f ms for the bf16 product", screen.nbytes / (1 << 20), time.perf_counter() - started,
+                 screened_s * 1e3, full_s * 1e3)
+        self.greedy_screen = screen
+        return screen
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """The index of each row's largest logit for final hidden states [1, rows, hidden], as greedy() would find
+        it in `logits(hidden)`, from the greedy screen; None where there is none (or it answers none, for a row
+        that is not finite or too wide a choice): the caller then takes the logits."""
+        screen = self.greedy_screen
+        if screen is None or screen.weight is not getattr(self.lm_head, "weight", None):  # none, or not this one's
+            return None
+        normed = self.norm(hidden)[0]
+        if normed.dtype != torch.bfloat16:
+            return None
+        found = screen.candidates(normed.contiguous())
+        if found is None:
+            return None
+        ids, logits = found
+        if self.final_softcap is not None:  # as logits() applies it: monotonic, but its rounding may tie two
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return ids[logits.argmax(dim=1)].tolist()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,247 @@
+"""The greedy screen (tc/model/greedy_screen.py): an int8 screen of a bf16 lm_head finds the token that the full
+product's greedy choice finds, ties included; a step that needs more than the argmax reads every logit."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tc.local import load_local_generator
+from tc.model import native
+from tc.model.greedy_screen import SCREEN_MAX_SHARE, GreedyScreen
+from tc.model.quant import quantize_linears
+from tc.sampling import SamplingParams, greedy
+from tiny_model import write_tiny_model
+
+needs_native = pytest.mark.skipif(native.kernels() is None, reason="no native int8 product on this machine")
+
+
+def bf16_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * 0.05).bfloat16()
+
+
+def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 rows with the outliers real hidden states have: a few channels far larger than the rest, which
+    coarsen their blocks' activation codes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    x[:, 3] *= 30
+    x[:, cols // 2 + 5] *= -12
+    return x.bfloat16()
+
+
+def full_choice(weight: torch.Tensor, x: torch.Tensor) -> list[int]:
+    """Each row's greedy token as the head finds it without the screen: the bf16 product, widened, argmax."""
+    return [greedy(row) for row in F.linear(x, weight).float()]
+
+
+def screened_choice(screen: GreedyScreen, x: torch.Tensor) -> list[int] | None:
+    found = screen.candidates(x.contiguous())
+    if found is None:
+        return None
+    ids, logits = found
+    return ids[logits.argmax(dim=1)].tolist()
+
+
+@needs_native
+def test_the_screen_finds_the_full_products_token_row_by_row_and_in_a_batch():
+    weight = bf16_weight(1000, 128, seed=1)  # 1000 rows: not whole blocks of the screen's 64, the last one padded
+    screen = GreedyScreen(weight, native.kernels())
+    x = activations(300, 128, seed=2)
+    for i in range(len(x)):
+        assert screened_choice(screen, x[i:i + 1]) == full_choice(weight, x[i:i + 1]), i
+    for start in range(0, 64, 8):  # a batch's rows: each its own token, from the rows kept for any of them
+        assert screened_choice(screen, x[start:start + 8]) == full_choice(weight, x[start:start + 8])
+
+
+@needs_native
+def test_the_screen_finds_the_full_products_token_where_the_int8_logits_alone_would_not():
+    # rows close to one another and activations along them: the best logits lie within the int8 copy's error
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(128, generator=g) * 0.05
+    weight = (base + 0.02 * torch.randn(1000, 128, generator=g)).bfloat16()
+    x = (base * 40 + torch.randn(300, 128, generator=g)).bfloat16()
+    x[:, 3] *= 8
+    screen = GreedyScreen(weight, native.kernels())
+    full = full_choice(weight, x)
+    int8_alone = screen.screen(x).argmax(dim=1).tolist()
+    assert sum(a != b for a, b in zip(int8_alone, full)) >= 20  # the int8 logits' own argmax is often wrong here
+    answered = 0
+    for i in range(len(x)):
+        got = screened_choice(screen, x[i:i + 1])
+        if got is not None:  # else too many rows were kept: the full product answers
+            assert got == full[i:i + 1], i
+            answered += 1
+    assert answered >= 200
+
+
+def worst_share_of_the_bound(screen: GreedyScreen, x: torch.Tensor) -> float:
+    """max over rows of x and of the vocabulary of |screen logit - real logit| / its bound (1 or more: broken)."""
+    screened = screen.screen(x.contiguous()).double()
+    real = x.double() @ screen.weight.double().t()
+    worst = 0.0
+    for i, row in enumerate(x.float().numpy()):
+        a, b = screen.bound_terms(row)
+        bound = a * screen.error_norm.double() + b * screen.norm_bound.double()
+        worst = max(worst, float(((screened[i] - real[i]).abs() / bound).max()))
+    return worst
+
+
+def int8_exact_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A bf16 weight its int8 copy holds exactly: codes up to 127 (one of each row at 127) times a power of 2."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, cols), generator=g).float()
+    codes[:, 0] = 127
+    return (codes * 2.0 ** -11).bfloat16()
+
+
+@needs_native
+def test_the_bound_covers_each_source_of_error_alone_and_together():
+    # the weights exact in int8: all of the error is the activations' quantization (outliers make it large)
+    weight = int8_exact_weight(512, 128, seed=12)
+    screen = GreedyScreen(weight, native.kernels())
+    assert float(screen.error_norm.abs().max()) == 0.0
+    x = activations(64, 128, seed=13)
+    assert 0.05 < worst_share_of_the_bound(screen, x) < 1
+    # the activations exact in int8 (codes of +-127 times a power of 2): all of it is the weights', made large
+    # by a column of outliers that coarsens every row's int8 step
+    g = torch.Generator().manual_seed(14)
+    exact_x = ((torch.randint(0, 2, (64, 128), generator=g) * 2 - 1) * 127 * 2.0 ** -6).bfloat16()
+    weight = bf16_weight(512, 128, seed=15)
+    weight[:, 7] *= 20
+    screen = GreedyScreen(weight, native.kernels())
+    assert 0.05 < worst_share_of_the_bound(screen, exact_x) < 1
+    assert 0.05 < worst_share_of_the_bound(screen, x) < 1
+
+
+@needs_native
+def test_the_unrounded_int8_product_is_the_rounded_one_before_its_rounding():
+    weight = bf16_weight(512, 96, seed=3)
+    screen = GreedyScreen(weight, native.kernels())
+    x = activations(2, 96, seed=4)
+    unrounded = screen.screen(x)
+    rounded = native.kernels().int8_product(x, screen.qweight, screen.scale, None, widened=True)
+    assert unrounded.dtype == torch.float32
+    assert torch.equal(unrounded.bfloat16().float(), rounded)
+    assert not torch.equal(unrounded, rounded)  # the screen's bound counts on its sums left unrounded
+
+
+@needs_native
+def test_logits_that_round_equal_go_to_the_first_row_as_in_the_full_product():
+    weight = bf16_weight(640, 64, seed=5)
+    x = (weight[70].float() * 40).bfloat16()[None]  # row 70's logit is the largest by far
+    weight[300] = weight[70]  # a later row with the same logit
+    # an earlier row whose logit is a hair below row 70's, too little to change its bf16 value: the full product
+    # finds the two equal, and takes the first
+    j = int(x[0].float().abs().argmin())
+    direction = -1.0 if x[0, j] > 0 else 1.0
+    weight[20] = weight[70]
+    weight[20, j] = (weight[70, j].float() + direction * weight[70, j].float().abs() * 2 ** -7).bfloat16()
+    exact = x.float() @ weight.float().t()
+    assert exact[0, 20] < exact[0, 70]
+    assert F.linear(x, weight)[0, 20] == F.linear(x, weight)[0, 70] == F.linear(x, weight)[0, 300]
+    assert full_choice(weight, x) == [20]
+    assert screened_choice(GreedyScreen(weight, native.kernels()), x) == [20]
+
+
+@needs_native
+def test_rows_that_are_not_finite_or_too_wide_a_choice_are_left_to_the_full_product():
+    weight = bf16_weight(512, 64, seed=6)
+    screen = GreedyScreen(weight, native.kernels())
+    x = activations(1, 64, seed=7)
+    x[0, 5] = float("inf")
+    assert screen.candidates(x) is None
+    same = bf16_weight(1, 64, seed=8).expand(512, 64).contiguous()  # every logit alike: every row a candidate
+    assert SCREEN_MAX_SHARE > 1
+    assert GreedyScreen(same, native.kernels()).candidates(activations(1, 64, seed=9)) is None
+
+
+def test_a_screen_takes_only_a_bf16_weight_the_native_product_can_tile():
+    kernels = native.kernels()
+    with pytest.raises(ValueError, match="bf16 weight"):
+        GreedyScreen(bf16_weight(512, 64, 0).float(), kernels)
+    with pytest.raises(ValueError, match="bf16 weight"):
+        GreedyScreen(bf16_weight(510, 64, 0), kernels)  # rows not whole tiles of 8
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("bf16"), seed=3, dtype=torch.bfloat16)
+
+
+def counted(screen: GreedyScreen) -> list[int]:
+    """Count the steps that ask `screen` (its answers unchanged)."""
+    calls = [0]
+    candidates = screen.candidates
+
+    def counting(x):
+        calls[0] += 1
+        return candidates(x)
+
+    screen.candidates = counting
+    return calls
+
+
+@needs_native
+def test_greedy_generation_with_the_screen_makes_the_same_tokens(bf16_model_dir):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    head = generator.head
+    screen = head.greedy_screen or GreedyScreen(head.lm_head.weight, native.kernels())  # its probe may decline
+    calls = counted(screen)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for prompt in ([5, 9, 14], [200, 3, 77, 41, 8]):
+        head.greedy_screen = None
+        plain = generator.generate(prompt, params)
+        head.greedy_screen = screen
+        before = calls[0]
+        screened = generator.generate(prompt, params)
+        assert screened.token_ids == plain.token_ids
+        assert calls[0] - before == 24  # every token of it chosen by the screen
+
+
+@needs_native
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=4, temperature=0.7, seed=1),  # sampled
+    SamplingParams(max_tokens=4, temperature=0, logprobs=2),  # log-probabilities read every logit
+    SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3),  # penalties change them first
+    SamplingParams(max_tokens=4, temperature=0, min_tokens=4),  # EOS held back
+])
+def test_a_step_that_needs_more_than_the_argmax_reads_every_logit(bf16_model_dir, params):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    screen = generator.head.greedy_screen = GreedyScreen(generator.head.lm_head.weight, native.kernels())
+    calls = counted(screen)
+    greedy_one = generator.start([5, 9, 14], SamplingParams(max_tokens=4, temperature=0))
+    other = generator.start([7, 7, 2], params)
+    while greedy_one.completion is None:  # one step for both: the other's choice needs the logits of all rows
+        generator.step([s for s in (greedy_one, other) if s.completion is None])
+    assert calls[0] == 0
+    generator.head.greedy_screen = None
+    assert greedy_one.completion.token_ids == generator.generate([5, 9, 14], greedy_one.params).token_ids
+
+
+@needs_native
+def test_a_screen_made_for_another_lm_head_is_not_used(bf16_model_dir):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    head = generator.head
+    head.greedy_screen = GreedyScreen(head.lm_head.weight, native.kernels())
+    assert head.greedy_tokens(head.embed_ids([4])) is not None
+    quantize_linears(head, "int8")  # the lm_head replaced: the screen no longer says what it computes
+    assert head.greedy_tokens(head.embed_ids([4])) is None
+    assert head.screen_greedy() is None and head.greedy_screen is None  # nothing to screen in an int8 lm_head
+
+
+@needs_native
+def test_demo_greedy_tokens_are_the_full_products(demo_model_dir):
+    generator = load_local_generator(demo_model_dir, "bf16")
+    head = generator.head
+    screen = head.greedy_screen or GreedyScreen(head.lm_head.weight, native.kernels())
+    calls = counted(screen)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for text in ("def quicksort(arr):", "The capital of France is", "import numpy as np\n# the mean of a list"):
+        prompt = generator.tokenizer.encode(text)
+        head.greedy_screen = None
+        plain = generator.generate(prompt, params)
+        head.greedy_screen = screen
+        assert generator.generate(prompt, params).token_ids == plain.token_ids, text
+    assert calls[0] == 3 * 40
