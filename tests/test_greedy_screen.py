@@ -175,9 +175,9 @@ def counted(screen: GreedyScreen) -> list[int]:
     calls = [0]
     candidates = screen.candidates
 
-    def counting(x):
+    def counting(*args):
         calls[0] += 1
-        return candidates(x)
+        return candidates(*args)
 
     screen.candidates = counting
     return calls
@@ -229,6 +229,24 @@ def test_a_screen_made_for_another_lm_head_is_not_used(bf16_model_dir):
     quantize_linears(head, "int8")  # the lm_head replaced: the screen no longer says what it computes
     assert head.greedy_tokens(head.embed_ids([4])) is None
     assert head.screen_greedy() is None and head.greedy_screen is None  # nothing to screen in an int8 lm_head
+
+
+@needs_native
+def test_under_a_final_softcap_logits_that_cap_equal_go_to_the_first_row_as_in_the_full_product(bf16_model_dir):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    head = generator.head
+    head.greedy_screen = GreedyScreen(head.lm_head.weight, native.kernels())
+    # the tiny model's best logits are ~2: capped at 0.2, tanh(10) rounds to 1 in float32, so logits well apart
+    # cap to the same 0.2, and the full product takes the first of them, not the largest
+    head.final_softcap = 0.2
+    hidden = torch.randn(1, 64, head.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    answered = 0
+    for i in range(hidden.shape[1]):
+        got = head.greedy_tokens(hidden[:, i:i + 1])
+        if got is not None:
+            assert got == [greedy(head.logits(hidden[:, i:i + 1])[0, 0])], i
+            answered += 1
+    assert answered >= 32
 
 
 @needs_native

@@ -22,6 +22,8 @@ Worth it only where the int8 product streams faster than the lm_head's own: a pr
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -92,10 +94,13 @@ class GreedyScreen:
         activation = float(np.sqrt(half_steps @ half_steps * native.ACTIVATION_GROUP)) * _SLACK
         return x_norm, activation + self.sum_rounding * x_norm
 
-    def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def candidates(self, x: torch.Tensor, softcap: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For contiguous bf16 rows x [rows, K] (normed final hidden states): the vocabulary rows that may hold
         each row's largest logit (int64, ascending) and the logits of x there [rows, candidates] as the lm_head
-        writes them (bf16 values, in float32); None where a row is not finite or too many rows remain.
+        writes them (bf16 values, in float32); None where a row is not finite or too many rows remain. With
+        `softcap`, the rows that may hold the largest of softcap * tanh(logit / softcap) in float32, as the head
+        caps its logits (Gemma 2's final_logit_softcapping).
 
         Each step's work past the screen's product is a few passes over vocabulary-long vectors, which a decode
         step finds in no cache: numpy's argmax, not torch's (10 us against 125 over 152k), and the rows above
@@ -119,6 +124,8 @@ class GreedyScreen:
             # the best is below lowest_best + 2 * (the largest bound)
             largest_bound = x_norm * self._error_max + weight_norm_factor * self._norm_max
             line = lowest_best - 2 * eps * (abs(lowest_best) + 2 * largest_bound)
+            if softcap is not None:
+                line = _below_the_cap(line, softcap, eps)
             blocks = np.flatnonzero(self._upper.view(-1, BLOCK_ROWS).amax(dim=1).numpy() >= line)
             rows = (blocks[:, None] * BLOCK_ROWS + np.arange(BLOCK_ROWS)).ravel()
             found.append(rows[self._upper.numpy()[rows] >= line])
@@ -127,3 +134,16 @@ class GreedyScreen:
         ids = torch.from_numpy(np.unique(np.concatenate(found)))
         exact = torch.mm(xf, self.weight.index_select(0, ids).float().t()).to(x.dtype).float()
         return ids, exact
+
+
+def _below_the_cap(line: float, cap: float, eps: float) -> float:
+    """The line for logits capped as cap * tanh(logit / cap) in float32, given the line for the logits themselves:
+    near +-cap the capped values of logits far apart round equal (with a cap of 30 every bf16 logit past ~270 caps
+    to 30.0), and the first of them wins, so a row is kept where its capped logit may come within the float32
+    rounding of the cap (a few ulps of cap, for the division, tanh and the product, of either row) of the best's,
+    and its bf16 logit may round up to there."""
+    reach = math.tanh(line / cap) - 16 * _ROUNDING
+    if reach <= -1:
+        return float("-inf")
+    line = cap * math.atanh(reach)
+    return line - 2 * eps * abs(line)

@@ -719,7 +719,7 @@ class HeadModel(nn.Module):
         normed = self.norm(hidden)[0]
         if normed.dtype != torch.bfloat16:
             return None
-        found = screen.candidates(normed.contiguous())
+        found = screen.candidates(normed.contiguous(), self.final_softcap)
         if found is None:
             return None
         ids, logits = found
