@@ -115,6 +115,60 @@ def test_the_bound_covers_each_source_of_error_alone_and_together():
     assert 0.05 < worst_share_of_the_bound(screen, x) < 1
 
 
+def signs(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+
+
+def rows_after(best: torch.Tensor, second: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A vocabulary of 64 bf16 rows: `best` at 5, `second` at 9, and the rest with logits far below theirs for x
+    (its first activation times the largest weight of the opposite sign, the other weights 0)."""
+    weight = torch.zeros(64, len(best))
+    weight[:, 0] = -float(x[0].sign()) * 127 * 2.0 ** -11
+    weight[5], weight[9] = best, second
+    return weight.bfloat16()
+
+
+@needs_native
+@pytest.mark.parametrize("along", ["row 5", "row 9"])
+def test_a_row_that_only_the_activations_quantization_puts_below_another_is_kept(along):
+    # activations half a step off their int8 codes (0.5 of a block's step of 1/64 rounds to 0), the weights exact,
+    # and one row along that error (its bound's activation term, ~0.031, tight but for each block's largest): row
+    # 5, whose int8 logit is then 0.030 under its real one, or row 9, 0.030 over it. Either way the int8 logits
+    # put row 9 first by 0.021 and the real ones row 5 by ~0.009. The blocks' largest activations cancel in the
+    # logits, which keeps them near 0, where the bf16 margin is small.
+    sign = signs(64, seed=21)
+    x = sign * 2.0 ** -7
+    x[0], x[32] = 127 * 2.0 ** -6, -127 * 2.0 ** -6
+    aligned, plain = sign * 127 * (1 if along == "row 5" else -1), torch.zeros(64)
+    aligned[0], aligned[32] = 127, 127
+    plain[0], plain[32] = (127, 105) if along == "row 5" else (105, 127)
+    best, second = (aligned, plain) if along == "row 5" else (plain, aligned)
+    weight, x = rows_after(best * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
+    screen = GreedyScreen(weight, native.kernels())
+    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
+    assert screened_choice(screen, x) == [5]
+
+
+@needs_native
+@pytest.mark.parametrize("along", ["row 5", "row 9"])
+def test_a_row_that_only_its_weights_quantization_puts_below_another_is_kept(along):
+    # activations exact in int8, one row's weights half a step off their codes along them (its bound's weight
+    # term, ~0.031, tight): row 5's 2.5 rounding to 2, its int8 logit 0.030 under its real one, or row 9's 1.5
+    # rounding to 2, 0.030 over it. Either way the int8 logits put row 9 first by 0.026 and the real ones row 5
+    # by ~0.004. The first column cancels the rest in the logits, which keeps them near 0.
+    sign = signs(64, seed=22)
+    x = sign * 127 * 2.0 ** -6
+    aligned = sign * (2.5 if along == "row 5" else 1.5)
+    plain = sign * 2
+    plain[1:28] += sign[1:28] * (1 if along == "row 5" else -1)
+    aligned[0] = plain[0] = -sign[0] * 127
+    best, second = (aligned, plain) if along == "row 5" else (plain, aligned)
+    weight, x = rows_after(best * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
+    screen = GreedyScreen(weight, native.kernels())
+    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
+    assert screened_choice(screen, x) == [5]
+
+
 @needs_native
 def test_the_unrounded_int8_product_is_the_rounded_one_before_its_rounding():
     weight = bf16_weight(512, 96, seed=3)
@@ -143,6 +197,26 @@ def test_logits_that_round_equal_go_to_the_first_row_as_in_the_full_product():
     assert F.linear(x, weight)[0, 20] == F.linear(x, weight)[0, 70] == F.linear(x, weight)[0, 300]
     assert full_choice(weight, x) == [20]
     assert screened_choice(GreedyScreen(weight, native.kernels()), x) == [20]
+
+
+@needs_native
+def test_logits_that_round_equal_go_to_the_first_row_where_the_bounds_alone_part_them():
+    # each activation of the first block 126.5 block steps (rounds down to 126), of the second 125.5 (rounds up):
+    # row 5 along the first block, its int8 logit 15.5 units (127 * 2 ** -17) under its real one, row 9 along the
+    # second, 15.5 over it; their bounds (~22.3 each, tight up to a block's largest activation and the other
+    # block) leave row 5's upper bound 1.4 under row 9's lower one, where their real logits (3927.5 and 3942.5
+    # units) round to the same bf16 value: only the margin for the output's rounding keeps row 5
+    sign = signs(64, seed=23)
+    x = torch.cat([sign[:32] * 126.5, sign[32:] * 125.5]) * 2.0 ** -6
+    x[0] = x[32] = 127 * 2.0 ** -6
+    first, second = torch.cat([sign[:32], torch.zeros(32)]) * 127, torch.cat([torch.zeros(32), sign[32:]]) * 127
+    first[0], second[32] = 6, 52
+    weight, x = rows_after(first * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
+    screen = GreedyScreen(weight, native.kernels())
+    exact = x.float() @ weight.float().t()
+    assert exact[0, 5] < exact[0, 9] and F.linear(x, weight)[0, 5] == F.linear(x, weight)[0, 9]
+    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
+    assert screened_choice(screen, x) == [5]
 
 
 @needs_native
