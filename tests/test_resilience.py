@@ -342,3 +342,26 @@ def test_head_and_worker_survive_a_burst_of_failures(tmp_path, model_dir, greedy
             cluster.start_worker(node, "--retry-max-s", "1", name=node)
             cluster.wait_ready()
         assert_serves(cluster, greedy)
+
+
+def test_requests_the_head_refuses_while_it_stops_hear_it_is_shutting_down(tmp_path, model_dir):
+    """While the head tells its workers goodbye (up to a second when one is frozen), a request arriving, and one
+    still waiting for a place, learn that the head is shutting down, as those the HTTP server refuses do: not
+    that workers are missing, which would send an operator looking for them."""
+    with start(tmp_path, model_dir, max_batch=1) as cluster:
+        b = cluster.workers["b"]
+        running = freeze_mid_request(cluster, b)
+        queued = long_request(cluster)
+        time.sleep(0.3)
+        cluster.head.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the head waits for the frozen worker to read its goodbye: the API still answers
+        arriving = long_request(cluster)
+        status, body = running.wait(15)
+        assert status == 503 and body["error"]["code"] == "service_unavailable", body
+        for request in (queued, arriving):
+            status, body = request.wait(15)
+            assert status == 503 and body["error"]["code"] == "shutting_down", body
+            assert "shutting down" in body["error"]["message"]
+        assert cluster.head.proc.wait(20) == 0
+        b.proc.send_signal(signal.SIGCONT)
+        assert "Model is not ready" not in cluster.head.output()

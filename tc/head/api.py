@@ -37,7 +37,7 @@ from .api_requests import (
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
 from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
-                      GenerationSummary, QueueFull, Readiness, ServiceError, StageFailed, WorkerLost)
+                      GenerationSummary, QueueFull, Readiness, ServiceError, ShuttingDown, StageFailed, WorkerLost)
 from .structured_output import StructuredOutput
 from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
 
@@ -80,6 +80,9 @@ def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
         return ErrorReply(400, "invalid_request_error", str(exc), "messages", "chat_template_error")
     if isinstance(exc, ClusterNotReady):
         return ErrorReply(503, "cluster_not_ready", str(exc), None, "cluster_not_ready",
+                          (("Retry-After", RETRY_AFTER_S),))
+    if isinstance(exc, ShuttingDown):
+        return ErrorReply(503, "service_unavailable", str(exc), None, "shutting_down",
                           (("Retry-After", RETRY_AFTER_S),))
     if isinstance(exc, QueueFull):
         return ErrorReply(429, "rate_limit_exceeded", str(exc), None, "server_busy",

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable
 
 from waitress import create_server, wasyncore
 
-from .api import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, ErrorReply
+from .api import DEFAULT_MAX_BODY_BYTES, error_reply
+from .service import ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,7 @@ QUIET_S = 0.2  # a connection counts as idle once it has been quiet this long: a
 MAX_BACKLOG = 4096  # connections taken from the listen backlog when it closes (Linux caps the backlog at 4096)
 IDLE_CONNECTIONS = 1000  # open connections allowed past one per request thread (connection_limit)
 FD_HEADROOM = 256  # file descriptors kept for everything else the head opens
-SHUTDOWN_REPLY = ErrorReply(503, "service_unavailable", "the server is shutting down and takes no new requests; "
-                            "retry once it is back", None, "shutting_down", (("Retry-After", RETRY_AFTER_S),))
+SHUTDOWN_REPLY = error_reply(ShuttingDown(), "")  # what the app answers a request it refuses while stopping
 
 
 def _url_host(host: str) -> str:

@@ -49,8 +49,8 @@ from typing import Sequence
 from ..generation import Entry
 from ..protocol.messages import BatchEntry, Route, RunBatch
 from ..trace import mark
-from .service import StageFailed, WorkerLost
-from .workers import HeadShuttingDown, Sent, WorkerLink, WorkerRegistry
+from .service import HeadShuttingDown, StageFailed, WorkerLost
+from .workers import Sent, WorkerLink, WorkerRegistry
 
 log = logging.getLogger(__name__)
 

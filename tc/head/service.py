@@ -47,6 +47,7 @@ class Readiness:
     required: int  # worker entries in the plan
     ready: tuple[str, ...]  # node ids loaded and serving
     missing: tuple[str, ...]  # node ids not (yet) loaded
+    stopping: bool = False  # the head is shutting down: no node serves any more, and none is awaited
 
     @property
     def is_ready(self) -> bool:
@@ -68,6 +69,26 @@ class ClusterNotReady(ServiceError):
 
 class ClientGone(Exception):
     """The client closed its connection before its reply was ready: nobody will read it."""
+
+
+class ShuttingDown(ServiceError):
+    """The head is stopping: a request that arrives, or still waits for a place, is refused as the HTTP server
+    refuses those it has not handed on yet (not as one whose workers are missing, which they are not)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down and takes no new requests; retry once it is back")
+
+
+class HeadShuttingDown(ServiceError):
+    """The head is stopping: requests in flight end with this."""
+
+    def __init__(self) -> None:
+        super().__init__("the head is shutting down; the request was not completed. Retry once it is back")
+
+
+def not_ready(readiness: Readiness) -> ServiceError:
+    """Why a request cannot start now: the head is stopping, or nodes are missing."""
+    return ShuttingDown() if readiness.stopping else ClusterNotReady(readiness)
 
 
 class QueueFull(ServiceError):
@@ -296,13 +317,13 @@ class GenerationService:
     def _check_ready(self) -> None:
         readiness = self.readiness()
         if not readiness.is_ready:
-            raise ClusterNotReady(readiness)
+            raise not_ready(readiness)
 
     def open(self, prompt_ids: list[int], params: SamplingParams) -> GenerationStream:
         """Start a generation: its first step (its prompt read, its first token chosen) has run when this returns.
 
-        Raises ClusterNotReady, QueueFull, WorkerLost, StageFailed, ValueError. The caller must close() the
-        stream it gets (a `with` block does), or its place in the batch stays taken.
+        Raises ClusterNotReady, ShuttingDown, QueueFull, WorkerLost, StageFailed, ValueError. The caller must
+        close() the stream it gets (a `with` block does), or its place in the batch stays taken.
         """
         return self.open_choices(prompt_ids, [params])[0]
 
@@ -398,8 +419,8 @@ class GenerationService:
                 request.admitted_at = time.perf_counter()
                 if request.abandoned:
                     continue
-                if not readiness.is_ready:  # a worker went while it waited
-                    refused.append((request, ClusterNotReady(readiness)))
+                if not readiness.is_ready:  # a worker went while it waited, or the head is stopping
+                    refused.append((request, not_ready(readiness)))
                     continue
                 self._batch.append(request)
                 admitted.append(request)

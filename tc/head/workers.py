@@ -57,7 +57,7 @@ from ..speed import LinkSpeed
 from ..topology import Topology
 from ..trace import mark
 from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
-from .service import Readiness, ServiceError, StageFailed, WorkerLost
+from .service import Readiness, StageFailed, WorkerLost
 from .step_deadline import StepBudget, StepClock
 
 log = logging.getLogger(__name__)
@@ -82,13 +82,6 @@ PROBE_FRAME_MARGIN = 4096  # the envelope around a probe's payload
 
 class _Stopping(Exception):
     """A worker is joining a head that is stopping: it is told so, and rejoins later."""
-
-
-class HeadShuttingDown(ServiceError):
-    """The head is stopping: requests in flight end with this, new ones are refused."""
-
-    def __init__(self) -> None:
-        super().__init__("the head is shutting down; the request was not completed. Retry once it is back")
 
 
 class Doorbell:
@@ -462,7 +455,7 @@ class WorkerRegistry:
     def readiness(self) -> Readiness:
         with self.lock:
             if self.stopping.is_set():
-                return Readiness(required=len(self.slots), ready=(), missing=tuple(self.slots))
+                return Readiness(required=len(self.slots), ready=(), missing=tuple(self.slots), stopping=True)
             ready = tuple(n for n, s in self.slots.items() if s.state == "ready")
             missing = tuple(n for n, s in self.slots.items() if s.state != "ready")
         return Readiness(required=len(self.slots), ready=ready, missing=missing)
