@@ -6,9 +6,11 @@ the request runs, then kill, continue or signal it.
 """
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -46,16 +48,16 @@ def greedy(model_dir):
     return run
 
 
-def long_request(cluster: Cluster, max_tokens: int = LONG) -> Request:
-    """A greedy completion of exactly max_tokens tokens, posted from a thread."""
+def long_request(cluster: Cluster, max_tokens: int = LONG, **fields) -> Request:
+    """A greedy completion of exactly max_tokens tokens (`fields` added to its body), posted from a thread."""
     return Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                             "ignore_eos": True})
+                             "ignore_eos": True, **fields})
 
 
-def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG) -> Request:
+def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG, **fields) -> Request:
     """Start a request and SIGSTOP `worker` while it runs; the request is then held at that worker."""
     for delay in (0.15, 0.05, 0.0):
-        request = long_request(cluster, max_tokens)
+        request = long_request(cluster, max_tokens, **fields)
         time.sleep(delay)
         worker.proc.send_signal(signal.SIGSTOP)
         time.sleep(0.3)
@@ -66,7 +68,7 @@ def freeze_mid_request(cluster: Cluster, worker: Process, max_tokens: int = LONG
         assert status == 200, body
     # the worker is frozen before the request is sent: it still reaches that worker and waits there
     worker.proc.send_signal(signal.SIGSTOP)
-    request = long_request(cluster, max_tokens)
+    request = long_request(cluster, max_tokens, **fields)
     time.sleep(0.5)
     assert request.thread.is_alive()
     return request
@@ -365,3 +367,25 @@ def test_requests_the_head_refuses_while_it_stops_hear_it_is_shutting_down(tmp_p
         assert cluster.head.proc.wait(20) == 0
         b.proc.send_signal(signal.SIGCONT)
         assert "Model is not ready" not in cluster.head.output()
+
+
+def generations_counted(cluster: Cluster) -> dict[str, float]:
+    """tc_generations_total by outcome, from GET /metrics."""
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^tc_generations_total\{outcome="(\w+)"\} (\S+)$',
+                                                                  text, re.MULTILINE)}
+
+
+def test_every_choice_of_a_request_a_lost_worker_ended_counts_as_an_error(tmp_path, model_dir):
+    """The choices of a request (its n) fail together when a worker is lost; the metrics and the log say each
+    failed, not that its client went away."""
+    with start(tmp_path, model_dir, resume=False) as cluster:
+        b = cluster.workers["b"]
+        request = freeze_mid_request(cluster, b, n=2)
+        b.proc.kill()
+        status, body = request.wait(10)
+        assert status == 503 and body["error"]["code"] == "worker_lost", body
+        wait_for(lambda: " finish=" in cluster.head.output(), 10, "the request's log line")
+        assert generations_counted(cluster) == {"error": 2.0}
+        assert " finish=error " in cluster.head.output()

@@ -135,6 +135,7 @@ class _Request:
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.abandoned = False  # the client went away: the loop drops it at the next step boundary
+        self.failed = False  # the loop ended it with an error, which its outbox holds
         self.joins_with = 1  # the first choice of a request of n: n, as the choices join the batch together
 
     @property
@@ -212,7 +213,9 @@ class GenerationStream:
             return
         self._closed = True
         if self.outcome is None:
-            self.outcome = "abandoned"
+            # closed before it read its end: an error already sent it (the other choices of a request whose first
+            # choice raised it), or its client went away
+            self.outcome = "error" if self._request.failed else "abandoned"
         self._service.finished(self, self._request)
 
     def __enter__(self) -> "GenerationStream":
@@ -466,6 +469,8 @@ class GenerationService:
             self.generator.pipeline.release([r.sequence.id for r in requests])
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
+        for request in requests:  # all marked before any hears, so that a choice closed on a sibling's error
+            request.failed = True  # counts as the error it is
         for request in requests:
             request.outbox.put(exc)
 
