@@ -28,9 +28,11 @@ from tc.head.api_requests import (
 from tc.head.service import (
     ClusterNotReady,
     GenerationService,
+    HeadShuttingDown,
     QueueFull,
     Readiness,
     ServiceError,
+    ShuttingDown,
     StageFailed,
     WorkerLost,
 )
@@ -575,6 +577,8 @@ def test_worker_failure_answers_502(generator):
 @pytest.mark.parametrize("exc, status, type_, code", [
     (ClusterNotReady(Readiness(2, (), ("a", "b"))), 503, "cluster_not_ready", "cluster_not_ready"),
     (QueueFull(4), 429, "rate_limit_exceeded", "server_busy"),
+    (ShuttingDown(), 503, "service_unavailable", "shutting_down"),
+    (HeadShuttingDown(), 503, "service_unavailable", "service_unavailable"),
     (WorkerLost("w2", "connection reset"), 503, "worker_lost", "worker_lost"),
     (StageFailed("w2", "bad shape"), 502, "worker_error", "worker_error"),
     (ServiceError("something new"), 503, "service_unavailable", "service_unavailable"),
