@@ -161,6 +161,45 @@ def test_the_queue_bound_holds(cluster):
     assert sum(r[0] == 200 for r in results) == len(threads) - refused
 
 
+def choices_request(port: int, n: int, timeout: float = 120) -> tuple:
+    """(status, body) of one completion of `n` choices."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        body = json.dumps({"model": "tiny-qwen", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True, "n": n})
+        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_the_queue_bound_counts_requests_whatever_their_n(cluster):
+    """max_queue requests may wait, each of several choices: the 429 comes to the one that finds max_queue
+    requests waiting, not to one that finds their choices adding up to max_queue."""
+    worker = cluster.workers["b"]
+    worker.proc.send_signal(signal.SIGSTOP)  # the batch's first step waits at b: nothing leaves the queue
+    try:
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(choices_request(cluster.api_port, MAX_BATCH)))
+                   for _ in range(1 + MAX_QUEUE + 1)]  # one fills the batch, MAX_QUEUE wait, one is refused
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert [r[0] for r in results] == [429], results
+        assert results[0][1]["error"]["code"] == "server_busy"
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(r[0] for r in results) == [200] * (1 + MAX_QUEUE) + [429], results
+    for status, body in results:
+        if status == 200:
+            assert len(body["choices"]) == MAX_BATCH
+
+
 def test_sigterm_under_load_answers_or_refuses_everyone_and_exits(cluster):
     def terminate() -> None:
         time.sleep(0.5)

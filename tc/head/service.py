@@ -137,6 +137,7 @@ class _Request:
         self.abandoned = False  # the client went away: the loop drops it at the next step boundary
         self.failed = False  # the loop ended it with an error, which its outbox holds
         self.joins_with = 1  # the first choice of a request of n: n, as the choices join the batch together
+        self.follows = False  # a later choice of a request: it waits, and joins, with the first
 
     @property
     def queue_wait_s(self) -> float:
@@ -339,9 +340,10 @@ class GenerationService:
         # ValueError; the choices read the prompt once, and each of the others starts from a copy of its cache
         requests = [_Request(sequence) for sequence in self.generator.start_choices(prompt_ids, choices)]
         requests[0].joins_with = len(requests)  # together, so that the prompt is read once for all of them
+        for request in requests[1:]:
+            request.follows = True
         with self._lock:
-            # max_queue requests may wait while max_batch run
-            if len(self._waiting) + len(self._batch) + len(requests) > self.max_queue + self.max_batch:
+            if self._would_wait(len(requests)) > self.max_queue:
                 # not a generation: it never queued (its 429 counts in tc_http_requests_total, as a 503 of
                 # _check_ready's does)
                 raise QueueFull(self.max_queue)
@@ -367,6 +369,19 @@ class GenerationService:
         for stream in streams:
             self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
         return streams
+
+    def _would_wait(self, choices: int) -> int:
+        """Requests that would wait, one of `choices` choices added to the queue, past those the batch takes at its
+        next step boundary. The queue's bound counts requests, whatever their n: each holds one of the API's
+        threads, and docs/api.md promises max_queue of them a place. Call with the lock held."""
+        free, waiting = self.max_batch - len(self._batch), 0
+        for size in [r.joins_with for r in self._waiting if not r.follows] + [choices]:
+            size = min(size, self.max_batch)  # as _admit_and_drop admits them, in order
+            if waiting == 0 and size <= free:
+                free -= size
+            else:
+                waiting += 1  # it waits, and so does every request behind it
+        return waiting
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """Run one whole generation. Raises as `open` does, and the pipeline's errors of later steps."""
