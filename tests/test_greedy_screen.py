@@ -324,6 +324,14 @@ def test_under_a_final_softcap_logits_that_cap_equal_go_to_the_first_row_as_in_t
 
 
 @needs_native
+def test_the_screen_can_be_turned_off_for_the_memory_it_takes(bf16_model_dir, monkeypatch):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    monkeypatch.setenv("TC_GREEDY_SCREEN", "0")
+    generator.head.greedy_screen = GreedyScreen(generator.head.lm_head.weight, native.kernels())
+    assert generator.head.screen_greedy() is None and generator.head.greedy_screen is None
+
+
+@needs_native
 def test_demo_greedy_tokens_are_the_full_products(demo_model_dir):
     generator = load_local_generator(demo_model_dir, "bf16")
     head = generator.head

@@ -25,6 +25,7 @@ import array
 import ctypes
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -686,10 +687,14 @@ class HeadModel(nn.Module):
         """Give greedy steps an int8 screen of a bf16 lm_head (greedy_screen.py) where the native int8 product
         streams it faster than the lm_head's own product streams the bf16 weight: timed here once, on one row
         of this machine's threads, the weights coming from memory as in a step. Call it once the lm_head is
-        final (after quantize_linears: a quantized lm_head has nothing to screen). Returns the screen, or None."""
+        final (after quantize_linears: a quantized lm_head has nothing to screen). Returns the screen, or None.
+        TC_GREEDY_SCREEN=0 turns it off, for a head whose memory cannot spare the copy (half the lm_head's)."""
+        self.greedy_screen = None
+        if os.environ.get("TC_GREEDY_SCREEN", "1") == "0":
+            log.info("greedy steps read the whole lm_head: its int8 screen is off (TC_GREEDY_SCREEN=0)")
+            return None
         weight = getattr(self.lm_head, "weight", None)
         kernels = native.kernels()
-        self.greedy_screen = None
         if (kernels is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16
                 or weight.device.type != "cpu" or not native.shape_ok_int8(*weight.shape)):
             return None
