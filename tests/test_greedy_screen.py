@@ -332,6 +332,17 @@ def test_the_screen_can_be_turned_off_for_the_memory_it_takes(bf16_model_dir, mo
 
 
 @needs_native
+def test_a_head_whose_screen_cannot_be_made_starts_without_it(bf16_model_dir, caplog):
+    generator = load_local_generator(bf16_model_dir, "bf16")
+    head = generator.head
+    weight = head.lm_head.weight.detach().clone()
+    weight[3, 0] = float("inf")  # a row the screen cannot bound: greedy steps then read the whole lm_head
+    head.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert head.screen_greedy() is None and head.greedy_screen is None
+    assert "no int8 screen" in caplog.text
+
+
+@needs_native
 def test_demo_greedy_tokens_are_the_full_products(demo_model_dir):
     generator = load_local_generator(demo_model_dir, "bf16")
     head = generator.head

@@ -687,7 +687,8 @@ class HeadModel(nn.Module):
         """Give greedy steps an int8 screen of a bf16 lm_head (greedy_screen.py) where the native int8 product
         streams it faster than the lm_head's own product streams the bf16 weight: timed here once, on one row
         of this machine's threads, the weights coming from memory as in a step. Call it once the lm_head is
-        final (after quantize_linears: a quantized lm_head has nothing to screen). Returns the screen, or None.
+        final (after quantize_linears: a quantized lm_head has nothing to screen). Returns the screen, or None
+        (also where the screen cannot be made: a weight row that is not finite, no memory for the copy).
         TC_GREEDY_SCREEN=0 turns it off, for a head whose memory cannot spare the copy (half the lm_head's)."""
         self.greedy_screen = None
         if os.environ.get("TC_GREEDY_SCREEN", "1") == "0":
@@ -699,10 +700,14 @@ class HeadModel(nn.Module):
                 or weight.device.type != "cpu" or not native.shape_ok_int8(*weight.shape)):
             return None
         started = time.perf_counter()
-        screen = GreedyScreen(weight, kernels)
-        x = self.norm(self.embed_ids([0]))[0].contiguous()  # a row of the model's scale; its values do not matter
-        screened_s, full_s = race([lambda: screen.screen(x), lambda: self.lm_head(x)], runs=3,
-                                  clock=time.perf_counter)
+        try:
+            screen = GreedyScreen(weight, kernels)
+            x = self.norm(self.embed_ids([0]))[0].contiguous()  # a row of the model's scale; its values do not matter
+            screened_s, full_s = race([lambda: screen.screen(x), lambda: self.lm_head(x)], runs=3,
+                                      clock=time.perf_counter)
+        except (ValueError, MemoryError) as exc:  # a speed-up only: the head serves as well without it
+            log.warning("greedy steps read the whole bf16 lm_head: no int8 screen of it (%s)", exc)
+            return None
         if screened_s > MAX_TIME_SHARE * full_s:
             log.info("greedy steps read the whole bf16 lm_head: its int8 screen took %.1f ms against %.1f ms here",
                      screened_s * 1e3, full_s * 1e3)
