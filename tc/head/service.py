@@ -8,7 +8,8 @@ its first step; the reply (whole or streamed) then pulls the rest from its `Gene
 running while there is work, owns the batch and steps it:
 
     admit     move waiting requests into the batch while it has fewer than `max_batch` sequences (a request
-              admitted while a worker is missing fails with ClusterNotReady)
+              admitted while a worker is missing fails with ClusterNotReady, or while the head stops with
+              ShuttingDown)
     drop      sequences whose client went away leave, and their caches are released
     step      one pipeline call for the whole batch (Generator.step): every decoding sequence runs one position,
               and sequences still reading their prompt share `prefill_chunk` prompt positions, so a long prompt
