@@ -384,9 +384,9 @@ class SequenceState:
                        allowed=allowed)
         if self.grammar is not None:
             self.grammar.advance(token)
-        return self.take(token, logits)
+        return self.add_token(token, logits)
 
-    def take(self, token: int, logits: torch.Tensor | None = None) -> Step:
+    def add_token(self, token: int, logits: torch.Tensor | None = None) -> Step:
         """Add `token`, chosen from `logits` by `advance` (which its log-probabilities are read from), or without
         them where it `chooses_the_argmax`, and return what it adds."""
         params, state = self.params, self.text
@@ -526,12 +526,13 @@ class Generator:
             choosing.append((follower, next(i for s, i in choosing if s is leader)))
         if not choosing:
             return []
-        rows = torch.cat(last_rows, dim=1).to(self.dtype)
-        tokens = self.head.greedy_tokens(rows) if all(s.chooses_the_argmax for s, _ in choosing) else None
+        rows = torch.cat(last_rows, dim=1)
+        tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _ in choosing) \
+            else None
         if tokens is not None:
-            chosen = [(sequence, sequence.take(tokens[i])) for sequence, i in choosing]
+            chosen = [(sequence, sequence.add_token(tokens[i])) for sequence, i in choosing]
         else:
-            logits = self.head.logits(rows)[0]  # [sequences choosing, vocab]: one lm_head read
+            logits = self._logits(rows)[0]  # [sequences choosing, vocab]: one lm_head read
             chosen = [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
         mark("chosen")
         return chosen

@@ -73,21 +73,23 @@ class ClientGone(Exception):
 
 
 class ShuttingDown(ServiceError):
-    """The head is stopping: a request that arrives, or still waits for a place, is refused as the HTTP server
-    refuses those it has not handed on yet (not as one whose workers are missing, which they are not)."""
+    """The head is stopping: a request that arrives, or still waits for a place, is refused with this, as the HTTP
+    server refuses those it has not handed on yet (503 shutting_down, Retry-After). One that was generating ends
+    with HeadShuttingDown instead."""
 
     def __init__(self) -> None:
         super().__init__("the server is shutting down and takes no new requests; retry once it is back")
 
 
 class HeadShuttingDown(ServiceError):
-    """The head is stopping: requests in flight end with this."""
+    """The head is stopping: requests in flight end with this (503 service_unavailable); one not started yet is
+    refused with ShuttingDown."""
 
     def __init__(self) -> None:
         super().__init__("the head is shutting down; the request was not completed. Retry once it is back")
 
 
-def not_ready(readiness: Readiness) -> ServiceError:
+def not_ready_error(readiness: Readiness) -> ServiceError:
     """Why a request cannot start now: the head is stopping, or nodes are missing."""
     return ShuttingDown() if readiness.stopping else ClusterNotReady(readiness)
 
@@ -322,7 +324,7 @@ class GenerationService:
     def _check_ready(self) -> None:
         readiness = self.readiness()
         if not readiness.is_ready:
-            raise not_ready(readiness)
+            raise not_ready_error(readiness)
 
     def open(self, prompt_ids: list[int], params: SamplingParams) -> GenerationStream:
         """Start a generation: its first step (its prompt read, its first token chosen) has run when this returns.
@@ -439,7 +441,7 @@ class GenerationService:
                 if request.abandoned:
                     continue
                 if not readiness.is_ready:  # a worker went while it waited, or the head is stopping
-                    refused.append((request, not_ready(readiness)))
+                    refused.append((request, not_ready_error(readiness)))
                     continue
                 self._batch.append(request)
                 admitted.append(request)
