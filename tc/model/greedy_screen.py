@@ -11,8 +11,8 @@ reads 1. For vocabulary row r the screen's logit S_r (the native int8 product: w
     + REL |x| (|W8_r| + |W_r - W8_r|)     float32 sums of K products, in the screen and in the full product
 
 so the row the full product would pick lies where S_r + B_r reaches the best lower bound max(S_s - B_s), less the
-rounding of the lm_head's bf16 output (two logits that round equal tie, and the first wins). Those rows (one to a
-few hundred of 152k, for the demo model on real text; never more than SCREEN_MAX_SHARE of the vocabulary, else the
+rounding of the lm_head's bf16 output (two logits that round equal tie, and the first wins). Those rows (a median
+of 4 of 152k for the demo model on real text, at most ~1,100; past 1 / SCREEN_MAX_SHARE of the vocabulary the
 caller takes the full product) are multiplied from the bf16 weight itself in float32, rounded to bf16 as the
 lm_head rounds, and the first of the largest is the token: the full product's token, but where two logits are
 within the float32 sums' rounding of a tie, where the bf16 products tc chooses between already differ.
