@@ -41,16 +41,22 @@ _SLACK = 1 + 1e-3  # on the norms a step computes in float32 for the bound
 BLOCK_ROWS = 64  # vocabulary rows whose largest upper bound is compared with the line at once
 
 
+def screens(weight: object) -> bool:
+    """Whether `weight` is one a greedy screen takes: a CPU bf16 matrix the native int8 product can tile."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and native.shape_ok_int8(*weight.shape))
+
+
 class GreedyScreen:
     """The int8 copy of a bf16 lm_head weight [vocab, K] (the native kernels' tiled layout) with each row's
     bounds, and the weight itself (not copied) for the rows the screen keeps. One step at a time: a step's
     bounds are written into a buffer it keeps."""
 
     def __init__(self, weight: torch.Tensor, kernels: native.Kernels):
-        rows, cols = weight.shape
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not native.shape_ok_int8(rows, cols):
+        if not screens(weight):
             raise ValueError(f"a greedy screen takes a CPU bf16 weight the native int8 product can tile, got "
                              f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        rows, cols = weight.shape
         quantized = quantize_int8(weight)
         error = torch.empty(rows)
         norm = torch.empty(rows)

@@ -38,7 +38,7 @@ from . import native
 from .config import ModelConfig
 from .decode_plan import DecodePlan, Plans
 from .dense import Linear, pack_linears
-from .greedy_screen import MAX_TIME_SHARE, GreedyScreen
+from .greedy_screen import MAX_TIME_SHARE, GreedyScreen, screens
 from .kv_cache import KVCache
 from .probe import cache_sweeper, race
 from .rope import Rotary, rotate_
@@ -696,8 +696,7 @@ class HeadModel(nn.Module):
             return None
         weight = getattr(self.lm_head, "weight", None)
         kernels = native.kernels()
-        if (kernels is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16
-                or weight.device.type != "cpu" or not native.shape_ok_int8(*weight.shape)):
+        if kernels is None or not screens(weight):
             return None
         started = time.perf_counter()
         try:
