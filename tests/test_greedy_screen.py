@@ -128,6 +128,13 @@ def rows_after(best: torch.Tensor, second: torch.Tensor, x: torch.Tensor) -> tor
     return weight.bfloat16()
 
 
+def assert_the_screen_keeps_row_5(weight: torch.Tensor, x: torch.Tensor) -> None:
+    """The int8 logits put row 9 first, the full product row 5, and the screen finds row 5."""
+    screen = GreedyScreen(weight, native.kernels())
+    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
+    assert screened_choice(screen, x) == [5]
+
+
 @needs_native
 @pytest.mark.parametrize("along", ["row 5", "row 9"])
 def test_a_row_that_only_the_activations_quantization_puts_below_another_is_kept(along):
@@ -144,9 +151,7 @@ def test_a_row_that_only_the_activations_quantization_puts_below_another_is_kept
     plain[0], plain[32] = (127, 105) if along == "row 5" else (105, 127)
     best, second = (aligned, plain) if along == "row 5" else (plain, aligned)
     weight, x = rows_after(best * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
-    screen = GreedyScreen(weight, native.kernels())
-    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
-    assert screened_choice(screen, x) == [5]
+    assert_the_screen_keeps_row_5(weight, x)
 
 
 @needs_native
@@ -164,9 +169,7 @@ def test_a_row_that_only_its_weights_quantization_puts_below_another_is_kept(alo
     aligned[0] = plain[0] = -sign[0] * 127
     best, second = (aligned, plain) if along == "row 5" else (plain, aligned)
     weight, x = rows_after(best * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
-    screen = GreedyScreen(weight, native.kernels())
-    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
-    assert screened_choice(screen, x) == [5]
+    assert_the_screen_keeps_row_5(weight, x)
 
 
 @needs_native
@@ -212,11 +215,9 @@ def test_logits_that_round_equal_go_to_the_first_row_where_the_bounds_alone_part
     first, second = torch.cat([sign[:32], torch.zeros(32)]) * 127, torch.cat([torch.zeros(32), sign[32:]]) * 127
     first[0], second[32] = 6, 52
     weight, x = rows_after(first * 2.0 ** -11, second * 2.0 ** -11, x), x.bfloat16()[None]
-    screen = GreedyScreen(weight, native.kernels())
     exact = x.float() @ weight.float().t()
     assert exact[0, 5] < exact[0, 9] and F.linear(x, weight)[0, 5] == F.linear(x, weight)[0, 9]
-    assert screen.screen(x).argmax().item() == 9 and full_choice(weight, x) == [5]
-    assert screened_choice(screen, x) == [5]
+    assert_the_screen_keeps_row_5(weight, x)
 
 
 @needs_native
