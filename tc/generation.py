@@ -257,6 +257,11 @@ class CompletionText:
 
     def finish(self) -> tuple[str, str, tuple[TokenInfo, ...]]:
         """(final text, what of it is not shown yet, the tokens not shown yet) once generation ends."""
+        if self.stop_at is None:
+            # The last tokens may end inside a character (max_tokens, or EOS, struck mid-character): their bytes
+            # are part of the text all the same, and decode as the tokenizer decodes the whole completion (a
+            # broken character as U+FFFD). After a stop string they are cut with the rest.
+            self.text += self.decoder.flush()
         final = self.text if self.stop_at is None else self.text[:self.stop_at]
         rest = tuple(t for t, _ in self.settled) + tuple(self.unsettled)
         return final, final[self.shown:], rest

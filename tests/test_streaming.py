@@ -148,6 +148,29 @@ def test_tokens_are_released_with_their_text(tokenizer):
     assert [t.offset for t in state.tokens] == [0, 1, 1, 1, 2]
 
 
+@pytest.fixture(scope="module")
+def qwen_tokenizer(demo_model_dir) -> TextTokenizer:
+    """The demo model's byte-level BPE tokenizer, whose merges split some characters across tokens."""
+    return TextTokenizer.load(demo_model_dir)
+
+
+SPLIT_TEXT = "ab🦜日本🜀!"  # 🦜 is two tokens there (F09FA6 + 9C), 🜀 three (F09F + 9C + 80)
+
+
+@pytest.mark.parametrize("stops", [(), ("zz", "🜀!")])
+def test_a_completion_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(qwen_tokenizer, stops):
+    ids = qwen_tokenizer.encode(SPLIT_TEXT)
+    cut_inside = 0
+    for end in range(1, len(ids) + 1):
+        pieces, final = run_text(qwen_tokenizer, ids[:end], stops)
+        whole = qwen_tokenizer.decode(ids[:end])  # a broken last character reads U+FFFD
+        cut = whole.find("🜀!") if stops else -1  # the one stop string this text spells, at its very end
+        expected = whole if cut < 0 else whole[:cut]
+        assert final == expected and "".join(pieces) == final, (end, stops)
+        cut_inside += whole.endswith("\ufffd")
+    assert cut_inside == 3  # after 🦜's first token and after 🜀's first and second
+
+
 # --- the generator: one loop for both ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params", [
@@ -249,6 +272,51 @@ def test_streamed_echo_starts_with_the_prompt(client, tokenizer):
     assert joined_text(events, "text") == whole["text"]
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
     assert [v for p in parts for v in p["text_offset"]] == whole["logprobs"]["text_offset"]
+
+
+def greedy_text(generator: Generator, prompt_ids: list[int], max_tokens: int) -> str:
+    """The greedy completion's text as the tokenizer decodes its tokens all at once."""
+    completion = generator.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return generator.tokenizer.decode(list(completion.token_ids))
+
+
+def texts_by_choice(events: list[dict], key: str) -> dict[int, str]:
+    joined: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            piece = choice["text"] if key == "text" else choice["delta"].get("content", "")
+            joined[choice["index"]] = joined.get(choice["index"], "") + piece
+    return joined
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"stop": ["zz", "é"]}, {"n": 2}, {"echo": True}])
+def test_a_completion_cut_inside_a_character_keeps_it(client, generator, tokenizer, extra):
+    prompt, max_tokens = "Say this is a test", 4  # the greedy 4th token is 0xCD, the first byte of a character
+    expected = greedy_text(generator, tokenizer.encode(prompt), max_tokens)
+    assert expected == "\x08\x1dP\ufffd"
+    if extra.get("echo"):
+        expected = prompt + expected
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    whole = client.simulate_post(COMPLETIONS, json=body).json
+    assert [c["text"] for c in whole["choices"]] == [expected] * extra.get("n", 1)
+    events = stream_post(client, COMPLETIONS, {**body, "stream_options": {"include_usage": True}})
+    assert texts_by_choice(events, "text") == {i: expected for i in range(extra.get("n", 1))}
+    assert events[-1]["usage"] == whole["usage"]
+    if "logprobs" in extra:  # the last token's text starts at its character
+        assert whole["choices"][0]["logprobs"]["text_offset"][-1] == len(expected) - 1
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True}, {"stop": ["zz"]}, {"n": 2}])
+def test_a_chat_reply_cut_inside_a_character_keeps_it(client, generator, tokenizer, extra):
+    messages, max_tokens = [{"role": "user", "content": "Hi there"}], 5  # ends with 0xE0, a character's first byte
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    expected = greedy_text(generator, prompt_ids, max_tokens)
+    assert expected.endswith("\ufffd") and expected.count("\ufffd") == 2
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    whole = client.simulate_post(CHAT, json=body).json
+    assert [c["message"]["content"] for c in whole["choices"]] == [expected] * extra.get("n", 1)
+    events = stream_post(client, CHAT, body)
+    assert texts_by_choice(events, "content") == {i: expected for i in range(extra.get("n", 1))}
 
 
 def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
