@@ -231,6 +231,7 @@ class CompletionText:
         self.unsettled: list[TokenInfo] = []  # their text is not complete yet
         self.settled: list[tuple[TokenInfo, int]] = []  # (token, end of its text), not yet shown
         self.stop_at: int | None = None
+        self.stops_count = False  # whether a stop string ends the completion yet (min_tokens)
 
     def push(self, token: int, logprob: TokenLogprob | None, look_for_stops: bool = True) -> None:
         """Add a sampled token; with `look_for_stops` False (before min_tokens) a stop string does not end it."""
@@ -241,6 +242,7 @@ class CompletionText:
         if self.decoder.caught_up:
             self.settled.extend((t, len(self.text)) for t in self.unsettled)
             self.unsettled.clear()
+        self.stops_count = look_for_stops
         if self.stops and look_for_stops:
             self.stop_at = find_stop(self.text, self.stops, self.shown)
 
@@ -256,12 +258,15 @@ class CompletionText:
         return Step(delta, released)
 
     def finish(self) -> tuple[str, str, tuple[TokenInfo, ...]]:
-        """(final text, what of it is not shown yet, the tokens not shown yet) once generation ends."""
+        """(final text, what of it is not shown yet, the tokens not shown yet) once generation ends; `stop_at` is
+        set if the text is cut at a stop string."""
         if self.stop_at is None:
             # The last tokens may end inside a character (max_tokens, or EOS, struck mid-character): their bytes
             # are part of the text all the same, and decode as the tokenizer decodes the whole completion (a
             # broken character as U+FFFD). After a stop string they are cut with the rest.
             self.text += self.decoder.flush()
+            if self.stops and self.stops_count:  # what they held back ("Hi" + " \xf0\x9f") may spell one
+                self.stop_at = find_stop(self.text, self.stops, self.shown)
         final = self.text if self.stop_at is None else self.text[:self.stop_at]
         rest = tuple(t for t, _ in self.settled) + tuple(self.unsettled)
         return final, final[self.shown:], rest
@@ -416,6 +421,8 @@ class SequenceState:
 
     def _finish(self, reason: str) -> Step:
         text, rest_text, rest_tokens = self.text.finish()
+        if self.text.stop_at is not None:  # a stop string in the text the last tokens held back cuts it too
+            reason = "stop"
         started = self.started if self.started is not None else time.perf_counter()
         first = self.first_token_at if self.first_token_at is not None else started
         last = self.last_token_at if self.last_token_at is not None else first

@@ -14,7 +14,7 @@ import torch
 from falcon import testing
 
 from model_helpers import OurModel
-from tc.generation import CompletionText, Generator, LocalPipeline, find_stop, held_back
+from tc.generation import CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness, WorkerLost
@@ -169,6 +169,17 @@ def test_a_completion_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(qw
         assert final == expected and "".join(pieces) == final, (end, stops)
         cut_inside += whole.endswith("\ufffd")
     assert cut_inside == 3  # after 🦜's first token and after 🜀's first and second
+
+
+def test_a_stop_string_in_the_text_of_a_broken_character_s_tokens_cuts_the_reply(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("Hi 🦜")
+    assert qwen_tokenizer.decode(ids[:2]) == "Hi \ufffd"  # the second token is " " and the emoji's first bytes
+    sequence = SequenceState(1, qwen_tokenizer.encode("Say hi"), SamplingParams(max_tokens=2, stop=(" ",)),
+                             qwen_tokenizer, context_length=64)
+    steps = [sequence.add_token(token) for token in ids[:2]]
+    completion = steps[-1].completion
+    assert completion is not None and (completion.text, completion.finish_reason) == ("Hi", "stop")
+    assert "".join(step.text for step in steps) == "Hi"
 
 
 # --- the generator: one loop for both ------------------------------------------------------------------------
