@@ -141,8 +141,14 @@ class IncrementalDecoder:
         """What is held back, as it decodes now (a broken character included): for text that ends here."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
+        held = self.ids[self.read_offset:]
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        # SentencePiece's byte fallback decodes a run of byte tokens as a whole, and a run that ends broken as
+        # U+FFFD for every byte, the whole characters before included ("日" + E6 9C: five). Those characters
+        # are out already, so the held bytes read on their own.
+        return self._decode(held)
 
 
 def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:

@@ -14,6 +14,7 @@ import torch
 from falcon import testing
 
 from model_helpers import OurModel
+from tiny_model import sentencepiece_tokenizer
 from tc.generation import CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
@@ -180,6 +181,23 @@ def test_a_stop_string_in_the_text_of_a_broken_character_s_tokens_cuts_the_reply
     completion = steps[-1].completion
     assert completion is not None and (completion.text, completion.finish_reason) == ("Hi", "stop")
     assert "".join(step.text for step in steps) == "Hi"
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory) -> TextTokenizer:
+    """Llama 2's kind of tokenizer: a character no piece spells is byte tokens, which decode as one run."""
+    path = tmp_path_factory.mktemp("sentencepiece")
+    sentencepiece_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return TextTokenizer.load(path)
+
+
+def test_a_completion_cut_after_byte_tokens_of_a_whole_character_keeps_that_character(sentencepiece):
+    ids = sentencepiece.encode("the 日本")  # 日 and 本 are three byte tokens each
+    assert len(ids) == 8
+    pieces, final = run_text(sentencepiece, ids[:-1], ())  # 本's last byte never comes
+    # 日 went out whole; what is left is 本's two bytes, as they decode: U+FFFD for each (ByteFallback's way)
+    assert final == "".join(pieces) == "the 日" + sentencepiece.decode(ids[-3:-1]) == "the 日\ufffd\ufffd"
 
 
 # --- the generator: one loop for both ------------------------------------------------------------------------
