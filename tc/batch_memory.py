@@ -13,7 +13,7 @@ node may well serve more than the worst case says).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .model.config import ModelConfig
 from .planner import GIB, Plan, PlanError, Stage, format_bytes
@@ -34,6 +34,34 @@ def kv_bytes_per_slot(config: ModelConfig, stage: Stage) -> int:
             * element_bytes(stage.dtype, stage.device))
 
 
+def sequences_fit(config: ModelConfig, stage: Stage, memory_bytes: int) -> int:
+    """How many worst-case KV caches `memory_bytes` holds beside `stage`'s weights (0 when not even those fit)."""
+    return max(memory_bytes - stage.weight_bytes, 0) // kv_bytes_per_slot(config, stage)
+
+
+@dataclass(frozen=True)
+class StageNeed:
+    """The memory the plan counts for a stage: its weights and the KV caches of `sequences` full-context
+    sequences, `slot_bytes` each."""
+
+    weight_bytes: int
+    sequences: int
+    slot_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.sequences * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.total_bytes)}: {format_bytes(self.weight_bytes)} of weights + "
+                f"{format_bytes(self.kv_bytes)} of KV cache for {self.sequences} sequence(s) of "
+                f"{format_bytes(self.slot_bytes)} each at the model's full context")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     max_batch: int
@@ -50,10 +78,9 @@ def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
     slot_bytes = {stage.node_id: kv_bytes_per_slot(config, stage) for stage in plan.stages}
     fits = DEFAULT_MAX_BATCH if asked is None else asked
     for stage in plan.stages:
-        headroom = stage.headroom_bytes
-        if headroom is None:
+        if stage.memory_bytes is None:
             continue
-        room = max(headroom, 0) // slot_bytes[stage.node_id]
+        room = sequences_fit(config, stage, stage.memory_bytes)
         if asked is not None and room < asked:
             raise PlanError(
                 f"node {stage.node_id}: head.max_batch {asked} needs {format_bytes(asked * slot_bytes[stage.node_id])}"
@@ -64,3 +91,15 @@ def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
                 "to that, raise max_memory_gb, or give the node fewer layers", stage.node_id)
         fits = min(fits, room)
     return BatchPlan(max(fits, 1), slot_bytes)
+
+
+def stage_need(config: ModelConfig, stage: Stage, max_batch: int, device: str | None = None) -> StageNeed:
+    """What the plan counts for `stage` serving `max_batch` sequences: its weights and a worst-case KV cache for
+    each, or for as many as the node's own memory in the plan holds where that is fewer (a batch left to the
+    memory is one sequence even where none fits: see the module's docstring). `device`: the device the stage
+    will run on, where known (a joining worker's, a spare's), as an element's size follows it."""
+    sequences = max_batch
+    if stage.memory_bytes is not None:
+        sequences = min(sequences, sequences_fit(config, stage, stage.memory_bytes))
+    on = stage if device is None else replace(stage, device=device)
+    return StageNeed(stage.weight_bytes, sequences, kv_bytes_per_slot(config, on))

@@ -263,12 +263,14 @@ def test_a_refusal_quotes_a_workers_strings_cut_short(tmp_path, model_dir):
     """A worker's node id or version may be anything up to a frame's size; the refusal (a log line, and the
     worker's error) quotes the first 80 characters and says how long it was, where a 100 KB id gave a 100 KB line."""
     from tc.head.admission import Refusal, choose_entry
+    from tc.model.config import ModelConfig
     from tc.topology import load_topology
 
     topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, NODES))
+    config = ModelConfig.from_file(model_dir / "config.json")
     for hello in (worker_hello("x" * 100_000), worker_hello(protocol_version=0, tc_version="v" * 100_000)):
         with pytest.raises(Refusal) as info:
-            choose_entry(hello, topology, None, set())
+            choose_entry(hello, topology, None, set(), config, 8)
         assert len(str(info.value)) < 400 and "(100000 characters)" in str(info.value)
 
 

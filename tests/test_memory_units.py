@@ -6,11 +6,14 @@ from pathlib import Path
 import pytest
 
 from cluster import worker_hello
+from tc.batch_memory import plan_batch, stage_need
 from tc.cli import build_parser
 from tc.head.admission import stage_fit_problem
-from tc.planner import Stage, node_specs
+from tc.model.config import ModelConfig
+from tc.planner import NodeSpec, Stage, make_plan, node_specs
 from tc.topology import NodeEntry, parse_topology
 from tc.worker.main import worker_options
+from tiny_model import tiny_config
 
 GIB = 2**30
 
@@ -55,6 +58,40 @@ def stage(weight_bytes: int) -> Stage:
 def test_a_worker_given_one_gib_holds_layers_between_a_gb_and_a_gib():
     entry = NodeEntry(id="a", device="cpu", dtype=None, max_memory_gb=None, layers=None, threads=None)
     offered = worker_hello("a", compute_dtypes=("bf16",), max_memory_bytes=flag_bytes("1"))
-    assert stage_fit_problem(entry, offered, stage(1_050_000_000)) is None  # over 10**9, under 2**30
-    problem = stage_fit_problem(entry, offered, stage(GIB + 1))
+    config = ModelConfig.from_dict(tiny_config())  # one sequence's KV cache on its 4 layers: 128 KiB in bf16
+    assert stage_fit_problem(entry, offered, stage(1_050_000_000), config, 1) is None  # over 10**9, under 2**30
+    problem = stage_fit_problem(entry, offered, stage(GIB + 1), config, 1)
     assert problem is not None and "offers 1.00 GiB" in problem and "--max-memory-gb, in GiB" in problem
+
+
+def test_where_the_batch_floors_at_one_a_worker_needs_only_what_the_plan_counted():
+    """Left to the memory, the batch is one sequence even where a node's max_memory_gb holds none at full context
+    (caches fill only as far as sequences go). The join check counts what the plan counted for that node, its
+    weights here, so a worker offering the node's memory is admitted, and one short of the weights is not."""
+    config = ModelConfig.from_dict(tiny_config())
+    weights = 4 << 20
+    memory = weights + 64 * 1024  # half of one sequence's 128 KiB bf16 cache on the 4 layers
+    plan = make_plan(4, [1 << 20] * 4, [NodeSpec("a", "cpu", "bf16", memory, None)])
+    assert plan_batch(plan, config, None).max_batch == 1
+    need = stage_need(config, plan.stages[0], 1)
+    assert (need.weight_bytes, need.sequences, need.total_bytes) == (weights, 0, weights)
+    entry = NodeEntry(id="a", device="cpu", dtype=None, max_memory_gb=memory / GIB, layers=None, threads=None)
+    assert stage_fit_problem(entry, worker_hello("a", max_memory_bytes=memory), plan.stages[0], config, 1) is None
+    short = stage_fit_problem(entry, worker_hello("a", max_memory_bytes=weights - 1), plan.stages[0], config, 1)
+    assert short is not None and "needs 4.0 MiB: 4.0 MiB of weights + 0 B of KV cache for 0 sequence(s)" in short
+
+
+def test_a_spare_on_a_cpu_is_counted_fp16_caches_as_it_computes_them_in_fp32():
+    """fp16 on a CPU computes, and caches, in fp32: a CPU spare for a CUDA node's fp16 stage needs twice the KV
+    cache the stage counts on its own device, and is told so."""
+    config = ModelConfig.from_dict(tiny_config())
+    on_gpu = Stage(node_id="g", device="cuda", dtype="fp16", start=0, end=4, weight_bytes=1 << 20,
+                   memory_bytes=None)
+    spare = NodeEntry(id="s", device="auto", dtype=None, max_memory_gb=None, layers=None, threads=None, spare=True)
+    assert stage_need(config, on_gpu, 8).slot_bytes == 128 * 1024
+    gpu_count = worker_hello("s", max_memory_bytes=(1 << 20) + 8 * 128 * 1024)
+    problem = stage_fit_problem(spare, gpu_count, on_gpu, config, 8)
+    assert problem is not None and "2.0 MiB of KV cache for 8 sequence(s) of 256.0 KiB each" in problem, problem
+    assert "on cpu" in problem and "declare a spare with more memory" in problem
+    enough = worker_hello("s", max_memory_bytes=(1 << 20) + 8 * 256 * 1024)
+    assert stage_fit_problem(spare, enough, on_gpu, config, 8) is None

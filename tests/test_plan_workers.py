@@ -231,19 +231,91 @@ def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, m
             worker.close()
 
 
+LAYER_BYTES = 86528  # one of the tiny model's layers in fp16
+LAYER_CACHE = 2 * 2 * 16 * 256 * 4  # a sequence's KV cache on a layer: K and V x 2 KV heads x 16 x 256 positions x fp32
+STAGE_NEED = 4 * LAYER_BYTES + 8 * 4 * LAYER_CACHE  # a 4-layer node holding the default batch of 8 at full context
+
+
+@pytest.mark.parametrize("bounded_by", ["what it offers", "its max_memory_gb"])
+def test_a_spare_that_holds_a_lost_nodes_weights_but_not_its_kv_cache_stands_by(tmp_path, model_dir, bounded_by):
+    """A spare takes over a lost node only with room for what the plan counts there: its layers' weights and the
+    KV caches of the whole batch. One with room for the weights and half the caches stands by, its reason logged
+    with the numbers, whether its room is what its machine offers or its max_memory_gb; one with room for both
+    takes the node."""
+    lean_bytes = 4 * LAYER_BYTES + 4 * 4 * LAYER_CACHE  # the weights and 4 of the 8 caches: 1.3 MiB
+    lean = {"id": "lean", "device": "cpu", "spare": True}
+    if bounded_by == "its max_memory_gb":
+        lean["max_memory_gb"] = lean_bytes / 2**30
+    ample = {"id": "ample", "device": "cpu", "spare": True}
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, lean, ample], head={"heartbeat_s": 1})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        slow = HandWorker(cluster, "slow", None)
+        fast = HandWorker(cluster, "fast", None)
+        planned = slow.next_assignment(10)
+        assert planned is not None and (planned.layer_start, planned.layer_end_exclusive) == (0, 4)
+        assert fast.next_assignment(10) is not None
+        spare = HandWorker(cluster, "lean", None,
+                           max_memory_bytes=lean_bytes if bounded_by == "what it offers" else None)
+        slow.close()
+        assert spare.next_assignment(3) is None, "a spare took a node whose KV cache it has no room for"
+        output = cluster.head.output()
+        assert ("spare lean cannot take node slow: entry slow (layers 0-3) needs 2.3 MiB: 338.0 KiB of weights + "
+                "2.0 MiB of KV cache for 8 sequence(s) of 256.0 KiB each at the model's full context on cpu, but "
+                ) in output, output
+        assert ("this worker offers 1.3 MiB" if bounded_by == "what it offers" else
+                "lean's max_memory_gb is 0.0012989 (1.3 MiB) in topology.yaml") in output, output
+        assert "set head.max_batch under 8, or pin fewer layers on slow" in output
+        assert "or declare a spare with more memory" in output
+        enough = HandWorker(cluster, "ample", None, max_memory_bytes=STAGE_NEED)  # exactly what the node needs
+        taken = enough.next_assignment(10)
+        assert taken is not None and (taken.layer_start, taken.layer_end_exclusive) == (0, 4)
+        assert taken.max_sequences == 8
+        for worker in (spare, enough, fast):
+            worker.close()
+
+
+def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_join(tmp_path, model_dir):
+    """A planned node's worker that offers memory for its layers' weights but not for the KV caches of the batch
+    the plan promised is refused at its join with the numbers and what to change, where it was admitted to run
+    out of memory once the batch filled; one offering both joins."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"heartbeat_s": 1})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        short = cluster.start_worker("slow", "--max-memory-gb", str(1 / 1024), name="short")  # 1 MiB
+        assert short.proc.wait(60) == 2, short.output()
+        said = " ".join(short.output().split())
+        assert ("entry slow (layers 0-3) needs 2.3 MiB: 338.0 KiB of weights + 2.0 MiB of KV cache for 8 "
+                "sequence(s) of 256.0 KiB each at the model's full context on cpu, but this worker offers 1.0 MiB; "
+                "give it more memory (--max-memory-gb, in GiB), set head.max_batch under 8, or pin fewer layers on "
+                "slow in topology.yaml") in said, said
+        assert "spare" not in said
+        assert STAGE_NEED <= 4 << 20
+        cluster.start_worker("slow", "--max-memory-gb", str(4 / 1024))  # 4 MiB
+        deadline = time.monotonic() + 60
+        while "worker slow joined" not in cluster.head.output():
+            assert time.monotonic() < deadline, cluster.head.output()
+            time.sleep(0.2)
+
+
 def test_plan_says_which_nodes_each_spare_can_stand_in_for(tmp_path, model_dir, capsys):
-    """`tc plan` names, for each spare, the nodes whose layers fit its max_memory_gb, so a spare too small for
-    any node is found before a node is lost, not when one is."""
+    """`tc plan` names, for each spare, the nodes whose layers and KV caches for the batch fit its max_memory_gb,
+    as a takeover counts them, so a spare too small for any node is found before a node is lost, not when one is:
+    one with room for slow's weights but not their caches can take over no node."""
     from tc.cli import main
 
-    layer = 86528  # one of the tiny model's layers in fp16
+    slow_need = 2 * LAYER_BYTES + 8 * 2 * LAYER_CACHE  # layers 0-1 and the default batch's 8 caches
     topology = write_topology(tmp_path / "t.yaml", model_dir, [
         {"id": "slow", "device": "cpu", "layers": "0-1"}, {"id": "fast", "device": "cpu"},
-        {"id": "tiny", "device": "cpu", "spare": True, "max_memory_gb": layer / 2**30},
-        {"id": "mid", "device": "cpu", "spare": True, "max_memory_gb": 3 * layer / 2**30},
+        {"id": "tiny", "device": "cpu", "spare": True, "max_memory_gb": 3 * LAYER_BYTES / 2**30},
+        {"id": "mid", "device": "cpu", "spare": True, "max_memory_gb": slow_need / 2**30},
         {"id": "any", "device": "cpu", "spare": True}])
     assert main(["plan", str(topology)]) == 0
     out = capsys.readouterr().out
-    assert "spare tiny: can take over no node: every node's layers need more than its max_memory_gb" in out, out
-    assert "spare mid: stands by for slow only; the layers of fast need more than its max_memory_gb" in out, out
+    assert ("spare tiny: can take over no node: every node's layers, with the KV caches of 8 sequence(s) at full "
+            "context, need more than its max_memory_gb") in out, out
+    assert ("spare mid: stands by for slow only; the layers of fast, with the KV caches of 8 sequence(s) at full "
+            "context, need more than its max_memory_gb") in out, out
     assert "spare any: stands by for any node" in out, out

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import AbstractSet
 
+from ..batch_memory import StageNeed, stage_need
+from ..model.config import ModelConfig
 from ..planner import GIB, Plan, Stage, format_bytes
 from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello, SpeedFigure
 from ..topology import NodeEntry, Topology
@@ -62,34 +64,42 @@ def speed_for(hello: Hello, device: str, dtype: str, quant: str) -> SpeedFigure 
     return None
 
 
-def over_memory_cap(entry: NodeEntry, stage: Stage) -> bool:
-    """Whether `stage`'s weights pass `entry`'s max_memory_gb: the bound on a spare's takeover (the plan keeps a
-    node's own layers within it)."""
-    return entry.max_memory_gb is not None and stage.weight_bytes > entry.max_memory_gb * GIB
+def over_memory_cap(entry: NodeEntry, need: StageNeed) -> bool:
+    """Whether a stage's `need` (weights and KV cache) passes `entry`'s max_memory_gb: the bound on a spare's
+    takeover (the plan keeps a node's own layers and batch within it)."""
+    return entry.max_memory_gb is not None and need.total_bytes > entry.max_memory_gb * GIB
 
 
-def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage) -> str | None:
-    """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare)."""
-    if over_memory_cap(entry, stage):
+def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage, config: ModelConfig,
+                      max_batch: int) -> str | None:
+    """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare) and the
+    KV caches of `max_batch` sequences: what the plan counts for the stage (batch_memory.stage_need)."""
+    device = device_for(entry.device, hello)
+    need = stage_need(config, stage, max_batch, device)
+    what = f"entry {stage.node_id} (layers {stage.layers_text}) needs {need.describe()} on {device}"
+    fewer = f"set head.max_batch under {need.sequences}, " if need.sequences > 1 else ""
+    advice = f"{fewer}or pin fewer layers on {stage.node_id} in topology.yaml"
+    if entry.spare:
+        advice += ", or declare a spare with more memory"
+    if over_memory_cap(entry, need):
         limit = entry.max_memory_gb
-        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
-                f"weights), but {entry.id}'s max_memory_gb is {limit:g} ({format_bytes(int(limit * GIB))}) in "
-                f"topology.yaml; raise it there, or pin fewer layers on {stage.node_id}")
-    memory = worker_memory(hello, device_for(entry.device, hello))
-    if memory is not None and stage.weight_bytes > memory:
-        return (f"entry {stage.node_id} holds layers {stage.layers_text} ({format_bytes(stage.weight_bytes)} of "
-                f"weights), but this worker offers {format_bytes(memory)}; give it more memory (--max-memory-gb, "
-                f"in GiB) or pin fewer layers on {stage.node_id} in topology.yaml")
+        return (f"{what}, but {entry.id}'s max_memory_gb is {limit:g} ({format_bytes(int(limit * GIB))}) in "
+                f"topology.yaml; raise it there, {advice}")
+    memory = worker_memory(hello, device)
+    if memory is not None and need.total_bytes > memory:
+        return (f"{what}, but this worker offers {format_bytes(memory)}; give it more memory (--max-memory-gb, in "
+                f"GiB), {advice}")
     return None
 
 
-def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None) -> str | None:
+def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None, config: ModelConfig,
+                 max_batch: int) -> str | None:
     if not device_can_serve(entry.device, hello.devices):
         have = ", ".join(d.id for d in hello.devices)
         return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
     if entry.spare or plan is None:  # which layers it gets is not known yet: a spare's when a node is lost,
         return None                  # anyone's when the head plans once its planned set has joined
-    return stage_fit_problem(entry, hello, plan.stage_for(entry.id))
+    return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, max_batch)
 
 
 def _quoted(text: str, most: int = 80) -> str:
@@ -98,9 +108,10 @@ def _quoted(text: str, most: int = 80) -> str:
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
 
 
-def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str]) -> NodeEntry:
-    """The entry this worker fills (`plan` None: not made yet, so no memory check). Raises Refusal with a reason
-    the operator can act on."""
+def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str], config: ModelConfig,
+                 max_batch: int) -> NodeEntry:
+    """The entry this worker fills (`plan` None: not made yet, so no memory check; else its weights and the KV
+    caches of `max_batch` sequences). Raises Refusal with a reason the operator can act on."""
     if hello.protocol_version != PROTOCOL_VERSION:
         raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {_quoted(hello.tc_version)}) and "
                       f"the head speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")
@@ -113,7 +124,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
         if entry.id in taken:
             raise Refusal(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "
                           "or stop the other worker")
-        problem = _fit_problem(entry, hello, plan)
+        problem = _fit_problem(entry, hello, plan, config, max_batch)
         if problem:
             raise Refusal(problem)
         return entry
@@ -121,7 +132,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
     for entry in topology.pipeline_nodes + topology.spare_nodes:  # spares only once the pipeline is full
         if entry.id in taken:
             continue
-        problem = _fit_problem(entry, hello, plan)
+        problem = _fit_problem(entry, hello, plan, config, max_batch)
         if problem is None:
             return entry
         problems.append(problem)

@@ -27,7 +27,7 @@ from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is
                              layer_shapes)
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
-from ..batch_memory import BatchPlan, plan_batch
+from ..batch_memory import BatchPlan, plan_batch, stage_need
 from ..planner import GIB, Plan, format_bytes, layer_weight_bytes, make_plan, node_specs
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
@@ -116,20 +116,24 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, 
     return source, config, build_plan(topology, config)
 
 
-def describe_spares(topology: Topology, plan: Plan) -> list[str]:
-    """One line per spare entry: which nodes' layers it could take over, as its max_memory_gb allows."""
+def describe_spares(topology: Topology, plan: Plan, config: ModelConfig, max_batch: int) -> list[str]:
+    """One line per spare entry: which nodes it could take over, as its max_memory_gb allows: their layers' weights
+    and the KV caches of `max_batch` sequences, as a takeover counts them (batch_memory.stage_need)."""
     lines = []
     for entry in topology.spare_nodes:
-        fits = [s.node_id for s in plan.stages if not over_memory_cap(entry, s)]
+        fits = [s.node_id for s in plan.stages
+                if not over_memory_cap(entry, stage_need(config, s, max_batch, entry.device))]
         if len(fits) == len(plan.stages):
             lines.append(f"spare {entry.id}: stands by for any node")
             continue
         limit = entry.max_memory_gb
         cap = f"its max_memory_gb {limit:g} ({format_bytes(int(limit * GIB))})"
         others = [s.node_id for s in plan.stages if s.node_id not in fits]
-        lines.append(f"spare {entry.id}: stands by for {', '.join(fits)} only; the layers of {', '.join(others)} "
-                     f"need more than {cap}" if fits else
-                     f"spare {entry.id}: can take over no node: every node's layers need more than {cap}; raise it")
+        caches = f"with the KV caches of {max_batch} sequence(s) at full context"
+        lines.append(f"spare {entry.id}: stands by for {', '.join(fits)} only; the layers of {', '.join(others)}, "
+                     f"{caches}, need more than {cap}" if fits else
+                     f"spare {entry.id}: can take over no node: every node's layers, {caches}, need more than "
+                     f"{cap}; raise it, or lower head.max_batch")
     return lines
 
 
@@ -140,8 +144,9 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{topology.quant}")
     print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
           else plan.table())
-    print(f"batch: {plan_batch(plan, config, topology.head.max_batch).describe()}")
-    for line in describe_spares(topology, plan):
+    batch = plan_batch(plan, config, topology.head.max_batch)
+    print(f"batch: {batch.describe()}")
+    for line in describe_spares(topology, plan, config, batch.max_batch):
         print(line)
     if topology.head.plan_from == "workers":
         print(f"head.plan_from: workers: the head makes its plan once all {len(plan.stages)} workers have joined, "
@@ -215,7 +220,7 @@ def start_head(topology: Topology) -> Head:
     batch = plan_batch(plan, config, topology.head.max_batch)  # refuses a batch that cannot fit, before loading
     log.info("batch: %s", batch.describe())
     if not waiting:  # a plan made from the workers may differ; each takeover says why a spare cannot serve
-        for line in describe_spares(topology, plan):
+        for line in describe_spares(topology, plan, config, batch.max_batch):
             log.info("%s", line)
     check_can_listen("head.api", topology.head.api)
     check_can_listen("head.listen", topology.head.listen)

@@ -691,7 +691,7 @@ class WorkerRegistry:
         self._check_frames(hello)
         taken = ({n for n, s in self.slots.items() if s.link is not None}
                  | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
-        entry = choose_entry(hello, self.topology, self.plan, taken)
+        entry = choose_entry(hello, self.topology, self.plan, taken, self.config, self.batch.max_batch)
         link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size,
                           self.step_budget, self._lost, self.replies_arrived)
         assignments: list = []
@@ -750,7 +750,8 @@ class WorkerRegistry:
         return link, self._assignment(stage, link)
 
     def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
-        """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers."""
+        """Under the lock: hand every slot that lost its worker to a spare standing by that can hold its layers and
+        their KV caches for the batch."""
         assignments: list[tuple[WorkerLink, Assignment]] = []
         if self.plan is None:  # nothing to take over before the plan exists
             return assignments
@@ -759,7 +760,8 @@ class WorkerRegistry:
                 continue
             stage = self.plan.stage_for(slot.node_id)
             for entry_id, link in list(self.standby.items()):
-                problem = stage_fit_problem(self.topology.node(entry_id), link.hello, stage)
+                problem = stage_fit_problem(self.topology.node(entry_id), link.hello, stage, self.config,
+                                            self.batch.max_batch)
                 if problem is None:
                     del self.standby[entry_id]
                     assignments.append(self._occupy(slot, link))
