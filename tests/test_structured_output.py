@@ -147,6 +147,29 @@ def test_unsupported_schema_features_are_refused_by_name(client, schema, named):
     assert named in error["message"]
 
 
+BROKEN_TOOL = {"type": "function", "function": {"name": "broken", "parameters": {
+    "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}
+
+
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": "auto", "response_format": {"type": "json_object"}},
+    {"tool_choice": "auto", "response_format": schema_format(PERSON)},
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "broken"}}},
+], ids=["auto+json_object", "auto+json_schema", "required", "named"])
+def test_a_tool_schema_the_engine_refuses_is_blamed_on_that_tool(client, fields):
+    """The grammar joins the tools' calls and the reply's format into one schema; a broken tool's parameters
+    were blamed on 'response_format.json_schema.schema' (a field a json_object request does not even have),
+    and for several calls the message quoted the engine's whole grammar rather than what is wrong."""
+    reply = client.simulate_post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "tools": [LOOKUP, BROKEN_TOOL], **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json["error"]
+    assert error["param"] == "tools" and error["code"] == "invalid_value"
+    assert "'tools[1].function.parameters'" in error["message"] and "uniqueItems" in error["message"]
+    assert "start:" not in error["message"]  # not the engine's grammar
+
+
 def _nested(levels: int) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(levels):

@@ -70,12 +70,35 @@ class StructuredOutput:
                 return None  # a forced call without the engine: the template steers it
             raise RequestError(str(exc), param="response_format", code="unsupported_value") from exc
         calls = [call_schema(t) for t in tools]
-        param = "tools" if fmt is None else "response_format.json_schema.schema"
         try:
             if fmt is None and request.parallel_tool_calls and request.tool_choice.mode == "required":
                 return engine.json_sequence(_any_of(calls))
             return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])))
         except GrammarError as exc:
-            raise RequestError(f"the schema in '{param}' uses what this server's grammar engine does not "
-                               f"implement, or is invalid: {exc}; see docs/api.md for what is supported",
-                               param=param, code="invalid_value") from exc
+            raise _schema_at_fault(engine, request, exc) from exc
+
+
+def _schema_error(where: str, param: str, reason: object) -> RequestError:
+    return RequestError(f"the schema in '{where}' uses what this server's grammar engine does not implement, or is "
+                        f"invalid: {reason}; see docs/api.md for what is supported", param=param,
+                        code="invalid_value")
+
+
+def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError) -> RequestError:
+    """The error for a reply's grammar that would not build, naming the schema at fault.
+
+    The engine reads the offered tools' calls and the response_format as one schema, so its error alone says
+    neither which of them is at fault (a broken tool beside a response_format was blamed on the format) nor, for
+    a sequence of calls, anything short of its whole grammar; each is tried on its own to find the one.
+    """
+    offered = {tool.name for tool in request.offered_tools}
+    for index, tool in enumerate(request.tools):
+        if tool.name not in offered:
+            continue
+        try:
+            engine.json_schema(call_schema(tool))
+        except GrammarError as own:
+            return _schema_error(f"tools[{index}].function.parameters", "tools", own)
+    if request.response_format.type == "json_schema":
+        return _schema_error("response_format.json_schema.schema", "response_format.json_schema.schema", exc)
+    return _schema_error("tools", "tools", exc)
