@@ -133,6 +133,28 @@ def test_invalid_json_gets_the_openai_error_shape(server):
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("path", ["/health", "/health/ready", "/v1/models", f"/v1/models/{MODEL}", "/v1/cluster",
+                                  "/metrics"])
+def test_every_get_route_answers_head(server, path):
+    """HTTP requires HEAD wherever GET is served, and uptime monitors check with it: it got a 405, so such a
+    monitor took the API for down. The answer is GET's status and headers, without a body, and the connection
+    stays usable (no stray body bytes ahead of the next reply)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("HEAD", path)
+        head = connection.getresponse()
+        assert head.status == 200 and head.read() == b""
+        connection.request("GET", path)
+        get = connection.getresponse()
+        body = get.read()
+        assert get.status == 200 and body
+        assert head.getheader("Content-Type") == get.getheader("Content-Type")
+        if path != "/metrics" and path != "/v1/cluster":  # those two change between the requests
+            assert int(head.getheader("Content-Length")) == len(body)
+    finally:
+        connection.close()
+
+
 def test_body_limits(server):
     # just over the app's limit: the app's 413, in the OpenAI shape
     status, _, body = raw_post(server, "/v1/completions", b" " * (BODY_LIMIT + 1))

@@ -154,6 +154,10 @@ class ModelsResource:
             raise ModelNotFound(model_id, self.model_id, param=None)
         resp.media = model_card(self.model_id)
 
+    # HEAD is GET without the body (Falcon drops it), as HTTP requires of every GET resource: uptime monitors and
+    # load balancers check with it
+    on_head, on_head_one = on_get, on_get_one
+
 
 class HealthResource:
     """GET /health: the process answers. GET /health/ready: 200 once every planned worker serves, else 503."""
@@ -168,6 +172,8 @@ class HealthResource:
         readiness = self.service.readiness()
         resp.status = 200 if readiness.is_ready else 503
         resp.media = _readiness_body(readiness)
+
+    on_head, on_head_ready = on_get, on_get_ready  # see ModelsResource
 
 
 class ClusterView(Protocol):
@@ -218,6 +224,8 @@ class ClusterResource:
             body["plan"], body["nodes"] = plan_body(self.cluster.plan, self.cluster.batch), self.cluster.snapshot()
         resp.media = body
 
+    on_head = on_get  # see ModelsResource
+
 
 class MetricsResource:
     """GET /metrics: Prometheus's text format."""
@@ -227,6 +235,8 @@ class MetricsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.data, resp.content_type = self.metrics.render()
+
+    on_head = on_get  # see ModelsResource
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
