@@ -8,6 +8,7 @@ with thousands of digits; each of those also has a plain regression test at the 
 """
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import re
@@ -280,6 +281,20 @@ def test_live_server_hostile_bodies(server, expected_valid):
     for request in (b"POST /v1/completions HTTP/1.1\r\nContent-Length: nope\r\n\r\n", b"\x00\x01\x02 garbage\r\n\r\n"):
         assert re.match(rb"HTTP/1\.[01] 400 ", live_raw(server, request))
     status, _, data = live_post(server, json.dumps(VALID).encode())
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, identity"])
+def test_a_compressed_body_gets_a_415_that_says_so(server, expected_valid, encoding):
+    """A body in a content coding was read as it stands: gzip got a 400 saying the body is not UTF-8, and a plain
+    body declared compressed was served as if the header were not there."""
+    plain = json.dumps(VALID).encode()
+    for body in (gzip.compress(plain), plain):
+        status, headers, data = live_post(server, body, headers={"Content-Encoding": encoding})
+        error = assert_openai_error(status, headers, data)
+        assert status == 415 and error["code"] == "unsupported_content_encoding", data
+        assert encoding in error["message"] and headers["accept-encoding"] == "identity"
+    status, _, data = live_post(server, plain, headers={"Content-Encoding": "identity"})
     assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid
 
 

@@ -28,6 +28,7 @@ from .api_requests import (
     BodyTooLarge,
     ModelNotFound,
     RequestError,
+    UnsupportedEncoding,
     check_model,
     check_prompt_tokens,
     decode_json_body,
@@ -74,6 +75,9 @@ def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
         return ErrorReply(404, "invalid_request_error", exc.message, exc.param, exc.code)
     if isinstance(exc, BodyTooLarge):
         return ErrorReply(413, "invalid_request_error", exc.message, exc.param, exc.code)
+    if isinstance(exc, UnsupportedEncoding):  # RFC 9110: a 415 says which codings are read, in Accept-Encoding
+        return ErrorReply(415, "invalid_request_error", exc.message, exc.param, exc.code,
+                          (("Accept-Encoding", "identity"),))
     if isinstance(exc, RequestError):
         return ErrorReply(400, "invalid_request_error", exc.message, exc.param, exc.code)
     if isinstance(exc, ChatTemplateError):
@@ -132,7 +136,12 @@ def _vocab_size(tokenizer: TextTokenizer) -> int:
 
 
 def read_json_body(req: falcon.Request, max_body_bytes: int) -> dict[str, Any]:
-    """The request's JSON object. Raises BodyTooLarge before reading a body declared over the limit."""
+    """The request's JSON object. Raises BodyTooLarge before reading a body declared over the limit, and
+    UnsupportedEncoding before reading one in a content coding (gzip, br, ...): it is no JSON as it stands, and
+    reading it as if the header were not there would misread it."""
+    encoding = (req.get_header("Content-Encoding") or "").strip()
+    if encoding and any(part.strip().lower() != "identity" for part in encoding.split(",")):
+        raise UnsupportedEncoding(encoding)
     declared = req.content_length  # Falcon raises HTTPInvalidHeader for a malformed one
     if declared is not None and declared > max_body_bytes:
         raise BodyTooLarge(declared, max_body_bytes)

@@ -60,6 +60,14 @@ class BodyTooLarge(RequestError):
                          code="request_too_large")
 
 
+class UnsupportedEncoding(RequestError):
+    """The request body comes in a content coding (gzip, br, ...) this server does not decode."""
+
+    def __init__(self, encoding: str):
+        super().__init__(f"the request body's Content-Encoding is {encoding!r}; this server reads only bodies sent "
+                         "as they are (identity): send the JSON uncompressed", code="unsupported_content_encoding")
+
+
 @dataclass(frozen=True)
 class SamplingFields:
     """The sampling fields shared by both endpoints; `max_tokens` None means the endpoint's default."""
