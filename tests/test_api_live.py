@@ -159,9 +159,11 @@ def test_body_limits(server):
     # just over the app's limit: the app's 413, in the OpenAI shape
     status, _, body = raw_post(server, "/v1/completions", b" " * (BODY_LIMIT + 1))
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
-    # over Waitress's own cap: refused before the app runs, by Waitress in plain text (as docs/api.md says)
-    status, headers, _ = raw_post(server, "/v1/completions", b" " * waitress_body_limit(BODY_LIMIT))
-    assert status == 413 and headers["content-type"].startswith("text/plain")
+    # over Waitress's own cap: refused before the app runs, by Waitress, in the same shape and words
+    status, headers, body = raw_post(server, "/v1/completions", b" " * waitress_body_limit(BODY_LIMIT))
+    assert status == 413 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert f"at most {BODY_LIMIT} bytes" in json.loads(body)["error"]["message"]
 
 
 def test_concurrent_requests_are_all_served(server, client):

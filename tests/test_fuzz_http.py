@@ -276,8 +276,8 @@ def test_live_server_hostile_bodies(server, expected_valid):
     # far over it: refused before it is read, whoever answers
     status, _, _ = live_post(server, b"x" * (3 * BODY_LIMIT))
     assert status == 413
-    # a broken Content-Length and a garbage request line never reach the app: Waitress refuses them with its
-    # own (plain text) 400, and keeps serving
+    # a broken Content-Length and a garbage request line never reach the app: Waitress refuses them with a 400
+    # (see test_what_waitress_refuses_itself_is_an_openai_error), and keeps serving
     for request in (b"POST /v1/completions HTTP/1.1\r\nContent-Length: nope\r\n\r\n", b"\x00\x01\x02 garbage\r\n\r\n"):
         assert re.match(rb"HTTP/1\.[01] 400 ", live_raw(server, request))
     status, _, data = live_post(server, json.dumps(VALID).encode())
@@ -295,6 +295,40 @@ def test_a_compressed_body_gets_a_415_that_says_so(server, expected_valid, encod
         assert status == 415 and error["code"] == "unsupported_content_encoding", data
         assert encoding in error["message"] and headers["accept-encoding"] == "identity"
     status, _, data = live_post(server, plain, headers={"Content-Encoding": "identity"})
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid
+
+
+def raw_reply(data: bytes) -> tuple[int, dict, bytes]:
+    """The status, headers (lower-case names) and body of a raw HTTP reply."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "code"), [
+    (POST_HEAD + b"Content-Length: nope\r\n\r\n", 400, "bad_request"),
+    (POST_HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400, "bad_request"),
+    (POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400, "bad_request"),
+    (b"\x00\x01\x02 garbage\r\n\r\n", 400, "bad_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n", 431,
+     "request_header_fields_too_large"),
+    (POST_HEAD + b"Content-Length: %d\r\n\r\n" % (10 * BODY_LIMIT), 413, "request_too_large"),
+    (POST_HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, "not_implemented"),
+], ids=["content-length", "two content-lengths", "chunk size", "request line", "headers", "body", "coding"])
+def test_what_waitress_refuses_itself_is_an_openai_error(server, expected_valid, request_bytes, status, code):
+    """Requests the HTTP server refuses before the app sees them were answered in Waitress's plain text, which
+    no OpenAI client reads as an error object; they get the same shape as every other error."""
+    got, headers, body = raw_reply(live_raw(server, request_bytes))
+    assert got == status, body
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert error["type"] == "invalid_request_error" and error["message"]
+    status, _, data = live_post(server, json.dumps(VALID).encode())
     assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid
 
 

@@ -126,6 +126,15 @@ def _falcon_error_reply(exc: falcon.HTTPError, request_line: str) -> ErrorReply:
                       _snake(title), headers)
 
 
+def server_error_reply(status: int, reason: str, detail: str) -> ErrorReply:
+    """The reply for a request the HTTP server refuses itself, before the app sees it (Waitress's own errors:
+    malformed framing, headers or a body over its caps, a transfer coding it does not read)."""
+    if status == 500:
+        return ErrorReply(500, "internal_error", INTERNAL_ERROR_MESSAGE, None, "internal_error")
+    return ErrorReply(status, "invalid_request_error", f"{reason}: {detail}" if detail else reason, None,
+                      _snake(reason))
+
+
 def model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
 

@@ -55,7 +55,7 @@ class BodyTooLarge(RequestError):
     """The request body is over the server's size limit."""
 
     def __init__(self, size: int | None, limit: int):
-        size_text = f"{size} bytes" if size is not None else "larger than that"
+        size_text = f"{size} bytes" if size is not None else "over this server's limit"
         super().__init__(f"the request body is {size_text}; this server accepts at most {limit} bytes",
                          code="request_too_large")
 

@@ -25,8 +25,11 @@ import time
 from typing import Any, Callable, Iterable
 
 from waitress import create_server, wasyncore
+from waitress.channel import HTTPChannel
+from waitress.task import ErrorTask
 
-from .api import DEFAULT_MAX_BODY_BYTES, error_reply
+from .api import DEFAULT_MAX_BODY_BYTES, error_reply, server_error_reply
+from .api_requests import BodyTooLarge
 from .service import ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,11 @@ def waitress_body_limit(max_body_bytes: int) -> int:
     return 2 * max_body_bytes + 1
 
 
+def app_body_limit(waitress_limit: int) -> int:
+    """The app's cap on request bodies, from Waitress's (the inverse of waitress_body_limit)."""
+    return (waitress_limit - 1) // 2
+
+
 class ShutdownGate:
     """WSGI middleware: passes requests to the app until `close()`, then answers each with SHUTDOWN_REPLY."""
 
@@ -80,6 +88,29 @@ class ShutdownGate:
         start_response("503 Service Unavailable", [("Content-Type", "application/json"),
                                                    ("Content-Length", str(len(body))), *SHUTDOWN_REPLY.headers])
         return [body]
+
+
+class OpenAIErrorTask(ErrorTask):
+    """Waitress's own refusals (a body over its cap, headers too large, broken chunked framing, a duplicate
+    Content-Length, a transfer coding it does not read) in the OpenAI error shape the app answers everything
+    else in; Waitress writes them as plain text, which clients cannot read as an error object."""
+
+    def execute(self) -> None:
+        error = self.request.error
+        if error.code == 413:  # the app's refusal too, only found sooner: the same words, the app's limit
+            reply = error_reply(BodyTooLarge(None, app_body_limit(self.channel.adj.max_request_body_size)), "")
+        else:
+            reply = server_error_reply(error.code, error.reason, str(error.body).strip())
+        body = json.dumps(reply.body()).encode()
+        self.status = f"{error.code} {error.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()  # as Waitress does: the request's framing can no longer be trusted
+        self.content_length = len(body)
+        self.write(body)
+
+
+class OpenAIErrorChannel(HTTPChannel):
+    error_task_class = OpenAIErrorTask
 
 
 class HttpServer:
@@ -218,6 +249,7 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                            # reads on while a request runs, so that a client that closed its connection is seen
                            # (waitress.client_disconnected); one that only half-closes is taken as gone too
                            channel_request_lookahead=1)
+    server.channel_class = OpenAIErrorChannel  # before the loop runs: every connection is one of these
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
     running = HttpServer(server, socket_map, thread, host, gate)
