@@ -361,3 +361,16 @@ def test_huge_max_tokens_is_capped_by_the_context(client):
     result = client.simulate_post("/v1/completions", json={**VALID, "max_tokens": 10**30})
     assert result.status_code == 200, result.text
     assert result.json["usage"]["prompt_tokens"] + result.json["usage"]["completion_tokens"] <= 256
+
+
+def test_a_call_in_the_history_whose_arguments_nest_past_what_json_reads_is_served(client, expected_valid):
+    """An earlier call's arguments are JSON text, read into an object for the template; text nested deeper than
+    json reads (within the body limit, as a string the body parser never recurses into) was a RecursionError, a
+    500. Like any arguments that are not JSON, it goes to the template as the text it is."""
+    call = {"id": "abc123def", "type": "function", "function": {"name": "f", "arguments": "[" * 20_000 + "]" * 20_000}}
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "abc123def", "content": "r"}]}
+    result = post_json(client, "/v1/chat/completions", body)
+    assert result.status_code == 200, result.text
+    still_works(client, expected_valid)

@@ -131,7 +131,7 @@ class MessageToolCall:
         # templates write the arguments with `tojson`, so they get the object, not its JSON text (as vLLM does)
         try:
             arguments: Any = json.loads(self.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json reads: the text as it is
             arguments = self.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
