@@ -187,3 +187,19 @@ def test_stream_without_parallel_calls_sends_only_the_first():
     assert [c.name for c in found] == ["get_time"]
     content, found = stream_in([text[:30], text[30:]], parallel=False)
     assert [c.name for c in found] == ["get_time"]
+
+
+DEEP_ARRAY = "[" * 20_000 + "]" * 20_000  # JSON nested far past what Python's json reads (its recursion limit)
+DEEP_OBJECT = '{"a": ' * 20_000 + "1" + "}" * 20_000
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_time", "arguments": ' + json.dumps(DEEP_ARRAY) + "}</tool_call>",
+    '{"name": "get_time", "arguments": ' + json.dumps(DEEP_OBJECT) + "}",
+    "[TOOL_CALLS]get_time[ARGS]" + DEEP_OBJECT,
+], ids=["hermes, arguments as text", "bare, arguments as text", "mistral named"])
+def test_arguments_nested_past_what_json_reads_stay_text(text):
+    """A model can write JSON nested deeper than Python's json reads (a few hundred tokens of brackets): its
+    RecursionError escaped the parser, a 500 for the whole reply (or an error event ending the stream)."""
+    assert parse(text) == ParsedReply(text, ())
+    assert stream_in([text]) == (text, [])

@@ -53,14 +53,12 @@ class ParsedReply:
 
 def _arguments(value: Any) -> str | None:
     """The JSON text of a call's arguments (an object, or a string holding one); None if they are neither."""
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, str):
             value = json.loads(value)
-        except ValueError:
-            return None
-    if not isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    except (ValueError, RecursionError):  # not JSON; or nested past what json reads, which a model can write
         return None
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _call(value: Any, names: Collection[str], new_id: Callable[[], str]) -> ToolCall | None:
@@ -158,7 +156,7 @@ def _mistral(text: str, names: Collection[str], new_id: Callable[[], str]) -> tu
         if named and not part.lstrip().startswith(("{", "[")):
             try:
                 found = [_call({"name": named.group(1), "arguments": json.loads(named.group(2))}, names, new_id)]
-            except ValueError:
+            except (ValueError, RecursionError):
                 found = None
         else:
             found = list(_bare_calls(part, names, new_id) or [])
