@@ -294,6 +294,31 @@ def test_stop_answers_every_request_it_accepted(model_dir):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
 
 
+def test_a_scheduler_that_cannot_start_leaves_the_service_serving(model_dir):
+    """A request that cannot start the scheduler's thread (no memory for its stack, a thread limit) fails; it must
+    not stay queued, nor leave a thread that never ran in place of the loop, behind which every later request
+    would wait for ever."""
+    model = OurModel(model_dir)
+    tokenizer = TextTokenizer.load(model_dir)
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+    service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
+    params = SamplingParams(3, temperature=0, ignore_eos=True)
+    usual = threading.stack_size(1 << 45)  # a stack no machine has: starting a thread fails, as at a limit
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            service.open(tokenizer.encode(PROMPT), params)
+    finally:
+        threading.stack_size(usual)
+    assert service.queue_depth == 0
+    results: list = []
+    later = threading.Thread(target=lambda: results.append(service.complete(tokenizer.encode(PROMPT), params)),
+                             daemon=True)
+    later.start()
+    later.join(30)
+    assert not later.is_alive(), "a later request waits for a scheduler that never started"
+    assert results[0].completion_tokens == 3
+
+
 # --- a handshake has one deadline ----------------------------------------------------------------------------------
 
 def closed_by_peer(sock: socket.socket) -> bool:

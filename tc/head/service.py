@@ -352,8 +352,16 @@ class GenerationService:
                 raise QueueFull(self.max_queue)
             self._waiting.extend(requests)
             if self._loop is None:
-                self._loop = threading.Thread(target=self._run, name="scheduler", daemon=True)
-                self._loop.start()
+                loop = threading.Thread(target=self._run, name="scheduler", daemon=True)
+                try:
+                    loop.start()  # RuntimeError at a thread or memory limit
+                except BaseException:
+                    # nothing runs these requests: left queued, with `loop` taken for the running loop, they and
+                    # every request after them would wait for ever
+                    for request in requests:
+                        self._waiting.remove(request)
+                    raise
+                self._loop = loop  # still under the lock, which the loop's first turn waits for
         streams: list[GenerationStream] = []
         try:
             for request in requests:
