@@ -229,6 +229,50 @@ def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+def test_a_spare_that_stops_reading_mid_probe_is_still_dropped_after_it_takes_over(tmp_path, model_dir):
+    """The heartbeat watch drops a silent worker, and its spare takes over the node: the spare's ASSIGNMENT must
+    not be sent from the watch thread. A spare that stopped reading while its link probe's large PING was going
+    out holds its connection's send (that PING's, blocked); an ASSIGNMENT sent from the watch thread waited
+    behind it, and the watch thread, the one that would drop the silent spare and so unblock both, never did:
+    the node stayed with a worker that is gone, and no silent worker was dropped again."""
+    limit = 2.0
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "sp", "device": "cpu", "spare": True}]
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes,
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": limit}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)
+    port = registry.start("127.0.0.1", 0)
+    # small buffers on the head's side of every link (accepted sockets take the listener's), so that a probe's
+    # 128 KiB PING fills them at once when the worker does not read
+    registry.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    spare_sock = None
+    try:
+        silent = join_loaded(port, worker_hello("a"))  # loaded, then never reads nor answers again
+        time.sleep(0.8)  # the spare is heard from later than `a`, so `a` is the first to fall silent too long
+        spare_sock = socket.socket()
+        spare_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        spare_sock.connect(("127.0.0.1", port))
+        spare = Connection(spare_sock)
+        spare.send(worker_hello("sp"))
+        assert isinstance(spare.recv(timeout=5).message, HelloAck)
+        ping = spare.recv(timeout=5).message  # the probe's first, empty PING: answered, as a live worker does
+        assert isinstance(ping, Ping) and not ping.payload
+        spare.send(Pong(nonce=ping.nonce))  # then it reads nothing more: the large PING after it blocks
+
+        def node_a() -> dict:
+            return {row["id"]: row for row in registry.snapshot()}["a"]
+
+        wait_for(lambda: node_a()["served_by"] == "sp", 10, "the spare to take over node a")
+        # silent since its PONG: the watch drops it within its limit and a period (0.5 s) of the takeover
+        wait_for(lambda: node_a()["served_by"] is None, limit + 3, "the silent spare to be dropped")
+        assert "silent for" in node_a()["detail"], node_a()
+        silent.close()
+    finally:
+        if spare_sock is not None:
+            spare_sock.close()
+        registry.stop()
+
+
 # --- stopping the HTTP server --------------------------------------------------------------------------------------
 
 class SlowPipeline(LocalPipeline):

@@ -889,7 +889,15 @@ class WorkerRegistry:
         if not self.stopping.is_set():
             log.warning("worker %s lost (%s, was %s); the cluster is not ready until a worker fills %s again",
                         link.name, reason, was, slot.node_id)
-        self._send_assignments(assignments)
+        if assignments:
+            # A send blocks while its worker does not read, or while another send to it does (its link probe's
+            # large PING), and only dropping that worker unblocks it. `_lost` runs on the heartbeat watch, which
+            # drops silent workers, and on the scheduler: a spare's ASSIGNMENT goes from a thread of its own.
+            try:
+                threading.Thread(target=self._send_assignments, args=(assignments,), daemon=True,
+                                 name=f"assign-{slot.node_id}").start()
+            except RuntimeError:  # no thread to be had (a thread or memory limit): sent here, as it must be
+                self._send_assignments(assignments)
 
     def _ping_loop(self, link: WorkerLink) -> None:
         # One per link: a ping blocked on a worker that stopped reading holds up only this thread, and the watch
