@@ -273,6 +273,30 @@ def test_a_spare_that_stops_reading_mid_probe_is_still_dropped_after_it_takes_ov
         registry.stop()
 
 
+def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, model_dir):
+    """A connection the head cannot start a handshake thread for (a thread or memory limit, for a moment) is turned
+    away; the thread that accepts workers must go on, or no worker could join, nor a lost one rejoin, again."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)
+    port = registry.start("127.0.0.1", 0)
+    try:
+        usual = threading.stack_size(1 << 45)  # a stack no machine has: starting a thread fails, as at a limit
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as turned_away:
+                wait_for(lambda: closed_by_peer(turned_away), 5, "the connection with no thread to be closed")
+        finally:
+            threading.stack_size(usual)
+        conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5))
+        with conn:
+            conn.send(worker_hello("a"))
+            assert isinstance(conn.recv(timeout=5).message, HelloAck)
+            assert isinstance(conn.recv(timeout=5).message, Assignment)
+    finally:
+        registry.stop()
+
+
 # --- stopping the HTTP server --------------------------------------------------------------------------------------
 
 class SlowPipeline(LocalPipeline):

@@ -584,8 +584,17 @@ class WorkerRegistry:
                 time.sleep(0.1)  # EMFILE and the like: back off rather than spin
                 continue
             self._admit_pending(sock, f"{addr[0]}:{addr[1]}")
-            threading.Thread(target=self._join, args=(sock, addr), name=f"join-{addr[0]}:{addr[1]}",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._join, args=(sock, addr), name=f"join-{addr[0]}:{addr[1]}",
+                                 daemon=True).start()
+            except RuntimeError as exc:
+                # a thread or memory limit, maybe for a moment: this peer is turned away (a worker retries), and
+                # this thread goes on, or no worker could join again
+                log.warning("turned away a worker from %s:%s: no thread to handle it (%s)", addr[0], addr[1], exc)
+                with self._pending_lock:
+                    self._pending.pop(sock, None)
+                sock.close()
+                time.sleep(0.1)  # as for EMFILE: back off rather than spin
 
     def _admit_pending(self, sock: socket.socket, peer: str) -> None:
         """Count `sock` among the handshakes in progress; with MAX_PENDING_HANDSHAKES already, close the oldest."""
