@@ -529,6 +529,35 @@ def test_full_queue_answers_429(gated):
     assert post(client, COMPLETIONS, GOOD_COMPLETION).status_code == 200  # there is room again
 
 
+def test_a_place_whose_client_has_gone_counts_as_free_for_the_queue(gated):
+    """A generation whose client went away leaves the batch at the next step boundary, where the batch takes the
+    request waiting first: a request arriving meanwhile is behind nobody, and is not refused as if the batch were
+    full and max_queue more waited."""
+    service = make_service(gated, max_queue=0, max_batch=1)  # no request may wait
+    ids = gated.tokenizer.encode("Hello")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outcomes: list = []
+
+    def complete() -> None:
+        try:
+            outcomes.append(service.complete(ids, params).finish_reason)
+        except QueueFull as exc:
+            outcomes.append(exc)
+
+    gone = service.open(ids, params)  # its next step waits at the gate, so the batch holds it past its close
+    gone.close()  # its client went away: it leaves at the step's end
+    assert service.running == 1
+    arriving = threading.Thread(target=complete)
+    arriving.start()
+    deadline = time.monotonic() + 30
+    while not service.queue_depth and not outcomes:
+        assert time.monotonic() < deadline, "the request neither queued nor was refused"
+        time.sleep(0.01)
+    gated.pipeline.gate.set()
+    arriving.join(30)
+    assert outcomes == ["length"], outcomes
+
+
 @pytest.mark.parametrize("max_batch, max_queue", [(1, 1), (1, 3), (2, 1), (3, 2)])
 def test_max_queue_requests_wait_while_max_batch_generate(gated, max_batch, max_queue):
     """head.max_batch and head.max_queue as the topology file words them: max_batch generate, max_queue wait,

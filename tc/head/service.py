@@ -385,7 +385,8 @@ class GenerationService:
         """Requests that would wait, one of `choices` choices added to the queue, past those the batch takes at its
         next step boundary. The queue's bound counts requests, whatever their n: each holds one of the API's
         threads, and docs/api.md promises max_queue of them a place. Call with the lock held."""
-        free, waiting = self.max_batch - len(self._batch), 0
+        # the abandoned (their clients gone) leave at that boundary, before the batch takes anyone
+        free, waiting = self.max_batch - sum(1 for r in self._batch if not r.abandoned), 0
         for size in [r.joins_with for r in self._waiting if not r.follows] + [choices]:
             size = min(size, self.max_batch)  # as _admit_and_drop admits them, in order
             if waiting == 0 and size <= free:
