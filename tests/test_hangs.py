@@ -273,6 +273,11 @@ def test_a_spare_that_stops_reading_mid_probe_is_still_dropped_after_it_takes_ov
         registry.stop()
 
 
+# A thread stack larger than any address space: starting a thread then fails, as at a thread or memory
+# limit, whatever the machine's overcommit policy (which may map a mere 32 TiB).
+NO_STACK = 1 << 62
+
+
 def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, model_dir):
     """A connection the head cannot start a handshake thread for (a thread or memory limit, for a moment) is turned
     away; the thread that accepts workers must go on, or no worker could join, nor a lost one rejoin, again."""
@@ -282,7 +287,7 @@ def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, 
     registry = WorkerRegistry(topology, plan, config)
     port = registry.start("127.0.0.1", 0)
     try:
-        usual = threading.stack_size(1 << 45)  # a stack no machine has: starting a thread fails, as at a limit
+        usual = threading.stack_size(NO_STACK)
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=5) as turned_away:
                 wait_for(lambda: closed_by_peer(turned_away), 5, "the connection with no thread to be closed")
@@ -371,7 +376,7 @@ def test_a_scheduler_that_cannot_start_leaves_the_service_serving(model_dir):
     generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
     service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
     params = SamplingParams(3, temperature=0, ignore_eos=True)
-    usual = threading.stack_size(1 << 45)  # a stack no machine has: starting a thread fails, as at a limit
+    usual = threading.stack_size(NO_STACK)
     try:
         with pytest.raises(RuntimeError, match="can't start new thread"):
             service.open(tokenizer.encode(PROMPT), params)
