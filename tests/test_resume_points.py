@@ -1,0 +1,114 @@
+"""A worker killed at a chosen step of a batch resumes every request in it to the uninterrupted run's replies.
+
+The batch: one request decoding, beside it a request of two seeded, sampled choices (log-probabilities, a stop
+string) whose prompt is read in chunks of head.prefill_chunk between the first one's tokens, and whose second
+choice starts from a copy of the first's cache. A worker is SIGKILLed just before a chosen step (while the
+prompt is being read, at the step that copies the cache, once both choices decode) and a new process fills its
+entry; every reply must then be the uninterrupted one: the same tokens, text, finish reason, and
+log-probabilities but for fp32 rounding (docs/design.md, "Losing a worker mid-request"). The head's replay
+inputs must be gone once the requests end.
+
+The head runs in this process, so the test picks the exact step: it runs the real RemotePipeline.run, killing
+the worker first. Real worker processes over loopback.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cluster import write_topology
+from tc.generation import Completion
+from tc.head.main import start_head
+from tc.sampling import SamplingParams
+from tc.topology import load_topology
+from test_resume_dtypes import start_worker
+from tiny_model import write_tiny_model
+
+PROMPT = "one two three four five six seven eight nine ten " * 2
+CHUNK = 4  # head.prefill_chunk: the second request's prompt takes many steps
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=7, shards=2)
+
+
+def sampled(seed: int, max_tokens: int, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True, logprobs=2, **fields)
+
+
+def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_path, model_dir):
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    path = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={
+        "heartbeat_s": 0.5, "heartbeat_timeout_s": 3, "resume": True, "resume_grace_s": 120, "max_batch": 4,
+        "prefill_chunk": CHUNK})
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    workers = {n: start_worker(head, n, tmp_path / f"{n}.log") for n in ("a", "b")}
+    service = head.service
+    pipeline = service.generator.pipeline
+    ids = service.tokenizer.encode(PROMPT)
+    steps: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per pipeline call: (sequence, start, copies)
+    kill: dict[int, str] = {}  # pipeline call (from 1) -> the node whose worker dies just before it
+    run = pipeline.run
+
+    def run_killing(entries, hidden):
+        steps.append([(e.sequence, e.start, e.copies) for e in entries])
+        node = kill.get(len(steps))
+        if node is not None:
+            lost = workers.pop(node)
+            lost.proc.kill()
+            lost.stop()
+            workers[node] = start_worker(head, node, tmp_path / f"{node}-{len(steps)}.log")
+        return run(entries, hidden)
+
+    pipeline.run = run_killing
+
+    def batch() -> list[Completion]:
+        """The decoding request, and the two choices that join it once it has its first tokens."""
+        steps.clear()
+        first = service.open_choices(ids[:5], [sampled(21, 60)])[0]
+        choices: list[Completion] = []
+
+        def two_choices() -> None:
+            streams = service.open_choices(ids, [sampled(31, 30, stop=("a",)), sampled(32, 30)])
+            choices.extend(stream.drain() for stream in streams)
+            for stream in streams:
+                stream.close()
+
+        joining = threading.Thread(target=two_choices)
+        joining.start()
+        replies = [first.drain()]
+        first.close()
+        joining.join(180)
+        assert not joining.is_alive() and len(choices) == 2, "the two choices did not finish"
+        return replies + choices
+
+    try:
+        assert head.registry.wait_ready(300), [w.output() for w in workers.values()]
+        expected = batch()
+        # the steps that read the two choices' prompt (after its first chunk), and the one that copies its cache
+        reading = [i for i, step in enumerate(steps, 1) if any(s > 0 and s < len(ids) for _, s, _ in step[1:])]
+        copying = next(i for i, step in enumerate(steps, 1) if any(copies for _, _, copies in step))
+        assert len(reading) > 3, steps  # the prompt was read in chunks beside the decoding request
+        for at, node in [(reading[1], "b"), (reading[len(reading) // 2], "a"), (copying, "b"), (copying + 3, "a")]:
+            kill.clear()
+            kill[at] = node
+            resumes = pipeline.resumes
+            got = batch()
+            assert pipeline.resumes == resumes + 1, f"the loss at step {at} was not resumed"
+            for reply, want in zip(got, expected):
+                assert (reply.token_ids, reply.text, reply.finish_reason) == \
+                       (want.token_ids, want.text, want.finish_reason), f"{node} killed before step {at}"
+                assert [t.logprob.logprob for t in reply.tokens] == \
+                       pytest.approx([t.logprob.logprob for t in want.tokens], abs=1e-4)
+            deadline = time.monotonic() + 5  # the scheduler releases the sequences just after their last step
+            while pipeline._inputs and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pipeline._inputs == {}, "the ended sequences' replay inputs are still held"
+    finally:
+        pipeline.run = run
+        for worker in workers.values():
+            worker.stop()
+        head.stop()
