@@ -25,15 +25,16 @@ len(groups) hops' worth of waiting; with direct hops every group goes to the fir
 passes each on as it finishes it). It pays where the stages do not share cores (separate machines); on one machine whose
 cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
 
-Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings
-and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the
-lost node's entry to be filled again (the same worker back, or a spare), then replays every sequence from
-position 0 as one batch, through every stage, each with its own cache capacity. That rebuilds every stage's
-caches, and the last rows of each sequence stand for the interrupted step's, so the generations carry on and the
-clients see them take longer. The tokens already chosen stay; what follows is what a new request for the prompt
-and those tokens would give. One prefill over N positions rounds differently from N decode steps: in fp32 the
-difference (~1e-6) leaves greedy output as it was without the loss, while in bf16 or fp16 the continuation may
-differ from an uninterrupted run (docs/design.md, tests/test_resume_dtypes.py).
+Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings and
+each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the lost
+node's entry to be filled again (the same worker back, or a spare), then replays every sequence from position 0, in
+one batch where the workers' frames hold it and over several steps where they do not, through every stage, each with
+its own cache capacity. That rebuilds every stage's caches, and the last rows of each sequence stand for the
+interrupted step's, so the generations carry on and the clients see them take longer. The tokens already chosen
+stay; what follows is what a new request for the prompt and those tokens would give. One prefill over N positions
+rounds differently from N decode steps: in fp32 the difference (~1e-6) leaves greedy output as it was without the
+loss, while in bf16 or fp16 the continuation may differ from an uninterrupted run (docs/design.md,
+tests/test_resume_dtypes.py).
 """
 from __future__ import annotations
 
