@@ -301,7 +301,7 @@ class SequenceState:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         room = context_length - len(prompt_ids)
-        if room < 1:
+        if room < (1 if params.max_tokens else 0):  # a prompt only scored (max_tokens 0) may fill the context
             raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the context holds {context_length}")
         self.id, self.prompt_ids, self.params, self.tokenizer = sequence_id, list(prompt_ids), params, tokenizer
         self.max_tokens = min(params.max_tokens, room)

@@ -771,6 +771,33 @@ def test_echo_returns_the_prompt_with_its_logprobs(client, generator, reference)
     assert only["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:len(prompt_ids)]
 
 
+def test_a_prompt_scored_with_echo_may_fill_the_context(client, generator, reference):
+    """max_tokens 0 with echo scores a prompt and generates nothing (how evaluation harnesses read a text's
+    log-likelihood, a window of the whole context at a time), so a prompt of the whole context is served; one
+    token more, or asking to generate after it, is refused."""
+    context = generator.context_length
+    prompt_ids = [(7 * i) % 200 + 5 for i in range(context)]
+    reply = post(client, COMPLETIONS, completion(prompt=prompt_ids, max_tokens=0, echo=True, logprobs=0))
+    assert reply.status_code == 200, reply.text
+    logprobs = reply.json["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == context and reply.json["usage"]["completion_tokens"] == 0
+    table = reference_logprobs(reference, prompt_ids)
+    for i in (1, context // 2, context - 1):
+        assert logprobs["token_logprobs"][i] == pytest.approx(float(table[i - 1][prompt_ids[i]]), abs=1e-4)
+    over = assert_error_shape(post(client, COMPLETIONS, completion(prompt=prompt_ids + [5], max_tokens=0, echo=True)),
+                              400, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert f"the prompt is {context + 1} tokens;" in over["message"]
+    generating = assert_error_shape(post(client, COMPLETIONS, completion(prompt=prompt_ids, max_tokens=1)), 400,
+                                    "invalid_request_error", "prompt", "context_length_exceeded")
+    assert f"the prompt is {context} tokens, leaving no room to generate" in generating["message"]
+
+
+def test_a_chat_over_the_context_is_refused_in_plain_words(client, generator):
+    error = assert_error_shape(post(client, CHAT, chat_message(content="x " * generator.context_length)), 400,
+                               "invalid_request_error", "messages", "context_length_exceeded")
+    assert "but the messages are " in error["message"], error["message"]
+
+
 def test_stop_as_a_string_or_a_list(client, generator):
     text = direct(generator, generator.tokenizer.encode("Hello"), max_tokens=12, temperature=0.0).text
     cut = next(i for i, ch in enumerate(text) if i > 0 and text.index(ch) == i)

@@ -361,9 +361,11 @@ class CompletionsResource:
             prompt_ids = list(request.prompt)
         if request.suffix is not None:
             prompt_ids = self._fill_in_middle(prompt_ids, request.suffix)
-        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt")
         params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, prompt_logprobs=request.echo,
                                             continues_prompt=True)
+        # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
+        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt",
+                            generates=params.max_tokens > 0)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)

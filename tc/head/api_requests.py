@@ -808,8 +808,10 @@ def check_model(requested: str, served: str) -> None:
         raise ModelNotFound(requested, served)
 
 
-def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: int, param: str) -> None:
-    """Refuse a prompt the model cannot take: empty, holding unknown token ids, or filling the context."""
+def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: int, param: str,
+                        generates: bool = True) -> None:
+    """Refuse a prompt the model cannot take: empty, holding unknown token ids, or filling the context (past it,
+    where nothing is to be generated: a prompt scored with echo and max_tokens 0 may fill it)."""
     if not prompt_ids:
         raise RequestError("the prompt is empty; send at least one token of text", param=param,
                            code="invalid_value")
@@ -817,8 +819,9 @@ def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: 
     if too_big is not None:
         raise RequestError(f"token id {too_big} is outside the vocabulary (0..{vocab_size - 1})", param=param,
                            code="invalid_value")
-    if len(prompt_ids) >= context_length:
+    if len(prompt_ids) >= context_length + (0 if generates else 1):
+        what = f"the {param} {'are' if param == 'messages' else 'is'} {len(prompt_ids)} tokens"
         raise RequestError(
-            f"This model's maximum context length is {context_length} tokens, but the {param} is "
-            f"{len(prompt_ids)} tokens, leaving no room to generate; shorten the {param}",
+            f"This model's maximum context length is {context_length} tokens, but {what}"
+            f"{', leaving no room to generate' if generates else ''}; shorten the {param}",
             param=param, code="context_length_exceeded")
