@@ -272,8 +272,9 @@ BAD_REQUESTS = [
      400, "invalid_request_error", "messages[0].tool_calls[0].type", "unsupported_value"),
     (CHAT, chat_message(role="assistant", content=None), 400, "invalid_request_error", "messages[0].content",
      "missing_required_parameter"),
-    (CHAT, chat_message(refusal="no"), 400, "invalid_request_error", "messages[0].refusal",
-     "unsupported_parameter"),
+    (CHAT, chat_message(refusal="no"), 400, "invalid_request_error", "messages[0].refusal", "invalid_value"),
+    (CHAT, chat_message(role="assistant", content=None, refusal=3), 400, "invalid_request_error",
+     "messages[0].refusal", "invalid_type"),
     (CHAT, chat(max_tokens=4, max_completion_tokens=5), 400, "invalid_request_error", "max_completion_tokens",
      "invalid_value"),
     (CHAT, chat(max_completion_tokens=0), 400, "invalid_request_error", "max_completion_tokens", "invalid_value"),
@@ -790,6 +791,24 @@ def test_a_prompt_scored_with_echo_may_fill_the_context(client, generator, refer
     generating = assert_error_shape(post(client, COMPLETIONS, completion(prompt=prompt_ids, max_tokens=1)), 400,
                                     "invalid_request_error", "prompt", "context_length_exceeded")
     assert f"the prompt is {context} tokens, leaving no room to generate" in generating["message"]
+
+
+def test_an_assistant_refusal_carried_over_is_what_the_assistant_said(client):
+    """A conversation carried over from a model that declined holds its words in `refusal`, with content null
+    (OpenAI's replies do that): it is served, and read as the assistant's text, as if it were its content."""
+    def reply_to(assistant: dict) -> dict:
+        body = chat(messages=[{"role": "user", "content": "Tell me a secret"}, assistant,
+                              {"role": "user", "content": "Why not?"}], max_tokens=6, temperature=0)
+        reply = post(client, CHAT, body)
+        assert reply.status_code == 200, reply.text
+        return reply.json
+    words = "I can't help with that."
+    declined = reply_to({"role": "assistant", "content": None, "refusal": words})
+    said = reply_to({"role": "assistant", "content": words})
+    assert declined["usage"]["prompt_tokens"] == said["usage"]["prompt_tokens"]
+    assert declined["choices"][0]["message"]["content"] == said["choices"][0]["message"]["content"]
+    silent = reply_to({"role": "assistant", "content": ""})
+    assert silent["usage"]["prompt_tokens"] < said["usage"]["prompt_tokens"]
 
 
 def test_a_chat_over_the_context_is_refused_in_plain_words(client, generator):

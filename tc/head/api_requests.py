@@ -237,10 +237,9 @@ _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # type), a call's `function.parsed_arguments` (its arguments read into the tool's type) and a streamed call's
 # `index`. They repeat what `content` and `arguments` hold, which is what the template renders, so any value of
 # theirs is taken and left unused.
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed", "refusal"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
-_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"refusal": (None,), "function_call": (None,), "audio": (None,),
-                                                "annotations": (None, [])}
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"function_call": (None,), "audio": (None,), "annotations": (None, [])}
 _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _CALL_FIELDS = frozenset({"id", "type", "function", "index"})
@@ -655,8 +654,18 @@ def _message(value: Any, index: int) -> ChatMessage:
             raise RequestError(f"'{param}.tool_calls' must be an array, not {_json_type(listed)}",
                                param=f"{param}.tool_calls", code="invalid_type")
         calls = tuple(_message_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(listed))
+    refusal = value.get("refusal")
+    if refusal is not None:
+        if role != "assistant":
+            raise RequestError(f"'{param}.refusal' is only for assistant messages, not {role}",
+                               param=f"{param}.refusal", code="invalid_value")
+        refusal = _string(refusal, f"{param}.refusal")
     if calls and value.get("content") is None:  # an assistant message that only calls tools has no text
         content = None
+    elif refusal is not None and value.get("content") is None:
+        # a model that declined says so in `refusal`, with no content (OpenAI's replies): a conversation carried
+        # over from one holds it, and it is what the assistant said
+        content = refusal
     else:
         content = _content(_required(value, "content", f"{param}."), f"{param}.content")
     name = value.get("name")
