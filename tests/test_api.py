@@ -530,6 +530,17 @@ def test_full_queue_answers_429(gated):
     assert post(client, COMPLETIONS, GOOD_COMPLETION).status_code == 200  # there is room again
 
 
+def completer(service: GenerationService, ids: list[int], params: SamplingParams, outcomes: list):
+    """A thread's target: complete one request, adding its finish reason, or the QueueFull refusing it, to
+    `outcomes`."""
+    def complete() -> None:
+        try:
+            outcomes.append(service.complete(ids, params).finish_reason)
+        except QueueFull as exc:
+            outcomes.append(exc)
+    return complete
+
+
 def test_a_place_whose_client_has_gone_counts_as_free_for_the_queue(gated):
     """A generation whose client went away leaves the batch at the next step boundary, where the batch takes the
     request waiting first: a request arriving meanwhile is behind nobody, and is not refused as if the batch were
@@ -538,12 +549,7 @@ def test_a_place_whose_client_has_gone_counts_as_free_for_the_queue(gated):
     ids = gated.tokenizer.encode("Hello")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     outcomes: list = []
-
-    def complete() -> None:
-        try:
-            outcomes.append(service.complete(ids, params).finish_reason)
-        except QueueFull as exc:
-            outcomes.append(exc)
+    complete = completer(service, ids, params, outcomes)
 
     gone = service.open(ids, params)  # its next step waits at the gate, so the batch holds it past its close
     gone.close()  # its client went away: it leaves at the step's end
@@ -568,12 +574,7 @@ def test_max_queue_requests_wait_while_max_batch_generate(gated, max_batch, max_
     ids = gated.tokenizer.encode("Hello")
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     outcomes: list = []
-
-    def complete() -> None:
-        try:
-            outcomes.append(service.complete(ids, params).finish_reason)
-        except QueueFull as exc:
-            outcomes.append(exc)
+    complete = completer(service, ids, params, outcomes)
 
     with service.open(ids, params) as running:  # steps after the first wait at the gate
         others = [threading.Thread(target=complete) for _ in range(max_batch - 1 + max_queue)]
