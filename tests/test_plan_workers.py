@@ -238,16 +238,17 @@ STAGE_NEED = 4 * LAYER_BYTES + 8 * 4 * LAYER_CACHE  # a 4-layer node holding the
 
 @pytest.mark.parametrize("bounded_by", ["what it offers", "its max_memory_gb"])
 def test_a_spare_that_holds_a_lost_nodes_weights_but_not_its_kv_cache_stands_by(tmp_path, model_dir, bounded_by):
-    """A spare takes over a lost node only with room for what the plan counts there: its layers' weights and the
-    KV caches of the whole batch. One with room for the weights and half the caches stands by, its reason logged
-    with the numbers, whether its room is what its machine offers or its max_memory_gb; one with room for both
-    takes the node."""
+    """Where topology.yaml asks for a batch (head.max_batch), a spare takes over a lost node only with room for
+    what the plan counts there: its layers' weights and the KV caches of the whole batch. One with room for the
+    weights and half the caches stands by, its reason logged with the numbers, whether its room is what its
+    machine offers or its max_memory_gb; one with room for both takes the node."""
     lean_bytes = 4 * LAYER_BYTES + 4 * 4 * LAYER_CACHE  # the weights and 4 of the 8 caches: 1.3 MiB
     lean = {"id": "lean", "device": "cpu", "spare": True}
     if bounded_by == "its max_memory_gb":
         lean["max_memory_gb"] = lean_bytes / 2**30
     ample = {"id": "ample", "device": "cpu", "spare": True}
-    topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, lean, ample], head={"heartbeat_s": 1})
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, lean, ample],
+                              head={"heartbeat_s": 1, "max_batch": 8})
     with Cluster(topology, tmp_path) as cluster:
         cluster.start_head()
         cluster.wait_api()
@@ -280,7 +281,7 @@ def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_j
     """A planned node's worker that offers memory for its layers' weights but not for the KV caches of the batch
     the plan promised is refused at its join with the numbers and what to change, where it was admitted to run
     out of memory once the batch filled; one offering both joins."""
-    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"heartbeat_s": 1})
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"heartbeat_s": 1, "max_batch": 8})
     with Cluster(topology, tmp_path) as cluster:
         cluster.start_head()
         cluster.wait_api()
@@ -300,6 +301,30 @@ def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_j
             time.sleep(0.2)
 
 
+def test_where_the_batch_is_left_to_the_head_a_worker_short_of_its_caches_joins_with_a_warning(tmp_path, model_dir):
+    """With head.max_batch left out, a worker (or a spare taking over) needs room for its weights and one
+    full-context KV cache, the floor the plan itself keeps: caches fill only as far as sequences go, and a
+    long-context model's batch seldom meets the worst case. One short of the batch joins, and the head's log says
+    how many sequences it holds and what setting rules the rest out; one short of a single cache is refused."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"heartbeat_s": 1})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        short = cluster.start_worker("slow", "--max-memory-gb", str((4 * LAYER_BYTES + 2 * 4 * LAYER_CACHE) / 2**30))
+        deadline = time.monotonic() + 60
+        while "worker slow joined" not in cluster.head.output():
+            assert time.monotonic() < deadline, cluster.head.output()
+            time.sleep(0.2)
+        said = " ".join(cluster.head.output().split())
+        assert ("slow holds layers 0-3 with room for the KV caches of 2 of the batch's 8 sequences at the model's "
+                "full context (256.0 KiB each, beside 338.0 KiB of weights, in 850.0 KiB); it serves") in said, said
+        assert "set head.max_batch to 2 in topology.yaml to rule that out" in said
+        assert short.proc.poll() is None
+        tiny = cluster.start_worker("fast", "--max-memory-gb", str(4 * LAYER_BYTES / 2**30), name="tiny")
+        assert tiny.proc.wait(60) == 2, tiny.output()
+        assert "KV cache for 1 sequence(s)" in " ".join(tiny.output().split()), tiny.output()
+
+
 def test_plan_says_which_nodes_each_spare_can_stand_in_for(tmp_path, model_dir, capsys):
     """`tc plan` names, for each spare, the nodes whose layers and KV caches for the batch fit its max_memory_gb,
     as a takeover counts them, so a spare too small for any node is found before a node is lost, not when one is:
@@ -311,7 +336,7 @@ def test_plan_says_which_nodes_each_spare_can_stand_in_for(tmp_path, model_dir, 
         {"id": "slow", "device": "cpu", "layers": "0-1"}, {"id": "fast", "device": "cpu"},
         {"id": "tiny", "device": "cpu", "spare": True, "max_memory_gb": 3 * LAYER_BYTES / 2**30},
         {"id": "mid", "device": "cpu", "spare": True, "max_memory_gb": slow_need / 2**30},
-        {"id": "any", "device": "cpu", "spare": True}])
+        {"id": "any", "device": "cpu", "spare": True}], head={"max_batch": 8})
     assert main(["plan", str(topology)]) == 0
     out = capsys.readouterr().out
     assert ("spare tiny: can take over no node: every node's layers, with the KV caches of 8 sequence(s) at full "
@@ -319,3 +344,12 @@ def test_plan_says_which_nodes_each_spare_can_stand_in_for(tmp_path, model_dir, 
     assert ("spare mid: stands by for slow only; the layers of fast, with the KV caches of 8 sequence(s) at full "
             "context, need more than its max_memory_gb") in out, out
     assert "spare any: stands by for any node" in out, out
+    # the batch left to the head: a takeover needs room for one sequence's caches (admission.sequences_to_hold)
+    text = topology.read_text()
+    assert "max_batch: 8" in text
+    topology.write_text(text.replace("max_batch: 8", "max_batch: null"))
+    assert main(["plan", str(topology)]) == 0
+    out = capsys.readouterr().out
+    assert ("spare tiny: can take over no node: every node's layers, with the KV caches of 1 sequence(s) at full "
+            "context, need more than its max_memory_gb") in out, out
+    assert "spare mid: stands by for any node" in out, out

@@ -70,12 +70,22 @@ def over_memory_cap(entry: NodeEntry, need: StageNeed) -> bool:
     return entry.max_memory_gb is not None and need.total_bytes > entry.max_memory_gb * GIB
 
 
+def sequences_to_hold(asked: int | None, max_batch: int) -> int:
+    """The full-context KV caches a joining worker must have room for beside its layers' weights: the whole batch
+    where topology.yaml asks for one (head.max_batch: a promise, as the plan keeps it); where the batch is left to
+    the head, one, the floor the plan itself keeps there (batch_memory: caches fill only as far as sequences
+    really go), and a worker with room for fewer than the batch is admitted with a warning
+    (caches_short_of_the_batch) rather than refused for a worst case a long-context model's batch seldom meets."""
+    return max_batch if asked is not None else 1
+
+
 def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage, config: ModelConfig,
-                      max_batch: int) -> str | None:
+                      sequences: int) -> str | None:
     """Why a worker joined as `entry` cannot hold `stage`'s layers (its own, or a lost node's for a spare) and the
-    KV caches of `max_batch` sequences: what the plan counts for the stage (batch_memory.stage_need)."""
+    KV caches of `sequences` sequences (sequences_to_hold): what the plan counts for the stage
+    (batch_memory.stage_need)."""
     device = device_for(entry.device, hello)
-    need = stage_need(config, stage, max_batch, device)
+    need = stage_need(config, stage, sequences, device)
     what = f"entry {stage.node_id} (layers {stage.layers_text}) needs {need.describe()} on {device}"
     fewer = f"set head.max_batch under {need.sequences}, " if need.sequences > 1 else ""
     advice = f"{fewer}or pin fewer layers on {stage.node_id} in topology.yaml"
@@ -92,14 +102,32 @@ def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage, config: Mode
     return None
 
 
+def caches_short_of_the_batch(entry: NodeEntry, hello: Hello, stage: Stage, config: ModelConfig,
+                              max_batch: int) -> str | None:
+    """What the log says where a worker joined as `entry` for `stage` has room for fewer than `max_batch`
+    full-context KV caches beside the weights (admitted all the same: sequences_to_hold); None where it has."""
+    device = device_for(entry.device, hello)
+    need = stage_need(config, stage, max_batch, device)
+    limits = [worker_memory(hello, device), None if entry.max_memory_gb is None else int(entry.max_memory_gb * GIB)]
+    room = min((limit for limit in limits if limit is not None), default=None)
+    if room is None or need.total_bytes <= room:
+        return None
+    held = max(room - need.weight_bytes, 0) // need.slot_bytes
+    return (f"{entry.id} holds layers {stage.layers_text} with room for the KV caches of {held} of the batch's "
+            f"{need.sequences} sequences at the model's full context ({format_bytes(need.slot_bytes)} each, beside "
+            f"{format_bytes(need.weight_bytes)} of weights, in {format_bytes(room)}); it serves, as caches fill only "
+            f"as far as sequences go, but more than {held} sequences near the full context at once would run it "
+            f"out of memory: set head.max_batch to {max(held, 1)} in topology.yaml to rule that out")
+
+
 def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None, config: ModelConfig,
-                 max_batch: int) -> str | None:
+                 sequences: int) -> str | None:
     if not device_can_serve(entry.device, hello.devices):
         have = ", ".join(d.id for d in hello.devices)
         return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
     if entry.spare or plan is None:  # which layers it gets is not known yet: a spare's when a node is lost,
         return None                  # anyone's when the head plans once its planned set has joined
-    return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, max_batch)
+    return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, sequences)
 
 
 def _quoted(text: str, most: int = 80) -> str:
@@ -111,7 +139,9 @@ def _quoted(text: str, most: int = 80) -> str:
 def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str], config: ModelConfig,
                  max_batch: int) -> NodeEntry:
     """The entry this worker fills (`plan` None: not made yet, so no memory check; else its weights and the KV
-    caches of `max_batch` sequences). Raises Refusal with a reason the operator can act on."""
+    caches sequences_to_hold says for a batch of `max_batch`). Raises Refusal with a reason the operator can act
+    on."""
+    sequences = sequences_to_hold(topology.head.max_batch, max_batch)
     if hello.protocol_version != PROTOCOL_VERSION:
         raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {_quoted(hello.tc_version)}) and "
                       f"the head speaks {PROTOCOL_VERSION}; run the same tc.pyz on every machine")
@@ -124,7 +154,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
         if entry.id in taken:
             raise Refusal(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "
                           "or stop the other worker")
-        problem = _fit_problem(entry, hello, plan, config, max_batch)
+        problem = _fit_problem(entry, hello, plan, config, sequences)
         if problem:
             raise Refusal(problem)
         return entry
@@ -132,7 +162,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
     for entry in topology.pipeline_nodes + topology.spare_nodes:  # spares only once the pipeline is full
         if entry.id in taken:
             continue
-        problem = _fit_problem(entry, hello, plan, config, max_batch)
+        problem = _fit_problem(entry, hello, plan, config, sequences)
         if problem is None:
             return entry
         problems.append(problem)

@@ -32,7 +32,7 @@ from ..planner import GIB, Plan, format_bytes, layer_weight_bytes, make_plan, no
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
-from .admission import device_for, over_memory_cap, speed_for
+from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for
 from .api import create_app
 from .http_server import HttpServer, start_http_server
 from .pipeline import RemotePipeline
@@ -118,18 +118,20 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, 
 
 def describe_spares(topology: Topology, plan: Plan, config: ModelConfig, max_batch: int) -> list[str]:
     """One line per spare entry: which nodes it could take over, as its max_memory_gb allows: their layers' weights
-    and the KV caches of `max_batch` sequences, as a takeover counts them (batch_memory.stage_need)."""
+    and the KV caches a takeover counts (admission.sequences_to_hold: the batch's where head.max_batch is set,
+    else one sequence's; batch_memory.stage_need)."""
     lines = []
+    sequences = sequences_to_hold(topology.head.max_batch, max_batch)
     for entry in topology.spare_nodes:
         fits = [s.node_id for s in plan.stages
-                if not over_memory_cap(entry, stage_need(config, s, max_batch, entry.device))]
+                if not over_memory_cap(entry, stage_need(config, s, sequences, entry.device))]
         if len(fits) == len(plan.stages):
             lines.append(f"spare {entry.id}: stands by for any node")
             continue
         limit = entry.max_memory_gb
         cap = f"its max_memory_gb {limit:g} ({format_bytes(int(limit * GIB))})"
         others = [s.node_id for s in plan.stages if s.node_id not in fits]
-        caches = f"with the KV caches of {max_batch} sequence(s) at full context"
+        caches = f"with the KV caches of {sequences} sequence(s) at full context"
         lines.append(f"spare {entry.id}: stands by for {', '.join(fits)} only; the layers of {', '.join(others)}, "
                      f"{caches}, need more than {cap}" if fits else
                      f"spare {entry.id}: can take over no node: every node's layers, {caches}, need more than "

@@ -56,7 +56,8 @@ from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
 from ..topology import Topology
 from ..trace import mark
-from .admission import Refusal, choose_entry, device_for, dtype_fallback, stage_fit_problem
+from .admission import (Refusal, caches_short_of_the_batch, choose_entry, device_for, dtype_fallback,
+                        sequences_to_hold, stage_fit_problem)
 from .service import Readiness, StageFailed, WorkerLost
 from .step_deadline import StepBudget, StepClock
 
@@ -756,6 +757,10 @@ class WorkerRegistry:
         slot.link, slot.state, slot.detail, slot.loaded, slot.joined_at = link, "loading", "loading", None, time.time()
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
+        short = caches_short_of_the_batch(self.topology.node(link.entry_id), link.hello, stage, self.config,
+                                          self.batch.max_batch)
+        if short:
+            log.warning("%s", short)
         return link, self._assignment(stage, link)
 
     def _match_standby(self) -> list[tuple[WorkerLink, Assignment]]:
@@ -770,7 +775,7 @@ class WorkerRegistry:
             stage = self.plan.stage_for(slot.node_id)
             for entry_id, link in list(self.standby.items()):
                 problem = stage_fit_problem(self.topology.node(entry_id), link.hello, stage, self.config,
-                                            self.batch.max_batch)
+                                            sequences_to_hold(self.topology.head.max_batch, self.batch.max_batch))
                 if problem is None:
                     del self.standby[entry_id]
                     assignments.append(self._occupy(slot, link))
