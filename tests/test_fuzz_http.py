@@ -298,6 +298,16 @@ def test_a_compressed_body_gets_a_415_that_says_so(server, expected_valid, encod
     assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid
 
 
+def test_a_body_that_starts_with_a_byte_order_mark_is_read(server, expected_valid):
+    """Editors and PowerShell on Windows write a UTF-8 byte order mark before the JSON; RFC 8259 lets a parser
+    ignore it, and it got a 400 'not valid JSON'. A mark anywhere else is still no JSON."""
+    plain = json.dumps(VALID).encode()
+    status, _, data = live_post(server, b"\xef\xbb\xbf" + plain)
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == expected_valid, data
+    status, headers, data = live_post(server, b" \xef\xbb\xbf" + plain)
+    assert status == 400 and assert_openai_error(status, headers, data)["code"] == "invalid_json"
+
+
 def raw_reply(data: bytes) -> tuple[int, dict, bytes]:
     """The status, headers (lower-case names) and body of a raw HTTP reply."""
     head, _, body = data.partition(b"\r\n\r\n")

@@ -257,7 +257,9 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
         raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
     try:
         # parse_constant: NaN and Infinity are not JSON, though Python's json module accepts them by default
-        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        # "utf-8-sig": a byte order mark before the JSON is dropped, as RFC 8259 lets a parser do (editors and
+        # PowerShell on Windows write one); json.loads refuses it
+        value = json.loads(body.decode("utf-8-sig"), parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not UTF-8: {exc}", code="invalid_json") from exc
     except ValueError as exc:  # json.JSONDecodeError is a ValueError, as is _reject_constant's
