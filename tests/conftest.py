@@ -31,3 +31,16 @@ def smollm2_dir() -> Path:
     from _demo import smollm2_dir as build
 
     return build()
+
+
+@pytest.fixture
+def gated(tiny_model_dir):
+    """A generator whose steps after the first wait for generator.pipeline.gate (model_helpers.GatedPipeline): a
+    generation then keeps its place in the batch for as long as a test needs, where a few tokens of the tiny model
+    would otherwise be done before the test's next line."""
+    from model_helpers import GatedPipeline, OurModel
+    from tc.generation import Generator
+    from tc.model.tokenizer import TextTokenizer
+
+    model = OurModel(tiny_model_dir)
+    return Generator(model.head, TextTokenizer.load(tiny_model_dir), GatedPipeline(model.stages), torch.float32)

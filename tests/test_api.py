@@ -13,7 +13,7 @@ import pytest
 import torch
 from falcon import testing
 
-from model_helpers import GatedPipeline, OurModel
+from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import DEFAULT_MAX_BODY_BYTES, INTERNAL_ERROR_MESSAGE, create_app, error_reply
 from tc.head.api_requests import (
@@ -500,13 +500,6 @@ def test_not_ready_cluster_answers_503_with_counts(generator):
         assert result.headers["retry-after"] == "1"
     # the model list needs no workers
     assert client.simulate_get("/v1/models").status_code == 200
-
-
-@pytest.fixture
-def gated(tiny_model_dir) -> Generator:
-    """A generator whose steps after the first wait for generator.pipeline.gate (model_helpers.GatedPipeline)."""
-    model = OurModel(tiny_model_dir)
-    return Generator(model.head, TextTokenizer.load(tiny_model_dir), GatedPipeline(model.stages), torch.float32)
 
 
 def test_full_queue_answers_429(gated):

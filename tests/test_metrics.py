@@ -86,13 +86,14 @@ def test_metrics_parse_and_counters_move(generator):
     assert not [k for k in after if k[0].startswith(("tc_stage_compute", "tc_hop_network")) and after[k]]
 
 
-def test_a_request_refused_with_a_429_is_not_a_failed_generation(generator):
+def test_a_request_refused_with_a_429_is_not_a_failed_generation(gated):
     """Load shed at a full queue is counted as the HTTP status it is, not as generations that failed (dashboards
     alert on those)."""
-    client, service = make_client(generator, max_queue=0, max_batch=1)
+    client, service = make_client(gated, max_queue=0, max_batch=1)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-    with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0)) as stream:
-        assert client.simulate_post("/v1/completions", json=body).status_code == 429
+    with service.open(gated.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0)) as stream:
+        assert client.simulate_post("/v1/completions", json=body).status_code == 429  # it holds the batch's place
+        gated.pipeline.gate.set()
         stream.drain()
     samples = scrape(client)
     route = {"method": "POST", "route": "/v1/completions"}
@@ -129,13 +130,14 @@ def test_hops_split_into_compute_and_network():
     assert value(samples, "tc_hop_network_seconds_count", node="b", phase="decode") == 2
 
 
-def test_queue_depth_counts_waiting_generations(generator):
-    client, service = make_client(generator)
-    with service.open(generator.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0)) as stream:
-        samples = scrape(client)
+def test_queue_depth_counts_waiting_generations(gated):
+    client, service = make_client(gated)
+    with service.open(gated.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0)) as stream:
+        samples = scrape(client)  # while its next step waits at the gate
         assert value(samples, "tc_requests_running") == 1 and value(samples, "tc_queue_depth") == 0
         body = client.simulate_get("/v1/cluster").json
         assert body["queue"] == {"waiting": 0, "running": 1, "limit": 16}
+        gated.pipeline.gate.set()
         stream.drain()
     assert value(scrape(client), "tc_requests_running") == 0
 
