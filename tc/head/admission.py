@@ -1,9 +1,10 @@
 """Which topology entry a joining worker fills, or why it is refused (docs/design.md, "Joining"). Pure."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import AbstractSet
 
-from ..batch_memory import StageNeed, stage_need
+from ..batch_memory import StageNeed, sequences_fit, stage_need
 from ..model.config import ModelConfig
 from ..planner import GIB, Plan, Stage, format_bytes
 from ..protocol.messages import PROTOCOL_VERSION, DeviceInfo, Hello, SpeedFigure
@@ -112,7 +113,7 @@ def caches_short_of_the_batch(entry: NodeEntry, hello: Hello, stage: Stage, conf
     room = min((limit for limit in limits if limit is not None), default=None)
     if room is None or need.total_bytes <= room:
         return None
-    held = max(room - need.weight_bytes, 0) // need.slot_bytes
+    held = sequences_fit(config, replace(stage, device=device), room)
     return (f"{entry.id} holds layers {stage.layers_text} with room for the KV caches of {held} of the batch's "
             f"{need.sequences} sequences at the model's full context ({format_bytes(need.slot_bytes)} each, beside "
             f"{format_bytes(need.weight_bytes)} of weights, in {format_bytes(room)}); it serves, as caches fill only "

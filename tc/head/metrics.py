@@ -39,7 +39,8 @@ class _LiveState(Collector):
         self.slots, self.tokens_per_s = slots, tokens_per_s
 
     def _families(self) -> tuple[GaugeMetricFamily, ...]:
-        return (GaugeMetricFamily("tc_queue_depth", "Generations waiting for a place in the batch (each choice of a request one)"),
+        return (GaugeMetricFamily("tc_queue_depth",
+                                  "Generations waiting for a place in the batch (each choice of a request one)"),
                 GaugeMetricFamily("tc_requests_running", "Generations in the batch now (slots in use)"),
                 GaugeMetricFamily("tc_batch_slots", "Sequences the batch holds at most (head.max_batch)"),
                 GaugeMetricFamily("tc_tokens_per_second", "Tokens generated per second, all sequences together, "
