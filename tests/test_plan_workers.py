@@ -202,21 +202,33 @@ def test_a_spare_takes_the_lost_nodes_planned_layers(tmp_path, model_dir):
         fast.close()
 
 
+LAYER_BYTES = 86528  # one of the tiny model's layers in fp16
+LAYER_CACHE = 2 * 2 * 16 * 256 * 4  # a sequence's KV cache on a layer: K and V x 2 KV heads x 16 x 256 positions x fp32
+STAGE_NEED = 4 * LAYER_BYTES + 8 * 4 * LAYER_CACHE  # a 4-layer node holding the default batch of 8 at full context
+
+
+def serving_slow_and_fast(cluster: Cluster) -> tuple[HandWorker, HandWorker, Assignment]:
+    """The head started, and hand-driven workers for NODES' two entries given their layers: (slow, fast, slow's
+    ASSIGNMENT)."""
+    cluster.start_head()
+    cluster.wait_api()
+    slow = HandWorker(cluster, "slow", None)
+    fast = HandWorker(cluster, "fast", None)
+    planned = slow.next_assignment(10)
+    assert planned is not None and fast.next_assignment(10) is not None
+    return slow, fast, planned
+
+
 def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, model_dir):
     """A spare's max_memory_gb bounds what it may take over, as a node's bounds its own layers: a spare capped
     under a lost node's weights stands by, and one without a cap takes the node."""
-    stage_bytes = 4 * 86528  # 4 of the tiny model's 8 layers in fp16
+    stage_bytes = 4 * LAYER_BYTES  # 4 of the tiny model's 8 layers
     small = stage_bytes / 2 / 2**30
     topology = write_topology(tmp_path / "t.yaml", model_dir, [
         *NODES, {"id": "small", "device": "cpu", "spare": True, "max_memory_gb": small},
         {"id": "big", "device": "cpu", "spare": True}], head={"heartbeat_s": 1})
     with Cluster(topology, tmp_path) as cluster:
-        cluster.start_head()
-        cluster.wait_api()
-        slow = HandWorker(cluster, "slow", None)
-        fast = HandWorker(cluster, "fast", None)
-        planned = slow.next_assignment(10)
-        assert planned is not None and fast.next_assignment(10) is not None
+        slow, fast, planned = serving_slow_and_fast(cluster)
         spare = HandWorker(cluster, "small", None)  # the machine itself offers all it has
         slow.close()
         assert spare.next_assignment(3) is None, "a spare took layers over its max_memory_gb"
@@ -229,11 +241,6 @@ def test_a_spare_takes_no_node_whose_layers_exceed_its_max_memory_gb(tmp_path, m
         assert "[--node-id ID]  (ids: slow, fast; spares: small, big)" in cluster.head.output()
         for worker in (spare, big, fast):
             worker.close()
-
-
-LAYER_BYTES = 86528  # one of the tiny model's layers in fp16
-LAYER_CACHE = 2 * 2 * 16 * 256 * 4  # a sequence's KV cache on a layer: K and V x 2 KV heads x 16 x 256 positions x fp32
-STAGE_NEED = 4 * LAYER_BYTES + 8 * 4 * LAYER_CACHE  # a 4-layer node holding the default batch of 8 at full context
 
 
 @pytest.mark.parametrize("bounded_by", ["what it offers", "its max_memory_gb"])
@@ -250,13 +257,8 @@ def test_a_spare_that_holds_a_lost_nodes_weights_but_not_its_kv_cache_stands_by(
     topology = write_topology(tmp_path / "t.yaml", model_dir, [*NODES, lean, ample],
                               head={"heartbeat_s": 1, "max_batch": 8})
     with Cluster(topology, tmp_path) as cluster:
-        cluster.start_head()
-        cluster.wait_api()
-        slow = HandWorker(cluster, "slow", None)
-        fast = HandWorker(cluster, "fast", None)
-        planned = slow.next_assignment(10)
-        assert planned is not None and (planned.layer_start, planned.layer_end_exclusive) == (0, 4)
-        assert fast.next_assignment(10) is not None
+        slow, fast, planned = serving_slow_and_fast(cluster)
+        assert (planned.layer_start, planned.layer_end_exclusive) == (0, 4)
         spare = HandWorker(cluster, "lean", None,
                            max_memory_bytes=lean_bytes if bounded_by == "what it offers" else None)
         slow.close()
