@@ -15,7 +15,9 @@ running while there is work, owns the batch and steps it:
               and sequences still reading their prompt share `prefill_chunk` prompt positions, so a long prompt
               arriving never stalls the running streams for more than one chunk
     deliver   each sequence that chose a token gets its Step on its own queue; a finished one leaves the batch
-              and its caches are released at once
+              and its caches are released at once. The Steps (and the step's metrics) are handed out while the
+              next step is away (Generator.step's `meanwhile`), so that no reply woken by its token runs between
+              the token and the next step's send; the last step's, once no step follows
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
