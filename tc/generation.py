@@ -197,6 +197,9 @@ class Completion:
     decode_s: float  # time for the tokens after the first
     tokens: tuple[TokenInfo, ...] = ()  # token_ids with their text offsets and log-probabilities
     prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, only when SamplingParams.prompt_logprobs
+    # The end-of-sequence token that ended it, at the text's end: not in token_ids, the text or the counts, but
+    # chosen like any other, so it has a log-probability (with SamplingParams.logprobs). None: it ended otherwise.
+    end: TokenInfo | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -421,7 +424,8 @@ class SequenceState:
         if self.first_token_at is None:
             self.first_token_at = self.last_token_at
         if token in eos and not params.ignore_eos:
-            return self._finish("stop")
+            return self._finish("stop", end=(token, token_logprob(logits, token, params.logprobs)
+                                              if params.logprobs is not None else None))
         report = token_logprob(logits, token, params.logprobs) if params.logprobs is not None else None
         state.push(token, report, look_for_stops=len(state.tokens) + 1 >= params.min_tokens)
         if self.history is not None:
@@ -435,7 +439,8 @@ class SequenceState:
         self.unsent_prompt = ()
         return step
 
-    def _finish(self, reason: str) -> Step:
+    def _finish(self, reason: str, end: tuple[int, TokenLogprob | None] | None = None) -> Step:
+        """The last Step; `end` is the end-of-sequence token that ends the completion, with its report."""
         text, rest_text, rest_tokens = self.text.finish()
         if self.text.stop_at is not None:  # a stop string in the text the last tokens held back cuts it too
             reason = "stop"
@@ -443,7 +448,8 @@ class SequenceState:
         first = self.first_token_at if self.first_token_at is not None else started
         last = self.last_token_at if self.last_token_at is not None else first
         self.completion = Completion(tuple(t.id for t in self.text.tokens), text, reason, len(self.prompt_ids),
-                                     first - started, last - first, tuple(self.text.tokens), self.prompt_infos)
+                                     first - started, last - first, tuple(self.text.tokens), self.prompt_infos,
+                                     TokenInfo(end[0], len(self.text.text), end[1]) if end is not None else None)
         return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
 
 

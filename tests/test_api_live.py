@@ -383,6 +383,47 @@ def test_a_completion_that_starts_with_a_word_keeps_its_space(tmp_path):
         running.stop()
 
 
+def test_a_scored_text_that_the_model_would_end_keeps_its_last_token(tmp_path):
+    """lm-evaluation-harness scores a text with echo, max_tokens 1 and logprobs, and drops the last entry as the
+    generated token. Where the model chose to end there (EOS), the completion had no entry of its own, so the
+    harness dropped the text's last token and scored the rest, silently. The EOS token now has the last entry, in
+    the whole reply and the streamed one alike, and stays out of the text and the usage."""
+    model_dir = write_tiny_model(tmp_path / "m", seed=0)
+    model = OurModel(model_dir)
+    tokenizer = TextTokenizer.load(model_dir)
+    prompt = tokenizer.encode("Say this is a test")
+    # the model's own greedy choice after the prompt, made its end-of-sequence token: it ends the text there
+    (ending,) = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(
+        prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)).token_ids
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ending}))
+    running = serve(Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        ask = dict(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234)
+        reply = client.completions.create(**ask)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop"
+        assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 0
+        assert choice.text == tokenizer.decode(prompt)
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(prompt) + 1
+        echoed = client.completions.create(**{**ask, "max_tokens": 0}).choices[0].logprobs
+        assert logprobs.tokens[:-1] == echoed.tokens
+        assert logprobs.token_logprobs[1:-1] == pytest.approx(echoed.token_logprobs[1:], abs=1e-5)
+        # the entry is the greedy choice's: the likeliest token there, at the end of the text
+        assert logprobs.token_logprobs[-1] == max(logprobs.top_logprobs[-1].values())
+        assert logprobs.top_logprobs[-1][logprobs.tokens[-1]] == logprobs.token_logprobs[-1]
+        assert logprobs.text_offset[-1] == len(choice.text)
+        chunks = [chunk.choices[0] for chunk in client.completions.create(**ask, stream=True) if chunk.choices]
+        streamed = {key: [value for chunk in chunks if chunk.logprobs for value in getattr(chunk.logprobs, key)]
+                    for key in ("tokens", "token_logprobs", "text_offset")}
+        assert streamed["tokens"] == logprobs.tokens and streamed["text_offset"] == logprobs.text_offset
+        assert streamed["token_logprobs"][-1] == pytest.approx(logprobs.token_logprobs[-1], abs=1e-5)
+        assert "".join(chunk.text for chunk in chunks) == choice.text
+    finally:
+        running.stop()
+
+
 def test_stop_closes_the_port(generator):
     running = serve(generator)
     status, _, _ = raw_post(running, "/v1/completions", b"{}")

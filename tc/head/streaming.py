@@ -206,8 +206,17 @@ class CompletionReply:
     def _shift(self) -> int:
         return len(self.echo_text) if self.echo_text is not None else 0
 
+    @staticmethod
+    def _scored(tokens: Sequence[TokenInfo], completion: Completion | None) -> Sequence[TokenInfo]:
+        """`tokens`, and after the last of them the end-of-sequence token that ended the completion, if one did: it
+        was generated like any other, and a client that scores a text (lm-evaluation-harness: echo, max_tokens 1)
+        drops the last entry as the generated one; without it, that would be the text's own last token."""
+        if completion is None or completion.end is None:
+            return tokens
+        return (*tokens, completion.end)
+
     def whole(self, completion: Completion) -> dict[str, Any]:
-        text, logprobs = completion.text, self._logprobs(completion.tokens, self._shift)
+        text, logprobs = completion.text, self._logprobs(self._scored(completion.tokens, completion), self._shift)
         if self.echo_text is not None:
             text = self.echo_text + text
             prompt = self._logprobs(completion.prompt, 0)
@@ -223,9 +232,10 @@ class CompletionReply:
         return [self._chunk([self._choice(self.echo_text, self._logprobs(first.prompt, 0), None)])]
 
     def deltas(self, step: Step) -> list[dict[str, Any]]:
-        if not step.text and not (step.tokens and self.logprobs is not None):
+        tokens = self._scored(step.tokens, step.completion)
+        if not step.text and not (tokens and self.logprobs is not None):
             return []
-        return [self._chunk([self._choice(step.text, self._logprobs(step.tokens, self._shift), None)])]
+        return [self._chunk([self._choice(step.text, self._logprobs(tokens, self._shift), None)])]
 
     def closing(self, completion: Completion) -> list[dict[str, Any]]:
         return [self._chunk([self._choice("", None, completion.finish_reason)])]
