@@ -1,7 +1,7 @@
 """Choosing the next token from logits, and reporting how likely it was. Pure functions of tensors.
 
 The order is the one HF transformers and vLLM use: penalties on the raw logits (repetition, then presence and
-frequency), then temperature, then top-k and top-p, then one draw from a seeded `torch.Generator`. Greedy
+frequency), then temperature, then top-k and top-p, then one draw from the request's `SeededRandom`. Greedy
 (temperature 0) takes the argmax after the penalties. Log-probabilities are reported from the raw model
 distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did.
 """
@@ -77,11 +77,31 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
 
 
-def new_rng(seed: int | None) -> torch.Generator:
-    """A generator for one request: seeded from `seed` (a signed 64-bit integer), else from the OS."""
-    rng = torch.Generator()
-    rng.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return rng
+class SeededRandom:
+    """One request's uniform random numbers, from all 64 bits of its seed.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed: seeded alone, seeds that differ only above
+    them (-1 and 2**32 - 1, or 5 and 5 + 2**32) would draw the same numbers, and give the same text. So the low 32
+    bits seed one generator and the high 32 bits a second, and each number is the sum of theirs modulo 1: uniform
+    (as the sum modulo 1 of two independent uniform numbers is), and its own for each seed. A seed whose high bits
+    are 0 has no second generator: it draws what torch's generator seeded with it draws."""
+
+    def __init__(self, seed: int):
+        bits = seed % 2**64  # a signed 64-bit seed as its two's complement
+        self.low = torch.Generator().manual_seed(bits & 0xFFFFFFFF)
+        self.high = torch.Generator().manual_seed(bits >> 32) if bits >> 32 else None
+
+    def uniform(self) -> torch.Tensor:
+        """The next number, uniform in [0, 1), as a float64 scalar."""
+        point = torch.rand((), generator=self.low, dtype=torch.float64)
+        if self.high is not None:
+            point = (point + torch.rand((), generator=self.high, dtype=torch.float64)) % 1.0
+        return point
+
+
+def new_rng(seed: int | None) -> SeededRandom:
+    """The random numbers of one request: from `seed` (a signed 64-bit integer), else from the OS."""
+    return SeededRandom(seed if seed is not None else secrets.randbits(64))
 
 
 class TokenHistory:
@@ -180,7 +200,7 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw(weights: torch.Tensor, generator: SeededRandom | torch.Generator | None) -> int:
     """An index drawn with probability proportional to `weights` (>= 0, not all 0).
 
     The inverse of the cumulative distribution at one uniform number: one random number and one pass in float64.
@@ -188,7 +208,9 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     equals the one before it, and the search takes the first that exceeds the number."""
     cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64, out=_scratch.like("cumulative", weights,
                                                                                    torch.float64))
-    point = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
+    uniform = generator.uniform() if isinstance(generator, SeededRandom) else \
+        torch.rand((), generator=generator, dtype=torch.float64)
+    point = uniform * cumulative[-1]
     index = int(torch.searchsorted(cumulative, point, right=True))
     if index >= weights.shape[-1]:  # rounding put the point on the total: the last token that has any weight
         index = int(torch.nonzero(weights).max())
@@ -205,7 +227,7 @@ def greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: SeededRandom | torch.Generator | None,
            top_k: int = 0) -> int:
     """The next token id for fp32 `logits` [vocab] (already penalised). Greedy at temperature 0."""
     # a temperature below the logits' dtype's smallest number is 0 there; greedy is what it tends to anyway
@@ -222,7 +244,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
-           rng: torch.Generator, banned: Sequence[int] = (), allowed: torch.Tensor | None = None) -> int:
+           rng: SeededRandom | torch.Generator, banned: Sequence[int] = (), allowed: torch.Tensor | None = None
+           ) -> int:
     """The next token for raw fp32 `logits` [vocab] under `params`: one of `allowed` (bool [vocab]) if given,
     never one of `banned`."""
     if allowed is not None:  # before everything else: penalties and top-k/top-p then see only valid tokens

@@ -111,6 +111,18 @@ def test_sampling_fields_through_the_openai_client(client):
     assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.content) <= 3
 
 
+def test_seeds_that_share_their_low_32_bits_give_their_own_text(client):
+    """`seed` is a signed 64-bit integer, but the sampler's generator kept only its low 32 bits: 5 and 5 + 2**32, or
+    -1 and 2**32 - 1, gave the same text. Each gives its own now, and each again when asked again."""
+    def text(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=2, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    for low, high in [(5, 5 + 2**32), (-1, 2**32 - 1)]:
+        assert text(high) != text(low)
+        assert text(high) == text(high)
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"50": 10})

@@ -9,7 +9,7 @@ from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, Top
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
-from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty,
+from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty, draw,
                          filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample, token_logprob)
 
 VOCAB = 50
@@ -114,10 +114,25 @@ def test_seeded_draws_repeat_and_seeds_differ():
     assert draws(2**63 - 1) == draws(2**63 - 1)
 
 
-def test_draws_follow_the_tempered_distribution():
+def test_every_bit_of_a_seed_counts():
+    """torch's CPU generator keeps only a seed's low 32 bits: seeds that differ only above them (-1 and 2**32 - 1,
+    5 and 5 + 2**32, 0 and -2**63) drew the same numbers. A seed within 32 bits draws what it always drew."""
+    weights = torch.ones(1000)
+
+    def draws(rng) -> list[int]:
+        return [draw(weights, rng) for _ in range(8)]
+
+    for a, b in [(-1, 2**32 - 1), (5, 5 + 2**32), (0, -(2**63)), (2**63 - 1, 2**32 - 1), (7, 7 - 2**32)]:
+        assert draws(new_rng(a)) != draws(new_rng(b)), (a, b)
+    for seed in (0, 5, 2**32 - 1):
+        assert draws(new_rng(seed)) == draws(torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("seed", [123, 123 + (7 << 32), -123])
+def test_draws_follow_the_tempered_distribution(seed):
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     temperature = 0.7
-    rng = new_rng(123)
+    rng = new_rng(seed)
     n = 20000
     counts = torch.bincount(torch.tensor([sample(logits, temperature, 1.0, rng) for _ in range(n)]), minlength=4)
     expected = torch.softmax(logits / temperature, -1)
