@@ -270,3 +270,56 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     assert (gemma3.rope.theta, gemma3.rope.type, gemma3.local_rope.theta, gemma3.local_rope.type) == \
         (1e6, "linear", 10000.0, "default")
     assert gemma3.layer_rope(0) == gemma3.local_rope and gemma3.layer_rope(5) == gemma3.rope
+
+
+# Keys a config.json may leave out (written by hand, or by a tool that writes only what differs from the defaults),
+# whose transformers default is the family's own rather than what most families take: Gemma 2's soft caps, query
+# scale and activation, Gemma 3's two rotary bases (with linear scaling on the global layers only, and the 4.x
+# sliding_window_pattern), Mixtral's rotary base.
+GEMMA3_4X = {"sliding_window_pattern": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+LEFT_OUT = {  # case: (family, keys dropped, keys added)
+    "gemma2": ("gemma2", {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                          "hidden_activation", "rope_parameters"}, {}),
+    "gemma3": ("gemma3", {"rope_parameters", "layer_types", "_sliding_window_pattern"}, GEMMA3_4X),
+    "gemma3-no-local-base": ("gemma3", {"rope_parameters", "layer_types", "_sliding_window_pattern"},
+                             {**GEMMA3_4X, "rope_theta": 1e6}),
+    "mixtral": ("mixtral", {"rope_parameters"}, {}),
+}
+
+
+@pytest.mark.parametrize("case", LEFT_OUT)
+def test_keys_config_json_leaves_out_take_the_family_defaults_transformers_takes(family_dirs, tmp_path, case):
+    import shutil
+
+    name, dropped, added = LEFT_OUT[case]
+    model_dir = shutil.copytree(family_dirs(name), tmp_path / name)
+    data = json.loads((model_dir / "config.json").read_text())
+    assert dropped <= set(data)
+    data = {**{k: v for k, v in data.items() if k not in dropped}, **added}
+    (model_dir / "config.json").write_text(json.dumps(data))
+    ref = hf_logits(hf_family_model(model_dir), PROMPT)
+    ours = OurModel(model_dir, splits=[2])
+    assert (ours.full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+    assert (ours.cached_logits(PROMPT, split=4) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("architecture, config_class", [
+    ("MistralForCausalLM", "MistralConfig"), ("Gemma2ForCausalLM", "Gemma2Config"),
+    ("Gemma3ForCausalLM", "Gemma3TextConfig"), ("MixtralForCausalLM", "MixtralConfig")])
+def test_a_sliding_window_config_json_leaves_out_is_the_one_transformers_takes(architecture, config_class):
+    """Mistral 7B v0.1's window, 4096, is MistralConfig's default (v0.3 turns it off with null); Gemma's too.
+    Too wide to show in a tiny model's logits, so the windows are compared with transformers' config; and the head
+    size, which Gemma's config takes as 256 rather than hidden_size / num_attention_heads."""
+    import transformers
+
+    data = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-6, "num_local_experts": 4, "num_experts_per_tok": 2}
+    ours = ModelConfig.from_dict({"architectures": [architecture], **data})
+    theirs = getattr(transformers, config_class)(**data)
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)  # Mixtral's None: derived
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * 6
+    windows = tuple(theirs.sliding_window if t == "sliding_attention" else None for t in types)
+    assert ours.sliding_windows == (windows if any(windows) else ())  # (): no layer slides (Mixtral's default)
+    off = ModelConfig.from_dict({"architectures": [architecture], **data, "sliding_window": None})
+    assert off.sliding_windows == ()

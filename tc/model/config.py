@@ -167,8 +167,9 @@ def token_ids(value: Any, where: str) -> list[int]:
 
 
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
-                  act_key: str = "hidden_act") -> dict[str, Any]:
-    """The ModelConfig fields every family reads the same way, from config.json's dict.
+                  act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default` and
+    `default_theta` are what the family's transformers config takes where config.json leaves those out.
 
     Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
     """
@@ -209,7 +210,7 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
     partial = data.get("partial_rotary_factor")
     if partial is not None and partial != 1.0:
         raise ConfigError(f"config.json sets partial_rotary_factor = {partial!r}; tc rotates the whole head")
-    values["rope"] = parse_rope(data)
+    values["rope"] = parse_rope(data, default_theta=default_theta)
     values["source"] = copy.deepcopy(data)
     return values
 

@@ -24,7 +24,8 @@ import torch
 from .errors import ConfigError
 
 # What transformers takes when config.json names no rotary base, in both layouts: 4.x's configs default
-# rope_theta to 10000.0, and 5.x's fall back to RotaryEmbeddingConfigMixin.default_theta, also 10000.0.
+# rope_theta to 10000.0, and 5.x's fall back to RotaryEmbeddingConfigMixin.default_theta, also 10000.0. A family
+# whose config class says otherwise (Mixtral, Gemma 3) passes its own to parse_rope.
 DEFAULT_ROPE_THETA = 10000.0
 ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")
 # The keys each scaling type reads ("type" is the older spelling of "rope_type"); any other key changes RoPE in
@@ -59,10 +60,11 @@ class Rope:
         return value
 
 
-def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta") -> Rope:
+def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_theta: float = DEFAULT_ROPE_THETA) -> Rope:
     """The rotary embedding config.json gives, from either layout. Raises ConfigError for RoPE tc cannot compute.
 
-    `theta_key` names the top-level base (Gemma 3's sliding layers read `rope_local_base_freq`).
+    `theta_key` names the top-level base (Gemma 3's sliding layers read `rope_local_base_freq`); `default_theta` is
+    the base when config.json gives none, which is the family's (transformers' MixtralConfig takes 1e6, most 1e4).
     """
     found: dict[str, Any] = {}
     if data.get(theta_key) is not None:
@@ -89,7 +91,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta") -> Rope:
     if len({float(v) for v in found.values()}) > 1:
         given = ", ".join(f"{where} = {value!r}" for where, value in found.items())
         raise ConfigError(f"config.json gives two rotary bases ({given}); keep one of them")
-    theta = float(next(iter(found.values()), DEFAULT_ROPE_THETA))
+    theta = float(next(iter(found.values()), default_theta))
     if scaling is None:
         return Rope(theta)
     key, rope = scaling

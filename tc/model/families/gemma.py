@@ -8,13 +8,25 @@ import math
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig, common_fields, flag, layer_windows, require
-from ..rope import parse_rope
+from ..rope import Rope, parse_rope
+
+# What transformers' Gemma2Config and Gemma3TextConfig take for a key config.json leaves out, where it is not what
+# every family takes (common_fields): a file that leaves them out (written by hand, or by a tool that writes only
+# what differs from the defaults) runs as it does there.
+GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                  "hidden_activation": "gelu_pytorch_tanh"}
+GEMMA2_DEFAULTS = {**GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+GEMMA3_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.default_theta: global and local
 
 
-def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool]) -> dict[str, Any]:
+def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool], defaults: dict[str, Any],
+           default_theta: float = 10_000.0) -> dict[str, Any]:
     """The fields Gemma 2 and 3 share; `slides(layer)` says which layers slide when config.json (as 4.x wrote
-    it) lists no layer_types."""
-    values = common_fields(data, family, tie_default=True, act_key="hidden_activation")
+    it) lists no layer_types; `defaults` fill the keys config.json leaves out (an explicit null stays null)."""
+    source = copy.deepcopy(data)
+    data = {**defaults, **data}
+    values = common_fields(data, family, tie_default=True, act_key="hidden_activation", default_theta=default_theta)
+    values["source"] = source
     scalar = require(data, "query_pre_attn_scalar", (int, float), family)
     windows = layer_windows(data, values["num_hidden_layers"])
     if not windows and data.get("sliding_window") is not None and data.get("layer_types") is None:
@@ -33,10 +45,11 @@ def _cap(data: dict[str, Any], key: str) -> float | None:
 
 def parse_gemma2(data: dict[str, Any]) -> ModelConfig:
     # Gemma 2 alternates: even layers slide, odd ones attend globally
-    return ModelConfig(**_gemma(data, "gemma2", lambda i: i % 2 == 0), qkv_bias=flag(data, "attention_bias"),
-                       o_bias=flag(data, "attention_bias"),
-                       attn_softcap=_cap(data, "attn_logit_softcapping"),
-                       final_softcap=_cap(data, "final_logit_softcapping"))
+    caps = {**GEMMA2_DEFAULTS, **data}  # soft caps the file leaves out are 50 and 30; null turns one off
+    return ModelConfig(**_gemma(data, "gemma2", lambda i: i % 2 == 0, GEMMA2_DEFAULTS),
+                       qkv_bias=flag(data, "attention_bias"), o_bias=flag(data, "attention_bias"),
+                       attn_softcap=_cap(caps, "attn_logit_softcapping"),
+                       final_softcap=_cap(caps, "final_logit_softcapping"))
 
 
 def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
@@ -48,14 +61,15 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
     if type(pattern) is not int or pattern < 1:
         raise ConfigError(f"config.json sets sliding_window_pattern = {pattern!r}; expected a positive integer")
     values = _gemma({k: v for k, v in data.items() if not (per_type and k == "rope_parameters")}, "gemma3_text",
-                    lambda i: (i + 1) % pattern != 0)
+                    lambda i: (i + 1) % pattern != 0, GEMMA_DEFAULTS, GEMMA3_THETA)
     values["source"] = copy.deepcopy(data)
-    rope, local = values["rope"], values["rope"]
-    if per_type:  # 5.x: one rope per layer type
-        rope = parse_rope({"rope_parameters": params["full_attention"]})
-        local = parse_rope({"rope_parameters": params.get("sliding_attention", params["full_attention"])})
-    elif data.get("rope_local_base_freq") is not None:  # 4.x: the sliding layers' base beside rope_theta
-        local = parse_rope({"rope_theta": data["rope_local_base_freq"]})
+    # 4.x: the sliding layers turn at rope_local_base_freq, unscaled whatever rope_scaling does to the global ones
+    local_theta = parse_rope({"rope_local_base_freq": data.get("rope_local_base_freq")}, "rope_local_base_freq",
+                             GEMMA3_LOCAL_THETA).theta
+    rope, local = values["rope"], Rope(local_theta)
+    if per_type:  # 5.x: one rope per layer type, each taking the 4.x base where it names none
+        rope = parse_rope({"rope_parameters": params["full_attention"]}, default_theta=rope.theta)
+        local = parse_rope({"rope_parameters": params.get("sliding_attention")}, default_theta=local_theta)
     values["rope"] = rope
     return ModelConfig(**values, qkv_bias=flag(data, "attention_bias"),
                        o_bias=flag(data, "attention_bias"), qk_norm=True,

@@ -43,7 +43,7 @@ def parse_qwen3_moe(data: dict[str, Any]) -> ModelConfig:
 
 
 def parse_mixtral(data: dict[str, Any]) -> ModelConfig:
-    values = common_fields(data, "mixtral")
+    values = common_fields(data, "mixtral", default_theta=1_000_000.0)  # transformers' MixtralConfig default
     window = None if data.get("sliding_window") is None else require(data, "sliding_window")
     experts = Experts(count=within_limit("num_local_experts", require(data, "num_local_experts", int, "mixtral")),
                       top_k=require(data, "num_experts_per_tok"),
