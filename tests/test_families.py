@@ -323,3 +323,14 @@ def test_a_sliding_window_config_json_leaves_out_is_the_one_transformers_takes(a
     assert ours.sliding_windows == (windows if any(windows) else ())  # (): no layer slides (Mixtral's default)
     off = ModelConfig.from_dict({"architectures": [architecture], **data, "sliding_window": None})
     assert off.sliding_windows == ()
+
+
+def test_a_qwen3_config_json_without_head_dim_has_the_heads_of_128_transformers_gives_it(tmp_path):
+    """Qwen3Config's head_dim defaults to 128, not hidden_size / num_attention_heads (16 here)."""
+    model_dir = write_family_model(tmp_path / "qwen3", "qwen3", seed=1, head_dim=128)
+    data = json.loads((model_dir / "config.json").read_text())
+    del data["head_dim"]
+    (model_dir / "config.json").write_text(json.dumps(data))
+    ref = hf_logits(hf_family_model(model_dir), PROMPT)
+    assert ModelConfig.from_file(model_dir / "config.json").head_dim == 128
+    assert (OurModel(model_dir).full_logits(PROMPT) - ref).abs().max().item() < 1e-4

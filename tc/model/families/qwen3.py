@@ -1,13 +1,20 @@
 """Qwen3: an RMSNorm over each query and key head (q_norm, k_norm), no q/k/v bias, its own head_dim."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ..config import ModelConfig, common_fields, flag
 from .qwen2 import refuse_sliding_window
 
+# transformers' Qwen3Config takes heads of 128 where config.json names no head_dim, whatever hidden_size /
+# num_attention_heads is (as every Qwen3 has them); null still derives it (transformers cannot run one)
+DEFAULT_HEAD_DIM = 128
+
 
 def parse(data: dict[str, Any]) -> ModelConfig:
     refuse_sliding_window(data, "qwen3")
     bias = flag(data, "attention_bias")
-    return ModelConfig(**common_fields(data, "qwen3"), qkv_bias=bias, o_bias=bias, qk_norm=True)
+    values = common_fields({"head_dim": DEFAULT_HEAD_DIM, **data}, "qwen3")
+    values["source"] = copy.deepcopy(data)
+    return ModelConfig(**values, qkv_bias=bias, o_bias=bias, qk_norm=True)
