@@ -334,3 +334,20 @@ def test_a_qwen3_config_json_without_head_dim_has_the_heads_of_128_transformers_
     ref = hf_logits(hf_family_model(model_dir), PROMPT)
     assert ModelConfig.from_file(model_dir / "config.json").head_dim == 128
     assert (OurModel(model_dir).full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name, rope_scaling", [
+    ("qwen2-linear-rope", {"type": "yarn", "factor": 4.0}),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+])
+def test_rope_scaling_without_its_original_context_scales_from_the_models_as_transformers_does(
+        family_dirs, tmp_path, name, rope_scaling):
+    """transformers takes max_position_embeddings where rope_scaling names no original_max_position_embeddings."""
+    import shutil
+
+    model_dir = shutil.copytree(family_dirs(name), tmp_path / name)
+    data = json.loads((model_dir / "config.json").read_text())
+    data.pop("rope_parameters", None)
+    (model_dir / "config.json").write_text(json.dumps({**data, "rope_theta": 1e4, "rope_scaling": rope_scaling}))
+    ref = hf_logits(hf_family_model(model_dir), PROMPT)
+    assert (OurModel(model_dir).full_logits(PROMPT) - ref).abs().max().item() < 1e-4

@@ -22,6 +22,9 @@ SCALINGS = {
     "yarn with betas and mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
                                    "beta_fast": 16, "beta_slow": 2, "mscale": 0.7, "mscale_all_dim": 0.5,
                                    "rope_theta": 10000.0},
+    "yarn without its original context": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+    "llama3 without its original context": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "rope_theta": 500000.0},
     "yarn with its attention factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                                        "attention_factor": 1.2, "truncate": False, "rope_theta": 1e6},
 }
@@ -56,7 +59,8 @@ def test_the_tables_carry_yarns_factor():
 
 
 @pytest.mark.parametrize(("parameters", "message"), [
-    ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, r"original_max_position_embeddings = None"),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 1024, "rope_theta": 1e6},
+     r"factor = None; rope_type 'yarn' needs it"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
       "original_max_position_embeddings": 8192}, r"high_freq_factor <= low_freq_factor"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": "32"},

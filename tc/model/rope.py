@@ -99,6 +99,10 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
     params = []
     for name in SCALING_KEYS[rope_type]:
         value = rope.get(name)
+        if value is None and name == "original_max_position_embeddings":
+            # transformers takes the model's context where the file names no pre-training one, and the ramp
+            # between kept and stretched frequencies sits there
+            value = data.get("max_position_embeddings")
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"config.json sets {key}.{name} = {value!r}; rope_type {rope_type!r} needs it to be "
                               "a positive number")

@@ -68,8 +68,9 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
                              GEMMA3_LOCAL_THETA).theta
     rope, local = values["rope"], Rope(local_theta)
     if per_type:  # 5.x: one rope per layer type, each taking the 4.x base where it names none
-        rope = parse_rope({"rope_parameters": params["full_attention"]}, default_theta=rope.theta)
-        local = parse_rope({"rope_parameters": params.get("sliding_attention")}, default_theta=local_theta)
+        context = {"max_position_embeddings": data.get("max_position_embeddings")}
+        rope = parse_rope({"rope_parameters": params["full_attention"], **context}, default_theta=rope.theta)
+        local = parse_rope({"rope_parameters": params.get("sliding_attention"), **context}, default_theta=local_theta)
     values["rope"] = rope
     return ModelConfig(**values, qkv_bias=flag(data, "attention_bias"),
                        o_bias=flag(data, "attention_bias"), qk_norm=True,
