@@ -256,6 +256,21 @@ def test_a_family_setting_tc_would_ignore_is_refused():
                                "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}})
 
 
+@pytest.mark.parametrize("rope_scaling", [{"type": "linear", "factor": 2.0}, {"type": "dynamic", "factor": 2.0},
+                                          {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_a_phi3_rope_scaling_transformers_refuses_is_refused(rope_scaling):
+    """Phi3Config takes longrope alone, and reads yarn as longrope: tc computing linear, dynamic or yarn RoPE for a
+    Phi-3 would be running a model transformers does not."""
+    import transformers
+
+    data = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_scaling": rope_scaling}
+    with pytest.raises(Exception):
+        transformers.Phi3Config.from_dict(json.loads(json.dumps(data)))  # a copy: it rewrites yarn in place
+    with pytest.raises(ConfigError, match="Phi-3 scales its rotary embedding with longrope only"):
+        ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], **data})
+
+
 def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     """Published Gemma 2 and 3 config.json files (written by transformers 4.x) list no layer_types."""
     shapes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4,
