@@ -271,6 +271,16 @@ def test_a_phi3_rope_scaling_transformers_refuses_is_refused(rope_scaling):
         ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], **data})
 
 
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_a_gemma_with_bidirectional_attention_is_refused(family_dirs, architecture):
+    """transformers' Gemma attention stops being causal where config.json sets use_bidirectional_attention."""
+    model_dir = family_dirs("gemma3" if architecture == "Gemma3ForCausalLM" else "gemma2")
+    data = json.loads((model_dir / "config.json").read_text())
+    assert ModelConfig.from_dict({**data, "use_bidirectional_attention": False}) == ModelConfig.from_dict(data)
+    with pytest.raises(ConfigError, match="use_bidirectional_attention = true; tc runs Gemma as a causal"):
+        ModelConfig.from_dict({**data, "use_bidirectional_attention": True})
+
+
 def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     """Published Gemma 2 and 3 config.json files (written by transformers 4.x) list no layer_types."""
     shapes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4,

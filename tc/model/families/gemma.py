@@ -23,6 +23,9 @@ def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool], def
            default_theta: float = 10_000.0) -> dict[str, Any]:
     """The fields Gemma 2 and 3 share; `slides(layer)` says which layers slide when config.json (as 4.x wrote
     it) lists no layer_types; `defaults` fill the keys config.json leaves out (an explicit null stays null)."""
+    if flag(data, "use_bidirectional_attention"):  # EmbeddingGemma's: transformers then lets every token see all
+        raise ConfigError("config.json sets use_bidirectional_attention = true; tc runs Gemma as a causal language "
+                          "model, each token attending to those before it")
     source = copy.deepcopy(data)
     data = {**defaults, **data}
     values = common_fields(data, family, tie_default=True, act_key="hidden_activation", default_theta=default_theta)
