@@ -424,6 +424,20 @@ def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
 
 
 @needs_kernels
+def test_a_cached_library_cut_short_is_built_again(tmp_path):
+    first = run_python(PROBE, HOME=str(tmp_path))
+    built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("native-*.so"))
+    assert first.returncode == 0 and "kernels: True" in first.stdout and len(built) == 1
+    size = built[0].stat().st_size
+    for kept in (size // 2, 0):  # pages missing past its end (loading it died of SIGBUS); nothing of it at all
+        os.truncate(built[0], kept)
+        again = run_python(PROBE, HOME=str(tmp_path))
+        assert again.returncode == 0, again.stderr
+        assert "cut short" in again.stdout and "kernels: True" in again.stdout
+        assert built[0].stat().st_size == size
+
+
+@needs_kernels
 @pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 4, 16), (6, 1, 24), (16, 1, 128), (8, 2, 256)])
 def test_decode_attention_equals_its_reference_and_stores_the_new_position(heads, kv_heads, d):
     gen = torch.Generator().manual_seed(heads * d)

@@ -493,7 +493,11 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
     path = CACHE_DIR / f"native-{key.hexdigest()[:16]}.so"
     if path.is_file():
-        return path
+        if _whole_library(path):
+            return path
+        # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
+        # pages past its end and die of SIGBUS on touching them, so it is built again over it
+        log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
         files, out = [Path(tmp) / name for name in sorted(sources)], Path(tmp) / "native.so"
@@ -505,8 +509,24 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
             raise RuntimeError(f"{compiler} failed: {first}")
+        with open(out, "rb") as built:
+            os.fsync(built.fileno())  # on the disk before its name is: a crash leaves no empty file under it
         os.replace(out, path)
     return path
+
+
+def _whole_library(path: Path) -> bool:
+    """Whether the library at `path` reaches the end of its ELF section header table, which linkers write last: a
+    file cut short anywhere does not. (A library in another format, a Mach-O, is taken as whole.)"""
+    with open(path, "rb") as f:
+        header = f.read(64)
+    if len(header) < 64:
+        return False
+    if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:  # not 64-bit little-endian ELF
+        return True
+    offset = int.from_bytes(header[0x28:0x30], "little")
+    entry_size, entries = int.from_bytes(header[0x3A:0x3C], "little"), int.from_bytes(header[0x3C:0x3E], "little")
+    return path.stat().st_size >= offset + entry_size * entries
 
 
 def check(kernels: Kernels) -> float:
