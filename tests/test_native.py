@@ -424,6 +424,16 @@ def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
 
 
 @needs_kernels
+def test_where_the_cache_cannot_be_written_the_library_is_built_for_the_process(tmp_path):
+    (tmp_path / ".cache").write_text("")  # no directory can be made under it, as under a read-only home
+    (tmp_path / "tmp").mkdir()
+    done = run_python(PROBE, HOME=str(tmp_path), TMPDIR=str(tmp_path / "tmp"))
+    assert done.returncode == 0, done.stderr
+    assert "cannot write their cache" in done.stdout and "kernels: True" in done.stdout
+    assert not list((tmp_path / "tmp").iterdir())  # the build directory went once the library was loaded
+
+
+@needs_kernels
 def test_a_cached_library_cut_short_is_built_again(tmp_path):
     first = run_python(PROBE, HOME=str(tmp_path))
     built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("native-*.so"))

@@ -27,7 +27,8 @@ reading each weight row whole, in order, which streams at the memory's rate wher
 It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
 `bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang;
 -O3 -march=native -fopenmp), caches it under ~/.cache/truecluster/kernels keyed by the sources, the compiler and the
-CPU, loads it with ctypes, and checks it against the references on small inputs. A machine without a compiler, an
+CPU (where that cannot be written, builds it for the process alone, under the system's temporary directory), loads
+it with ctypes, and checks it against the references on small inputs. A machine without a compiler, an
 x86-64 CPU without AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links
 the OpenMP runtime by its usual name, which PyTorch has already loaded, so both share one thread pool
 (tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
@@ -90,6 +91,7 @@ STREAMS = (1, 2, 4, 8)  # weight streams a thread may walk for one row (bf16dot.
 PREFETCH_TURNS = 8  # ... the best of this many turns each
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
 MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native path is preferred
+PRIVATE_PREFIX = "tc-kernels-"  # a library built for one process where the cache cannot be written (_build)
 _SLAB_BYTES = 1 << 20  # weight bytes re-laid out at a time
 
 _VOID_P, _INT = ctypes.c_void_p, ctypes.c_int
@@ -486,7 +488,9 @@ def _cpu_key() -> str:
 
 def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> Path:
     """The library compiled from `sources` (file name: text), from the cache or built into it (atomically:
-    several processes may start at once). Raises RuntimeError with the compiler's first error line if it fails."""
+    several processes may start at once); where the cache cannot be written, built into a directory of its own
+    under the system's temporary one, which the caller removes once it has loaded it (_is_private). Raises
+    RuntimeError with the compiler's first error line if it fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (*FLAGS, f"-march={march}")
     parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
@@ -498,9 +502,16 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
         # pages past its end and die of SIGBUS on touching them, so it is built again over it
         log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-        files, out = [Path(tmp) / name for name in sorted(sources)], Path(tmp) / "native.so"
+    try:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
+    except OSError as exc:  # a read-only home, say: the kernels are still worth building, for this process alone
+        log.warning("native kernels: cannot write their cache %s (%s); building them for this process, as every "
+                    "start will until that directory (or HOME) is writable", CACHE_DIR, exc)
+        tmp = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+        path = tmp / path.name
+    try:
+        files, out = [tmp / name for name in sorted(sources)], tmp / "native.so"
         for file in files:
             file.write_bytes(sources[file.name])
         units = [str(f) for f in files if f.suffix == ".c"]  # the header is written beside them, not compiled
@@ -512,7 +523,15 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         with open(out, "rb") as built:
             os.fsync(built.fileno())  # on the disk before its name is: a crash leaves no empty file under it
         os.replace(out, path)
+    finally:
+        if not _is_private(path) or not path.is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _is_private(path: Path) -> bool:
+    """Whether `path` is a library _build made for one process, outside the cache."""
+    return path.parent.name.startswith(PRIVATE_PREFIX)
 
 
 def _whole_library(path: Path) -> bool:
@@ -658,7 +677,11 @@ def load(compiler: str, march: str = "native") -> Kernels:
     Raises OSError or RuntimeError where that fails."""
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
     path = _build(sources, compiler, march)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    finally:
+        if _is_private(path):
+            shutil.rmtree(path.parent, ignore_errors=True)  # loaded: the mapping outlives the file
     found = (lib.tc_qdot_abi(), lib.tc_attention_abi(), lib.tc_norm_abi(), lib.tc_bf16dot_abi(), lib.tc_act_abi())
     expected = (ABI, ATTENTION_ABI, NORM_ABI, BF16DOT_ABI, ACT_ABI)
     if found != expected:
