@@ -412,6 +412,17 @@ def test_a_failed_build_says_why_and_falls_back(tmp_path):
 
 
 @needs_kernels
+def test_a_failed_link_says_what_the_linker_said(tmp_path):
+    links_badly = tmp_path / "cc"  # the machine's gcc, linking a library that is not there
+    links_badly.write_text("#!/bin/sh\nexec gcc \"$@\" -lno-such-library\n")
+    links_badly.chmod(0o755)
+    done = run_python(PROBE, HOME=str(tmp_path), CC=str(links_badly))
+    assert done.returncode == 0, done.stderr
+    assert "unavailable" in done.stdout and "kernels: False" in done.stdout
+    assert "cannot find -lno-such-library" in done.stdout  # not only gcc's "collect2: error: ld returned 1"
+
+
+@needs_kernels
 def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
     first = run_python(PROBE, HOME=str(tmp_path))
     built = list((tmp_path / ".cache" / "truecluster" / "kernels").glob("native-*.so"))

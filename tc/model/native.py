@@ -518,8 +518,7 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         done = subprocess.run([compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-            raise RuntimeError(f"{compiler} failed: {first}")
+            raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr)}")
         with open(out, "rb") as built:
             os.fsync(built.fileno())  # on the disk before its name is: a crash leaves no empty file under it
         os.replace(out, path)
@@ -527,6 +526,15 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         if not _is_private(path) or not path.is_file():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _first_error(stderr: str) -> str:
+    """What a failed build's messages say went wrong: the first error, or where the only one is the compiler
+    driver's closing line (gcc's "collect2: error: ld returned 1 exit status", clang's "linker command failed"),
+    which says nothing of why, the linker's own lines before it (a library not found, a full disk)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    told = [line for line in lines if "ld returned" not in line and "linker command failed" not in line]
+    return next((line for line in told if "error" in line), "; ".join(told)[:300] or stderr.strip()[:200])
 
 
 def _is_private(path: Path) -> bool:
