@@ -444,6 +444,28 @@ def test_where_the_cache_cannot_be_written_the_library_is_built_for_the_process(
     assert not list((tmp_path / "tmp").iterdir())  # the build directory went once the library was loaded
 
 
+def _can_mount_in_a_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@needs_kernels
+@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="no user and mount namespaces here (unshare -rm)")
+def test_on_a_full_disk_the_library_is_built_for_the_process(tmp_path):
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    full = ('mount -t tmpfs -o size=64k tmpfs "$HOME" && mkdir -p "$HOME/.cache/truecluster/kernels" && '
+            '{ dd if=/dev/zero of="$HOME/fill" bs=4k 2>/dev/null; true; } && exec "$0" -c "$1"')
+    base = {k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", full, sys.executable, PROBE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**base, "HOME": str(home), "TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr
+    assert "No space left on device" in done.stdout and "kernels: True" in done.stdout
+    assert not list(tmp.iterdir())
+
+
 @needs_kernels
 def test_a_cached_library_cut_short_is_built_again(tmp_path):
     first = run_python(PROBE, HOME=str(tmp_path))

@@ -504,28 +504,35 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
     try:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
-    except OSError as exc:  # a read-only home, say: the kernels are still worth building, for this process alone
+        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+            os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
+        return path
+    except OSError as exc:  # a read-only home, a full disk: the kernels are still worth building, for this process
         log.warning("native kernels: cannot write their cache %s (%s); building them for this process, as every "
-                    "start will until that directory (or HOME) is writable", CACHE_DIR, exc)
-        tmp = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
-        path = tmp / path.name
+                    "start will until that directory (or HOME) can be written", CACHE_DIR, exc)
+    private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
     try:
-        files, out = [tmp / name for name in sorted(sources)], tmp / "native.so"
-        for file in files:
-            file.write_bytes(sources[file.name])
-        units = [str(f) for f in files if f.suffix == ".c"]  # the header is written beside them, not compiled
-        done = subprocess.run([compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr)}")
-        with open(out, "rb") as built:
-            os.fsync(built.fileno())  # on the disk before its name is: a crash leaves no empty file under it
-        os.replace(out, path)
-    finally:
-        if not _is_private(path) or not path.is_file():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        return _compile(sources, compiler, flags, private)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+
+
+def _compile(sources: dict[str, bytes], compiler: str, flags: tuple[str, ...], directory: Path) -> Path:
+    """The library compiled from `sources` in `directory`, on the disk (fsynced: a crash after its rename leaves
+    no empty file under its name). Raises OSError where the directory cannot be written, RuntimeError with what
+    the compiler said where it fails."""
+    files, out = [directory / name for name in sorted(sources)], directory / "native.so"
+    for file in files:
+        file.write_bytes(sources[file.name])
+    units = [str(f) for f in files if f.suffix == ".c"]  # the header is written beside them, not compiled
+    done = subprocess.run([compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
+                          timeout=COMPILE_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr)}")
+    with open(out, "rb") as built:
+        os.fsync(built.fileno())
+    return out
 
 
 def _first_error(stderr: str) -> str:
