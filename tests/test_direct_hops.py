@@ -19,8 +19,8 @@ from cluster import Cluster, Request, join_loaded, worker_hello, write_topology
 from tc.protocol.auth import peer_proof, token_key
 from tc.protocol.connection import Connection, connect
 from tc.protocol.errors import ConnectionClosed
-from tc.protocol.messages import (PROTOCOL_VERSION, BatchEntry, Error, PeerAck, PeerChallenge, PeerHello, Ping, Pong,
-                                  Route, RunBatch)
+from tc.protocol.messages import (PROTOCOL_VERSION, BatchEntry, Error, HiddenState, InferenceError, PeerAck,
+                                  PeerChallenge, PeerHello, Ping, Pong, Route, RunBatch)
 from tc.worker import peers
 from tc.worker.peers import Forwarder, PeerListener, Routes
 from tiny_model import write_tiny_model
@@ -415,3 +415,100 @@ def test_a_step_passed_along_that_never_comes_back_drops_the_stages_that_owe_it(
         cluster.wait_ready()
         assert greedy_texts(cluster) == relayed_texts
         assert passes_to(cluster) == {"a": "b", "b": "head"}
+
+
+class ScriptedFirstStage:
+    """A first stage joined by hand whose steps the test answers: each RUN_BATCH from the head lands in `got`,
+    and the test passes it on to the next stage (a real worker, through a real Forwarder) or answers the head. Its
+    layers are the identity: the rows it passes on are those it was given."""
+
+    def __init__(self, port: int, node_id: str):
+        self.routes, self.got = Routes(), queue.Queue()
+        self.forwarder = Forwarder(1 << 20)
+        self.conn = join_loaded(port, worker_hello(node_id))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                env = self.conn.recv()
+                if isinstance(env.message, Ping):
+                    self.conn.send(Pong(nonce=env.message.nonce))
+                elif isinstance(env.message, Route):
+                    self.routes.set(env.message)
+                elif isinstance(env.message, RunBatch):
+                    self.got.put(env)
+        except (ConnectionClosed, OSError):
+            pass
+
+    def pass_on(self, env, route: Route | None = None) -> None:
+        message = env.message
+        assert self.forwarder.send(route or self.routes.current, message.passed_on(message.hidden_state, 0.0),
+                                   env.request_id, env.seq)
+
+    def answer(self, env, reply) -> None:
+        self.conn.send(reply, env.request_id, env.seq)
+
+    def serve(self, done: threading.Event, relay: bool) -> None:
+        """Until `done`: pass every step on (`relay` False) or answer it to the head, which carries it on."""
+        while not done.is_set():
+            try:
+                env = self.got.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if relay:
+                self.answer(env, HiddenState(hidden_state=env.message.hidden_state, compute_seconds=0.0))
+            else:
+                self.pass_on(env)
+
+
+def serve_until_answered(stage: ScriptedFirstStage, request: Request, relay: bool = False) -> tuple[int, dict]:
+    done = threading.Event()
+    server = threading.Thread(target=stage.serve, args=(done, relay), daemon=True)
+    server.start()
+    try:
+        return request.wait(120)
+    finally:
+        done.set()
+        server.join()
+
+
+def test_a_batch_passed_on_before_a_stage_failed_makes_no_cache_the_head_released(tmp_path, model_dir):
+    """A step in two groups: the first stage passes one on (a prompt's first positions, which make a cache) and
+    fails the other. The head gives the step up and releases both sequences; the group passed on may reach the
+    next stage after its RELEASE did, and must not make a cache that nobody will release again: the worker holds
+    max_batch caches at most, so a leaked one would fail every full batch after it."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"},
+                                                              {"id": "b", "device": "cpu"}],
+                              head={"micro_batches": 2, "max_batch": 2, "resume": False})
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        a = ScriptedFirstStage(cluster.listen_port, "a")
+        cluster.start_worker("b")
+        cluster.wait_ready()
+        body = {"model": "tiny-qwen", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        first = Request(cluster, {**body, "prompt": "hello"})
+        prompt = a.got.get(timeout=60)  # the first request's prompt, held until the second one waits
+        second = Request(cluster, {**body, "prompt": "the quick brown fox"})
+        while cluster.get("/v1/cluster")[1]["queue"]["waiting"] < 1:
+            assert second.thread.is_alive()
+            time.sleep(0.05)
+        a.pass_on(prompt)
+        # the next step holds both: the first request's decode step, and the second's prompt from position 0
+        decode, stale = a.got.get(timeout=60), a.got.get(timeout=60)
+        assert [e.position_start for e in stale.message.entries] == [0]
+        route_of_the_step = a.routes.current
+        a.answer(decode, InferenceError(message="CUDA out of memory (as a stage that fails a group says it)"))
+        for request in (first, second):
+            status, reply = request.wait(60)
+            assert status >= 500 and "out of memory" in reply["error"]["message"], reply
+        # a step relayed through the head to b: b has read the RELEASE of both sequences, sent to it before that
+        third = Request(cluster, {**body, "prompt": "hello"})
+        assert serve_until_answered(a, third, relay=True)[0] == 200
+        a.pass_on(stale, route_of_the_step)  # the group passed on before the failure reaches b only now
+        # two choices: one prompt read, its cache copied, two caches on b, the most it holds
+        fourth = Request(cluster, {**body, "prompt": "a b c", "n": 2})
+        status, reply = serve_until_answered(a, fourth)
+        assert status == 200, reply
+        assert len(reply["choices"]) == 2

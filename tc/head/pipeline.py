@@ -189,11 +189,31 @@ class RemotePipeline:
         except (WorkerLost, StageFailed):
             for link in links:
                 link.abandon(request_id)
+            self._retire_route(links)
             raise
         for link in links:
             link.settle(request_id)
         self.last_hops = hops
         return outputs
+
+    def _retire_route(self, links: list[WorkerLink]) -> None:
+        """A step given up: every worker still here is sent a newer route that passes nothing on, before anything
+        else it is sent (the RELEASE of the step's sequences among it), and the next step routes afresh.
+
+        A group a stage passed on before the step failed may reach the next stage after that stage's RELEASE, by
+        another connection; run, it would make caches for sequences the head has released, which nobody releases
+        again and which count against the stage's max_batch for good. A worker drops what arrives from the stage
+        before under a route older than its newest, and reads a ROUTE the moment it arrives, so whatever reaches
+        its compute after the RELEASE is dropped."""
+        retired = next(self._routes)
+        self._route, self._routed = 0, []
+        for link in links:
+            if not link.closed.is_set():
+                try:
+                    link.send_route(Route(route=retired, next_host=None, next_port=None, next_key=None,
+                                          inbound_key=None))
+                except WorkerLost:
+                    pass  # gone, and its caches with it
 
     def _next_reply(self, links: list[WorkerLink], deadline: float, request_id: str,
                     bound: float) -> tuple[int, object]:
