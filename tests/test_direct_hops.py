@@ -215,6 +215,26 @@ def test_nothing_listening_cuts_the_route_at_once():
     assert time.monotonic() - started < peers.PEER_CONNECT_TIMEOUT_S
 
 
+def test_a_connection_that_gets_no_thread_leaves_the_listener_accepting(listener):
+    """A peer connection the listener cannot start a thread for (a thread or memory limit, for a moment) is turned
+    away; the thread that accepts must go on, or the stage before could never pass hidden states here again."""
+    usual = threading.stack_size(1 << 62)  # no thread can be started with a stack this size
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as turned_away:
+            try:
+                assert turned_away.recv(4096) == b""  # closed, no challenge sent
+            except ConnectionResetError:
+                pass
+    finally:
+        threading.stack_size(usual)
+    forwarder = Forwarder(1 << 20)
+    try:
+        assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        assert listener.got.get(timeout=5).message.route == 3
+    finally:
+        forwarder.close()
+
+
 def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:
     conn = connect("127.0.0.1", listener.port, timeout=5)
     conn.settimeout(5)

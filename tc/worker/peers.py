@@ -144,7 +144,16 @@ class PeerListener:
                                     "%d are open already", conn.peer, FULL_WARNING_EVERY_S, MAX_PEER_CONNECTIONS)
                     continue
                 self._open[conn] = 0
-            threading.Thread(target=self._serve, args=(conn,), name=f"peer-{conn.peer}", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name=f"peer-{conn.peer}", daemon=True).start()
+            except RuntimeError as exc:
+                # a thread or memory limit, maybe for a moment: this peer is turned away (the stage before passes
+                # through the head, and tries again later), and this thread goes on, or no link in could open again
+                log.warning("turned away a peer connection from %s: no thread to handle it (%s)", conn.peer, exc)
+                with self._lock:
+                    self._open.pop(conn, None)
+                conn.close()
+                time.sleep(0.1)  # as for EMFILE: back off rather than spin
 
     def _serve(self, conn: Connection) -> None:
         try:
