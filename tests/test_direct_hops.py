@@ -97,6 +97,19 @@ def test_a_route_the_head_never_sent_is_refused(listener, monkeypatch):
     assert listener.got.empty()
 
 
+def test_a_route_replaced_before_its_link_opened_is_refused_as_such(listener, caplog):
+    """The head replaced the route (a step given up) before the stage before opened its link: the refusal says so,
+    on both sides, rather than that the peer could not prove its right to the link."""
+    listener.routes.set(Route(route=5, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    forwarder = Forwarder(1 << 20)
+    with caplog.at_level(logging.INFO):
+        assert not forwarder.send(route_to(listener), batch(3), "step-1", 1)
+    assert "came for route 3, which route 5 has replaced" in caplog.text
+    assert "the next stage refused: route 3 was replaced by route 5" in caplog.text
+    assert "could not prove" not in caplog.text
+    assert listener.got.empty()
+
+
 def test_a_newer_route_replaces_the_link(listener):
     """Routes only move forward; a link opened for the old route stops being fed once the next is in use."""
     forwarder = Forwarder(1 << 20)

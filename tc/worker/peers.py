@@ -196,6 +196,15 @@ class PeerListener:
                                   f"worker's {PROTOCOL_VERSION}: run the same tc release on every machine"))
                 return None
             route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S)
+            newest = self._routes.current
+            if route is None and newest is not None and newest.route > msg.route:
+                # the head moved on (a step given up, a worker replaced) before the stage before first used the
+                # route: no link is wanted for it, and nothing is wrong with the peer
+                log.info("a peer connection from %s came for route %d, which route %d has replaced; closing it",
+                         conn.peer, msg.route, newest.route)
+                _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"route {msg.route} was replaced by route "
+                                  f"{newest.route}"))
+                return None
             key = None if route is None or route.inbound_key is None else route_key(self._join_key,
                                                                                     route.inbound_key)
             if key is None or not check_peer_proof(key, nonce, msg.proof):
