@@ -228,6 +228,30 @@ def test_nothing_listening_cuts_the_route_at_once():
     assert time.monotonic() - started < peers.PEER_CONNECT_TIMEOUT_S
 
 
+def test_connections_that_hold_every_place_give_way_to_the_stage_before(listener, caplog):
+    """Idle connections to the peer port (no key needed to open one) fill every place; the stage before still gets
+    its link, in place of the oldest of them, rather than passing through the head for as long as they come."""
+    idle = []
+    try:
+        for _ in range(peers.MAX_PEER_CONNECTIONS):
+            conn = connect("127.0.0.1", listener.port)
+            assert isinstance(conn.recv(timeout=5).message, PeerChallenge)  # it holds a place now
+            idle.append(conn)
+        forwarder = Forwarder(1 << 20)
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+            assert listener.got.get(timeout=5).seq == 1
+        finally:
+            forwarder.close()
+        with pytest.raises(ConnectionClosed):
+            idle[0].recv(timeout=5)  # the oldest gave way
+        assert "closed a peer connection still in its handshake" in caplog.text
+    finally:
+        for conn in idle:
+            conn.close()
+
+
 def test_a_connection_that_gets_no_thread_leaves_the_listener_accepting(listener):
     """A peer connection the listener cannot start a thread for (a thread or memory limit, for a moment) is turned
     away; the thread that accepts must go on, or the stage before could never pass hidden states here again."""

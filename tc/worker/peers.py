@@ -79,7 +79,8 @@ class PeerListener:
     backlog), but connections are accepted and read only from `start()`, once the head's ROUTE gives this worker a
     link in: a worker that is first in the pipeline, or in a cluster that relays, reads nothing from its port.
     Until a peer has proven the route's key it may send only small frames, and the whole handshake has one
-    deadline however the peer paces its bytes. A link proven for a newer route closes those of older ones.
+    deadline however the peer paces its bytes; with MAX_PEER_CONNECTIONS open, the oldest still in its handshake
+    gives way to a new one. A link proven for a newer route closes those of older ones.
     """
 
     def __init__(self, host: str, port: int, routes: Routes, deliver: Callable[[Envelope], None],
@@ -135,7 +136,13 @@ class PeerListener:
                 return  # closed
             conn = Connection(sock, max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
             with self._lock:
-                if self._closed or len(self._open) >= MAX_PEER_CONNECTIONS:
+                # Full, the oldest connection still in its handshake gives way: the stage before finishes its own
+                # within a round trip or two, so those that sit idle (a plain TCP connect takes a place, no key
+                # needed) are the ones that go, and it still gets in. Refusing the newcomer instead had the stage
+                # before pass through the head, and back off for up to RETRY_MAX_S, for as long as they kept coming.
+                full = len(self._open) >= MAX_PEER_CONNECTIONS
+                oldest = next((c for c, route in self._open.items() if route == 0), None) if full else None
+                if self._closed or (full and oldest is None):
                     conn.close()
                     now = time.monotonic()
                     if not self._closed and now - self._last_full_warning > FULL_WARNING_EVERY_S:
@@ -143,7 +150,20 @@ class PeerListener:
                         log.warning("refusing peer connections (from %s, and any more for %.0fs unless one closes): "
                                     "%d are open already", conn.peer, FULL_WARNING_EVERY_S, MAX_PEER_CONNECTIONS)
                     continue
+                if oldest is not None:
+                    del self._open[oldest]
                 self._open[conn] = 0
+                now = time.monotonic()
+                warn = oldest is not None and now - self._last_full_warning > FULL_WARNING_EVERY_S
+                if warn:
+                    self._last_full_warning = now
+            if oldest is not None:
+                oldest.close()  # wakes its thread, blocked reading its handshake
+            if warn:
+                log.warning("closed a peer connection still in its handshake (from %s) for a newer one (from %s), and "
+                            "any more for %.0fs: %d may be open at once, and something keeps connections to this "
+                            "worker's peer port open without proving a route", oldest.peer, conn.peer,
+                            FULL_WARNING_EVERY_S, MAX_PEER_CONNECTIONS)
             try:
                 threading.Thread(target=self._serve, args=(conn,), name=f"peer-{conn.peer}", daemon=True).start()
             except RuntimeError as exc:
