@@ -228,6 +228,25 @@ def test_nothing_listening_cuts_the_route_at_once():
     assert time.monotonic() - started < peers.PEER_CONNECT_TIMEOUT_S
 
 
+def test_a_link_that_gets_no_thread_for_its_handshake_goes_through_the_head(listener, caplog):
+    """Opening the link to the next stage starts a thread (the handshake's deadline); without one to be had (a
+    thread or memory limit, for a moment) the batch goes through the head and the link is tried again later, as
+    for a next stage that cannot be reached: the compute thread, which sends, must not fail for it."""
+    forwarder = Forwarder(1 << 20)
+    try:
+        usual = threading.stack_size(1 << 62)  # no thread can be started with a stack this size
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert not forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        finally:
+            threading.stack_size(usual)
+        assert "no thread to bound the handshake with" in caplog.text
+        assert "replying through the head for route 3" in caplog.text
+        assert listener.got.empty()
+    finally:
+        forwarder.close()
+
+
 def test_connections_that_hold_every_place_give_way_to_the_stage_before(listener, caplog):
     """Idle connections to the peer port (no key needed to open one) fill every place; the stage before still gets
     its link, in place of the oldest of them, rather than passing through the head for as long as they come."""

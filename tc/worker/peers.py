@@ -312,7 +312,14 @@ class Forwarder:
                        max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
         deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, conn.close)  # the whole handshake, however paced
         deadline.daemon = True
-        deadline.start()
+        try:
+            deadline.start()
+        except RuntimeError as exc:
+            # a thread or memory limit, maybe for a moment: the link is not opened now (the head carries this
+            # stage's output on, and the link is tried again later), where raised on it would end the compute
+            # thread, and with it this worker's place at the head
+            conn.close()
+            raise OSError(f"no thread to bound the handshake with ({exc})") from exc
         try:
             conn.settimeout(PEER_HANDSHAKE_TIMEOUT_S)
             challenge = conn.recv().message
