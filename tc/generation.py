@@ -57,15 +57,8 @@ class Entry:
 class Pipeline(Protocol):
     """Every decoder layer of the model, in order, wherever they run, with a KV cache per sequence."""
 
-    def run(self, entries: Sequence[Entry], hidden: torch.Tensor, meanwhile: Callable[[], None] | None = None
-            ) -> torch.Tensor:
-        """Run the entries' rows, [1, sum of lengths, hidden] one entry after another, through every layer.
-
-        `meanwhile`, where given, is the caller's work that need not come before the step (Generator.step's): a
-        pipeline whose layers compute elsewhere calls it once the rows are on their way, so that it runs while
-        they are away rather than before they leave; one that computes them in this thread calls it first.
-        Generator.step's does its work the first time it is called only, and is called again once `run` returns
-        or raises."""
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
+        """Run the entries' rows, [1, sum of lengths, hidden] one entry after another, through every layer."""
 
     def release(self, sequences: Sequence[int]) -> None:
         """Drop these sequences' caches (unknown ones are ignored)."""
@@ -81,10 +74,7 @@ class LocalPipeline:
         self.stages, self.device = stages, device
         self.caches: dict[int, list[KVCache]] = {}  # sequence -> its cache on each stage
 
-    def run(self, entries: Sequence[Entry], hidden: torch.Tensor, meanwhile: Callable[[], None] | None = None
-            ) -> torch.Tensor:
-        if meanwhile is not None:  # the layers compute in this thread, with no time away to fill: first, as before
-            meanwhile()
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
         for entry in entries:
             if entry.start == 0:
                 self.caches[entry.sequence] = [s.new_cache(entry.capacity, next(s.parameters()).dtype, self.device)
@@ -453,18 +443,6 @@ class SequenceState:
         return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
 
 
-class _Once:
-    """A callable that calls `work` the first time it is called (where there is work) and does nothing after."""
-
-    def __init__(self, work: Callable[[], None] | None):
-        self._work = work
-
-    def __call__(self) -> None:
-        work, self._work = self._work, None
-        if work is not None:
-            work()
-
-
 class Generator:
     """Turns prompts into completions over a pipeline: `start` a sequence, `step` a batch of them."""
 
@@ -500,12 +478,9 @@ class Generator:
                 sequence.leader = leader
         return sequences
 
-    def step(self, sequences: Sequence[SequenceState], prompt_budget: int | None = None,
-             meanwhile: Callable[[], None] | None = None) -> list[tuple[SequenceState, Step]]:
+    def step(self, sequences: Sequence[SequenceState], prompt_budget: int | None = None
+             ) -> list[tuple[SequenceState, Step]]:
         """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
-
-        `meanwhile` (the scheduler's delivery of the step before) runs once, while the pipeline has the rows where
-        it can (Pipeline.run), else once the pipeline is done, before this returns or raises.
 
         Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
         positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
@@ -554,11 +529,9 @@ class Generator:
         choosing_next = [s for s, e in planned if s.grammar is not None and e.start + e.length >= len(s.prompt_ids)]
         choosing_next += [f for f, _ in forked if f.grammar is not None]
         masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
-        once = _Once(meanwhile)
         try:
-            hidden = self.pipeline.run([e for _, e in planned], self.head.embed_ids(ids), once)
+            hidden = self.pipeline.run([e for _, e in planned], self.head.embed_ids(ids))
         finally:
-            once()
             if masks is not None:
                 masks.result()
         self.prompt_positions += sum(e.length for s, e in planned if not s.decoding)

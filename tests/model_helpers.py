@@ -44,12 +44,10 @@ class GatedPipeline(LocalPipeline):
         self.gate = threading.Event()
         self.hold_at = hold_at
 
-    def run(self, entries, hidden, meanwhile=None):
-        if meanwhile is not None:  # the step before is handed out before this one waits, as a remote pipeline does
-            meanwhile()
+    def run(self, entries, hidden):
         if len(entries) >= self.hold_at and any(e.start > 0 for e in entries):
             self.gate.wait(60)
-        return super().run(entries, hidden, meanwhile)
+        return super().run(entries, hidden)
 
 
 class OurModel:

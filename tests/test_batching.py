@@ -15,7 +15,7 @@ from cluster import Cluster, Request, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
 from tc.batch_memory import kv_bytes_per_slot, plan_batch
 from tc.generation import Generator, LocalPipeline
-from tc.head.service import GenerationService, Readiness, WorkerLost
+from tc.head.service import GenerationService, Readiness
 from tc.model.config import Qwen2Config
 from tc.model.tokenizer import TextTokenizer
 from tc.planner import GIB, NodeSpec, PlanError, make_plan
@@ -51,11 +51,11 @@ class RecordingPipeline(LocalPipeline):
         self.steps: list[list[tuple[int, int, int]]] = []
         self.copies: dict[int, tuple[int, ...]] = {}  # sequence -> the sequences given copies of its cache
 
-    def run(self, entries, hidden, meanwhile=None):
+    def run(self, entries, hidden):
         self.steps.append([(e.sequence, e.start, e.length) for e in entries])
         self.copies.update({e.sequence: e.copies for e in entries if e.copies})
         time.sleep(self.pause_s)
-        return super().run(entries, hidden, meanwhile)
+        return super().run(entries, hidden)
 
 
 def ready() -> Readiness:
@@ -194,67 +194,6 @@ def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(m
     for (prompt, params), completion in zip(keep, results):
         assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, params))
     assert cancelled.outcome == "abandoned" and service.running == 0
-
-
-class AwayPipeline(LocalPipeline):
-    """The real stages, in the order a remote pipeline takes a step: the rows leave ("sent"), the caller's
-    `meanwhile` runs while they are away, then they come back ("back"). Records those moments, and at each how
-    many steps the scheduler had handed out (tc_batch_size's count: every step handed out is observed there just
-    before its tokens go to their requests)."""
-
-    def __init__(self, stages: list, service_of):
-        super().__init__(stages)
-        self.service_of = service_of
-        self.events: list[tuple[str, int, float]] = []
-
-    def handed_out(self) -> float:
-        return self.service_of().metrics.registry.get_sample_value("tc_batch_size_count") or 0.0
-
-    def run(self, entries, hidden, meanwhile=None):
-        call = sum(1 for event, _, _ in self.events if event == "sent") + 1
-        self.events.append(("sent", call, self.handed_out()))
-        if meanwhile is not None:
-            meanwhile()
-        out = super().run(entries, hidden, meanwhile)
-        self.events.append(("back", call, self.handed_out()))
-        return out
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_each_step_is_handed_out_while_the_next_one_is_away(model, tokenizer, stream):
-    """Waking a request's reply (a streamed chunk's JSON, its write) between a step's token and the next step's
-    send would put that work on every token's critical path: the scheduler hands a step out once the next step
-    has left, and the last one when no step follows, so that every token still arrives."""
-    service = None
-    pipeline = AwayPipeline(model.stages, lambda: service)
-    service = service_over(model, tokenizer, pipeline)
-    completion = run_together(service, tokenizer, [("def add(a, b):", greedy(5))], stream=stream)[0]
-    assert len(completion.tokens) == 5
-    # the prompt's step and four decode steps: step k is handed out during step k + 1, the last after it
-    assert pipeline.events == [event for k in range(1, 6) for event in (("sent", k, max(k - 2, 0)), ("back", k, k - 1))
-                               ], pipeline.events
-    assert pipeline.handed_out() == 5
-
-
-def test_a_failed_step_hands_out_the_one_before_it_first(model, tokenizer):
-    """A step that fails after the step before it was held back: that step's tokens still reach the stream, before
-    the error."""
-    class FailingSecondDecode(LocalPipeline):
-        calls = 0
-
-        def run(self, entries, hidden, meanwhile=None):
-            self.calls += 1
-            if self.calls == 3:  # the prompt, one decode step, then this one fails before its rows leave
-                raise WorkerLost("w1", "connection reset")
-            return super().run(entries, hidden, meanwhile)
-
-    service = service_over(model, tokenizer, FailingSecondDecode(model.stages))
-    received = []
-    with service.open(tokenizer.encode("def add(a, b):"), greedy(5)) as generation:
-        with pytest.raises(WorkerLost):
-            for step in generation:
-                received += step.tokens
-    assert len(received) == 2, received  # the prompt's token and the first decode step's
 
 
 # --- the batch's memory -------------------------------------------------------------------------------------

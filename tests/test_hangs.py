@@ -307,10 +307,10 @@ def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, 
 class SlowPipeline(LocalPipeline):
     """The real layers, with each decode step held up, so that requests pile up behind a generation."""
 
-    def run(self, entries, hidden, meanwhile=None):
+    def run(self, entries, hidden):
         if any(e.start > 0 for e in entries):
             time.sleep(0.05)
-        return super().run(entries, hidden, meanwhile)
+        return super().run(entries, hidden)
 
 
 def post_raw(port: int, body: dict, results: list, lock: threading.Lock) -> None:

@@ -53,7 +53,7 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
     kill: dict[int, str] = {}  # pipeline call (from 1) -> the node whose worker dies just before it
     run = pipeline.run
 
-    def run_killing(entries, hidden, meanwhile=None):
+    def run_killing(entries, hidden):
         steps.append([(e.sequence, e.start, e.copies) for e in entries])
         node = kill.get(len(steps))
         if node is not None:
@@ -61,7 +61,7 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
             lost.proc.kill()
             lost.stop()
             workers[node] = start_worker(head, node, tmp_path / f"{node}-{len(steps)}.log")
-        return run(entries, hidden, meanwhile)
+        return run(entries, hidden)
 
     pipeline.run = run_killing
 

@@ -364,12 +364,12 @@ def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
     class FailingPipeline(LocalPipeline):
         """The real stages, but the third decode step loses its worker, as a remote pipeline would."""
 
-        def run(self, entries, hidden, meanwhile=None):
+        def run(self, entries, hidden):
             if entries[0].start > 0:
                 self.decodes = getattr(self, "decodes", 0) + 1
                 if self.decodes == 3:
                     raise WorkerLost("w1", "connection reset")
-            return super().run(entries, hidden, meanwhile)
+            return super().run(entries, hidden)
 
     generator = Generator(model.head, tokenizer, FailingPipeline(model.stages), torch.float32)
     client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
@@ -394,10 +394,10 @@ class SlowPipeline(LocalPipeline):
         self.pause_s = pause_s
         self.steps: list[tuple[int, ...]] = []  # the sequences of each step
 
-    def run(self, entries, hidden, meanwhile=None):
+    def run(self, entries, hidden):
         self.steps.append(tuple(e.sequence for e in entries))
         time.sleep(self.pause_s)
-        return super().run(entries, hidden, meanwhile)
+        return super().run(entries, hidden)
 
 
 @pytest.fixture(scope="module")
@@ -452,10 +452,10 @@ def test_openai_client_streams_chat(openai_client):
 
 def test_openai_client_raises_on_a_mid_stream_error_event(model, tokenizer):
     class LosingPipeline(LocalPipeline):
-        def run(self, entries, hidden, meanwhile=None):
+        def run(self, entries, hidden):
             if entries[0].start > 0:
                 raise WorkerLost("w2", "no heartbeat for 9.0s")
-            return super().run(entries, hidden, meanwhile)
+            return super().run(entries, hidden)
 
     generator = Generator(model.head, tokenizer, LosingPipeline(model.stages), torch.float32)
     server = start_http_server(create_app(GenerationService(MODEL, tokenizer, generator, ready)), "127.0.0.1", 0,

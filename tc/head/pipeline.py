@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..generation import Entry
 from ..protocol.messages import BatchEntry, Route, RunBatch
@@ -84,11 +84,11 @@ class RemotePipeline:
         return self.registry.step_positions()
 
     def _relay(self, entries: tuple[BatchEntry, ...], hidden: torch.Tensor, released: tuple[int, ...],
-               links: list[WorkerLink], meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
+               links: list[WorkerLink]) -> torch.Tensor:
         """The batch (`entries`, their rows `hidden` [1, rows, hidden_size], and the sequences `released` since
         the step before) through every stage: in micro-batches where that is asked for and possible, passed from
-        worker to worker where the route allows; `meanwhile` called once the first stage has them. Each RUN_BATCH
-        is built once, here: a message checks its fields as it is made, on every step's path."""
+        worker to worker where the route allows. Each RUN_BATCH is built once, here: a message checks its fields
+        as it is made, on every step's path."""
         route = self._route_for(links)
         groups = split_entries(entries, min(self.micro_batches, len(links)))
         if len(groups) > 1:  # each group's message checks its own entries: the batch's across groups, once here
@@ -99,7 +99,7 @@ class RemotePipeline:
             rows_of_group = hidden if len(groups) == 1 else hidden[:, row:row + rows]
             parts.append(RunBatch(entries=group, hidden_state=rows_of_group, route=route, released=released))
             row += rows
-        outputs = self._pass_along(parts, links, meanwhile) if route else self._schedule(parts, links, meanwhile)
+        outputs = self._pass_along(parts, links) if route else self._schedule(parts, links)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _route_for(self, links: list[WorkerLink]) -> int:
@@ -130,8 +130,7 @@ class RemotePipeline:
         log.info("route %d: %s -> head", route, path)
         return route
 
-    def _pass_along(self, groups: list[RunBatch], links: list[WorkerLink],
-                    meanwhile: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    def _pass_along(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
         """Every group to the first stage, each stage passing it to the next (the module's docstring); returns each
         group's output.
 
@@ -154,8 +153,6 @@ class RemotePipeline:
                 mark("send")
                 links[0].send_expected(sents[g][0])
                 mark("sent")
-            if meanwhile is not None:
-                meanwhile()
             # one bound for the step, since no stage answers until the last: each stage's bound for its largest
             # group, added up, and the largest again for each group after the first (the groups run as a pipeline)
             per_stage = [max(group[i].bound for group in sents) for i in range(len(links))]
@@ -237,8 +234,7 @@ class RemotePipeline:
             link.drop(reason)
         raise WorkerLost(owing[0].node_id or owing[0].entry_id, owing[0].close_reason)
 
-    def _schedule(self, groups: list[RunBatch], links: list[WorkerLink],
-                  meanwhile: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    def _schedule(self, groups: list[RunBatch], links: list[WorkerLink]) -> list[torch.Tensor]:
         """Every group through every stage in order, as a pipeline: at tick t, stage s runs group t - s, so each
         stage works on one group while the next stage works on the one before. Returns each group's output."""
         out_dtype = groups[0].hidden_state.torch_dtype
@@ -256,8 +252,6 @@ class RemotePipeline:
                     except WorkerLost:
                         self._drain(in_flight)
                         raise
-            if tick == 0 and meanwhile is not None:
-                meanwhile()
             self._drain(in_flight, current, hops)
         self.last_hops = hops
         return [message.hidden_state.tensor().to(out_dtype) for message in current]
@@ -283,10 +277,7 @@ class RemotePipeline:
     def _new_step(self) -> None:
         self.request_id, self.seq = f"step-{next(self._ids)}", 0
 
-    def run(self, entries: Sequence[Entry], hidden: torch.Tensor, meanwhile: Callable[[], None] | None = None
-            ) -> torch.Tensor:
-        """Pipeline.run: `meanwhile` is called once the first stage has the rows (or before a resume waits for a
-        worker to come back)."""
+    def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
         row = 0
         for e in entries:
             if e.start == 0:
@@ -305,10 +296,8 @@ class RemotePipeline:
             if any(e.start > 0 for e in entries):
                 self._check_same_workers(links)
             self._links = links
-            return self._relay(batch, hidden, released, links, meanwhile)
+            return self._relay(batch, hidden, released, links)
         except WorkerLost as exc:
-            if meanwhile is not None:  # what the caller had to do waits no longer: a resume may take its grace period
-                meanwhile()
             return self._recover(exc, entries)
 
     def _check_same_workers(self, links: list[WorkerLink]) -> None:

@@ -15,9 +15,7 @@ running while there is work, owns the batch and steps it:
               and sequences still reading their prompt share `prefill_chunk` prompt positions, so a long prompt
               arriving never stalls the running streams for more than one chunk
     deliver   each sequence that chose a token gets its Step on its own queue; a finished one leaves the batch
-              and its caches are released at once. The Steps (and the step's metrics) are handed out while the
-              next step is away (Generator.step's `meanwhile`), so that no reply woken by its token runs between
-              the token and the next step's send; the last step's, once no step follows
+              and its caches are released at once
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
@@ -28,7 +26,6 @@ States of a request: waiting (in the queue) -> running (in the batch) -> done (f
 from __future__ import annotations
 
 import collections
-import functools
 import queue
 import threading
 import time
@@ -285,7 +282,6 @@ class GenerationService:
         self._batch: list[_Request] = []
         self._loop: threading.Thread | None = None
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
-        self._held: Callable[[], None] | None = None  # the last step's delivery, made while the next one is away
 
     # --- views -------------------------------------------------------------------------------------------------
     def _node_states(self) -> tuple[Sequence[str], Sequence[str]]:
@@ -418,10 +414,7 @@ class GenerationService:
             while self._cycle():
                 pass
         except BaseException as exc:  # a bug in the loop itself: no request may wait for ever on it
-            try:
-                self._deliver()
-            finally:
-                self._fail(self._take_everyone(), exc)
+            self._fail(self._take_everyone(), exc)
             raise
 
     def _cycle(self) -> bool:
@@ -434,12 +427,10 @@ class GenerationService:
             self.metrics.queue_wait.observe(request.queue_wait_s)
         with self._lock:
             batch = list(self._batch)
+            if not batch and not self._waiting:
+                self._loop = None
+                return False
         if not batch:
-            self._deliver()  # no step follows whose time away it could wait for
-            with self._lock:
-                if not self._batch and not self._waiting:
-                    self._loop = None
-                    return False
             return True
         self._step(batch)
         return True
@@ -469,7 +460,7 @@ class GenerationService:
         reading = any(not r.sequence.decoding for r in batch)
         started, read_before = time.perf_counter(), self.generator.prompt_positions
         try:
-            results = self.generator.step([r.sequence for r in batch], self.prefill_chunk, meanwhile=self._deliver)
+            results = self.generator.step([r.sequence for r in batch], self.prefill_chunk)
         except Exception as exc:  # the pipeline's errors end this step's sequences, not the service
             with self._lock:
                 self._batch = [r for r in self._batch if r not in batch]
@@ -477,39 +468,28 @@ class GenerationService:
             self._release(batch)
             return
         elapsed = time.perf_counter() - started
+        self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
+        self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
         by_sequence = {r.sequence.id: r for r in batch}
-        deliveries = [(by_sequence[sequence.id], step) for sequence, step in results]
-        # Handed out while the next step is away (Generator.step's `meanwhile`), not now: each request woken here
-        # would run its reply's Python (a streamed chunk's JSON and write) in this thread's pauses for the GIL,
-        # between the token chosen and the next step sent, which is every token's critical path.
-        self._held = functools.partial(self._hand_out, deliveries, "prefill" if reading else "decode", elapsed,
-                                       len(batch), self.generator.prompt_positions - read_before,
-                                       self.step_hops() if self.step_hops is not None else ())
-        ended = [request for request, step in deliveries if step.completion is not None]
+        ended = []
+        for sequence, step in results:
+            request = by_sequence[sequence.id]
+            request.outbox.put(step)
+            if step.completion is not None:
+                ended.append(request)
         if ended:
             with self._lock:
                 self._batch = [r for r in self._batch if r not in ended]
             self._release(ended)
 
-    def _deliver(self) -> None:
-        """Hand out the last step (_step held it back for this); nothing where it is handed out already."""
-        held, self._held = self._held, None
-        if held is not None:
-            held()
-
-    def _hand_out(self, deliveries: list[tuple[_Request, Step]], phase: str, elapsed_s: float, batch_size: int,
-                  prompt_positions: int, hops: Sequence[Hop]) -> None:
-        """A step's figures to the metrics, then each token to its request (a reply may look at the metrics once it
-        has its last token)."""
-        self.metrics.prompt_tokens.inc(prompt_positions)  # a failed step's are not counted
+    def _observe_step(self, phase: str, elapsed_s: float, batch_size: int, tokens: int) -> None:
         if phase == "decode":
             self.metrics.decode_step.observe(elapsed_s)
         self.metrics.batch_size.observe(batch_size)
         with self._lock:
-            self._recent_tokens.append((time.perf_counter(), len(deliveries)))
-        self.metrics.observe_step(phase, hops)
-        for request, step in deliveries:
-            request.outbox.put(step)
+            self._recent_tokens.append((time.perf_counter(), tokens))
+        if self.step_hops is not None:
+            self.metrics.observe_step(phase, self.step_hops())
 
     def _release(self, requests: list[_Request]) -> None:
         if requests:  # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
