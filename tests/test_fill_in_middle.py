@@ -62,3 +62,25 @@ def test_suffix_completes_the_middle(fim_model):
                                                           "suffix": "\n\nf(1)\n", "max_tokens": 6,
                                                           "temperature": 0, "ignore_eos": True})
     assert reply.json["choices"][0]["text"] == expected.text
+
+
+# What an editor's autocomplete sends a Qwen2.5-Coder as stop strings beside its fill-in-the-middle prompt: more than
+# the 4 OpenAI takes
+CODER_STOPS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+               "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_an_editors_autocomplete_request_with_its_nine_stop_strings_is_served(fim_model):
+    service = GenerationService("tiny", fim_model.tokenizer, fim_model, lambda: Readiness(1, ("w",), ()))
+    client = testing.TestClient(create_app(service))
+    body = {"model": "tiny", "prompt": "def f(x):\n    ", "suffix": "\n\nf(1)\n", "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    plain = client.simulate_post("/v1/completions", json=body)
+    stopped = client.simulate_post("/v1/completions", json={**body, "stop": CODER_STOPS})
+    assert stopped.status_code == 200, stopped.text
+    # none of them is in the text (the special tokens are left out of it), so the text is the one without them
+    assert stopped.json["choices"][0]["text"] == plain.json["choices"][0]["text"]
+    text = plain.json["choices"][0]["text"]
+    if len(text) > 1:  # and one of them that is in it cuts it there
+        cut = client.simulate_post("/v1/completions", json={**body, "stop": [*CODER_STOPS, text[1:]]})
+        assert cut.json["choices"][0]["text"] == text[:text.index(text[1:])]

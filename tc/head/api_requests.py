@@ -19,7 +19,9 @@ from typing import Any, Callable, Mapping
 from ..sampling import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 4
+# OpenAI takes 4; editors' fill-in-the-middle templates send more (a Qwen2.5-Coder's lists 9: its end of text and
+# its FIM and chat tokens), as may lm-evaluation-harness. Each is looked for in the text at every token: 32 is cheap.
+MAX_STOP_STRINGS = 32
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logprobs (legacy completions: 5)
 MAX_CHOICES = 16  # choices per request (n); each is a sequence in the batch, so head.max_batch bounds it too
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
