@@ -35,6 +35,7 @@ from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, new_r
 from .trace import mark
 
 PROMPT_LOGITS_CHUNK = 128  # prompt positions turned into logits at once: [128, vocab] fp32 stays small
+CHARACTER_TOKENS = 4  # the most tokens one character's bytes span (UTF-8's longest)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ class IncrementalDecoder:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix):]
+        # A character cut short is in the last CHARACTER_TOKENS tokens (it has at most 4 bytes, a token at least
+        # one). Held ids past those end in U+FFFD of the text itself (the character, or bytes that never make one,
+        # as mojibake holds them): held for ever, every token would decode them all again (an echoed prompt of 30k
+        # of them took the head a minute). Those before the last tokens go out where the text splits cleanly around
+        # them: what went out, they and the last tokens each read on their own as they read together.
+        # (SentencePiece's byte fallback reads a run of bytes broken anywhere as U+FFFD for each, the whole
+        # characters before included, and drops the space a text starts with: a split that changes what the
+        # text reads is not taken; the bytes after one read on their own, their whole characters as such.)
+        cut = len(self.ids) - CHARACTER_TOKENS
+        if cut > self.read_offset:
+            settled = self._decode(self.ids[self.read_offset:cut])
+            if settled and full == prefix + settled + self._decode(self.ids[cut:]):
+                self.prefix_offset, self.read_offset = self.read_offset, cut
+                return settled
         return ""
 
     def flush(self) -> str:

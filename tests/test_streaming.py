@@ -15,7 +15,8 @@ from falcon import testing
 
 from model_helpers import OurModel
 from tiny_model import sentencepiece_tokenizer
-from tc.generation import CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back
+from tc.generation import (CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back,
+                           text_with_offsets)
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness, WorkerLost
@@ -147,6 +148,42 @@ def test_tokens_are_released_with_their_text(tokenizer):
         per_step.append([t.id for t in state.release().tokens])
     assert per_step == [[ids[0]], [], [], ids[1:4], [ids[4]]]
     assert [t.offset for t in state.tokens] == [0, 1, 1, 1, 2]
+
+
+class CountingTokenizer(TextTokenizer):
+    """The real tokenizer, counting the token ids it decodes."""
+
+    decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_text_of_u_fffd_goes_out_as_it_comes_and_decodes_each_token_a_bounded_number_of_times(tokenizer):
+    """U+FFFD in the text itself (mojibake: the character, or bytes that never make one) is not a character cut
+    short: it goes out a few tokens behind, and each token is decoded a bounded number of times. Before, the
+    decoder held it all until a whole other character came, decoding every held token again at each one: an
+    echoed prompt of 30k of them kept the head busy for a minute, and a stream of them showed nothing."""
+    counting = CountingTokenizer(**vars(tokenizer))
+    ids = byte_tokens(tokenizer, "ok " + "\ufffd" * 600) + [byte_tokens(tokenizer, "\x80")[1]] * 600
+    assert tokenizer.decode(ids[-600:]) == "\ufffd" * 600  # a lone continuation byte reads as U+FFFD
+    whole, offsets = text_with_offsets(counting, ids)
+    assert whole == tokenizer.decode(ids) == "ok " + "\ufffd" * 1200
+    assert counting.decoded < 40 * len(ids)  # it was about len(ids) ** 2 / 2
+    # each token's offset is where its character starts, or at most a few characters before (held while its
+    # text might yet be a character cut short, which spans at most 4 tokens); before, every one of them was 3
+    starts = [*range(3), *(3 + i // 3 for i in range(1800)), *range(603, 1203)]
+    assert offsets == sorted(offsets)
+    assert all(start - 4 <= offset <= start for offset, start in zip(offsets, starts))
+
+    state = CompletionText(tokenizer, ())
+    shown = ""
+    for token in ids[-600:]:
+        state.push(token, None)
+        shown += state.release().text
+    assert len(shown) >= 600 - 4  # a character's bytes span at most 4 tokens
+    assert shown + state.finish()[1] == "\ufffd" * 600
 
 
 @pytest.fixture(scope="module")
