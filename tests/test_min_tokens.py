@@ -125,6 +125,21 @@ def test_http_min_tokens_and_ignore_eos(eos_first_client, route, body):
         assert reply.json["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("route, body, default", [
+    ("/v1/completions", {"prompt": PROMPT}, "it is 16 (OpenAI's default here)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     "the room the messages leave in the context"),
+])
+def test_min_tokens_over_a_max_tokens_left_out_says_what_max_tokens_was_taken_to_be(eos_first_client, route, body,
+                                                                                 default):
+    """The request sent no max_tokens: the error says so, and where the number it is measured against comes from,
+    rather than quote a max_tokens the client never sent."""
+    reply = eos_first_client.simulate_post(route, json={"model": "tiny", "min_tokens": 10**6, **body})
+    assert reply.status_code == 400 and reply.json["error"]["param"] == "min_tokens", reply.text
+    message = reply.json["error"]["message"]
+    assert "max_tokens, which the request leaves out" in message and default in message, message
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"min_tokens": -1}, "'min_tokens' must be at least 0"),
     ({"min_tokens": "3"}, "'min_tokens' must be an integer"),

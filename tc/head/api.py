@@ -361,8 +361,8 @@ class CompletionsResource:
             prompt_ids = list(request.prompt)
         if request.suffix is not None:
             prompt_ids = self._fill_in_middle(prompt_ids, request.suffix)
-        params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, prompt_logprobs=request.echo,
-                                            continues_prompt=True)
+        params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, default_is="OpenAI's default here",
+                                            prompt_logprobs=request.echo, continues_prompt=True)
         # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt",
                             generates=params.max_tokens > 0)
@@ -395,7 +395,8 @@ class ChatCompletionsResource:
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer),
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
-        params = request.sampling.to_params(default_max_tokens=self.service.context_length - len(prompt_ids))
+        room = self.service.context_length - len(prompt_ids)
+        params = request.sampling.to_params(room, default_is="the room the messages leave in the context")
         params = dataclasses.replace(params, constraint=self.structured.grammar(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,

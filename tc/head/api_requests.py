@@ -88,12 +88,15 @@ class SamplingFields:
     ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
     n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
 
-    def to_params(self, default_max_tokens: int, *, prompt_logprobs: bool = False,
+    def to_params(self, default_max_tokens: int, *, default_is: str = "", prompt_logprobs: bool = False,
                   continues_prompt: bool = False) -> SamplingParams:
-        """Raises RequestError when min_tokens is over the completion's max_tokens."""
+        """Raises RequestError when min_tokens is over the completion's max_tokens. `default_is` says where
+        `default_max_tokens` comes from, for that error where the request left max_tokens out."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.min_tokens > max_tokens >= 0:  # a negative max_tokens is SamplingParams' to refuse
-            raise RequestError(f"'min_tokens' ({self.min_tokens}) must not be more than max_tokens ({max_tokens})",
+            given = f"max_tokens ({max_tokens})" if self.max_tokens is not None else \
+                f"max_tokens, which the request leaves out, so it is {max_tokens} ({default_is})"
+            raise RequestError(f"'min_tokens' ({self.min_tokens}) must not be more than {given}",
                                param="min_tokens", code="invalid_value")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               stop=self.stop, seed=self.seed, top_k=self.top_k,
