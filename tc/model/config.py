@@ -167,12 +167,17 @@ def token_ids(value: Any, where: str) -> list[int]:
 
 
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
-                  act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA) -> dict[str, Any]:
-    """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default` and
-    `default_theta` are what the family's transformers config takes where config.json leaves those out.
+                  act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA,
+                  defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default`,
+    `default_theta` and `defaults` (other keys: an explicit null stays null) are what the family's transformers
+    config takes where config.json leaves those out. `source` is config.json as read, defaults not filled in: it
+    crosses the wire, and each worker fills them the same way.
 
     Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
     """
+    source = copy.deepcopy(data)
+    data = {**(defaults or {}), **data}
     values: dict[str, Any] = {"model_type": family}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "max_position_embeddings"):
@@ -211,7 +216,7 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
     if partial is not None and partial != 1.0:
         raise ConfigError(f"config.json sets partial_rotary_factor = {partial!r}; tc rotates the whole head")
     values["rope"] = parse_rope(data, default_theta=default_theta)
-    values["source"] = copy.deepcopy(data)
+    values["source"] = source
     return values
 
 

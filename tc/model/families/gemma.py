@@ -26,10 +26,9 @@ def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool], def
     if flag(data, "use_bidirectional_attention"):  # EmbeddingGemma's: transformers then lets every token see all
         raise ConfigError("config.json sets use_bidirectional_attention = true; tc runs Gemma as a causal language "
                           "model, each token attending to those before it")
-    source = copy.deepcopy(data)
-    data = {**defaults, **data}
-    values = common_fields(data, family, tie_default=True, act_key="hidden_activation", default_theta=default_theta)
-    values["source"] = source
+    values = common_fields(data, family, tie_default=True, act_key="hidden_activation", default_theta=default_theta,
+                           defaults=defaults)
+    data = {**defaults, **data}  # for the keys read here
     scalar = require(data, "query_pre_attn_scalar", (int, float), family)
     windows = layer_windows(data, values["num_hidden_layers"])
     if not windows and data.get("sliding_window") is not None and data.get("layer_types") is None:

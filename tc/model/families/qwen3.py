@@ -1,7 +1,6 @@
 """Qwen3: an RMSNorm over each query and key head (q_norm, k_norm), no q/k/v bias, its own head_dim."""
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..config import ModelConfig, common_fields, flag
@@ -15,6 +14,5 @@ DEFAULT_HEAD_DIM = 128
 def parse(data: dict[str, Any]) -> ModelConfig:
     refuse_sliding_window(data, "qwen3")
     bias = flag(data, "attention_bias")
-    values = common_fields({"head_dim": DEFAULT_HEAD_DIM, **data}, "qwen3")
-    values["source"] = copy.deepcopy(data)
-    return ModelConfig(**values, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return ModelConfig(**common_fields(data, "qwen3", defaults={"head_dim": DEFAULT_HEAD_DIM}), qkv_bias=bias,
+                       o_bias=bias, qk_norm=True)
