@@ -15,7 +15,10 @@ from pathlib import Path
 import yaml
 
 from tc.protocol.connection import Connection
-from tc.protocol.messages import PROTOCOL_VERSION, Assignment, DeviceInfo, Hello, HelloAck, LoadComplete
+from tc.protocol.errors import ConnectionClosed
+from tc.protocol.framing import Envelope
+from tc.protocol.messages import (PROTOCOL_VERSION, Assignment, DeviceInfo, Hello, HelloAck, LoadComplete, Ping,
+                                  Pong)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +67,35 @@ def join_loaded(port: int, hello: Hello) -> Connection:
     conn.settimeout(None)
     conn.send(LoadComplete(load_seconds=0.0, weight_bytes=1, device="cpu", compute_dtype="fp32"))
     return conn
+
+
+class HandJoinedWorker:
+    """A worker joined by hand (join_loaded) whose reader thread answers every PING at once, as a real worker's
+    does, and hands every other frame to `received`; `closed` is set once the connection ends. A subclass sets
+    what `received` uses before calling this __init__: frames may come as soon as it returns."""
+
+    def __init__(self, port: int, hello: Hello):
+        self.closed = threading.Event()
+        self.conn = join_loaded(port, hello)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def received(self, env: Envelope) -> None:
+        """A frame from the head other than PING, on the reader thread."""
+
+    def ended(self) -> None:
+        """The connection ended (the reader thread's last call)."""
+
+    def _read(self) -> None:
+        try:
+            while True:
+                env = self.conn.recv()
+                if isinstance(env.message, Ping):
+                    self.conn.send(Pong(nonce=env.message.nonce))
+                else:
+                    self.received(env)
+        except (ConnectionClosed, OSError):
+            self.closed.set()
+            self.ended()
 
 
 class Process:

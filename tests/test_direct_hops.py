@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, join_loaded, worker_hello, write_topology
+from cluster import Cluster, HandJoinedWorker, Request, worker_hello, write_topology
 from tc.protocol.auth import peer_proof, token_key
 from tc.protocol.connection import Connection, connect
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.messages import (PROTOCOL_VERSION, BatchEntry, Error, HiddenState, InferenceError, PeerAck,
-                                  PeerChallenge, PeerHello, Ping, Pong, Route, RunBatch)
+                                  PeerChallenge, PeerHello, Ping, Route, RunBatch)
 from tc.worker import peers
 from tc.worker.peers import Forwarder, PeerListener, Routes
 from tiny_model import write_tiny_model
@@ -440,7 +440,7 @@ def test_concurrent_requests_in_micro_batches_pass_along(tmp_path, model_dir, re
         assert passes_to(cluster) == {"a": "b", "b": "head"}
 
 
-class SilentLastStage:
+class SilentLastStage(HandJoinedWorker):
     """A last stage that takes its input straight from the worker before it (a real PeerListener) and never
     answers: a hung compute thread, while its reader answers every PING."""
 
@@ -448,21 +448,14 @@ class SilentLastStage:
         self.routes, self.got = Routes(), queue.Queue()
         self.listener = PeerListener("127.0.0.1", 0, self.routes, self.got.put, 1 << 20)
         self.listener.start()
-        self.closed = threading.Event()
-        self.conn = join_loaded(port, worker_hello(node_id, peer_port=self.listener.port))
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(port, worker_hello(node_id, peer_port=self.listener.port))
 
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = self.conn.recv().message
-                if isinstance(msg, Ping):
-                    self.conn.send(Pong(nonce=msg.nonce))
-                elif isinstance(msg, Route):
-                    self.routes.set(msg)
-        except (ConnectionClosed, OSError):
-            self.closed.set()
-            self.listener.close()
+    def received(self, env) -> None:
+        if isinstance(env.message, Route):
+            self.routes.set(env.message)
+
+    def ended(self) -> None:
+        self.listener.close()
 
 
 def test_a_step_passed_along_that_never_comes_back_drops_the_stages_that_owe_it(tmp_path, model_dir, relayed_texts):
@@ -493,7 +486,7 @@ def test_a_step_passed_along_that_never_comes_back_drops_the_stages_that_owe_it(
         assert passes_to(cluster) == {"a": "b", "b": "head"}
 
 
-class ScriptedFirstStage:
+class ScriptedFirstStage(HandJoinedWorker):
     """A first stage joined by hand whose steps the test answers: each RUN_BATCH from the head lands in `got`,
     and the test passes it on to the next stage (a real worker, through a real Forwarder) or answers the head. Its
     layers are the identity: the rows it passes on are those it was given."""
@@ -501,21 +494,13 @@ class ScriptedFirstStage:
     def __init__(self, port: int, node_id: str):
         self.routes, self.got = Routes(), queue.Queue()
         self.forwarder = Forwarder(1 << 20)
-        self.conn = join_loaded(port, worker_hello(node_id))
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(port, worker_hello(node_id))
 
-    def _read(self) -> None:
-        try:
-            while True:
-                env = self.conn.recv()
-                if isinstance(env.message, Ping):
-                    self.conn.send(Pong(nonce=env.message.nonce))
-                elif isinstance(env.message, Route):
-                    self.routes.set(env.message)
-                elif isinstance(env.message, RunBatch):
-                    self.got.put(env)
-        except (ConnectionClosed, OSError):
-            pass
+    def received(self, env) -> None:
+        if isinstance(env.message, Route):
+            self.routes.set(env.message)
+        elif isinstance(env.message, RunBatch):
+            self.got.put(env)
 
     def pass_on(self, env, route: Route | None = None) -> None:
         message = env.message

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, join_loaded, worker_hello, write_topology
+from cluster import Cluster, HandJoinedWorker, Request, join_loaded, worker_hello, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import create_app
@@ -60,7 +60,7 @@ def greedy(model_dir, max_tokens: int) -> str:
 
 
 
-class ScriptedWorker:
+class ScriptedWorker(HandJoinedWorker):
     """A worker whose reader answers every PING at once, as a real worker's does, while its "compute" answers
     each inference step after `delay(kind, index)` seconds, or never when that is None (a hung compute thread).
     """
@@ -69,29 +69,20 @@ class ScriptedWorker:
         self.delay = delay
         self.steps = 0
         self.hung_at: float | None = None  # when it took the step it never answers
-        self.closed = threading.Event()
-        self.conn = join_loaded(port, worker_hello(node_id))
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(port, worker_hello(node_id))
 
-    def _read(self) -> None:
-        try:
-            while True:
-                env = self.conn.recv()
-                msg = env.message
-                if isinstance(msg, Ping):
-                    self.conn.send(Pong(nonce=msg.nonce))
-                elif isinstance(msg, RunBatch):
-                    kind = "decode" if msg.is_decode else "prefill"
-                    delay = self.delay(kind, self.steps)
-                    self.steps += 1
-                    if delay is None:
-                        self.hung_at = time.monotonic()
-                        continue
-                    reply = HiddenState(hidden_state=torch.zeros(1, msg.hidden_state.shape[1], HIDDEN),
-                                        compute_seconds=delay)
-                    threading.Timer(delay, self._send, args=(reply, env.request_id, env.seq)).start()
-        except (ConnectionClosed, OSError):
-            self.closed.set()
+    def received(self, env) -> None:
+        msg = env.message
+        if not isinstance(msg, RunBatch):
+            return
+        kind = "decode" if msg.is_decode else "prefill"
+        delay = self.delay(kind, self.steps)
+        self.steps += 1
+        if delay is None:
+            self.hung_at = time.monotonic()
+            return
+        reply = HiddenState(hidden_state=torch.zeros(1, msg.hidden_state.shape[1], HIDDEN), compute_seconds=delay)
+        threading.Timer(delay, self._send, args=(reply, env.request_id, env.seq)).start()
 
     def _send(self, reply, request_id, seq) -> None:
         try:
