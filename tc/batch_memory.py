@@ -1,7 +1,8 @@
 """How many sequences the batch may hold: each one costs a KV cache on every stage.
 
 A sequence's cache on a stage holds keys and values for its layers, for every position up to its capacity (prompt
-+ max_tokens, at most the model's context). The plan counts the worst case, a sequence as long as the context:
++ max_tokens, at most the context: the model's, or the topology's context_length where that is less). The plan
+counts the worst case, a sequence as long as the context:
 
     bytes per slot on a stage = 2 (K and V) x its layers x kv_heads x head_dim x context x bytes per element
 
@@ -30,7 +31,7 @@ def element_bytes(dtype: str, device: str) -> int:
 
 def kv_bytes_per_slot(config: ModelConfig, stage: Stage) -> int:
     """Worst-case KV cache bytes of one sequence on `stage` (the module's docstring)."""
-    return (2 * stage.layer_count * config.num_key_value_heads * config.head_dim * config.max_position_embeddings
+    return (2 * stage.layer_count * config.num_key_value_heads * config.head_dim * config.context_length
             * element_bytes(stage.dtype, stage.device))
 
 
@@ -59,7 +60,7 @@ class StageNeed:
     def describe(self) -> str:
         return (f"{format_bytes(self.total_bytes)}: {format_bytes(self.weight_bytes)} of weights + "
                 f"{format_bytes(self.kv_bytes)} of KV cache for {self.sequences} sequence(s) of "
-                f"{format_bytes(self.slot_bytes)} each at the model's full context")
+                f"{format_bytes(self.slot_bytes)} each at full context")
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,11 @@ def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
             raise PlanError(
                 f"node {stage.node_id}: head.max_batch {asked} needs {format_bytes(asked * slot_bytes[stage.node_id])}"
                 f" of KV cache ({format_bytes(slot_bytes[stage.node_id])} per sequence for layers "
-                f"{stage.layers_text} at the model's {config.max_position_embeddings}-position context) beside "
+                f"{stage.layers_text} at the {config.context_length}-position context) beside "
                 f"{format_bytes(stage.weight_bytes)} of weights, but max_memory_gb is {stage.memory_bytes / GIB:.3g}"
                 f" ({format_bytes(stage.memory_bytes)}); its memory holds {room} sequence(s): lower head.max_batch "
-                "to that, raise max_memory_gb, or give the node fewer layers", stage.node_id)
+                "to that, raise max_memory_gb, give the node fewer layers, or set a shorter context_length",
+                stage.node_id)
         fits = min(fits, room)
     return BatchPlan(max(fits, 1), slot_bytes)
 

@@ -463,7 +463,7 @@ class Generator:
 
     def __init__(self, head: HeadModel, tokenizer: TextTokenizer, pipeline: Pipeline, dtype: torch.dtype):
         self.head, self.tokenizer, self.pipeline, self.dtype = head, tokenizer, pipeline, dtype
-        self.context_length = head.config.max_position_embeddings
+        self.context_length = head.config.context_length
         self._ids = itertools.count(1)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks, made beside the pipeline
         self.prompt_positions = 0  # prompt positions run through the pipeline so far (a prompt read for n, once)

@@ -56,6 +56,8 @@ MAX_QUEUE = 4096  # each waiting request holds one of the API's threads
 MAX_BATCH = 1024
 MAX_MICRO_BATCHES = 64
 MAX_GROUP_SIZE = 1 << 16
+MIN_CONTEXT = 2  # a one-token prompt and one token generated
+MAX_CONTEXT = 1 << 24  # past what any model holds; the head checks the model's own figure
 MAX_SECONDS = 86_400.0
 HEARTBEAT_RANGE_S = (0.05, 3600.0)
 SIZE_RANGE_MB = (1 / 1024, float(1 << 16))  # max_frame_mb and max_body_mb: 1 KiB to 64 GiB
@@ -66,8 +68,8 @@ MAX_LAYER_MS = 1e6
 MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
-TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "hf_cache_dir", "chat_template",
-            "head", "nodes")
+TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "context_length", "hf_cache_dir",
+            "chat_template", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
              "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb",
              "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
@@ -176,6 +178,7 @@ class Topology:
     head: HeadSettings
     nodes: tuple[NodeEntry, ...]
     chat_template: Path | None = None  # a Jinja file that replaces the model's own chat template (head only)
+    context_length: int | None = None  # positions a sequence may use; None: the model's (head.main.with_context)
 
     def with_ports(self, api_port: int | None = None, listen_port: int | None = None) -> Topology:
         """A copy with the head's API and/or listen port replaced (0 lets the OS pick, for tests)."""
@@ -284,6 +287,8 @@ class Topology:
             data["hf_cache_dir"] = str(self.hf_cache_dir)
         if self.chat_template is not None:
             data["chat_template"] = str(self.chat_template)
+        if self.context_length is not None:
+            data["context_length"] = self.context_length
         return data
 
 
@@ -538,12 +543,15 @@ class _Parser:
         cache = top.get("hf_cache_dir")
         hf_cache_dir = None if cache is None else self.local_path(self.string(cache, "hf_cache_dir"), "hf_cache_dir")
         chat_template = self.optional(top, "chat_template", "", self.template_file)
+        context_length = self.optional(top, "context_length", "", lambda value, path: self.integer(
+            value, path, MIN_CONTEXT, "; the positions a sequence may use, prompt and completion, e.g. 8192",
+            MAX_CONTEXT))
         head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
         nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
         return Topology(
             version=version, model=model, model_is_local=is_local, name=name, revision=revision, quant=quant,
             group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
-            chat_template=chat_template,
+            chat_template=chat_template, context_length=context_length,
         )
 
     def revision(self, value: object, path: str) -> str:

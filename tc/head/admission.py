@@ -115,7 +115,7 @@ def caches_short_of_the_batch(entry: NodeEntry, hello: Hello, stage: Stage, conf
         return None
     held = sequences_fit(config, replace(stage, device=device), room)
     return (f"{entry.id} holds layers {stage.layers_text} with room for the KV caches of {held} of the batch's "
-            f"{need.sequences} sequences at the model's full context ({format_bytes(need.slot_bytes)} each, beside "
+            f"{need.sequences} sequences at full context ({format_bytes(need.slot_bytes)} each, beside "
             f"{format_bytes(need.weight_bytes)} of weights, in {format_bytes(room)}); it serves, as caches fill only "
             f"as far as sequences go, but more than {held} sequences near the full context at once would run it "
             f"out of memory: set head.max_batch to {max(held, 1)} in topology.yaml to rule that out")

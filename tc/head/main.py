@@ -110,10 +110,22 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, 
     before anything starts) and the plan. Raises ConfigError, WeightsError, PlanError."""
     source = model_source(topology)
     config_dir = source.config_dir()
-    config = ModelConfig.from_file(config_dir / "config.json")
+    config = with_context(ModelConfig.from_file(config_dir / "config.json"), topology.context_length)
     if topology.model_is_local:  # headers are on this disk: check them before promising a plan
         WeightIndex.open(config_dir).validate(config)
     return source, config, build_plan(topology, config)
+
+
+def with_context(config: ModelConfig, context_length: int | None) -> ModelConfig:
+    """`config` serving the topology's context_length (None: the model's own). Raises TopologyError for more
+    positions than the model holds: its rotary embedding was not made for them."""
+    if context_length is None:
+        return config
+    if context_length > config.model_context:
+        raise TopologyError("context_length", f"{context_length} is more than this model holds "
+                            f"({config.model_context} positions, from its config.json); use at most that, or leave "
+                            "context_length out")
+    return replace(config, context_limit=context_length)
 
 
 def describe_spares(topology: Topology, plan: Plan, config: ModelConfig, max_batch: int) -> list[str]:
@@ -142,8 +154,8 @@ def describe_spares(topology: Topology, plan: Plan, config: ModelConfig, max_bat
 def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     _, config, plan = load_config_and_plan(topology)
-    print(f"model {topology.model} ({config.model_type}): {config.num_hidden_layers} layers, weights "
-          f"{topology.quant}")
+    print(f"model {topology.model} ({config.model_type}): {config.num_hidden_layers} layers, context "
+          f"{config.context_length} positions, weights {topology.quant}")
     print(explain(plan, plan_forecast(topology, config, plan, head_speed(topology))) if args.explain
           else plan.table())
     batch = plan_batch(plan, config, topology.head.max_batch)
@@ -212,12 +224,12 @@ def start_head(topology: Topology) -> Head:
     speed = on_own_thread(lambda: head_speed(topology), "head-speed") if timed else None
     waiting = topology.head.plan_from == "workers"
     if waiting:
-        log.info("model %s: %d layers, hidden %d, weights %s; the plan is made from the workers' own speeds once "
-                 "all %d have joined", topology.model, config.num_hidden_layers, config.hidden_size, topology.quant,
-                 len(plan.stages))
+        log.info("model %s: %d layers, hidden %d, context %d positions, weights %s; the plan is made from the "
+                 "workers' own speeds once all %d have joined", topology.model, config.num_hidden_layers,
+                 config.hidden_size, config.context_length, topology.quant, len(plan.stages))
     else:
-        log.info("model %s: %d layers, hidden %d, weights %s; plan:\n%s", topology.model, config.num_hidden_layers,
-                 config.hidden_size, topology.quant,
+        log.info("model %s: %d layers, hidden %d, context %d positions, weights %s; plan:\n%s", topology.model,
+                 config.num_hidden_layers, config.hidden_size, config.context_length, topology.quant,
                  explain(plan, plan_forecast(topology, config, plan, speed)) if timed else plan.table())
     batch = plan_batch(plan, config, topology.head.max_batch)  # refuses a batch that cannot fit, before loading
     log.info("batch: %s", batch.describe())

@@ -76,11 +76,32 @@ class ModelConfig:
     local_rope: Rope | None = None  # the rotary embedding of sliding-window layers, where it differs (Gemma 3)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused already (Phi-3)
     experts: Experts | None = None
+    context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     @property
     def rope_theta(self) -> float:
         return self.rope.theta
+
+    @property
+    def model_context(self) -> int:
+        """The positions the model itself holds: max_position_embeddings, or, under YaRN scaling, the original
+        context times the factor where that is more (the rule vLLM's max_model_len follows: a Qwen2.5 or Qwen3
+        checkpoint keeps max_position_embeddings at 32768 or 40960 when its card adds YaRN for 131072). YaRN's
+        frequencies and attention factor are the same at every position, so positions past
+        max_position_embeddings compute as transformers computes them. Other scalings keep the file's figure:
+        linear and llama3 checkpoints give the scaled context there already, and dynamic scaling would change
+        past it, which tc does not compute (rope.py)."""
+        if self.rope.type == "yarn":
+            scaled = int(self.rope.param("original_max_position_embeddings") * self.rope.param("factor"))
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
+
+    @property
+    def context_length(self) -> int:
+        """The positions one sequence may use, its prompt and completion together: the model's context, or the
+        topology's context_length where that is less (fewer bytes of KV cache for each sequence the plan holds)."""
+        return self.model_context if self.context_limit is None else min(self.context_limit, self.model_context)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every position)."""

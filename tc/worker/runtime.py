@@ -134,7 +134,7 @@ class StageRuntime:
         self.hidden_size = loaded.stage.config.hidden_size
         # A head asks for a cache of prompt + max_tokens positions, never more than the model's context: a
         # larger request is refused before it allocates anything.
-        self.max_positions = loaded.stage.config.max_position_embeddings
+        self.max_positions = loaded.stage.config.model_context
         self.caches: dict[int, KVCache] = {}
         # a CPU stage computing in bf16 may run a decode step from the received bytes (`_run_bytes`)
         self._steps_bytes = loaded.device == "cpu" and loaded.dtype == torch.bfloat16
