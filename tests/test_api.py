@@ -373,11 +373,12 @@ def test_chat_template_failure_is_a_client_error(generator):
 
 # --- happy paths -------------------------------------------------------------------------------------------------
 
-def test_models_list_and_retrieve(client):
+def test_models_list_and_retrieve(client, generator):
     result = client.simulate_get("/v1/models")
     assert result.status_code == 200
     assert result.json == {"object": "list",
-                           "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "truecluster"}]}
+                           "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "truecluster",
+                                     "max_model_len": generator.context_length}]}
     assert client.simulate_get("/v1/models/").json == result.json
     assert client.simulate_get(f"/v1/models/{MODEL}").json == result.json["data"][0]
     assert_error_shape(client.simulate_get("/v1/models/other"), 404, "invalid_request_error", None,

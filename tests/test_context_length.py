@@ -102,6 +102,7 @@ def short_cluster(tmp_path_factory):
 
 def test_a_head_serves_the_context_length_it_was_given(short_cluster):
     assert "context 48 positions" in short_cluster.head.output()
+    assert short_cluster.get("/v1/models")[1]["data"][0]["max_model_len"] == 48
     status, body = short_cluster.post("/v1/completions", {"model": "model", "prompt": list(range(1, 49)),
                                                           "max_tokens": 1})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"

@@ -135,8 +135,9 @@ def server_error_reply(status: int, reason: str, detail: str) -> ErrorReply:
                       _snake(reason))
 
 
-def model_card(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
+def model_card(model_id: str, context_length: int) -> dict[str, Any]:
+    # max_model_len as vLLM names it: clients that fit prompts to the context read it there
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY, "max_model_len": context_length}
 
 
 def _vocab_size(tokenizer: TextTokenizer) -> int:
@@ -161,16 +162,16 @@ def read_json_body(req: falcon.Request, max_body_bytes: int) -> dict[str, Any]:
 
 
 class ModelsResource:
-    def __init__(self, model_id: str):
-        self.model_id = model_id
+    def __init__(self, model_id: str, context_length: int):
+        self.card = model_card(model_id, context_length)
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [model_card(self.model_id)]}
+        resp.media = {"object": "list", "data": [self.card]}
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        if model_id != self.model_id:
-            raise ModelNotFound(model_id, self.model_id, param=None)
-        resp.media = model_card(self.model_id)
+        if model_id != self.card["id"]:
+            raise ModelNotFound(model_id, self.card["id"], param=None)
+        resp.media = self.card
 
     # HEAD is GET without the body (Falcon drops it), as HTTP requires of every GET resource: uptime monitors and
     # load balancers check with it
@@ -467,7 +468,7 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     """
     app = falcon.App(middleware=[RequestLog(service.metrics)])
     app.req_options.strip_url_path_trailing_slash = True
-    models = ModelsResource(service.model_id)
+    models = ModelsResource(service.model_id, service.context_length)
     app.add_route("/v1/models", models)
     # model ids such as "Qwen/Qwen2.5-0.5B-Instruct" hold slashes, so the id takes the rest of the path
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
