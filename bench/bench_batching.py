@@ -28,6 +28,7 @@ the machine and on what else runs on it: read ratios measured in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import statistics
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -187,16 +189,18 @@ def tc_rows(mode: str, args: argparse.Namespace, workdir: Path, micro_batches: i
     return rows
 
 
-def llamacpp_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
+@contextlib.contextmanager
+def llama_server(mode: str, slots: int, context: int, workdir: Path) -> Iterator[int]:
+    """llama.cpp's server on the demo model's GGUF for `mode` (bench/vs_llamacpp.py builds both on first use),
+    `slots` sequences at once with continuous batching, 2 threads; yields its port once it answers."""
     cache = vs_llamacpp.llamacpp_cache()
     src = vs_llamacpp.fetch_source(cache)  # each step reuses what an earlier run left in the cache
     bin_dir = vs_llamacpp.build_llamacpp(src, cache, vs_llamacpp.this_machines_cpu_options(), skip_build=False)
     gguf = vs_llamacpp.convert_models(src, bin_dir, cache, [mode], skip_build=False)[mode]
     port = free_port()
-    slots = max(args.streams)
     server = Process([str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                       "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots), "-cb",
-                      "-c", str(slots * 1024), "--no-webui"], workdir / f"llama-server-{mode}.log")
+                      "-c", str(context), "--no-webui"], workdir / f"llama-server-{mode}.log")
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -210,9 +214,15 @@ def llamacpp_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             if time.monotonic() > deadline or server.proc.poll() is not None:
                 raise RuntimeError(f"llama-server did not start:\n{server.output()[-3000:]}")
             time.sleep(0.5)
-        return measure("127.0.0.1", port, "model", args, DEFAULT_PREFILL_CHUNK)  # tc's chunk, for a like figure
+        yield port
     finally:
         server.stop()
+
+
+def llamacpp_rows(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
+    slots = max(args.streams)
+    with llama_server(mode, slots, slots * 1024, workdir) as port:
+        return measure("127.0.0.1", port, "model", args, DEFAULT_PREFILL_CHUNK)  # tc's chunk, for a like figure
 
 
 def table(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> str:
