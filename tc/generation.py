@@ -43,7 +43,8 @@ class Entry:
     """One sequence's rows in a pipeline step: positions [start, start + length) of `sequence`.
 
     An entry at start 0 begins the sequence: every stage makes it a fresh cache of `capacity` positions (its prompt
-    plus its max_tokens). Later entries continue from exactly where the cache ends. After its rows run, every
+    plus its max_tokens). Later entries continue from exactly where the cache ends, growing it to `capacity` where
+    that is more (a cache taken up by a request that continues the text it holds). After its rows run, every
     stage copies the sequence's cache into a new one for each id in `copies` (the other choices of a request
     whose prompt was read once), which then continue as sequences of their own.
     """
@@ -64,6 +65,9 @@ class Pipeline(Protocol):
     def release(self, sequences: Sequence[int]) -> None:
         """Drop these sequences' caches (unknown ones are ignored)."""
 
+    def holds(self, sequence: int) -> bool:
+        """Whether every stage still holds this sequence's cache (to be continued by a later entry)."""
+
     # A pipeline may also have `max_positions`: the most positions one run may carry (a remote one's frames are
     # bounded), past which Generator.step reads prompts over several steps. None, or no such attribute: any.
 
@@ -82,6 +86,8 @@ class LocalPipeline:
                                                for s in self.stages]
             elif entry.sequence not in self.caches:
                 raise ValueError(f"sequence {entry.sequence} continues at position {entry.start} but has no cache")
+            elif entry.capacity > self.caches[entry.sequence][0].capacity:
+                self.caches[entry.sequence] = [cache.copy(entry.capacity) for cache in self.caches[entry.sequence]]
         out_dtype = hidden.dtype
         for i, stage in enumerate(self.stages):
             spans = [Span(self.caches[e.sequence][i], e.start, e.length) for e in entries]
@@ -95,6 +101,9 @@ class LocalPipeline:
     def release(self, sequences: Sequence[int]) -> None:
         for sequence in sequences:
             self.caches.pop(sequence, None)
+
+    def holds(self, sequence: int) -> bool:
+        return sequence in self.caches
 
     # One sequence at a time, for tools and tests that drive the layers directly.
     def prefill(self, hidden: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -205,6 +214,7 @@ class Completion:
     # The end-of-sequence token that ended it, at the text's end: not in token_ids, the text or the counts, but
     # chosen like any other, so it has a log-probability (with SamplingParams.logprobs). None: it ended otherwise.
     end: TokenInfo | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens a finished request's cache held, so not read again
 
     @property
     def completion_tokens(self) -> int:
@@ -330,6 +340,8 @@ class SequenceState:
                                    if params.continues_prompt else ())
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
+        self.cached = 0  # of those, how many a finished request's cache held already (take_cache)
+        self.fed: list[int] = []  # the tokens decode steps fed in: with the prompt read, what its cache holds
         self.next_token: int | None = None  # the token the next decode step feeds in
         self.prompt_reports: list[TokenLogprob] = []
         self.unsent_prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, for the first step to carry
@@ -358,6 +370,7 @@ class SequenceState:
             self.started = time.perf_counter()
         if self.decoding:
             assert self.next_token is not None
+            self.fed.append(self.next_token)
             return Entry(self.id, self.position, 1, self.capacity), [self.next_token]
         ids = self.prompt_ids[self.prefilled:self.prefilled + prompt_budget]
         return Entry(self.id, self.prefilled, len(ids), self.capacity), ids
@@ -379,6 +392,17 @@ class SequenceState:
             self.prompt_infos = tuple(TokenInfo(t, o, r) for t, o, r in
                                       zip(self.prompt_ids, offsets, [None, *self.prompt_reports]))
             self.unsent_prompt = self.prompt_infos
+
+    def cache_ids(self) -> list[int]:
+        """The tokens whose positions this sequence's cache holds, once its last step has run."""
+        return self.prompt_ids[:self.prefilled] + self.fed
+
+    def take_cache(self, sequence: int, held: int) -> None:
+        """Continue the cache of `sequence`, a finished one whose cache holds this prompt's first `held` tokens
+        (fewer than the prompt has: its last position must run for the first token's logits): the first entry
+        reads the prompt from there, and grows the cache to this sequence's capacity."""
+        assert self.prefilled == 0 and 0 < held < len(self.prompt_ids)
+        self.id, self.prefilled, self.cached = sequence, held, held
 
     def take_prompt_from(self, leader: "SequenceState") -> None:
         """Start decoding from the leader's reading of the same prompt (its cache was copied for this one, unless it
@@ -454,7 +478,8 @@ class SequenceState:
         last = self.last_token_at if self.last_token_at is not None else first
         self.completion = Completion(tuple(t.id for t in self.text.tokens), text, reason, len(self.prompt_ids),
                                      first - started, last - first, tuple(self.text.tokens), self.prompt_infos,
-                                     TokenInfo(end[0], len(self.text.text), end[1]) if end is not None else None)
+                                     TokenInfo(end[0], len(self.text.text), end[1]) if end is not None else None,
+                                     self.cached)
         return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
 
 

@@ -71,8 +71,8 @@ GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "context_length", "hf_cache_dir",
             "chat_template", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
-             "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token", "max_frame_mb",
-             "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
+             "prefix_cache", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token",
+             "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
 PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
@@ -133,6 +133,7 @@ class HeadSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     micro_batches: int = 1  # groups a step's batch is cut into, so that stages work at the same time
     direct_hops: bool = True  # workers pass hidden states straight to the next worker, not back through the head
+    prefix_cache: bool = True  # a finished request's caches kept for the request that continues its text
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
     plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
 
@@ -250,6 +251,8 @@ class Topology:
             head["micro_batches"] = self.head.micro_batches
         if not self.head.direct_hops:
             head["direct_hops"] = False
+        if not self.head.prefix_cache:
+            head["prefix_cache"] = False
         if self.head.heartbeat_timeout_s is not None:
             head["heartbeat_timeout_s"] = self.head.heartbeat_timeout_s
         if not self.head.resume:
@@ -632,6 +635,7 @@ class _Parser:
         micro_batches = self.integer(head.get("micro_batches", 1), "head.micro_batches", 1,
                                      maximum=MAX_MICRO_BATCHES)
         direct_hops = self.boolean(head.get("direct_hops", True), "head.direct_hops")
+        prefix_cache = self.boolean(head.get("prefix_cache", True), "head.prefix_cache")
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         low, high = HEARTBEAT_RANGE_S
         heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds", high, low)
@@ -661,7 +665,7 @@ class _Parser:
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
                             prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops, speed=speed,
-                            plan_from=plan_from)
+                            plan_from=plan_from, prefix_cache=prefix_cache)
 
     def speed(self, value: object, path: str) -> Speed:
         example = "{decode_gbps: 12.5, prefill_gbps: 150, layer_ms: 0.3}"

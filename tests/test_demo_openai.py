@@ -222,3 +222,30 @@ def test_many_threads_at_once_each_get_their_own_answer(cluster, client):
         best, second = sorted(logprobs.top_logprobs[index].values(), reverse=True)[:2]
         assert best - second < 1e-3, (prompts[i], text, want)
     assert cluster.get("/v1/cluster")[1]["batch"]["in_use"] == 0
+
+
+def test_the_next_turn_of_a_chat_reads_only_the_new_message(client):
+    """A chat sent back whole with the reply and a new message: the head continues the first turn's caches on the
+    workers (head.prefix_cache), reads only what is new, and the reply is the one a fresh reading gives (up to a
+    genuine tie in fp32)."""
+    messages = [{"role": "system", "content": "You are a careful Python programmer."},
+                {"role": "user", "content": "Write a Python function that returns the square of x."}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=48)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now add a docstring to it."}]
+    ask = dict(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=32)
+    second = client.chat.completions.create(**ask)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens, second.usage
+    fresh = client.chat.completions.create(logprobs=True, top_logprobs=2, **ask)  # the same prompt: nothing to take
+    assert fresh.usage.prompt_tokens_details is None
+    text, want = second.choices[0].message.content, fresh.choices[0].message.content
+    if text != want:  # where they part, the fresh reading's two best tokens must have been a tie
+        at = next((k for k, (a, b) in enumerate(zip(text, want)) if a != b), min(len(text), len(want)))
+        spelled = 0
+        for entry in fresh.choices[0].logprobs.content:
+            if spelled + len(entry.token) > at:
+                best, second_best = sorted(t.logprob for t in entry.top_logprobs)[::-1][:2]
+                assert best - second_best < 1e-3, (text, want)
+                break
+            spelled += len(entry.token)

@@ -147,7 +147,8 @@ def test_cluster_route_without_workers_describes_the_process(generator):
     body = client.simulate_get("/v1/cluster").json
     assert body == {"object": "cluster", "model": MODEL, "ready": False, "required_nodes": 1, "ready_nodes": [],
                     "missing_nodes": ["w1"], "queue": {"waiting": 0, "running": 0, "limit": 16},
-                    "batch": {"slots": 8, "in_use": 0, "prefill_chunk": 256, "tokens_per_s": 0.0, "sequences": []},
+                    "batch": {"slots": 8, "in_use": 0, "kept": 0, "prefill_chunk": 256, "tokens_per_s": 0.0,
+                              "sequences": []},
                     "plan": None, "nodes": []}
 
 

@@ -245,7 +245,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -561,11 +561,11 @@ def test_older_peers_are_told_apart():
     and an old RUN_DECODE by its type, never half-read; version 4's PING and PONG carry a payload, which an older
     one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks; version 6's RUN_BATCH
     says its route, the stages' times before it and the sequences released before it, and its HELLO the worker's
-    peer port."""
-    for old in (1, 2, 3, 4, 5):
+    peer port; a version 6 worker would not grow a cache that a version 7 entry continues with more capacity."""
+    for old in (1, 2, 3, 4, 5, 6):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 6)
+        assert (info.value.peer_version, info.value.our_version) == (old, 7)
     version_5_hello = {k: v for k, v in make_hello().to_payload().items() if k not in ("peer_port", "peer_host")}
     with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['peer_port', 'peer_host'\]"):
         Hello.from_payload(version_5_hello)

@@ -235,6 +235,7 @@ class ClusterResource:
                                 "queue": {"waiting": self.service.queue_depth, "running": self.service.running,
                                           "limit": self.service.max_queue},
                                 "batch": {"slots": self.service.max_batch, "in_use": self.service.running,
+                                          "kept": self.service.kept,
                                           "prefill_chunk": self.service.prefill_chunk,
                                           "tokens_per_s": round(self.service.tokens_per_s(), 2),
                                           "sequences": self.service.sequences()},

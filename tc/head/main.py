@@ -277,7 +277,8 @@ def start_head(topology: Topology) -> Head:
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
-                                prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops)
+                                prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops,
+                                prefix_cache=topology.head.prefix_cache)
 
     def planned(made: BatchPlan) -> None:  # the workers' memory may hold fewer sequences than the topology's plan
         service.max_batch = made.max_batch

@@ -77,6 +77,8 @@ class Metrics:
         self.generations = Counter("tc_generations", "Generations by how they ended: stop, length, abandoned "
                                    "(the client went away) or error", ["outcome"], registry=r)
         self.prompt_tokens = Counter("tc_prompt_tokens", "Prompt tokens run through the pipeline", registry=r)
+        self.cached_prompt_tokens = Counter("tc_prompt_tokens_cached", "Prompt tokens not run again: a kept cache "
+                                            "(head.prefix_cache) held them", registry=r)
         self.completion_tokens = Counter("tc_completion_tokens", "Tokens generated and sent to clients",
                                          registry=r)
         self.time_to_first_token = Histogram("tc_time_to_first_token_seconds",

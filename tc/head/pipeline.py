@@ -282,6 +282,8 @@ class RemotePipeline:
         for e in entries:
             if e.start == 0:
                 self._inputs[e.sequence] = (e.capacity, [])
+            elif e.capacity > self._inputs[e.sequence][0]:  # a cache taken up by a request that continues it
+                self._inputs[e.sequence] = (e.capacity, self._inputs[e.sequence][1])
             # not a view of the batch, which would hold all of it; a batch of one entry is that entry's alone
             self._inputs[e.sequence][1].append(hidden if len(entries) == 1 else hidden[:, row:row + e.length].clone())
             row += e.length
@@ -295,6 +297,8 @@ class RemotePipeline:
             links = self.registry.links_in_order()
             if any(e.start > 0 for e in entries):
                 self._check_same_workers(links)
+            elif not self._same_workers(links):
+                self._forget_caches({e.sequence for e in entries} | {c for e in entries for c in e.copies})
             self._links = links
             return self._relay(batch, hidden, released, links)
         except WorkerLost as exc:
@@ -307,6 +311,25 @@ class RemotePipeline:
             if old is not new:
                 raise WorkerLost(new.node_id or new.entry_id, "its worker was replaced between two steps, so it "
                                  "holds none of the sequences' caches")
+
+    def _same_workers(self, links: list[WorkerLink]) -> bool:
+        return len(links) == len(self._links) and all(old is new for old, new in zip(self._links, links))
+
+    def _forget_caches(self, running: set[int]) -> None:
+        """A worker replaced while no sequence ran: the caches kept for sequences not `running` (finished ones,
+        kept for a request that continues their text) went with it, and are no longer replayed or held."""
+        for sequence in [s for s in self._inputs if s not in running]:
+            del self._inputs[sequence]
+
+    def holds(self, sequence: int) -> bool:
+        """Whether the workers hold `sequence`'s cache: it ran, was not released, and no worker has been replaced
+        since (a replaced one holds no cache)."""
+        if sequence not in self._inputs:
+            return False
+        try:
+            return self._same_workers(self.registry.links_in_order())
+        except WorkerLost:
+            return False
 
     def release(self, sequences: Sequence[int]) -> None:
         for sequence in sequences:

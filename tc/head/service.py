@@ -15,7 +15,18 @@ running while there is work, owns the batch and steps it:
               and sequences still reading their prompt share `prefill_chunk` prompt positions, so a long prompt
               arriving never stalls the running streams for more than one chunk
     deliver   each sequence that chose a token gets its Step on its own queue; a finished one leaves the batch
-              and its caches are released at once
+              and its caches are released at once, or, with `prefix_cache`, kept (below)
+
+Kept caches (`prefix_cache`, head.prefix_cache): a chat client sends the whole conversation every turn, so the
+next request's prompt is the last one's prompt and completion and a new message. A single-choice request that
+ends (finished, or its client gone) keeps its caches on the workers, with the tokens they hold; an admitted
+single-choice request whose prompt starts with all of a kept sequence's tokens, and has more, takes those caches
+over (SequenceState.take_cache): it reads only the rest of its prompt, and its usage reports the tokens it did
+not read as cached. Kept caches hold places the batch does not use: the oldest is released whenever an admitted
+request needs its place, so the workers never hold more than `max_batch` caches. A pipeline error releases them
+all. The continued sequence computes its cached positions as its predecessor did (a prompt read in one pass, a
+completion one position a step), not as one pass over the new prompt: in fp32 that moves logits by ~1e-6, in bf16
+by as much as resuming does (tc/head/pipeline.py).
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
@@ -26,6 +37,7 @@ States of a request: waiting (in the queue) -> running (in the batch) -> done (f
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import threading
 import time
@@ -264,7 +276,7 @@ class GenerationService:
     def __init__(self, model_id: str, tokenizer: TextTokenizer, generator: Generator,
                  readiness: Callable[[], Readiness], max_queue: int = 16, *, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_hops: Callable[[], Sequence[Hop]] | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, prefix_cache: bool = False):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be at least 1")
         self.model_id = model_id
@@ -282,6 +294,10 @@ class GenerationService:
         self._batch: list[_Request] = []
         self._loop: threading.Thread | None = None
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
+        self.prefix_cache = prefix_cache
+        # finished sequences whose caches the workers keep (the module's docstring): id -> the tokens they hold,
+        # oldest first; the loop's thread alone reads and changes it
+        self._kept: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     # --- views -------------------------------------------------------------------------------------------------
     def _node_states(self) -> tuple[Sequence[str], Sequence[str]]:
@@ -299,6 +315,11 @@ class GenerationService:
         """Generations in the batch."""
         with self._lock:
             return len(self._batch)
+
+    @property
+    def kept(self) -> int:
+        """Finished sequences whose caches the workers keep (the module's docstring)."""
+        return len(self._kept)
 
     def sequences(self) -> list[dict]:
         """The batch's sequences, for /v1/cluster."""
@@ -422,9 +443,13 @@ class GenerationService:
         admitted, refused, dropped = self._admit_and_drop()
         for request, exc in refused:
             self._fail([request], exc)
-        self._release(dropped)
+        self._end(dropped)
         for request in admitted:
             self.metrics.queue_wait.observe(request.queue_wait_s)
+            self._take_kept(request)
+        with self._lock:
+            running = len(self._batch)
+        self._release_kept(max(0, running + len(self._kept) - self.max_batch))
         with self._lock:
             batch = list(self._batch)
             if not batch and not self._waiting:
@@ -466,6 +491,7 @@ class GenerationService:
                 self._batch = [r for r in self._batch if r not in batch]
             self._fail(batch, exc)
             self._release(batch)
+            self._release_kept(len(self._kept))  # a worker may have gone with them
             return
         elapsed = time.perf_counter() - started
         self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
@@ -480,7 +506,7 @@ class GenerationService:
         if ended:
             with self._lock:
                 self._batch = [r for r in self._batch if r not in ended]
-            self._release(ended)
+            self._end(ended)
 
     def _observe_step(self, phase: str, elapsed_s: float, batch_size: int, tokens: int) -> None:
         if phase == "decode":
@@ -494,6 +520,51 @@ class GenerationService:
     def _release(self, requests: list[_Request]) -> None:
         if requests:  # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
             self.generator.pipeline.release([r.sequence.id for r in requests])
+
+    @staticmethod
+    def _single(request: _Request) -> bool:
+        """A request of one choice (the choices of one request share a prompt reading and copies of its cache)."""
+        return request.joins_with == 1 and not request.follows
+
+    def _end(self, requests: list[_Request]) -> None:
+        """Requests that left the batch, finished or abandoned: their caches kept (the module's docstring) where
+        that is on and they hold anything, else released."""
+        released = []
+        for request in requests:
+            sequence = request.sequence
+            if self.prefix_cache and self._single(request) and sequence.prefilled:
+                self._kept[sequence.id] = sequence.cache_ids()
+            else:
+                released.append(request)
+        self._release(released)
+
+    def _take_kept(self, request: _Request) -> None:
+        """An admitted request continues the kept cache holding the longest start of its prompt, if any holds
+        one (and the workers still have it)."""
+        sequence = request.sequence
+        if not self._kept or not self._single(request) or sequence.params.prompt_logprobs:
+            return
+        prompt, best = sequence.prompt_ids, None
+        for kept, tokens in self._kept.items():
+            if len(tokens) < len(prompt) and prompt[:len(tokens)] == tokens and \
+                    (best is None or len(tokens) > len(self._kept[best])):
+                best = kept
+        if best is None:
+            return
+        held = len(self._kept.pop(best))
+        if not self.generator.pipeline.holds(best):  # a worker was replaced since: it went with the old one
+            self.generator.pipeline.release([best])
+            return
+        sequence.take_cache(best, held)
+        self.metrics.cached_prompt_tokens.inc(held)
+
+    def _release_kept(self, count: int) -> None:
+        """Release the `count` oldest kept caches."""
+        oldest = list(itertools.islice(self._kept, count))
+        for sequence in oldest:
+            del self._kept[sequence]
+        if oldest:
+            self.generator.pipeline.release(oldest)
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for request in requests:  # all marked before any hears, so that a choice closed on a sibling's error

@@ -134,8 +134,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_usage(completion: Completion) -> dict[str, int]:
-    return usage(completion.prompt_tokens, completion.completion_tokens)
+def _completion_usage(completion: Completion) -> dict[str, Any]:
+    counts: dict[str, Any] = usage(completion.prompt_tokens, completion.completion_tokens)
+    if completion.cached_prompt_tokens:  # as OpenAI reports a prompt cache's hits
+        counts["prompt_tokens_details"] = {"cached_tokens": completion.cached_prompt_tokens}
+    return counts
 
 
 class ReplyFormat(Protocol):

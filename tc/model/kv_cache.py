@@ -38,9 +38,11 @@ class KVCache:
         slot[:, :, :, position_start:end] = kv
         return slot[0, :, :, :end], slot[1, :, :, :end]
 
-    def copy(self) -> "KVCache":
-        """A new cache of the same capacity holding what this one holds so far (positions [0, length))."""
-        twin = KVCache(self.layer_ids, self.n_kv_heads, self.head_dim, self.capacity, self.kv.dtype, self.kv.device)
+    def copy(self, capacity: int | None = None) -> "KVCache":
+        """A new cache of `capacity` positions (default: this one's, and never fewer than it holds) holding what
+        this one holds so far (positions [0, length))."""
+        capacity = self.capacity if capacity is None else max(capacity, self.length)
+        twin = KVCache(self.layer_ids, self.n_kv_heads, self.head_dim, capacity, self.kv.dtype, self.kv.device)
         twin.kv[:, :, :, :, :self.length] = self.kv[:, :, :, :, :self.length]
         twin.length = self.length
         return twin

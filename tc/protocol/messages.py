@@ -37,7 +37,9 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 #    and HIDDEN_STATE carry the compute times of the stages that passed it on (`upstream_seconds`); RUN_BATCH
 #    carries the sequences released since the step before (`released`), which a worker drops first whichever
 #    link the batch came by
-PROTOCOL_VERSION = 6
+# 7: a RUN_BATCH entry that continues a sequence may ask for a larger cache_capacity than its cache was made with,
+#    and the worker grows the cache (a finished request's cache taken up by the request that continues its text)
+PROTOCOL_VERSION = 7
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -638,7 +640,9 @@ class BatchEntry(WireStruct):
     """One sequence's rows in a RUN_BATCH: positions [position_start, position_start + length).
 
     position_start 0 starts the sequence: the worker makes it a fresh cache of cache_capacity positions (prompt +
-    max_tokens). Otherwise its cache must hold exactly position_start positions. Once the entry's rows have run,
+    max_tokens). Otherwise its cache must hold exactly position_start positions, and grows to cache_capacity where
+    that is more (the head hands a finished request's cache to one that continues its text: its prompt is that
+    request's prompt and completion and more, and its capacity its own). Once the entry's rows have run,
     the worker copies the sequence's cache into a new cache for each id in `copies` (replacing any it holds).
     """
 

@@ -184,6 +184,8 @@ class StageRuntime:
         for e in msg.entries:
             if e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
                 self.caches[e.sequence] = stage.new_cache(e.cache_capacity, dtype, device)
+            elif e.cache_capacity > self.caches[e.sequence].capacity:  # taken up by a request that continues it
+                self.caches[e.sequence] = self.caches[e.sequence].copy(e.cache_capacity)
         pieces = [self._pieces(e) for e in msg.entries]
         try:
             if all(len(p) == 1 for p in pieces):

@@ -1,0 +1,126 @@
+"""A conversation's later turns: time to first token with head.prefix_cache on and off, beside llama.cpp's server.
+
+    python bench/bench_prefix_cache.py [--mode int4] [--turns 4] [--tokens 48] [--only tc|llamacpp]
+
+A chat client sends the whole conversation with every request. Here one conversation opens with a source file to
+read (about 1,500 tokens of tc's own code) and a question, and goes on for --turns turns, each sending back the
+last reply and a new question; every reply is greedy and --tokens long at most, streamed. For each turn it prints
+the prompt's tokens, those the server did not read again (tc: `usage.prompt_tokens_details.cached_tokens`;
+llama.cpp: `timings.cache_n`), and the time to the first token of the reply.
+
+tc runs as head + 2 workers on loopback (real processes, 2 threads each, bf16 compute, the demo model in --mode),
+once with head.prefix_cache on (its default) and once off; llama.cpp as one `llama-server` process with its prompt
+cache (`cache_prompt`, on by default), 2 threads, the same weights as bench/vs_llamacpp.py pairs them (int4 beside
+Q4_0, fp16 beside bf16). Nothing is asserted: read the ratios of one run on one machine.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from _demo import demo_model_dir  # noqa: E402
+from bench_batching import THREADS, llama_server  # noqa: E402
+from cluster import Cluster, write_topology  # noqa: E402
+
+QUESTIONS = ["What does the Generator class in this file do? Answer in two sentences.",
+             "Which method chooses the next token?", "How does it handle stop strings?",
+             "Write a one-line docstring for SequenceState.", "What would you rename, and why?",
+             "Summarise our conversation in one sentence."]
+
+
+def chat_turn(port: int, model: str, messages: list[dict], tokens: int) -> dict:
+    """One streamed greedy reply: its text, the time to its first token, and the server's usage and timings."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200, reply.read()
+    text, first, usage, timings = "", None, {}, {}
+    for line in reply:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or timings
+        for choice in chunk.get("choices", []):
+            piece = choice.get("delta", {}).get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter() - started
+            text += piece
+    conn.close()
+    return {"text": text, "ttft": first if first is not None else float("nan"), "usage": usage, "timings": timings}
+
+
+def conversation(port: int, model: str, args: argparse.Namespace) -> list[dict]:
+    source = (ROOT / "tc" / "generation.py").read_text()[:6000]
+    messages = [{"role": "system", "content": "You are a concise assistant for Python programmers."},
+                {"role": "user", "content": f"Here is a file:\n\n```python\n{source}\n```\n\n{QUESTIONS[0]}"}]
+    turns = []
+    for turn in range(args.turns):
+        result = chat_turn(port, model, messages, args.tokens)
+        usage = result["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", result["timings"].get("cache_n", 0))
+        turns.append({"prompt": usage.get("prompt_tokens", result["timings"].get("prompt_n", 0) + cached),
+                      "cached": cached, "ttft": result["ttft"]})
+        messages += [{"role": "assistant", "content": result["text"]},
+                     {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
+    return turns
+
+
+def tc_turns(args: argparse.Namespace, workdir: Path, prefix_cache: bool) -> list[dict]:
+    model_dir = demo_model_dir()
+    nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
+    topology = write_topology(workdir / f"topology-{prefix_cache}.yaml", model_dir, nodes, quant=args.mode,
+                              dtype="bf16", head={"threads": THREADS, "prefix_cache": prefix_cache})
+    with Cluster(topology, workdir) as cluster:
+        cluster.start_head()
+        cluster.wait_api(timeout=300)
+        for node in nodes:
+            cluster.start_worker(node["id"], "--threads", str(THREADS))
+        cluster.wait_ready(timeout=900)
+        return conversation(cluster.api_port, model_dir.name, args)
+
+
+def llamacpp_turns(args: argparse.Namespace, workdir: Path) -> list[dict]:
+    with llama_server(args.mode, 1, 8192, workdir) as port:
+        return conversation(port, "model", args)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", default="int4", choices=["fp16", "int8", "int4"])
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--only", choices=["tc", "llamacpp"])
+    args = parser.parse_args()
+    setups: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.only != "llamacpp":
+            setups["tc, prefix_cache on"] = tc_turns(args, Path(tmp), True)
+            setups["tc, prefix_cache off"] = tc_turns(args, Path(tmp), False)
+        if args.only != "tc":
+            setups["llama-server"] = llamacpp_turns(args, Path(tmp))
+    reference = setups.get("tc, prefix_cache off")
+    print(f"| setup ({args.mode}) | turn | prompt tokens | not read again | TTFT s | x prefix_cache off |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, turns in setups.items():
+        for i, turn in enumerate(turns):
+            ratio = f"{reference[i]['ttft'] / turn['ttft']:.2f}" if reference else "-"
+            print(f"| {name} | {i + 1} | {turn['prompt']} | {turn['cached']} | {turn['ttft']:.3f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

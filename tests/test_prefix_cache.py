@@ -1,0 +1,210 @@
+"""Kept caches (head.prefix_cache): a request whose prompt continues a finished request's prompt and completion
+reads only what is new, from that request's caches; everything else reads its prompt as before, and the workers
+never hold more caches than the batch has places."""
+from __future__ import annotations
+
+import dataclasses
+import urllib.request
+
+import pytest
+import torch
+
+from cluster import Cluster, write_topology
+from model_helpers import OurModel, assert_same_greedy_text
+from tc.generation import Completion, Generator
+from tc.head.service import GenerationService, Readiness
+from tc.model.tokenizer import TextTokenizer
+from tc.sampling import SamplingParams
+from tiny_model import write_tiny_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # a vocabulary of exactly the tokenizer's, so that every token generated may be sent back in a prompt
+    return write_tiny_model(tmp_path_factory.mktemp("prefix"), seed=4, max_position_embeddings=512, vocab_size=259)
+
+
+def new_generator(model_dir) -> Generator:
+    model = OurModel(model_dir)
+    return Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+
+
+def new_service(model_dir, **settings) -> GenerationService:
+    generator = new_generator(model_dir)
+    return GenerationService("tiny", generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
+                             **{"prefix_cache": True, **settings})
+
+
+def alone(model_dir, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    """The completion a pipeline that never kept a cache gives, with the log-probabilities that tell a tie."""
+    return new_generator(model_dir).generate(prompt_ids, dataclasses.replace(params, logprobs=2))
+
+
+def cached_total(service: GenerationService) -> float:
+    return service.metrics.cached_prompt_tokens._value.get()
+
+
+def test_the_next_turn_reads_only_what_is_new_and_writes_what_a_fresh_read_gives(model_dir):
+    service = new_service(model_dir)
+    first_prompt = prompt(1, 40)
+    first = service.complete(first_prompt, GREEDY)
+    assert first.cached_prompt_tokens == 0
+    # the conversation goes on: the first prompt, its completion, a new message; more tokens asked for than the
+    # first request's cache has room for, so the cache grows on every stage
+    second_prompt = first_prompt + list(first.token_ids) + prompt(2, 12)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    second = service.complete(second_prompt, params)
+    # the first request's last token was chosen, never run: its cache holds all but that
+    assert second.cached_prompt_tokens == len(first_prompt) + len(first.token_ids) - 1
+    assert cached_total(service) == second.cached_prompt_tokens
+    assert second.prompt_tokens == len(second_prompt)
+    assert_same_greedy_text(second.text, alone(model_dir, second_prompt, params))
+    # a third turn continues the second's cache in turn
+    third_prompt = second_prompt + list(second.token_ids) + prompt(3, 5)
+    third = service.complete(third_prompt, GREEDY)
+    assert third.cached_prompt_tokens == len(second_prompt) + len(second.token_ids) - 1
+    assert_same_greedy_text(third.text, alone(model_dir, third_prompt, GREEDY))
+
+
+def test_a_prompt_that_does_not_continue_a_kept_one_reads_all_of_itself(model_dir):
+    service = new_service(model_dir)
+    first_prompt = prompt(1, 40)
+    first = service.complete(first_prompt, GREEDY)
+    assert service.complete(first_prompt, GREEDY).cached_prompt_tokens == 0  # the same prompt again: no more
+    changed = first_prompt + list(first.token_ids) + [7]
+    changed[5] += 1
+    assert service.complete(changed, GREEDY).cached_prompt_tokens == 0
+    scored = SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=True)
+    again = service.complete(first_prompt, GREEDY)
+    echoed = service.complete(first_prompt + list(again.token_ids) + [9], scored)
+    assert echoed.cached_prompt_tokens == 0 and len(echoed.prompt) == len(first_prompt) + len(again.token_ids) + 1
+    assert cached_total(service) == 0
+
+
+def test_kept_caches_never_take_more_places_than_the_batch_has(model_dir):
+    service = new_service(model_dir, max_batch=2)
+    pipeline = service.generator.pipeline
+    prompts = [prompt(10 + i, 20) for i in range(3)]
+    completions = [service.complete(p, GREEDY) for p in prompts]
+    assert len(service._kept) == 2  # the oldest went when the third request was admitted
+    assert set(pipeline.caches) == set(service._kept)
+    # the newest still serves its continuation; the oldest's is read whole
+    newest = prompts[2] + list(completions[2].token_ids) + [5]
+    assert service.complete(newest, GREEDY).cached_prompt_tokens == len(newest) - 2
+    oldest = prompts[0] + list(completions[0].token_ids) + [5]
+    assert service.complete(oldest, GREEDY).cached_prompt_tokens == 0
+    assert len(pipeline.caches) <= 2
+
+
+def test_nothing_is_kept_when_it_is_off(model_dir):
+    service = new_service(model_dir, prefix_cache=False)
+    first_prompt = prompt(1, 40)
+    first = service.complete(first_prompt, GREEDY)
+    assert service.generator.pipeline.caches == {}
+    follow = first_prompt + list(first.token_ids) + [7]
+    assert service.complete(follow, GREEDY).cached_prompt_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    workdir = tmp_path_factory.mktemp("prefix-cluster")
+    nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
+    topology = write_topology(workdir / "topology.yaml", model_dir, nodes, head={"max_batch": 2})
+    with Cluster(topology, workdir) as running:
+        running.start_all(["w1", "w2"])
+        running.model = model_dir.name
+        yield running
+
+
+def complete(cluster: Cluster, prompt_ids: list[int], max_tokens: int) -> dict:
+    status, body = cluster.post("/v1/completions", {"model": cluster.model, "prompt": prompt_ids,
+                                                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    return body
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def metric(cluster: Cluster, name: str) -> float:
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_workers_grow_and_continue_a_kept_cache_across_direct_hops(cluster, model_dir):
+    """Through a head and two worker processes: the second turn's usage says what it did not read again, the
+    workers grow the kept cache to its capacity, and the text is a fresh read's."""
+    first_prompt = prompt(21, 30)
+    first = complete(cluster, first_prompt, 6)
+    assert cached_tokens(first) == 0
+    expected_first = alone(model_dir, first_prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    if first["choices"][0]["text"] != expected_first.text:  # a genuine tie, which either way is right
+        assert_same_greedy_text(first["choices"][0]["text"], expected_first)
+        pytest.skip("the first reply parted from the in-process one at a tie: its tokens are not known here")
+    generated = list(expected_first.token_ids)
+    second_prompt = first_prompt + generated + prompt(22, 7)
+    second = complete(cluster, second_prompt, 24)
+    assert cached_tokens(second) == len(first_prompt) + len(generated) - 1
+    assert second["usage"]["prompt_tokens"] == len(second_prompt)
+    assert metric(cluster, "tc_prompt_tokens_cached_total") == cached_tokens(second)
+    assert cluster.get("/v1/cluster")[1]["batch"]["kept"] == 1  # the second's, for a turn after it
+    expected = alone(model_dir, second_prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert_same_greedy_text(second["choices"][0]["text"], expected)
+    # the same prompt again continues nothing (the kept cache is the second request's now): a fresh read
+    again = complete(cluster, second_prompt, 24)
+    assert cached_tokens(again) == 0
+    assert_same_greedy_text(again["choices"][0]["text"], expected)
+
+
+def test_a_worker_replaced_between_turns_takes_the_kept_caches_with_it(cluster, model_dir):
+    """The kept caches go with a worker that leaves: the next turns read their prompts whole, with the right
+    text, whether or not another request ran on the new worker first; none fails for a cache it lacks."""
+    import time
+
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    follow_ups = []
+    for seed in (31, 32):  # two conversations, both kept (the batch has two places)
+        first_prompt = prompt(seed, 25)
+        first = complete(cluster, first_prompt, 5)
+        expected = alone(model_dir, first_prompt, greedy)
+        if first["choices"][0]["text"] != expected.text:
+            assert_same_greedy_text(first["choices"][0]["text"], expected)
+            pytest.skip("a first reply parted from the in-process one at a tie: its tokens are not known here")
+        follow_ups.append(first_prompt + list(expected.token_ids) + prompt(seed + 10, 4))
+    cluster.workers.pop("w2").stop()
+    deadline = time.monotonic() + 30
+    while cluster.get("/health/ready")[0] != 503:  # the head has seen it go
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cluster.start_worker("w2", name="w2-again")
+    cluster.wait_ready()
+    # the first continues a cache the new worker never had; its step (of new sequences only) tells the head the
+    # second's went too
+    for follow_up in follow_ups:
+        body = complete(cluster, follow_up, 5)
+        assert cached_tokens(body) == 0
+        assert_same_greedy_text(body["choices"][0]["text"], alone(model_dir, follow_up, greedy))
+    assert "holds no cache" not in cluster.workers["w2-again"].output()
+
+
+def test_the_topology_turns_it_off_by_name():
+    from cluster import ROOT
+    from tc.topology import TopologyError, parse_topology
+    base = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "quant": "fp16", "dtype": "bf16",
+            "head": {"api": "127.0.0.1:8000", "listen": "127.0.0.1:7001"}, "nodes": [{"id": "a", "device": "cpu"}]}
+    assert parse_topology(base, ROOT).head.prefix_cache is True
+    off = parse_topology({**base, "head": {**base["head"], "prefix_cache": False}}, ROOT)
+    assert off.head.prefix_cache is False and parse_topology(off.to_dict(), ROOT) == off
+    with pytest.raises(TopologyError) as caught:
+        parse_topology({**base, "head": {**base["head"], "prefix_cache": "yes"}}, ROOT)
+    assert caught.value.key_path == "head.prefix_cache"
