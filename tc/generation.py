@@ -419,11 +419,12 @@ class SequenceState:
     @property
     def chooses_the_argmax(self) -> bool:
         """Whether its next token is the raw logits' argmax, and nothing else is read from them: greedy, with no
-        penalty, grammar, EOS held back (min_tokens) or log-probabilities (the head may then find the token
-        without all the logits: HeadModel.greedy_tokens)."""
+        logit_bias, penalty, grammar, EOS held back (min_tokens) or log-probabilities (the head may then find the
+        token without all the logits: HeadModel.greedy_tokens, whose screen bounds the raw logits only)."""
         params = self.params
         return (params.temperature == 0 and params.logprobs is None and not params.penalised and self.grammar is None
-                and self.max_tokens > 0 and (params.ignore_eos or len(self.text.tokens) >= params.min_tokens))
+                and not params.logit_bias and self.max_tokens > 0
+                and (params.ignore_eos or len(self.text.tokens) >= params.min_tokens))
 
     def advance(self, logits: torch.Tensor) -> Step:
         """Choose the next token from `logits` ([vocab], fp32) and return what it adds."""

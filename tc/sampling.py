@@ -1,9 +1,10 @@
 """Choosing the next token from logits, and reporting how likely it was. Pure functions of tensors.
 
-The order is the one HF transformers and vLLM use: penalties on the raw logits (repetition, then presence and
-frequency), then temperature, then top-k and top-p, then one draw from the request's `SeededRandom`. Greedy
-(temperature 0) takes the argmax after the penalties. Log-probabilities are reported from the raw model
-distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did.
+The order is the one vLLM uses: the tokens that may not come next masked out (a grammar's, EOS before min_tokens),
+then the request's logit_bias added, then penalties (repetition, then presence and frequency), then temperature,
+then top-k and top-p, then one draw from the request's `SeededRandom`. Greedy (temperature 0) takes the argmax
+after the bias and the penalties. Log-probabilities are reported from the raw model distribution (`log_softmax` of
+the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did; before the bias too, as vLLM reads them.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS is never chosen, and stop strings are not looked for, before this many tokens
     ignore_eos: bool = False  # EOS is a token like any other: generation runs to max_tokens or a stop string
     constraint: TokenConstraint | None = None  # a grammar the tokens must follow (structured output); None: any
+    # OpenAI's logit_bias: (token id, value) pairs, each value added to that token's logit before the penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # the text continues the prompt's (a text completion): a SentencePiece word's space stays at its start, where
     # a reply of its own (a chat message) starts at its first word, as transformers decodes it
     continues_prompt: bool = False
@@ -59,6 +62,11 @@ class SamplingParams:
              "prompt_logprobs needs logprobs (the number of alternatives to report, 0 for none)"),
             (not 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (any(not token >= 0 for token, _ in self.logit_bias), "logit_bias has a negative token id"),
+            (len({token for token, _ in self.logit_bias}) != len(self.logit_bias),
+             "logit_bias names a token more than once"),
+            (not all(math.isfinite(value) for _, value in self.logit_bias),
+             "logit_bias has a value that is not finite"),
         ]
         for failed, message in problems:
             if failed:
@@ -138,6 +146,18 @@ def penalise(logits: torch.Tensor, history: TokenHistory | None, params: Samplin
         return logits
     logits = apply_repetition_penalty(logits, history.seen, params.repetition_penalty)
     return apply_presence_frequency(logits, history.counts, params.presence_penalty, params.frequency_penalty)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """`logits` [vocab] with each (token, value) of `bias` added, in this thread's scratch buffer (valid until the
+    next call here), never in `logits`: they may be a row that another choice of the same prompt reads too
+    (Generator.start_choices). A logit masked to -inf stays -inf, so a bias never brings back a token a grammar or
+    min_tokens ruled out."""
+    if not bias:
+        return logits
+    tokens = torch.tensor([token for token, _ in bias], dtype=torch.long)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype)
+    return _scratch.like("biased", logits).copy_(logits).index_add_(0, tokens, values)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -252,6 +272,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory |
         logits = logits.masked_fill(~allowed, float("-inf"))
     if banned:
         logits = logits.index_fill(0, torch.tensor(list(banned), dtype=torch.long), float("-inf"))
+    logits = apply_logit_bias(logits, params.logit_bias)  # after the masks and before the penalties, as in vLLM
     return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k)
 
 

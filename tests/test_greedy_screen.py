@@ -281,6 +281,7 @@ def test_greedy_generation_with_the_screen_makes_the_same_tokens(bf16_model_dir)
     SamplingParams(max_tokens=4, temperature=0, logprobs=2),  # log-probabilities read every logit
     SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3),  # penalties change them first
     SamplingParams(max_tokens=4, temperature=0, min_tokens=4),  # EOS held back
+    SamplingParams(max_tokens=4, temperature=0, logit_bias=((5, -100.0), (9, 3.0))),  # the bias moves the argmax
 ])
 def test_a_step_that_needs_more_than_the_argmax_reads_every_logit(bf16_model_dir, params):
     generator = load_local_generator(bf16_model_dir, "bf16")

@@ -2,6 +2,8 @@
 generation loop's penalties against a step-by-step reference on our single-process model."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
@@ -9,8 +11,8 @@ from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, Top
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
-from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty, draw,
-                         filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample, token_logprob)
+from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty, choose,
+                         draw, filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample, token_logprob)
 
 VOCAB = 50
 
@@ -139,6 +141,45 @@ def test_draws_follow_the_tempered_distribution(seed):
     assert torch.allclose(counts / n, expected, atol=0.015)
 
 
+def test_a_logit_bias_of_minus_100_bans_the_greedy_token_and_100_forces_the_least_likely_one():
+    for seed in range(5):
+        logits = random_logits(seed)
+        best, worst = int(torch.argmax(logits)), int(torch.argmin(logits))
+        runner_up = int(torch.argmax(logits.index_fill(0, torch.tensor([best]), float("-inf"))))
+        banned = SamplingParams(temperature=0, logit_bias=((best, -100.0),))
+        assert choose(logits, banned, None, new_rng(0)) == runner_up
+        for temperature in (0.0, 1.0, 2.0):
+            forced = SamplingParams(temperature=temperature, logit_bias=((best, -100.0), (worst, 100.0)))
+            assert choose(logits, forced, None, new_rng(seed)) == worst
+
+
+def test_a_logit_bias_is_added_to_the_logits_and_leaves_them_as_they_were():
+    """A bias that lifts a token just past the best wins it; one a little short does not. The logits a choice reads
+    may be a row that another choice of the same prompt reads next: they are not changed."""
+    logits = random_logits(7)
+    best, token = int(torch.argmax(logits)), int(torch.argmin(logits))
+    gap = float(logits[best] - logits[token])
+    before = logits.clone()
+    assert choose(logits, SamplingParams(temperature=0, logit_bias=((token, gap + 0.01),)), None, new_rng(0)) == token
+    assert choose(logits, SamplingParams(temperature=0, logit_bias=((token, gap - 0.01),)), None, new_rng(0)) == best
+    assert torch.equal(logits, before)
+
+
+def test_the_bias_comes_after_the_masks_and_before_the_penalties_as_in_vllm():
+    logits = torch.full((VOCAB,), -10.0)
+    logits[3], logits[4] = 2.0, -3.5
+    history = TokenHistory(VOCAB, [3])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias=((3, -4.0),))
+    # vLLM's order: (2 - 4) * 2 = -4 for token 3, below token 4's -3.5; penalty first it would be 2 / 2 - 4 = -3
+    assert choose(logits, params, history, new_rng(0)) == 4
+    # +100 brings back no token a grammar or min_tokens (the banned EOS) ruled out
+    allowed = torch.ones(VOCAB, dtype=torch.bool)
+    allowed[7] = False
+    forcing = SamplingParams(temperature=0, logit_bias=((7, 100.0), (8, 100.0)))
+    assert choose(logits, forcing, None, new_rng(0), allowed=allowed) == 8
+    assert choose(logits, forcing, None, new_rng(0), banned=[8], allowed=allowed) == 3
+
+
 def test_token_logprob_is_log_softmax_with_the_top_tokens():
     logits = random_logits(5)
     reference = torch.log_softmax(logits, -1)
@@ -202,6 +243,51 @@ def test_penalised_greedy_generation_matches_the_reference(model, generator, pre
                                          repetition)
 
 
+def test_a_biased_greedy_generation_matches_the_reference_and_never_makes_the_banned_token(model, generator):
+    prompt = generator.tokenizer.encode("Hello there")
+    plain = generator.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).token_ids
+    banned = plain[0]
+    bias = ((banned, -100.0),)
+    got = generator.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logit_bias=bias))
+    assert got.token_ids != plain and banned not in got.token_ids
+    ids = list(prompt)
+    for _ in range(16):  # greedy recomputed from scratch each step, the bias added to the logits
+        logits = model.full_logits(ids)[-1].clone()
+        logits[banned] -= 100
+        ids.append(int(torch.argmax(logits)))
+    assert list(got.token_ids) == ids[len(prompt):]
+
+
+def test_in_one_batch_only_the_biased_sequence_is_biased(generator):
+    """Two sequences choose from the rows of one pipeline step; one forces a token, the other has no bias. The
+    other makes what it makes beside an unbiased twin (the same rows, so the same rounding), and the forced
+    sequence the forced token throughout."""
+    prompt = generator.tokenizer.encode("Hello there")
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+    def side_by_side(second: SamplingParams):
+        sequences = [generator.start(prompt, plain), generator.start(prompt, second)]
+        while any(s.completion is None for s in sequences):
+            active = [s for s in sequences if s.completion is None]
+            assert len(active) == 2  # the same length: every step holds both
+            generator.step(active)
+        generator.pipeline.release([s.id for s in sequences])
+        return [s.completion for s in sequences]
+
+    twins = side_by_side(plain)
+    forced_token = next(t for t in range(generator.head.config.vocab_size) if t not in twins[0].token_ids)
+    first, forced = side_by_side(dataclasses.replace(plain, logit_bias=((forced_token, 100.0),)))
+    assert twins[1].token_ids == twins[0].token_ids != forced.token_ids
+    assert forced.token_ids == (forced_token,) * 8
+    assert first.token_ids == twins[0].token_ids
+    assert [t.logprob.logprob for t in first.tokens] == pytest.approx([t.logprob.logprob for t in twins[0].tokens])
+    # log-probabilities are the model's own, before the bias: at the first position both read the same logits,
+    # whose likeliest token is the unbiased one's, and the forced token is less likely than it
+    report = forced.tokens[0].logprob
+    assert report.top == first.tokens[0].logprob.top and report.top[0][0] == first.token_ids[0]
+    assert report.logprob < report.top[0][1]
+
+
 def test_seeded_generation_repeats(generator):
     prompt = generator.tokenizer.encode("Hello")
     params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=40, seed=99)
@@ -224,6 +310,9 @@ BAD_PARAMS = {
     "zero repetition_penalty": ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
     "negative logprobs": ({"logprobs": -2}, "logprobs must be >= 0, got -2"),
     "prompt_logprobs alone": ({"prompt_logprobs": True}, "prompt_logprobs needs logprobs"),
+    "negative logit_bias token": ({"logit_bias": ((-1, 1.0),)}, "logit_bias has a negative token id"),
+    "logit_bias token twice": ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias names a token more than once"),
+    "NaN logit_bias": ({"logit_bias": ((5, float("nan")),)}, "logit_bias has a value that is not finite"),
 }
 
 
