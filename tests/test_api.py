@@ -103,6 +103,27 @@ def test_parse_completion_request_fills_defaults_and_keeps_values():
                                                             seed=9)
 
 
+def test_logit_bias_is_read_into_token_ids_and_values_by_id():
+    request = parse_completion_request({"model": "m", "prompt": "hi", "logit_bias": {"50256": -100, "7": 2.5,
+                                                                                     "0": 100, "08": 0}})
+    assert request.sampling.logit_bias == ((0, 100.0), (7, 2.5), (8, 0.0), (50256, -100.0))
+    assert request.sampling.to_params(16).logit_bias == request.sampling.logit_bias
+    chat_request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                       "logit_bias": {"3": -1}})
+    assert chat_request.sampling.to_params(16).logit_bias == ((3, -1.0),)
+    for neutral in ({}, None):
+        assert parse_completion_request({"model": "m", "prompt": "hi", "logit_bias": neutral}).sampling.logit_bias \
+            == ()
+
+
+def test_a_logit_bias_on_the_vocabularys_last_token_and_at_the_limits_is_served(client):
+    body = completion(logit_bias={"258": 100, "0": -100, str(ord("a")): 0.5}, max_tokens=2)
+    reply = post(client, COMPLETIONS, body)
+    assert reply.status_code == 200, reply.text
+    reply = post(client, CHAT, chat(logit_bias={str(i): -100 for i in range(259)}, max_tokens=2))  # every token
+    assert reply.status_code == 200, reply.text
+
+
 def test_parse_chat_request_joins_text_parts_and_keeps_names():
     request = parse_chat_request({"model": "m", "max_completion_tokens": 5, "messages": [
         {"role": "system", "content": "be brief"},
@@ -234,8 +255,30 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(top_k=-2), 400, "invalid_request_error", "top_k", "invalid_value"),
     (COMPLETIONS, completion(top_k=1.5), 400, "invalid_request_error", "top_k", "invalid_type"),
     (COMPLETIONS, completion(echo=0), 400, "invalid_request_error", "echo", "invalid_type"),
-    (COMPLETIONS, completion(logit_bias={"1": 5}), 400, "invalid_request_error", "logit_bias",
-     "unsupported_parameter"),
+    (COMPLETIONS, completion(logit_bias=[[50, 1]]), 400, "invalid_request_error", "logit_bias", "invalid_type"),
+    (COMPLETIONS, completion(logit_bias={"the": 5}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"-1": 5}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"1.0": 5}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"\u0663": 5}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),  # a digit, but not an ASCII one
+    (COMPLETIONS, completion(logit_bias={"7": 1, "007": 2}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),
+    # the tiny model's tokenizer has 259 tokens; its logits have 320 rows, the rest padding
+    (COMPLETIONS, completion(logit_bias={"259": 5}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"1" * 40: 5}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"50": 100.5}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"50": -101}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"50": 10**400}), 400, "invalid_request_error", "logit_bias",
+     "invalid_value"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "logit_bias": {"50": -1e999}}', 400, "invalid_request_error",
+     "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"50": "5"}), 400, "invalid_request_error", "logit_bias", "invalid_type"),
+    (COMPLETIONS, completion(logit_bias={"50": True}), 400, "invalid_request_error", "logit_bias", "invalid_type"),
+    (COMPLETIONS, completion(logit_bias={"50": None}), 400, "invalid_request_error", "logit_bias", "invalid_type"),
+    (COMPLETIONS, completion(logit_bias={str(i): 1 for i in range(301)}), 400, "invalid_request_error",
+     "logit_bias", "invalid_value"),
     (COMPLETIONS, completion(best_of=2), 400, "invalid_request_error", "best_of", "unsupported_parameter"),
     (COMPLETIONS, completion(suffix="x"), 400, "invalid_request_error", "suffix", "unsupported_value"),
     (COMPLETIONS, completion(suffix=5), 400, "invalid_request_error", "suffix", "invalid_type"),
@@ -323,6 +366,9 @@ BAD_REQUESTS = [
      "tool_choice.function.name", "invalid_value"),
     (CHAT, chat(parallel_tool_calls="yes"), 400, "invalid_request_error", "parallel_tool_calls", "invalid_type"),
     (CHAT, chat(prompt="x"), 400, "invalid_request_error", "prompt", "unsupported_parameter"),
+    (CHAT, chat(logit_bias={"259": -100}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"50": 101}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias="ban 50"), 400, "invalid_request_error", "logit_bias", "invalid_type"),
 ]
 
 
@@ -333,7 +379,6 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, sta
 
 @pytest.mark.parametrize("path, body, field", [
     (COMPLETIONS, completion(min_p=0.1), "min_p"),
-    (COMPLETIONS, completion(logit_bias={"50": 10}), "logit_bias"),
     (CHAT, chat(stream=True, stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
 ])
 def test_unsupported_field_is_refused_by_name(client, path, body, field):

@@ -123,10 +123,47 @@ def test_seeds_that_share_their_low_32_bits_give_their_own_text(client):
         assert text(high) == text(high)
 
 
+def test_a_logit_bias_of_minus_100_bans_the_token_greedy_would_pick(client, generator):
+    prompt_ids = generator.tokenizer.encode("Say this is a test")
+    plain = generator.generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    banned = plain.token_ids[0]
+    expected = generator.generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                             logit_bias=((banned, -100.0),)))
+    assert banned not in expected.token_ids and expected.text != plain.text
+    ask = dict(model=MODEL, prompt="Say this is a test", max_tokens=12, temperature=0, logit_bias={str(banned): -100},
+               extra_body={"ignore_eos": True})
+    assert client.completions.create(**ask).choices[0].text == expected.text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**ask, stream=True))
+    assert streamed == expected.text
+
+
+def test_a_logit_bias_of_100_forces_a_token_whose_logprob_is_reported_before_the_bias(client, generator):
+    """Chat, sampled: +100 on "z" makes every token "z", whole or streamed. Its log-probability is the model's own,
+    read before the bias (as vLLM reports it): well below the ~0 that the biased distribution would give."""
+    (z,) = generator.tokenizer.encode("z")
+    messages = [{"role": "user", "content": "Hello"}]
+    ask = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5, logit_bias={str(z): 100},
+               logprobs=True, top_logprobs=1)
+    prompt_ids = generator.tokenizer.encode(generator.tokenizer.apply_chat_template(messages))
+    expected = generator.generate(prompt_ids, SamplingParams(max_tokens=6, temperature=1.0, seed=5, logprobs=1,
+                                                             logit_bias=((z, 100.0),)))
+    assert expected.token_ids == (z,) * 6 and expected.tokens[0].logprob.logprob < -0.01
+    reply = client.chat.completions.create(**ask)
+    assert reply.choices[0].message.content == "z" * 6
+    assert [entry.logprob for entry in reply.choices[0].logprobs.content] == \
+        pytest.approx([t.logprob.logprob for t in expected.tokens])
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **ask, stream=True) if chunk.choices)
+    assert streamed == "z" * 6
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"50": 10})
-    assert info.value.body["param"] == "logit_bias" and info.value.code == "unsupported_parameter"
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"50": 101})
+    assert info.value.body["param"] == "logit_bias" and info.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 0.1})
+    assert info.value.body["param"] == "min_p" and info.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                        top_logprobs=2)

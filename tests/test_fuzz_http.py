@@ -119,7 +119,10 @@ SAMPLING = {
     "stream": st.one_of(st.booleans(), anything),
     "user": st.one_of(st.text(max_size=10), anything),
     "frequency_penalty": st.one_of(st.just(0), numbers, anything),
-    "logit_bias": st.one_of(st.just({}), anything),
+    # token ids in and past the vocabulary, each written as digits (leading zeros too), with any number
+    "logit_bias": st.one_of(st.just({}), anything, st.dictionaries(
+        st.one_of(st.integers(min_value=0, max_value=400).map(str), st.from_regex(r"[0-9]{1,12}", fullmatch=True)),
+        st.one_of(st.floats(min_value=-100, max_value=100), numbers), max_size=4)),
 }
 completion_bodies = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), anything),

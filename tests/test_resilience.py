@@ -32,17 +32,22 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def greedy(model_dir):
-    """Greedy text of the single-process model, as a function of max_tokens."""
+def alone(model_dir):
+    """The single-process model's completion of PROMPT, as a function of its sampling parameters."""
     model = OurModel(model_dir)
     tok = TextTokenizer.load(model_dir)
     gen = Generator(model.head, tok, model.pipeline(), torch.float32)
+    return lambda params: gen.generate(tok.encode(PROMPT), params)
+
+
+@pytest.fixture(scope="module")
+def greedy(alone):
+    """Greedy text of the single-process model, as a function of max_tokens."""
     cache: dict[int, str] = {}
 
     def run(max_tokens: int) -> str:
         if max_tokens not in cache:
-            cache[max_tokens] = gen.generate(tok.encode(PROMPT), SamplingParams(max_tokens, temperature=0,
-                                                                                  ignore_eos=True)).text
+            cache[max_tokens] = alone(SamplingParams(max_tokens, temperature=0, ignore_eos=True)).text
         return cache[max_tokens]
 
     return run
@@ -204,6 +209,25 @@ def test_request_resumes_on_the_restarted_worker_with_the_same_text(tmp_path, mo
         status, body = request.wait(180)
         assert status == 200, body
         assert body["choices"][0]["text"] == greedy(LONG)
+        assert "resumed on a refilled pipeline" in cluster.head.output()
+
+
+def test_a_resumed_request_keeps_its_logit_bias(tmp_path, model_dir, alone):
+    """The request bans the token greedy text uses most; after the resume it still never makes it, and its text is
+    the biased text of the single-process model."""
+    plain = alone(SamplingParams(LONG, temperature=0, ignore_eos=True)).token_ids
+    banned = max(set(plain), key=plain.count)
+    biased = alone(SamplingParams(LONG, temperature=0, ignore_eos=True, logit_bias=((banned, -100.0),)))
+    assert banned not in biased.token_ids and biased.token_ids != plain
+    with start(tmp_path, model_dir, resume=True, resume_grace_s=120) as cluster:
+        b = cluster.workers.pop("b")
+        request = freeze_mid_request(cluster, b, logit_bias={str(banned): -100})
+        b.proc.kill()
+        b.stop()
+        cluster.start_worker("b", name="b-again")
+        status, body = request.wait(180)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == biased.text
         assert "resumed on a refilled pipeline" in cluster.head.output()
 
 

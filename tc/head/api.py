@@ -29,6 +29,7 @@ from .api_requests import (
     ModelNotFound,
     RequestError,
     UnsupportedEncoding,
+    check_logit_bias,
     check_model,
     check_prompt_tokens,
     decode_json_body,
@@ -368,6 +369,7 @@ class CompletionsResource:
         # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt",
                             generates=params.max_tokens > 0)
+        check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
@@ -399,6 +401,7 @@ class ChatCompletionsResource:
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         room = self.service.context_length - len(prompt_ids)
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context")
+        check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
         params = dataclasses.replace(params, constraint=self.structured.grammar(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,

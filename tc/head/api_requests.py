@@ -33,6 +33,9 @@ MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
 _SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as OpenAI documents `seed`
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 makes it the only choice
+MAX_LOGIT_BIAS = 300  # tokens one request may bias: each is an entry of a tensor made for every token chosen
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id as a decimal string (ASCII digits only)
 
 
 class RequestError(Exception):
@@ -87,6 +90,7 @@ class SamplingFields:
     min_tokens: int = 0  # vLLM's extension: no EOS and no stop string before this many tokens
     ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
     n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value), by token id; not yet checked against a vocab
 
     def to_params(self, default_max_tokens: int, *, default_is: str = "", prompt_logprobs: bool = False,
                   continues_prompt: bool = False) -> SamplingParams:
@@ -103,7 +107,8 @@ class SamplingFields:
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs and self.logprobs is not None,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, continues_prompt=continues_prompt)
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, continues_prompt=continues_prompt,
+                              logit_bias=self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -223,15 +228,12 @@ class ChatRequest:
 # Fields some OpenAI clients send on every request with their default value. That value asks for exactly what
 # this server does anyway, so such a request is served as written; any other value is refused like any unknown
 # field. Values are compared with their JSON type, so `false` never passes for `0`.
-_COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-}
-_COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "best_of": (None, 1)}
-_CHAT_NEUTRAL = _COMMON_NEUTRAL
+_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1)}
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {}
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "logprobs", "min_tokens", "ignore_eos"})
+                            "logprobs", "min_tokens", "ignore_eos", "logit_bias"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format"}
@@ -494,12 +496,41 @@ def _alternatives(value: Any, param: str) -> int:
     return count
 
 
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (decimal strings) to numbers in LOGIT_BIAS_RANGE, as (token id, value) pairs by
+    token id. Whether the ids are in the model's vocabulary is check_logit_bias's to say."""
+    if not isinstance(value, dict):
+        raise RequestError(f"'logit_bias' must be an object mapping token ids to numbers, not {_json_type(value)}",
+                           param="logit_bias", code="invalid_type")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' has {len(value)} entries; this server takes at most {MAX_LOGIT_BIAS}",
+                           param="logit_bias", code="invalid_value")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise RequestError(f"'logit_bias' keys must be token ids, such as \"50256\"; {json.dumps(key)} is not one",
+                               param="logit_bias", code="invalid_value")
+        token = int(key)
+        if token in bias:  # "7" and "007"
+            raise RequestError(f"'logit_bias' names token {token} more than once", param="logit_bias",
+                               code="invalid_value")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise RequestError(f"'logit_bias' values must be numbers; token {token}'s is {_json_type(number)}",
+                               param="logit_bias", code="invalid_type")
+        low, high = LOGIT_BIAS_RANGE
+        if not low <= number <= high:  # a float compares with an integer of any size exactly, never overflowing
+            raise RequestError(f"'logit_bias' values must be between {low:g} and {high:g}; token {token}'s is not",
+                               param="logit_bias", code="invalid_value")
+        bias[token] = float(number)
+    return tuple(sorted(bias.items()))
+
+
 _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
     "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k,
     "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
     "repetition_penalty": _repetition_penalty,
     "min_tokens": lambda value: _max_tokens(value, "min_tokens", least=0),
-    "ignore_eos": lambda value: _boolean(value, "ignore_eos"), "n": _choices,
+    "ignore_eos": lambda value: _boolean(value, "ignore_eos"), "n": _choices, "logit_bias": _logit_bias,
 }
 
 
@@ -822,6 +853,14 @@ def check_model(requested: str, served: str) -> None:
     """Raise ModelNotFound unless `requested` is the served model."""
     if requested != served:
         raise ModelNotFound(requested, served)
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    """Refuse a logit_bias naming a token id the model's tokenizer does not have."""
+    outside = next((token for token, _ in bias if token >= vocab_size), None)
+    if outside is not None:
+        raise RequestError(f"'logit_bias' names token id {outside}, outside this model's vocabulary "
+                           f"(0..{vocab_size - 1})", param="logit_bias", code="invalid_value")
 
 
 def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: int, param: str,
