@@ -135,6 +135,12 @@ def test_a_logit_bias_of_minus_100_bans_the_token_greedy_would_pick(client, gene
     assert client.completions.create(**ask).choices[0].text == expected.text
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**ask, stream=True))
     assert streamed == expected.text
+    # each of n sampled choices (seed + i) carries the bias, as the choice alone would
+    sampled = client.completions.create(**{**ask, "temperature": 1.5, "seed": 9, "n": 2})
+    for choice in sampled.choices:
+        alone = generator.generate(prompt_ids, SamplingParams(max_tokens=12, temperature=1.5, seed=9 + choice.index,
+                                                              ignore_eos=True, logit_bias=((banned, -100.0),)))
+        assert choice.text == alone.text and banned not in alone.token_ids
 
 
 def test_a_logit_bias_of_100_forces_a_token_whose_logprob_is_reported_before_the_bias(client, generator):
