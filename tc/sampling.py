@@ -125,11 +125,31 @@ class TokenHistory:
         self.seen[token] = True
 
 
+PENALISED_LIMIT = 1e30  # how far from 0 an extreme repetition penalty takes a seen logit: well inside fp32's range
+# Penalties in this range cannot take a logit of a real model (|logit| < 1e10) past PENALISED_LIMIT, so they are
+# applied as they are, without looking at the logits first.
+PLAIN_PENALTIES = (1e-20, 1e20)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """HF's repetition penalty: seen tokens' positive logits divided by `penalty`, negative ones multiplied."""
+    """HF's repetition penalty: seen tokens' positive logits divided by `penalty`, negative ones multiplied.
+
+    A penalty near 0 (or a huge one) would take a seen logit past the largest float: inf, and then NaN in the
+    sampler (inf - inf), which then draws a token that has nothing to do with the logits. So the divisor and
+    the factor are held where the most extreme seen logit lands at PENALISED_LIMIT: the seen tokens keep their
+    order among themselves and are still as far beyond the others as the penalty asks, each one finite."""
     if penalty == 1.0:
         return logits
-    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    divisor = factor = penalty
+    if not PLAIN_PENALTIES[0] <= penalty <= PLAIN_PENALTIES[1]:
+        finite_seen = seen & torch.isfinite(logits)  # a token masked to -inf (grammar, banned) stays so
+        largest = float(logits.masked_fill(~finite_seen, 0.0).max())
+        smallest = float(logits.masked_fill(~finite_seen, 0.0).min())
+        # neither under fp32's smallest normal number: there it is 0, and 0 / 0 and -inf * 0 are NaN
+        tiny = torch.finfo(torch.float32).tiny
+        divisor = max(penalty, largest / PENALISED_LIMIT, tiny)
+        factor = max(min(penalty, PENALISED_LIMIT / -smallest) if smallest < 0 else penalty, tiny)
+    penalised = torch.where(logits < 0, logits * factor, logits / divisor)
     return torch.where(seen, penalised, logits)
 
 

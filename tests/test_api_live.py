@@ -111,6 +111,21 @@ def test_sampling_fields_through_the_openai_client(client):
     assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.content) <= 3
 
 
+def test_a_repetition_penalty_near_zero_repeats_the_prompt_as_a_small_one_does(client):
+    """A repetition_penalty near 0 (the API takes any number over 0) divided the seen tokens' logits past the
+    largest float: inf, then NaN in the sampler, which drew tokens the model had nothing to do with. Such a penalty
+    asks what a small one asks: the seen token the model likes best, whatever the temperature."""
+    def text(penalty: float, temperature: float) -> str:
+        return client.completions.create(model=MODEL, prompt="Hello Hello Hello", max_tokens=6, seed=1,
+                                         temperature=temperature, extra_body={"repetition_penalty": penalty,
+                                                                              "ignore_eos": True}).choices[0].text
+
+    expected = text(1e-10, 0)  # small, and still far from overflowing the tiny model's logits
+    for penalty in (1e-40, 1e-46):
+        assert text(penalty, 0) == expected
+        assert text(penalty, 0.7) == expected
+
+
 def test_seeds_that_share_their_low_32_bits_give_their_own_text(client):
     """`seed` is a signed 64-bit integer, but the sampler's generator kept only its low 32 bits: 5 and 5 + 2**32, or
     -1 and 2**32 - 1, gave the same text. Each gives its own now, and each again when asked again."""

@@ -38,6 +38,36 @@ def test_repetition_penalty_matches_transformers(seed, penalty):
     assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), expected)
 
 
+@pytest.mark.parametrize("penalty", [1e-40, 1e-46, 1e-300, 1e30, 1e300])
+def test_an_extreme_repetition_penalty_keeps_every_logit_finite_and_in_order(penalty):
+    """Dividing by a penalty near 0 took a seen logit to inf, and the sampler's inf - inf made NaN: it then drew
+    a token the logits had nothing to do with. Seen tokens keep their order, beyond the unseen ones as far as
+    the penalty asks, and a token masked to -inf stays masked."""
+    logits = random_logits(0) * 10
+    seen_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:12]
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[seen_ids] = True
+    logits[seen_ids[0]] = float("-inf")
+    logits[seen_ids[1]] = 0.0
+    got = apply_repetition_penalty(logits, seen, penalty)
+    assert got[seen_ids[0]] == float("-inf") and torch.isfinite(got[seen_ids[1:]]).all()
+    assert torch.equal(got[~seen], logits[~seen])
+    kept = seen_ids[1:]
+    positive, negative = kept[logits[kept] > 0], kept[logits[kept] < 0]
+    assert len(positive) > 1 and len(negative) > 1
+
+    def same_order(ids: torch.Tensor) -> bool:
+        return torch.equal(torch.argsort(got[ids]), torch.argsort(logits[ids]))
+
+    if penalty < 1:  # seen positive logits beyond every unseen one, in order; sampling takes the largest of them
+        assert same_order(kept) and got[positive].min() > logits[~seen].max()
+        best = int(positive[torch.argmax(logits[positive])])
+        assert sample(got, 0.7, 1.0, new_rng(1)) == best and sample(got, 0.0, 1.0, None) == best
+    else:  # seen negative logits below every unseen one, in order; seen positive ones at about 0
+        assert same_order(negative) and got[negative].max() < logits[~seen].min()
+        assert (got[positive] >= 0).all() and got[positive].max() < 1e-20
+
+
 @pytest.mark.parametrize("counts, presence, frequency, expected", [
     ([0, 1, 3], 0.0, 0.0, [1.0, 1.0, 1.0]),
     ([0, 1, 3], 0.5, 0.0, [1.0, 0.5, 0.5]),
