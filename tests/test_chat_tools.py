@@ -129,6 +129,15 @@ def test_a_conversation_with_calls_and_results_renders(client, generator):
         generator, template_input, [WEATHER])
 
 
+def test_an_assistant_turn_with_no_calls_and_no_content_is_an_empty_turn(openai_client, generator):
+    """Servers that answer "tool_calls": [] on every reply (vLLM does) send a reply without text as content null; a
+    client sends that message back as it got it, and it was refused for its missing content."""
+    empty = {"role": "assistant", "content": None, "tool_calls": []}
+    again = {"role": "user", "content": "And tomorrow?"}
+    reply = openai_client.chat.completions.create(model="tiny", messages=[ASK, empty, again], max_tokens=1)
+    assert reply.usage.prompt_tokens == rendered_length(generator, [ASK, {"role": "assistant", "content": ""}, again])
+
+
 class Lookup(BaseModel):
     id: int
 

@@ -698,7 +698,9 @@ def _message(value: Any, index: int) -> ChatMessage:
             raise RequestError(f"'{param}.refusal' is only for assistant messages, not {role}",
                                param=f"{param}.refusal", code="invalid_value")
         refusal = _string(refusal, f"{param}.refusal")
-    if calls and value.get("content") is None:  # an assistant message that only calls tools has no text
+    if value.get("tool_calls") is not None and value.get("content") is None:
+        # an assistant message that only calls tools has no text; nor has one whose calls are an empty array, which
+        # clients send back as they got it (servers that answer "tool_calls": [] on every reply)
         content = None
     elif refusal is not None and value.get("content") is None:
         # a model that declined says so in `refusal`, with no content (OpenAI's replies): a conversation carried
