@@ -118,6 +118,17 @@ class GrammarEngine:
             raise GrammarError(str(exc)) from exc
         return self._checked(grammar)
 
+    def check_schema(self, schema: Mapping[str, Any]) -> None:
+        """Raises GrammarError where `schema` is no JSON schema (a type that is none of JSON's, `properties` that is
+        not an object, a `$ref` to nothing, ...). What only constrained decoding needs passes: keywords and formats
+        the engine does not implement, and a `pattern` its regex dialect does not read (JSON schema's is
+        ECMAScript's, which has look-around; the engine's has not)."""
+        grammar = self._ll.LLMatcher.grammar_from_json_schema(json.dumps(bound_numbers(schema)),
+                                                              overrides={"lenient": True})
+        failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if failed and not all(m.startswith("regex parse error") for m in messages):
+            raise GrammarError("; ".join(messages))
+
     def json_sequence(self, schema: Mapping[str, Any], *, separator: str = "\n") -> "Grammar":
         """One or more JSON values valid under `schema`, apart by `separator`. Raises GrammarError."""
         styled = {**bound_numbers(schema), "x-guidance": JSON_STYLE}

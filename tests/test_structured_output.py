@@ -8,6 +8,7 @@ import json
 import sys
 
 import jsonschema
+import openai
 import pytest
 import torch
 from falcon import testing
@@ -16,6 +17,7 @@ from model_helpers import OurModel
 from tiny_model import write_tiny_model
 from tc.generation import Generator
 from tc.head.api import create_app
+from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 
@@ -168,6 +170,37 @@ def test_a_tool_schema_the_engine_refuses_is_blamed_on_that_tool(client, fields)
     assert error["param"] == "tools" and error["code"] == "invalid_value"
     assert "'tools[1].function.parameters'" in error["message"] and "uniqueItems" in error["message"]
     assert "start:" not in error["message"]  # not the engine's grammar
+
+
+INVALID_TOOL = {"type": "function", "function": {"name": "invalid", "parameters": {
+    "type": "object", "properties": {"a": {"type": "text"}}}}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "invalid"}}],
+                         ids=["auto", "required", "named"])
+def test_a_tool_schema_that_is_no_json_schema_is_refused_whatever_the_tool_choice(generator, choice):
+    """Under "auto" no grammar follows the tools' parameters, so a schema that is none (a type JSON does not have)
+    went to the model unchecked, served; the same request with a forced call was a 400."""
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                           tools=[LOOKUP, INVALID_TOOL], tool_choice=choice)
+        assert info.value.body["param"] == "tools" and info.value.code == "invalid_value"
+        assert "'tools[1].function.parameters'" in info.value.message and "text" in info.value.message
+        # what only a grammar needs is not asked of a schema no grammar follows: a keyword the engine does not
+        # implement, a pattern in ECMAScript's regex dialect (look-ahead) that the engine's does not read
+        unforced = {"type": "function", "function": {"name": "unforced", "parameters": {
+            "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True},
+                                             "b": {"type": "string", "pattern": "^(?!x)"}}}}}
+        if choice == "auto":
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                   max_tokens=1, tools=[LOOKUP, unforced], tool_choice=choice)
+            assert reply.usage.completion_tokens == 1
+    finally:
+        server.stop()
 
 
 def _nested(levels: int) -> dict:

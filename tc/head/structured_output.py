@@ -5,7 +5,8 @@
   `parallel_tool_calls` is false), each naming one of the tools with arguments valid under its parameters;
   a named function: one call to it. These are the bare objects tool_calls.py reads, so the forced reply is
   always parsed as calls and its arguments always parse.
-- `tool_choice` `auto` with a JSON response_format: a call object or the format's JSON.
+- `tool_choice` `auto` with a JSON response_format: a call object or the format's JSON; without one, no grammar,
+  but the offered tools' parameters are still checked to be JSON schemas.
 
 The engine (tc/constraint.py) is loaded on the first request that needs it. Without it, a response_format is a
 400 naming the package to install; a forced tool call is steered by the template alone (tool_calls.py then
@@ -62,6 +63,7 @@ class StructuredOutput:
         forced = request.tool_choice.mode in ("required", "function")
         fmt = _format_schema(request.response_format)
         if fmt is None and not forced:
+            self._check_tools(request)
             return None
         try:
             engine = self.engine()
@@ -76,6 +78,27 @@ class StructuredOutput:
             return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])))
         except GrammarError as exc:
             raise _schema_at_fault(engine, request, exc) from exc
+
+
+    def _check_tools(self, request: ChatRequest) -> None:
+        """Refuse an offered tool whose parameters are no JSON schema, as a forced call's grammar would refuse it,
+        though no grammar follows them here ("auto": the model reads them in its template). What only a grammar
+        needs is not asked of them (GrammarEngine.check_schema). Without the engine, as a forced call without it,
+        they go to the template unchecked."""
+        offered = {tool.name for tool in request.offered_tools}
+        if not offered:
+            return
+        try:
+            engine = self.engine()
+        except ConstraintUnavailable:
+            return
+        for index, tool in enumerate(request.tools):
+            if tool.name in offered:
+                try:
+                    engine.check_schema(call_schema(tool))
+                except GrammarError as exc:
+                    raise RequestError(f"the schema in 'tools[{index}].function.parameters' is not a valid JSON "
+                                       f"schema: {exc}", param="tools", code="invalid_value") from exc
 
 
 def _schema_error(where: str, param: str, reason: object) -> RequestError:
