@@ -203,6 +203,45 @@ def test_invalid_json_gets_the_openai_error_shape(server):
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
 
 
+def post_as(server: HttpServer, body: bytes, content_type: str | None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body=body,
+                           headers={"Content-Type": content_type} if content_type is not None else {})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "application/x-www-form-urlencoded", "text/plain;charset=UTF-8", None])
+def test_a_json_body_is_read_whatever_its_content_type(server, content_type):
+    """`curl -d` sends a form's Content-Type, fetch() with a string body text/plain, and a bare HTTP client none:
+    the body is JSON all the same, and is read so (as llama.cpp's server reads it)."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}).encode()
+    status, reply = post_as(server, body, content_type)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("content_type, body", [
+    ("application/x-www-form-urlencoded", b"model=tiny&prompt=Hello"),
+    ("multipart/form-data; boundary=XyZ",
+     b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\ntiny\r\n--XyZ--\r\n'),
+    ("text/plain", b"Hello"),
+])
+def test_a_body_that_is_no_json_and_not_sent_as_json_is_told_to_send_json(server, content_type, body):
+    """A form, or text, got "the request body is not valid JSON: Expecting value: line 1 column 1 (char 0)",
+    which does not say that the server reads JSON only, nor how to send it."""
+    status, reply = post_as(server, body, content_type)
+    error = reply["error"]
+    assert status == 415 and error["code"] == "unsupported_media_type"
+    assert repr(content_type) in error["message"] and "Content-Type: application/json" in error["message"]
+    # sent as JSON, the same body is JSON that is broken: the parser's own words say where
+    status, reply = post_as(server, body, "application/json")
+    assert status == 400 and reply["error"]["code"] == "invalid_json"
+
+
 @pytest.mark.parametrize("path", ["/health", "/health/ready", "/v1/models", f"/v1/models/{MODEL}", "/v1/cluster",
                                   "/metrics"])
 def test_every_get_route_answers_head(server, path):

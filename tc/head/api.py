@@ -29,12 +29,14 @@ from .api_requests import (
     ModelNotFound,
     RequestError,
     UnsupportedEncoding,
+    UnsupportedMediaType,
     check_logit_bias,
     check_model,
     check_prompt_tokens,
     decode_json_body,
     parse_chat_request,
     parse_completion_request,
+    says_json,
 )
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .metrics import Metrics
@@ -79,6 +81,8 @@ def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
     if isinstance(exc, UnsupportedEncoding):  # RFC 9110: a 415 says which codings are read, in Accept-Encoding
         return ErrorReply(415, "invalid_request_error", exc.message, exc.param, exc.code,
                           (("Accept-Encoding", "identity"),))
+    if isinstance(exc, UnsupportedMediaType):
+        return ErrorReply(415, "invalid_request_error", exc.message, exc.param, exc.code)
     if isinstance(exc, RequestError):
         return ErrorReply(400, "invalid_request_error", exc.message, exc.param, exc.code)
     if isinstance(exc, ChatTemplateError):
@@ -149,7 +153,12 @@ def _vocab_size(tokenizer: TextTokenizer) -> int:
 def read_json_body(req: falcon.Request, max_body_bytes: int) -> dict[str, Any]:
     """The request's JSON object. Raises BodyTooLarge before reading a body declared over the limit, and
     UnsupportedEncoding before reading one in a content coding (gzip, br, ...): it is no JSON as it stands, and
-    reading it as if the header were not there would misread it."""
+    reading it as if the header were not there would misread it.
+
+    The body is read as JSON whatever its Content-Type: `curl -d` labels it a form
+    (application/x-www-form-urlencoded), as llama.cpp's server reads it too. A body that is no JSON, sent with
+    a Content-Type that is not JSON's, raises UnsupportedMediaType (a 415 naming that type), which says more
+    than the JSON parser's complaint about its first character."""
     encoding = (req.get_header("Content-Encoding") or "").strip()
     if encoding and any(part.strip().lower() != "identity" for part in encoding.split(",")):
         raise UnsupportedEncoding(encoding)
@@ -159,7 +168,12 @@ def read_json_body(req: falcon.Request, max_body_bytes: int) -> dict[str, Any]:
     body = req.bounded_stream.read(max_body_bytes + 1)
     if len(body) > max_body_bytes:
         raise BodyTooLarge(None, max_body_bytes)
-    return decode_json_body(body)
+    try:
+        return decode_json_body(body)
+    except RequestError as exc:
+        if exc.code == "invalid_json" and body.strip() and not says_json(req.content_type):
+            raise UnsupportedMediaType(req.content_type) from exc
+        raise
 
 
 class ModelsResource:

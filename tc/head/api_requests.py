@@ -73,6 +73,25 @@ class UnsupportedEncoding(RequestError):
                          "as they are (identity): send the JSON uncompressed", code="unsupported_content_encoding")
 
 
+class UnsupportedMediaType(RequestError):
+    """A body that is no JSON, sent with a Content-Type that does not say JSON either (a form, multipart, text)."""
+
+    def __init__(self, content_type: str):
+        super().__init__(f"the request body is sent as {content_type!r} and is not JSON; this server reads only "
+                         "JSON: send a JSON object with the header Content-Type: application/json (with curl: "
+                         "-H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
+def says_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON: application/json or a +json type, whatever its parameters; no
+    Content-Type at all counts as JSON, which is all this server reads."""
+    if not content_type:
+        return True
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
+
+
 @dataclass(frozen=True)
 class SamplingFields:
     """The sampling fields shared by both endpoints; `max_tokens` None means the endpoint's default."""
