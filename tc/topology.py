@@ -42,7 +42,6 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_HEARTBEAT_S = 5.0
 HEARTBEAT_MISSES = 3  # default silence limit, in heartbeat intervals
 DEFAULT_MAX_FRAME_MB = 256.0  # a 32k-token fp32 prefill of a 896-wide model is 117 MB
-DEFAULT_MAX_BODY_MB = 1.0  # far above any prompt that fits a context window
 DEFAULT_RESUME_GRACE_S = 15.0
 DEFAULT_PREFILL_CHUNK = 256  # prompt positions per step while other sequences decode
 DEFAULT_STEP_TIMEOUT_S = 30.0  # the floor of a step's bound (tc.head.step_deadline)
@@ -126,7 +125,7 @@ class HeadSettings:
     resume_grace_s: float = DEFAULT_RESUME_GRACE_S
     join_token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
     max_frame_mb: float = DEFAULT_MAX_FRAME_MB
-    max_body_mb: float = DEFAULT_MAX_BODY_MB
+    max_body_mb: float | None = None  # None: from the model's context (tc.head.api.body_limit)
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # a step's bound: this floor + factor x its slowest recent
     step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
     max_batch: int | None = None  # sequences generating at once; None: as many as memory allows, up to 8
@@ -149,8 +148,8 @@ class HeadSettings:
         return int(self.max_frame_mb * MIB)
 
     @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * MIB)
+    def max_body_bytes(self) -> int | None:
+        return None if self.max_body_mb is None else int(self.max_body_mb * MIB)
 
 
 @dataclass(frozen=True)
@@ -263,7 +262,7 @@ class Topology:
             head["join_token"] = self.head.join_token
         if self.head.max_frame_mb != DEFAULT_MAX_FRAME_MB:
             head["max_frame_mb"] = self.head.max_frame_mb
-        if self.head.max_body_mb != DEFAULT_MAX_BODY_MB:
+        if self.head.max_body_mb is not None:
             head["max_body_mb"] = self.head.max_body_mb
         if self.head.step_timeout_s != DEFAULT_STEP_TIMEOUT_S:
             head["step_timeout_s"] = self.head.step_timeout_s
@@ -652,8 +651,9 @@ class _Parser:
         low, high = SIZE_RANGE_MB
         max_frame_mb = self.positive_number(head.get("max_frame_mb", DEFAULT_MAX_FRAME_MB), "head.max_frame_mb",
                                             "MiB", high, low)
-        max_body_mb = self.positive_number(head.get("max_body_mb", DEFAULT_MAX_BODY_MB), "head.max_body_mb", "MiB",
-                                           high, low)
+        max_body_mb = head.get("max_body_mb")
+        if max_body_mb is not None:
+            max_body_mb = self.positive_number(max_body_mb, "head.max_body_mb", "MiB", high, low)
         step_timeout_s = self.positive_number(head.get("step_timeout_s", DEFAULT_STEP_TIMEOUT_S),
                                               "head.step_timeout_s", "seconds", MAX_SECONDS)
         step_factor = self.step_factor(head.get("step_timeout_factor", DEFAULT_STEP_TIMEOUT_FACTOR),

@@ -3,6 +3,7 @@ configurable size limits; and no code execution on any network path."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import socket
 import threading
@@ -250,6 +251,29 @@ def test_body_limit_comes_from_the_topology(tmp_path, model_dir):
         status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "x" * 20_000})
         assert status == 413 and body["error"]["code"] == "request_too_large"
         assert "10485 bytes" in body["error"]["message"]
+
+
+def test_without_a_body_limit_the_head_takes_a_prompt_that_fills_its_context(tmp_path):
+    """The body limit was 1 MiB whatever the model: a prompt that fills a long context, as token ids (5 bytes each
+    here) or as escaped text, is more than that, and got a 413 before its tokens were counted. Unset, the limit
+    follows the context; a body past it is told the limit and the setting that raises it."""
+    from tc.head.api import body_limit
+
+    context = 262_144
+    model_dir = write_tiny_model(tmp_path / "long-context", seed=2, max_position_embeddings=context)
+    topo = write_topology(tmp_path / "t.yaml", model_dir, NODES)
+    prompt = [255] * (context - 16)
+    assert len(json.dumps(prompt)) > 1 << 20
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        # read, counted and found to fit: only the missing worker stands in its way
+        status, body = cluster.post("/v1/completions", {"model": "long-context", "prompt": prompt, "max_tokens": 1})
+        assert status == 503 and body["error"]["code"] == "cluster_not_ready", body
+        status, body = cluster.post("/v1/completions", {"model": "long-context", "prompt": "x" * body_limit(context)})
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+        message = body["error"]["message"]
+        assert f"at most {body_limit(context)} bytes" in message and "head.max_body_mb" in message
 
 
 # --- nothing on a network path executes code ---------------------------------------------------------------------

@@ -47,7 +47,11 @@ from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, Re
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # without a model's context to go by; also what a body holds beside its tokens
+# What a token of the prompt may take in a body, generously: a token id with its comma and space is 8 bytes, a
+# token of text up to a few characters, each 6 bytes when JSON escapes it (\uXXXX: clients that write ASCII JSON,
+# Python's json.dumps among them, so for every CJK character).
+BODY_BYTES_PER_TOKEN = 32
 OWNED_BY = "truecluster"
 RETRY_AFTER_S = "1"  # OpenAI's client honours Retry-After when it retries 429 and 503 replies
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request; its log has the details"
@@ -138,6 +142,13 @@ def server_error_reply(status: int, reason: str, detail: str) -> ErrorReply:
         return ErrorReply(500, "internal_error", INTERNAL_ERROR_MESSAGE, None, "internal_error")
     return ErrorReply(status, "invalid_request_error", f"{reason}: {detail}" if detail else reason, None,
                       _snake(reason))
+
+
+def body_limit(context_length: int) -> int:
+    """The request body a model's context calls for (head.max_body_mb unset): a prompt that fills the context, in
+    any JSON a client writes, with room beside it for messages, tools and fields. A fixed 1 MiB held no 128k-token
+    prompt of token ids, nor one of CJK text as Python's json.dumps writes it."""
+    return DEFAULT_MAX_BODY_BYTES + context_length * BODY_BYTES_PER_TOKEN
 
 
 def model_card(model_id: str, context_length: int) -> dict[str, Any]:

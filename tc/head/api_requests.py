@@ -61,8 +61,8 @@ class BodyTooLarge(RequestError):
 
     def __init__(self, size: int | None, limit: int):
         size_text = f"{size} bytes" if size is not None else "over this server's limit"
-        super().__init__(f"the request body is {size_text}; this server accepts at most {limit} bytes",
-                         code="request_too_large")
+        super().__init__(f"the request body is {size_text}; this server accepts at most {limit} bytes (its "
+                         "operator sets that with head.max_body_mb in the topology file)", code="request_too_large")
 
 
 class UnsupportedEncoding(RequestError):

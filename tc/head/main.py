@@ -33,7 +33,7 @@ from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
 from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for
-from .api import create_app
+from .api import body_limit, create_app
 from .http_server import HttpServer, start_http_server
 from .pipeline import RemotePipeline
 from .service import GenerationService
@@ -286,6 +286,8 @@ def start_head(topology: Topology) -> Head:
 
     registry.on_plan = planned
     max_body = topology.head.max_body_bytes
+    if max_body is None:
+        max_body = body_limit(service.context_length)
     # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
     # unbounded backlog) decides who waits and who gets a 429
     with _listening("head.api", topology.head.api):
