@@ -6,9 +6,11 @@ output went, for every mix of workers that listen, do not, or cannot be reached.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 
@@ -289,6 +291,40 @@ def test_a_connection_that_gets_no_thread_leaves_the_listener_accepting(listener
         assert listener.got.get(timeout=5).message.route == 3
     finally:
         forwarder.close()
+
+
+class ResetBeforeAccepted(socket.socket):
+    """A listening socket whose accepted sockets refuse TCP_NODELAY as macOS does where the peer reset the
+    connection before it was accepted (EINVAL); Linux sets it on such a socket without a word."""
+
+    def accept(self):
+        sock, address = super().accept()
+        return ResetSocket(fileno=sock.detach()), address
+
+
+class ResetSocket(socket.socket):
+    def setsockopt(self, level, option, value, *args):
+        if (level, option) == (socket.IPPROTO_TCP, socket.TCP_NODELAY):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return super().setsockopt(level, option, value, *args)
+
+
+def test_a_connection_reset_before_it_was_accepted_leaves_the_listener_accepting():
+    routes = Routes()
+    got: queue.Queue = queue.Queue()
+    listener = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20)
+    listener._server = ResetBeforeAccepted(fileno=listener._server.detach())
+    routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    forwarder = Forwarder(1 << 20)
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as reset:
+            reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        listener.start()  # accepts the reset connection first, then the stage before's
+        assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        assert got.get(timeout=5).seq == 1
+    finally:
+        forwarder.close()
+        listener.close()
 
 
 def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:

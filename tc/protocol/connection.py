@@ -100,7 +100,13 @@ class Connection:
         self.peer_host, self.local_host = _host(sock.getpeername), _host(sock.getsockname)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Decode steps are small request/reply messages; Nagle's algorithm would hold each one back.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                # macOS answers EINVAL for a socket whose peer reset it before it was accepted: the connection is
+                # gone, and its first read or write says so as ConnectionClosed, where the caller expects it. An
+                # OSError from here would end the loop that accepted it (the peer listener's), for good.
+                pass
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._close_lock = threading.Lock()
