@@ -191,6 +191,55 @@ def test_a_peer_that_has_not_proven_the_key_may_send_only_small_frames(listener)
     conn.close()
 
 
+class ListenerWarnings(logging.Handler):
+    """The peer listener's warnings; `said` is set by the first, which comes after the connection it is about
+    has closed (so after the other end hears of it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said = threading.Event()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        self.said.set()
+
+    def __enter__(self) -> "ListenerWarnings":
+        logging.getLogger(peers.__name__).addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logging.getLogger(peers.__name__).removeHandler(self)
+
+
+def test_a_frame_over_the_handshakes_cap_is_told_for_what_it_is(listener):
+    """The cap before the proof is fixed: the word is that the other end is no tc worker of this release, not to
+    raise a frame limit (none raises it) or send a shorter prompt."""
+    with connect("127.0.0.1", listener.port, timeout=5) as conn, ListenerWarnings() as warnings:
+        conn.settimeout(5)
+        assert isinstance(conn.recv().message, PeerChallenge)
+        conn._sock.sendall((1 << 20).to_bytes(8, "big"))
+        told = conn.recv().message
+        with pytest.raises(ConnectionClosed):
+            conn.recv()
+        assert warnings.said.wait(5)
+    for said in (told.message, warnings.lines[0]):
+        assert "over the 4096-byte cap; a peer link's handshake frames are a few hundred bytes" in said
+        assert "not a tc worker of this release" in said and "shorter prompt" not in said
+
+
+def test_a_proven_link_names_the_workers_frame_limit(listener):
+    """Past the proof the cap is the listener's --max-frame-mb (TC_MAX_FRAME_MB), which the word names."""
+    with handshake_by_hand(listener) as conn, ListenerWarnings() as warnings:
+        conn._sock.sendall(((1 << 20) + 1).to_bytes(8, "big"))
+        told = conn.recv().message
+        with pytest.raises(ConnectionClosed):
+            conn.recv()
+        assert warnings.said.wait(5)
+    for said in (told.message, warnings.lines[0]):
+        assert "over the 1048576-byte cap; that is this worker's --max-frame-mb (TC_MAX_FRAME_MB)" in said
+
+
 def test_a_batch_over_the_next_stages_frame_limit_goes_through_the_head(listener):
     """The listener says the largest frame it reads; a larger batch is not sent (so not lost on the way) and the
     link stays up for the next one."""

@@ -170,7 +170,8 @@ def test_well_framed_garbage_body_gets_an_error(cluster):
 
 def test_oversized_frame_before_joining(cluster):
     # a peer that has not joined may not make the head buffer more than a HELLO needs
-    only_error(raw_reply(cluster.listen_port, frame_header(8 << 20)), "over the", "cap")
+    only_error(raw_reply(cluster.listen_port, frame_header(8 << 20)), "over the", "cap",
+               "not a tc worker of this release")
 
 
 def batch(sequence: int, start: int, capacity: int, hidden: torch.Tensor) -> RunBatch:
@@ -280,7 +281,7 @@ def test_oversized_frame_from_a_joined_worker_is_bounded_by_the_topology(tmp_pat
         small.wait_api()
         fake = FakeWorker(small.listen_port, "a")
         fake.conn._sock.sendall(frame_header(1 << 20))
-        assert "over the 524288-byte cap" in fake.closing_error().message
+        assert "over the 524288-byte cap; that is head.max_frame_mb" in fake.closing_error().message
 
 
 def test_after_all_that_a_real_worker_fills_b_and_the_cluster_serves(cluster, model_dir):
@@ -352,7 +353,7 @@ def test_worker_drops_a_head_that_breaks_the_protocol_and_rejoins(tmp_path, mode
 
         conn = head.accept()
         conn._sock.sendall(frame_header(1 << 40))
-        expect_error_then_close(conn, "frame header announces")
+        expect_error_then_close(conn, "frame header announces", "this worker's --max-frame-mb (TC_MAX_FRAME_MB)")
 
         # a well-behaved session on the same worker: bad commands fail the request, not the connection
         conn = head.accept()

@@ -632,6 +632,8 @@ class WorkerRegistry:
     def _handshake(self, sock: socket.socket, peer: str) -> tuple[WorkerLink, list] | None:
         """Admit a worker: (its link, assignments to send), or None once it is refused and closed."""
         conn = Connection(sock, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)
+        conn.frame_limit_advice = ("a worker's HELLO is a few kilobytes at most, and no setting raises this cap "
+                                   "before it is admitted: what connected is not a tc worker of this release")
         # A socket timeout bounds each read, not the frame: a peer sending a byte now and then would hold its
         # place for ever. The deadline closes the connection when the whole handshake is not over in time.
         deadline = _Deadline(conn, self.handshake_timeout_s)
@@ -646,6 +648,7 @@ class WorkerRegistry:
                 entry, link, assignments = self._place(hello, conn, peer)
             conn.settimeout(None)
             conn.max_frame_bytes = self.max_frame_bytes
+            conn.frame_limit_advice = "that is head.max_frame_mb: raise it in topology.yaml"
             conn.send(HelloAck(node_id=entry.id))
             if not deadline.finish():  # it struck while the worker was being placed
                 raise ConnectionClosed("the connection was closed")

@@ -95,6 +95,9 @@ class Connection:
             raise ValueError(f"max_frame_bytes must be a positive int, got {max_frame_bytes!r}")
         self._sock = sock
         self.max_frame_bytes = max_frame_bytes
+        # which limit max_frame_bytes is and what to do about it, for the FrameTooLarge a larger frame raises (set
+        # by the owner, with the limit: a handshake's fixed cap, a worker's --max-frame-mb); None: a generic word
+        self.frame_limit_advice: str | None = None
         self.peer = _describe_peer(sock)  # taken now: getpeername fails once the socket is closed
         # the hosts of both ends (TCP only): where the peer is, and the address we reach it from
         self.peer_host, self.local_host = _host(sock.getpeername), _host(sock.getsockname)
@@ -179,7 +182,7 @@ class Connection:
             self._fill(HEADER_SIZE)
             length = int.from_bytes(self._buffer[self._start:self._start + HEADER_SIZE], "big")
             if length > self.max_frame_bytes:
-                error = FrameTooLarge(length, self.max_frame_bytes)
+                error = FrameTooLarge(length, self.max_frame_bytes, self.frame_limit_advice)
                 self._tell_peer(error)
                 self.close()
                 raise error

@@ -34,10 +34,12 @@ class FrameTooLarge(ProtocolError):
     The stream cannot be resynchronised after this (the body was never read), so the connection must be closed.
     """
 
-    def __init__(self, declared_bytes: int, max_frame_bytes: int) -> None:
+    def __init__(self, declared_bytes: int, max_frame_bytes: int, advice: str | None = None) -> None:
+        """`advice`: which limit this is and what to do about it, where the receiver knows (a worker's
+        --max-frame-mb, a handshake's fixed cap)."""
         super().__init__(
             f"frame header announces a {declared_bytes}-byte body, over the {max_frame_bytes}-byte cap; "
-            "if the peer is ours, raise max_frame_bytes on both ends or send a shorter prompt"
+            + (advice or "if the peer is ours, raise max_frame_bytes on both ends or send a shorter prompt")
         )
         self.declared_bytes = declared_bytes
         self.max_frame_bytes = max_frame_bytes

@@ -237,6 +237,8 @@ class Worker:
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
                 continue
+            conn.frame_limit_advice = ("that is this worker's --max-frame-mb (TC_MAX_FRAME_MB): start it with one "
+                                       "as large as the head's head.max_frame_mb")
             self._conn, self._head_answered = conn, False
             try:
                 served = self.session(conn)

@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 
 PEER_HANDSHAKE_TIMEOUT_S = 10.0  # a peer link's whole handshake, either side
 PEER_HANDSHAKE_MAX_FRAME_BYTES = 4096  # a frame before the proof holds (a PEER_HELLO is ~150 bytes)
+# What a frame over a peer link's limit is taken for (FrameTooLarge says it, in the log and to the other end):
+# before the proof the cap is this fixed one, which no setting raises; after it, the listener's --max-frame-mb,
+# which it told the stage before (PEER_ACK) so that a larger batch goes through the head instead
+HANDSHAKE_FRAME_ADVICE = ("a peer link's handshake frames are a few hundred bytes, whatever the frame limits: the "
+                          "other end is not a tc worker of this release")
+PROVEN_FRAME_ADVICE = ("that is this worker's --max-frame-mb (TC_MAX_FRAME_MB), which the stage before was told and "
+                       "should have sent a larger batch through the head for: run the same tc release on every "
+                       "worker, or start this one with a larger --max-frame-mb")
 PEER_CONNECT_TIMEOUT_S = 3.0  # reaching the next stage: once per route, on the compute thread
 # A send to the next stage that blocks this long (it stopped reading: frozen, or its machine gone without a word)
 # cuts the route, so the compute thread is never held for good; the head's step bound judges the stage itself.
@@ -135,6 +143,7 @@ class PeerListener:
             except OSError:
                 return  # closed
             conn = Connection(sock, max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
+            conn.frame_limit_advice = HANDSHAKE_FRAME_ADVICE
             with self._lock:
                 # Full, the oldest connection still in its handshake gives way: the stage before finishes its own
                 # within a round trip or two, so those that sit idle (a plain TCP connect takes a place, no key
@@ -239,7 +248,7 @@ class PeerListener:
             deadline.cancel()
         if conn.closed:
             return None
-        conn.max_frame_bytes = self._max_frame_bytes
+        conn.max_frame_bytes, conn.frame_limit_advice = self._max_frame_bytes, PROVEN_FRAME_ADVICE
         conn.settimeout(None)
         with self._lock:
             self._open[conn] = msg.route
@@ -310,6 +319,7 @@ class Forwarder:
         key = route_key(self._join_key, route.next_key)
         conn = connect(route.next_host, route.next_port, timeout=PEER_CONNECT_TIMEOUT_S,
                        max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
+        conn.frame_limit_advice = HANDSHAKE_FRAME_ADVICE  # it reads only in the handshake
         deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, conn.close)  # the whole handshake, however paced
         deadline.daemon = True
         try:
