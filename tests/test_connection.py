@@ -268,6 +268,37 @@ def test_send_to_a_closed_peer_raises_connection_closed(pair):
     assert left.closed
 
 
+def test_a_reader_woken_by_a_send_that_timed_out_hears_why(pair):
+    """A send that times out (the other end stopped reading) closes the connection; the thread reading from it
+    must hear that, not that the connection was closed, or its owner words the loss as the other end's doing."""
+    left, right = pair  # right never reads
+    left.settimeout(0.2)
+    heard: list[BaseException] = []
+
+    def reader() -> None:
+        while True:
+            try:
+                left.recv()
+            except TimeoutError:
+                continue  # the socket's timeout bounds reads too: nothing came, and the reader waits on
+            except BaseException as exc:
+                heard.append(exc)
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    with pytest.raises(ConnectionClosed, match="timed out") as sent:
+        for _ in range(1000):  # until the socket buffers are full
+            left.send(Ping(1, payload=bytes(1 << 16)))
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    why = f"sending PING to {left.peer} timed out: it took no bytes for 0.2s"
+    assert str(sent.value).startswith(why)
+    assert len(heard) == 1 and isinstance(heard[0], ConnectionClosed) and why in str(heard[0]), heard
+    with pytest.raises(ConnectionClosed, match=f"cannot send PING: {why}"):
+        left.send(Ping(2))
+
+
 def test_send_over_the_cap_is_refused_before_anything_is_sent():
     a, b = socket.socketpair()
     with Connection(a, max_frame_bytes=1000) as small, Connection(b) as other:

@@ -8,6 +8,7 @@ it cannot load, a command whose reply it cannot send, and a head that says it is
 """
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -467,6 +468,28 @@ def test_worker_whose_reply_cannot_be_sent_tells_the_head_and_rejoins(tmp_path, 
         assert worker.proc.poll() is None and "left the head after a compute failure" in worker.output()
         assert "already loaded; reusing" in worker.output()
         conn.close()
+    finally:
+        cluster.stop()
+        head.close()
+
+
+def test_a_head_that_stops_reading_is_left_for_that_reason(tmp_path, model_dir):
+    """The head sends PINGs and reads none of the PONGs: once the buffers are full the worker's send times out
+    (--head-timeout-s), and the worker says so as it rejoins; it said the head had closed the connection."""
+    head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir, "--head-timeout-s", "3")
+    try:
+        for _ in range(3):  # a join whose silence ran out before the PINGs came (a stalled machine) is tried again
+            conn = head.accept()
+            with pytest.raises(ConnectionClosed):  # the worker leaves, its PINGs unread
+                for nonce in itertools.count(1):
+                    conn.send(Ping(nonce=nonce, payload=bytes(1 << 20)))
+            conn.close()
+            head.accept().close()  # it rejoined: its log has said why it left
+            if "lost the head (sending PONG" in worker.output():
+                break
+        assert "lost the head (sending PONG to 127.0.0.1:" in worker.output()
+        assert "timed out: it took no bytes for 3s" in worker.output()
+        assert "the head closed the connection" not in worker.output()
     finally:
         cluster.stop()
         head.close()

@@ -114,6 +114,9 @@ class Connection:
         self._recv_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closed = False
+        # Why a send or read here broke the connection and closed it, for the other threads that use it: the
+        # reader woken by a send that timed out must say so, not that the connection was closed
+        self._failure: str | None = None
         # Received bytes not yet returned as frames are buffer[_start:_end]; the buffer is reused for every frame
         # and grows to the largest one seen
         self._buffer = bytearray(RECEIVE_BUFFER_BYTES)
@@ -154,14 +157,18 @@ class Connection:
             )
         with self._send_lock:
             if self._closed:
-                raise ConnectionClosed(f"cannot send {message.TYPE}: the connection to {self.peer} is closed")
+                raise ConnectionClosed(f"cannot send {message.TYPE}: {self._closed_why()}")
             try:
                 _send_all_parts(self._sock, parts)
             except OSError as exc:  # includes timeouts: some unknown part of the frame went out
-                self.close()
-                raise ConnectionClosed(
-                    f"sending {message.TYPE} to {self.peer} failed ({exc}); the connection is closed"
-                ) from exc
+                waited = self._sock.gettimeout()  # None: the TimeoutError is TCP's own (ETIMEDOUT), not ours
+                if isinstance(exc, TimeoutError) and waited is not None:
+                    why = (f"sending {message.TYPE} to {self.peer} timed out: it took no bytes for {waited:g}s (it "
+                           "stopped reading, or its machine is gone)")
+                else:
+                    why = f"sending {message.TYPE} to {self.peer} failed ({exc})"
+                self._fail(why)
+                raise ConnectionClosed(f"{why}; the connection is closed") from exc
 
     def recv(self, timeout: float | None = None) -> Envelope:
         """Block until one whole frame has arrived and return its envelope.
@@ -174,7 +181,7 @@ class Connection:
         """
         with self._recv_lock:
             if self._closed:
-                raise ConnectionClosed(f"cannot receive: the connection to {self.peer} is closed")
+                raise ConnectionClosed(f"cannot receive: {self._closed_why()}")
             if self._start == self._end:  # nothing of the next frame has arrived yet
                 if timeout is not None and not self._wait_readable(timeout):
                     raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
@@ -205,6 +212,15 @@ class Connection:
         except OSError:
             pass  # the peer is already gone (ENOTCONN): there is nothing left to shut down, closing suffices
         self._sock.close()
+
+    def _fail(self, why: str) -> None:
+        """Close the connection for a send or read that broke it; `why` is what other threads then hear."""
+        if self._failure is None:
+            self._failure = why
+        self.close()
+
+    def _closed_why(self) -> str:
+        return self._failure or f"the connection to {self.peer} was closed"
 
     def _tell_peer(self, error: Exception) -> None:
         """Best effort: an ERROR frame saying why the connection is about to close, never blocking.
@@ -256,23 +272,22 @@ class Connection:
         except TimeoutError as exc:  # socket.timeout is TimeoutError since Python 3.10
             if not frame_started:
                 raise TimeoutError(f"no frame from {self.peer} within the socket timeout") from exc
-            self.close()
+            self._fail(f"timed out in the middle of a frame from {self.peer}")
             raise ConnectionClosed(
                 f"timed out in the middle of a frame from {self.peer}; the connection is closed"
             ) from exc
         except OSError as exc:
-            was_closed_here = self._closed
-            self.close()
-            if was_closed_here:
-                raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
+            if self._closed:  # closed here, by another thread: it says why, if a send failed
+                raise ConnectionClosed(self._closed_why()) from exc
+            self._fail(f"receiving from {self.peer} failed ({exc})")
             raise ConnectionClosed(f"receiving from {self.peer} failed ({exc}); the connection is closed") from exc
         if count == 0:
-            was_closed_here = self._closed
-            self.close()
-            if was_closed_here:
-                raise ConnectionClosed(f"the connection to {self.peer} was closed")
+            if self._closed:
+                raise ConnectionClosed(self._closed_why())
             if not frame_started:
+                self._fail(f"{self.peer} closed the connection")
                 raise ConnectionClosed(f"{self.peer} closed the connection")
+            self._fail(f"{self.peer} closed the connection in the middle of a frame")
             raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame; the frame is lost")
         return count
 

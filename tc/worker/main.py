@@ -395,12 +395,12 @@ class Worker:
             except (OSError, ValueError):
                 pass
             raise
-        except ConnectionClosed:
+        except ConnectionClosed as exc:
             if self._compute_failure is not None:
                 log.warning("left the head after a compute failure (%s); rejoining", self._compute_failure)
                 return False
-            if not self.stop.is_set():
-                log.warning("the head closed the connection; rejoining")
+            if not self.stop.is_set():  # the head closed it, or a send to it broke or timed out (the exception says)
+                log.warning("lost the head (%s); rejoining", exc)
             return True
         finally:
             conn.close()
