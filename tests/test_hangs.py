@@ -30,7 +30,8 @@ from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.main import load_config_and_plan
 from tc.head.service import GenerationService, Readiness
-from tc.head.workers import MAX_PENDING_HANDSHAKES, WorkerRegistry
+from tc.head.step_deadline import StepBudget
+from tc.head.workers import MAX_PENDING_HANDSHAKES, Doorbell, WorkerLink, WorkerRegistry
 from tc.local import LocalPipeline
 from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
@@ -465,3 +466,48 @@ def test_connections_that_hold_every_handshake_place_give_way_to_a_worker(tmp_pa
         for sock in idle:
             sock.close()
         registry.stop()
+
+
+class LooksTogether(threading.Event):
+    """A link's `closed` event whose first two looks wait for each other (a second at most), so that two closers
+    that look before either has set it both see it clear; `clear_to` names the threads that saw it clear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(2, timeout=1)
+        self.looks = 0
+        self.clear_to: list[str] = []
+
+    def is_set(self) -> bool:
+        seen = super().is_set()
+        if not seen:
+            self.clear_to.append(threading.current_thread().name)
+        self.looks += 1
+        if self.looks <= 2:
+            try:
+                self.meeting.wait()
+            except threading.BrokenBarrierError:
+                pass  # the other closer could not look yet: it waits for the first to finish
+        return seen
+
+
+def test_a_link_closed_by_two_threads_at_once_keeps_the_first_reason_alone():
+    """The reader (the worker hung up), the watch (silent too long) and a request (past its step's bound) may drop
+    one link at the same moment: the first reason is the one requests hear and the slot records, given once."""
+    a, b = socket.socketpair()
+    link = WorkerLink(Connection(a), "a", worker_hello("a"), "cpu", "test", 64, StepBudget(5.0, 2.0),
+                      lambda link, reason: None, Doorbell())
+    link.closed = LooksTogether()
+    reasons = {"reader": "the worker closed the connection", "watch": "silent for 31.0s"}
+    closers = [threading.Thread(target=link.close, args=(reason,), name=name) for name, reason in reasons.items()]
+    try:
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(10)
+        assert len(link.closed.clear_to) == 1, link.closed.clear_to  # one closer acts, the other finds it closed
+        assert link.close_reason == reasons[link.closed.clear_to[0]]
+        assert link.replies.qsize() == 1 and link.conn.closed
+    finally:
+        link.conn.close()
+        b.close()

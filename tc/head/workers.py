@@ -131,6 +131,7 @@ class WorkerLink:
         self.arrived = arrived
         self.closed = threading.Event()
         self.close_reason = ""
+        self._close_lock = threading.Lock()  # the reader, the watch and a request may close at once: one wins
         self.farewell = ""  # what the worker said before it left, if it said anything
         self.last_seen = time.monotonic()
         self._pongs = threading.Condition()  # guards the ping bookkeeping below; notified by each PONG
@@ -157,14 +158,17 @@ class WorkerLink:
         return node if node == self.entry_id else f"{node} (spare {self.entry_id})"
 
     def close(self, reason: str) -> None:
-        if not self.closed.is_set():
+        """Close the link for `reason`; the first of several closers gives the reason every waiter hears."""
+        with self._close_lock:
+            if self.closed.is_set():
+                return
             self.close_reason = reason
             self.closed.set()
-            self.replies.put(_LOST)
-            self._announce()
-            self.conn.close()
-            with self._pongs:
-                self._pongs.notify_all()  # a probe waiting for a PONG gives up at once
+        self.replies.put(_LOST)
+        self._announce()
+        self.conn.close()
+        with self._pongs:
+            self._pongs.notify_all()  # a probe waiting for a PONG gives up at once
 
     def refuse(self, problem: str) -> None:
         """Close for a protocol violation, telling the worker why first (best effort)."""
