@@ -376,6 +376,35 @@ def test_a_connection_reset_before_it_was_accepted_leaves_the_listener_accepting
         listener.close()
 
 
+class AbortsFirstAccept(socket.socket):
+    """A listening socket whose first accept fails as BSD and macOS fail one for a connection reset while it
+    waited in the backlog (ECONNABORTED), or any system once the process has no file descriptor left (EMFILE)."""
+
+    aborted = False
+
+    def accept(self):
+        if not self.aborted:
+            self.aborted = True
+            raise ConnectionAbortedError(errno.ECONNABORTED, "Software caused connection abort")
+        return super().accept()
+
+
+def test_an_accept_that_fails_leaves_the_listener_accepting():
+    routes = Routes()
+    got: queue.Queue = queue.Queue()
+    listener = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20)
+    listener._server = AbortsFirstAccept(fileno=listener._server.detach())
+    routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    listener.start()
+    forwarder = Forwarder(1 << 20)
+    try:
+        assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        assert got.get(timeout=5).seq == 1 and listener._server.aborted
+    finally:
+        forwarder.close()
+        listener.close()
+
+
 def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:
     conn = connect("127.0.0.1", listener.port, timeout=5)
     conn.settimeout(5)

@@ -141,7 +141,13 @@ class PeerListener:
             try:
                 sock, _ = self._server.accept()
             except OSError:
-                return  # closed
+                with self._lock:
+                    if self._closed:
+                        return
+                # EMFILE, or ECONNABORTED (BSD and macOS, for a connection reset while it waited to be accepted):
+                # this thread goes on, or no link in could open again; it backs off rather than spin
+                time.sleep(0.1)
+                continue
             conn = Connection(sock, max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
             conn.frame_limit_advice = HANDSHAKE_FRAME_ADVICE
             with self._lock:
