@@ -405,6 +405,28 @@ def test_an_accept_that_fails_leaves_the_listener_accepting():
         listener.close()
 
 
+def test_a_listener_with_no_thread_to_accept_on_starts_at_the_next_route():
+    """The reader of the head's link starts the listener when a ROUTE gives it a link in; with no thread to be had
+    (a thread or memory limit, for a moment) that must not end the reader, and the next ROUTE starts it."""
+    routes = Routes()
+    got: queue.Queue = queue.Queue()
+    listener = PeerListener("127.0.0.1", 0, routes, got.put, 1 << 20)
+    routes.set(Route(route=3, next_host=None, next_port=None, next_key=None, inbound_key=KEY))
+    forwarder = Forwarder(1 << 20)
+    try:
+        usual = threading.stack_size(1 << 62)  # no thread can be started with a stack this size
+        try:
+            listener.start()
+        finally:
+            threading.stack_size(usual)
+        listener.start()
+        assert forwarder.send(route_to(listener), batch(3), "step-1", 1)
+        assert got.get(timeout=5).seq == 1
+    finally:
+        forwarder.close()
+        listener.close()
+
+
 def handshake_by_hand(listener: PeerListener, route: int = 3) -> Connection:
     conn = connect("127.0.0.1", listener.port, timeout=5)
     conn.settimeout(5)

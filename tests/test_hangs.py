@@ -37,10 +37,11 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import (ERROR_COMPUTE_FAILED, Assignment, Error, HelloAck, HiddenState, Ping, Pong,
-                                 RunBatch)
+from tc.protocol.messages import (ERROR_COMPUTE_FAILED, Assignment, Error, Hello, HelloAck, HiddenState, Ping,
+                                 Pong, RunBatch)
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
+from tc.worker.main import Worker, WorkerOptions
 from tiny_model import write_tiny_model
 
 PROMPT = "the quick brown fox"
@@ -511,3 +512,35 @@ def test_a_link_closed_by_two_threads_at_once_keeps_the_first_reason_alone():
     finally:
         link.conn.close()
         b.close()
+
+
+def test_a_worker_with_no_thread_to_compute_on_tells_the_head_and_rejoins():
+    """Joined, the worker starts its compute thread; with none to be had (a thread or memory limit, for a moment)
+    the head hears it is out of service and why, and it rejoins with backoff: the error ended the process."""
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        head.settimeout(30)
+        worker = Worker(WorkerOptions(host="127.0.0.1", port=head.getsockname()[1], node_id="a", device="cpu",
+                                      hf_cache_dir=None, max_memory_bytes=None, retry_max_s=1, bench=False,
+                                      peer_port=None))
+        runner = threading.Thread(target=worker.run, name="worker", daemon=True)
+        runner.start()
+        with Connection(head.accept()[0]) as conn:
+            assert isinstance(conn.recv(timeout=30).message, Hello)
+            usual = threading.stack_size(NO_STACK)
+            try:
+                conn.send(HelloAck(node_id="a"))  # the worker starts its compute thread once it has this
+                told = conn.recv(timeout=30).message
+            finally:
+                threading.stack_size(usual)
+            assert isinstance(told, Error) and told.code == ERROR_COMPUTE_FAILED, told
+            assert "worker a is out of service (no thread to compute on (" in told.message
+            with pytest.raises(ConnectionClosed):
+                conn.recv(timeout=30)
+        with Connection(head.accept()[0]) as conn:  # it rejoined, and serves
+            assert isinstance(conn.recv(timeout=30).message, Hello)
+            conn.send(HelloAck(node_id="a"))
+            conn.send(Ping(nonce=5))
+            assert conn.recv(timeout=30).message == Pong(nonce=5)
+            worker.shutdown("the test is over")
+            runner.join(30)
+        assert not runner.is_alive()

@@ -357,7 +357,13 @@ class Worker:
                  f"; the stage before may pass hidden states to {self._peers.address}" if self._peers else "")
         computer = threading.Thread(target=self.compute_loop, args=(conn, jobs, routes), name="compute",
                                     daemon=True)
-        computer.start()
+        try:
+            computer.start()
+        except RuntimeError as exc:
+            # a thread or memory limit, maybe for a moment: the head hears this worker is out of service, and it
+            # rejoins with backoff, where raised the error would end the process
+            self._fail_session(conn, f"no thread to compute on ({exc})", None)
+            return False
         assigned = False
         try:
             while True:
@@ -470,8 +476,9 @@ class Worker:
         conn.send(reply, env.request_id, env.seq)
         mark("answered")
 
-    def _fail_session(self, conn: Connection, reason: str, exc: BaseException) -> None:
-        """Tell the head this worker is out of service and why, then end the connection (the reader rejoins)."""
+    def _fail_session(self, conn: Connection, reason: str, exc: BaseException | None) -> None:
+        """Tell the head this worker is out of service and why, then end the connection (the reader rejoins).
+        `exc`: the exception to log with its traceback, if any."""
         log.error("%s; leaving the head to rejoin", reason, exc_info=exc)
         self._compute_failure = reason
         node = self._node_id or self.options.node_id or "(unassigned)"

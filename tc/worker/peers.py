@@ -117,12 +117,20 @@ class PeerListener:
         return str(HostPort(self.host, self.port))
 
     def start(self) -> None:
-        """Accept connections from now on (idempotent)."""
+        """Accept connections from now on (idempotent; without a thread to accept on, the next call tries again)."""
         with self._lock:
             if self._accepting or self._closed:
                 return
             self._accepting = True
-        threading.Thread(target=self._accept_loop, name=f"peer-listen-{self.port}", daemon=True).start()
+        try:
+            threading.Thread(target=self._accept_loop, name=f"peer-listen-{self.port}", daemon=True).start()
+        except RuntimeError as exc:
+            # a thread or memory limit, maybe for a moment: the stage before, its handshake unanswered, passes
+            # through the head, and the next ROUTE tries again; raised, it would end the reader of the head's link
+            with self._lock:
+                self._accepting = False
+            log.warning("cannot take hidden states from the stage before now: no thread to accept on (%s); they "
+                        "come through the head", exc)
 
     def close(self) -> None:
         with self._lock:
