@@ -31,7 +31,7 @@ from tc.head.http_server import start_http_server
 from tc.head.main import load_config_and_plan
 from tc.head.service import GenerationService, Readiness
 from tc.head.step_deadline import StepBudget
-from tc.head.workers import MAX_PENDING_HANDSHAKES, Doorbell, WorkerLink, WorkerRegistry
+from tc.head.workers import MAX_PENDING_HANDSHAKES, Doorbell, WorkerLink, WorkerRegistry, _Deadline
 from tc.local import LocalPipeline
 from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
@@ -291,6 +291,45 @@ def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, 
             conn.send(worker_hello("a"))
             assert isinstance(conn.recv(timeout=5).message, HelloAck)
             assert isinstance(conn.recv(timeout=5).message, Assignment)
+    finally:
+        registry.stop()
+
+
+def handshake_deadline_started(peer: str) -> bool:
+    """Whether the head's handshake with `peer` has started its deadline (a Timer), the last thread it starts
+    before it reads the HELLO."""
+    return any(isinstance(t, threading.Timer) and isinstance(getattr(t.function, "__self__", None), _Deadline)
+               and t.function.__self__._conn.peer == peer for t in threading.enumerate())
+
+
+def test_a_worker_the_head_has_no_thread_to_ping_is_dropped_at_once_to_rejoin(tmp_path, model_dir):
+    """Admitted, a worker gets a thread that pings it; with none to be had (a thread or memory limit, for a moment)
+    it is dropped at once and may rejoin, where it held its place unheard until the watch found it silent."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
+    _, config, plan = load_config_and_plan(topology)
+    registry = WorkerRegistry(topology, plan, config)
+    port = registry.start("127.0.0.1", 0)
+    try:
+        with Connection(socket.create_connection(("127.0.0.1", port), timeout=5)) as conn:
+            peer = f"127.0.0.1:{conn._sock.getsockname()[1]}"
+            wait_for(lambda: handshake_deadline_started(peer), 5, "its handshake to start")
+            usual = threading.stack_size(NO_STACK)  # its handshake waits for the HELLO; no thread can start now
+            try:
+                conn.send(worker_hello("a"))
+                assert isinstance(conn.recv(timeout=5).message, HelloAck)
+                assert isinstance(conn.recv(timeout=5).message, Assignment)
+                with pytest.raises(ConnectionClosed):
+                    conn.recv(timeout=5)
+            finally:
+                threading.stack_size(usual)
+            wait_for(lambda: registry.snapshot()[0]["state"] == "waiting", 5, "its place to be free again")
+            assert registry.snapshot()[0]["detail"].startswith("lost: no thread to ping it with (")
+        with Connection(socket.create_connection(("127.0.0.1", port), timeout=5)) as conn:  # it rejoins
+            conn.send(worker_hello("a"))
+            assert isinstance(conn.recv(timeout=5).message, HelloAck)
+            assert isinstance(conn.recv(timeout=5).message, Assignment)
+            assert registry.snapshot()[0]["state"] == "loading"
     finally:
         registry.stop()
 

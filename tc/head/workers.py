@@ -825,7 +825,13 @@ class WorkerRegistry:
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:
         self._send_assignments(assignments)  # before the first PING: a worker planned already starts loading
-        threading.Thread(target=self._ping_loop, args=(link,), name=f"ping-{link.entry_id}", daemon=True).start()
+        try:
+            threading.Thread(target=self._ping_loop, args=(link,), name=f"ping-{link.entry_id}", daemon=True).start()
+        except RuntimeError as exc:
+            # a thread or memory limit, maybe for a moment: unpinged, the worker would hold its place unheard until
+            # the watch found it silent, and this thread would end with a traceback; dropped, it rejoins
+            self._lost(link, f"no thread to ping it with ({exc})")
+            return
         self._read_loop(link)
 
     def _read_loop(self, link: WorkerLink) -> None:
