@@ -6,10 +6,13 @@ tensors it will load.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator, Mapping
 
 from .model.weights import INDEX_FILE, SINGLE_FILE, WeightsError, read_weight_map
 
@@ -20,9 +23,41 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "chat_template.json", "additional_chat_templates/tool_use.jinja")
 REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 
+# The stall rule: a download that gets fewer than STALL_MIN_BYTES in any STALL_S_ENV seconds is given up. The
+# per-read timeout (HF_HUB_DOWNLOAD_TIMEOUT) alone never ends a link that is alive but all but stalled: a byte
+# every few seconds resets it, and a shard of gigabytes would take years. 64 KiB a minute, the default, is about
+# 1 KiB/s; a slower link sets a longer time.
+STALL_S_ENV = "TC_DOWNLOAD_STALL_S"
+DEFAULT_STALL_S = 60.0
+STALL_MIN_BYTES = 64 * 1024
+
 
 class ModelSourceError(RuntimeError):
     """The model could not be found or downloaded."""
+
+
+class DownloadStalled(Exception):
+    """A response body came in slower than the stall rule allows."""
+
+    def __init__(self, received: int, seconds: float):
+        super().__init__(f"{received} bytes in {seconds:.0f}s")
+        self.received, self.seconds = received, seconds
+
+
+def stall_seconds(environ: Mapping[str, str]) -> float:
+    """The stall rule's time from STALL_S_ENV (default DEFAULT_STALL_S). Raises ModelSourceError for a value that
+    is no finite number above 0."""
+    text = environ.get(STALL_S_ENV, "").strip()
+    if not text:
+        return DEFAULT_STALL_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ModelSourceError(f"{STALL_S_ENV}={text!r} is not a number of seconds above 0; it is how long a "
+                               f"download may get fewer than {STALL_MIN_BYTES // 1024} KiB before it is given up")
+    return seconds
 
 
 class ModelSource:
@@ -39,6 +74,8 @@ class ModelSource:
         """
         from huggingface_hub import errors, hf_hub_download
 
+        stall_s = stall_seconds(os.environ)
+        _guard_downloads(stall_s)
         # the remote "no such file" error is its own class in newer huggingface_hub releases
         not_found = tuple(c for c in (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", None))
                           if c is not None)
@@ -64,6 +101,11 @@ class ModelSource:
                                    "of the repo as revision: in topology.yaml") from exc
         except errors.RepositoryNotFoundError as exc:
             raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private or gated)") from exc
+        except DownloadStalled as exc:
+            raise ModelSourceError(
+                f"download of {filename} of {self.model} stalled: {exc}, under the {STALL_MIN_BYTES // 1024} KiB "
+                f"it must get in {stall_s:g}s. Check this machine's link to the Hub (or the mirror in HF_ENDPOINT), "
+                f"or for a slow link set {STALL_S_ENV} to a longer time") from None
         except Exception as exc:  # an HTTP error, a broken-off body, a name the cache refuses: one line, not a trace
             raise ModelSourceError(f"cannot download {filename} of {self.model}: {type(exc).__name__}: "
                                    f"{_first_line(exc)}") from exc
@@ -113,6 +155,68 @@ class ModelSource:
             for file in TOKENIZER_FILES:
                 self._download(file, optional=file not in REQUIRED_TOKENIZER_FILES)
         return root
+
+
+class _StallHook:
+    """A response hook of huggingface_hub's HTTP client that holds each response body to the stall rule."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+
+    def __call__(self, response) -> None:
+        # the httpx package the client is built on (httpx, or httpx2 for huggingface_hub 2), for its stream class
+        package = sys.modules[type(response).__module__.partition(".")[0]]
+        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, self.stall_s)
+
+
+@functools.cache
+def _stall_guarded_stream(base: type) -> type:
+    """A subclass of httpx's SyncByteStream (`base`) that passes on a body, raising DownloadStalled where it gets
+    fewer than STALL_MIN_BYTES in `stall_s` seconds. A chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT
+    (else the read times out), so a stall is found within twice the rule's time and that timeout."""
+
+    class StallGuardedStream(base):
+        def __init__(self, stream, stall_s: float):
+            self.stream, self.stall_s = stream, stall_s
+
+        def __iter__(self) -> Iterator[bytes]:
+            since, received = time.monotonic(), 0
+            for chunk in self.stream:
+                received += len(chunk)
+                now = time.monotonic()
+                if now - since >= self.stall_s:
+                    if received < STALL_MIN_BYTES:
+                        raise DownloadStalled(received, now - since)
+                    since, received = now, 0
+                yield chunk
+
+        def close(self) -> None:
+            self.stream.close()
+
+    return StallGuardedStream
+
+
+def _guard_downloads(stall_s: float) -> None:
+    """Hold huggingface_hub's downloads to the stall rule: a hook on its shared HTTP client, which it makes anew
+    after a fork or close_session(), so this looks again before each download."""
+    from huggingface_hub import get_session
+
+    session = get_session()
+    hooks = getattr(session, "event_hooks", None)
+    if hooks is None:
+        _warn_unguarded()
+        return
+    for hook in hooks["response"]:
+        if isinstance(hook, _StallHook):
+            hook.stall_s = stall_s
+            return
+    session.event_hooks = {**hooks, "response": [*hooks["response"], _StallHook(stall_s)]}
+
+
+@functools.cache
+def _warn_unguarded() -> None:
+    log.warning("huggingface_hub before 1.0 downloads through requests, whose reads tc cannot watch: a download "
+                "that stalls is not given up (upgrade with: python -m pip install 'huggingface_hub>=1.0')")
 
 
 def _first_line(exc: BaseException) -> str:

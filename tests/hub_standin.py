@@ -3,7 +3,8 @@
 It serves directories as repos at `/{org}/{name}/resolve/{revision}/{filename}` with the headers
 huggingface_hub reads (X-Repo-Commit, ETag, Content-Length, X-Error-Code on 404s), HEAD and GET, byte ranges
 included. Point huggingface_hub at it with HF_ENDPOINT. Every request is recorded, so tests can check what
-was (and was not) fetched.
+was (and was not) fetched. Files named in `trickle` are sent as a link that is alive but all but stalled would
+send them: one byte every `trickle_s`, until the stand-in closes.
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<fil
 
 
 class HubStandIn:
-    def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None):
+    def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None, trickle: set[str] = frozenset(),
+                 trickle_s: float = 0.05):
         self.repos = repos
         self.revisions = revisions  # the revisions it knows (None: any); another is the Hub's RevisionNotFound
+        self.trickle, self.trickle_s = trickle, trickle_s
+        self.closed = threading.Event()  # ends the trickles, whose handler threads would otherwise run on
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self._etags: dict[Path, str] = {}
         handler = self._handler_class()
@@ -81,7 +85,18 @@ class HubStandIn:
                 if ranged:
                     self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
                 self.end_headers()
-                if with_body:
+                if with_body and match["filename"] in hub.trickle:
+                    with open(path, "rb") as f:
+                        f.seek(start)
+                        for _ in range(end - start + 1):
+                            if hub.closed.wait(hub.trickle_s):
+                                return
+                            try:
+                                self.wfile.write(f.read(1))
+                                self.wfile.flush()
+                            except (BrokenPipeError, ConnectionResetError):  # the client gave up on it
+                                return
+                elif with_body:
                     with open(path, "rb") as f:
                         f.seek(start)
                         remaining = end - start + 1
@@ -103,5 +118,6 @@ class HubStandIn:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()

@@ -87,3 +87,23 @@ def test_a_cache_without_records_of_absent_files_serves_offline(tmp_path, model_
                           timeout=120)
     assert done.returncode != 0 and "cannot get tokenizer.json of acme/tiny" in done.stderr
     assert json.dumps("HF_HUB_OFFLINE=1")[1:-1] in done.stderr
+
+
+def test_a_download_trickling_below_the_stall_rule_stops_naming_the_file_and_the_setting(tmp_path, model_dir):
+    """A link that stays alive but all but stalled (here one byte every 50 ms) passes every per-read timeout: the
+    download must still end, with one line that names the file and the setting to change."""
+    shard = "model-00001-of-00002.safetensors"
+    script = ("import sys; from tc.model_source import ModelSource; "
+              f"ModelSource({REPO!r}, is_local=False, cache_dir=sys.argv[1])"
+              ".fetch_tensors(['model.embed_tokens.weight'])")
+    with HubStandIn({REPO: model_dir}, trickle={shard}) as hub:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
+               "TC_DOWNLOAD_STALL_S": "1"}
+        try:
+            done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], capture_output=True,
+                                  text=True, env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a download sent one byte every {hub.trickle_s}s ran on past the stall rule")
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{shard} of {REPO}" in last and "TC_DOWNLOAD_STALL_S" in last, done.stderr
