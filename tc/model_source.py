@@ -30,6 +30,7 @@ REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 STALL_S_ENV = "TC_DOWNLOAD_STALL_S"
 DEFAULT_STALL_S = 60.0
 STALL_MIN_BYTES = 64 * 1024
+TOKEN_HINT = "HF_TOKEN, or `hf auth login`"  # how a machine gets a Hub token, for the refusals that need one
 
 
 class ModelSourceError(RuntimeError):
@@ -83,6 +84,9 @@ class ModelSource:
             return Path(hf_hub_download(self.model, filename, revision=self.revision,
                                         cache_dir=str(self.cache_dir) if self.cache_dir else None))
         except errors.LocalEntryNotFoundError as exc:  # offline, or the Hub unreachable, and not in the cache
+            refusal = _refusal(exc.__cause__)  # or the Hub answered, refusing: that says nothing of the file
+            if refusal is not None:
+                raise ModelSourceError(f"cannot get {filename} of {self.model}: {refusal}") from exc
             if optional:  # a cache filled by snapshot_download or `hf download` records no absent files
                 log.warning("%s of %s is not in the HF cache and the Hub could not be asked for it; going on "
                             "without it", filename, self.model)
@@ -99,14 +103,23 @@ class ModelSource:
         except errors.RevisionNotFoundError as exc:
             raise ModelSourceError(f"{self.model} has no revision {self.revision!r}; give a branch, tag or commit "
                                    "of the repo as revision: in topology.yaml") from exc
+        except errors.GatedRepoError as exc:
+            raise ModelSourceError(f"cannot get {filename} of {self.model}: the repo is gated; accept its terms on "
+                                   f"its Hub page, then give this machine a token of that account ({TOKEN_HINT})"
+                                   ) from exc
         except errors.RepositoryNotFoundError as exc:
-            raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private or gated)") from exc
+            raise ModelSourceError(f"no HuggingFace repo {self.model!r} (or it is private or gated): check the id, "
+                                   f"and for a private repo give this machine a token that can read it "
+                                   f"({TOKEN_HINT})") from exc
         except DownloadStalled as exc:
             raise ModelSourceError(
                 f"download of {filename} of {self.model} stalled: {exc}, under the {STALL_MIN_BYTES // 1024} KiB "
                 f"it must get in {stall_s:g}s. Check this machine's link to the Hub (or the mirror in HF_ENDPOINT), "
                 f"or for a slow link set {STALL_S_ENV} to a longer time") from None
         except Exception as exc:  # an HTTP error, a broken-off body, a name the cache refuses: one line, not a trace
+            refusal = _refusal(exc)
+            if refusal is not None:
+                raise ModelSourceError(f"cannot get {filename} of {self.model}: {refusal}") from exc
             raise ModelSourceError(f"cannot download {filename} of {self.model}: {type(exc).__name__}: "
                                    f"{_first_line(exc)}") from exc
 
@@ -217,6 +230,23 @@ def _guard_downloads(stall_s: float) -> None:
 def _warn_unguarded() -> None:
     log.warning("huggingface_hub before 1.0 downloads through requests, whose reads tc cannot watch: a download "
                 "that stalls is not given up (upgrade with: python -m pip install 'huggingface_hub>=1.0')")
+
+
+def _refusal(exc: BaseException | None) -> str | None:
+    """What the Hub answered and what to do, for an HTTP error status of its own; None for any other error."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if not isinstance(exc, HfHubHTTPError) or exc.response is None:
+        return None
+    status = exc.response.status_code
+    if status in (401, 403):
+        return f"the Hub refused it ({status}); give this machine a token that can read the repo ({TOKEN_HINT})"
+    if status == 429:
+        return ("the Hub is limiting this machine's requests (429 Too Many Requests); wait a few minutes and start "
+                f"again, or give it a token, which gets a higher limit ({TOKEN_HINT})")
+    if status >= 500:
+        return f"the Hub failed ({status}); try again later, or set HF_ENDPOINT to a mirror"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

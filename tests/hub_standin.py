@@ -4,7 +4,8 @@ It serves directories as repos at `/{org}/{name}/resolve/{revision}/{filename}` 
 huggingface_hub reads (X-Repo-Commit, ETag, Content-Length, X-Error-Code on 404s), HEAD and GET, byte ranges
 included. Point huggingface_hub at it with HF_ENDPOINT. Every request is recorded, so tests can check what
 was (and was not) fetched. Files named in `trickle` are sent as a link that is alive but all but stalled would
-send them: one byte every `trickle_s`, until the stand-in closes.
+send them: one byte every `trickle_s`, until the stand-in closes. Files named in `refuse` get the status (and
+X-Error-Code, if any) given there, as the Hub refuses a token-less, gated or too frequent request.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<fil
 
 class HubStandIn:
     def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None, trickle: set[str] = frozenset(),
-                 trickle_s: float = 0.05):
+                 trickle_s: float = 0.05, refuse: dict[str, tuple[int, str | None]] | None = None):
         self.repos = repos
+        self.refuse = refuse or {}  # file name -> (status, X-Error-Code or None)
         self.revisions = revisions  # the revisions it knows (None: any); another is the Hub's RevisionNotFound
         self.trickle, self.trickle_s = trickle, trickle_s
         self.closed = threading.Event()  # ends the trickles, whose handler threads would otherwise run on
@@ -69,6 +71,15 @@ class HubStandIn:
                     return self._not_found("RepoNotFound")
                 if hub.revisions is not None and match["revision"] not in hub.revisions:
                     return self._not_found("RevisionNotFound")
+                if match["filename"] in hub.refuse:
+                    status, code = hub.refuse[match["filename"]]
+                    self.send_response(status)
+                    if code is not None:
+                        self.send_header("X-Error-Code", code)
+                    self.send_header("Retry-After", "0")  # huggingface_hub retries some: at once, for the tests
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = hub.repos[match["repo"]] / match["filename"]
                 if not path.is_file():
                     return self._not_found("EntryNotFound")

@@ -107,3 +107,37 @@ def test_a_download_trickling_below_the_stall_rule_stops_naming_the_file_and_the
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert f"{shard} of {REPO}" in last and "TC_DOWNLOAD_STALL_S" in last, done.stderr
+
+
+@pytest.mark.parametrize("status, code, says", [
+    (429, None, ["429", "wait", "HF_TOKEN"]),
+    (403, "GatedRepo", ["gated", "accept its terms", "HF_TOKEN"]),
+    (401, "RepoNotFound", ["no HuggingFace repo 'acme/tiny'", "HF_TOKEN"]),
+    (401, None, ["401", "HF_TOKEN"]),
+    (503, None, ["503", "try again later"]),
+])
+def test_a_refusal_from_the_hub_says_what_it_answered_and_what_to_do(tmp_path, model_dir, hub_env, status, code,
+                                                                     says):
+    """The Hub answered (a rate limit, a gated or private repo, its own failure): the operator reads that answer
+    and what to do about it, not advice to check the connection, nor an HTTP library's line with a URL."""
+    shard = "model-00001-of-00002.safetensors"
+    with HubStandIn({REPO: model_dir}, refuse={shard: (status, code)}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
+                ["model.embed_tokens.weight"])
+    message = str(info.value)
+    assert REPO in message and "\n" not in message and "http://" not in message, message
+    assert code == "RepoNotFound" or shard in message, message  # a repo not found is not about one file
+    assert "reaches the Hub" not in message, message
+    for word in says:
+        assert word in message, message
+
+
+def test_an_optional_file_the_hub_refused_is_not_taken_for_absent(tmp_path, model_dir, hub_env):
+    """tokenizer_config.json holds the chat template: a rate limit on it must stop the start, not have the head
+    serve chats without their template."""
+    with HubStandIn({REPO: model_dir}, refuse={"tokenizer_config.json": (429, None)}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError, match="cannot get tokenizer_config.json of acme/tiny: .*429"):
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tokenizer()
