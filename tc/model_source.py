@@ -91,8 +91,10 @@ class ModelSource:
                 log.warning("%s of %s is not in the HF cache and the Hub could not be asked for it; going on "
                             "without it", filename, self.model)
                 return None
+            # the commit, once pinned: a cache may hold the repo at another (a branch's older one)
+            at = "" if self.revision is None else f" at {self.revision}"
             raise ModelSourceError(
-                f"cannot get {filename} of {self.model}: it is not in the HF cache and the Hub did not provide it "
+                f"cannot get {filename} of {self.model}{at}: it is not in the HF cache and the Hub did not provide it "
                 f"({_first_line(exc)}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror; "
                 "HF_HUB_OFFLINE=1 uses the cache alone), or copy the model directory here and give its path as "
                 "model: in topology.yaml") from exc
@@ -133,6 +135,15 @@ class ModelSource:
         log.info("resolving %s from the HuggingFace Hub", self.model)
         path = self._download("config.json")
         assert path is not None
+        # Pin the commit that config.json came from (hf_hub_download keeps a file at snapshots/<commit>/): every
+        # later file of this source, and the head's workers, then come from that commit. A branch moves; asked
+        # for by name, each file would come from wherever it stands at that moment, a tokenizer or the shards of
+        # a newer upload under an older config.
+        commit = path.parent.name
+        if self.revision != commit:
+            log.info("%s at %s is commit %s; every file comes from that commit", self.model,
+                     self.revision or "main", commit)
+            self.revision = commit
         return path.parent
 
     def fetch_tensors(self, names: Iterable[str]) -> Path:

@@ -6,6 +6,9 @@ included. Point huggingface_hub at it with HF_ENDPOINT. Every request is recorde
 was (and was not) fetched. Files named in `trickle` are sent as a link that is alive but all but stalled would
 send them: one byte every `trickle_s`, until the stand-in closes. Files named in `refuse` get the status (and
 X-Error-Code, if any) given there, as the Hub refuses a token-less, gated or too frequent request.
+
+A repo is one commit (COMMIT) under any revision, unless `snapshots` gives directories by commit and `branches`
+the commit each branch is at; a test moves a branch by setting `branches[name]`, as an upload to the repo would.
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<fil
 
 class HubStandIn:
     def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None, trickle: set[str] = frozenset(),
-                 trickle_s: float = 0.05, refuse: dict[str, tuple[int, str | None]] | None = None):
+                 trickle_s: float = 0.05, refuse: dict[str, tuple[int, str | None]] | None = None,
+                 snapshots: dict[str, Path] | None = None, branches: dict[str, str] | None = None):
         self.repos = repos
+        self.snapshots = snapshots or {}  # commit -> the repo's files at it (for every repo)
+        self.branches = branches or {}  # branch -> the commit it is at, in `snapshots`
         self.refuse = refuse or {}  # file name -> (status, X-Error-Code or None)
         self.revisions = revisions  # the revisions it knows (None: any); another is the Hub's RevisionNotFound
         self.trickle, self.trickle_s = trickle, trickle_s
@@ -40,6 +46,13 @@ class HubStandIn:
     def fetched_files(self) -> set[str]:
         return {path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for method, path in self.requests
                 if method == "GET" and "/resolve/" in path}
+
+    def resolve(self, repo: str, revision: str) -> tuple[str, Path]:
+        """The commit a revision names, and the directory of the repo's files at it."""
+        commit = self.branches.get(revision, revision)
+        if commit in self.snapshots:
+            return commit, self.snapshots[commit]
+        return COMMIT, self.repos[repo]
 
     def etag(self, path: Path) -> str:
         if path not in self._etags:
@@ -80,7 +93,8 @@ class HubStandIn:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                path = hub.repos[match["repo"]] / match["filename"]
+                commit, root = hub.resolve(match["repo"], match["revision"])
+                path = root / match["filename"]
                 if not path.is_file():
                     return self._not_found("EntryNotFound")
                 size = path.stat().st_size
@@ -90,7 +104,7 @@ class HubStandIn:
                     m = re.match(r"bytes=(\d+)-(\d*)", ranged)
                     start, end = int(m[1]), int(m[2]) if m[2] else size - 1
                 self.send_response(206 if ranged else 200)
-                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("X-Repo-Commit", commit)
                 self.send_header("ETag", f'"{hub.etag(path)}"')
                 self.send_header("Content-Length", str(end - start + 1))
                 if ranged:

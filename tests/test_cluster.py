@@ -241,6 +241,32 @@ def test_worker_downloads_from_a_hub_and_serves(tmp_path, model_dir):
         assert "fetching model-00001-of-00002.safetensors" in cluster.workers["a"].output()
 
 
+def test_workers_fetch_the_commit_the_head_resolved_though_the_branch_moved(tmp_path, model_dir):
+    """An upload moves the branch after the head has read config.json and its own tensors: the workers fetch
+    their layers from the head's commit, not the newer upload's shards under the head's config."""
+    newer = write_tiny_model(tmp_path / "newer", seed=6, shards=2)
+    old, new = "a" * 40, "b" * 40
+    with HubStandIn({"acme/tiny-qwen": model_dir}, snapshots={old: model_dir, new: newer},
+                    branches={"main": old}) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+        topo = write_topology(tmp_path / "t.yaml", "acme/tiny-qwen", NODES,
+                              hf_cache_dir=str(tmp_path / "head-cache"))
+        with Cluster(topo, tmp_path, env=env) as cluster:
+            cluster.start_head()
+            cluster.wait_api()  # the API opens once the head has fetched all it needs
+            hub.branches["main"] = new
+            for node in ("a", "b"):
+                cluster.start_worker(node, "--hf-cache-dir", str(tmp_path / f"cache-{node}"))
+            cluster.wait_ready()
+            status, body = cluster.post("/v1/completions", {"model": "acme/tiny-qwen", "prompt": PROMPT,
+                                                            "max_tokens": 6, "temperature": 0})
+            assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
+    for node in ("a", "b"):
+        snapshots = tmp_path / f"cache-{node}" / "models--acme--tiny-qwen" / "snapshots"
+        assert [p.name for p in snapshots.iterdir()] == [old]
+    assert not [path for method, path in hub.requests if f"/resolve/{new}/" in path]
+
+
 def test_openai_client_against_the_cluster(tmp_path, model_dir):
     openai = pytest.importorskip("openai")
     topo = write_topology(tmp_path / "t.yaml", model_dir, NODES)

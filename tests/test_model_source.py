@@ -141,3 +141,39 @@ def test_an_optional_file_the_hub_refused_is_not_taken_for_absent(tmp_path, mode
         hub_env(hub)
         with pytest.raises(ModelSourceError, match="cannot get tokenizer_config.json of acme/tiny: .*429"):
             ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tokenizer()
+
+
+def test_every_file_comes_from_the_commit_config_json_came_from(tmp_path, model_dir, hub_env):
+    """An upload moves the branch while the head starts: its shards and tokenizer must still be those of the
+    commit its config.json is, not the newer upload's under the older config."""
+    newer = write_tiny_model(tmp_path / "newer", seed=4, shards=2)
+    old, new = "a" * 40, "b" * 40
+    shard = "model-00001-of-00002.safetensors"
+    with HubStandIn({REPO: model_dir}, snapshots={old: model_dir, new: newer}, branches={"main": old}) as hub:
+        hub_env(hub)
+        source = ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache")
+        config_dir = source.config_dir()
+        hub.branches["main"] = new
+        root = source.fetch_tensors(["model.embed_tokens.weight"])
+        tokenizer_root = source.fetch_tokenizer()
+    assert config_dir.name == old and root == config_dir and tokenizer_root == config_dir
+    assert (root / shard).read_bytes() == (model_dir / shard).read_bytes()
+    assert source.revision == old
+    assert not [path for method, path in hub.requests if f"/resolve/{new}/" in path]
+
+
+def test_a_commit_missing_from_an_offline_cache_is_named(tmp_path, model_dir, hub_env):
+    """A worker offline is sent the head's commit; its cache holds the branch at an older one. "Not in the HF
+    cache" alone reads as wrong to whoever sees the model there: the message names the commit it looked for."""
+    cache = tmp_path / "cache"
+    with HubStandIn({REPO: model_dir}) as hub:
+        hub_env(hub)
+        ModelSource(REPO, is_local=False, cache_dir=cache).fetch_tensors(["model.embed_tokens.weight"])
+    newer = "c" * 40
+    script = ("import sys; from tc.model_source import ModelSource; "
+              f"ModelSource({REPO!r}, is_local=False, revision={newer!r}, cache_dir=sys.argv[1])"
+              ".fetch_tensors(['model.embed_tokens.weight'])")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode != 0 and f"cannot get config.json of {REPO} at {newer}: " in done.stderr, done.stderr

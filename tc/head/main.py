@@ -219,6 +219,8 @@ def start_head(topology: Topology) -> Head:
     if topology.head.threads:
         torch.set_num_threads(topology.head.threads)
     source, config, plan = load_config_and_plan(topology)  # checks the topology even when workers will plan
+    # the workers fetch their layers from the commit the head's config.json came from, not a branch that may move
+    topology = replace(topology, revision=source.revision)
     timed = topology.head.plan_from == "workers" or any(e.speed is not None for e in topology.nodes)
     # one-off torch work runs on threads that end, so the scheduler's thread holds the process's only OpenMP pool
     speed = on_own_thread(lambda: head_speed(topology), "head-speed") if timed else None
