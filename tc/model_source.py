@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -30,6 +31,7 @@ REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 STALL_S_ENV = "TC_DOWNLOAD_STALL_S"
 DEFAULT_STALL_S = 60.0
 STALL_MIN_BYTES = 64 * 1024
+PROGRESS_EVERY_S = 30.0  # a download that takes longer says how far it has come this often, not nothing till done
 TOKEN_HINT = "HF_TOKEN, or `hf auth login`"  # how a machine gets a Hub token, for the refusals that need one
 
 
@@ -76,7 +78,7 @@ class ModelSource:
         from huggingface_hub import errors, hf_hub_download
 
         stall_s = stall_seconds(os.environ)
-        _guard_downloads(stall_s)
+        _guard_downloads(stall_s, f"{filename} of {self.model}")
         # the remote "no such file" error is its own class in newer huggingface_hub releases
         not_found = tuple(c for c in (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", None))
                           if c is not None)
@@ -184,30 +186,44 @@ class ModelSource:
 class _StallHook:
     """A response hook of huggingface_hub's HTTP client that holds each response body to the stall rule."""
 
-    def __init__(self, stall_s: float):
-        self.stall_s = stall_s
+    def __init__(self) -> None:
+        # the rule's time and the file being downloaded, for the progress lines, set by each downloading thread for
+        # itself (a worker's compute thread of a session that ended may still be downloading beside the next's);
+        # the client runs its hooks on the thread that sends the request
+        self.local = threading.local()
 
     def __call__(self, response) -> None:
+        stall_s = getattr(self.local, "stall_s", DEFAULT_STALL_S)  # a request of another thread: a Hub API call
+        what = getattr(self.local, "what", str(response.request.url))
         # the httpx package the client is built on (httpx, or httpx2 for huggingface_hub 2), for its stream class
         package = sys.modules[type(response).__module__.partition(".")[0]]
-        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, self.stall_s)
+        length = response.headers.get("Content-Length", "")
+        size = int(length) if length.isdigit() else None
+        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, stall_s, what, size)
 
 
 @functools.cache
 def _stall_guarded_stream(base: type) -> type:
-    """A subclass of httpx's SyncByteStream (`base`) that passes on a body, raising DownloadStalled where it gets
-    fewer than STALL_MIN_BYTES in `stall_s` seconds. A chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT
-    (else the read times out), so a stall is found within twice the rule's time and that timeout."""
+    """A subclass of httpx's SyncByteStream (`base`) that passes on a body, logging how far it has come every
+    PROGRESS_EVERY_S, and raising DownloadStalled where it gets fewer than STALL_MIN_BYTES in `stall_s` seconds. A
+    chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT (else the read times out), so a stall is found within
+    twice the rule's time and that timeout."""
 
     class StallGuardedStream(base):
-        def __init__(self, stream, stall_s: float):
-            self.stream, self.stall_s = stream, stall_s
+        def __init__(self, stream, stall_s: float, what: str, size: int | None):
+            self.stream, self.stall_s, self.what, self.size = stream, stall_s, what, size
 
         def __iter__(self) -> Iterator[bytes]:
-            since, received = time.monotonic(), 0
+            started = since = logged = time.monotonic()
+            received = done = 0
             for chunk in self.stream:
                 received += len(chunk)
+                done += len(chunk)
                 now = time.monotonic()
+                if now - logged >= PROGRESS_EVERY_S:
+                    logged = now
+                    log.info("fetching %s: %.1f of %s MB, %.2f MB/s", self.what, done / 1e6,
+                             "?" if self.size is None else f"{self.size / 1e6:.1f}", done / 1e6 / (now - started))
                 if now - since >= self.stall_s:
                     if received < STALL_MIN_BYTES:
                         raise DownloadStalled(received, now - since)
@@ -220,9 +236,9 @@ def _stall_guarded_stream(base: type) -> type:
     return StallGuardedStream
 
 
-def _guard_downloads(stall_s: float) -> None:
-    """Hold huggingface_hub's downloads to the stall rule: a hook on its shared HTTP client, which it makes anew
-    after a fork or close_session(), so this looks again before each download."""
+def _guard_downloads(stall_s: float, what: str) -> None:
+    """Hold huggingface_hub's downloads of `what` to the stall rule, with progress lines: a hook on its shared HTTP
+    client, which it makes anew after a fork or close_session(), so this looks again before each download."""
     from huggingface_hub import get_session
 
     session = get_session()
@@ -230,11 +246,11 @@ def _guard_downloads(stall_s: float) -> None:
     if hooks is None:
         _warn_unguarded()
         return
-    for hook in hooks["response"]:
-        if isinstance(hook, _StallHook):
-            hook.stall_s = stall_s
-            return
-    session.event_hooks = {**hooks, "response": [*hooks["response"], _StallHook(stall_s)]}
+    hook = next((h for h in hooks["response"] if isinstance(h, _StallHook)), None)
+    if hook is None:
+        hook = _StallHook()
+        session.event_hooks = {**hooks, "response": [*hooks["response"], hook]}
+    hook.local.stall_s, hook.local.what = stall_s, what
 
 
 @functools.cache

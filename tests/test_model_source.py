@@ -177,3 +177,21 @@ def test_a_commit_missing_from_an_offline_cache_is_named(tmp_path, model_dir, hu
     done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode != 0 and f"cannot get config.json of {REPO} at {newer}: " in done.stderr, done.stderr
+
+
+def test_a_long_download_says_how_far_it_has_come(tmp_path, model_dir, hub_env, monkeypatch, caplog):
+    """Between "fetching" and "have", a shard of gigabytes took minutes without a line: the log must show it
+    moving (here every 0.2s of a download that trickles until the stall rule ends it)."""
+    from tc import model_source
+
+    monkeypatch.setattr(model_source, "PROGRESS_EVERY_S", 0.2, raising=False)
+    monkeypatch.setenv("TC_DOWNLOAD_STALL_S", "2")
+    shard = "model-00001-of-00002.safetensors"
+    size = (model_dir / shard).stat().st_size
+    with HubStandIn({REPO: model_dir}, trickle={shard}) as hub:
+        hub_env(hub)
+        with caplog.at_level("INFO", logger="tc.model_source"), pytest.raises(ModelSourceError, match="stalled"):
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
+                ["model.embed_tokens.weight"])
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"fetching {shard} of {REPO}:")]
+    assert progress and f"of {size / 1e6:.1f} MB" in progress[0], caplog.text
