@@ -39,6 +39,10 @@ class ModelSourceError(RuntimeError):
     """The model could not be found or downloaded."""
 
 
+class NotInRepo(ModelSourceError):
+    """The Hub says the repo has no such file."""
+
+
 class DownloadStalled(Exception):
     """A response body came in slower than the stall rule allows."""
 
@@ -103,7 +107,7 @@ class ModelSource:
         except not_found:
             if optional:
                 return None
-            raise ModelSourceError(f"{self.model} has no {filename}") from None
+            raise NotInRepo(f"{self.model} has no {filename}") from None
         except errors.RevisionNotFoundError as exc:
             raise ModelSourceError(f"{self.model} has no revision {self.revision!r}; give a branch, tag or commit "
                                    "of the repo as revision: in topology.yaml") from exc
@@ -161,7 +165,15 @@ class ModelSource:
         for i, file in enumerate(files, 1):
             started = time.perf_counter()
             log.info("fetching %s (%d/%d) of %s", file, i, len(files), self.model)
-            path = self._download(file)
+            try:
+                path = self._download(file)
+            except NotInRepo as exc:
+                if index is not None:
+                    raise NotInRepo(f"{exc}, which its {INDEX_FILE} names for tensors tc needs: the repo's upload "
+                                    "is incomplete, or its index is out of date") from None
+                raise NotInRepo(f"{self.model} has neither {SINGLE_FILE} nor {INDEX_FILE}: tc loads safetensors "
+                                "checkpoints (a repo of pytorch_model.bin files needs converting to safetensors)"
+                                ) from None
             assert path is not None
             log.info("have %s: %.0f MB in %.1fs", file, path.stat().st_size / 1e6, time.perf_counter() - started)
         return root

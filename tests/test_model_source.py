@@ -195,3 +195,26 @@ def test_a_long_download_says_how_far_it_has_come(tmp_path, model_dir, hub_env, 
                 ["model.embed_tokens.weight"])
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"fetching {shard} of {REPO}:")]
     assert progress and f"of {size / 1e6:.1f} MB" in progress[0], caplog.text
+
+
+@pytest.mark.parametrize("layout, says", [
+    ("bin only", "has neither model.safetensors nor model.safetensors.index.json: tc loads safetensors"),
+    ("shard missing", "has no model-00001-of-00002.safetensors, which its model.safetensors.index.json names"),
+])
+def test_a_repo_without_the_safetensors_tc_needs_says_what_is_wrong(tmp_path, model_dir, hub_env, layout, says):
+    """"acme/tiny has no model.safetensors" of a repo of pytorch_model.bin files, or of a repo whose index names a
+    shard it lacks, left the operator to guess why tc asked for that file at all."""
+    repo = tmp_path / "repo"
+    shutil.copytree(model_dir, repo)
+    if layout == "bin only":  # an older repo: its weights in torch's own format alone
+        for path in repo.glob("model*.safetensors*"):
+            path.unlink()
+        (repo / "pytorch_model.bin").write_bytes(b"weights tc does not read")
+    else:
+        (repo / "model-00001-of-00002.safetensors").unlink()
+    with HubStandIn({REPO: repo}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
+                ["model.embed_tokens.weight"])
+    assert says in str(info.value), str(info.value)
