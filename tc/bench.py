@@ -26,16 +26,18 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tc.cache_dir import cache_path
 from tc.model import dense, quant
 from tc.model.dense import pack_linears
 from tc.model.qwen2 import COMPUTE_DTYPES, half_dtype
@@ -44,7 +46,6 @@ from tc.speed import Speed, fit_line
 log = logging.getLogger(__name__)
 
 BENCH_FORMAT = 2  # bump when the probe changes what a figure means: older cached files are measured again
-DEFAULT_BENCH_DIR = Path.home() / ".cache" / "truecluster" / "bench"
 SMALL = (128, 512)  # (width, MLP width) of the probe whose decode step is nearly all fixed cost
 LARGE = (1024, 4096)  # 16.8 M weights: 34 MB in 16 bits, far over a cache, like a real layer
 HEAD_DIM = 64
@@ -212,6 +213,11 @@ def _write_cached(path: Path, speed: Speed) -> None:
         tmp.replace(path)  # whole or not at all: another worker on this machine may be reading it
     except OSError as exc:  # a read-only home costs a re-measure next time, nothing more
         log.warning("could not keep the bench result in %s (%s); it will be measured again next start", path, exc)
+
+
+def default_bench_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where figures are kept between starts unless told otherwise: `bench/` of tc's cache (tc/cache_dir.py)."""
+    return cache_path("bench", environ=environ)
 
 
 def measure_all(device: str, device_name: str, dtypes: tuple[str, ...], cache_dir: Path | None,

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure what a layer costs on this machine's device, print it and exit (the figures "
                              "a topology's nodes[].speed takes)")
     worker.add_argument("--bench-dir", type=Path, metavar="DIR",
-                        help="where measured speeds are kept between starts (default ~/.cache/truecluster/bench)")
+                        help="where measured speeds are kept between starts (default $TC_CACHE_DIR/bench, else "
+                             "~/.cache/truecluster/bench)")
     worker.add_argument("--no-bench", action="store_true",
                         help="do not measure before joining: the head then plans this node without its speed")
 

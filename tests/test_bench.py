@@ -9,6 +9,8 @@ import pytest
 
 from tc.speed import LinkSpeed, Speed, fit_line
 from tc import bench
+from tc.cli import build_parser
+from tc.worker.main import WorkerOptions, worker_options
 from cluster import ROOT
 from throttle import Throttle
 
@@ -73,6 +75,15 @@ def test_figures_are_cached_per_setting_and_a_foreign_file_is_measured_again(tmp
     assert json.loads(stale.read_text())["format"] == bench.BENCH_FORMAT
     stale.write_text("{not json")
     assert len(bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path)) == 3
+
+
+def test_figures_are_kept_in_tc_cache_dir_unless_the_worker_is_given_a_bench_dir(tmp_path):
+    def options(*flags: str) -> WorkerOptions:
+        args = build_parser().parse_args(["worker", "--join", "h:7001", *flags])
+        return worker_options(args, {"TC_CACHE_DIR": str(tmp_path / "cache")})
+
+    assert options().bench_dir == tmp_path / "cache" / "bench"
+    assert options("--bench-dir", str(tmp_path / "mine")).bench_dir == tmp_path / "mine"
 
 
 def test_worker_bench_prints_the_figures_and_the_topology_line(tmp_path):

@@ -369,8 +369,12 @@ def test_int8_prefill_rows_take_the_path_the_probe_chose():
     assert not torch.equal(dense(x), natively(x))  # two different paths, both right
 
 
+# what this run was told is not the child's: each test says where its kernels are kept and whether they are on
+UNTOLD = ("TC_NATIVE_KERNELS", "TC_CACHE_DIR")
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}  # what this run was told: not the child
+    base = {k: v for k, v in os.environ.items() if k not in UNTOLD}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**base, **env})
 
@@ -435,6 +439,16 @@ def test_the_library_is_built_once_and_then_found_in_the_cache(tmp_path):
 
 
 @needs_kernels
+def test_the_library_is_cached_under_tc_cache_dir_where_it_is_set(tmp_path):
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    done = run_python(PROBE, HOME=str(home), TC_CACHE_DIR=str(cache))
+    assert done.returncode == 0 and "kernels: True" in done.stdout, done.stderr
+    assert len(list((cache / "kernels").glob("native-*.so"))) == 1
+    assert not list(home.iterdir())  # nothing under the home the cache was moved away from
+
+
+@needs_kernels
 def test_where_the_cache_cannot_be_written_the_library_is_built_for_the_process(tmp_path):
     (tmp_path / ".cache").write_text("")  # no directory can be made under it, as under a read-only home
     (tmp_path / "tmp").mkdir()
@@ -458,7 +472,7 @@ def test_on_a_full_disk_the_library_is_built_for_the_process(tmp_path):
     home.mkdir(), tmp.mkdir()
     full = ('mount -t tmpfs -o size=64k tmpfs "$HOME" && mkdir -p "$HOME/.cache/truecluster/kernels" && '
             '{ dd if=/dev/zero of="$HOME/fill" bs=4k 2>/dev/null; true; } && exec "$0" -c "$1"')
-    base = {k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}
+    base = {k: v for k, v in os.environ.items() if k not in UNTOLD}
     done = subprocess.run(["unshare", "-rm", "sh", "-c", full, sys.executable, PROBE], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**base, "HOME": str(home), "TMPDIR": str(tmp)})
     assert done.returncode == 0, done.stderr

@@ -425,8 +425,8 @@ def test_native_kernels_build_from_the_source_inside_the_pyz(pyz, tmp_path):
         pytest.skip("no native kernels on this machine")
     code = ("import sys; from tc.model import native; k = native.kernels(); "
             "print(native.__file__); print('built' if k is not None else 'none')")
-    env = {**{k: v for k, v in os.environ.items() if k != "TC_NATIVE_KERNELS"}, "HOME": str(tmp_path),
-           "PYTHONPATH": str(pyz)}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("TC_NATIVE_KERNELS", "TC_CACHE_DIR")},
+           "HOME": str(tmp_path), "PYTHONPATH": str(pyz)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from ..bench import DEFAULT_BENCH_DIR, measure_all
+from ..bench import default_bench_dir, measure_all
 from ..forecast import Forecast, HeadCost, explain, forecast, hop_bytes_per_position
 from ..generation import Generator
 from ..model import quant
@@ -94,7 +94,7 @@ def head_speed(topology: Topology) -> Speed:
     if topology.head.threads:  # measured as the head will run: with its own threads
         torch.set_num_threads(topology.head.threads)
     mode = quant.head_weight_mode(topology.quant)
-    (figure,) = measure_all("cpu", platform.machine() or "cpu", (topology.dtype,), DEFAULT_BENCH_DIR,
+    (figure,) = measure_all("cpu", platform.machine() or "cpu", (topology.dtype,), default_bench_dir(),
                             modes=(mode,))
     return figure.speed
 

@@ -26,12 +26,12 @@ reading each weight row whole, in order, which streams at the memory's rate wher
 
 It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
 `bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang;
--O3 -march=native -fopenmp), caches it under ~/.cache/truecluster/kernels keyed by the sources, the compiler and the
-CPU (where that cannot be written, builds it for the process alone, under the system's temporary directory), loads
-it with ctypes, and checks it against the references on small inputs. A machine without a compiler, an
-x86-64 CPU without AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links
-the OpenMP runtime by its usual name, which PyTorch has already loaded, so both share one thread pool
-(tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
+-O3 -march=native -fopenmp), caches it in `kernels/` of tc's cache (tc/cache_dir.py: $TC_CACHE_DIR, else
+~/.cache/truecluster) keyed by the sources, the compiler and the CPU (where that cannot be written, builds it for the
+process alone, under the system's temporary directory), loads it with ctypes, and checks it against the references
+on small inputs. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or another architecture gets
+None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual name, which PyTorch has already
+loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
 
 What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
 columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
@@ -61,6 +61,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..cache_dir import cache_path
 from .probe import cache_bytes, cache_sweeper, one_thread, probe_lock, race
 from .rope import rotate_
 
@@ -75,7 +76,6 @@ BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
-CACHE_DIR = Path.home() / ".cache" / "truecluster" / "kernels"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
 TILE_ROWS = 8  # weight rows per tile: out_features must be a multiple
@@ -495,7 +495,8 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
     flags = (*FLAGS, f"-march={march}")
     parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
-    path = CACHE_DIR / f"native-{key.hexdigest()[:16]}.so"
+    cache = cache_path("kernels")
+    path = cache / f"native-{key.hexdigest()[:16]}.so"
     if path.is_file():
         if _whole_library(path):
             return path
@@ -503,13 +504,13 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         # pages past its end and die of SIGBUS on touching them, so it is built again over it
         log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
     try:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
             os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
         return path
     except OSError as exc:  # a read-only home, a full disk: the kernels are still worth building, for this process
         log.warning("native kernels: cannot write their cache %s (%s); building them for this process, as every "
-                    "start will until that directory (or HOME) can be written", CACHE_DIR, exc)
+                    "start will until that directory can be written (or TC_CACHE_DIR names one that can)", cache, exc)
     private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
     try:
         return _compile(sources, compiler, flags, private)

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..cache_dir import cache_path
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; probes there run unlocked
@@ -28,8 +30,9 @@ except ImportError:  # Windows: no flock; probes there run unlocked
 
 log = logging.getLogger(__name__)
 
-# One file for every tc process of a user on this machine; a probe that cannot have it within the wait runs anyway.
-PROBE_LOCK = Path.home() / ".cache" / "truecluster" / "probe.lock"
+# One file for every tc process of a user on this machine (None: `probe.lock` in tc's cache, tc/cache_dir.py); a
+# probe that cannot have it within the wait runs anyway.
+PROBE_LOCK: Path | None = None
 PROBE_LOCK_WAIT_S = 30.0
 
 
@@ -50,7 +53,7 @@ _waited_in_vain = False  # a wait ran out once: later probes only try, so a stop
 
 @contextlib.contextmanager
 def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> Iterator[bool]:
-    """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK by default), so that no other tc process
+    """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK's by default), so that no other tc process
     on the machine times its probes meanwhile; yields whether it is held. A thread that holds it already (a probe
     inside a probe) just goes on. Where the file cannot be had (no fcntl, a read-only home) or another process keeps
     it past `wait_s` (a process stopped mid-probe: after that, this process's probes only try it), the probe runs
@@ -63,7 +66,7 @@ def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> I
         finally:
             _holding.depth -= 1
         return
-    path = PROBE_LOCK if path is None else path
+    path = path or PROBE_LOCK or cache_path("probe.lock")
     handle = None
     if fcntl is not None:
         try:

@@ -41,7 +41,7 @@ from typing import Mapping
 import torch
 
 from .. import __version__
-from ..bench import DEFAULT_BENCH_DIR, Measured, bench_table, measure_all
+from ..bench import Measured, bench_table, default_bench_dir, measure_all
 from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import compute_dtype_name
 from ..model.config import ModelConfig
@@ -96,7 +96,7 @@ class WorkerOptions:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     threads: int | None = None  # --threads; when given, the topology entry's threads do not apply
     bench: bool = True  # measure this machine (or read the cached figures) and say so in HELLO
-    bench_dir: Path | None = DEFAULT_BENCH_DIR  # where figures are kept between starts; None: not kept
+    bench_dir: Path | None = field(default_factory=default_bench_dir)  # where figures are kept; None: not kept
     peer_port: int | None = 0  # where the stage before passes hidden states straight here (0: any free port);
     # None: it passes them through the head
     peer_host: str | None = None  # the address the stage before reaches this worker at (None: the head's view)
@@ -176,7 +176,7 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
                          int(_positive(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)") * MIB)),
         threads=args.threads or None,
         bench=not args.no_bench,
-        bench_dir=args.bench_dir or DEFAULT_BENCH_DIR,
+        bench_dir=args.bench_dir or default_bench_dir(environ),
         peer_port=None if args.no_direct_hops else _port(args.peer_port),
         peer_host=args.peer_host or None,
     )
@@ -565,7 +565,7 @@ def run_bench(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return REFUSED_EXIT
     name = next(d.name for d in detect_devices(selected=device) if d.id == device)
-    bench_dir = None if args.no_bench else (args.bench_dir or DEFAULT_BENCH_DIR)
+    bench_dir = None if args.no_bench else (args.bench_dir or default_bench_dir())
     figures = measure_all(device, name, compute_dtypes(device), bench_dir, fresh=True)
     print(bench_table(figures, torch.get_num_threads()))
     return 0
