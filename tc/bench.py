@@ -215,8 +215,9 @@ def _write_cached(path: Path, speed: Speed) -> None:
         log.warning("could not keep the bench result in %s (%s); it will be measured again next start", path, exc)
 
 
-def default_bench_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """Where figures are kept between starts unless told otherwise: `bench/` of tc's cache (tc/cache_dir.py)."""
+def default_bench_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Where figures are kept between starts unless told otherwise: `bench/` of tc's cache (tc/cache_dir.py); None
+    (measured at every start) where there is none."""
     return cache_path("bench", environ=environ)
 
 

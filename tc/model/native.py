@@ -487,36 +487,43 @@ def _cpu_key() -> str:
 
 
 def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> Path:
-    """The library compiled from `sources` (file name: text), from the cache or built into it (atomically:
-    several processes may start at once); where the cache cannot be written, built into a directory of its own
-    under the system's temporary one, which the caller removes once it has loaded it (_is_private). Raises
-    RuntimeError with the compiler's first error line if it fails."""
+    """The library compiled from `sources` (file name: text), from the cache or built into it (_cached); where
+    there is no cache (tc/cache_dir.py) or it cannot be written, built into a directory of its own under the
+    system's temporary one, which the caller removes once it has loaded it (_is_private). Raises RuntimeError with
+    the compiler's first error line if it fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (*FLAGS, f"-march={march}")
     parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
     cache = cache_path("kernels")
-    path = cache / f"native-{key.hexdigest()[:16]}.so"
-    if path.is_file():
-        if _whole_library(path):
-            return path
-        # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
-        # pages past its end and die of SIGBUS on touching them, so it is built again over it
-        log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
-        return path
-    except OSError as exc:  # a read-only home, a full disk: the kernels are still worth building, for this process
-        log.warning("native kernels: cannot write their cache %s (%s); building them for this process, as every "
-                    "start will until that directory can be written (or TC_CACHE_DIR names one that can)", cache, exc)
+    if cache is not None:  # else cache_path has said why there is none
+        try:
+            return _cached(cache / f"native-{key.hexdigest()[:16]}.so", sources, compiler, flags)
+        except OSError as exc:  # a read-only home, a full disk: the kernels are still worth building, for this process
+            log.warning("native kernels: cannot write their cache %s (%s); building them for this process, as every "
+                        "start will until that directory can be written (or TC_CACHE_DIR names one that can)", cache,
+                        exc)
     private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
     try:
         return _compile(sources, compiler, flags, private)
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
         raise
+
+
+def _cached(path: Path, sources: dict[str, bytes], compiler: str, flags: tuple[str, ...]) -> Path:
+    """`path`, the cache's library for these sources and flags, built there first where it is missing or cut short
+    (atomically: several processes may start at once). Raises OSError where the cache cannot be written."""
+    if path.is_file():
+        if _whole_library(path):
+            return path
+        # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
+        # pages past its end and die of SIGBUS on touching them, so it is built again over it
+        log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
+    return path
 
 
 def _compile(sources: dict[str, bytes], compiler: str, flags: tuple[str, ...], directory: Path) -> Path:

@@ -53,11 +53,11 @@ _waited_in_vain = False  # a wait ran out once: later probes only try, so a stop
 
 @contextlib.contextmanager
 def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> Iterator[bool]:
-    """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK's by default), so that no other tc process
-    on the machine times its probes meanwhile; yields whether it is held. A thread that holds it already (a probe
-    inside a probe) just goes on. Where the file cannot be had (no fcntl, a read-only home) or another process keeps
-    it past `wait_s` (a process stopped mid-probe: after that, this process's probes only try it), the probe runs
-    without it."""
+    """Hold the machine's probe lock inside (an flock on `path`, PROBE_LOCK's by default), so that no other tc
+    process on the machine times its probes meanwhile; yields whether it is held. A thread that holds it already (a
+    probe inside a probe) just goes on. Where the file cannot be had (no fcntl, a read-only home, no cache) or another
+    process keeps it past `wait_s` (a process stopped mid-probe: after that, this process's probes only try it), the
+    probe runs without it."""
     global _waited_in_vain
     if getattr(_holding, "depth", 0):
         _holding.depth += 1
@@ -68,7 +68,7 @@ def probe_lock(path: Path | None = None, wait_s: float = PROBE_LOCK_WAIT_S) -> I
         return
     path = path or PROBE_LOCK or cache_path("probe.lock")
     handle = None
-    if fcntl is not None:
+    if fcntl is not None and path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a")
