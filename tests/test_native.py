@@ -2,7 +2,9 @@
 references, their layouts, their fallbacks."""
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -424,6 +426,16 @@ def test_a_failed_link_says_what_the_linker_said(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "unavailable" in done.stdout and "kernels: False" in done.stdout
     assert "cannot find -lno-such-library" in done.stdout  # not only gcc's "collect2: error: ld returned 1"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no cc here")
+def test_cc_with_words_of_its_own_is_split_as_make_splits_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "cc '-DTC_CC_WORDS=(1 + 1)'")  # as "ccache gcc" or "gcc -m64": all of it is the compiler
+    monkeypatch.setenv("TC_CACHE_DIR", str(tmp_path))
+    compiler = native._compiler()
+    assert compiler == ("cc", "-DTC_CC_WORDS=(1 + 1)")
+    source = b'#ifndef TC_CC_WORDS\n#error "CC lost its words"\n#endif\nint words(void) { return TC_CC_WORDS; }\n'
+    assert ctypes.CDLL(str(native._build({"words.c": source}, compiler))).words() == 2
 
 
 @needs_kernels

@@ -25,13 +25,14 @@ reading each weight row whole, in order, which streams at the memory's rate wher
 (`Kernels.bf16_linear`, taken by dense.NativeLinear where `dense.fastest_product` finds it fastest).
 
 It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
-`bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, else cc, gcc or clang;
--O3 -march=native -fopenmp), caches it in `kernels/` of tc's cache (tc/cache_dir.py: $TC_CACHE_DIR, else
-~/.cache/truecluster) keyed by the sources, the compiler and the CPU (where that cannot be written, builds it for the
-process alone, under the system's temporary directory), loads it with ctypes, and checks it against the references
-on small inputs. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or another architecture gets
-None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual name, which PyTorch has already
-loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
+`bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, words and all, as make
+takes it, else cc, gcc or clang; -O3 -march=native -fopenmp), caches it in `kernels/` of tc's cache
+(tc/cache_dir.py: $TC_CACHE_DIR, else ~/.cache/truecluster) keyed by the sources, the compiler and the CPU (where
+that cannot be written, builds it for the process alone, under the system's temporary directory), loads it with
+ctypes, and checks it against the references on small inputs. A machine without a compiler, an x86-64 CPU without
+AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by
+its usual name, which PyTorch has already loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0
+turns the whole path off.
 
 What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
 columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
@@ -51,6 +52,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -99,6 +101,7 @@ _VOID_P, _INT = ctypes.c_void_p, ctypes.c_int
 # One native call of a decode plan (decode_plan.py): the function, its arguments, and what went wrong where it
 # returns nonzero (None: its result says nothing). Made once for buffers that stay, then called step after step.
 Call = tuple[Callable[..., object], tuple, "str | None"]
+Compiler = tuple[str, ...]  # the C compiler's command: its program, then any words $CC gave it ("ccache gcc")
 
 
 def shape_ok_int4(out_features: int, padded_in: int, group_size: int) -> bool:
@@ -469,11 +472,19 @@ def quantize_activations(x2: torch.Tensor, group: int = ACTIVATION_GROUP) -> tor
 # ------------------------------------------------------------------------------------------------- building
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+def _compiler() -> Compiler | None:
+    """The C compiler's command: $CC, split into words as make and the shell split it ("ccache gcc", "gcc -m64"),
+    else the first of cc, gcc and clang on the PATH; None where there is none."""
+    cc = os.environ.get("CC", "")
+    try:
+        words = tuple(shlex.split(cc))
+    except ValueError:  # an unclosed quote
+        words = ()
+    if words and shutil.which(words[0]):
+        return words
+    if cc.strip():
+        log.warning("native kernels: CC=%r names no compiler on the PATH; looking for cc, gcc or clang", cc)
+    return next(((name,) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
 
 
 def _cpu_key() -> str:
@@ -486,15 +497,16 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
-def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> Path:
+def _build(sources: dict[str, bytes], compiler: Compiler, march: str = "native") -> Path:
     """The library compiled from `sources` (file name: text), from the cache or built into it (_cached); where
     there is no cache (tc/cache_dir.py) or it cannot be written, built into a directory of its own under the
     system's temporary one, which the caller removes once it has loaded it (_is_private). Raises RuntimeError with
     the compiler's first error line if it fails."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (*FLAGS, f"-march={march}")
     parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
-    key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
+    command = shlex.join([*compiler, *flags]).encode()  # the compiler's own words among them: "gcc -m32" differs
+    key = hashlib.sha256(b"\0".join([*parts, command, version.encode(), _cpu_key().encode()]))
     cache = cache_path("kernels")
     if cache is not None:  # else cache_path has said why there is none
         try:
@@ -511,7 +523,7 @@ def _build(sources: dict[str, bytes], compiler: str, march: str = "native") -> P
         raise
 
 
-def _cached(path: Path, sources: dict[str, bytes], compiler: str, flags: tuple[str, ...]) -> Path:
+def _cached(path: Path, sources: dict[str, bytes], compiler: Compiler, flags: tuple[str, ...]) -> Path:
     """`path`, the cache's library for these sources and flags, built there first where it is missing or cut short
     (atomically: several processes may start at once). Raises OSError where the cache cannot be written."""
     if path.is_file():
@@ -526,7 +538,7 @@ def _cached(path: Path, sources: dict[str, bytes], compiler: str, flags: tuple[s
     return path
 
 
-def _compile(sources: dict[str, bytes], compiler: str, flags: tuple[str, ...], directory: Path) -> Path:
+def _compile(sources: dict[str, bytes], compiler: Compiler, flags: tuple[str, ...], directory: Path) -> Path:
     """The library compiled from `sources` in `directory`, on the disk (fsynced: a crash after its rename leaves
     no empty file under its name). Raises OSError where the directory cannot be written, RuntimeError with what
     the compiler said where it fails."""
@@ -534,10 +546,10 @@ def _compile(sources: dict[str, bytes], compiler: str, flags: tuple[str, ...], d
     for file in files:
         file.write_bytes(sources[file.name])
     units = [str(f) for f in files if f.suffix == ".c"]  # the header is written beside them, not compiled
-    done = subprocess.run([compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
+    done = subprocess.run([*compiler, *flags, "-o", str(out), *units], capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
     if done.returncode != 0:
-        raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr)}")
+        raise RuntimeError(f"{shlex.join(compiler)} failed: {_first_error(done.stderr)}")
     with open(out, "rb") as built:
         os.fsync(built.fileno())
     return out
@@ -695,7 +707,7 @@ def _check_attention(kernels: Kernels, gen: torch.Generator) -> float:
     return worst
 
 
-def load(compiler: str, march: str = "native") -> Kernels:
+def load(compiler: Compiler, march: str = "native") -> Kernels:
     """The library (SOURCES) built for `march` by `compiler` (or found in the cache) and loaded; unchecked.
     Raises OSError or RuntimeError where that fails."""
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
