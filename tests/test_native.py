@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -436,6 +439,102 @@ def test_cc_with_words_of_its_own_is_split_as_make_splits_it(tmp_path, monkeypat
     assert compiler == ("cc", "-DTC_CC_WORDS=(1 + 1)")
     source = b'#ifndef TC_CC_WORDS\n#error "CC lost its words"\n#endif\nint words(void) { return TC_CC_WORDS; }\n'
     assert ctypes.CDLL(str(native._build({"words.c": source}, compiler))).words() == 2
+
+
+# One tiny library built as kernels() builds its own (native._build: the cache, its lock, its build directories).
+BUILD_ONE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from tc.model import native
+print("built:", native._build({"one.c": b"int one(void) { return 1; }\\n"}, native._compiler()), flush=True)
+"""
+# The machine's cc, held at each compile (not at --version) until the test lets it go on, after saying so.
+HELD_CC = """#!/bin/sh
+case " $* " in *" -o "*) echo compiling >> "$0.log"; while [ ! -e "$0.go" ]; do sleep 0.05; done;; esac
+exec cc "$@"
+"""
+# ... and one that dies mid-compile, taking the process that builds with it, as the OOM killer or a kill -9 would.
+KILLING_CC = """#!/bin/sh
+case " $* " in *" -o "*) kill -9 $PPID; sleep 5; exit 1;; esac
+exec cc "$@"
+"""
+needs_cc_and_flock = pytest.mark.skipif(shutil.which("cc") is None or os.name != "posix",
+                                        reason="needs cc, and flock to share a build")
+
+
+def start_python(code: str, **env: str) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in UNTOLD}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**base, **env}, start_new_session=True)
+
+
+def script(path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+def wait_for(predicate, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@needs_cc_and_flock
+def test_processes_starting_at_once_build_the_library_once_and_share_it(tmp_path):
+    cc = tmp_path / "cc"
+    env = dict(CC=script(cc, HELD_CC), TC_CACHE_DIR=str(tmp_path / "cache"))
+    compiles = tmp_path / "cc.log"
+    first = start_python(BUILD_ONE, **env)
+    wait_for(compiles.exists, "the first process to compile")
+    second = start_python(BUILD_ONE, **env)
+    told = []  # the second's lines, as they come
+    reader = threading.Thread(target=lambda: told.extend(second.stdout), daemon=True)
+    reader.start()
+    # the second either waits for the first (and says so) or compiles the same library itself
+    wait_for(lambda: "waiting for it" in "".join(told) or compiles.read_text().count("compiling") > 1,
+             "the second process to wait or compile")
+    (tmp_path / "cc.go").touch()
+    out, _ = first.communicate(timeout=120)
+    assert second.wait(timeout=120) == 0 and first.returncode == 0, (out, told)
+    reader.join(timeout=30)
+    assert compiles.read_text().count("compiling") == 1, "".join(told)
+    built = [line for line in out.splitlines() + "".join(told).splitlines() if line.startswith("built:")]
+    assert len(built) == 2 and built[0] == built[1], built
+
+
+@needs_cc_and_flock
+def test_a_process_waiting_for_a_builder_that_dies_builds_the_library_itself(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(CC=script(tmp_path / "cc", HELD_CC), TC_CACHE_DIR=str(cache))
+    compiles = tmp_path / "cc.log"
+    first = start_python(BUILD_ONE, **env)
+    wait_for(compiles.exists, "the first process to compile")
+    second = start_python(BUILD_ONE, **env)
+    told = []
+    reader = threading.Thread(target=lambda: told.extend(second.stdout), daemon=True)
+    reader.start()
+    wait_for(lambda: "waiting for it" in "".join(told), "the second process to wait for the first")
+    os.killpg(first.pid, signal.SIGKILL)  # mid-build, holding the lock; its compiler with it
+    first.communicate(timeout=60)
+    (tmp_path / "cc.go").touch()
+    assert second.wait(timeout=120) == 0, "".join(told)
+    reader.join(timeout=30)
+    assert compiles.read_text().count("compiling") == 2 and "built:" in "".join(told)
+    assert not [p for p in (cache / "kernels").iterdir() if p.is_dir()]  # the first's build directory too
+
+
+@needs_cc_and_flock
+def test_a_build_killed_midway_leaves_nothing_behind_once_the_next_one_runs(tmp_path):
+    cache = tmp_path / "cache"
+    killed = run_python(BUILD_ONE, CC=script(tmp_path / "cc", KILLING_CC), TC_CACHE_DIR=str(cache))
+    assert killed.returncode == -9  # died mid-build ...
+    assert [p for p in (cache / "kernels").iterdir() if p.is_dir()]  # ... with its build directory in the cache
+    done = run_python(BUILD_ONE, CC="cc", TC_CACHE_DIR=str(cache))
+    assert done.returncode == 0 and "built:" in done.stdout, done.stdout + done.stderr
+    assert not [p for p in (cache / "kernels").iterdir() if p.is_dir()]
+    assert len(list((cache / "kernels").glob("native-*.so"))) == 1
 
 
 @needs_kernels

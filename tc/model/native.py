@@ -27,12 +27,13 @@ reading each weight row whole, in order, which streams at the memory's rate wher
 It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
 `bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, words and all, as make
 takes it, else cc, gcc or clang; -O3 -march=native -fopenmp), caches it in `kernels/` of tc's cache
-(tc/cache_dir.py: $TC_CACHE_DIR, else ~/.cache/truecluster) keyed by the sources, the compiler and the CPU (where
-that cannot be written, builds it for the process alone, under the system's temporary directory), loads it with
-ctypes, and checks it against the references on small inputs. A machine without a compiler, an x86-64 CPU without
-AVX2 and FMA, or another architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by
-its usual name, which PyTorch has already loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0
-turns the whole path off.
+(tc/cache_dir.py: $TC_CACHE_DIR, else ~/.cache/truecluster) keyed by the sources, the compiler and the CPU, one
+process building while the others starting with it wait (_cached; where the cache cannot be written, it builds it
+for the process alone, under the system's temporary directory), loads it with ctypes, and checks it against the
+references on small inputs. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or another
+architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual name, which
+PyTorch has already loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path
+off.
 
 What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
 columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
@@ -46,6 +47,7 @@ Layouts (same bytes as quant.py's portable ones, so quantized_nbytes still holds
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -59,13 +61,18 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 import torch
 
 from ..cache_dir import cache_path
 from .probe import cache_bytes, cache_sweeper, one_thread, probe_lock, race
 from .rope import rotate_
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; every process builds for itself
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,8 @@ ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activ
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
 COMPILE_TIMEOUT_S = 120
+BUILD_LOCK_WAIT_S = COMPILE_TIMEOUT_S + 60  # longer than a build can take: a holder past it is stopped, not building
+BUILD_INFIX = ".build-"  # a build directory in the cache: the library's name, this, and tempfile's letters
 TILE_ROWS = 8  # weight rows per tile: out_features must be a multiple
 ACTIVATION_GROUP = 32  # qdot.c's XGROUP: activations are quantized per this many columns
 # activation rows from which each kind of product prefetches its weights (qdot.c, bf16dot.c), unless a probe finds
@@ -524,18 +533,79 @@ def _build(sources: dict[str, bytes], compiler: Compiler, march: str = "native")
 
 
 def _cached(path: Path, sources: dict[str, bytes], compiler: Compiler, flags: tuple[str, ...]) -> Path:
-    """`path`, the cache's library for these sources and flags, built there first where it is missing or cut short
-    (atomically: several processes may start at once). Raises OSError where the cache cannot be written."""
-    if path.is_file():
-        if _whole_library(path):
-            return path
-        # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
-        # pages past its end and die of SIGBUS on touching them, so it is built again over it
-        log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
+    """`path`, the cache's library for these sources and flags, built there first where it is missing or cut short.
+
+    The processes of one machine often start at once (a head and its local workers): one builds while the others
+    wait for its lock (_build_lock) and then load what it built, and the library appears whole or not at all (a
+    rename). Build directories a builder killed mid-build left behind are removed first (_remove_leftovers).
+    Raises OSError where the cache cannot be written."""
+    if path.is_file() and _whole_library(path):
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
+    with _build_lock(path) as held:
+        if path.is_file():
+            if _whole_library(path):
+                return path  # built while this process waited
+            # cut short (written before a crash reached the disk, or copied onto a full one): loading it would map
+            # pages past its end and die of SIGBUS on touching them, so it is built again over it
+            log.warning("native kernels: %s is cut short (%d bytes); building it again", path, path.stat().st_size)
+        if held:
+            _remove_leftovers(path)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=path.stem + BUILD_INFIX) as tmp:
+            os.replace(_compile(sources, compiler, flags, Path(tmp)), path)
     return path
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[bool]:
+    """Hold the lock on building `path` inside (an flock on its .lock file beside it, which the system lets go of
+    when its holder dies, mid-build or not); yields whether it is held. Where another process holds it, waits for
+    that one to finish, up to BUILD_LOCK_WAIT_S: one that holds it longer is stopped rather than building, and this
+    process builds too (the rename keeps the library whole). Without fcntl (Windows) every process builds."""
+    if fcntl is None:
+        yield False
+        return
+    with open(path.with_suffix(".lock"), "a") as handle:
+        held = _try_lock(handle)
+        if held is False:
+            log.info("native kernels: another process is building %s; waiting for it", path.name)
+            deadline = time.monotonic() + BUILD_LOCK_WAIT_S
+            while held is False and time.monotonic() < deadline:
+                time.sleep(0.05)
+                held = _try_lock(handle)
+            if held is False:
+                log.warning("native kernels: another process has been building %s for over %.0f s; building it "
+                            "here as well", path.name, BUILD_LOCK_WAIT_S)
+        yield bool(held)  # closing the file lets the lock go
+
+
+def _try_lock(handle: IO[str]) -> bool | None:
+    """Whether this process now holds the flock on `handle`: False where another holds it, None where the file
+    system keeps no locks."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Remove the build directories beside `path` that no process is building in: those of `path` itself, whose
+    lock the caller holds, and those of any other library whose lock is free. A builder killed mid-build (SIGKILL,
+    the OOM killer, a power cut) leaves its directory behind, and nothing else would ever remove it."""
+    for leftover in path.parent.glob("*" + BUILD_INFIX + "*"):
+        name = leftover.name.split(BUILD_INFIX)[0]
+        if name == path.stem:
+            shutil.rmtree(leftover, ignore_errors=True)
+            continue
+        try:
+            with open(leftover.with_name(name + ".lock"), "a") as handle:
+                if _try_lock(handle):
+                    shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass  # its lock cannot be had: left to the process that can
 
 
 def _compile(sources: dict[str, bytes], compiler: Compiler, flags: tuple[str, ...], directory: Path) -> Path:
