@@ -577,6 +577,19 @@ def _can_mount_in_a_namespace() -> bool:
 
 
 @needs_kernels
+def test_where_the_build_for_this_cpu_fails_the_kernels_are_built_for_avx2_alone(tmp_path):
+    # a compiler (or assembler) older than the CPU: -march=native is what it cannot do
+    no_native = script(tmp_path / "cc", "#!/bin/sh\ncase \" $* \" in *\" -march=native \"*)\n"
+                       "  echo \"cc1: error: bad value 'native' for '-march=' switch\" >&2; exit 1;;\nesac\n"
+                       "exec cc \"$@\"\n")
+    done = run_python(PROBE, CC=no_native, TC_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr
+    assert "kernels: True" in done.stdout and "finite: True" in done.stdout
+    said = [line for line in done.stdout.splitlines() if "native kernels: the build for this CPU failed" in line]
+    assert len(said) == 1 and "bad value 'native'" in said[0] and "AVX2 and FMA alone" in said[0]
+
+
+@needs_kernels
 @pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="no user and mount namespaces here (unshare -rm)")
 def test_on_a_full_disk_the_library_is_built_for_the_process(tmp_path):
     home, tmp = tmp_path / "home", tmp_path / "tmp"

@@ -26,7 +26,8 @@ reading each weight row whole, in order, which streams at the memory's rate wher
 
 It is C, so it is compiled here, not shipped built: `kernels()` compiles `qdot.c`, `attention.c`, `norm.c`,
 `bf16dot.c` and `act.c` into one library once per machine with the C compiler found (`$CC`, words and all, as make
-takes it, else cc, gcc or clang; -O3 -march=native -fopenmp), caches it in `kernels/` of tc's cache
+takes it, else cc, gcc or clang; -O3 -march=native -fopenmp, or where that build fails, a compiler or assembler
+older than the CPU, for AVX2 and FMA alone, with a warning), caches it in `kernels/` of tc's cache
 (tc/cache_dir.py: $TC_CACHE_DIR, else ~/.cache/truecluster) keyed by the sources, the compiler and the CPU, one
 process building while the others starting with it wait (_cached; where the cache cannot be written, it builds it
 for the process alone, under the system's temporary directory), loads it with ctypes, and checks it against the
@@ -85,7 +86,8 @@ BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
 ACT_ABI = 2  # act.c's TC_ACT_ABI
 ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activation may be chosen
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -march: native, or what a test asks for
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and the target (_target): native, else PLAIN_MARCH, or a test's
+PLAIN_MARCH = "avx2"  # built for where -march=native fails: AVX2 and FMA alone
 COMPILE_TIMEOUT_S = 120
 BUILD_LOCK_WAIT_S = COMPILE_TIMEOUT_S + 60  # longer than a build can take: a holder past it is stopped, not building
 BUILD_INFIX = ".build-"  # a build directory in the cache: the library's name, this, and tempfile's letters
@@ -496,6 +498,13 @@ def _compiler() -> Compiler | None:
     return next(((name,) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
 
 
+def _target(march: str) -> str:
+    """How the compiler is told to build for `march`: -march=native, -march=haswell, or for PLAIN_MARCH the
+    baseline x86-64 with AVX2 and FMA alone (what the sources ask for, and no more: a CPU, or a virtual one, that
+    lists them may lack the rest of haswell's set)."""
+    return "-march=x86-64 -mavx2 -mfma" if march == PLAIN_MARCH else f"-march={march}"
+
+
 def _cpu_key() -> str:
     """The CPU's model and flags: -march=native code built on one CPU may not run on another."""
     try:
@@ -512,7 +521,7 @@ def _build(sources: dict[str, bytes], compiler: Compiler, march: str = "native")
     system's temporary one, which the caller removes once it has loaded it (_is_private). Raises RuntimeError with
     the compiler's first error line if it fails."""
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = (*FLAGS, f"-march={march}")
+    flags = (*FLAGS, *_target(march).split())
     parts = [part for name in sorted(sources) for part in (name.encode(), sources[name])]
     command = shlex.join([*compiler, *flags]).encode()  # the compiler's own words among them: "gcc -m32" differs
     key = hashlib.sha256(b"\0".join([*parts, command, version.encode(), _cpu_key().encode()]))
@@ -778,8 +787,8 @@ def _check_attention(kernels: Kernels, gen: torch.Generator) -> float:
 
 
 def load(compiler: Compiler, march: str = "native") -> Kernels:
-    """The library (SOURCES) built for `march` by `compiler` (or found in the cache) and loaded; unchecked.
-    Raises OSError or RuntimeError where that fails."""
+    """The library (SOURCES) built for `march` (a -march name, or PLAIN_MARCH) by `compiler` (or found in the
+    cache) and loaded; unchecked. Raises OSError or RuntimeError where that fails."""
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in SOURCES}
     path = _build(sources, compiler, march)
     try:
@@ -797,7 +806,8 @@ def load(compiler: Compiler, march: str = "native") -> Kernels:
 @functools.lru_cache(maxsize=None)
 def kernels() -> Kernels | None:
     """The native kernels of this machine, built and checked once per process, or None (logged once) where they
-    cannot be: turned off, not x86-64, no C compiler, a failed build, or a result that disagrees."""
+    cannot be: turned off, not x86-64, no C compiler, or a build that fails or disagrees both for this CPU and,
+    tried after it, for AVX2 and FMA alone (one warning either way)."""
     if os.environ.get("TC_NATIVE_KERNELS", "1") == "0":
         log.info("native kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
         return None
@@ -808,16 +818,24 @@ def kernels() -> Kernels | None:
     if compiler is None:
         log.info("native kernels: no C compiler found (set CC, or install gcc); using PyTorch's")
         return None
-    try:
-        loaded = load(compiler)
-        err = check(loaded)
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-        log.info("native kernels: unavailable (%s); using PyTorch's", exc)
+    failures = []  # what each build tried said
+    for march in ("native", PLAIN_MARCH):
+        try:
+            loaded = load(compiler, march)
+            err = check(loaded)
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            failures.append(f"{_target(march)}: {exc}")
+            continue
+        if err <= 1e-2:
+            break
+        failures.append(f"{_target(march)}: disagrees with the reference (relative error {err:.1e})")
+    else:
+        log.warning("native kernels: unavailable (%s); using PyTorch's, at about half the decode speed",
+                    "; ".join(failures))
         return None
-    if err > 1e-2:
-        log.warning("native kernels: disagree with the reference (relative error %.1e); using PyTorch's",
-                    err)
-        return None
+    if failures:  # a compiler or assembler older than the CPU, say: what the CPU has beyond AVX2 goes unused
+        log.warning("native kernels: the build for this CPU failed (%s); built for AVX2 and FMA alone instead",
+                    failures[0])
     log.info("native kernels: built (%s, %d rows per pass, relative error %.1e)", loaded.path.name,
              loaded.rows_per_pass, err)
     return loaded
