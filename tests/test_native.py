@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -587,6 +588,26 @@ def test_where_the_build_for_this_cpu_fails_the_kernels_are_built_for_avx2_alone
     assert "kernels: True" in done.stdout and "finite: True" in done.stdout
     said = [line for line in done.stdout.splitlines() if "native kernels: the build for this CPU failed" in line]
     assert len(said) == 1 and "bad value 'native'" in said[0] and "AVX2 and FMA alone" in said[0]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="x86-64 with a cc only")
+@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="no user and mount namespaces here (unshare -rm)")
+def test_a_cpu_without_avx2_keeps_pytorchs_kernels_and_compiles_nothing(tmp_path):
+    def without_avx(line: str) -> str:
+        kept = [flag for flag in line.split() if flag not in ("avx2", "fma") and not flag.startswith("avx512")]
+        return " ".join(kept) if line.startswith("flags") else line
+
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        (tmp_path / "cpuinfo").write_text("\n".join(without_avx(line) for line in f.read().splitlines()) + "\n")
+    counted = script(tmp_path / "cc", '#!/bin/sh\necho "$*" >> "$0.log"\nexec cc "$@"\n')
+    base = {k: v for k, v in os.environ.items() if k not in UNTOLD}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"',
+                           str(tmp_path / "cpuinfo"), sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**base, "CC": counted, "TC_CACHE_DIR": str(tmp_path / "c")})
+    assert done.returncode == 0, done.stderr
+    assert "this CPU has no avx2 or fma" in done.stdout and "kernels: False" in done.stdout
+    assert "finite: True" in done.stdout
+    assert not (tmp_path / "cc.log").exists()  # not even asked its version
 
 
 @needs_kernels

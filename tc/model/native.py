@@ -31,10 +31,10 @@ older than the CPU, for AVX2 and FMA alone, with a warning), caches it in `kerne
 (tc/cache_dir.py: $TC_CACHE_DIR, else ~/.cache/truecluster) keyed by the sources, the compiler and the CPU, one
 process building while the others starting with it wait (_cached; where the cache cannot be written, it builds it
 for the process alone, under the system's temporary directory), loads it with ctypes, and checks it against the
-references on small inputs. A machine without a compiler, an x86-64 CPU without AVX2 and FMA, or another
-architecture gets None and keeps PyTorch's kernels. The library links the OpenMP runtime by its usual name, which
-PyTorch has already loaded, so both share one thread pool (tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path
-off.
+references on small inputs. A machine without a compiler, an x86-64 CPU without AVX2 and FMA (as /proc/cpuinfo
+lists its flags: no compile is tried), or another architecture gets None and keeps PyTorch's kernels. The library
+links the OpenMP runtime by its usual name, which PyTorch has already loaded, so both share one thread pool
+(tc/openmp.py). TC_NATIVE_KERNELS=0 turns the whole path off.
 
 What it computes: W dequantized exactly as quant.py's references, times x quantized to int8 per row and per 32
 columns (xq = round(x / s), s = max|x| / 127 over the block, as llama.cpp's Q8_0): `quantize_activations(x) @
@@ -88,6 +88,7 @@ ACT_ROWS = 16  # rows up to which (a batch's decode step) the native gated activ
 BATCH_SLACK = 1.1  # ... where it is at most this much slower than PyTorch's for that many rows
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and the target (_target): native, else PLAIN_MARCH, or a test's
 PLAIN_MARCH = "avx2"  # built for where -march=native fails: AVX2 and FMA alone
+NEEDED_CPU_FLAGS = ("avx2", "fma")  # what every source's #error asks for
 COMPILE_TIMEOUT_S = 120
 BUILD_LOCK_WAIT_S = COMPILE_TIMEOUT_S + 60  # longer than a build can take: a holder past it is stopped, not building
 BUILD_INFIX = ".build-"  # a build directory in the cache: the library's name, this, and tempfile's letters
@@ -498,6 +499,16 @@ def _compiler() -> Compiler | None:
     return next(((name,) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
 
 
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as Linux lists them (the first "flags" line of /proc/cpuinfo), or None where it does
+    not: then a build is tried, and the sources' #error says what it lacks."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((frozenset(line.partition(":")[2].split()) for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+
+
 def _target(march: str) -> str:
     """How the compiler is told to build for `march`: -march=native, -march=haswell, or for PLAIN_MARCH the
     baseline x86-64 with AVX2 and FMA alone (what the sources ask for, and no more: a CPU, or a virtual one, that
@@ -806,13 +817,18 @@ def load(compiler: Compiler, march: str = "native") -> Kernels:
 @functools.lru_cache(maxsize=None)
 def kernels() -> Kernels | None:
     """The native kernels of this machine, built and checked once per process, or None (logged once) where they
-    cannot be: turned off, not x86-64, no C compiler, or a build that fails or disagrees both for this CPU and,
-    tried after it, for AVX2 and FMA alone (one warning either way)."""
+    cannot be: turned off, not x86-64, a CPU without AVX2 and FMA, no C compiler, or a build that fails or
+    disagrees both for this CPU and, tried after it, for AVX2 and FMA alone (one warning either way)."""
     if os.environ.get("TC_NATIVE_KERNELS", "1") == "0":
         log.info("native kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("native kernels: none for %s; using PyTorch's", platform.machine())
+        return None
+    cpu_flags = _cpu_flags()
+    missing = [flag for flag in NEEDED_CPU_FLAGS if cpu_flags is not None and flag not in cpu_flags]
+    if missing:  # every source's #error would say so, after a compile at every start
+        log.info("native kernels: this CPU has no %s; using PyTorch's", " or ".join(missing))
         return None
     compiler = _compiler()
     if compiler is None:
