@@ -79,7 +79,6 @@ class StructuredOutput:
         except GrammarError as exc:
             raise _schema_at_fault(engine, request, exc) from exc
 
-
     def _check_tools(self, request: ChatRequest) -> None:
         """Refuse an offered tool whose parameters are no JSON schema, as a forced call's grammar would refuse it,
         though no grammar follows them here ("auto": the model reads them in its template). What only a grammar
