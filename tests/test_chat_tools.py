@@ -218,7 +218,8 @@ def stream_chunks(reply: ChatReply, text: str, piece: int) -> list[dict]:
     return chunks + reply.closing(done)
 
 
-@pytest.mark.parametrize("text", [CALL_TEXT, TWO_CALLS, "Let me check.\n" + TWO_CALLS, "No calls here."])
+@pytest.mark.parametrize("text", [CALL_TEXT, TWO_CALLS, "Let me check.\n" + TWO_CALLS, "No calls here.",
+                                  "[]\n" + CALL_TEXT])
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_streamed_deltas_join_into_the_whole_reply(tiny_model_dir, text, piece):
     whole = ChatCompletion.model_validate(chat_reply(tiny_model_dir).whole(completion(text)))

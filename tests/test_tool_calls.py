@@ -81,6 +81,8 @@ NOT_CALLS = [
     ("code fence of python", "```python\nprint('hi')\n```"),
     ("mistral marker then junk", "[TOOL_CALLS] not json at all"),
     ("empty", ""),
+    # no call in the array: not a reply of calls only, which a stream would have sent as text from its "]"
+    ("an empty array before a call", '[]\n{"name": "get_time", "arguments": {}}'),
     ("deep nesting", "[" * 5000 + "]" * 5000),
 ]
 

@@ -103,6 +103,8 @@ def _bare_calls(text: str, names: Collection[str], new_id: Callable[[], str]) ->
     calls: list[ToolCall] = []
     try:
         for value in _json_values(text):
+            if value == []:  # no call: text, as a stream takes it from the "]" on (_may_start_bare_call)
+                return None
             for item in value if isinstance(value, list) else [value]:
                 call = _call(item, names, new_id)
                 if call is None:
