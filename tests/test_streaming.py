@@ -131,6 +131,33 @@ def test_partial_stop_prefixes_are_held_only_while_they_may_complete(tokenizer):
     assert state.release().text == "EN!"
 
 
+class CountingStop(str):
+    """A stop string that counts how often its characters are read (each index or slice)."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return super().__getitem__(key)
+
+
+def test_text_already_shown_is_not_read_again_for_the_start_of_a_stop_string(tokenizer):
+    """held_back read every end of the whole text up to a stop string's length, at every token: a request with
+    32 stop strings of 30k characters (a 1 MiB body holds them) took the scheduler 30 ms a token once its text
+    was 16k characters long, for every sequence in the batch. Only what is not shown yet can start one."""
+    stop = CountingStop("q" + "ab" * 2000)
+    state = CompletionText(tokenizer, (stop,))
+    text, pieces, reads = "hello world " * 50 + "qabab!", [], []
+    for token in byte_tokens(tokenizer, text):
+        before = stop.reads
+        state.push(token, None)
+        pieces.append(state.release().text)
+        reads.append(stop.reads - before)
+    assert pieces[-6:] == ["", "", "", "", "", "qabab!"]  # held while it may start the stop string
+    assert "".join(pieces) == text
+    assert max(reads) <= 2 * len("qabab!")  # before: more than the text has characters (902 for its 606)
+
+
 def test_held_back_and_find_stop():
     assert held_back("abc", ("cde",)) == 1 and held_back("abcd", ("cde",)) == 2
     assert held_back("abc", ("xyz",)) == 0 and held_back("", ("a",)) == 0
