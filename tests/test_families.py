@@ -271,14 +271,38 @@ def test_a_phi3_rope_scaling_transformers_refuses_is_refused(rope_scaling):
         ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], **data})
 
 
-@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+@pytest.mark.parametrize("architecture", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 def test_a_gemma_with_bidirectional_attention_is_refused(family_dirs, architecture):
     """transformers' Gemma attention stops being causal where config.json sets use_bidirectional_attention."""
-    model_dir = family_dirs("gemma3" if architecture == "Gemma3ForCausalLM" else "gemma2")
+    model_dir = family_dirs({"GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2"}.get(architecture, "gemma3"))
     data = json.loads((model_dir / "config.json").read_text())
     assert ModelConfig.from_dict({**data, "use_bidirectional_attention": False}) == ModelConfig.from_dict(data)
     with pytest.raises(ConfigError, match="use_bidirectional_attention = true; tc runs Gemma as a causal"):
         ModelConfig.from_dict({**data, "use_bidirectional_attention": True})
+
+
+def test_a_gemma_whose_two_activation_keys_disagree_is_refused(family_dirs):
+    """Gemma 1's MLP read hidden_activation before transformers 4.48 and hidden_act since: where they name
+    different functions, the model computes differently by version."""
+    data = json.loads((family_dirs("gemma") / "config.json").read_text())
+    agreeing = {**data, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}  # Gemma 1.0 as now fixed
+    assert ModelConfig.from_dict(agreeing).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(ConfigError, match="hidden_activation = 'silu' and hidden_act = 'gelu'; transformers"):
+        ModelConfig.from_dict({**data, "hidden_act": "gelu", "hidden_activation": "silu"})
+
+
+def test_gemma_1_shapes_config_json_leaves_out_are_gemma_configs():
+    """GemmaConfig takes heads of 256 and 16 KV heads (not one per query head) where config.json names none, and
+    ties the lm_head to the embedding."""
+    import transformers
+
+    data = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 16,
+            "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    ours = ModelConfig.from_dict({"architectures": ["GemmaForCausalLM"], **data})
+    theirs = transformers.GemmaConfig(**data)
+    assert (ours.head_dim, ours.num_key_value_heads, ours.tie_word_embeddings, ours.hidden_act) == \
+        (theirs.head_dim, theirs.num_key_value_heads, theirs.tie_word_embeddings, theirs.hidden_act) == \
+        (256, 16, True, "gelu_pytorch_tanh")
 
 
 def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
@@ -300,9 +324,12 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
 # Keys a config.json may leave out (written by hand, or by a tool that writes only what differs from the defaults),
 # whose transformers default is the family's own rather than what most families take: Gemma 2's soft caps, query
 # scale and activation, Gemma 3's two rotary bases (with linear scaling on the global layers only, and the 4.x
-# sliding_window_pattern), Mixtral's rotary base.
+# sliding_window_pattern), Mixtral's rotary base; Gemma 1's activation, which its 1.0 files give as "gelu", the name
+# of another function, and GemmaConfig reads as the tanh approximation.
 GEMMA3_4X = {"sliding_window_pattern": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
 LEFT_OUT = {  # case: (family, keys dropped, keys added)
+    "gemma": ("gemma", {"hidden_act"}, {}),
+    "gemma-1.0-gelu": ("gemma", {"hidden_act"}, {"hidden_act": "gelu"}),
     "gemma2": ("gemma2", {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                           "hidden_activation", "rope_parameters"}, {}),
     "gemma3": ("gemma3", {"rope_parameters", "layer_types", "_sliding_window_pattern"}, GEMMA3_4X),

@@ -37,6 +37,7 @@ FAMILIES = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                     final_logit_softcapping=5.0)),

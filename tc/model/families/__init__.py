@@ -32,6 +32,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", ("MistralForCausalLM",), mistral.parse),
     Family("qwen3", ("Qwen3ForCausalLM",), qwen3.parse),
     Family("phi3", ("Phi3ForCausalLM",), phi3.parse),
+    Family("gemma", ("GemmaForCausalLM",), gemma.parse_gemma),
     Family("gemma2", ("Gemma2ForCausalLM",), gemma.parse_gemma2),
     Family("gemma3_text", ("Gemma3ForCausalLM",), gemma.parse_gemma3),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe.parse_qwen2_moe),

@@ -1,6 +1,7 @@
-"""Gemma 2 and Gemma 3 (text): embeddings times sqrt(hidden), (1 + w) norms before and after attention and the
-MLP, gelu-tanh, queries scaled by query_pre_attn_scalar, sliding and global layers alternating; Gemma 2 soft-caps
-attention scores and logits, Gemma 3 normalises q and k and gives its sliding layers a rotary base of their own."""
+"""Gemma 1, 2 and 3 (text): embeddings times sqrt(hidden), (1 + w) norms, gelu-tanh. Gemma 1 (CodeGemma, Gemma
+1.1) is Llama's layer otherwise; Gemma 2 and 3 add norms after attention and the MLP, scale queries by
+query_pre_attn_scalar and alternate sliding and global layers; Gemma 2 soft-caps attention scores and logits, Gemma
+3 normalises q and k and gives its sliding layers a rotary base of their own."""
 from __future__ import annotations
 
 import copy
@@ -16,16 +17,41 @@ from ..rope import Rope, parse_rope
 GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                   "hidden_activation": "gelu_pytorch_tanh"}
 GEMMA2_DEFAULTS = {**GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# GemmaConfig's (Gemma 1): heads of 256, 16 KV heads rather than one per query head, and its own activation key
+GEMMA1_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 16, "hidden_act": "gelu_pytorch_tanh"}
 GEMMA3_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.default_theta: global and local
+
+
+def _refuse_bidirectional(data: dict[str, Any]) -> None:
+    if flag(data, "use_bidirectional_attention"):  # EmbeddingGemma's: transformers then lets every token see all
+        raise ConfigError("config.json sets use_bidirectional_attention = true; tc runs Gemma as a causal language "
+                          "model, each token attending to those before it")
+
+
+def parse_gemma(data: dict[str, Any]) -> ModelConfig:
+    _refuse_bidirectional(data)
+    # Gemma 1.0's files say hidden_act "gelu", which GemmaConfig reads as the tanh approximation the models were
+    # trained with; transformers 4.x before 4.48 read hidden_activation instead (Gemma 1.1's files name it, leaving
+    # hidden_act out), so a file whose two keys disagree runs differently by version, and is refused
+    act = data.get("hidden_act")
+    act = GEMMA1_DEFAULTS["hidden_act"] if act in ("gelu", None) else act
+    other = data.get("hidden_activation")
+    if other is not None and other != act:
+        raise ConfigError(f"config.json sets hidden_activation = {other!r} and hidden_act = "
+                          f"{data.get('hidden_act')!r}; transformers before 4.48 computes a Gemma's MLP with the "
+                          f"first, later versions with {act!r}, so tc computes neither")
+    values = common_fields({**data, "hidden_act": act}, "gemma", tie_default=True, defaults=GEMMA1_DEFAULTS)
+    values["source"] = copy.deepcopy(data)
+    bias = flag(data, "attention_bias")
+    return ModelConfig(**values, qkv_bias=bias, o_bias=bias, norm_offset=1.0,
+                       embedding_scale=math.sqrt(values["hidden_size"]))
 
 
 def _gemma(data: dict[str, Any], family: str, slides: Callable[[int], bool], defaults: dict[str, Any],
            default_theta: float = 10_000.0) -> dict[str, Any]:
     """The fields Gemma 2 and 3 share; `slides(layer)` says which layers slide when config.json (as 4.x wrote
     it) lists no layer_types; `defaults` fill the keys config.json leaves out (an explicit null stays null)."""
-    if flag(data, "use_bidirectional_attention"):  # EmbeddingGemma's: transformers then lets every token see all
-        raise ConfigError("config.json sets use_bidirectional_attention = true; tc runs Gemma as a causal language "
-                          "model, each token attending to those before it")
+    _refuse_bidirectional(data)
     values = common_fields(data, family, tie_default=True, act_key="hidden_activation", default_theta=default_theta,
                            defaults=defaults)
     data = {**defaults, **data}  # for the keys read here
