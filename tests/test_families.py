@@ -305,6 +305,15 @@ def test_gemma_1_shapes_config_json_leaves_out_are_gemma_configs():
         (256, 16, True, "gelu_pytorch_tanh")
 
 
+@pytest.mark.parametrize("key", ["embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                 "logits_scaling"])
+@pytest.mark.parametrize("value", [None, 0, -0.5, "12", float("inf")])
+def test_a_granite_multiplier_that_is_not_a_positive_number_is_refused(family_dirs, key, value):
+    data = json.loads((family_dirs("granite") / "config.json").read_text())
+    with pytest.raises(ConfigError, match=f"{key} = .*; expected a positive number"):
+        ModelConfig.from_dict({**data, key: value})
+
+
 def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     """Published Gemma 2 and 3 config.json files (written by transformers 4.x) list no layer_types."""
     shapes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12, "num_attention_heads": 4,
@@ -325,7 +334,8 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
 # whose transformers default is the family's own rather than what most families take: Gemma 2's soft caps, query
 # scale and activation, Gemma 3's two rotary bases (with linear scaling on the global layers only, and the 4.x
 # sliding_window_pattern), Mixtral's rotary base; Gemma 1's activation, which its 1.0 files give as "gelu", the name
-# of another function, and GemmaConfig reads as the tanh approximation.
+# of another function, and GemmaConfig reads as the tanh approximation; Granite's multipliers, its attention scale
+# among them, which is then 1 rather than head_dim ** -0.5.
 GEMMA3_4X = {"sliding_window_pattern": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
 LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "gemma": ("gemma", {"hidden_act"}, {}),
@@ -336,6 +346,8 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "gemma3-no-local-base": ("gemma3", {"rope_parameters", "layer_types", "_sliding_window_pattern"},
                              {**GEMMA3_4X, "rope_theta": 1e6}),
     "mixtral": ("mixtral", {"rope_parameters"}, {}),
+    "granite": ("granite", {"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"},
+                {}),
 }
 
 

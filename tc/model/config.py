@@ -69,6 +69,10 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorms scale by (offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and the MLP too, and one before the MLP
     embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size), in the compute dtype)
+    # attention's and the MLP's outputs times this before each joins the residual (Granite): folded into o_proj's
+    # and down_proj's weights and biases as they load, so a layer computes nothing more for it
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None  # logits divided by this (Granite)
     attn_scale: float | None = None  # scores times this (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits likewise (Gemma 2)

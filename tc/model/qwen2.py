@@ -465,15 +465,29 @@ def _give_back_freed_memory() -> None:
     trim(0)
 
 
+def folded_scales(config: ModelConfig) -> dict[str, float]:
+    """The linear layers of a decoder layer whose output the family multiplies by a constant, by that constant,
+    which their weights and biases take as they load: Granite's residual_multiplier on o_proj and down_proj. In fp32
+    (W * m) x differs from (W x) * m by a rounding of each product; the layer then spends nothing on it."""
+    multiplier = config.residual_multiplier
+    if multiplier is None:
+        return {}
+    assert config.experts is None, "a residual multiplier is folded into a dense MLP's down_proj only"
+    return {"self_attn.o_proj": multiplier, "mlp.down_proj": multiplier}
+
+
 def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict[str, dict[str, tuple[int, ...]]],
-                dtype: torch.dtype, device: torch.device | str, quantization: Quantization | None) -> None:
-    """Fill a layer built on the meta device from the checkpoint tensors named `prefix` + each source.
+                dtype: torch.dtype, device: torch.device | str, quantization: Quantization | None,
+                scales: dict[str, float] | None = None) -> None:
+    """Fill a layer built on the meta device from the checkpoint tensors named `prefix` + each source, the weights
+    and biases of the modules in `scales` (folded_scales) multiplied by their factor in `dtype`.
 
     Everything that stays in `dtype` (norms, biases, routers, and every weight without quantization) comes first,
     each tensor read straight into its place; then each linear weight to quantize streams in by slabs of rows and
     replaces its Linear by the quantized module, the bias loaded before kept as it is.
     """
     quantize = quantization is not None and quantization.quantizes
+    scales = scales or {}
     streamed: list[tuple[str, list[str]]] = []
     for target, parts in sources.items():
         names = [prefix + part for part in parts]
@@ -483,11 +497,16 @@ def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict
         if quantize and isinstance(module, nn.Linear) and attr == "weight":
             streamed.append((path, names))
             continue
-        setattr(module, attr, nn.Parameter(index.load_rows(names, dtype).to(device), requires_grad=False))
+        tensor = index.load_rows(names, dtype)
+        if path in scales:
+            tensor.mul_(scales[path])
+        setattr(module, attr, nn.Parameter(tensor.to(device), requires_grad=False))
     for path, names in streamed:
         assert quantization is not None
         linear = layer.get_submodule(path)
-        slabs = ((row, slab.to(device)) for row, slab in index.row_slabs(names, dtype))
+        scale = scales.get(path)
+        slabs = ((row, (slab if scale is None else slab.mul_(scale)).to(device))
+                 for row, slab in index.row_slabs(names, dtype))
         quantized = quantization.linear(slabs, tuple(linear.weight.shape), device, linear.bias, dtype)
         parent, _, name = path.rpartition(".")
         setattr(layer.get_submodule(parent), name, quantized)
@@ -543,7 +562,8 @@ class Stage(nn.Module):
             stage = cls(config, start, end)
         for done, i in enumerate(range(start, end), 1):
             layer = stage.layers[str(i)]
-            _load_layer(layer, index, layer_prefix(i), layer_sources(config, i), dtype, device, quantization)
+            _load_layer(layer, index, layer_prefix(i), layer_sources(config, i), dtype, device, quantization,
+                        folded_scales(config))
             pack_linears(layer, force=pack)
             _give_back_freed_memory()
             if progress is not None:
@@ -635,6 +655,7 @@ class HeadModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embedding_scale = config.embedding_scale  # Gemma: sqrt(hidden), rounded to the compute dtype
         self.final_softcap = config.final_softcap
+        self.logits_scaling = config.logits_scaling  # Granite divides its logits by it
         self.greedy_screen: GreedyScreen | None = None  # screen_greedy's, for the lm_head it was made for
 
     @classmethod
@@ -730,6 +751,8 @@ class HeadModel(nn.Module):
         normed = self.norm(hidden)[0]
         if normed.dtype != torch.bfloat16:
             return None
+        # logits_scaling needs no part here: one positive divisor, which moves no argmax, and ties no two bf16
+        # logits (they lie much further apart than a float32 rounding)
         found = screen.candidates(normed.contiguous(), self.final_softcap)
         if found is None:
             return None
@@ -745,6 +768,8 @@ class HeadModel(nn.Module):
         normed = self.norm(hidden)
         widened = getattr(self.lm_head, "widened", None)
         logits = widened(normed) if widened is not None else self.lm_head(normed).float()
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
