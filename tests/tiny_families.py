@@ -49,6 +49,7 @@ FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM",  # multipliers of Granite 3.0's kind, none a power of two
                 dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.22, logits_scaling=3.0,
                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True)),
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(**MOE, shared_expert_intermediate_size=48, mlp_only_layers=[2])),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**MOE, norm_topk_prob=True, head_dim=32)),

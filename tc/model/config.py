@@ -66,8 +66,11 @@ class ModelConfig:
     o_bias: bool = False  # a bias on o_proj (Llama's attention_bias sets both)
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # with qk_norm: over all heads of each projection at once instead (OLMo 2)
     norm_offset: float = 0.0  # RMSNorms scale by (offset + weight): Gemma stores weight - 1
+    norms_scale_in_fp32: bool = False  # RMSNorms scale before rounding to the compute dtype (OLMo 2; Gemma's do too)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and the MLP too, and one before the MLP
+    pre_norms: bool = True  # norms before attention and the MLP; OLMo 2 has only those after (sandwich_norms)
     embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size), in the compute dtype)
     # attention's and the MLP's outputs times this before each joins the residual (Granite): folded into o_proj's
     # and down_proj's weights and biases as they load, so a layer computes nothing more for it

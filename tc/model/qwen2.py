@@ -200,20 +200,22 @@ def visible_keys(position_start: int, length: int, window: int | None, device: t
 
 class RMSNorm(nn.Module):
     """RMS normalisation, scaled by its weight, or by (offset + weight) where a family stores weight - offset
-    (Gemma's offset 1, which scales in fp32 before rounding, as its reference does)."""
+    (Gemma's offset 1, which scales in fp32 before rounding, as its reference does; `scale_in_fp32` asks that of
+    a norm without an offset, as OLMo 2's reference does)."""
 
     # None: bf16 rows on a CPU take the native norm (norm.c, the same roundings in one call) where it runs and its
     # probe finds it faster; False: always PyTorch's operators; True: the native norm wherever it runs
     native: bool | None = None
 
-    def __init__(self, size: int, eps: float, offset: float = 0.0):
+    def __init__(self, size: int, eps: float, offset: float = 0.0, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.offset = offset
+        self.fp32_scaled = bool(offset) or scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:
+        if self.fp32_scaled:
             normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         kernels = self._kernels(x)
@@ -226,7 +228,7 @@ class RMSNorm(nn.Module):
     def native_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
         """The native call that writes this norm of x into y, for a decode plan; None where the native norm does
         not take x."""
-        kernels = None if self.offset else self._kernels(x, planned=True)
+        kernels = None if self.fp32_scaled else self._kernels(x, planned=True)
         return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
 
     def _kernels(self, x: torch.Tensor, planned: bool = False) -> native.Kernels | None:
@@ -239,9 +241,34 @@ class RMSNorm(nn.Module):
         return None
 
 
-def norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
-    """An RMSNorm of the family's kind over `size` features (default: the hidden size)."""
-    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_offset)
+def norm(config: ModelConfig, size: int | None = None, kind: type[RMSNorm] | None = None) -> RMSNorm:
+    """An RMSNorm (or `kind` of one) of the family's kind over `size` features (default: the hidden size)."""
+    return (kind or RMSNorm)(size or config.hidden_size, config.rms_norm_eps, config.norm_offset,
+                             config.norms_scale_in_fp32)
+
+
+class HeadsNorm(RMSNorm):
+    """An RMSNorm over all the heads of a projection at once, given them as [..., heads, D] (OLMo 2's q_norm and
+    k_norm, which normalise q_proj's and k_proj's whole outputs), so that Attention calls it as it calls a norm
+    of each head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view(x.shape)
+
+
+def qk_norm(config: ModelConfig, heads: int) -> RMSNorm | None:
+    """The norm of a projection's `heads` query or key heads before the rotation: of each head, of all of them
+    at once (qk_norm_whole), or None where the family has none."""
+    if not config.qk_norm:
+        return None
+    if config.qk_norm_whole:
+        return norm(config, heads * config.head_dim, HeadsNorm)
+    return norm(config, config.head_dim)
+
+
+def pre_norm(config: ModelConfig) -> nn.Module:
+    """The norm before attention or the MLP: an RMSNorm, or none at all (OLMo 2 normalises their outputs alone)."""
+    return norm(config) if config.pre_norms else nn.Identity()
 
 
 @dataclass(frozen=True)
@@ -275,9 +302,9 @@ class Attention(nn.Module):
         # q_proj, k_proj, v_proj, fused on loading (or already fused in the checkpoint)
         self.qkv_proj = Linear(hidden, q + 2 * kv, bias=config.qkv_bias)
         self.o_proj = Linear(q, hidden, bias=config.o_bias)
-        # Qwen3 and Gemma 3 normalise each query and key head before rotating it
-        self.q_norm = norm(config, self.head_dim) if config.qk_norm else None
-        self.k_norm = norm(config, self.head_dim) if config.qk_norm else None
+        # Qwen3 and Gemma 3 normalise each query and key head before rotating it, OLMo 2 all of q's and of k's
+        self.q_norm = qk_norm(config, self.n_heads)
+        self.k_norm = qk_norm(config, self.n_kv_heads)
         self.scale = config.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.softcap = config.attn_softcap
         self.window = config.window(layer)
@@ -426,13 +453,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = norm(config)
+        self.input_layernorm = pre_norm(config)
         self.self_attn = Attention(config, layer)
         # the norm before the MLP; with sandwich norms (Gemma) the one after attention, and two more around the MLP
+        # (OLMo 2: only those after attention and the MLP, the others nn.Identity)
         self.post_attention_layernorm = norm(config)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = norm(config)
+            self.pre_feedforward_layernorm = pre_norm(config)
             self.post_feedforward_layernorm = norm(config)
         if config.has_experts(layer):
             from .moe import SparseMoE  # the experts build on MLP above

@@ -74,7 +74,8 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
     def same(name: str, shape: tuple[int, ...]) -> None:
         sources[name] = {name: shape}
 
-    same("input_layernorm.weight", (h,))
+    if c.pre_norms:
+        same("input_layernorm.weight", (h,))
     same("post_attention_layernorm.weight", (h,))
     parts = {"qkv_proj": q + 2 * kv} if c.fused_checkpoint else {"q_proj": q, "k_proj": kv, "v_proj": kv}
     sources["self_attn.qkv_proj.weight"] = {f"self_attn.{part}.weight": (rows, h) for part, rows in parts.items()}
@@ -84,10 +85,11 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
     if c.o_bias:
         same("self_attn.o_proj.bias", (h,))
     if c.qk_norm:
-        same("self_attn.q_norm.weight", (d,))
-        same("self_attn.k_norm.weight", (d,))
+        same("self_attn.q_norm.weight", (q if c.qk_norm_whole else d,))
+        same("self_attn.k_norm.weight", (kv if c.qk_norm_whole else d,))
     if c.sandwich_norms:
-        same("pre_feedforward_layernorm.weight", (h,))
+        if c.pre_norms:
+            same("pre_feedforward_layernorm.weight", (h,))
         same("post_feedforward_layernorm.weight", (h,))
     if c.has_experts(layer):
         assert c.experts is not None
