@@ -4,6 +4,7 @@ never hold more caches than the batch has places."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import urllib.request
 
 import pytest
@@ -129,6 +130,23 @@ def complete(cluster: Cluster, prompt_ids: list[int], max_tokens: int) -> dict:
     return body
 
 
+def stream(cluster: Cluster, prompt_ids: list[int], max_tokens: int) -> dict:
+    """A streamed completion with its usage chunk, as one body: its choice's text, and the usage."""
+    request = urllib.request.Request(cluster.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": cluster.model, "prompt": prompt_ids,
+                                                      "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                                                      "stream": True,
+                                                      "stream_options": {"include_usage": True}}).encode())
+    text, usage = "", None
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        for line in reply:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(choice["text"] for choice in chunk["choices"])
+                usage = chunk["usage"] or usage
+    return {"choices": [{"text": text}], "usage": usage}
+
+
 def cached_tokens(body: dict) -> int:
     return body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
@@ -153,7 +171,7 @@ def test_workers_grow_and_continue_a_kept_cache_across_direct_hops(cluster, mode
         pytest.skip("the first reply parted from the in-process one at a tie: its tokens are not known here")
     generated = list(expected_first.token_ids)
     second_prompt = first_prompt + generated + prompt(22, 7)
-    second = complete(cluster, second_prompt, 24)
+    second = stream(cluster, second_prompt, 24)  # streamed: its usage chunk says what it did not read again
     assert cached_tokens(second) == len(first_prompt) + len(generated) - 1
     assert second["usage"]["prompt_tokens"] == len(second_prompt)
     assert metric(cluster, "tc_prompt_tokens_cached_total") == cached_tokens(second)

@@ -416,9 +416,9 @@ class EventStream:
         yield DONE
 
     def _usage(self, completions: list[Completion]) -> dict[str, Any]:
-        chunk = self.replies[0].usage_chunk(completions[0])
-        produced = sum(c.completion_tokens for c in completions)
-        chunk["usage"] = usage(completions[0].prompt_tokens, produced)
+        chunk = self.replies[0].usage_chunk(completions[0])  # one choice: its own usage, cached tokens and all
+        if len(completions) > 1:  # the prompt counted once, and every choice's tokens
+            chunk["usage"] = usage(completions[0].prompt_tokens, sum(c.completion_tokens for c in completions))
         return chunk
 
     def __iter__(self) -> "EventStream":
