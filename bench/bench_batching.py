@@ -162,30 +162,40 @@ class RssPeak:
         self._thread.join()
 
 
-def tc_rows(mode: str, args: argparse.Namespace, workdir: Path, micro_batches: int) -> dict:
-    model_dir = demo_model_dir()
-    nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
-    topology = write_topology(workdir / f"topology-{mode}.yaml", model_dir, nodes, quant=mode, dtype="bf16",
-                              head={"threads": THREADS, "max_batch": max(args.streams),
-                                    "micro_batches": micro_batches})
+NODES = ("w1", "w2")
+
+
+@contextlib.contextmanager
+def demo_cluster(mode: str, workdir: Path, name: str, **head) -> Iterator[Cluster]:
+    """Head + 2 workers serving the demo model in `mode` (bf16 compute, THREADS each), ready; `head` settings
+    beside the head's threads; `name` tells its topology file from others in `workdir`."""
+    nodes = [{"id": node, "device": "cpu"} for node in NODES]
+    topology = write_topology(workdir / f"topology-{name}.yaml", demo_model_dir(), nodes, quant=mode, dtype="bf16",
+                              head={"threads": THREADS, **head})
     with Cluster(topology, workdir) as cluster:
         cluster.start_head()
         cluster.wait_api(timeout=300)
-        for node in nodes:
-            cluster.start_worker(node["id"], "--threads", str(THREADS))
+        for node in NODES:
+            cluster.start_worker(node, "--threads", str(THREADS))
         cluster.wait_ready(timeout=900)
+        yield cluster
+
+
+def tc_rows(mode: str, args: argparse.Namespace, workdir: Path, micro_batches: int) -> dict:
+    model_dir = demo_model_dir()
+    with demo_cluster(mode, workdir, mode, max_batch=max(args.streams), micro_batches=micro_batches) as cluster:
         state = cluster.get("/v1/cluster")[1]
         rows = measure("127.0.0.1", cluster.api_port, model_dir.name, args, state["batch"]["prefill_chunk"])
         plan = state["plan"]
         rows["kv"] = {s["node_id"]: s["kv_bytes_per_sequence"] for s in plan["stages"]}
         streams = max(args.streams)
-        with RssPeak([cluster.workers[n["id"]].proc.pid for n in nodes]) as rss:
+        with RssPeak([cluster.workers[node].proc.pid for node in NODES]) as rss:
             concurrent("127.0.0.1", cluster.api_port, model_dir.name, streams, args.tokens)
         # what the caches of those streams hold: their positions (prompt + tokens) at the planned bytes per position
         context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
         positions = 16 + args.tokens  # a short prompt and the tokens asked for: the capacity each cache is made with
-        rows["rss"] = {n["id"]: (peak - before, streams * rows["kv"][n["id"]] * positions / context)
-                       for n, before, peak in zip(nodes, rss.before, rss.peak)}
+        rows["rss"] = {node: (peak - before, streams * rows["kv"][node] * positions / context)
+                       for node, before, peak in zip(NODES, rss.before, rss.peak)}
     return rows
 
 

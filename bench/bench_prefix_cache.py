@@ -29,8 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from _demo import demo_model_dir  # noqa: E402
-from bench_batching import THREADS, llama_server  # noqa: E402
-from cluster import Cluster, write_topology  # noqa: E402
+from bench_batching import demo_cluster, llama_server  # noqa: E402
 
 QUESTIONS = ["What does the Generator class in this file do? Answer in two sentences.",
              "Which method chooses the next token?", "How does it handle stop strings?",
@@ -80,17 +79,8 @@ def conversation(port: int, model: str, args: argparse.Namespace) -> list[dict]:
 
 
 def tc_turns(args: argparse.Namespace, workdir: Path, prefix_cache: bool) -> list[dict]:
-    model_dir = demo_model_dir()
-    nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
-    topology = write_topology(workdir / f"topology-{prefix_cache}.yaml", model_dir, nodes, quant=args.mode,
-                              dtype="bf16", head={"threads": THREADS, "prefix_cache": prefix_cache})
-    with Cluster(topology, workdir) as cluster:
-        cluster.start_head()
-        cluster.wait_api(timeout=300)
-        for node in nodes:
-            cluster.start_worker(node["id"], "--threads", str(THREADS))
-        cluster.wait_ready(timeout=900)
-        return conversation(cluster.api_port, model_dir.name, args)
+    with demo_cluster(args.mode, workdir, f"prefix-{prefix_cache}", prefix_cache=prefix_cache) as cluster:
+        return conversation(cluster.api_port, demo_model_dir().name, args)
 
 
 def llamacpp_turns(args: argparse.Namespace, workdir: Path) -> list[dict]:
