@@ -73,6 +73,10 @@ class RemotePipeline:
         # per sequence in flight: its cache capacity and every first-stage input so far, [1, L_i, hidden] each
         self._inputs: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
+        # Which set of workers each sequence last ran on (a count of the changes to the workers), so that a cache
+        # kept for a later request is known gone with a worker replaced while it was not running (`holds`)
+        self._workers = 0
+        self._ran_on: dict[int, int] = {}
         self._released: list[int] = []  # sequences released since the last step: its RUN_BATCH says so again
         self._routes = itertools.count(1)
         self._route = 0  # the route the workers of `_routed` were sent (0: none, the head relays)
@@ -297,9 +301,14 @@ class RemotePipeline:
             links = self.registry.links_in_order()
             if any(e.start > 0 for e in entries):
                 self._check_same_workers(links)
-            elif not self._same_workers(links):
-                self._forget_caches({e.sequence for e in entries} | {c for e in entries for c in e.copies})
+            if not self._same_workers(links):  # new workers (a step of new sequences only, after a replacement)
+                self._workers += 1
             self._links = links
+            ran_on, workers = self._ran_on, self._workers
+            for e in entries:
+                ran_on[e.sequence] = workers
+                for copy in e.copies:
+                    ran_on[copy] = workers
             return self._relay(batch, hidden, released, links)
         except WorkerLost as exc:
             return self._recover(exc, entries)
@@ -315,16 +324,10 @@ class RemotePipeline:
     def _same_workers(self, links: list[WorkerLink]) -> bool:
         return len(links) == len(self._links) and all(old is new for old, new in zip(self._links, links))
 
-    def _forget_caches(self, running: set[int]) -> None:
-        """A worker replaced while no sequence ran: the caches kept for sequences not `running` (finished ones,
-        kept for a request that continues their text) went with it, and are no longer replayed or held."""
-        for sequence in [s for s in self._inputs if s not in running]:
-            del self._inputs[sequence]
-
     def holds(self, sequence: int) -> bool:
-        """Whether the workers hold `sequence`'s cache: it ran, was not released, and no worker has been replaced
-        since (a replaced one holds no cache)."""
-        if sequence not in self._inputs:
+        """Whether the workers hold `sequence`'s cache: it ran (or was replayed) on the workers there are now, and
+        was not released since. A worker replaced while it was not running holds none of it."""
+        if sequence not in self._inputs or self._ran_on.get(sequence) != self._workers:
             return False
         try:
             return self._same_workers(self.registry.links_in_order())
@@ -334,6 +337,7 @@ class RemotePipeline:
     def release(self, sequences: Sequence[int]) -> None:
         for sequence in sequences:
             self._inputs.pop(sequence, None)
+            self._ran_on.pop(sequence, None)
         self._released.extend(sequences)
         for link in self.registry.serving_links():  # a lost worker took its caches with it
             link.release(list(sequences))
@@ -364,6 +368,9 @@ class RemotePipeline:
             try:
                 self._links = self.registry.links_in_order()
                 outputs = self._replay(replayed, self._links)
+                self._workers += 1
+                for sequence in replayed:  # every cache rebuilt on the workers there are now
+                    self._ran_on[sequence] = self._workers
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again
