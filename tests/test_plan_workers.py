@@ -265,7 +265,7 @@ def test_a_spare_that_holds_a_lost_nodes_weights_but_not_its_kv_cache_stands_by(
         assert spare.next_assignment(3) is None, "a spare took a node whose KV cache it has no room for"
         output = cluster.head.output()
         assert ("spare lean cannot take node slow: entry slow (layers 0-3) needs 2.3 MiB: 338.0 KiB of weights + "
-                "2.0 MiB of KV cache for 8 sequence(s) of 256.0 KiB each at the model's full context on cpu, but "
+                "2.0 MiB of KV cache for 8 sequence(s) of 256.0 KiB each at full context on cpu, but "
                 ) in output, output
         assert ("this worker offers 1.3 MiB" if bounded_by == "what it offers" else
                 "lean's max_memory_gb is 0.0012989 (1.3 MiB) in topology.yaml") in output, output
@@ -291,7 +291,7 @@ def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_j
         assert short.proc.wait(60) == 2, short.output()
         said = " ".join(short.output().split())
         assert ("entry slow (layers 0-3) needs 2.3 MiB: 338.0 KiB of weights + 2.0 MiB of KV cache for 8 "
-                "sequence(s) of 256.0 KiB each at the model's full context on cpu, but this worker offers 1.0 MiB; "
+                "sequence(s) of 256.0 KiB each at full context on cpu, but this worker offers 1.0 MiB; "
                 "give it more memory (--max-memory-gb, in GiB), set head.max_batch under 8, or pin fewer layers on "
                 "slow in topology.yaml") in said, said
         assert "spare" not in said
@@ -318,7 +318,7 @@ def test_where_the_batch_is_left_to_the_head_a_worker_short_of_its_caches_joins_
             assert time.monotonic() < deadline, cluster.head.output()
             time.sleep(0.2)
         said = " ".join(cluster.head.output().split())
-        assert ("slow holds layers 0-3 with room for the KV caches of 2 of the batch's 8 sequences at the model's "
+        assert ("slow holds layers 0-3 with room for the KV caches of 2 of the batch's 8 sequences at "
                 "full context (256.0 KiB each, beside 338.0 KiB of weights, in 850.0 KiB); it serves") in said, said
         assert "set head.max_batch to 2 in topology.yaml to rule that out" in said
         assert short.proc.poll() is None
