@@ -75,7 +75,7 @@ class RemotePipeline:
         self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
         # Which set of workers each sequence last ran on (a count of the changes to the workers), so that a cache
         # kept for a later request is known gone with a worker replaced while it was not running (`holds`)
-        self._workers = 0
+        self._worker_changes = 0
         self._ran_on: dict[int, int] = {}
         self._released: list[int] = []  # sequences released since the last step: its RUN_BATCH says so again
         self._routes = itertools.count(1)
@@ -302,13 +302,13 @@ class RemotePipeline:
             if any(e.start > 0 for e in entries):
                 self._check_same_workers(links)
             if not self._same_workers(links):  # new workers (a step of new sequences only, after a replacement)
-                self._workers += 1
+                self._worker_changes += 1
             self._links = links
-            ran_on, workers = self._ran_on, self._workers
+            ran_on, changes = self._ran_on, self._worker_changes
             for e in entries:
-                ran_on[e.sequence] = workers
+                ran_on[e.sequence] = changes
                 for copy in e.copies:
-                    ran_on[copy] = workers
+                    ran_on[copy] = changes
             return self._relay(batch, hidden, released, links)
         except WorkerLost as exc:
             return self._recover(exc, entries)
@@ -327,7 +327,7 @@ class RemotePipeline:
     def holds(self, sequence: int) -> bool:
         """Whether the workers hold `sequence`'s cache: it ran (or was replayed) on the workers there are now, and
         was not released since. A worker replaced while it was not running holds none of it."""
-        if sequence not in self._inputs or self._ran_on.get(sequence) != self._workers:
+        if sequence not in self._inputs or self._ran_on.get(sequence) != self._worker_changes:
             return False
         try:
             return self._same_workers(self.registry.links_in_order())
@@ -368,9 +368,9 @@ class RemotePipeline:
             try:
                 self._links = self.registry.links_in_order()
                 outputs = self._replay(replayed, self._links)
-                self._workers += 1
+                self._worker_changes += 1
                 for sequence in replayed:  # every cache rebuilt on the workers there are now
-                    self._ran_on[sequence] = self._workers
+                    self._ran_on[sequence] = self._worker_changes
             except WorkerLost as again:
                 log.warning("resuming failed (%s); waiting again", again)
                 lost = again
