@@ -65,13 +65,9 @@ def cpu_bf16_matmul_is_slow() -> bool:
     than fp32 on one (AMD EPYC, AVX2). There, multi-token bf16 inputs are better multiplied in fp32, converting
     the weight on the fly. Where the flags cannot be read (not Linux), a short timing decides.
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        flags = None
+    flags = native.cpu_flags()
     if flags is not None and platform.machine().lower() in ("x86_64", "amd64", "i686"):
-        return not ({"avx512_bf16", "amx_bf16"} & set(flags))
+        return not ({"avx512_bf16", "amx_bf16"} & flags)
     x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
     xb, wb = x.bfloat16(), w.bfloat16()
     with one_thread():

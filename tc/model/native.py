@@ -499,7 +499,7 @@ def _compiler() -> Compiler | None:
     return next(((name,) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
 
 
-def _cpu_flags() -> frozenset[str] | None:
+def cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags as Linux lists them (the first "flags" line of /proc/cpuinfo), or None where it does
     not: then a build is tried, and the sources' #error says what it lacks."""
     try:
@@ -825,8 +825,8 @@ def kernels() -> Kernels | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("native kernels: none for %s; using PyTorch's", platform.machine())
         return None
-    cpu_flags = _cpu_flags()
-    missing = [flag for flag in NEEDED_CPU_FLAGS if cpu_flags is not None and flag not in cpu_flags]
+    flags = cpu_flags()
+    missing = [flag for flag in NEEDED_CPU_FLAGS if flags is not None and flag not in flags]
     if missing:  # every source's #error would say so, after a compile at every start
         log.info("native kernels: this CPU has no %s; using PyTorch's", " or ".join(missing))
         return None
