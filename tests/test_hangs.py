@@ -31,7 +31,7 @@ from tc.head.http_server import start_http_server
 from tc.head.main import load_config_and_plan
 from tc.head.service import GenerationService, Readiness
 from tc.head.step_deadline import StepBudget
-from tc.head.workers import MAX_PENDING_HANDSHAKES, Doorbell, WorkerLink, WorkerRegistry, _Deadline
+from tc.head.workers import HELLO_TIMEOUT_S, MAX_PENDING_HANDSHAKES, Doorbell, WorkerLink, WorkerRegistry, _Deadline
 from tc.local import LocalPipeline
 from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
@@ -51,6 +51,16 @@ HIDDEN = 64  # the tiny model's hidden size
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=5)
+
+
+def registry_for(tmp_path, model_dir, nodes: list[dict] | None = None,
+                 handshake_timeout_s: float = HELLO_TIMEOUT_S, **head) -> WorkerRegistry:
+    """The head's registry of workers, not started, for a topology of `nodes` (one CPU node "a" by default) with
+    the `head` settings given."""
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes or [{"id": "a", "device": "cpu"}],
+                                            head=head))
+    _, config, plan = load_config_and_plan(topology)
+    return WorkerRegistry(topology, plan, config, handshake_timeout_s=handshake_timeout_s)
 
 
 def greedy(model_dir, max_tokens: int) -> str:
@@ -212,9 +222,7 @@ def test_a_worker_whose_compute_fails_fails_the_step_with_its_reason_and_may_rej
 def test_a_stopped_registry_refuses_connections_at_once(tmp_path, model_dir):
     """Closing a listening socket while a thread is blocked in accept() leaves it listening on Linux: a worker
     rejoining a head that is still stopping would get in (and be turned away). Stopping must stop listening."""
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}]))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config)
+    registry = registry_for(tmp_path, model_dir)
     port = registry.start("127.0.0.1", 0)
     time.sleep(0.2)  # the accept thread is blocked in accept()
     registry.stop()
@@ -230,10 +238,7 @@ def test_a_spare_that_stops_reading_mid_probe_is_still_dropped_after_it_takes_ov
     the node stayed with a worker that is gone, and no silent worker was dropped again."""
     limit = 2.0
     nodes = [{"id": "a", "device": "cpu"}, {"id": "sp", "device": "cpu", "spare": True}]
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes,
-                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": limit}))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config)
+    registry = registry_for(tmp_path, model_dir, nodes, heartbeat_s=0.5, heartbeat_timeout_s=limit)
     port = registry.start("127.0.0.1", 0)
     # small buffers on the head's side of every link (accepted sockets take the listener's), so that a probe's
     # 128 KiB PING fills them at once when the worker does not read
@@ -274,10 +279,7 @@ NO_STACK = 1 << 62
 def test_a_join_that_gets_no_thread_leaves_the_head_accepting_workers(tmp_path, model_dir):
     """A connection the head cannot start a handshake thread for (a thread or memory limit, for a moment) is turned
     away; the thread that accepts workers must go on, or no worker could join, nor a lost one rejoin, again."""
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
-                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config)
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.5, heartbeat_timeout_s=30)
     port = registry.start("127.0.0.1", 0)
     try:
         usual = threading.stack_size(NO_STACK)
@@ -305,10 +307,7 @@ def handshake_deadline_started(peer: str) -> bool:
 def test_a_worker_the_head_has_no_thread_to_ping_is_dropped_at_once_to_rejoin(tmp_path, model_dir):
     """Admitted, a worker gets a thread that pings it; with none to be had (a thread or memory limit, for a moment)
     it is dropped at once and may rejoin, where it held its place unheard until the watch found it silent."""
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
-                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config)
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.5, heartbeat_timeout_s=30)
     port = registry.start("127.0.0.1", 0)
     try:
         with Connection(socket.create_connection(("127.0.0.1", port), timeout=5)) as conn:
@@ -437,10 +436,7 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path, model_dir, caplog):
     cap = 1.0
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
-                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config, handshake_timeout_s=cap)
+    registry = registry_for(tmp_path, model_dir, handshake_timeout_s=cap, heartbeat_s=0.5, heartbeat_timeout_s=30)
     port = registry.start("127.0.0.1", 0)
     try:
         frame = encode(worker_hello("a"))
@@ -482,10 +478,8 @@ def test_a_peer_that_dribbles_its_hello_loses_its_place_at_the_deadline(tmp_path
 def test_connections_that_hold_every_handshake_place_give_way_to_a_worker(tmp_path, model_dir, caplog):
     """Idle connections to the join port (a plain connect takes a place, no token needed) cannot keep a worker
     out: one more than MAX_PENDING_HANDSHAKES closes the oldest, and a worker finishes its handshake at once."""
-    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
-                                            head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30}))
-    _, config, plan = load_config_and_plan(topology)
-    registry = WorkerRegistry(topology, plan, config)  # the 10 s deadline: idle places are not freed by it here
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.5, heartbeat_timeout_s=30)  # the handshake
+    # deadline (HELLO_TIMEOUT_S, 10 s): idle places are not freed by it here
     port = registry.start("127.0.0.1", 0)
     idle: list[socket.socket] = []
     try:
