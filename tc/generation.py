@@ -44,9 +44,11 @@ class Entry:
 
     An entry at start 0 begins the sequence: every stage makes it a fresh cache of `capacity` positions (its prompt
     plus its max_tokens). Later entries continue from exactly where the cache ends, growing it to `capacity` where
-    that is more (a cache taken up by a request that continues the text it holds). After its rows run, every
-    stage copies the sequence's cache into a new one for each id in `copies` (the other choices of a request
-    whose prompt was read once), which then continue as sequences of their own.
+    that is more (a cache taken up by a request that continues the text it holds). An entry naming a `source`
+    starts from the first `start` positions of that sequence's cache instead: its own, cut back to them (a cache
+    taken up by a request whose prompt shares only its start), or another's, copied (which keeps its own). After
+    its rows run, every stage copies the sequence's cache into a new one for each id in `copies` (the other
+    choices of a request whose prompt was read once), which then continue as sequences of their own.
     """
 
     sequence: int
@@ -54,6 +56,7 @@ class Entry:
     length: int
     capacity: int
     copies: tuple[int, ...] = ()
+    source: int | None = None
 
 
 class Pipeline(Protocol):
@@ -81,7 +84,15 @@ class LocalPipeline:
 
     def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
         for entry in entries:
-            if entry.start == 0:
+            if entry.source is not None:
+                if entry.source not in self.caches:
+                    raise ValueError(f"sequence {entry.sequence} starts from sequence {entry.source}'s cache, "
+                                     "which is not held")
+                held = self.caches[entry.source]
+                self.caches[entry.sequence] = [
+                    cache.cut(entry.start, entry.capacity) if entry.source == entry.sequence
+                    else cache.copy(entry.capacity, entry.start) for cache in held]
+            elif entry.start == 0:
                 self.caches[entry.sequence] = [s.new_cache(entry.capacity, next(s.parameters()).dtype, self.device)
                                                for s in self.stages]
             elif entry.sequence not in self.caches:
@@ -343,7 +354,10 @@ class SequenceState:
                                    if params.continues_prompt else ())
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
-        self.cached = 0  # of those, how many a finished request's cache held already (take_cache)
+        self.cached = 0  # of those, how many a finished request's cache held already (take_cache, copy_cache)
+        # The sequence whose cache the first entry starts from (its own, cut back, or another's, copied); None once
+        # that entry is made, or when it starts a fresh cache or continues its own as it is
+        self.source: int | None = None
         self.fed: list[int] = []  # the tokens decode steps fed in: with the prompt read, what its cache holds
         self.next_token: int | None = None  # the token the next decode step feeds in
         self.prompt_reports: list[TokenLogprob] = []
@@ -376,7 +390,9 @@ class SequenceState:
             self.fed.append(self.next_token)
             return Entry(self.id, self.position, 1, self.capacity), [self.next_token]
         ids = self.prompt_ids[self.prefilled:self.prefilled + prompt_budget]
-        return Entry(self.id, self.prefilled, len(ids), self.capacity), ids
+        entry = Entry(self.id, self.prefilled, len(ids), self.capacity, source=self.source)
+        self.source = None
+        return entry, ids
 
     def read_prompt(self, entry: Entry, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
                     ) -> None:
@@ -400,12 +416,20 @@ class SequenceState:
         """The tokens whose positions this sequence's cache holds, once its last step has run."""
         return self.prompt_ids[:self.prefilled] + self.fed
 
-    def take_cache(self, sequence: int, held: int) -> None:
-        """Continue the cache of `sequence`, a finished one whose cache holds this prompt's first `held` tokens
-        (fewer than the prompt has: its last position must run for the first token's logits): the first entry
-        reads the prompt from there, and grows the cache to this sequence's capacity."""
-        assert self.prefilled == 0 and 0 < held < len(self.prompt_ids)
+    def take_cache(self, sequence: int, held: int, cut: bool = False) -> None:
+        """Continue the cache of `sequence`, a finished one whose first `held` positions hold this prompt's first
+        `held` tokens (fewer than the prompt has: its last position must run for the first token's logits): the
+        first entry reads the prompt from there, and grows the cache to this sequence's capacity. With `cut`, the
+        cache holds more positions than those (text this prompt does not share), and that entry cuts it back."""
+        assert self.prefilled == self.cached and 0 < held < len(self.prompt_ids)
         self.id, self.prefilled, self.cached = sequence, held, held
+        self.source = sequence if cut else None
+
+    def copy_cache(self, sequence: int, held: int) -> None:
+        """Start from a copy of the first `held` positions of `sequence`'s cache (a finished one that stays kept
+        for others), which hold this prompt's first `held` tokens: the first entry reads the prompt from there."""
+        assert self.prefilled == 0 and 0 < held < len(self.prompt_ids)
+        self.prefilled, self.cached, self.source = held, held, sequence
 
     def take_prompt_from(self, leader: "SequenceState") -> None:
         """Start decoding from the leader's reading of the same prompt (its cache was copied for this one, unless it

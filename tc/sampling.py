@@ -43,6 +43,9 @@ class SamplingParams:
     # the text continues the prompt's (a text completion): a SentencePiece word's space stays at its start, where
     # a reply of its own (a chat message) starts at its first word, as transformers decodes it
     continues_prompt: bool = False
+    # llama.cpp's cache_prompt: the prompt may start from a kept cache that holds its start (head.prefix_cache);
+    # False reads all of it, as a request alone would (the same positions computed the same way, run after run)
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).

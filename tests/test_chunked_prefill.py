@@ -113,3 +113,39 @@ def test_chunked_prefill_equals_one_pass_on_a_tiny_model(tiny_model_dir):
 def test_chunked_prefill_equals_one_pass_on_the_demo_model(demo_model_dir):
     config = Qwen2Config.from_file(demo_model_dir / "config.json")
     check_chunked_equals_one_pass(demo_model_dir, 0, 6, 200, config.hidden_size, config.num_attention_heads)
+
+
+def test_a_worker_starts_a_cache_from_the_start_of_another_copied_or_its_own_cut_back(tiny_model_dir):
+    """An entry with a source starts from that sequence's first positions: copied into a new cache (the source
+    keeps all of its own) or, naming itself, cut back; either continues as a sequence that read those positions
+    itself would. A source missing, or holding too few positions, is refused before anything is allocated."""
+    runtime = load(tiny_model_dir, 0, 3, budget=1 << 40)  # max_sequences 4
+    width = Qwen2Config.from_file(tiny_model_dir / "config.json").hidden_size
+    g = torch.Generator().manual_seed(3)
+    text, other, step = (torch.randn(1, n, width, generator=g) for n in (20, 5, 1))
+    alone = load(tiny_model_dir, 0, 3, budget=1 << 40)
+    run(alone, [(0, 0, 12, text[:, :12])])
+    (want_other,) = run(alone, [(0, 12, 30, other)])  # what a sequence that read the first 12 itself gets
+    run(runtime, [(1, 0, 21, text)])
+
+    def with_source(sequence: int, start: int, capacity: int, rows: torch.Tensor, source: int):
+        entry = BatchEntry(sequence=sequence, position_start=start, length=rows.shape[1], cache_capacity=capacity,
+                           source=source)
+        return runtime.run(RunBatch(entries=(entry,), hidden_state=rows))
+
+    copied = with_source(2, 12, 30, other, source=1)  # a larger capacity than the source's
+    torch.testing.assert_close(copied.hidden_state.tensor(), want_other, rtol=1e-5, atol=1e-5)
+    assert (runtime.caches[1].length, runtime.caches[2].length, runtime.caches[2].capacity) == (20, 17, 30)
+    # the source still holds all of its text: its next step is the one it would have had without the copy
+    run(alone, [(5, 0, 21, text)])
+    (want_step,) = run(alone, [(5, 20, 21, step)])
+    torch.testing.assert_close(run(runtime, [(1, 20, 21, step)])[0], want_step, rtol=1e-5, atol=1e-5)
+    cut = with_source(1, 12, 21, other, source=1)  # its own, cut back: the room it has is enough
+    torch.testing.assert_close(cut.hidden_state.tensor(), want_other, rtol=1e-5, atol=1e-5)
+    assert (runtime.caches[1].length, runtime.caches[1].capacity) == (17, 21)
+    assert "starts from the first 18 positions of sequence 1's cache, but this worker holds a cache of 17 " \
+           "positions for it" in with_source(3, 18, 30, other, source=1).message
+    assert "holds no cache for it" in with_source(3, 4, 30, other, source=9).message
+    run(runtime, [(3, 0, 4, text[:, :2]), (4, 0, 4, text[:, :2])])  # four caches held: a copy would be a fifth
+    assert "would hold 5 sequences' caches" in with_source(6, 4, 30, other, source=1).message
+    assert sorted(runtime.caches) == [1, 2, 3, 4]

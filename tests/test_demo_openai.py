@@ -237,9 +237,14 @@ def test_the_next_turn_of_a_chat_reads_only_the_new_message(client):
     second = client.chat.completions.create(**ask)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens, second.usage
-    fresh = client.chat.completions.create(logprobs=True, top_logprobs=2, **ask)  # the same prompt: nothing to take
+    assert_same_as_a_fresh_reading(client, ask, second.choices[0].message.content)
+
+
+def assert_same_as_a_fresh_reading(client, ask: dict, text: str) -> None:
+    """`text` is the reply a reading of the whole prompt gives (cache_prompt false), up to a genuine tie."""
+    fresh = client.chat.completions.create(logprobs=True, top_logprobs=2, extra_body={"cache_prompt": False}, **ask)
     assert fresh.usage.prompt_tokens_details is None
-    text, want = second.choices[0].message.content, fresh.choices[0].message.content
+    want = fresh.choices[0].message.content
     if text != want:  # where they part, the fresh reading's two best tokens must have been a tie
         at = next((k for k, (a, b) in enumerate(zip(text, want)) if a != b), min(len(text), len(want)))
         spelled = 0
@@ -249,3 +254,20 @@ def test_the_next_turn_of_a_chat_reads_only_the_new_message(client):
                 assert best - second_best < 1e-3, (text, want)
                 break
             spelled += len(entry.token)
+
+
+def test_another_chat_with_the_same_system_prompt_reads_only_its_own_messages(client):
+    """Two conversations that open with the same long system prompt: the second starts from a copy of the part
+    the first's kept cache shares with it (head.prefix_cache), and its reply is a fresh reading's."""
+    system = ("You are a senior Python reviewer. Answer with code only, in one fenced block, no prose. Follow PEP 8, "
+              "add type hints to every function, prefer the standard library, never use global state, keep "
+              "functions short, name things for what they are, and raise ValueError with a clear message on bad "
+              "input. Tests use pytest; do not write them unless asked.")
+    asks = [dict(model=MODEL_NAME, temperature=0, max_tokens=24,
+                 messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+            for question in ("Write a function that reverses a string.", "Write a function that sums a list.")]
+    first = client.chat.completions.create(**asks[0])
+    second = client.chat.completions.create(**asks[1])
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 64 <= cached < min(first.usage.prompt_tokens, second.usage.prompt_tokens), second.usage
+    assert_same_as_a_fresh_reading(client, asks[1], second.choices[0].message.content)

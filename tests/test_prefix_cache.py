@@ -13,7 +13,7 @@ import torch
 from cluster import Cluster, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
 from tc.generation import Completion, Generator
-from tc.head.service import GenerationService, Readiness
+from tc.head.service import MIN_SHARED_TOKENS, GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
@@ -103,6 +103,62 @@ def test_kept_caches_never_take_more_places_than_the_batch_has(model_dir):
     assert len(pipeline.caches) <= 2
 
 
+def common_start(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_prompt_that_shares_the_start_of_a_kept_one_copies_that_part(model_dir):
+    """The same long system prompt before another question: the second request copies the part it shares from the
+    first's kept cache, which stays kept and still serves the first conversation's next turn whole."""
+    service = new_service(model_dir)
+    pipeline = service.generator.pipeline
+    system = prompt(40, MIN_SHARED_TOKENS + 6)
+    first_prompt, second_prompt = system + prompt(41, 10), system + prompt(42, 9)
+    first = service.complete(first_prompt, GREEDY)
+    second = service.complete(second_prompt, GREEDY)
+    shared = common_start(first_prompt, second_prompt)
+    assert shared >= len(system) and second.cached_prompt_tokens == shared
+    assert_same_greedy_text(second.text, alone(model_dir, second_prompt, GREEDY))
+    assert len(service._kept) == 2 and set(pipeline.caches) == set(service._kept)
+    # the copy is the second's own: the first's cache still holds all of its text
+    next_turn = first_prompt + list(first.token_ids) + [9, 8]
+    third = service.complete(next_turn, GREEDY)
+    assert third.cached_prompt_tokens == len(first_prompt) + len(first.token_ids) - 1
+    assert_same_greedy_text(third.text, alone(model_dir, next_turn, GREEDY))
+    # the same prompt again (a reply regenerated) copies all of it but its last position, which must run
+    again = service.complete(second_prompt, GREEDY)
+    assert again.cached_prompt_tokens == len(second_prompt) - 1
+    assert_same_greedy_text(again.text, alone(model_dir, second_prompt, GREEDY))
+    assert cached_total(service) == shared + third.cached_prompt_tokens + again.cached_prompt_tokens
+    # fewer shared tokens than that are read whole, and so is a prompt that asks for it (cache_prompt false)
+    short = system[:MIN_SHARED_TOKENS - 1] + prompt(43, 10)
+    assert service.complete(short, GREEDY).cached_prompt_tokens == 0
+    assert service.complete(second_prompt, dataclasses.replace(GREEDY, cache_prompt=False)).cached_prompt_tokens == 0
+    assert service.complete(next_turn + [7], dataclasses.replace(GREEDY, cache_prompt=False)).cached_prompt_tokens == 0
+
+
+def test_a_kept_cache_whose_place_is_needed_is_cut_back_for_the_request_that_shares_it(model_dir):
+    """With one place, the kept cache cannot stay beside a copy of it: the request that shares its start takes it
+    over, cut back to the shared part, and the workers never hold two caches."""
+    service = new_service(model_dir, max_batch=1)
+    pipeline = service.generator.pipeline
+    system = prompt(50, MIN_SHARED_TOKENS + 10)
+    first_prompt, second_prompt = system + prompt(51, 12), system + prompt(52, 5)
+    first = service.complete(first_prompt, GREEDY)
+    (kept,) = service._kept
+    second = service.complete(second_prompt, GREEDY)
+    assert second.cached_prompt_tokens == common_start(first_prompt, second_prompt)
+    assert_same_greedy_text(second.text, alone(model_dir, second_prompt, GREEDY))
+    assert list(service._kept) == [kept] and list(pipeline.caches) == [kept]  # the same cache, now the second's
+    assert service._kept[kept] == second_prompt + list(second.token_ids)[:-1]
+    # the first conversation's next turn finds only the shared part now
+    next_turn = first_prompt + list(first.token_ids) + [9]
+    assert service.complete(next_turn, GREEDY).cached_prompt_tokens == common_start(first_prompt, second_prompt)
+
+
 def test_nothing_is_kept_when_it_is_off(model_dir):
     service = new_service(model_dir, prefix_cache=False)
     first_prompt = prompt(1, 40)
@@ -184,6 +240,44 @@ def test_workers_grow_and_continue_a_kept_cache_across_direct_hops(cluster, mode
     assert_same_greedy_text(again["choices"][0]["text"], expected)
 
 
+def test_workers_copy_and_cut_back_the_part_of_a_kept_cache_a_prompt_shares(cluster, model_dir):
+    """Through a head and two worker processes: a request sharing a long start with a kept one copies it on both
+    workers (and the kept one stays), and where the batch's two places are taken, the request that shares a kept
+    cache's start takes it over, cut back; every text is a fresh read's."""
+    system = prompt(60, MIN_SHARED_TOKENS + 4)
+    prompts = [system + prompt(61 + i, 6) for i in range(3)]
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    copied = complete(cluster, prompts[0], 5)
+    before = metric(cluster, "tc_prompt_tokens_cached_total")
+    second = stream(cluster, prompts[1], 5)
+    assert cached_tokens(second) == common_start(prompts[0], prompts[1]) >= len(system)
+    assert metric(cluster, "tc_prompt_tokens_cached_total") == before + cached_tokens(second)
+    assert cluster.get("/v1/cluster")[1]["batch"]["kept"] == 2
+    for prompt_ids, body in ((prompts[0], copied), (prompts[1], second)):
+        assert_same_greedy_text(body["choices"][0]["text"], alone(model_dir, prompt_ids, greedy))
+    # both places hold kept caches: the third copies the one it shares most with, and the oldest other goes
+    third = complete(cluster, prompts[2], 5)
+    assert cached_tokens(third) == max(common_start(prompts[2], p) for p in prompts[:2])
+    assert_same_greedy_text(third["choices"][0]["text"], alone(model_dir, prompts[2], greedy))
+    assert cluster.get("/v1/cluster")[1]["batch"]["kept"] == 2
+    # the same prompt as the third, twice at once: the batch's two places leave no room for a copy beside its
+    # kept cache, so the first admitted takes it over cut back (the other reads whole or copies the second's)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        twice = list(pool.map(lambda _: complete(cluster, prompts[2], 5), range(2)))
+    for body in twice:
+        assert_same_greedy_text(body["choices"][0]["text"], alone(model_dir, prompts[2], greedy))
+    assert max(cached_tokens(body) for body in twice) == len(prompts[2]) - 1
+    # a request may ask to read its prompt whole (llama.cpp's cache_prompt); a value not a boolean is a 400
+    ask = {"model": cluster.model, "prompt": prompts[2], "max_tokens": 2, "temperature": 0}
+    status, body = cluster.post("/v1/completions", {**ask, "cache_prompt": False})
+    assert status == 200 and cached_tokens(body) == 0
+    status, body = cluster.post("/v1/completions", {**ask, "cache_prompt": "no"})
+    assert status == 400 and body["error"]["param"] == "cache_prompt", body
+    for worker in cluster.workers.values():
+        assert "holds" not in worker.output() and "Traceback" not in worker.output()
+
+
 def test_a_worker_replaced_between_turns_takes_the_kept_caches_with_it(cluster, model_dir):
     """The kept caches go with a worker that leaves: the next turns read their prompts whole, with the right
     text, whether or not another request ran on the new worker first; none fails for a cache it lacks."""
@@ -226,3 +320,64 @@ def test_the_topology_turns_it_off_by_name():
     with pytest.raises(TopologyError) as caught:
         parse_topology({**base, "head": {**base["head"], "prefix_cache": "yes"}}, ROOT)
     assert caught.value.key_path == "head.prefix_cache"
+
+
+def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path, model_dir):
+    """A worker SIGKILLed just before the step that copies a kept cache's start, or a few decode steps after it:
+    the head replays the copy's inputs (the kept sequence's for the shared part, then its own) on the new worker,
+    and the reply is the uninterrupted one. The head runs in this process, so the test picks the exact step."""
+    from tc.head.main import start_head
+    from tc.topology import load_topology
+    from test_resume_dtypes import start_worker
+
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    path = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={
+        "heartbeat_s": 0.5, "heartbeat_timeout_s": 3, "resume": True, "resume_grace_s": 120, "max_batch": 2})
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    workers = {n: start_worker(head, n, tmp_path / f"{n}.log") for n in ("a", "b")}
+    service, pipeline = head.service, head.service.generator.pipeline
+    system = prompt(70, MIN_SHARED_TOKENS + 8)
+    first_prompt, second_prompt = system + prompt(71, 7), system + prompt(72, 5)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)
+    calls: list[list] = []
+    kill: dict[int, str] = {}  # pipeline call (from 1) -> the node whose worker dies just before it
+    run = pipeline.run
+
+    def run_killing(entries, hidden):
+        calls.append(list(entries))
+        node = kill.get(len(calls))
+        if node is not None:
+            lost = workers.pop(node)
+            lost.proc.kill()
+            lost.stop()
+            workers[node] = start_worker(head, node, tmp_path / f"{node}-{len(calls)}.log")
+        return run(entries, hidden)
+
+    def second_turn() -> Completion:
+        """The first request, kept; then the second, copying its start."""
+        service._release_kept(len(service._kept))  # the loop is idle: nothing of an earlier run stays kept
+        calls.clear()
+        service.complete(first_prompt, params)
+        return service.complete(second_prompt, params)
+
+    pipeline.run = run_killing
+    try:
+        assert head.registry.wait_ready(300), [w.output() for w in workers.values()]
+        expected = second_turn()
+        assert expected.cached_prompt_tokens == common_start(first_prompt, second_prompt)
+        copying = next(i for i, entries in enumerate(calls, 1) if entries[0].source is not None)
+        for at, node in [(copying, "b"), (copying + 3, "a")]:
+            kill.clear()
+            kill[at] = node
+            resumes = pipeline.resumes
+            got = second_turn()
+            assert pipeline.resumes == resumes + 1, f"the loss at step {at} was not resumed"
+            assert (got.token_ids, got.text, got.cached_prompt_tokens) == \
+                   (expected.token_ids, expected.text, expected.cached_prompt_tokens), f"{node} killed before {at}"
+            assert [t.logprob.logprob for t in got.tokens] == \
+                   pytest.approx([t.logprob.logprob for t in expected.tokens], abs=1e-4)
+    finally:
+        pipeline.run = run
+        for worker in workers.values():
+            worker.stop()
+        head.stop()

@@ -120,7 +120,7 @@ def assignment_payload(**changes: Any) -> dict[str, Any]:
 
 
 ENTRY = {"sequence": 1, "position_start": 0, "length": 1, "cache_capacity": 4,
-         "copies": []}  # one BatchEntry on the wire
+         "copies": [], "source": None}  # one BatchEntry on the wire
 RELAYED = {"route": 0, "released": [], "upstream_seconds": []}  # a RUN_BATCH's fields beside its entries and rows, for one the head relays
 
 
@@ -165,6 +165,11 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "run-batch-copies": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=0, length=2, cache_capacity=9,
                                                              copies=(5, 6)),),
                                          hidden_state=hidden(seq=2, dtype=torch.bfloat16)),
+    "run-batch-sources": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=70, length=2,
+                                                              cache_capacity=90, source=2),
+                                                   BatchEntry(sequence=3, position_start=65, length=1,
+                                                              cache_capacity=70, source=3)),
+                                          hidden_state=hidden(seq=3, dtype=torch.bfloat16)),
     "run-batch-prefill-large": lambda: RunBatch(entries=(BatchEntry(sequence=2, position_start=0, length=40,
                                                                     cache_capacity=64),),
                                                 hidden_state=hidden(seq=40, width=896), upstream_seconds=(0.5,)),
@@ -245,7 +250,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION == 8
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -510,6 +515,21 @@ BAD_PAYLOADS = {
         "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, copies=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0].copies"]
     ),
+    "source starts nothing": (
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, source=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH.entries[0]", "position_start must be more than 0"]
+    ),
+    "source runs too": (
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2),
+                                             dict(ENTRY, sequence=2, position_start=3)],
+                      "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))},
+        ["RUN_BATCH", "copies the caches of [2]"]
+    ),
+    "source released": (
+        "RUN_BATCH", {**RELAYED, "released": [2], "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2)],
+                      "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        ["RUN_BATCH", "copies the caches of [2]"]
+    ),
     "release negative": ("RELEASE", {"sequences": [-1]}, ["RELEASE.sequences[0]"]),
     "route negative": (
         "RUN_BATCH", {**RELAYED, "route": -1, "entries": [ENTRY], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
@@ -561,18 +581,23 @@ def test_older_peers_are_told_apart():
     and an old RUN_DECODE by its type, never half-read; version 4's PING and PONG carry a payload, which an older
     one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks; version 6's RUN_BATCH
     says its route, the stages' times before it and the sequences released before it, and its HELLO the worker's
-    peer port; a version 6 worker would not grow a cache that a version 7 entry continues with more capacity."""
-    for old in (1, 2, 3, 4, 5, 6):
+    peer port; a version 6 worker would not grow a cache that a version 7 entry continues with more capacity; version
+    8's RUN_BATCH entries may name a source, which a version 7 entry lacks."""
+    for old in (1, 2, 3, 4, 5, 6, 7):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 7)
+        assert (info.value.peer_version, info.value.our_version) == (old, 8)
     version_5_hello = {k: v for k, v in make_hello().to_payload().items() if k not in ("peer_port", "peer_host")}
     with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['peer_port', 'peer_host'\]"):
         Hello.from_payload(version_5_hello)
     with pytest.raises(ProtocolError, match=r"RUN_BATCH lacks field\(s\) \['route', 'upstream_seconds', 'released'\]"):
         FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {"entries": [ENTRY], "hidden_state": good_tensor()})))
-    version_4_entry = {k: v for k, v in ENTRY.items() if k != "copies"}
-    with pytest.raises(ProtocolError, match=r"RUN_BATCH.entries\[0\] lacks field\(s\) \['copies'\]"):
+    version_7_entry = {k: v for k, v in ENTRY.items() if k != "source"}
+    with pytest.raises(ProtocolError, match=r"RUN_BATCH.entries\[0\] lacks field\(s\) \['source'\]"):
+        FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {**RELAYED, "entries": [version_7_entry],
+                                                             "hidden_state": good_tensor()})))
+    version_4_entry = {k: v for k, v in ENTRY.items() if k not in ("copies", "source")}
+    with pytest.raises(ProtocolError, match=r"RUN_BATCH.entries\[0\] lacks field\(s\) \['copies', 'source'\]"):
         FrameDecoder().feed(frame_of(envelope("RUN_BATCH", {**RELAYED, "entries": [version_4_entry],
                                                              "hidden_state": good_tensor()})))
     with pytest.raises(ProtocolError, match=r"PONG .*payload"):

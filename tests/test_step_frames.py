@@ -32,8 +32,10 @@ def hidden(rows: int, width: int = 8, dtype: torch.dtype = torch.bfloat16) -> to
     return torch.randn(1, rows, width, generator=GEN).to(dtype)
 
 
-def entry(sequence: int, start: int = 0, length: int = 1, capacity: int = 64, copies: tuple = ()) -> BatchEntry:
-    return BatchEntry(sequence=sequence, position_start=start, length=length, cache_capacity=capacity, copies=copies)
+def entry(sequence: int, start: int = 0, length: int = 1, capacity: int = 64, copies: tuple = (),
+          source: int | None = None) -> BatchEntry:
+    return BatchEntry(sequence=sequence, position_start=start, length=length, cache_capacity=capacity, copies=copies,
+                      source=source)
 
 
 # The forms a running cluster sends: decode steps of one or many sequences, prefill chunks, a mixed batch, passed
@@ -65,6 +67,8 @@ ENVELOPES = [(None, 0), ("req-1", 9), ("chatcmpl-" + "9f" * 20, 70000), ("rÃ©q-â
 RARER = {
     "a prompt read once for several choices": RunBatch(entries=(entry(1, 0, 4, 8, copies=(2, 3)),),
                                                         hidden_state=hidden(4)),
+    "prompts that start from kept caches": RunBatch(entries=(entry(4, 30, 3, 40, source=2),
+                                                             entry(5, 12, 2, 20, source=5)), hidden_state=hidden(5)),
     "an answer of several batch rows": HiddenState(hidden_state=torch.zeros(2, 1, 4), compute_seconds=0.5),
 }
 
@@ -228,14 +232,14 @@ def test_a_cut_or_lengthened_frame_is_left_to_the_reference(name):
 
 def _at_the_item_limit(part: str, over: int) -> RunBatch | HiddenState:
     """A frame of cbor.MAX_ITEMS + `over` items as the reference counts them, the most of them in `part`."""
-    if part == "entries":  # 27 + 11 a sequence: as near the limit as whole entries go, the rest released
-        count = (MAX_ITEMS - 27) // 11
+    if part == "entries":  # 27 + 13 a sequence: as near the limit as whole entries go, the rest released
+        count = (MAX_ITEMS - 27) // 13
         return RunBatch(entries=tuple(entry(s) for s in range(count)), hidden_state=hidden(count, width=1),
-                        released=tuple(range(count, count + MAX_ITEMS - 27 - 11 * count + over)))
+                        released=tuple(range(count, count + MAX_ITEMS - 27 - 13 * count + over)))
     if part == "released":
-        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), released=tuple(range(1, MAX_ITEMS - 37 + over)))
+        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), released=tuple(range(1, MAX_ITEMS - 39 + over)))
     if part == "times":
-        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), upstream_seconds=(0.5,) * (MAX_ITEMS - 38 + over))
+        return RunBatch(entries=(entry(0),), hidden_state=hidden(1), upstream_seconds=(0.5,) * (MAX_ITEMS - 40 + over))
     return HiddenState(hidden_state=hidden(1), compute_seconds=0.5, upstream_seconds=(0.5,) * (MAX_ITEMS - 23 + over))
 
 

@@ -110,6 +110,7 @@ class SamplingFields:
     ignore_eos: bool = False  # vLLM's extension: EOS does not end the completion
     n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value), by token id; not yet checked against a vocab
+    cache_prompt: bool = True  # llama.cpp's extension: False reads the whole prompt, whatever caches are kept
 
     def to_params(self, default_max_tokens: int, *, default_is: str = "", prompt_logprobs: bool = False,
                   continues_prompt: bool = False) -> SamplingParams:
@@ -127,7 +128,7 @@ class SamplingFields:
                               repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs and self.logprobs is not None,
                               min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, continues_prompt=continues_prompt,
-                              logit_bias=self.logit_bias)
+                              logit_bias=self.logit_bias, cache_prompt=self.cache_prompt)
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {}
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "logprobs", "min_tokens", "ignore_eos", "logit_bias"})
+                            "logprobs", "min_tokens", "ignore_eos", "logit_bias", "cache_prompt"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format"}
@@ -550,6 +551,7 @@ _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
     "repetition_penalty": _repetition_penalty,
     "min_tokens": lambda value: _max_tokens(value, "min_tokens", least=0),
     "ignore_eos": lambda value: _boolean(value, "ignore_eos"), "n": _choices, "logit_bias": _logit_bias,
+    "cache_prompt": lambda value: _boolean(value, "cache_prompt"),
 }
 
 

@@ -284,7 +284,10 @@ class RemotePipeline:
     def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
         row = 0
         for e in entries:
-            if e.start == 0:
+            if e.source is not None:  # its cache starts as the source's first e.start positions: so do its inputs
+                first = torch.cat(self._inputs[e.source][1], dim=1)[:, :e.start].clone()
+                self._inputs[e.sequence] = (e.capacity, [first])
+            elif e.start == 0:
                 self._inputs[e.sequence] = (e.capacity, [])
             elif e.capacity > self._inputs[e.sequence][0]:  # a cache taken up by a request that continues it
                 self._inputs[e.sequence] = (e.capacity, self._inputs[e.sequence][1])
@@ -296,7 +299,7 @@ class RemotePipeline:
         self._new_step()
         released, self._released = tuple(self._released), []
         batch = tuple(BatchEntry(sequence=e.sequence, position_start=e.start, length=e.length,
-                                 cache_capacity=e.capacity, copies=e.copies) for e in entries)
+                                 cache_capacity=e.capacity, copies=e.copies, source=e.source) for e in entries)
         try:
             links = self.registry.links_in_order()
             if any(e.start > 0 for e in entries):

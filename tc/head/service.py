@@ -22,11 +22,15 @@ next request's prompt is the last one's prompt and completion and a new message.
 ends (finished, or its client gone) keeps its caches on the workers, with the tokens they hold; an admitted
 single-choice request whose prompt starts with all of a kept sequence's tokens, and has more, takes those caches
 over (SequenceState.take_cache): it reads only the rest of its prompt, and its usage reports the tokens it did
-not read as cached. Kept caches hold places the batch does not use: the oldest is released whenever an admitted
-request needs its place, so the workers never hold more than `max_batch` caches. A pipeline error releases them
-all. The continued sequence computes its cached positions as its predecessor did (a prompt read in one pass, a
-completion one position a step), not as one pass over the new prompt: in fp32 that moves logits by ~1e-6, in bf16
-by as much as resuming does (tc/head/pipeline.py).
+not read as cached. A request whose prompt shares only the start of a kept sequence's tokens, at least
+MIN_SHARED_TOKENS of them (the same long system prompt, a reply regenerated, a conversation's last turn edited),
+starts from a copy of that part (SequenceState.copy_cache; the kept cache stays for others, and is released last).
+Kept caches hold places the batch does not use: the oldest is released whenever an admitted request needs its
+place, so the workers never hold more than `max_batch` caches; one a request waits to copy from is handed to it
+instead, cut back to the part they share. A pipeline error releases them all. The continued sequence computes its
+cached positions as its predecessor did (a prompt read in one pass, a completion one position a step), not as one
+pass over the new prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does
+(tc/head/pipeline.py).
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
@@ -53,6 +57,25 @@ from .metrics import Hop, Metrics
 DEFAULT_MAX_BATCH = 8
 GONE_CHECK_S = 0.25  # how often a request waiting for its first step looks whether its client has gone
 RATE_WINDOW_S = 10.0  # aggregate tokens/s is measured over this much recent time
+# The fewest prompt tokens a request copies from a kept cache whose text it shares only in part: fewer cost little
+# to read, and a copy computes the rest of the prompt apart from its start (the module's docstring)
+MIN_SHARED_TOKENS = 64
+
+
+def shared_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` start with in common (slices compared at C speed: a 30k-token prompt against a
+    kept cache takes microseconds, not a Python loop's milliseconds)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    same, differs = 0, n  # a[:same] == b[:same] and a[:differs] != b[:differs]
+    while differs - same > 1:
+        middle = (same + differs) // 2
+        if a[same:middle] == b[same:middle]:
+            same = middle
+        else:
+            differs = middle
+    return same
 
 
 @dataclass(frozen=True)
@@ -532,39 +555,67 @@ class GenerationService:
         released = []
         for request in requests:
             sequence = request.sequence
-            if self.prefix_cache and self._single(request) and sequence.prefilled:
+            # one that never ran its first entry from a kept cache holds no cache of its own text
+            if self.prefix_cache and self._single(request) and sequence.prefilled and sequence.source is None:
                 self._kept[sequence.id] = sequence.cache_ids()
             else:
                 released.append(request)
         self._release(released)
 
     def _take_kept(self, request: _Request) -> None:
-        """An admitted request continues the kept cache holding the longest start of its prompt, if any holds
-        one (and the workers still have it)."""
+        """An admitted request starts from the kept cache that holds the longest start of its prompt: it takes
+        the cache over where the prompt has all of its text, else copies the part they share, where that is at
+        least MIN_SHARED_TOKENS (the module's docstring)."""
         sequence = request.sequence
-        if not self._kept or not self._single(request) or sequence.params.prompt_logprobs:
+        params = sequence.params
+        if not self._kept or not self._single(request) or params.prompt_logprobs or not params.cache_prompt:
             return
-        prompt, best = sequence.prompt_ids, None
+        prompt, best, best_key = sequence.prompt_ids, None, (0, False)
+        copied_from = self._copied_from()
         for kept, tokens in self._kept.items():
-            if len(tokens) < len(prompt) and prompt[:len(tokens)] == tokens and \
-                    (best is None or len(tokens) > len(self._kept[best])):
-                best = kept
+            if kept in copied_from:  # one copy at a time: it stays as it is until the copy is made
+                continue
+            shared = min(shared_start(prompt, tokens), len(prompt) - 1)  # its last position must run
+            key = (shared, shared == len(tokens))  # the longest; of two as long, one taken whole
+            if key > best_key and (key[1] or shared >= MIN_SHARED_TOKENS):
+                best, best_key = kept, key
         if best is None:
             return
-        held = len(self._kept.pop(best))
         if not self.generator.pipeline.holds(best):  # a worker was replaced since: it went with the old one
+            del self._kept[best]
             self.generator.pipeline.release([best])
             return
-        sequence.take_cache(best, held)
+        held, whole = best_key
+        if whole:
+            del self._kept[best]
+            sequence.take_cache(best, held)
+        else:
+            self._kept.move_to_end(best)  # the last to be released (_release_kept)
+            sequence.copy_cache(best, held)
         self.metrics.cached_prompt_tokens.inc(held)
 
+    def _copied_from(self) -> dict[int, SequenceState]:
+        """The kept caches that requests in the batch wait to copy from (their first entry not yet run): kept
+        sequence -> the sequence that copies it."""
+        with self._lock:
+            batch = list(self._batch)
+        return {r.sequence.source: r.sequence for r in batch if r.sequence.source not in (None, r.sequence.id)}
+
     def _release_kept(self, count: int) -> None:
-        """Release the `count` oldest kept caches."""
+        """Release the `count` oldest kept caches. One that a request waits to copy from is handed to that request
+        instead, cut back to the part they share: the same place is freed, and the request still starts from it."""
         oldest = list(itertools.islice(self._kept, count))
-        for sequence in oldest:
-            del self._kept[sequence]
-        if oldest:
-            self.generator.pipeline.release(oldest)
+        copied_from = self._copied_from() if oldest else {}
+        released = []
+        for kept in oldest:
+            del self._kept[kept]
+            copier = copied_from.get(kept)
+            if copier is not None:
+                copier.take_cache(kept, copier.cached, cut=True)
+            else:
+                released.append(kept)
+        if released:
+            self.generator.pipeline.release(released)
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for request in requests:  # all marked before any hears, so that a choice closed on a sibling's error

@@ -38,14 +38,27 @@ class KVCache:
         slot[:, :, :, position_start:end] = kv
         return slot[0, :, :, :end], slot[1, :, :, :end]
 
-    def copy(self, capacity: int | None = None) -> "KVCache":
-        """A new cache of `capacity` positions (default: this one's, and never fewer than it holds) holding what
-        this one holds so far (positions [0, length))."""
-        capacity = self.capacity if capacity is None else max(capacity, self.length)
+    def copy(self, capacity: int | None = None, length: int | None = None) -> "KVCache":
+        """A new cache of `capacity` positions (default: this one's, and never fewer than it keeps) holding the
+        first `length` positions this one holds (default: all of them, [0, self.length))."""
+        length = self.length if length is None else length
+        if not 0 <= length <= self.length:
+            raise ValueError(f"a copy of {length} positions from a cache holding {self.length}")
+        capacity = self.capacity if capacity is None else max(capacity, length)
         twin = KVCache(self.layer_ids, self.n_kv_heads, self.head_dim, capacity, self.kv.dtype, self.kv.device)
-        twin.kv[:, :, :, :, :self.length] = self.kv[:, :, :, :, :self.length]
-        twin.length = self.length
+        twin.kv[:, :, :, :, :length] = self.kv[:, :, :, :, :length]
+        twin.length = length
         return twin
+
+    def cut(self, length: int, capacity: int) -> "KVCache":
+        """This cache holding only its first `length` positions, with room for `capacity` (a cache taken up by a
+        request whose prompt shares only its start): itself where it has the room, else a larger copy."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"a cut to {length} positions of a cache holding {self.length}")
+        if capacity > self.capacity:
+            return self.copy(capacity, length)
+        self.length = length  # later positions are written again before anything reads them
+        return self
 
     def layer_slot(self, layer: int, position: int) -> torch.Tensor:
         """The storage of `layer` ([K/V, B, H_kv, capacity, D], contiguous) for a kernel that stores `position`

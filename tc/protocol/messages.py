@@ -39,7 +39,9 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 #    link the batch came by
 # 7: a RUN_BATCH entry that continues a sequence may ask for a larger cache_capacity than its cache was made with,
 #    and the worker grows the cache (a finished request's cache taken up by the request that continues its text)
-PROTOCOL_VERSION = 7
+# 8: a RUN_BATCH entry may name a `source`: the sequence whose first position_start positions its cache starts
+#    from, its own cut back or another's copied (a request whose prompt shares only the start of a kept cache)
+PROTOCOL_VERSION = 8
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -642,7 +644,10 @@ class BatchEntry(WireStruct):
     position_start 0 starts the sequence: the worker makes it a fresh cache of cache_capacity positions (prompt +
     max_tokens). Otherwise its cache must hold exactly position_start positions, and grows to cache_capacity where
     that is more (the head hands a finished request's cache to one that continues its text: its prompt is that
-    request's prompt and completion and more, and its capacity its own). Once the entry's rows have run,
+    request's prompt and completion and more, and its capacity its own). With a `source`, the cache starts from
+    the first position_start positions of that sequence's cache, which must hold at least that many: its own
+    cut back to them, or another's copied into a new cache (that one left as it is); the head does so for a
+    request whose prompt shares only the start of a finished request's text. Once the entry's rows have run,
     the worker copies the sequence's cache into a new cache for each id in `copies` (replacing any it holds).
     """
 
@@ -651,11 +656,15 @@ class BatchEntry(WireStruct):
     length: int = wire(_Int(1))
     cache_capacity: int = wire(_Int(1))
     copies: tuple[int, ...] = wire(_TupleOf(COUNT), default=())
+    source: int | None = wire(_Optional(COUNT), default=None)
 
     def _validate(self) -> None:
         if self.position_start + self.length > self.cache_capacity:
             raise ValueError(f"sequence {self.sequence}: positions up to {self.position_start + self.length} do not "
                              f"fit its cache_capacity {self.cache_capacity}")
+        if self.source is not None and self.position_start == 0:
+            raise ValueError(f"sequence {self.sequence}: a source's positions start it, so position_start must be "
+                             "more than 0")
         if self.sequence in self.copies or len(set(self.copies)) != len(self.copies):
             raise ValueError(f"sequence {self.sequence}: copies {list(self.copies)} must be other sequences, each "
                              "once")
@@ -693,6 +702,11 @@ class RunBatch(Message):
             raise ValueError(f"RunBatch copies {copies} must name sequences not otherwise in the batch, each once")
         if set(self.released) & (set(sequences) | set(copies)):
             raise ValueError(f"RunBatch releases {list(self.released)}, and runs or copies some of them")
+        # a cache copied from must stay as it is until the batch runs: no other entry, copy or release touches it
+        sources = [e.source for e in self.entries if e.source is not None and e.source != e.sequence]
+        if set(sources) & (set(sequences) | set(copies) | set(self.released)):
+            raise ValueError(f"RunBatch copies the caches of {sources}, and runs, copies into or releases some of "
+                             "them")
         rows = sum(e.length for e in self.entries)
         shape = self.hidden_state.shape  # of rank 3: the field's kind checked that
         if shape[0] != 1 or shape[1] != rows:

@@ -9,7 +9,8 @@ function that writes or reads the bytes in the order the frame holds them.
 
 `write_step_frame` writes exactly the parts the general path writes (the same bytes, tensor data by reference the
 same way), so a receiver cannot tell which wrote a frame. `read_step_body` accepts only the form that writer
-writes for a step (fields in the writer's order, 8-byte floats, a [1, rows, width] tensor, no `copies`) and gives
+writes for a step (fields in the writer's order, 8-byte floats, a [1, rows, width] tensor, no `copies`, no
+`source`) and gives
 exactly the Envelope the reference gives for it, checked the same; anything else, valid or not, returns None and
 framing.decode_body reads the body through the reference, which reads the rarer forms and words every error.
 tests/test_step_frames.py holds the two to the same bytes and the same answers.
@@ -28,7 +29,7 @@ from tc.protocol.tensors import _ITEM_SIZES, _MAX_DIM, WireTensor
 # The fields these functions know, in the order the general path writes them (the order the classes declare
 # them). A message that gains a field no longer matches, and the test comparing these with the classes fails.
 RUN_BATCH_FIELDS = ("entries", "hidden_state", "route", "upstream_seconds", "released")
-BATCH_ENTRY_FIELDS = ("sequence", "position_start", "length", "cache_capacity", "copies")
+BATCH_ENTRY_FIELDS = ("sequence", "position_start", "length", "cache_capacity", "copies", "source")
 HIDDEN_STATE_FIELDS = ("hidden_state", "compute_seconds", "upstream_seconds")
 TENSOR_FIELDS = ("dtype", "shape", "data")
 
@@ -55,10 +56,12 @@ _HIDDEN_STATE_START = _envelope_start(HiddenState.TYPE)
 _SEQ = _text("seq")
 _RUN_BATCH_PAYLOAD = _text("payload") + b"\xa5" + _text("entries")
 _HIDDEN_STATE_PAYLOAD = _text("payload") + b"\xa3"
-_ENTRY_SEQUENCE = b"\xa5" + _text("sequence")
+_ENTRY_SEQUENCE = b"\xa6" + _text("sequence")
 _POSITION_START, _LENGTH, _CACHE_CAPACITY = _text("position_start"), _text("length"), _text("cache_capacity")
 _COPIES = _text("copies")
 _NO_COPIES = _COPIES + b"\x80"
+_SOURCE = _text("source")
+_NO_SOURCE = _SOURCE + b"\xf6"
 _TENSOR_DTYPE = _text("hidden_state") + b"\xa3" + _text("dtype")
 _SHAPE = _text("shape")
 _RANK_3 = _SHAPE + b"\x83"
@@ -70,7 +73,7 @@ _DTYPE_TEXT = {name: _text(name) for name in _ITEM_SIZES}  # each wire dtype's n
 # The items of a frame as the reference counts them against cbor.MAX_ITEMS (every container's children: a map's
 # keys and values, an array's elements), so that the reader refuses no less than it does and never builds
 # millions of objects from one frame: the envelope's 4 pairs, the payload's pairs, the hidden state's 3 pairs and
-# its shape of 3; then each entry (its place in the array and its 5 pairs), each time and each released sequence.
+# its shape of 3; then each entry (its place in the array and its 6 pairs), each time and each released sequence.
 _FIXED_ITEMS = 2 * 4 + 2 * len(TENSOR_FIELDS) + 3
 RUN_BATCH_ITEMS = _FIXED_ITEMS + 2 * len(RUN_BATCH_FIELDS)
 HIDDEN_STATE_ITEMS = _FIXED_ITEMS + 2 * len(HIDDEN_STATE_FIELDS)
@@ -120,6 +123,11 @@ def write_step_frame(message: RunBatch | HiddenState, request_id: str | None, se
                     _head(out, 0, copy)
             else:
                 out += _NO_COPIES
+            if entry.source is None:
+                out += _NO_SOURCE
+            else:
+                out += _SOURCE
+                _head(out, 0, entry.source)
     else:
         out += _HIDDEN_STATE_PAYLOAD
     tensor = message.hidden_state
@@ -249,12 +257,13 @@ def _read(view: memoryview) -> tuple[RunBatch | HiddenState, str | None, int]:
             pos = _expect(view, pos, _CACHE_CAPACITY)
             capacity, pos = _read_head(view, pos, 0)
             pos = _expect(view, pos, _NO_COPIES)
+            pos = _expect(view, pos, _NO_SOURCE)
             if length < 1 or start + length > capacity or sequence in sequences:
                 raise _Declined
             sequences.add(sequence)
             rows += length
             entries.append(_new(BatchEntry, sequence=sequence, position_start=start, length=length,
-                                cache_capacity=capacity, copies=()))
+                                cache_capacity=capacity, copies=(), source=None))
     else:
         pos = _expect(view, pos, _HIDDEN_STATE_PAYLOAD)
         items = HIDDEN_STATE_ITEMS

@@ -151,7 +151,8 @@ class StageRuntime:
         hidden = msg.hidden_state
         if hidden.shape[2] != self.hidden_size:
             return f"hidden state has shape {list(hidden.shape)}; expected [1, rows, {self.hidden_size}]"
-        new = [e.sequence for e in msg.entries if e.position_start == 0 and e.sequence not in self.caches]
+        new = [e.sequence for e in msg.entries
+               if (e.position_start == 0 or e.source is not None) and e.sequence not in self.caches]
         new += [c for e in msg.entries for c in e.copies if c not in self.caches]
         if len(self.caches) + len(new) > self.max_sequences:
             return (f"the batch would hold {len(self.caches) + len(new)} sequences' caches; this worker was assigned "
@@ -160,6 +161,13 @@ class StageRuntime:
             if e.cache_capacity > self.max_positions:
                 return (f"sequence {e.sequence}: cache_capacity {e.cache_capacity} is over the model's context of "
                         f"{self.max_positions} positions")
+            if e.source is not None:
+                source = self.caches.get(e.source)
+                if source is None or source.length < e.position_start:
+                    held = "no cache" if source is None else f"a cache of {source.length} positions"
+                    return (f"sequence {e.sequence} starts from the first {e.position_start} positions of sequence "
+                            f"{e.source}'s cache, but this worker holds {held} for it")
+                continue
             cache = self.caches.get(e.sequence)
             if e.position_start != 0 and (cache is None or cache.length != e.position_start):
                 held = "no cache" if cache is None else f"a cache of {cache.length} positions"
@@ -182,7 +190,11 @@ class StageRuntime:
         started = time.perf_counter()
         stage, device, dtype = self.loaded.stage, self.loaded.device, self.loaded.dtype
         for e in msg.entries:
-            if e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
+            if e.source == e.sequence:  # taken up by a request whose prompt shares only the start of its text
+                self.caches[e.sequence] = self.caches[e.sequence].cut(e.position_start, e.cache_capacity)
+            elif e.source is not None:  # a prompt that starts as another sequence's text: its cache, copied
+                self.caches[e.sequence] = self.caches[e.source].copy(e.cache_capacity, e.position_start)
+            elif e.position_start == 0:  # a new sequence (or one replayed from the start): a fresh cache for it
                 self.caches[e.sequence] = stage.new_cache(e.cache_capacity, dtype, device)
             elif e.cache_capacity > self.caches[e.sequence].capacity:  # taken up by a request that continues it
                 self.caches[e.sequence] = self.caches[e.sequence].copy(e.cache_capacity)
