@@ -255,3 +255,58 @@ def test_the_tokenizer_s_bos_once_in_a_chat_prompt_and_in_a_completion_prompt(tm
     assert ids[0] == theirs.bos_token_id
     assert completion.json["usage"]["prompt_tokens"] == len(ids)
     assert completion.json["choices"][0]["logprobs"]["tokens"][0] == "<|begin_of_text|>"
+
+
+def test_a_request_s_variables_reach_the_template_beside_its_own():
+    templates = ChatTemplates({"default": "{{ messages | length }} {{ eos_token }} {{ mood | default('plain') }}"
+                                          "{% if think is false %} no-think{% endif %}"},
+                              "test", {"eos_token": "<|im_end|>"})
+    assert templates.render(MESSAGES) == "2 <|im_end|> plain"
+    assert templates.render(MESSAGES, variables={"mood": "terse", "think": False}) == "2 <|im_end|> terse no-think"
+
+
+@pytest.mark.parametrize("name", ["messages", "tools", "add_generation_prompt", "eos_token", "mask_token",
+                                  "raise_exception", "strftime_now", "range", "namespace"])
+def test_a_request_s_variable_cannot_replace_one_the_template_is_given(name):
+    """The conversation, special tokens and helpers are the server's: a request's variable by one of their names
+    would replace them (a `range` or `namespace` of its own breaks every template that loops or counts)."""
+    with pytest.raises(ValueError, match=name):
+        ChatTemplates({"default": CHATML_TEMPLATE}, "test").render(MESSAGES, variables={name: 1})
+
+
+CONTINUED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.mark.parametrize("template, content, expected_end", [
+    # the template keeps the text as it is, trailing space and all: the model goes on after the space
+    (CHATML_TEMPLATE, "Well, ", "<|im_start|>assistant\nWell, "),
+    # a template that trims the text (Llama 3's) leaves no trailing space to go on after
+    (CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)"), " Well, ",
+     "<|im_start|>assistant\nWell,"),
+    # the text said earlier in the conversation too: the prompt ends at its last place, the final message
+    ("{% for m in messages %}[{{ m.content }}]{% endfor %}", "Hi", "[Hi][Hi"),
+])
+def test_continuing_the_final_message_ends_the_prompt_where_its_text_does(template, content, expected_end):
+    messages = [CONTINUED[0], {"role": "assistant", "content": content}]
+    rendered = ChatTemplates({"default": template}, "test").render(messages, add_generation_prompt=False,
+                                                                   continue_final_message=True)
+    assert rendered.endswith(expected_end)
+    theirs = render_jinja_template([messages], chat_template=template, continue_final_message=True)[0][0]
+    assert rendered == theirs
+
+
+@pytest.mark.parametrize("template, content", [
+    ("{% for m in messages %}{{ m.role }}{% endfor %}", "Hello"),  # the template leaves the text out
+    (CHATML_TEMPLATE.replace("message['content']", "(message['content'] | upper)"), "Hello"),  # changes it
+    (CHATML_TEMPLATE, "  "),  # there is no text to continue
+])
+def test_a_final_message_with_no_place_to_continue_from_is_a_client_error(template, content):
+    messages = [CONTINUED[0], {"role": "assistant", "content": content}]
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        ChatTemplates({"default": template}, "test").render(messages, add_generation_prompt=False,
+                                                            continue_final_message=True)
+
+
+def test_continuing_the_final_message_and_opening_a_turn_are_not_asked_at_once():
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        ChatTemplates({"default": CHATML_TEMPLATE}, "test").render(CONTINUED, continue_final_message=True)

@@ -13,7 +13,10 @@ every place a HuggingFace model directory may hold them, the first found winning
 A model may name several templates. As in transformers, a request with tools uses "tool_use" when the model has
 one, and every other request "default". `render` runs the chosen template in Jinja's immutable sandbox (the
 template is code that came with the model) with the helpers transformers gives templates, so a model's own
-template renders here exactly as it does there.
+template renders here exactly as it does there. A request may give the template variables of its own (Qwen3's
+`enable_thinking`), under any name but those `render` gives it itself, and may ask it to continue the conversation's
+final message rather than open a new turn, which `render` does as transformers does: it renders the conversation
+whole and cuts the text where that message's own text ends.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Any, Mapping
 
 import jinja2
 import jinja2.ext
+from jinja2.defaults import DEFAULT_NAMESPACE
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -36,6 +40,13 @@ DEFAULT = "default"
 TOOL_USE = "tool_use"
 SEARCHED = (f"{CHAT_TEMPLATE_FILE}, {LEGACY_CHAT_TEMPLATE_FILE} and the chat_template key of "
             f"{TOKENIZER_CONFIG_FILE}")
+# the special tokens transformers hands a chat template (its `special_tokens_map`), by their config keys
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_HELPERS = ("raise_exception", "strftime_now")
+# Every name `render` gives a template itself: a variable of the request's own by one of these would replace the
+# conversation, a special token or a helper (Jinja's own `range`, `namespace`, ... among them) with the client's.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", *SPECIAL_TOKEN_KEYS, *_HELPERS,
+                                *DEFAULT_NAMESPACE})
 
 
 class ChatTemplateError(ValueError):
@@ -68,13 +79,27 @@ class ChatTemplates:
                                 "default, or give a template with chat_template: in the topology file")
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (and `tools`, as the template shows them). Raises ChatTemplateError."""
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               variables: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for `messages` (and `tools`, as the template shows them), the template also seeing
+        `variables`. With `continue_final_message`, the text ends where the final message's own text does (no
+        end of its turn after it), so that what the model writes next continues that message.
+
+        Raises ChatTemplateError when the template fails on these, or the final message's text is not to be found
+        in what it writes; ValueError for `variables` named as one of RESERVED_VARIABLES, or a final message
+        continued in a new turn (`add_generation_prompt` too)."""
+        variables = dict(variables or {})
+        taken = sorted(RESERVED_VARIABLES.intersection(variables))
+        if taken:
+            raise ValueError(f"the template's own variables cannot be given: {', '.join(taken)}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the final message; add_generation_prompt opens a "
+                             "new turn after it: ask for one at most")
         template = self.select(with_tools=bool(tools))
         try:
             compiled = _compile(template)
-            return compiled.render(messages=messages, tools=tools or None,
-                                   add_generation_prompt=add_generation_prompt, **self.context)
+            rendered = compiled.render(messages=messages, tools=tools or None,
+                                       add_generation_prompt=add_generation_prompt, **self.context, **variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
@@ -85,6 +110,23 @@ class ChatTemplates:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") \
                 from exc
+        return _cut_after_final_message(rendered, messages) if continue_final_message else rendered
+
+
+def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """`rendered` up to the end of the final message's text, as transformers cuts it (and so vLLM): after the last
+    place that text appears, with its trailing whitespace if the template kept it. Raises ChatTemplateError."""
+    final = messages[-1].get("content") if messages else None
+    text = final.strip() if isinstance(final, str) else ""
+    if not text:
+        raise ChatTemplateError("continue_final_message needs a final message with text to continue")
+    if text not in rendered:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
+                                "text as it is, so there is no place to continue it from")
+    start = rendered.rindex(text)
+    whole = final.lstrip()
+    # the message's trailing whitespace is the model's to continue from only where the template kept it
+    return rendered[:start + (len(whole) if rendered.startswith(whole, start) else len(text))]
 
 
 def _raise_exception(message: str) -> None:

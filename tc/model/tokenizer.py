@@ -4,17 +4,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
-from .chat_template import SEARCHED, ChatTemplateError, ChatTemplateFileError, ChatTemplates, find_chat_templates
+from .chat_template import (SEARCHED, SPECIAL_TOKEN_KEYS, ChatTemplateError, ChatTemplateFileError, ChatTemplates,
+                            find_chat_templates)
 from .config import ConfigError, token_ids
 
 __all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError", "check_vocab"]
-
-# the special tokens transformers hands a chat template (its `special_tokens_map`), by their config keys
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TokenizerError(ValueError):
@@ -114,12 +112,15 @@ class TextTokenizer:
         return self.tokenizer.token_to_id(text)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """Render `messages` (and `tools`) with the model's own chat template, as transformers does.
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            variables: Mapping[str, Any] | None = None) -> str:
+        """Render `messages` (and `tools`) with the model's own chat template, as transformers does; `variables`
+        are the template's besides (ChatTemplates.render says which names it keeps for itself).
 
         Raises ChatTemplateError when the model has no template or it fails on these messages.
         """
         if self.chat_templates is None:
             raise ChatTemplateError(f"this model has no chat template (looked in {SEARCHED}); give one with "
                                     "chat_template: in the topology file, or use /v1/completions")
-        return self.chat_templates.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.chat_templates.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, variables=variables)
