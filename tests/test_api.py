@@ -369,6 +369,36 @@ BAD_REQUESTS = [
     (CHAT, chat(logit_bias={"259": -100}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
     (CHAT, chat(logit_bias={"50": 101}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
     (CHAT, chat(logit_bias="ban 50"), 400, "invalid_request_error", "logit_bias", "invalid_type"),
+    (CHAT, chat(chat_template_kwargs=["enable_thinking"]), 400, "invalid_request_error", "chat_template_kwargs",
+     "invalid_type"),
+    (CHAT, chat(chat_template_kwargs={"enable-thinking": False}), 400, "invalid_request_error",
+     "chat_template_kwargs", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs={"v" * 65: 1}), 400, "invalid_request_error", "chat_template_kwargs",
+     "invalid_value"),
+    *((CHAT, chat(chat_template_kwargs={name: "x"}), 400, "invalid_request_error", f"chat_template_kwargs.{name}",
+       "invalid_value") for name in ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                                     "bos_token", "eos_token", "pad_token", "raise_exception", "range")),
+    (CHAT, chat(chat_template_kwargs={f"v{i}": i for i in range(33)}), 400, "invalid_request_error",
+     "chat_template_kwargs", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs={"notes": "x" * 17000}), 400, "invalid_request_error", "chat_template_kwargs",
+     "invalid_value"),
+    (CHAT, chat(add_generation_prompt="false"), 400, "invalid_request_error", "add_generation_prompt",
+     "invalid_type"),
+    (CHAT, chat(continue_final_message=1), 400, "invalid_request_error", "continue_final_message", "invalid_type"),
+    (CHAT, chat(continue_final_message=True), 400, "invalid_request_error", "continue_final_message",
+     "invalid_value"),  # the final message is the user's
+    (CHAT, chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}],
+                continue_final_message=True, add_generation_prompt=True), 400, "invalid_request_error",
+     "continue_final_message", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n"}],
+                continue_final_message=True), 400, "invalid_request_error", "continue_final_message",
+     "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Let me look.",
+                                                              "tool_calls": [{"id": "c1", "type": "function",
+                                                                              "function": {"name": "f",
+                                                                                           "arguments": "{}"}}]}],
+                continue_final_message=True), 400, "invalid_request_error", "continue_final_message",
+     "invalid_value"),
 ]
 
 
@@ -414,6 +444,36 @@ def test_chat_template_failure_is_a_client_error(generator):
     error = assert_error_shape(post(client, CHAT, GOOD_CHAT), 400, "invalid_request_error", "messages",
                                "chat_template_error")
     assert "only one message is supported" in error["message"]
+
+
+def test_refusals_of_the_chat_template_controls_say_what_to_send_instead(client):
+    prefilled = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}]
+    error = assert_error_shape(post(client, CHAT, chat(chat_template_kwargs={"add_generation_prompt": False})),
+                               400, "invalid_request_error", "chat_template_kwargs.add_generation_prompt",
+                               "invalid_value")
+    assert 'send "add_generation_prompt" beside "chat_template_kwargs"' in error["message"]
+    error = assert_error_shape(post(client, CHAT, chat(chat_template_kwargs={"eos_token": "</s>"})), 400,
+                               "invalid_request_error", "chat_template_kwargs.eos_token", "invalid_value")
+    assert "gives the chat template itself" in error["message"]
+    error = assert_error_shape(post(client, CHAT, chat(continue_final_message=True)), 400, "invalid_request_error",
+                               "continue_final_message", "invalid_value")
+    assert "messages[0] is a user message" in error["message"]
+    error = assert_error_shape(post(client, CHAT, chat(messages=prefilled, continue_final_message=True,
+                                                       add_generation_prompt=True)),
+                               400, "invalid_request_error", "continue_final_message", "invalid_value")
+    assert "cannot both be true" in error["message"]
+
+
+def test_a_template_that_leaves_out_the_text_to_continue_is_a_client_error(generator):
+    """continue_final_message needs the final message's text in the prompt, to end the prompt there."""
+    roles_only = ChatTemplates({"default": "{% for m in messages %}{{ m.role }}\n{% endfor %}"}, "test")
+    tokenizer = dataclasses.replace(generator.tokenizer, chat_templates=roles_only)
+    client = testing.TestClient(create_app(make_service(generator, tokenizer=tokenizer)))
+    body = chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}],
+                continue_final_message=True)
+    error = assert_error_shape(post(client, CHAT, body), 400, "invalid_request_error", "messages",
+                               "chat_template_error")
+    assert "does not write the final message's text" in error["message"]
 
 
 # --- happy paths -------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -529,6 +530,87 @@ def test_a_scored_text_that_the_model_would_end_keeps_its_last_token(tmp_path):
         assert streamed["tokens"] == logprobs.tokens and streamed["text_offset"] == logprobs.text_offset
         assert streamed["token_logprobs"][-1] == pytest.approx(logprobs.token_logprobs[-1], abs=1e-5)
         assert "".join(chunk.text for chunk in chunks) == choice.text
+    finally:
+        running.stop()
+
+
+def whole_and_streamed(client: openai.OpenAI, **ask) -> list[tuple[str, int]]:
+    """A chat request's reply content and prompt_tokens, asked whole and then streamed (its chunks joined)."""
+    reply = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    return [(reply.choices[0].message.content, reply.usage.prompt_tokens), (streamed, chunks[-1].usage.prompt_tokens)]
+
+
+def test_a_continued_final_message_goes_on_where_its_text_ends(client, generator):
+    """continue_final_message (vLLM's): the reply continues an answer begun for the model (a prefill) rather
+    than a new turn after it; whole and streamed, with or without add_generation_prompt false beside it."""
+    messages = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon a"}]
+    tokenizer = generator.tokenizer
+    # the prompt that opens the assistant's turn, then its text so far: where a ChatML turn's text starts
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages[:1]) + messages[1]["content"])
+    expected = generator.generate(prompt_ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                             continues_prompt=True)).text
+    for fields in ({"continue_final_message": True, "add_generation_prompt": False},
+                   {"continue_final_message": True}):
+        ask = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                   extra_body={**fields, "ignore_eos": True})
+        assert whole_and_streamed(client, **ask) == [(expected, len(prompt_ids))] * 2
+    # without it, the assistant's message is closed and a new turn opened after it
+    closed = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens == \
+        len(closed) > len(prompt_ids)
+    # add_generation_prompt false alone: the messages as they are, no turn opened
+    unopened = tokenizer.encode(tokenizer.apply_chat_template(messages[:1]).removesuffix("<|im_start|>assistant\n"))
+    reply = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1,
+                                           extra_body={"add_generation_prompt": False})
+    assert reply.usage.prompt_tokens == len(unopened)
+
+
+def test_chat_template_kwargs_reach_qwen3_s_template(tmp_path):
+    """Qwen3's clients send chat_template_kwargs {"enable_thinking": false}: its template then opens the turn with
+    its thinking done (an empty <think> block), and the reply is the model's after that prompt."""
+    model_dir = write_tiny_model(tmp_path / "qwen3", seed=0)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tokenizer = OurModel(model_dir), TextTokenizer.load(model_dir)
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = tokenizer.apply_chat_template(messages)
+    prompt_ids = tokenizer.encode(thinking + "<think>\n\n</think>\n\n")
+    expected = generator.generate(prompt_ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)).text
+    running = serve(generator)
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        ask = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+        assert whole_and_streamed(client, **ask) == [(expected, len(prompt_ids))] * 2
+        default = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        assert default.usage.prompt_tokens == len(tokenizer.encode(thinking))
+    finally:
+        running.stop()
+
+
+def test_a_continued_message_s_next_word_keeps_its_space(tmp_path):
+    """A SentencePiece decoder drops the space a text starts with: right for a reply of its own, which starts at
+    its first word, but a continued message goes on from its last word, so the next one keeps its space (as the
+    message and the reply decoded together read)."""
+    tokenizer = sentencepiece_tokenizer()
+    running = serve_sentencepiece(tmp_path, tokenizer, "{{ messages[-1].content }}")
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        the = tokenizer.token_to_id("▁the")
+        ask = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={str(the): 100})  # "▁the" every time
+        prompt = tokenizer.encode("the café", add_special_tokens=False).ids
+        decoded = tokenizer.decode(prompt + [the] * 3)
+        continued = decoded[len(tokenizer.decode(prompt)):]
+        assert continued.startswith(" ")
+        messages = [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "the café"}]
+        assert whole_and_streamed(client, messages=messages, extra_body={"continue_final_message": True},
+                                  **ask) == [(continued, len(prompt))] * 2
+        own = client.chat.completions.create(messages=messages[1:], **ask).choices[0].message.content
+        assert own == tokenizer.decode([the] * 3) == continued[1:]
     finally:
         running.stop()
 

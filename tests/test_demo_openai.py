@@ -6,6 +6,7 @@ official `openai` client (whole, streamed, and the final answer from the tool's 
 """
 from __future__ import annotations
 
+import ast
 import json
 
 import jsonschema
@@ -271,3 +272,52 @@ def test_another_chat_with_the_same_system_prompt_reads_only_its_own_messages(cl
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 64 <= cached < min(first.usage.prompt_tokens, second.usage.prompt_tokens), second.usage
     assert_same_as_a_fresh_reading(client, asks[1], second.choices[0].message.content)
+
+
+# an answer begun for the model, as clients prefill one: the function's first line, for the model to go on from
+SQUARE = [{"role": "user", "content": "Write a Python function square(x) that returns x squared. Only the code."},
+          {"role": "assistant", "content": "def square(x):\n"}]
+
+
+def test_a_continued_message_ends_the_real_template_s_prompt_where_its_text_ends(demo_model_dir):
+    """On Qwen2.5's own template: the prompt is the one that opens the assistant's turn, then the text so far, with
+    none of the end of its turn that the template writes after a message (its eos token and a newline)."""
+    from transformers import AutoTokenizer
+
+    from tc.model.tokenizer import TextTokenizer
+
+    ours = TextTokenizer.load(demo_model_dir)
+    continued = ours.apply_chat_template(SQUARE, add_generation_prompt=False, continue_final_message=True)
+    assert continued == ours.apply_chat_template(SQUARE[:1]) + SQUARE[1]["content"]
+    closed = ours.apply_chat_template(SQUARE, add_generation_prompt=False)
+    assert closed == continued + ours.special_tokens["eos_token"] + "\n"
+    theirs = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    assert continued == theirs.apply_chat_template(SQUARE, continue_final_message=True, tokenize=False)
+
+
+def test_a_prefilled_answer_is_continued_whole_and_streamed(client, demo_model_dir):
+    """continue_final_message through the head and its workers: the reply goes on from the prefilled first line,
+    so the two together are the function (a new turn would start over, in prose or a code fence)."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(str(demo_model_dir)).apply_chat_template(
+        SQUARE, continue_final_message=True, tokenize=True, return_dict=False)
+    ask = dict(model=MODEL_NAME, messages=SQUARE, temperature=0, max_tokens=24, stop=["```", "\n\n"],
+               extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    reply = client.chat.completions.create(**ask)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**ask,
+                                                                                                        stream=True))
+    for text in (reply.choices[0].message.content, streamed):
+        (function,) = ast.parse(SQUARE[1]["content"] + text).body  # read, not run
+        assert isinstance(function, ast.FunctionDef) and function.name == "square", text
+        assert any(isinstance(node, ast.Return) for node in ast.walk(function)), text
+
+
+def test_a_template_variable_the_template_does_not_read_changes_nothing(client):
+    """Qwen3's clients send enable_thinking with every request; Qwen2.5's template has no such variable, so the
+    request is served with the prompt it has without it (as transformers and vLLM render it)."""
+    ask = dict(model=MODEL_NAME, messages=SQUARE[:1], max_tokens=1, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    quiet = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert quiet.usage.prompt_tokens == plain.usage.prompt_tokens

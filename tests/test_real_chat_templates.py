@@ -84,13 +84,15 @@ def ours(directory: Path, body: dict) -> str:
     """The prompt tc makes of a chat request's body."""
     request = parse_chat_request({"model": "m", **body})
     tools = [tool.as_template_input() for tool in request.offered_tools] or None
-    return TextTokenizer.load(directory).apply_chat_template([m.as_template_input() for m in request.messages],
-                                                             tools=tools)
+    return TextTokenizer.load(directory).apply_chat_template(
+        [m.as_template_input() for m in request.messages], request.add_generation_prompt, tools=tools,
+        continue_final_message=request.continue_final_message, variables=request.template_variables)
 
 
 def theirs(directory: Path, body: dict) -> str:
     """transformers' prompt for the same messages: `developer` read as `system`, and a call's arguments as the
-    object their JSON text holds (what tc, like vLLM, hands the template: templates write them with tojson)."""
+    object their JSON text holds (what tc, like vLLM, hands the template: templates write them with tojson).
+    The body's chat-template fields are handed over as vLLM hands them."""
     messages = []
     for message in body["messages"]:
         message = {**message, "role": "system" if message["role"] == "developer" else message["role"]}
@@ -99,8 +101,10 @@ def theirs(directory: Path, body: dict) -> str:
                 call["function"]["arguments"])}} for call in message["tool_calls"]]
         messages.append(message)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    return tokenizer.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
-                                         tokenize=False)
+    continues = body.get("continue_final_message", False)
+    return tokenizer.apply_chat_template(messages, tools=body.get("tools"), tokenize=False,
+                                         add_generation_prompt=body.get("add_generation_prompt", not continues),
+                                         continue_final_message=continues, **body.get("chat_template_kwargs", {}))
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
@@ -155,3 +159,44 @@ def test_a_message_the_template_refuses_is_a_400_in_its_words(tmp_path):
     error = reply.json["error"]
     assert (error["code"], error["param"], error["message"]) == ("chat_template_error", "messages",
                                                                  "System role not supported")
+
+
+# an answer begun for the model, as clients prefill one: its trailing space is the template's to keep or trim
+PREFILLED = [{"role": "user", "content": "Write a haiku about autumn."},
+             {"role": "assistant", "content": "Crimson leaves drift down, "}]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_continued_final_message_renders_as_transformers_continues_it(tmp_path, family):
+    """continue_final_message: the prompt ends where the assistant's text does, with no end of its turn after it."""
+    directory = model_dir(tmp_path, family)
+    body = {"messages": PREFILLED, "continue_final_message": True, "add_generation_prompt": False}
+    expected = theirs(directory, body)
+    rendered = ours(directory, body)
+    assert_alike(rendered, expected, directory, body)
+    assert rendered.rstrip().endswith("Crimson leaves drift down,")
+    whole = ours(directory, {"messages": PREFILLED, "add_generation_prompt": False})
+    assert whole.startswith(rendered) and whole.strip() != rendered.strip()  # the turn's end is what was cut
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen2.5-trl-training", "smollm2"])
+def test_a_continued_message_is_the_opened_turn_with_its_text(tmp_path, family):
+    """In a ChatML template the continued prompt is exactly the prompt that opens the assistant's turn after the
+    earlier messages, followed by the assistant's words so far (here the template keeps their trailing space)."""
+    directory = model_dir(tmp_path, family)
+    opened = ours(directory, {"messages": PREFILLED[:1]})
+    assert ours(directory, {"messages": PREFILLED, "continue_final_message": True}) == \
+        opened + PREFILLED[1]["content"]
+
+
+def test_qwen3_sees_enable_thinking_from_chat_template_kwargs(tmp_path):
+    """Qwen3's clients turn its thinking off with chat_template_kwargs {"enable_thinking": false}: the template
+    then opens the turn with an empty <think> block, which the model reads as thinking done."""
+    directory = model_dir(tmp_path, "qwen3")
+    messages = CONVERSATIONS["system"]
+    thinking = ours(directory, {"messages": messages})
+    for value in (False, True):
+        body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": value}}
+        assert ours(directory, body) == theirs(directory, body)
+    off = ours(directory, {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off == thinking + "<think>\n\n</think>\n\n"

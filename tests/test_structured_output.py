@@ -82,6 +82,19 @@ def test_json_object_replies_are_objects(client):
             assert content.startswith("{")
 
 
+def test_a_continued_message_s_continuation_is_what_the_schema_constrains(client, generator):
+    """response_format beside continue_final_message, as vLLM takes them: the grammar constrains what is generated,
+    which is the reply's content, not the prefilled text it goes on from."""
+    messages = [{"role": "user", "content": "Describe someone."}, {"role": "assistant", "content": "Here it is:"}]
+    tokenizer = generator.tokenizer
+    prompt = tokenizer.apply_chat_template(messages[:1]) + messages[1]["content"]
+    body = chat(client, messages=messages, continue_final_message=True, response_format=schema_format(PERSON),
+                temperature=0)
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+    assert body["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+
+
 def events(client, body: dict) -> list[dict]:
     reply = client.simulate_post(CHAT, json={"model": "tiny", "stream": True, **body})
     assert reply.status_code == 200, reply.text

@@ -418,14 +418,17 @@ class ChatCompletionsResource:
         check_model(request.model, self.service.model_id)
         offered = request.offered_tools  # tool_choice "none" shows the model no tools, so it answers in text
         rendered = self.service.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in request.messages], add_generation_prompt=True,
-            tools=[t.as_template_input() for t in offered] or None)
+            [m.as_template_input() for m in request.messages], add_generation_prompt=request.add_generation_prompt,
+            tools=[t.as_template_input() for t in offered] or None,
+            continue_final_message=request.continue_final_message, variables=request.template_variables)
         prompt_ids = self.service.tokenizer.encode(rendered)
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer),
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         room = self.service.context_length - len(prompt_ids)
-        params = request.sampling.to_params(room, default_is="the room the messages leave in the context")
+        # a continued message's text goes on from its last words: a SentencePiece word's space stays at its start
+        params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
+                                            continues_prompt=request.continue_final_message)
         check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
         params = dataclasses.replace(params, constraint=self.structured.grammar(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

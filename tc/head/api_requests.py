@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ..model.chat_template import RESERVED_VARIABLES
 from ..sampling import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -36,6 +37,13 @@ _SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as OpenAI documents 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 makes it the only choice
 MAX_LOGIT_BIAS = 300  # tokens one request may bias: each is an entry of a tensor made for every token chosen
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id as a decimal string (ASCII digits only)
+# chat_template_kwargs: a few switches (Qwen3's enable_thinking, a reasoning effort), not documents; the prompt the
+# template makes of them is bounded by the context, but the work of reading and rendering them is bounded here
+MAX_TEMPLATE_VARIABLES = 32
+MAX_TEMPLATE_VARIABLES_CHARS = 16 * 1024  # of their JSON, written compactly
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a name a template can read as a plain variable
+# what the request itself sets, under its own fields: in chat_template_kwargs, they would say two things at once
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "messages")
 
 
 class RequestError(Exception):
@@ -234,6 +242,9 @@ class ChatRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     response_format: ResponseFormat = ResponseFormat()
+    add_generation_prompt: bool = True  # the template opens the assistant's turn after the messages
+    continue_final_message: bool = False  # the reply continues the final (assistant) message's text instead
+    template_variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:
@@ -256,7 +267,8 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop
                             "logprobs", "min_tokens", "ignore_eos", "logit_bias", "cache_prompt"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls", "response_format"}
+                                 "parallel_tool_calls", "response_format", "chat_template_kwargs",
+                                 "add_generation_prompt", "continue_final_message"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # The openai client's parse() and stream() helpers add their own reading of a reply to its message object, and send
@@ -834,6 +846,69 @@ def _response_format(body: Mapping[str, Any]) -> ResponseFormat:
     return ResponseFormat(kind, name, schema, _boolean(strict, where + ".strict") if strict is not None else False)
 
 
+def _template_variables(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: variables the chat template sees beside the messages (vLLM's field)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    param = "chat_template_kwargs"
+    if not isinstance(value, dict):
+        raise RequestError(f"'{param}' must be an object of the chat template's variables, not {_json_type(value)}",
+                           param=param, code="invalid_type")
+    if len(value) > MAX_TEMPLATE_VARIABLES:
+        raise RequestError(f"'{param}' has {len(value)} variables; this server takes at most "
+                           f"{MAX_TEMPLATE_VARIABLES}", param=param, code="invalid_value")
+    for name in value:
+        if not TEMPLATE_VARIABLE.fullmatch(name):
+            raise RequestError(f"'{param}' names the variable {json.dumps(name)}; a template variable's name is "
+                               "a letter or '_' then letters, digits or '_' (64 at most)", param=param,
+                               code="invalid_value")
+        if name in _TEMPLATE_FIELDS:
+            raise RequestError(f"'{param}.{name}' is the request's own field: send \"{name}\" beside "
+                               f"\"{param}\", not in it", param=f"{param}.{name}", code="invalid_value")
+        if name in RESERVED_VARIABLES:
+            raise RequestError(f"'{param}.{name}' is a variable this server gives the chat template itself (the "
+                               "conversation, the model's special tokens, the template's helpers); a request "
+                               "cannot replace it", param=f"{param}.{name}", code="invalid_value")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except RecursionError as exc:  # nested deeper than Python writes JSON
+        raise RequestError(f"'{param}' is nested too deeply", param=param, code="invalid_value") from exc
+    if size > MAX_TEMPLATE_VARIABLES_CHARS:
+        raise RequestError(f"'{param}' is {size} characters of JSON; this server takes at most "
+                           f"{MAX_TEMPLATE_VARIABLES_CHARS}", param=param, code="invalid_value")
+    return value
+
+
+def _generation_prompt(body: Mapping[str, Any], messages: tuple[ChatMessage, ...]) -> tuple[bool, bool]:
+    """`add_generation_prompt` and `continue_final_message`, as vLLM reads them. The first is true unless the second
+    is: a client that asks to continue the final message needs no second word that no new turn is to open."""
+    value = body.get("continue_final_message")
+    continues = _boolean(value, "continue_final_message") if value is not None else False
+    value = body.get("add_generation_prompt")
+    opens = _boolean(value, "add_generation_prompt") if value is not None else not continues
+    if not continues:
+        return opens, False
+    if opens:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true: one continues "
+                           "the final message, the other opens a new turn after it; send \"add_generation_prompt\": "
+                           "false, or leave it out", param="continue_final_message", code="invalid_value")
+    final, where = messages[-1], f"messages[{len(messages) - 1}]"
+    if final.role != "assistant":
+        raise RequestError(f"'continue_final_message' continues the final message, which must be the assistant's; "
+                           f"{where} is a {final.role} message", param="continue_final_message",
+                           code="invalid_value")
+    if final.tool_calls:
+        # the template writes the calls after the text, which is where the prompt would end: they would be lost
+        raise RequestError(f"'continue_final_message' continues the final message's text; {where} also calls "
+                           "tools, which would be left out", param="continue_final_message", code="invalid_value")
+    if not (final.content or "").strip():
+        raise RequestError(f"'continue_final_message' continues the final message's text, and {where} has none; "
+                           "to open the assistant's turn, send \"add_generation_prompt\": true instead",
+                           param="continue_final_message", code="invalid_value")
+    return False, True
+
+
 def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     """Validate a /v1/chat/completions body. Raises RequestError naming the first field at fault."""
     _check_fields(body, _CHAT_FIELDS, _CHAT_NEUTRAL)
@@ -869,7 +944,9 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
             # the grammar decides where the reply ends: it allows only the end once the JSON is complete
             raise RequestError(f"'{name}' cannot be combined with response_format or a forced tool call",
                                param=name, code="invalid_value")
-    return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format)
+    opens, continues = _generation_prompt(body, parsed)
+    return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format, opens,
+                       continues, _template_variables(body))
 
 
 def check_model(requested: str, served: str) -> None:
