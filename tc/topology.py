@@ -37,6 +37,11 @@ REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")  # one dot-separated part of a host name
 _PORT_PATTERN = re.compile(r"[0-9]{1,5}")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# An origin as a browser sends it in Origin: scheme://host[:port], nothing after (RFC 6454)
+_ORIGIN_PATTERN = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[^/?#:@\[\]\s]+)"
+                             r"(?::(?P<port>[0-9]{1,5}))?")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_ORIGIN_EXAMPLE = '["http://localhost:5173"]'
 
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_HEARTBEAT_S = 5.0
@@ -71,7 +76,8 @@ TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtyp
             "chat_template", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
              "prefix_cache", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token",
-             "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from")
+             "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from",
+             "cors_origins")
 PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
@@ -135,6 +141,7 @@ class HeadSettings:
     prefix_cache: bool = True  # a finished request's caches kept for the request that continues its text
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
     plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
+    cors_origins: tuple[str, ...] = ()  # browser origins whose pages may read the API's replies; ("*",): any
 
     @property
     def silence_limit_s(self) -> float:
@@ -272,6 +279,8 @@ class Topology:
             head["speed"] = self.head.speed.as_topology(rounded=False)
         if self.head.plan_from != "topology":
             head["plan_from"] = self.head.plan_from
+        if self.head.cors_origins:
+            head["cors_origins"] = list(self.head.cors_origins)
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -352,6 +361,12 @@ def _is_host_name(host: str) -> bool:
     if re.fullmatch(r"[0-9.]+", host):
         return _is_ip(host, ipaddress.IPv4Address)
     return 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in host.split("."))
+
+
+def _is_origin_host(host: str) -> bool:
+    if host.startswith("["):
+        return _is_ip(host[1:-1], ipaddress.IPv6Address)
+    return _is_host_name(host)
 
 
 def _check_port(port: int, allow_zero: bool) -> int:
@@ -660,12 +675,57 @@ class _Parser:
                                        "head.step_timeout_factor")
         speed = self.optional(head, "speed", "head", self.speed)
         plan_from = self.choice(head.get("plan_from", "topology"), "head.plan_from", PLAN_SOURCES, "plan source")
+        cors_origins = self.optional(head, "cors_origins", "head", self.cors_origins) or ()
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
-                            prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops, speed=speed,
-                            plan_from=plan_from, prefix_cache=prefix_cache)
+                            prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops,
+                            speed=speed, plan_from=plan_from, prefix_cache=prefix_cache, cors_origins=cors_origins)
+
+    def cors_origins(self, value: object, path: str) -> tuple[str, ...]:
+        """The origins a browser may call the API from. Each is compared as text with the Origin header a browser
+        sends, so one written otherwise (a path, a trailing slash, capitals, a default port) would never match:
+        refused here, with the form that would."""
+        if not isinstance(value, list):
+            shown = f"[{value!r}]" if isinstance(value, str) else _ORIGIN_EXAMPLE
+            raise self.fail(path, f"expected a list of origins, got {_describe(value)}; write e.g. cors_origins: "
+                            f"{shown}")
+        origins = tuple(self.origin(item, f"{path}[{i}]") for i, item in enumerate(value))
+        if "*" in origins and len(origins) > 1:
+            raise self.fail(path, '"*" allows every origin, so the others add nothing; give ["*"] alone, or only '
+                            "the origins")
+        if len(set(origins)) < len(origins):
+            repeated = next(origin for origin in origins if origins.count(origin) > 1)
+            raise self.fail(path, f"{repeated!r} is listed twice; keep one")
+        return origins
+
+    def origin(self, value: object, path: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected an origin like \"http://localhost:5173\", got {_describe(value)}")
+        if value == "*":
+            return value
+        if value == "null":  # what a page opened from a file, or any sandboxed frame, sends
+            raise self.fail(path, "'null' is the origin of every page opened from a file and of any sandboxed "
+                            "frame, so it would let any of them in; serve the page over HTTP (python -m "
+                            "http.server) and list that origin, or use [\"*\"]")
+        match = _ORIGIN_PATTERN.fullmatch(value)
+        if match is None or not _is_origin_host(match["host"]) or int(match["port"] or 1) > 65535:
+            scheme, sep, rest = value.partition("://")
+            host = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+            if sep and host and rest != host and _ORIGIN_PATTERN.fullmatch(f"{scheme}://{host}"):
+                raise self.fail(path, f"{value[:80]!r} is a URL, not an origin: browsers send scheme://host:port "
+                                f"only; write {scheme}://{host}")
+            raise self.fail(path, f"{value[:80]!r} is not an origin; write scheme://host or scheme://host:port, "
+                            'like "http://localhost:5173", or "*" for any')
+        scheme = match["scheme"].lower()
+        written = f"{scheme}://{match['host'].lower()}"
+        if match["port"] is not None and int(match["port"]) != _DEFAULT_PORTS.get(scheme):
+            written += f":{int(match['port'])}"
+        if written != value:
+            raise self.fail(path, f"{value[:80]!r} is not how a browser writes this origin (lower case, no default "
+                            f"port); write {written}")
+        return value
 
     def speed(self, value: object, path: str) -> Speed:
         example = "{decode_gbps: 12.5, prefill_gbps: 150, layer_ms: 0.3}"

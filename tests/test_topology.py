@@ -211,6 +211,29 @@ BAD = [
     ("step factor huge", changed(("head.step_timeout_factor", 10**400)), "head.step_timeout_factor",
      "expected a number >= 1"),
     ("grace of centuries", changed(("head.resume_grace_s", 1e12)), "head.resume_grace_s", "at most"),
+    # browser origins, compared as text with the Origin header: a form no browser sends would never match
+    ("origins one text", changed(("head.cors_origins", "*")), "head.cors_origins", "expected a list of origins"),
+    ("origins a mapping", changed(("head.cors_origins", {"http://a": True})), "head.cors_origins",
+     "expected a list of origins"),
+    ("origin a number", changed(("head.cors_origins", [8000])), "head.cors_origins[0]", "expected an origin"),
+    ("origin without scheme", changed(("head.cors_origins", ["localhost:5173"])), "head.cors_origins[0]",
+     "is not an origin; write scheme://host"),
+    ("origin with a slash", changed(("head.cors_origins", ["http://localhost:5173/"])), "head.cors_origins[0]",
+     "is a URL, not an origin: browsers send scheme://host:port only; write http://localhost:5173"),
+    ("origin with a path", changed(("head.cors_origins", ["https://chat.example.com/app"])),
+     "head.cors_origins[0]", "write https://chat.example.com"),
+    ("origin in capitals", changed(("head.cors_origins", ["HTTP://LocalHost:5173"])), "head.cors_origins[0]",
+     "write http://localhost:5173"),
+    ("origin with its default port", changed(("head.cors_origins", ["https://chat.example.com:443"])),
+     "head.cors_origins[0]", "(lower case, no default port); write https://chat.example.com"),
+    ("origin port past 65535", changed(("head.cors_origins", ["http://a:70000"])), "head.cors_origins[0]",
+     "is not an origin"),
+    ("origin null", changed(("head.cors_origins", ["http://a", "null"])), "head.cors_origins[1]",
+     "serve the page over HTTP"),
+    ("origins star among others", changed(("head.cors_origins", ["*", "http://a"])), "head.cors_origins",
+     '"*" allows every origin'),
+    ("origin twice", changed(("head.cors_origins", ["http://a", "http://a"])), "head.cors_origins",
+     "listed twice"),
     # paths the file system refuses
     ("model path of a NUL", changed(("model", "./a\0b")), "model", "not a usable path"),
     ("model path too long", changed(("model", "a" * 5000)), "model", "not a usable path"),
@@ -290,6 +313,22 @@ def test_every_optional_key_set(base_dir: Path) -> None:
     assert (topo.head.threads, topo.head.max_queue, topo.head.heartbeat_s) == (3, 4, 0.5)
     assert (topo.head.step_timeout_s, topo.head.step_timeout_factor) == (2.0, 4.0)
     assert topo.nodes[0] == type(topo.nodes[0])("gpu-box", "cuda:0", "fp16", 7.5, (3, 4), 6)
+
+
+@pytest.mark.parametrize("origins", [["http://localhost:5173", "https://chat.example.com", "http://[::1]:8080",
+                                      "chrome-extension://abcdefghijklmnop"], ["*"]])
+def test_cors_origins_are_kept_as_written_and_round_trip(origins: list[str], base_dir: Path) -> None:
+    topo = parse_topology(changed(("head.cors_origins", origins)), base_dir)
+    assert topo.head.cors_origins == tuple(origins)
+    assert parse_topology(topo.to_dict(), Path("/")) == topo
+
+
+@pytest.mark.parametrize("edits", [(), (("head.cors_origins", None),), (("head.cors_origins", []),)],
+                         ids=["absent", "null", "empty"])
+def test_no_cors_origins_is_the_default(edits: tuple, base_dir: Path) -> None:
+    topo = parse_topology(changed(*edits), base_dir)
+    assert topo.head.cors_origins == ()
+    assert "cors_origins" not in topo.to_dict()["head"]
 
 
 @pytest.mark.parametrize(
