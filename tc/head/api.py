@@ -4,7 +4,8 @@ Resources are thin: read the body, parse it (`api_requests`), call the service, 
 whole, or as server-sent events). Every failure, ours or Falcon's own (unknown route, wrong method, bad header),
 leaves through one error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so
 clients never see an HTML page; a failure after a stream has started is its last event instead. Handlers are
-synchronous; the service serialises generations, and Waitress runs each request in its own thread.
+synchronous; the service serialises generations, and Waitress runs each request in its own thread. Pages of the
+origins in `head.cors_origins` may call it from a browser (`Cors`).
 """
 from __future__ import annotations
 
@@ -70,6 +71,39 @@ class ErrorReply:
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def allowed_origin(cors_origins: tuple[str, ...], origin: str | None) -> str | None:
+    """The Access-Control-Allow-Origin of a reply to a request from `origin` (its Origin header), None for none:
+    Cors's decision, for the replies that do not pass through the app (Waitress's refusals, the 503s while the
+    server stops)."""
+    if origin is None or not cors_origins:
+        return None
+    if cors_origins == ("*",):
+        return "*"
+    return origin if origin in cors_origins else None
+
+
+class Cors(falcon.CORSMiddleware):
+    """Middleware: lets pages of `cors_origins` (head.cors_origins; ("*",): any) call the API from a browser.
+
+    Falcon's policy: every reply to an allowed origin carries Access-Control-Allow-Origin, errors included (the
+    error handler has run by then) and streams too (the headers leave before the body); a preflight to a route
+    is answered with its methods and the request headers it asks for, so Authorization and Content-Type pass, and
+    so do the X-Stainless-* headers the OpenAI clients add, which a fixed list would refuse. No credentials: the
+    API reads no cookies.
+    """
+
+    def __init__(self, cors_origins: tuple[str, ...]):
+        # Retry-After is no header a page may read unless exposed: clients wait by it after a 429 or a 503
+        super().__init__(allow_origins="*" if cors_origins == ("*",) else cors_origins,
+                         expose_headers=["Retry-After"])
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
+                         req_succeeded: bool) -> None:
+        super().process_response(req, resp, resource, req_succeeded)
+        if self.allow_origins != "*":  # the reply names the origin it answers: a cache must not give it to another
+            resp.append_header("Vary", "Origin")
 
 
 def _snake(text: str) -> str:
@@ -492,13 +526,17 @@ def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, par
 
 
 def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               cluster: ClusterView | None = None) -> falcon.App:
+               cluster: ClusterView | None = None, cors_origins: tuple[str, ...] = ()) -> falcon.App:
     """The WSGI app serving `service` under /v1, with /health, /metrics and GET /v1/cluster.
 
     Request bodies over `max_body_bytes` get a 413. `cluster` (the head's WorkerRegistry) fills /v1/cluster's
-    plan and nodes; without it (a single process) they are null and empty.
+    plan and nodes; without it (a single process) they are null and empty. Browser pages of `cors_origins`
+    (("*",): any) may call it (`Cors`); with none, replies carry no CORS headers.
     """
-    app = falcon.App(middleware=[RequestLog(service.metrics)])
+    middleware: list[object] = [RequestLog(service.metrics)]
+    if cors_origins:
+        middleware.append(Cors(cors_origins))
+    app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     models = ModelsResource(service.model_id, service.context_length)
     app.add_route("/v1/models", models)

@@ -13,6 +13,9 @@ Stopping, in order:
    waits until those requests too have their 503;
 4. last, it closes the connections left, all idle by then unless a request outlived the drain timeout (their
    number is logged).
+
+The replies that never reach the app (the gate's 503s, Waitress's own refusals) carry the CORS header the app's
+would (`api.allowed_origin`), so that a browser page shows the error rather than a blocked request.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from waitress import create_server, wasyncore
 from waitress.channel import HTTPChannel
 from waitress.task import ErrorTask
 
-from .api import DEFAULT_MAX_BODY_BYTES, error_reply, server_error_reply
+from .api import DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
 from .api_requests import BodyTooLarge
 from .service import ShuttingDown
 
@@ -67,11 +70,18 @@ def app_body_limit(waitress_limit: int) -> int:
     return (waitress_limit - 1) // 2
 
 
+def cors_headers(cors_origins: tuple[str, ...], origin: str | None) -> list[tuple[str, str]]:
+    """What a reply the app does not write says to a page of `origin` (its Origin header, if any)."""
+    allowed = allowed_origin(cors_origins, origin)
+    return [] if allowed is None else [("Access-Control-Allow-Origin", allowed)]
+
+
 class ShutdownGate:
     """WSGI middleware: passes requests to the app until `close()`, then answers each with SHUTDOWN_REPLY."""
 
-    def __init__(self, app: Callable):
+    def __init__(self, app: Callable, cors_origins: tuple[str, ...] = ()):
         self.app = app
+        self.cors_origins = cors_origins
         self.closed = threading.Event()
         self._count_lock = threading.Lock()
         self.refused = 0  # requests answered with the 503, for the log
@@ -86,7 +96,8 @@ class ShutdownGate:
             self.refused += 1
         body = json.dumps(SHUTDOWN_REPLY.body()).encode()
         start_response("503 Service Unavailable", [("Content-Type", "application/json"),
-                                                   ("Content-Length", str(len(body))), *SHUTDOWN_REPLY.headers])
+                                                   ("Content-Length", str(len(body))), *SHUTDOWN_REPLY.headers,
+                                                   *cors_headers(self.cors_origins, environ.get("HTTP_ORIGIN"))])
         return [body]
 
 
@@ -104,6 +115,8 @@ class OpenAIErrorTask(ErrorTask):
         body = json.dumps(reply.body()).encode()
         self.status = f"{error.code} {error.reason}"
         self.response_headers.append(("Content-Type", "application/json"))
+        # the headers as far as Waitress read them (none, when it refused them): names upper case, '_' for '-'
+        self.response_headers += cors_headers(self.channel.server.cors_origins, self.request.headers.get("ORIGIN"))
         self.set_close_on_finish()  # as Waitress does: the request's framing can no longer be trusted
         self.content_length = len(body)
         self.write(body)
@@ -236,13 +249,14 @@ def connection_limit(threads: int) -> int:
 
 
 def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
-                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HttpServer:
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: tuple[str, ...] = ()) -> HttpServer:
     """Serve the WSGI `app` on host:port (port 0: any free port, see `.port`) from a daemon thread.
 
-    Pass the `max_body_bytes` given to `create_app`. Raises OSError when the address cannot be bound.
+    Pass the `max_body_bytes` and `cors_origins` given to `create_app`. Raises OSError when the address cannot be
+    bound.
     """
     socket_map: dict = {}
-    gate = ShutdownGate(app)
+    gate = ShutdownGate(app, cors_origins)
     server = create_server(gate, map=socket_map, host=host, port=port, threads=threads,
                            max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc",
                            connection_limit=connection_limit(threads), asyncore_use_poll=True,
@@ -250,6 +264,7 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                            # (waitress.client_disconnected); one that only half-closes is taken as gone too
                            channel_request_lookahead=1)
     server.channel_class = OpenAIErrorChannel  # before the loop runs: every connection is one of these
+    server.cors_origins = cors_origins  # for OpenAIErrorTask, which Waitress makes with only its channel
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
     running = HttpServer(server, socket_map, thread, host, gate)

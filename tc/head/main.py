@@ -293,10 +293,12 @@ def start_head(topology: Topology) -> Head:
     # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
     # unbounded backlog) decides who waits and who gets a 429
     with _listening("head.api", topology.head.api):
-        http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry),
+        cors_origins = topology.head.cors_origins
+        http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry,
+                                            cors_origins=cors_origins),
                                  topology.head.api.host, topology.head.api.port,
                                  threads=registry.batch.max_batch + topology.head.max_queue + 4,
-                                 max_body_bytes=max_body)
+                                 max_body_bytes=max_body, cors_origins=cors_origins)
     with _listening("head.listen", topology.head.listen):
         listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
