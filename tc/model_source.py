@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from .model.weights import INDEX_FILE, SINGLE_FILE, WeightsError, read_weight_map
 
@@ -33,6 +33,10 @@ DEFAULT_STALL_S = 60.0
 STALL_MIN_BYTES = 64 * 1024
 PROGRESS_EVERY_S = 30.0  # a download that takes longer says how far it has come this often, not nothing till done
 TOKEN_HINT = "HF_TOKEN, or `hf auth login`"  # how a machine gets a Hub token, for the refusals that need one
+
+# told of each file fetch_tensors fetches: (file, its number, files in all); returns what is then told of the file's
+# bytes as they come in: (bytes so far, its size where the Hub gave it)
+FetchProgress = Callable[[str, int, int], Callable[[int, "int | None"], None]]
 
 
 class ModelSourceError(RuntimeError):
@@ -74,15 +78,17 @@ class ModelSource:
     def __str__(self) -> str:
         return self.model
 
-    def _download(self, filename: str, optional: bool = False) -> Path | None:
-        """One file through huggingface_hub (HF cache semantics, HF_ENDPOINT and HF_HUB_OFFLINE honoured).
+    def _download(self, filename: str, optional: bool = False,
+                  on_bytes: Callable[[int, int | None], None] | None = None) -> Path | None:
+        """One file through huggingface_hub (HF cache semantics, HF_ENDPOINT and HF_HUB_OFFLINE honoured); told
+        to `on_bytes` as its body comes in (bytes so far, the size).
 
         Returns None for an optional file the repo does not have.
         """
         from huggingface_hub import errors, hf_hub_download
 
         stall_s = stall_seconds(os.environ)
-        _guard_downloads(stall_s, f"{filename} of {self.model}")
+        _guard_downloads(stall_s, f"{filename} of {self.model}", on_bytes)
         # the remote "no such file" error is its own class in newer huggingface_hub releases
         not_found = tuple(c for c in (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", None))
                           if c is not None)
@@ -152,8 +158,9 @@ class ModelSource:
             self.revision = commit
         return path.parent
 
-    def fetch_tensors(self, names: Iterable[str]) -> Path:
-        """Make sure the shards holding `names` are present; returns the model directory."""
+    def fetch_tensors(self, names: Iterable[str], progress: FetchProgress | None = None) -> Path:
+        """Make sure the shards holding `names` are present, telling `progress` of each one fetched; returns the
+        model directory."""
         root = self.config_dir()
         if self.is_local:
             return root
@@ -166,7 +173,7 @@ class ModelSource:
             started = time.perf_counter()
             log.info("fetching %s (%d/%d) of %s", file, i, len(files), self.model)
             try:
-                path = self._download(file)
+                path = self._download(file, on_bytes=None if progress is None else progress(file, i, len(files)))
             except NotInRepo as exc:
                 if index is not None:
                     raise NotInRepo(f"{exc}, which its {INDEX_FILE} names for tensors tc needs: the repo's upload "
@@ -207,23 +214,27 @@ class _StallHook:
     def __call__(self, response) -> None:
         stall_s = getattr(self.local, "stall_s", DEFAULT_STALL_S)  # a request of another thread: a Hub API call
         what = getattr(self.local, "what", str(response.request.url))
+        on_bytes = getattr(self.local, "on_bytes", None)
         # the httpx package the client is built on (httpx, or httpx2 for huggingface_hub 2), for its stream class
         package = sys.modules[type(response).__module__.partition(".")[0]]
         length = response.headers.get("Content-Length", "")
         size = int(length) if length.isdigit() else None
-        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, stall_s, what, size)
+        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, stall_s, what, size,
+                                                                        on_bytes)
 
 
 @functools.cache
 def _stall_guarded_stream(base: type) -> type:
     """A subclass of httpx's SyncByteStream (`base`) that passes on a body, logging how far it has come every
-    PROGRESS_EVERY_S, and raising DownloadStalled where it gets fewer than STALL_MIN_BYTES in `stall_s` seconds. A
-    chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT (else the read times out), so a stall is found within
-    twice the rule's time and that timeout."""
+    PROGRESS_EVERY_S (and telling `on_bytes` of every chunk, where given), and raising DownloadStalled where it gets
+    fewer than STALL_MIN_BYTES in `stall_s` seconds. A chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT (else
+    the read times out), so a stall is found within twice the rule's time and that timeout."""
 
     class StallGuardedStream(base):
-        def __init__(self, stream, stall_s: float, what: str, size: int | None):
+        def __init__(self, stream, stall_s: float, what: str, size: int | None,
+                     on_bytes: Callable[[int, int | None], None] | None = None):
             self.stream, self.stall_s, self.what, self.size = stream, stall_s, what, size
+            self.on_bytes = on_bytes
 
         def __iter__(self) -> Iterator[bytes]:
             started = since = logged = time.monotonic()
@@ -231,6 +242,8 @@ def _stall_guarded_stream(base: type) -> type:
             for chunk in self.stream:
                 received += len(chunk)
                 done += len(chunk)
+                if self.on_bytes is not None:
+                    self.on_bytes(done, self.size)
                 now = time.monotonic()
                 if now - logged >= PROGRESS_EVERY_S:
                     logged = now
@@ -248,9 +261,10 @@ def _stall_guarded_stream(base: type) -> type:
     return StallGuardedStream
 
 
-def _guard_downloads(stall_s: float, what: str) -> None:
-    """Hold huggingface_hub's downloads of `what` to the stall rule, with progress lines: a hook on its shared HTTP
-    client, which it makes anew after a fork or close_session(), so this looks again before each download."""
+def _guard_downloads(stall_s: float, what: str, on_bytes: Callable[[int, int | None], None] | None = None) -> None:
+    """Hold huggingface_hub's downloads of `what` to the stall rule, with progress lines (and told to `on_bytes`):
+    a hook on its shared HTTP client, which it makes anew after a fork or close_session(), so this looks again
+    before each download."""
     from huggingface_hub import get_session
 
     session = get_session()
@@ -262,7 +276,7 @@ def _guard_downloads(stall_s: float, what: str) -> None:
     if hook is None:
         hook = _StallHook()
         session.event_hooks = {**hooks, "response": [*hooks["response"], hook]}
-    hook.local.stall_s, hook.local.what = stall_s, what
+    hook.local.stall_s, hook.local.what, hook.local.on_bytes = stall_s, what, on_bytes
 
 
 @functools.cache

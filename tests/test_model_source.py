@@ -197,6 +197,24 @@ def test_a_long_download_says_how_far_it_has_come(tmp_path, model_dir, hub_env, 
     assert progress and f"of {size / 1e6:.1f} MB" in progress[0], caplog.text
 
 
+def test_fetch_tensors_tells_each_shard_it_fetches_and_its_bytes(tmp_path, model_dir, hub_env):
+    """What the head's API reports while the head downloads: each shard with its number, then its bytes as they
+    come in, up to the size the Hub gave."""
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    told: list[list] = []
+
+    def progress(file: str, number: int, files: int):
+        told.append([file, number, files, None, None])
+        return lambda done, size: told[-1].__setitem__(slice(3, 5), [done, size])
+
+    with HubStandIn({REPO: model_dir}) as hub:
+        hub_env(hub)
+        ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(list(weight_map), progress)
+    shards = sorted(set(weight_map.values()))
+    sizes = [(model_dir / shard).stat().st_size for shard in shards]
+    assert told == [[shard, i, len(shards), size, size] for i, (shard, size) in enumerate(zip(shards, sizes), 1)]
+
+
 @pytest.mark.parametrize("layout, says", [
     ("bin only", "has neither model.safetensors nor model.safetensors.index.json: tc loads safetensors"),
     ("shard missing", "has no model-00001-of-00002.safetensors, which its model.safetensors.index.json names"),
