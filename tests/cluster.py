@@ -186,16 +186,18 @@ class Cluster:
             return e.code, json.loads(e.read() or b"{}")
 
     def wait_api(self, timeout: float = 120) -> None:
+        """Wait until the head has loaded its tensors and serves its API (/health 200; 503 while it loads)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.head is not None
             if self.head.proc.poll() is not None:
                 raise AssertionError(f"head exited:\n{self.head.output()}")
             try:
-                self.get("/health", timeout=1)
-                return
+                if self.get("/health", timeout=1)[0] == 200:
+                    return
             except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         raise AssertionError(f"head API not up in {timeout}s:\n{self.head.output()}")
 
     def wait_ready(self, timeout: float = 300) -> None:

@@ -4,8 +4,10 @@ It serves directories as repos at `/{org}/{name}/resolve/{revision}/{filename}` 
 huggingface_hub reads (X-Repo-Commit, ETag, Content-Length, X-Error-Code on 404s), HEAD and GET, byte ranges
 included. Point huggingface_hub at it with HF_ENDPOINT. Every request is recorded, so tests can check what
 was (and was not) fetched. Files named in `trickle` are sent as a link that is alive but all but stalled would
-send them: one byte every `trickle_s`, until the stand-in closes. Files named in `refuse` get the status (and
-X-Error-Code, if any) given there, as the Hub refuses a token-less, gated or too frequent request.
+send them: one byte every `trickle_s`, until the stand-in closes. Files named in `hold` are sent half, then held
+(`holding` is set) until the test sets `release`: the rest then follows, or with `cut` set the connection closes
+without it, as a link that breaks off does. Files named in `refuse` get the status (and X-Error-Code, if any) given
+there, as the Hub refuses a token-less, gated or too frequent request.
 
 A repo is one commit (COMMIT) under any revision, unless `snapshots` gives directories by commit and `branches`
 the commit each branch is at; a test moves a branch by setting `branches[name]`, as an upload to the repo would.
@@ -25,13 +27,18 @@ ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<fil
 class HubStandIn:
     def __init__(self, repos: dict[str, Path], revisions: set[str] | None = None, trickle: set[str] = frozenset(),
                  trickle_s: float = 0.05, refuse: dict[str, tuple[int, str | None]] | None = None,
-                 snapshots: dict[str, Path] | None = None, branches: dict[str, str] | None = None):
+                 snapshots: dict[str, Path] | None = None, branches: dict[str, str] | None = None,
+                 hold: set[str] = frozenset()):
         self.repos = repos
         self.snapshots = snapshots or {}  # commit -> the repo's files at it (for every repo)
         self.branches = branches or {}  # branch -> the commit it is at, in `snapshots`
         self.refuse = refuse or {}  # file name -> (status, X-Error-Code or None)
         self.revisions = revisions  # the revisions it knows (None: any); another is the Hub's RevisionNotFound
         self.trickle, self.trickle_s = trickle, trickle_s
+        self.hold = hold
+        self.holding = threading.Event()  # a held file's first half is sent
+        self.release = threading.Event()  # sends the rest of a held file (or, with `cut`, closes it unsent)
+        self.cut = False
         self.closed = threading.Event()  # ends the trickles, whose handler threads would otherwise run on
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self._etags: dict[Path, str] = {}
@@ -110,7 +117,16 @@ class HubStandIn:
                 if ranged:
                     self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
                 self.end_headers()
-                if with_body and match["filename"] in hub.trickle:
+                if with_body and match["filename"] in hub.hold and not hub.release.is_set():
+                    with open(path, "rb") as f:
+                        f.seek(start)
+                        self.wfile.write(f.read((end - start + 1) // 2))
+                        self.wfile.flush()
+                        hub.holding.set()
+                        hub.release.wait()  # closing the stand-in sets it too
+                        if not hub.cut and not hub.closed.is_set():
+                            self.wfile.write(f.read(end + 1 - f.tell()))
+                elif with_body and match["filename"] in hub.trickle:
                     with open(path, "rb") as f:
                         f.seek(start)
                         for _ in range(end - start + 1):
@@ -144,5 +160,6 @@ class HubStandIn:
 
     def __exit__(self, *exc) -> None:
         self.closed.set()
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()

@@ -5,7 +5,8 @@ whole, or as server-sent events). Every failure, ours or Falcon's own (unknown r
 leaves through one error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so
 clients never see an HTML page; a failure after a stream has started is its last event instead. Handlers are
 synchronous; the service serialises generations, and Waitress runs each request in its own thread. Pages of the
-origins in `head.cors_origins` may call it from a browser (`Cors`).
+origins in `head.cors_origins` may call it from a browser (`Cors`). While the head still loads its model,
+`create_loading_app` serves the same routes, with what can be answered before (loading.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from .api_requests import (
     says_json,
 )
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
+from .loading import HeadLoading, StillLoading
 from .metrics import Metrics
 from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
                       GenerationSummary, QueueFull, Readiness, ServiceError, ShuttingDown, StageFailed, WorkerLost)
@@ -130,6 +132,9 @@ def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
                           (("Retry-After", RETRY_AFTER_S),))
     if isinstance(exc, ShuttingDown):
         return ErrorReply(503, "service_unavailable", str(exc), None, "shutting_down",
+                          (("Retry-After", RETRY_AFTER_S),))
+    if isinstance(exc, StillLoading):
+        return ErrorReply(503, "service_unavailable", str(exc), None, "model_loading",
                           (("Retry-After", RETRY_AFTER_S),))
     if isinstance(exc, QueueFull):
         return ErrorReply(429, "rate_limit_exceeded", str(exc), None, "server_busy",
@@ -253,6 +258,32 @@ class HealthResource:
         resp.media = _readiness_body(readiness)
 
     on_head, on_head_ready = on_get, on_get_ready  # see ModelsResource
+
+
+class LoadingResource:
+    """While the head loads its model: /health and /health/ready answer 503 with what it is doing, and every route
+    that needs the model (the generations, /v1/cluster) a 503 model_loading."""
+
+    def __init__(self, loading: HeadLoading):
+        self.loading = loading
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.status = 503
+        resp.media = {"status": "loading", "loading": self.loading.now().body()}
+        resp.set_header("Retry-After", RETRY_AFTER_S)
+
+    def on_get_ready(self, req: falcon.Request, resp: falcon.Response) -> None:
+        # the shape /health/ready has once loaded: no node serves yet, since the head takes none before then
+        nodes = self.loading.nodes
+        resp.status = 503
+        resp.media = {**_readiness_body(Readiness(len(nodes), (), nodes)), "loading": self.loading.now().body()}
+        resp.set_header("Retry-After", RETRY_AFTER_S)
+
+    def on_get_refused(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raise StillLoading(self.loading.now())
+
+    on_head, on_head_ready, on_head_refused = on_get, on_get_ready, on_get_refused  # see ModelsResource
+    on_post_generation = on_get_refused
 
 
 class ClusterView(Protocol):
@@ -533,11 +564,7 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     plan and nodes; without it (a single process) they are null and empty. Browser pages of `cors_origins`
     (("*",): any) may call it (`Cors`); with none, replies carry no CORS headers.
     """
-    middleware: list[object] = [RequestLog(service.metrics)]
-    if cors_origins:
-        middleware.append(Cors(cors_origins))
-    app = falcon.App(middleware=middleware)
-    app.req_options.strip_url_path_trailing_slash = True
+    app = _new_app(service.metrics, cors_origins)
     models = ModelsResource(service.model_id, service.context_length)
     app.add_route("/v1/models", models)
     # model ids such as "Qwen/Qwen2.5-0.5B-Instruct" hold slashes, so the id takes the rest of the path
@@ -553,6 +580,37 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
                                                              tokenizer.eos_token_ids))
     app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured))
-    # one handler for everything, Falcon's own HTTPError included (it has a default handler of its own)
+    return app
+
+
+def create_loading_app(loading: HeadLoading, metrics: Metrics, cors_origins: tuple[str, ...] = ()) -> falcon.App:
+    """The app the head serves while it loads its model (loading.py), on the routes of create_app's: /v1/models and
+    /metrics answer what they already can, the rest a 503 that says the model is loading (LoadingResource).
+
+    Give create_app's service the same `metrics`: the requests answered meanwhile stay counted once it serves.
+    """
+    app = _new_app(metrics, cors_origins)
+    models = ModelsResource(loading.model_id, loading.context_length)
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model_id:path}", models, suffix="one")
+    waiting = LoadingResource(loading)
+    app.add_route("/health", waiting)
+    app.add_route("/health/ready", waiting, suffix="ready")
+    app.add_route("/v1/cluster", waiting, suffix="refused")
+    app.add_route("/metrics", MetricsResource(metrics))
+    # POST only, as create_app's: another method gets the 405 it will get then
+    app.add_route("/v1/completions", waiting, suffix="generation")
+    app.add_route("/v1/chat/completions", waiting, suffix="generation")
+    return app
+
+
+def _new_app(metrics: Metrics, cors_origins: tuple[str, ...]) -> falcon.App:
+    """An app with what both of the head's apps share: the request log, the CORS policy (where origins are given),
+    and one error handler for everything, Falcon's own HTTPError included (it has a default handler of its own)."""
+    middleware: list[object] = [RequestLog(metrics)]
+    if cors_origins:
+        middleware.append(Cors(cors_origins))
+    app = falcon.App(middleware=middleware)
+    app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler([Exception, falcon.HTTPError], _handle_error)
     return app

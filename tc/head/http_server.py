@@ -77,7 +77,8 @@ def cors_headers(cors_origins: tuple[str, ...], origin: str | None) -> list[tupl
 
 
 class ShutdownGate:
-    """WSGI middleware: passes requests to the app until `close()`, then answers each with SHUTDOWN_REPLY."""
+    """WSGI middleware: passes requests to `app` (which HttpServer.serve may replace) until `close()`, then answers
+    each with SHUTDOWN_REPLY."""
 
     def __init__(self, app: Callable, cors_origins: tuple[str, ...] = ()):
         self.app = app
@@ -139,6 +140,11 @@ class HttpServer:
     @property
     def url(self) -> str:
         return f"http://{_url_host(self.host)}:{self.port}"
+
+    def serve(self, app: Callable) -> None:
+        """Hand each request from now on to the WSGI `app` (the head's full API once its model has loaded, in place
+        of the one that said it was loading); a request already handed to the one before ends there."""
+        self._gate.app = app
 
     def stop(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Answer every request accepted (in flight: up to `timeout_s` to finish; the rest: a 503), then close.

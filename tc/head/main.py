@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -33,8 +33,10 @@ from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
 from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for
-from .api import body_limit, create_app
+from .api import body_limit, create_app, create_loading_app
 from .http_server import HttpServer, start_http_server
+from .loading import HeadLoading
+from .metrics import Metrics
 from .pipeline import RemotePipeline
 from .service import GenerationService
 from .workers import WorkerRegistry
@@ -214,7 +216,9 @@ def check_can_listen(key: str, address: HostPort) -> None:
 
 
 def start_head(topology: Topology) -> Head:
-    """Load the head's share of the model, listen for workers and serve the API. Returns once serving."""
+    """Plan, open the API, load the head's share of the model (the API meanwhile says so), listen for workers and
+    serve. Returns once serving. Raises TopologyError, ConfigError, WeightsError, ModelSourceError, PlanError, with
+    the API closed again."""
     started = time.perf_counter()
     if topology.head.threads:
         torch.set_num_threads(topology.head.threads)
@@ -238,10 +242,45 @@ def start_head(topology: Topology) -> Head:
     if not waiting:  # a plan made from the workers may differ; each takeover says why a spare cannot serve
         for line in describe_spares(topology, plan, config, batch.max_batch):
             log.info("%s", line)
-    check_can_listen("head.api", topology.head.api)
-    check_can_listen("head.listen", topology.head.listen)
+    check_can_listen("head.listen", topology.head.listen)  # a port in use stops the head before it loads anything
+    max_body = topology.head.max_body_bytes
+    if max_body is None:
+        max_body = body_limit(config.context_length)
+    metrics = Metrics()
+    # the nodes the registry will wait for: the plan's, else (planned once they join) the topology's
+    nodes = [e.id for e in topology.pipeline_nodes] if waiting else [s.node_id for s in plan.stages]
+    loading = HeadLoading(topology.name, config.context_length, tuple(nodes))
+    # The API opens now, before the load (minutes for a large model), so that it answers what the head is doing
+    # where a closed port said nothing. Enough HTTP threads for the batch, the queue, and health checks, so the
+    # bounded queue (not Waitress's unbounded backlog) decides who waits and who gets a 429.
+    with _listening("head.api", topology.head.api):
+        http = start_http_server(create_loading_app(loading, metrics, topology.head.cors_origins),
+                                 topology.head.api.host, topology.head.api.port,
+                                 threads=batch.max_batch + topology.head.max_queue + 4, max_body_bytes=max_body,
+                                 cors_origins=topology.head.cors_origins)
+    log.info("API at %s/v1 (answers 503 while the head loads its tensors)", http.url)
+    try:
+        return _load_and_serve(topology, source, config, plan, batch, speed, loading, metrics, http, max_body,
+                               started)
+    except BaseException:
+        http.stop(SHUTDOWN_DRAIN_S)  # a head that cannot serve closes its port, as it exits
+        raise
+
+
+def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig, plan: Plan, batch: BatchPlan,
+                    speed: Speed | None, loading: HeadLoading, metrics: Metrics, http: HttpServer, max_body: int,
+                    started: float) -> Head:
+    """start_head's part while its API answers that it is loading: fetch and load the head's tensors and its
+    tokenizer, naming each step in `loading`, then hand the API the model and listen for workers."""
+    waiting = topology.head.plan_from == "workers"
     names = head_tensor_names(config)
-    model_dir = source.fetch_tensors(names)
+
+    def fetching(file: str, number: int, files: int) -> Callable[[int, int | None], None]:
+        loading.begin("fetching_tensors", f"fetching {file} ({number} of {files}) from the Hub", unit="bytes")
+        return loading.advance
+
+    model_dir = source.fetch_tensors(names, fetching)
+    loading.begin("fetching_tokenizer", "fetching the tokenizer's files")
     source.fetch_tokenizer()
     index = WeightIndex.open(model_dir, only=names)
     index.validate(config, only=names)
@@ -256,7 +295,10 @@ def start_head(topology: Topology) -> Head:
         loaded.screen_greedy()
         return loaded
 
+    loading.begin("loading_tensors", f"reading its tensors ({format_bytes(index.nbytes(names))}: the embedding, "
+                  "the final norm and lm_head)")
     head_model = on_own_thread(load_head_model, "head-load")
+    loading.begin("loading_tokenizer", "reading the tokenizer")
     tokenizer = TextTokenizer.load(model_dir, chat_template=topology.chat_template)
     check_vocab(tokenizer, config.vocab_size, model_dir)
     if tokenizer.chat_templates is not None:
@@ -280,25 +322,16 @@ def start_head(topology: Topology) -> Head:
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
                                 prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops,
-                                prefix_cache=topology.head.prefix_cache)
+                                metrics=metrics, prefix_cache=topology.head.prefix_cache)
 
     def planned(made: BatchPlan) -> None:  # the workers' memory may hold fewer sequences than the topology's plan
         service.max_batch = made.max_batch
         log.info("batch: %s", made.describe())
 
     registry.on_plan = planned
-    max_body = topology.head.max_body_bytes
-    if max_body is None:
-        max_body = body_limit(service.context_length)
-    # enough HTTP threads for the batch, the queue, and health checks, so the bounded queue (not Waitress's
-    # unbounded backlog) decides who waits and who gets a 429
-    with _listening("head.api", topology.head.api):
-        cors_origins = topology.head.cors_origins
-        http = start_http_server(create_app(service, max_body_bytes=max_body, cluster=registry,
-                                            cors_origins=cors_origins),
-                                 topology.head.api.host, topology.head.api.port,
-                                 threads=registry.batch.max_batch + topology.head.max_queue + 4,
-                                 max_body_bytes=max_body, cors_origins=cors_origins)
+    # the model's API first, then the workers' port: a worker that joins finds an API that will serve it
+    http.serve(create_app(service, max_body_bytes=max_body, cluster=registry,
+                          cors_origins=topology.head.cors_origins))
     with _listening("head.listen", topology.head.listen):
         listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
