@@ -32,6 +32,12 @@ WAIT_S = 120  # a deadline for what the test waits on, never a pause: on a busy 
 Reply = tuple[int, dict[str, str], Any]
 
 
+def hub_env(hub: HubStandIn) -> dict[str, str]:
+    # a held download waits on the test, however slow the machine: no read timeout or stall rule may end it first
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DOWNLOAD_TIMEOUT": str(WAIT_S * 3),
+            "TC_DOWNLOAD_STALL_S": str(WAIT_S * 3)}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen", seed=5)
@@ -83,7 +89,7 @@ def local_greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
 def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_dir: Path) -> None:
     size = (model_dir / SHARD).stat().st_size
     with HubStandIn({REPO: model_dir}, hold={SHARD}) as hub:
-        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env = hub_env(hub)
         topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
                                   hf_cache_dir=str(tmp_path / "head-cache"))
         with Cluster(topology, tmp_path, env=env) as cluster:
@@ -138,7 +144,7 @@ def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_
 
 def test_a_load_that_fails_ends_the_head_and_closes_its_port(tmp_path: Path, model_dir: Path) -> None:
     with HubStandIn({REPO: model_dir}, hold={SHARD}) as hub:
-        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env = hub_env(hub)
         topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
                                   hf_cache_dir=str(tmp_path / "head-cache"))
         with Cluster(topology, tmp_path, env=env) as cluster:
