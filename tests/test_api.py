@@ -15,7 +15,7 @@ from falcon import testing
 
 from model_helpers import OurModel
 from tc.generation import Generator
-from tc.head.api import DEFAULT_MAX_BODY_BYTES, INTERNAL_ERROR_MESSAGE, create_app, error_reply
+from tc.head.api import DEFAULT_MAX_BODY_BYTES, INTERNAL_ERROR_MESSAGE, create_app, create_loading_app, error_reply
 from tc.head.api_requests import (
     ChatMessage,
     CompletionRequest,
@@ -25,6 +25,8 @@ from tc.head.api_requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from tc.head.loading import HeadLoading
+from tc.head.metrics import Metrics
 from tc.head.service import (
     ClusterNotReady,
     GenerationService,
@@ -775,6 +777,37 @@ def test_each_request_logs_one_line(client, caplog):
     assert re.fullmatch(r"POST /v1/completions 200 id=cmpl-[0-9a-f]{32} prompt_tokens=5 completion_tokens=2 "
                         r"wait=\d+\.\d{3}s ttft=\d+\.\d{3}s tokens_per_s=\d+\.\d finish=length \d+\.\d{3}s", lines[0]), lines[0]
     assert re.fullmatch(r"GET /v1/nothing 404 \d+\.\d{3}s", lines[1]), lines[1]
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/v1/models/other"), ("HEAD", "/v1/models"),
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/completions"),
+    ("PUT", "/v1/chat/completions"), ("GET", "/v1/cluster"), ("HEAD", "/v1/cluster"), ("GET", "/health"),
+    ("HEAD", "/health"), ("GET", "/health/ready"), ("GET", "/health/"), ("GET", "/metrics"), ("GET", "/v1/nothing"),
+])
+def test_while_loading_each_route_answers_as_it_will_or_that_the_model_is_loading(generator, method, path):
+    """The loading head's app has every route of the full one: a route answers what the full app will (the model's
+    card, a 404 or 405), or a 503 that says the model is loading, never a 404 that it will not give later."""
+    service = make_service(generator)
+    loading = HeadLoading(service.model_id, service.context_length, ("a", "b"))
+    loading.begin("fetching_tensors", "fetching model.safetensors (1 of 1) from the Hub", unit="bytes")
+    loading.advance(10, 20)
+    waiting = testing.TestClient(create_loading_app(loading, Metrics())).simulate_request(method, path, json={})
+    served = testing.TestClient(create_app(service)).simulate_request(method, path, json={})
+    if waiting.status_code != 503:
+        assert waiting.status_code == served.status_code
+        assert path == "/metrics" or waiting.text == served.text  # the metrics: only the requests are there yet
+    elif path.startswith("/health"):
+        assert waiting.headers["Retry-After"] == "1" and served.status_code in (200, 503)
+        if method != "HEAD":
+            assert waiting.json["loading"] == {"step": "fetching_tensors", "message": "fetching model.safetensors "
+                                               "(1 of 1) from the Hub",
+                                               "progress": {"done": 10, "total": 20, "unit": "bytes"}}
+    else:
+        assert served.status_code not in (404, 405)
+        if method != "HEAD":
+            assert_error_shape(waiting, 503, "service_unavailable", code="model_loading")
+        assert waiting.headers["Retry-After"] == "1"
 
 
 def test_health_and_readiness(generator):
