@@ -1,12 +1,16 @@
-"""A conversation's later turns: time to first token with head.prefix_cache on and off, beside llama.cpp's server.
+"""A conversation's later turns, or chats that share a long system prompt: time to first token with
+head.prefix_cache on and off, beside llama.cpp's server.
 
     python bench/bench_prefix_cache.py [--mode int4] [--turns 4] [--tokens 48] [--only tc|llamacpp]
+                                       [--scenario conversation|shared]
 
-A chat client sends the whole conversation with every request. Here one conversation opens with a source file to
-read (about 1,500 tokens of tc's own code) and a question, and goes on for --turns turns, each sending back the
-last reply and a new question; every reply is greedy and --tokens long at most, streamed. For each turn it prints
-the prompt's tokens, those the server did not read again (tc: `usage.prompt_tokens_details.cached_tokens`;
-llama.cpp: `timings.cache_n`), and the time to the first token of the reply.
+A chat client sends the whole conversation with every request. In the conversation scenario one conversation opens
+with a source file to read (about 1,500 tokens of tc's own code) and a question, and goes on for --turns turns,
+each sending back the last reply and a new question. In the shared scenario, --turns chats one after another each
+open with the same system prompt (the same file, as an agent's instructions or a code base's context) and ask their
+own question. Every reply is greedy and --tokens long at most, streamed. For each request it prints the prompt's
+tokens, those the server did not read again (tc: `usage.prompt_tokens_details.cached_tokens`; llama.cpp:
+`timings.cache_n`), and the time to the first token of the reply.
 
 tc runs as head + 2 workers on loopback (real processes, 2 threads each, bf16 compute, the demo model in --mode),
 once with head.prefix_cache on (its default) and once off; llama.cpp as one `llama-server` process with its prompt
@@ -62,30 +66,49 @@ def chat_turn(port: int, model: str, messages: list[dict], tokens: int) -> dict:
     return {"text": text, "ttft": first if first is not None else float("nan"), "usage": usage, "timings": timings}
 
 
+def measured(result: dict) -> dict:
+    """A reply's prompt tokens, those not read again, and its time to first token, from either server."""
+    usage = result["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", result["timings"].get("cache_n", 0))
+    return {"prompt": usage.get("prompt_tokens", result["timings"].get("prompt_n", 0) + cached), "cached": cached,
+            "ttft": result["ttft"]}
+
+
+def source_file() -> str:
+    return (ROOT / "tc" / "generation.py").read_text()[:6000]
+
+
 def conversation(port: int, model: str, args: argparse.Namespace) -> list[dict]:
-    source = (ROOT / "tc" / "generation.py").read_text()[:6000]
     messages = [{"role": "system", "content": "You are a concise assistant for Python programmers."},
-                {"role": "user", "content": f"Here is a file:\n\n```python\n{source}\n```\n\n{QUESTIONS[0]}"}]
+                {"role": "user", "content": f"Here is a file:\n\n```python\n{source_file()}\n```\n\n{QUESTIONS[0]}"}]
     turns = []
     for turn in range(args.turns):
         result = chat_turn(port, model, messages, args.tokens)
-        usage = result["usage"]
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", result["timings"].get("cache_n", 0))
-        turns.append({"prompt": usage.get("prompt_tokens", result["timings"].get("prompt_n", 0) + cached),
-                      "cached": cached, "ttft": result["ttft"]})
+        turns.append(measured(result))
         messages += [{"role": "assistant", "content": result["text"]},
                      {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
     return turns
 
 
+def shared_system_prompt(port: int, model: str, args: argparse.Namespace) -> list[dict]:
+    system = ("You are a concise assistant for Python programmers. Questions are about this file:\n\n"
+              f"```python\n{source_file()}\n```")
+    return [measured(chat_turn(port, model, [{"role": "system", "content": system},
+                                             {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                               args.tokens)) for i in range(args.turns)]
+
+
+SCENARIOS = {"conversation": conversation, "shared": shared_system_prompt}
+
+
 def tc_turns(args: argparse.Namespace, workdir: Path, prefix_cache: bool) -> list[dict]:
     with demo_cluster(args.mode, workdir, f"prefix-{prefix_cache}", prefix_cache=prefix_cache) as cluster:
-        return conversation(cluster.api_port, demo_model_dir().name, args)
+        return SCENARIOS[args.scenario](cluster.api_port, demo_model_dir().name, args)
 
 
 def llamacpp_turns(args: argparse.Namespace, workdir: Path) -> list[dict]:
     with llama_server(args.mode, 1, 8192, workdir) as port:
-        return conversation(port, "model", args)
+        return SCENARIOS[args.scenario](port, "model", args)
 
 
 def main() -> int:
@@ -94,6 +117,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--only", choices=["tc", "llamacpp"])
+    parser.add_argument("--scenario", default="conversation", choices=list(SCENARIOS))
     args = parser.parse_args()
     setups: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +127,8 @@ def main() -> int:
         if args.only != "tc":
             setups["llama-server"] = llamacpp_turns(args, Path(tmp))
     reference = setups.get("tc, prefix_cache off")
-    print(f"| setup ({args.mode}) | turn | prompt tokens | not read again | TTFT s | x prefix_cache off |")
+    print(f"| setup ({args.mode}, {args.scenario}) | request | prompt tokens | not read again | TTFT s "
+          "| x prefix_cache off |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, turns in setups.items():
         for i, turn in enumerate(turns):
