@@ -2,13 +2,14 @@
 head.prefix_cache on and off, beside llama.cpp's server.
 
     python bench/bench_prefix_cache.py [--mode int4] [--turns 4] [--tokens 48] [--only tc|llamacpp]
-                                       [--scenario conversation|shared]
+                                       [--scenario conversation|shared|together]
 
 A chat client sends the whole conversation with every request. In the conversation scenario one conversation opens
 with a source file to read (about 1,500 tokens of tc's own code) and a question, and goes on for --turns turns,
 each sending back the last reply and a new question. In the shared scenario, --turns chats one after another each
 open with the same system prompt (the same file, as an agent's instructions or a code base's context) and ask their
-own question. Every reply is greedy and --tokens long at most, streamed. For each request it prints the prompt's
+own question; in the together scenario, as many chats with that system prompt arrive at once (an agent's fleet).
+Every reply is greedy and --tokens long at most, streamed. For each request it prints the prompt's
 tokens, those the server did not read again (tc: `usage.prompt_tokens_details.cached_tokens`; llama.cpp:
 `timings.cache_n`), and the time to the first token of the reply.
 
@@ -25,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +100,16 @@ def shared_system_prompt(port: int, model: str, args: argparse.Namespace) -> lis
                                args.tokens)) for i in range(args.turns)]
 
 
-SCENARIOS = {"conversation": conversation, "shared": shared_system_prompt}
+def together(port: int, model: str, args: argparse.Namespace) -> list[dict]:
+    system = ("You are a concise assistant for Python programmers. Questions are about this file:\n\n"
+              f"```python\n{source_file()}\n```")
+    with ThreadPoolExecutor(args.turns) as pool:
+        return list(pool.map(lambda i: measured(chat_turn(port, model, [
+            {"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            args.tokens)), range(args.turns)))
+
+
+SCENARIOS = {"conversation": conversation, "shared": shared_system_prompt, "together": together}
 
 
 def tc_turns(args: argparse.Namespace, workdir: Path, prefix_cache: bool) -> list[dict]:
@@ -107,7 +118,8 @@ def tc_turns(args: argparse.Namespace, workdir: Path, prefix_cache: bool) -> lis
 
 
 def llamacpp_turns(args: argparse.Namespace, workdir: Path) -> list[dict]:
-    with llama_server(args.mode, 1, 8192, workdir) as port:
+    slots = args.turns if args.scenario == "together" else 1  # a slot each, as tc's batch has a place each
+    with llama_server(args.mode, slots, 8192 * slots, workdir) as port:
         return SCENARIOS[args.scenario](port, "model", args)
 
 

@@ -358,6 +358,9 @@ class SequenceState:
         # The sequence whose cache the first entry starts from (its own, cut back, or another's, copied); None once
         # that entry is made, or when it starts a fresh cache or continues its own as it is
         self.source: int | None = None
+        # A sequence in the batch that reads the same prompt start: this one copies its cache once it has read the
+        # `cached` positions this one shares (copy_cache's `after`); None once copied, or when it copies none
+        self.after: SequenceState | None = None
         self.fed: list[int] = []  # the tokens decode steps fed in: with the prompt read, what its cache holds
         self.next_token: int | None = None  # the token the next decode step feeds in
         self.prompt_reports: list[TokenLogprob] = []
@@ -390,8 +393,8 @@ class SequenceState:
             self.fed.append(self.next_token)
             return Entry(self.id, self.position, 1, self.capacity), [self.next_token]
         ids = self.prompt_ids[self.prefilled:self.prefilled + prompt_budget]
-        entry = Entry(self.id, self.prefilled, len(ids), self.capacity, source=self.source)
-        self.source = None
+        entry = Entry(self.id, self.prefilled, len(ids), self.capacity, source=self.pending_source)
+        self.source = self.after = None
         return entry, ids
 
     def read_prompt(self, entry: Entry, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
@@ -423,13 +426,40 @@ class SequenceState:
         cache holds more positions than those (text this prompt does not share), and that entry cuts it back."""
         assert self.prefilled == self.cached and 0 < held < len(self.prompt_ids)
         self.id, self.prefilled, self.cached = sequence, held, held
-        self.source = sequence if cut else None
+        self.source, self.after = (sequence if cut else None), None
 
-    def copy_cache(self, sequence: int, held: int) -> None:
-        """Start from a copy of the first `held` positions of `sequence`'s cache (a finished one that stays kept
-        for others), which hold this prompt's first `held` tokens: the first entry reads the prompt from there."""
+    def copy_cache(self, sequence: "int | SequenceState", held: int) -> None:
+        """Start from a copy of the first `held` positions of `sequence`'s cache, which hold (or, for a sequence in
+        the batch still reading its prompt, will hold) this prompt's first `held` tokens: a finished one's, kept
+        for others, or one in the batch, which this one waits for until it has read them (`ready`). The first
+        entry reads the prompt from there."""
         assert self.prefilled == 0 and 0 < held < len(self.prompt_ids)
-        self.prefilled, self.cached, self.source = held, held, sequence
+        self.prefilled, self.cached = held, held
+        if isinstance(sequence, SequenceState):
+            self.after = sequence
+        else:
+            self.source = sequence
+
+    def read_whole(self) -> None:
+        """Give up the copy this sequence waits to make (its source is gone): its first entry reads all of the
+        prompt."""
+        assert self.pending_source is not None and self.prefilled == self.cached
+        self.prefilled = self.cached = 0
+        self.source = self.after = None
+
+    @property
+    def pending_source(self) -> int | None:
+        """The sequence whose cache this one's first entry starts from, while that entry is still to be made."""
+        return self.after.id if self.after is not None else self.source
+
+    @property
+    def ready(self) -> bool:
+        """Whether its first entry can run: a sequence it copies from in the batch has read what it shares."""
+        return self.after is None or self.after.holds_prompt(self.cached)
+
+    def holds_prompt(self, positions: int) -> bool:
+        """Whether this sequence's cache holds its prompt's first `positions` positions on every stage now."""
+        return self.pending_source is None and self.prefilled >= positions
 
     def take_prompt_from(self, leader: "SequenceState") -> None:
         """Start decoding from the leader's reading of the same prompt (its cache was copied for this one, unless it
@@ -554,7 +584,8 @@ class Generator:
         positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
         reads all of its prompt, as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
         while its leader reads the prompt, and gets a copy of the leader's cache in the step that reads the
-        prompt's end. The pipeline's errors pass through.
+        prompt's end; a sequence that copies the start of another's (SequenceState.copy_cache) waits until that
+        one has read it. The pipeline's errors pass through.
         """
         present, heirs = {s.id for s in sequences}, {}
         for sequence in sequences:
@@ -573,13 +604,17 @@ class Generator:
         if cap is not None:  # what a step may carry, less a position for each decoding sequence; at least one
             room = max(1, cap - sum(1 for s in sequences if s.decoding))
             budget = room if budget is None else min(budget, room)
+        # a sequence that copies another's cache waits until that one's entries before this step have read what
+        # they share (not this step's: every stage copies before the step's rows run)
+        unready = {s for s in sequences if not s.ready}
         planned: list[tuple[SequenceState, Entry]] = []
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []
         for sequence in sequences:
             if sequence.leader is not None and sequence.started is None:
                 sequence.started = time.perf_counter()  # in the batch from here, waiting for the leader's reading
-            if sequence.leader is not None or (not sequence.decoding and budget is not None and budget <= 0):
+            if sequence.leader is not None or sequence in unready or \
+                    (not sequence.decoding and budget is not None and budget <= 0):
                 continue
             entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if budget is None or sequence.decoding
                                               else budget)

@@ -146,6 +146,13 @@ def test_a_worker_starts_a_cache_from_the_start_of_another_copied_or_its_own_cut
     assert "starts from the first 18 positions of sequence 1's cache, but this worker holds a cache of 17 " \
            "positions for it" in with_source(3, 18, 30, other, source=1).message
     assert "holds no cache for it" in with_source(3, 4, 30, other, source=9).message
+    # a copy beside a step of its source in the same batch: made before the source's new position is written
+    entries = (BatchEntry(sequence=1, position_start=17, length=1, cache_capacity=21),
+               BatchEntry(sequence=3, position_start=12, length=5, cache_capacity=30, source=1))
+    both = runtime.run(RunBatch(entries=entries, hidden_state=torch.cat([step, other], dim=1)))
+    torch.testing.assert_close(both.hidden_state.tensor()[:, 1:], want_other, rtol=1e-5, atol=1e-5)
+    assert (runtime.caches[1].length, runtime.caches[3].length) == (18, 17)
+    runtime.release((3,))
     run(runtime, [(3, 0, 4, text[:, :2]), (4, 0, 4, text[:, :2])])  # four caches held: a copy would be a fifth
     assert "would hold 5 sequences' caches" in with_source(6, 4, 30, other, source=1).message
     assert sorted(runtime.caches) == [1, 2, 3, 4]

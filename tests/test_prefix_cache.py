@@ -268,6 +268,14 @@ def test_workers_copy_and_cut_back_the_part_of_a_kept_cache_a_prompt_shares(clus
     for body in twice:
         assert_same_greedy_text(body["choices"][0]["text"], alone(model_dir, prompts[2], greedy))
     assert max(cached_tokens(body) for body in twice) == len(prompts[2]) - 1
+    # two new prompts with one system prompt at once: the later copies from the earlier while it runs (its
+    # source in the same batch on both workers)
+    together = [prompt(64, MIN_SHARED_TOKENS + 3) + prompt(65 + i, 5) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        bodies = list(pool.map(lambda p: complete(cluster, p, 5), together))
+    assert sorted(cached_tokens(body) for body in bodies) == [0, common_start(*together)]
+    for body, prompt_ids in zip(bodies, together):
+        assert_same_greedy_text(body["choices"][0]["text"], alone(model_dir, prompt_ids, greedy))
     # a request may ask to read its prompt whole (llama.cpp's cache_prompt); a value not a boolean is a 400
     ask = {"model": cluster.model, "prompt": prompts[2], "max_tokens": 2, "temperature": 0}
     status, body = cluster.post("/v1/completions", {**ask, "cache_prompt": False})
@@ -381,3 +389,111 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
         for worker in workers.values():
             worker.stop()
         head.stop()
+
+
+class GatedPipeline:
+    """The service's pipeline, each step let through by the test (`allow`), with every step's entries noted."""
+
+    def __init__(self, service: GenerationService):
+        self.pipeline, self.steps = service.generator.pipeline, []
+        self.permits = __import__("threading").Semaphore(0)
+        self._run, self.pipeline.run = self.pipeline.run, self.run
+
+    def run(self, entries, hidden):
+        self.permits.acquire()
+        self.steps.append(list(entries))
+        return self._run(entries, hidden)
+
+    def allow(self, steps: int = 1) -> None:
+        for _ in range(steps):
+            self.permits.release()
+
+    def open_all(self) -> None:
+        self.allow(10_000)
+
+
+def wait_for(condition, what: str) -> None:
+    import time
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def in_threads(*calls):
+    """Start each call on a thread of its own; returns the threads and a dict of their results (or errors)."""
+    import threading
+    results = {}
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except BaseException as exc:  # the test reads it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, call), daemon=True) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def test_requests_that_arrive_together_with_one_system_prompt_read_it_once(model_dir):
+    """Two requests with the same long system prompt admitted together, beside a decoding one (so prompts are read
+    in chunks): the second waits until the first has read the part they share, then copies it, and reads only
+    the rest; both texts are what each gets alone."""
+    service = new_service(model_dir, prefill_chunk=8)
+    gate = GatedPipeline(service)
+    system = prompt(80, MIN_SHARED_TOKENS + 10)
+    first_prompt, second_prompt = system + prompt(81, 6), system + prompt(82, 9)
+    long_params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    gate.allow()
+    decoding = service.open(prompt(83, 5), long_params)  # decodes beside them, one position a step
+    threads, results = in_threads(lambda: service.complete(first_prompt, GREEDY),
+                                  lambda: service.complete(second_prompt, GREEDY))
+    wait_for(lambda: service.queue_depth == 2, "the two requests queue while the step is held")
+    gate.open_all()
+    for thread in threads:
+        thread.join(120)
+    decoding.close()
+    first, second = results[0], results[1]
+    shared = common_start(first_prompt, second_prompt)
+    assert first.cached_prompt_tokens == 0 and second.cached_prompt_tokens == shared
+    for completion, prompt_ids in ((first, first_prompt), (second, second_prompt)):
+        assert_same_greedy_text(completion.text, alone(model_dir, prompt_ids, GREEDY))
+    # the second's first entry copied the first's cache in a step after the first had read the shared part
+    first_id = next(e.sequence for step in gate.steps for e in step if e.start == 0 and e.length == 8
+                    and e.capacity == len(first_prompt) + GREEDY.max_tokens)
+    copy_at = next(i for i, step in enumerate(gate.steps) if any(e.source == first_id for e in step))
+    read_before = sum(e.length for step in gate.steps[:copy_at] for e in step if e.sequence == first_id)
+    (copy,) = [e for e in gate.steps[copy_at] if e.source == first_id]
+    assert copy.start == shared <= read_before
+    assert cached_total(service) == shared
+
+
+def test_a_request_that_leaves_before_reading_the_shared_part_leaves_the_other_to_read_its_own(model_dir):
+    """The request another waits to copy from goes (its client gone) before it has read what they share: the
+    waiting one reads its whole prompt, with the right text, rather than wait for ever."""
+    import threading
+
+    service = new_service(model_dir, prefill_chunk=8)
+    gate = GatedPipeline(service)
+    system = prompt(90, MIN_SHARED_TOKENS + 10)
+    first_prompt, second_prompt = system + prompt(91, 6), system + prompt(92, 9)
+    gate.allow()
+    decoding = service.open(prompt(93, 5), SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    leave = threading.Event()
+    threads, results = in_threads(
+        lambda: service.open_choices(first_prompt, [GREEDY], gone=leave.is_set),
+        lambda: service.complete(second_prompt, GREEDY))
+    wait_for(lambda: service.queue_depth == 2, "the two requests queue while the step is held")
+    gate.allow(2)  # the step that admits them (the first reads 8 positions), and one more
+    wait_for(lambda: len(gate.steps) == 3, "two more steps")
+    leave.set()
+    threads[0].join(60)
+    assert type(results[0]).__name__ == "ClientGone"
+    gate.open_all()
+    threads[1].join(120)
+    decoding.close()
+    second = results[1]
+    assert second.cached_prompt_tokens == 0
+    assert_same_greedy_text(second.text, alone(model_dir, second_prompt, GREEDY))

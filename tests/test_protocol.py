@@ -165,11 +165,13 @@ SAMPLES: dict[str, Callable[[], Message]] = {
     "run-batch-copies": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=0, length=2, cache_capacity=9,
                                                              copies=(5, 6)),),
                                          hidden_state=hidden(seq=2, dtype=torch.bfloat16)),
-    "run-batch-sources": lambda: RunBatch(entries=(BatchEntry(sequence=4, position_start=70, length=2,
+    "run-batch-sources": lambda: RunBatch(entries=(BatchEntry(sequence=2, position_start=80, length=1,
+                                                              cache_capacity=90),
+                                                   BatchEntry(sequence=4, position_start=70, length=2,
                                                               cache_capacity=90, source=2),
                                                    BatchEntry(sequence=3, position_start=65, length=1,
                                                               cache_capacity=70, source=3)),
-                                          hidden_state=hidden(seq=3, dtype=torch.bfloat16)),
+                                          hidden_state=hidden(seq=4, dtype=torch.bfloat16)),
     "run-batch-prefill-large": lambda: RunBatch(entries=(BatchEntry(sequence=2, position_start=0, length=40,
                                                                     cache_capacity=64),),
                                                 hidden_state=hidden(seq=40, width=896), upstream_seconds=(0.5,)),
@@ -519,9 +521,15 @@ BAD_PAYLOADS = {
         "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, source=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0]", "position_start must be more than 0"]
     ),
-    "source runs too": (
+    "source starts anew": (
         "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2),
-                                             dict(ENTRY, sequence=2, position_start=3)],
+                                             dict(ENTRY, sequence=2, position_start=0)],
+                      "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))},
+        ["RUN_BATCH", "copies the caches of [2]"]
+    ),
+    "source cut back": (
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2),
+                                             dict(ENTRY, sequence=2, position_start=3, source=2)],
                       "hidden_state": tensor_to_wire(torch.zeros(1, 2, 8))},
         ["RUN_BATCH", "copies the caches of [2]"]
     ),

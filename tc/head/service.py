@@ -25,9 +25,12 @@ over (SequenceState.take_cache): it reads only the rest of its prompt, and its u
 not read as cached. A request whose prompt shares only the start of a kept sequence's tokens, at least
 MIN_SHARED_TOKENS of them (the same long system prompt, a reply regenerated, a conversation's last turn edited),
 starts from a copy of that part (SequenceState.copy_cache; the kept cache stays for others, and is released last).
-Kept caches hold places the batch does not use: the oldest is released whenever an admitted request needs its
-place, so the workers never hold more than `max_batch` caches; one a request waits to copy from is handed to it
-instead, cut back to the part they share. A pipeline error releases them all. The continued sequence computes its
+So does one that shares as much with a request admitted before it and still in the batch (requests with one
+system prompt arriving together): it waits until that one has read the shared part, then copies it. Kept caches
+hold places the batch does not use: the oldest is released whenever an admitted request needs its place, so the
+workers never hold more than `max_batch` caches; one a request waits to copy from is handed to it instead, cut
+back to the part they share. A cache released while requests wait to copy it (and one that left before it read
+what they share) leaves them to read their whole prompt. A pipeline error releases them all. The continued sequence computes its
 cached positions as its predecessor did (a prompt read in one pass, a completion one position a step), not as one
 pass over the new prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does
 (tc/head/pipeline.py).
@@ -469,7 +472,7 @@ class GenerationService:
         self._end(dropped)
         for request in admitted:
             self.metrics.queue_wait.observe(request.queue_wait_s)
-            self._take_kept(request)
+            self._start_from_shared(request)
         with self._lock:
             running = len(self._batch)
         self._release_kept(max(0, running + len(self._kept) - self.max_batch))
@@ -506,6 +509,7 @@ class GenerationService:
 
     def _step(self, batch: list[_Request]) -> None:
         reading = any(not r.sequence.decoding for r in batch)
+        first_steps = [r.sequence for r in batch if r.sequence.started is None]
         started, read_before = time.perf_counter(), self.generator.prompt_positions
         try:
             results = self.generator.step([r.sequence for r in batch], self.prefill_chunk)
@@ -518,6 +522,8 @@ class GenerationService:
             return
         elapsed = time.perf_counter() - started
         self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
+        # the positions a sequence's first entry did not read, found in another's cache (none for one that waits)
+        self.metrics.cached_prompt_tokens.inc(sum(s.cached for s in first_steps if s.started is not None))
         self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
         by_sequence = {r.sequence.id: r for r in batch}
         ended = []
@@ -541,8 +547,8 @@ class GenerationService:
             self.metrics.observe_step(phase, self.step_hops())
 
     def _release(self, requests: list[_Request]) -> None:
-        if requests:  # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
-            self.generator.pipeline.release([r.sequence.id for r in requests])
+        # a worker that cannot be told is gone, and its caches with it (RemotePipeline.release)
+        self._release_sequences([r.sequence.id for r in requests])
 
     @staticmethod
     def _single(request: _Request) -> bool:
@@ -553,69 +559,97 @@ class GenerationService:
         """Requests that left the batch, finished or abandoned: their caches kept (the module's docstring) where
         that is on and they hold anything, else released."""
         released = []
+        copying = self._copying() if requests else {}
         for request in requests:
             sequence = request.sequence
-            # one that never ran its first entry from a kept cache holds no cache of its own text
-            if self.prefix_cache and self._single(request) and sequence.prefilled and sequence.source is None:
+            # one that never ran its first entry from another's cache holds no cache of its own text
+            if self.prefix_cache and self._single(request) and sequence.prefilled and \
+                    sequence.pending_source is None:
                 self._kept[sequence.id] = sequence.cache_ids()
+                for copier in copying.get(sequence.id, ()):  # left before it read what they wait for
+                    if not sequence.holds_prompt(copier.cached):
+                        copier.read_whole()
             else:
                 released.append(request)
         self._release(released)
 
-    def _take_kept(self, request: _Request) -> None:
-        """An admitted request starts from the kept cache that holds the longest start of its prompt: it takes
-        the cache over where the prompt has all of its text, else copies the part they share, where that is at
-        least MIN_SHARED_TOKENS (the module's docstring)."""
+    def _start_from_shared(self, request: _Request) -> None:
+        """An admitted request starts from the cache that holds the longest start of its prompt, if any: a kept
+        one it takes over where the prompt has all of its text, else a copy of the part they share where that is
+        at least MIN_SHARED_TOKENS, of a kept cache or of one a request in the batch is reading (the module's
+        docstring)."""
         sequence = request.sequence
         params = sequence.params
-        if not self._kept or not self._single(request) or params.prompt_logprobs or not params.cache_prompt:
+        if not self.prefix_cache or not self._single(request) or params.prompt_logprobs or not params.cache_prompt:
             return
-        prompt, best, best_key = sequence.prompt_ids, None, (0, False)
-        copied_from = self._copied_from()
+        prompt = sequence.prompt_ids
+        best: tuple[int, int, int | SequenceState] | None = None  # (positions shared, rank, the cache's holder)
         for kept, tokens in self._kept.items():
-            if kept in copied_from:  # one copy at a time: it stays as it is until the copy is made
-                continue
             shared = min(shared_start(prompt, tokens), len(prompt) - 1)  # its last position must run
-            key = (shared, shared == len(tokens))  # the longest; of two as long, one taken whole
-            if key > best_key and (key[1] or shared >= MIN_SHARED_TOKENS):
-                best, best_key = kept, key
+            # the longest; of two as long, one taken whole (nothing copied), then a kept one (nothing to wait for)
+            candidate = (shared, 2 if shared == len(tokens) else 1, kept)
+            if (candidate[1] == 2 or shared >= MIN_SHARED_TOKENS) and (best is None or candidate[:2] > best[:2]):
+                best = candidate
+        with self._lock:  # those admitted before it (in the batch's order), so that no two wait for each other
+            before = list(itertools.takewhile(lambda r: r is not request, self._batch))
+        for other in filter(self._single, before):
+            shared = min(shared_start(prompt, other.sequence.prompt_ids), len(prompt) - 1)
+            if shared >= MIN_SHARED_TOKENS and (best is None or (shared, 0) > best[:2]):
+                best = (shared, 0, other.sequence)
         if best is None:
             return
-        if not self.generator.pipeline.holds(best):  # a worker was replaced since: it went with the old one
-            del self._kept[best]
-            self.generator.pipeline.release([best])
-            return
-        held, whole = best_key
-        if whole:
-            del self._kept[best]
-            sequence.take_cache(best, held)
+        held, rank, holder = best
+        if isinstance(holder, SequenceState):
+            sequence.copy_cache(holder, held)  # once that one has read them
+        elif not self.generator.pipeline.holds(holder):  # a worker was replaced since: it went with the old one
+            del self._kept[holder]
+            self._release_sequences([holder])
+        elif rank == 2:
+            del self._kept[holder]
+            sequence.take_cache(holder, held)
         else:
-            self._kept.move_to_end(best)  # the last to be released (_release_kept)
-            sequence.copy_cache(best, held)
-        self.metrics.cached_prompt_tokens.inc(held)
+            self._kept.move_to_end(holder)  # the last to be released (_release_kept)
+            sequence.copy_cache(holder, held)
 
-    def _copied_from(self) -> dict[int, SequenceState]:
-        """The kept caches that requests in the batch wait to copy from (their first entry not yet run): kept
-        sequence -> the sequence that copies it."""
+    def _copying(self) -> dict[int, list[SequenceState]]:
+        """The requests in the batch that wait to copy another sequence's cache (their first entry not yet run),
+        by that sequence."""
         with self._lock:
             batch = list(self._batch)
-        return {r.sequence.source: r.sequence for r in batch if r.sequence.source not in (None, r.sequence.id)}
+        copying: dict[int, list[SequenceState]] = {}
+        for request in batch:
+            source = request.sequence.pending_source
+            if source is not None and source != request.sequence.id:
+                copying.setdefault(source, []).append(request.sequence)
+        return copying
+
+    def _release_sequences(self, sequences: list[int]) -> None:
+        """Release these sequences' caches on the workers; a request waiting to copy one of them reads its prompt
+        whole instead."""
+        copying = self._copying()
+        for sequence in sequences:
+            for copier in copying.get(sequence, ()):
+                copier.read_whole()
+        if sequences:
+            self.generator.pipeline.release(sequences)
 
     def _release_kept(self, count: int) -> None:
-        """Release the `count` oldest kept caches. One that a request waits to copy from is handed to that request
-        instead, cut back to the part they share: the same place is freed, and the request still starts from it."""
+        """Release the `count` oldest kept caches. One that a request waits to copy from is handed to the first
+        such request instead, cut back to the part they share: the same place is freed, and that request still
+        starts from it (any other waiting for it reads its prompt whole)."""
         oldest = list(itertools.islice(self._kept, count))
-        copied_from = self._copied_from() if oldest else {}
+        copying = self._copying() if oldest else {}
         released = []
         for kept in oldest:
             del self._kept[kept]
-            copier = copied_from.get(kept)
-            if copier is not None:
-                copier.take_cache(kept, copier.cached, cut=True)
+            copiers = copying.get(kept, [])
+            if copiers:
+                copiers[0].take_cache(kept, copiers[0].cached, cut=True)
+                for copier in copiers[1:]:
+                    copier.read_whole()
             else:
                 released.append(kept)
-        if released:
-            self.generator.pipeline.release(released)
+        self._release_sequences(released)
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for request in requests:  # all marked before any hears, so that a choice closed on a sibling's error

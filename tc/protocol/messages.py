@@ -702,11 +702,14 @@ class RunBatch(Message):
             raise ValueError(f"RunBatch copies {copies} must name sequences not otherwise in the batch, each once")
         if set(self.released) & (set(sequences) | set(copies)):
             raise ValueError(f"RunBatch releases {list(self.released)}, and runs or copies some of them")
-        # a cache copied from must stay as it is until the batch runs: no other entry, copy or release touches it
-        sources = [e.source for e in self.entries if e.source is not None and e.source != e.sequence]
-        if set(sources) & (set(sequences) | set(copies) | set(self.released)):
-            raise ValueError(f"RunBatch copies the caches of {sources}, and runs, copies into or releases some of "
-                             "them")
+        # A cache copied from holds the positions copied until the batch runs (every stage copies first): it may
+        # run an entry of its own that adds positions, but not one that starts it anew, and is not copied into or
+        # released. The same position_start as the copy's is what each stage checks.
+        sources = {e.source for e in self.entries if e.source is not None and e.source != e.sequence}
+        remade = {e.sequence for e in self.entries if e.source is not None or e.position_start == 0}
+        if sources & (remade | set(copies) | set(self.released)):
+            raise ValueError(f"RunBatch copies the caches of {sorted(sources)}, and starts anew, copies into or "
+                             "releases some of them")
         rows = sum(e.length for e in self.entries)
         shape = self.hidden_state.shape  # of rank 3: the field's kind checked that
         if shape[0] != 1 or shape[1] != rows:
