@@ -149,6 +149,7 @@ def test_what_waitress_refuses_itself_says_it_too(listed):
     headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
     assert status_line.split()[1] == "413" and json.loads(body)["error"]["code"] == "request_too_large"
     assert headers["access-control-allow-origin"] == PAGE
+    assert "origin" in words(headers["vary"])
 
 
 def test_the_503s_while_the_server_stops_say_it_too(gated):
@@ -167,6 +168,9 @@ def test_the_503s_while_the_server_stops_say_it_too(gated):
         status, headers, body = replies[-1]
         assert json.loads(body)["error"]["code"] == "shutting_down"
         assert headers["access-control-allow-origin"] == PAGE
+        # the page may read when to come back, as from the app's own 503s, and no cache hands this to another origin
+        assert headers["retry-after"] and "retry-after" in words(headers["access-control-expose-headers"])
+        assert "origin" in words(headers["vary"])
     finally:
         gated.pipeline.gate.set()
         running.join(30)

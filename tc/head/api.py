@@ -75,6 +75,10 @@ class ErrorReply:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Headers a page may read only where a reply exposes them: clients wait by Retry-After after a 429 or a 503
+CORS_EXPOSED_HEADERS = ("Retry-After",)
+
+
 def allowed_origin(cors_origins: tuple[str, ...], origin: str | None) -> str | None:
     """The Access-Control-Allow-Origin of a reply to a request from `origin` (its Origin header), None for none:
     Cors's decision, for the replies that do not pass through the app (Waitress's refusals, the 503s while the
@@ -97,9 +101,8 @@ class Cors(falcon.CORSMiddleware):
     """
 
     def __init__(self, cors_origins: tuple[str, ...]):
-        # Retry-After is no header a page may read unless exposed: clients wait by it after a 429 or a 503
         super().__init__(allow_origins="*" if cors_origins == ("*",) else cors_origins,
-                         expose_headers=["Retry-After"])
+                         expose_headers=list(CORS_EXPOSED_HEADERS))
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          req_succeeded: bool) -> None:

@@ -14,8 +14,8 @@ Stopping, in order:
 4. last, it closes the connections left, all idle by then unless a request outlived the drain timeout (their
    number is logged).
 
-The replies that never reach the app (the gate's 503s, Waitress's own refusals) carry the CORS header the app's
-would (`api.allowed_origin`), so that a browser page shows the error rather than a blocked request.
+The replies that never reach the app (the gate's 503s, Waitress's own refusals) carry the CORS headers the app's
+would (`cors_headers`), so that a browser page shows the error rather than a blocked request.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from waitress import create_server, wasyncore
 from waitress.channel import HTTPChannel
 from waitress.task import ErrorTask
 
-from .api import DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
+from .api import CORS_EXPOSED_HEADERS, DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
 from .api_requests import BodyTooLarge
 from .service import ShuttingDown
 
@@ -71,9 +71,15 @@ def app_body_limit(waitress_limit: int) -> int:
 
 
 def cors_headers(cors_origins: tuple[str, ...], origin: str | None) -> list[tuple[str, str]]:
-    """What a reply the app does not write says to a page of `origin` (its Origin header, if any)."""
+    """What a reply the app does not write says to a page of `origin` (its Origin header, if any): what api.Cors
+    has the app's replies say, so that a page may also read the Retry-After of the 503 while the server stops, and
+    a cache never gives a reply naming one origin to another."""
+    headers = [("Vary", "Origin")] if cors_origins and cors_origins != ("*",) else []
     allowed = allowed_origin(cors_origins, origin)
-    return [] if allowed is None else [("Access-Control-Allow-Origin", allowed)]
+    if allowed is not None:
+        headers += [("Access-Control-Allow-Origin", allowed),
+                    ("Access-Control-Expose-Headers", ", ".join(CORS_EXPOSED_HEADERS))]
+    return headers
 
 
 class ShutdownGate:
