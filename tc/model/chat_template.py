@@ -45,8 +45,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 _HELPERS = ("raise_exception", "strftime_now")
 # Every name `render` gives a template itself: a variable of the request's own by one of these would replace the
 # conversation, a special token or a helper (Jinja's own `range`, `namespace`, ... among them) with the client's.
+# And `self`, which Jinja's Template.render takes as its own first argument, so no variable can have it.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", *SPECIAL_TOKEN_KEYS, *_HELPERS,
-                                *DEFAULT_NAMESPACE})
+                                *DEFAULT_NAMESPACE, "self"})
 
 
 class ChatTemplateError(ValueError):
