@@ -4,6 +4,7 @@ Meanwhile the port answers, /health and every route say the model is loading, an
 serves; a load that fails ends the head with its error and closes the port."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -11,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -86,76 +87,77 @@ def local_greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
                                                            ignore_eos=True)).text
 
 
-def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_dir: Path) -> None:
-    size = (model_dir / SHARD).stat().st_size
+@contextlib.contextmanager
+def head_mid_download(tmp_path: Path, model_dir: Path) -> Iterator[tuple[HubStandIn, Cluster, Process]]:
+    """A head of a one-worker topology whose shard the Hub stand-in holds half sent: (the stand-in, the cluster,
+    the head's process), once the head is in the middle of that download."""
     with HubStandIn({REPO: model_dir}, hold={SHARD}) as hub:
-        env = hub_env(hub)
         topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
                                   hf_cache_dir=str(tmp_path / "head-cache"))
-        with Cluster(topology, tmp_path, env=env) as cluster:
+        with Cluster(topology, tmp_path, env=hub_env(hub)) as cluster:
             head = cluster.start_head()
             wait_for(hub.holding, head, "the head's download of its shard")
-            # a worker started now finds no head to join yet, and tries again, as a worker started before its head
-            worker = cluster.start_worker("a", "--hf-cache-dir", str(tmp_path / "worker-cache"))
+            yield hub, cluster, head
 
-            # the bytes the stand-in has sent arrive at the head in their own time: their count is what it reports
-            status, headers, body = poll(lambda: call(cluster, "GET", "/health"),
-                                         lambda reply: (reply[2]["loading"]["progress"] or {}).get("done") == size // 2,
-                                         "the download's progress")
-            loading = {"step": "fetching_tensors", "message": f"fetching {SHARD} (1 of 1) from the Hub",
-                       "progress": {"done": size // 2, "total": size, "unit": "bytes"}}
-            assert (status, body) == (503, {"status": "loading", "loading": loading})
-            assert headers["Retry-After"] == "1"
-            assert call(cluster, "HEAD", "/health")[0] == 503
-            assert call(cluster, "GET", "/health/ready")[::2] == (503, {
-                "ready": False, "required_nodes": 1, "ready_nodes": [], "missing_nodes": ["a"], "loading": loading})
 
-            refusals = [call(cluster, "POST", "/v1/completions", {"model": REPO, "prompt": PROMPT}),
-                        call(cluster, "POST", "/v1/chat/completions",
-                             {"model": REPO, "messages": [{"role": "user", "content": "hi"}]}),
-                        call(cluster, "GET", "/v1/cluster")]
-            for status, headers, body in refusals:
-                assert status == 503 and headers["Retry-After"] == "1"
-                assert body["error"]["type"] == "service_unavailable" and body["error"]["code"] == "model_loading"
-                assert body["error"]["message"] == (f"The model is still loading at the head (fetching {SHARD} "
-                                                    "(1 of 1) from the Hub); try again shortly")
-            # a method a route never takes is refused as it will be once the head serves
-            assert call(cluster, "GET", "/v1/completions")[0] == 405
-            status, _, models_while_loading = call(cluster, "GET", "/v1/models")
-            assert status == 200 and [card["id"] for card in models_while_loading["data"]] == [REPO]
-            status, _, metrics = call(cluster, "GET", "/metrics")
-            assert status == 200
-            counted = 'tc_http_requests_total{method="POST",route="/v1/completions",status="503"} 1.0'
-            assert counted in metrics
+def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_dir: Path) -> None:
+    size = (model_dir / SHARD).stat().st_size
+    with head_mid_download(tmp_path, model_dir) as (hub, cluster, head):
+        # a worker started now finds no head to join yet, and tries again, as a worker started before its head
+        worker = cluster.start_worker("a", "--hf-cache-dir", str(tmp_path / "worker-cache"))
 
-            # the worker's port opens with the model's API: the worker started meanwhile has been turned away
-            poll(lambda: (0, {}, worker.output()), lambda reply: "not reachable" in reply[2], "the worker's first try")
+        # the bytes the stand-in has sent arrive at the head in their own time: their count is what it reports
+        status, headers, body = poll(lambda: call(cluster, "GET", "/health"),
+                                     lambda reply: (reply[2]["loading"]["progress"] or {}).get("done") == size // 2,
+                                     "the download's progress")
+        loading = {"step": "fetching_tensors", "message": f"fetching {SHARD} (1 of 1) from the Hub",
+                   "progress": {"done": size // 2, "total": size, "unit": "bytes"}}
+        assert (status, body) == (503, {"status": "loading", "loading": loading})
+        assert headers["Retry-After"] == "1"
+        assert call(cluster, "HEAD", "/health")[0] == 503
+        assert call(cluster, "GET", "/health/ready")[::2] == (503, {
+            "ready": False, "required_nodes": 1, "ready_nodes": [], "missing_nodes": ["a"], "loading": loading})
 
-            hub.release.set()
-            cluster.wait_api()
-            assert call(cluster, "GET", "/health")[::2] == (200, {"status": "ok"})
-            assert call(cluster, "GET", "/v1/models")[::2] == (200, models_while_loading)
-            assert counted in call(cluster, "GET", "/metrics")[2]  # one registry, before and after
-            cluster.wait_ready()
-            status, _, body = call(cluster, "POST", "/v1/completions", {
-                "model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
-            assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
+        refusals = [call(cluster, "POST", "/v1/completions", {"model": REPO, "prompt": PROMPT}),
+                    call(cluster, "POST", "/v1/chat/completions",
+                         {"model": REPO, "messages": [{"role": "user", "content": "hi"}]}),
+                    call(cluster, "GET", "/v1/cluster")]
+        for status, headers, body in refusals:
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert body["error"]["type"] == "service_unavailable" and body["error"]["code"] == "model_loading"
+            assert body["error"]["message"] == (f"The model is still loading at the head (fetching {SHARD} "
+                                                "(1 of 1) from the Hub); try again shortly")
+        # a method a route never takes is refused as it will be once the head serves
+        assert call(cluster, "GET", "/v1/completions")[0] == 405
+        status, _, models_while_loading = call(cluster, "GET", "/v1/models")
+        assert status == 200 and [card["id"] for card in models_while_loading["data"]] == [REPO]
+        status, _, metrics = call(cluster, "GET", "/metrics")
+        assert status == 200
+        counted = 'tc_http_requests_total{method="POST",route="/v1/completions",status="503"} 1.0'
+        assert counted in metrics
+
+        # the worker's port opens with the model's API: the worker started meanwhile has been turned away
+        poll(lambda: (0, {}, worker.output()), lambda reply: "not reachable" in reply[2], "the worker's first try")
+
+        hub.release.set()
+        cluster.wait_api()
+        assert call(cluster, "GET", "/health")[::2] == (200, {"status": "ok"})
+        assert call(cluster, "GET", "/v1/models")[::2] == (200, models_while_loading)
+        assert counted in call(cluster, "GET", "/metrics")[2]  # one registry, before and after
+        cluster.wait_ready()
+        status, _, body = call(cluster, "POST", "/v1/completions", {
+            "model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
 
 
 def test_a_load_that_fails_ends_the_head_and_closes_its_port(tmp_path: Path, model_dir: Path) -> None:
-    with HubStandIn({REPO: model_dir}, hold={SHARD}) as hub:
-        env = hub_env(hub)
-        topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
-                                  hf_cache_dir=str(tmp_path / "head-cache"))
-        with Cluster(topology, tmp_path, env=env) as cluster:
-            head = cluster.start_head()
-            wait_for(hub.holding, head, "the head's download of its shard")
-            assert call(cluster, "GET", "/health")[0] == 503
-            # the link breaks off, and the Hub fails the download's resumption
-            hub.refuse[SHARD] = (500, None)
-            hub.cut = True
-            hub.release.set()
-            assert head.proc.wait(WAIT_S) == 2
-            assert f"cannot get {SHARD} of {REPO}: the Hub failed (500)" in head.output()
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection(("127.0.0.1", cluster.api_port), timeout=5).close()
+    with head_mid_download(tmp_path, model_dir) as (hub, cluster, head):
+        assert call(cluster, "GET", "/health")[0] == 503
+        # the link breaks off, and the Hub fails the download's resumption
+        hub.refuse[SHARD] = (500, None)
+        hub.cut = True
+        hub.release.set()
+        assert head.proc.wait(WAIT_S) == 2
+        assert f"cannot get {SHARD} of {REPO}: the Hub failed (500)" in head.output()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", cluster.api_port), timeout=5).close()

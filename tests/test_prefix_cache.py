@@ -336,7 +336,7 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
     and the reply is the uninterrupted one. The head runs in this process, so the test picks the exact step."""
     from tc.head.main import start_head
     from tc.topology import load_topology
-    from test_resume_dtypes import start_worker
+    from test_resume_dtypes import KillBeforeStep, start_worker
 
     nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
     path = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={
@@ -347,19 +347,8 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
     system = prompt(70, MIN_SHARED_TOKENS + 8)
     first_prompt, second_prompt = system + prompt(71, 7), system + prompt(72, 5)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)
-    calls: list[list] = []
-    kill: dict[int, str] = {}  # pipeline call (from 1) -> the node whose worker dies just before it
-    run = pipeline.run
-
-    def run_killing(entries, hidden):
-        calls.append(list(entries))
-        node = kill.get(len(calls))
-        if node is not None:
-            lost = workers.pop(node)
-            lost.proc.kill()
-            lost.stop()
-            workers[node] = start_worker(head, node, tmp_path / f"{node}-{len(calls)}.log")
-        return run(entries, hidden)
+    killer = KillBeforeStep(head, workers, tmp_path)
+    calls, kill = killer.calls, killer.kill  # per pipeline call its entries; call -> the node killed before it
 
     def second_turn() -> Completion:
         """The first request, kept; then the second, copying its start."""
@@ -368,7 +357,6 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
         service.complete(first_prompt, params)
         return service.complete(second_prompt, params)
 
-    pipeline.run = run_killing
     try:
         assert head.registry.wait_ready(300), [w.output() for w in workers.values()]
         expected = second_turn()
@@ -385,7 +373,7 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
             assert [t.logprob.logprob for t in got.tokens] == \
                    pytest.approx([t.logprob.logprob for t in expected.tokens], abs=1e-4)
     finally:
-        pipeline.run = run
+        killer.restore()
         for worker in workers.values():
             worker.stop()
         head.stop()

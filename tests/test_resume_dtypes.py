@@ -38,6 +38,31 @@ def start_worker(head: Head, node_id: str, log_path) -> Process:
                     node_id, "--device", "cpu", "--threads", "1", "--retry-max-s", "1"], log_path)
 
 
+class KillBeforeStep:
+    """The head's pipeline.run, wrapped: every call's entries noted in `calls`, and before the call numbered in
+    `kill` (from 1), that node's worker SIGKILLed and a new process started for its entry. `restore()` unwraps."""
+
+    def __init__(self, head: Head, workers: dict[str, Process], log_dir):
+        self.head, self.workers, self.log_dir = head, workers, log_dir
+        self.pipeline = head.service.generator.pipeline
+        self.calls: list[list] = []
+        self.kill: dict[int, str] = {}
+        self._run, self.pipeline.run = self.pipeline.run, self._run_killing
+
+    def _run_killing(self, entries, hidden):
+        self.calls.append(list(entries))
+        node = self.kill.get(len(self.calls))
+        if node is not None:
+            lost = self.workers.pop(node)
+            lost.proc.kill()
+            lost.stop()
+            self.workers[node] = start_worker(self.head, node, self.log_dir / f"{node}-{len(self.calls)}.log")
+        return self._run(entries, hidden)
+
+    def restore(self) -> None:
+        self.pipeline.run = self._run
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 

@@ -23,7 +23,7 @@ from tc.generation import Completion
 from tc.head.main import start_head
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
-from test_resume_dtypes import start_worker
+from test_resume_dtypes import KillBeforeStep, start_worker
 from tiny_model import write_tiny_model
 
 PROMPT = "one two three four five six seven eight nine ten " * 2
@@ -49,21 +49,8 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
     service = head.service
     pipeline = service.generator.pipeline
     ids = service.tokenizer.encode(PROMPT)
-    steps: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per pipeline call: (sequence, start, copies)
-    kill: dict[int, str] = {}  # pipeline call (from 1) -> the node whose worker dies just before it
-    run = pipeline.run
-
-    def run_killing(entries, hidden):
-        steps.append([(e.sequence, e.start, e.copies) for e in entries])
-        node = kill.get(len(steps))
-        if node is not None:
-            lost = workers.pop(node)
-            lost.proc.kill()
-            lost.stop()
-            workers[node] = start_worker(head, node, tmp_path / f"{node}-{len(steps)}.log")
-        return run(entries, hidden)
-
-    pipeline.run = run_killing
+    killer = KillBeforeStep(head, workers, tmp_path)
+    steps, kill = killer.calls, killer.kill  # per pipeline call its entries; call -> the node killed before it
 
     def batch() -> list[Completion]:
         """The decoding request, and the two choices that join it once it has its first tokens."""
@@ -89,8 +76,8 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
         assert head.registry.wait_ready(300), [w.output() for w in workers.values()]
         expected = batch()
         # the steps that read the two choices' prompt (after its first chunk), and the one that copies its cache
-        reading = [i for i, step in enumerate(steps, 1) if any(s > 0 and s < len(ids) for _, s, _ in step[1:])]
-        copying = next(i for i, step in enumerate(steps, 1) if any(copies for _, _, copies in step))
+        reading = [i for i, step in enumerate(steps, 1) if any(0 < e.start < len(ids) for e in step[1:])]
+        copying = next(i for i, step in enumerate(steps, 1) if any(e.copies for e in step))
         assert len(reading) > 3, steps  # the prompt was read in chunks beside the decoding request
         for at, node in [(reading[1], "b"), (reading[len(reading) // 2], "a"), (copying, "b"), (copying + 3, "a")]:
             kill.clear()
@@ -110,7 +97,7 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
                 time.sleep(0.05)
             assert set(pipeline._inputs) == set(service._kept), "the ended sequences' replay inputs are still held"
     finally:
-        pipeline.run = run
+        killer.restore()
         for worker in workers.values():
             worker.stop()
         head.stop()
