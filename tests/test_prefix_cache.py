@@ -368,6 +368,10 @@ def test_a_worker_lost_while_a_copy_runs_resumes_it_as_without_the_loss(tmp_path
             resumes = pipeline.resumes
             got = second_turn()
             assert pipeline.resumes == resumes + 1, f"the loss at step {at} was not resumed"
+            # the first request's kept cache, which no request waited on by then, was not replayed but forgotten
+            # (and released where it stayed): the next turn of its conversation reads its prompt whole
+            first_sequence = calls[0][0].sequence
+            assert first_sequence not in service._kept and first_sequence not in pipeline._inputs
             assert (got.token_ids, got.text, got.cached_prompt_tokens) == \
                    (expected.token_ids, expected.text, expected.cached_prompt_tokens), f"{node} killed before {at}"
             assert [t.logprob.logprob for t in got.tokens] == \

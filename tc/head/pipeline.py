@@ -27,9 +27,10 @@ cores every worker already uses, the stages only slow each other down (bench/ben
 
 Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings and
 each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the lost
-node's entry to be filled again (the same worker back, or a spare), then replays every sequence from position 0, in
-one batch where the workers' frames hold it and over several steps where they do not, through every stage, each with
-its own cache capacity. That rebuilds every stage's caches, and the last rows of each sequence stand for the
+node's entry to be filled again (the same worker back, or a spare), then replays every sequence from position 0 but
+the idle ones (caches kept for a later request that no request waits on: they are dropped, and read anew if asked
+for), in one batch where the workers' frames hold it and over several steps where they do not, through every stage,
+each with its own cache capacity. That rebuilds every stage's caches, and the last rows of each sequence stand for the
 interrupted step's, so the generations carry on and the clients see them take longer. The tokens already chosen
 stay; what follows is what a new request for the prompt and those tokens would give. One prefill over N positions
 rounds differently from N decode steps: in fp32 the difference (~1e-6) leaves greedy output as it was without the
@@ -45,7 +46,7 @@ import time
 
 import torch
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..generation import Entry
 from ..protocol.messages import BatchEntry, Route, RunBatch
@@ -78,6 +79,10 @@ class RemotePipeline:
         self._worker_changes = 0
         self._ran_on: dict[int, int] = {}
         self._released: list[int] = []  # sequences released since the last step: its RUN_BATCH says so again
+        # The sequences no request waits on (caches kept for a later one, GenerationService._idle), which a
+        # recovery does not replay: a lost worker would otherwise hold the requests in flight up while the head
+        # read every idle conversation again
+        self.idle: Callable[[], set[int]] = set
         self._routes = itertools.count(1)
         self._route = 0  # the route the workers of `_routed` were sent (0: none, the head relays)
         self._routed: list[WorkerLink] = []
@@ -356,11 +361,15 @@ class RemotePipeline:
         if not self.resume:
             raise lost
         deadline = time.monotonic() + self.resume_grace_s
+        idle = (self.idle() - {e.sequence for e in entries}) & set(self._inputs)
+        for sequence in idle:  # the workers that stayed hold them until they are released
+            del self._inputs[sequence]
+            self._ran_on.pop(sequence, None)
         replayed = {sequence: torch.cat(inputs, dim=1) for sequence, (_, inputs) in self._inputs.items()}
         positions = sum(h.shape[1] for h in replayed.values())
         log.warning("worker %s was lost (%s); %d sequence(s) in flight wait up to %.0fs for it to be replaced, then "
-                    "resume (%d positions in all)", lost.node_id, _reason(lost), len(replayed), self.resume_grace_s,
-                    positions)
+                    "resume (%d positions in all; %d kept for later requests are not)", lost.node_id, _reason(lost),
+                    len(replayed), self.resume_grace_s, positions, len(idle))
         while True:
             if not self.registry.wait_ready(deadline - time.monotonic()):
                 if self.registry.stopping.is_set():

@@ -324,6 +324,16 @@ class GenerationService:
         # finished sequences whose caches the workers keep (the module's docstring): id -> the tokens they hold,
         # oldest first; the loop's thread alone reads and changes it
         self._kept: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        # a pipeline that replays its sequences after a lost worker asks which of them no request waits on
+        if hasattr(generator.pipeline, "idle"):
+            generator.pipeline.idle = self._idle
+        self._resumes = getattr(generator.pipeline, "resumes", 0)  # the pipeline's count when the loop last looked
+
+    def _idle(self) -> set[int]:
+        """The sequences whose caches are kept for a later request and that none in the batch waits to copy: a
+        pipeline that lost a worker replays all but these (RemotePipeline), and their kept caches then hold
+        nothing there (`holds`). Asked on the loop's thread, from inside its step."""
+        return set(self._kept) - set(self._copying())
 
     # --- views -------------------------------------------------------------------------------------------------
     def _node_states(self) -> tuple[Sequence[str], Sequence[str]]:
@@ -521,6 +531,7 @@ class GenerationService:
             self._release_kept(len(self._kept))  # a worker may have gone with them
             return
         elapsed = time.perf_counter() - started
+        self._forget_kept_not_replayed()
         self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
         # the positions a sequence's first entry did not read, found in another's cache (none for one that waits)
         self.metrics.cached_prompt_tokens.inc(sum(s.cached for s in first_steps if s.started is not None))
@@ -632,6 +643,18 @@ class GenerationService:
                 copier.read_whole()
         if sequences:
             self.generator.pipeline.release(sequences)
+
+    def _forget_kept_not_replayed(self) -> None:
+        """After the pipeline resumed a step on a refilled set of workers, the kept caches it did not replay (`_idle`)
+        hold nothing there: forgotten here, and released on the workers that stayed."""
+        resumes = getattr(self.generator.pipeline, "resumes", 0)
+        if resumes == self._resumes:
+            return
+        self._resumes = resumes
+        gone = [kept for kept in self._kept if not self.generator.pipeline.holds(kept)]
+        for kept in gone:
+            del self._kept[kept]
+        self._release_sequences(gone)
 
     def _release_kept(self, count: int) -> None:
         """Release the `count` oldest kept caches. One that a request waits to copy from is handed to the first
