@@ -518,7 +518,8 @@ BAD_PAYLOADS = {
         ["RUN_BATCH.entries[0].copies"]
     ),
     "source starts nothing": (
-        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, source=2)], "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
+        "RUN_BATCH", {**RELAYED, "entries": [dict(ENTRY, source=2)],
+                      "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH.entries[0]", "position_start must be more than 0"]
     ),
     "source starts anew": (
@@ -534,7 +535,8 @@ BAD_PAYLOADS = {
         ["RUN_BATCH", "copies the caches of [2]"]
     ),
     "source released": (
-        "RUN_BATCH", {**RELAYED, "released": [2], "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2)],
+        "RUN_BATCH", {**RELAYED, "released": [2],
+                      "entries": [dict(ENTRY, position_start=2, cache_capacity=5, source=2)],
                       "hidden_state": tensor_to_wire(torch.zeros(1, 1, 8))},
         ["RUN_BATCH", "copies the caches of [2]"]
     ),

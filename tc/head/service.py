@@ -30,10 +30,10 @@ system prompt arriving together): it waits until that one has read the shared pa
 hold places the batch does not use: the oldest is released whenever an admitted request needs its place, so the
 workers never hold more than `max_batch` caches; one a request waits to copy from is handed to it instead, cut
 back to the part they share. A cache released while requests wait to copy it (and one that left before it read
-what they share) leaves them to read their whole prompt. A pipeline error releases them all. The continued sequence computes its
-cached positions as its predecessor did (a prompt read in one pass, a completion one position a step), not as one
-pass over the new prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does
-(tc/head/pipeline.py).
+what they share) leaves them to read their whole prompt. A pipeline error releases them all, and a resume forgets
+those the pipeline did not replay (`_idle`). The continued sequence computes its cached positions as its
+predecessor did (a prompt read in one pass, a completion one position a step), not as one pass over the new
+prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does (tc/head/pipeline.py).
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
