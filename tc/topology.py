@@ -73,7 +73,7 @@ MIB = 1 << 20
 GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor mean by "GB"
 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "context_length", "hf_cache_dir",
-            "chat_template", "head", "nodes")
+            "chat_template", "reasoning_content", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
              "prefix_cache", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token",
              "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from",
@@ -186,6 +186,9 @@ class Topology:
     nodes: tuple[NodeEntry, ...]
     chat_template: Path | None = None  # a Jinja file that replaces the model's own chat template (head only)
     context_length: int | None = None  # positions a sequence may use; None: the model's (head.main.with_context)
+    # chat replies give a thinking model's thinking in reasoning_content, apart from the answer; None: auto, where
+    # the vocabulary has <think> and </think> and the chat template writes them (head/reasoning.py)
+    reasoning_content: bool | None = None
 
     def with_ports(self, api_port: int | None = None, listen_port: int | None = None) -> Topology:
         """A copy with the head's API and/or listen port replaced (0 lets the OS pick, for tests)."""
@@ -300,6 +303,8 @@ class Topology:
             data["chat_template"] = str(self.chat_template)
         if self.context_length is not None:
             data["context_length"] = self.context_length
+        if self.reasoning_content is not None:
+            data["reasoning_content"] = self.reasoning_content
         return data
 
 
@@ -563,12 +568,13 @@ class _Parser:
         context_length = self.optional(top, "context_length", "", lambda value, path: self.integer(
             value, path, MIN_CONTEXT, "; the positions a sequence may use, prompt and completion, e.g. 8192",
             MAX_CONTEXT))
+        reasoning_content = self.auto_boolean(top.get("reasoning_content", "auto"), "reasoning_content")
         head = self.head(self.required(top, "head", "", "{api: 0.0.0.0:8000, listen: 0.0.0.0:7001}"))
         nodes = self.nodes(self.required(top, "nodes", "", "[{id: gpu-box, device: cuda:0}]"))
         return Topology(
             version=version, model=model, model_is_local=is_local, name=name, revision=revision, quant=quant,
             group_size=group_size, dtype=dtype, hf_cache_dir=hf_cache_dir, head=head, nodes=nodes,
-            chat_template=chat_template, context_length=context_length,
+            chat_template=chat_template, context_length=context_length, reasoning_content=reasoning_content,
         )
 
     def revision(self, value: object, path: str) -> str:
@@ -756,6 +762,16 @@ class _Parser:
     def boolean(self, value: object, path: str) -> bool:
         if not isinstance(value, bool):
             raise self.fail(path, f"expected true or false, got {_describe(value)}")
+        return value
+
+    def auto_boolean(self, value: object, path: str) -> bool | None:
+        """true, false, or auto (None: decided from the model when it loads)."""
+        if value == "auto" or value is None:
+            return None
+        if not isinstance(value, bool):
+            shown = repr(value) if isinstance(value, str) else _describe(value)
+            raise self.fail(path, f"{shown} is not auto, true or false; write {path.rsplit('.', 1)[-1]}: auto to "
+                            "decide from the model, or true or false")
         return value
 
     def join_token(self, value: object, path: str) -> str:

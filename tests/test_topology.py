@@ -102,6 +102,9 @@ BAD = [
     ("chat_template missing file", changed(("chat_template", "./absent.jinja")), "chat_template",
      "./absent.jinja: no such file; give the path of a Jinja chat template file"),
     ("chat_template a directory", changed(("chat_template", "./no-config")), "chat_template", "no such file"),
+    ("reasoning_content a word", changed(("reasoning_content", "split")), "reasoning_content",
+     "'split' is not auto, true or false; write reasoning_content: auto"),
+    ("reasoning_content a number", changed(("reasoning_content", 1)), "reasoning_content", "is not auto, true"),
     ("head missing", changed(("head", DELETE)), "head", "missing"),
     ("head a list", changed(("head", ["0.0.0.0:8000"])), "head", "expected a mapping with api and listen"),
     ("api missing", changed(("head.api", DELETE)), "head.api", "missing; add it, e.g. api: 0.0.0.0:8000"),
@@ -293,6 +296,15 @@ def test_chat_template_is_a_file_relative_to_the_topology(base_dir: Path) -> Non
     assert parse_topology(topo.to_dict(), Path("/")) == topo
     assert parse_topology(good(), base_dir).chat_template is None
     assert "chat_template" not in parse_topology(good(), base_dir).to_dict()
+
+
+@pytest.mark.parametrize(("value", "parsed"), [("auto", None), (True, True), (False, False)])
+def test_reasoning_content_is_auto_unless_forced(base_dir: Path, value: object, parsed: bool | None) -> None:
+    topo = parse_topology(changed(("reasoning_content", value)), base_dir)
+    assert topo.reasoning_content is parsed
+    assert parse_topology(topo.to_dict(), base_dir) == topo
+    assert parse_topology(good(), base_dir).reasoning_content is None
+    assert "reasoning_content" not in parse_topology(good(), base_dir).to_dict()
 
 
 def test_device_defaults_to_auto(base_dir: Path) -> None:
