@@ -45,8 +45,10 @@ from .loading import HeadLoading, StillLoading
 from .metrics import Metrics
 from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
                       GenerationSummary, QueueFull, Readiness, ServiceError, ShuttingDown, StageFailed, WorkerLost)
+from .reasoning import ThinkTokens, reasoning_tokens
 from .structured_output import StructuredOutput
-from .streaming import ChatReply, CompletionReply, EventStream, ReplyContext, ReplyFormat, TokenText, ToolCalling
+from .streaming import (ChatReply, CompletionReply, EventStream, Reasoning, ReplyContext, ReplyFormat, TokenText,
+                        ToolCalling)
 
 log = logging.getLogger(__name__)
 
@@ -476,9 +478,9 @@ class CompletionsResource:
 
 class ChatCompletionsResource:
     def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
-                 structured: StructuredOutput):
+                 structured: StructuredOutput, think: ThinkTokens | None):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
-        self.structured = structured
+        self.structured, self.think = structured, think
         self.generation = _Generation(service)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -504,8 +506,13 @@ class ChatCompletionsResource:
                                request.streaming.include_usage)
         tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
                  else None)
+        # a grammar holds from the reply's first token, so such a reply has no thinking: all of it is the answer
+        reasoning = None if self.think is None else Reasoning(
+            self.think, self.think.opened_in(prompt_ids),
+            split=params.constraint is None and request.reasoning_format != "none")
         self.generation.serve(req, resp, prompt_ids, params,
-                              lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools),
+                              lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools,
+                                                reasoning=reasoning),
                               request_id, request.streaming.include_usage, request.streaming.stream,
                               request.sampling.n)
 
@@ -560,12 +567,15 @@ def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, par
 
 
 def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               cluster: ClusterView | None = None, cors_origins: tuple[str, ...] = ()) -> falcon.App:
+               cluster: ClusterView | None = None, cors_origins: tuple[str, ...] = (),
+               reasoning: bool | None = None) -> falcon.App:
     """The WSGI app serving `service` under /v1, with /health, /metrics and GET /v1/cluster.
 
     Request bodies over `max_body_bytes` get a 413. `cluster` (the head's WorkerRegistry) fills /v1/cluster's
     plan and nodes; without it (a single process) they are null and empty. Browser pages of `cors_origins`
-    (("*",): any) may call it (`Cors`); with none, replies carry no CORS headers.
+    (("*",): any) may call it (`Cors`); with none, replies carry no CORS headers. `reasoning` is the topology's
+    reasoning_content (None: auto): whether chat replies give a thinking model's thinking apart from its answer.
+    Raises ReasoningUnavailable for reasoning True on a model without think tokens.
     """
     app = _new_app(service.metrics, cors_origins)
     models = ModelsResource(service.model_id, service.context_length)
@@ -582,7 +592,9 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     tokenizer, vocab_size = service.tokenizer, service.generator.head.config.vocab_size  # the logits' width
     structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
                                                              tokenizer.eos_token_ids))
-    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured))
+    think, _ = reasoning_tokens(tokenizer, reasoning)
+    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured,
+                                                                  think))
     return app
 
 

@@ -245,6 +245,7 @@ class ChatRequest:
     add_generation_prompt: bool = True  # the template opens the assistant's turn after the messages
     continue_final_message: bool = False  # the reply continues the final (assistant) message's text instead
     template_variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    reasoning_format: str = "auto"  # "none": a thinking model's thinking stays in content, tags and all
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:
@@ -268,8 +269,10 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
-                                 "add_generation_prompt", "continue_final_message"}
+                                 "add_generation_prompt", "continue_final_message", "reasoning_format"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# llama.cpp's server's names: "deepseek" (its default) and "auto" split the thinking into reasoning_content
+REASONING_FORMATS = ("auto", "deepseek", "none")
 _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # The openai client's parse() and stream() helpers add their own reading of a reply to its message object, and send
 # it back when that object is appended to the conversation: `parsed` (the content read into the response_format's
@@ -946,7 +949,19 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
                                param=name, code="invalid_value")
     opens, continues = _generation_prompt(body, parsed)
     return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format, opens,
-                       continues, _template_variables(body))
+                       continues, _template_variables(body), _reasoning_format(body))
+
+
+def _reasoning_format(body: Mapping[str, Any]) -> str:
+    """`reasoning_format`, as llama.cpp's server reads it: "none" leaves a thinking model's thinking in content."""
+    value = body.get("reasoning_format")
+    if value is None:
+        return "auto"
+    if value not in REASONING_FORMATS:
+        shown = json.dumps(value) if isinstance(value, str) else _json_type(value)
+        raise RequestError(f"'reasoning_format' is {shown}; use {', '.join(REASONING_FORMATS)} (\"none\" keeps the "
+                           "thinking in content)", param="reasoning_format", code="invalid_value")
+    return value
 
 
 def check_model(requested: str, served: str) -> None:

@@ -34,6 +34,7 @@ from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
 from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for
 from .api import body_limit, create_app, create_loading_app
+from .reasoning import ReasoningUnavailable, reasoning_tokens
 from .http_server import HttpServer, start_http_server
 from .loading import HeadLoading
 from .metrics import Metrics
@@ -128,6 +129,18 @@ def with_context(config: ModelConfig, context_length: int | None) -> ModelConfig
                             f"({config.model_context} positions, from its config.json); use at most that, or leave "
                             "context_length out")
     return replace(config, context_limit=context_length)
+
+
+def splits_reasoning(tokenizer: TextTokenizer, setting: bool | None) -> bool:
+    """Whether chat replies give the thinking apart from the answer, under the topology's reasoning_content (None:
+    decided from the model), logged with why. Raises TopologyError for true on a model without think tokens."""
+    try:
+        think, why = reasoning_tokens(tokenizer, setting)
+    except ReasoningUnavailable as exc:
+        raise TopologyError("reasoning_content", str(exc)) from exc
+    log.info("chat replies %s: %s", "give the thinking in reasoning_content" if think is not None
+             else "keep any thinking in content", why)
+    return think is not None
 
 
 def describe_spares(topology: Topology, plan: Plan, config: ModelConfig, max_batch: int) -> list[str]:
@@ -306,6 +319,7 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
     else:
         log.warning("the model has no chat template: /v1/chat/completions will answer 400 until chat_template: "
                     "in the topology file names one")
+    reasoning = splits_reasoning(tokenizer, topology.reasoning_content)
     log.info("head tensors loaded (%s, %s) in %.1fs", format_bytes(index.nbytes(names)), dtype,
              time.perf_counter() - started)
 
@@ -331,7 +345,7 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
     registry.on_plan = planned
     # the model's API first, then the workers' port: a worker that joins finds an API that will serve it
     http.serve(create_app(service, max_body_bytes=max_body, cluster=registry,
-                          cors_origins=topology.head.cors_origins))
+                          cors_origins=topology.head.cors_origins, reasoning=reasoning))
     with _listening("head.listen", topology.head.listen):
         listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",

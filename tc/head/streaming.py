@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from ..generation import Completion, Step, TokenInfo
 from ..model.tokenizer import TextTokenizer
 from ..sampling import TokenLogprob
+from .reasoning import ReasoningSplit, ThinkTokens
 from .service import GenerationStream
 from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
@@ -267,19 +268,40 @@ def _call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A reply of a model that thinks: its think tokens, and whether its prompt left the thinking open. `split`
+    False: the model thinks, but this reply is not split (its grammar holds from the first token, or the client
+    asked for the thinking inline); its message still has reasoning_content, null."""
+
+    tokens: ThinkTokens
+    opened: bool
+    split: bool = True
+
+
 class ChatReply:
     """/v1/chat/completions: an assistant message, and OpenAI's chat `logprobs` object ({"content": [...]}).
 
     With `tools`, calls the model wrote become `message.tool_calls` (finish_reason "tool_calls"); streamed, each
     call is two deltas, as OpenAI sends them: its index, id, type and name, then its arguments.
+    With `reasoning`, the thinking goes in `message.reasoning_content` (streamed: `delta.reasoning_content`, all of
+    it before the answer's deltas) and only the answer in `content`, where the tool calls are looked for; the
+    `logprobs` entries cover every token generated, tags and thinking included, each on the chunk of its step.
     """
 
     def __init__(self, context: ReplyContext, token_text: TokenText, *, logprobs: int | None,
-                 tools: ToolCalling | None = None):
+                 tools: ToolCalling | None = None, reasoning: Reasoning | None = None):
         self.context, self.token_text, self.logprobs, self.tools = context, token_text, logprobs, tools
+        self.reasoning = reasoning
         self._calls = (ToolCallStream(tools.names, tools.new_id, parallel=tools.parallel) if tools is not None
                        else None)
         self._calls_sent = 0
+        self._split = self._new_split()
+
+    def _new_split(self) -> ReasoningSplit | None:
+        if self.reasoning is None or not self.reasoning.split:
+            return None
+        return ReasoningSplit(self.reasoning.tokens, opened=self.reasoning.opened)
 
     def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw, text = self.token_text.get(token_id)
@@ -307,15 +329,23 @@ class ChatReply:
         return chunk
 
     def whole(self, completion: Completion) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        content: str | None = completion.text
+        thinking = None
+        split = self._new_split()
+        if split is not None:
+            thinking, content = split.finish(completion.text, completion.tokens)
+            thinking, content = thinking or None, content if split.answered else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = completion.finish_reason
-        if self.tools is not None:
-            parsed = parse_tool_calls(completion.text, self.tools.names, self.tools.new_id)
+        if self.tools is not None and content is not None:
+            parsed = parse_tool_calls(content, self.tools.names, self.tools.new_id)
             calls = parsed.calls if self.tools.parallel else parsed.calls[:1]
             if calls:
                 message = {"role": "assistant", "content": parsed.content,
                            "tool_calls": [_call_body(c) for c in calls]}
                 finish = "tool_calls"
+        if self.reasoning is not None:
+            message["reasoning_content"] = thinking
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(completion.tokens),
                   "finish_reason": finish}
         return {**self._head("chat.completion"), "choices": [choice], "usage": _completion_usage(completion)}
@@ -345,11 +375,27 @@ class ChatReply:
             chunks.append(self._chunk({"content": content} if content else {}, self._logprobs(tokens), None))
         return chunks + self._call_chunks(calls)
 
+    def _split_chunks(self, thinking: str, answer: str, tokens: Sequence[TokenInfo]) -> list[dict[str, Any]]:
+        """A step's thinking, then its answer; the step's log-probability entries go with the first chunk."""
+        chunks = []
+        if thinking:
+            chunks.append(self._chunk({"reasoning_content": thinking}, self._logprobs(tokens), None))
+            tokens = ()
+        if self._calls is None:
+            if answer or (tokens and self.logprobs is not None):
+                chunks.append(self._chunk({"content": answer} if answer else {}, self._logprobs(tokens), None))
+            return chunks
+        return chunks + self._text_chunks(answer, tokens)
+
     def deltas(self, step: Step) -> list[dict[str, Any]]:
+        if self._split is not None:
+            return self._split_chunks(*self._split.push(step.text, step.tokens), step.tokens)
         return self._text_chunks(step.text, step.tokens)
 
     def closing(self, completion: Completion) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
+        if self._split is not None:  # what it held back: thinking that never closed is all thinking
+            chunks += self._split_chunks(*self._split.finish(), ())
         if self._calls is not None:
             content, calls = self._calls.finish()
             if content:

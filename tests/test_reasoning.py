@@ -1,0 +1,341 @@
+"""A thinking model's thinking apart from its answer on /v1/chat/completions: message.reasoning_content and
+delta.reasoning_content, as vLLM's and llama.cpp's servers give them.
+
+The model is a tiny random Qwen3 with the real Qwen3 chat template and a byte tokenizer that has <think> and
+</think> as added tokens, as Qwen3's has. Its replies are forced by logit_bias: each token of a reply gets a bias far
+above the next one's, and a repetition penalty so large that a token once written (or in the prompt) falls behind
+every biased token not written yet, so the reply spells the biased tokens in the order of their biases whatever
+the random weights' own logits (a few units apart; the biases are 8 apart).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from tokenizers import AddedToken, Tokenizer
+
+from model_helpers import OurModel
+from tiny_families import write_family_model
+from tiny_model import byte_tokenizer
+from tc.generation import CompletionText, Completion, Generator, Step
+from tc.head.api import create_app
+from tc.head.http_server import start_http_server
+from tc.head.main import splits_reasoning
+from tc.head.reasoning import ReasoningSplit, ReasoningUnavailable, ThinkTokens, reasoning_tokens, thinks
+from tc.head.service import GenerationService, Readiness
+from tc.head.streaming import ChatReply, Reasoning, ReplyContext, TokenText, ToolCalling
+from tc.model.chat_template import ChatTemplates
+from tc.model.tokenizer import TextTokenizer
+from tc.topology import TopologyError
+
+QWEN3_TEMPLATE = (Path(__file__).parent / "chat_templates/qwen3.jinja").read_text(encoding="utf-8")
+# DeepSeek-R1's way (and newer Qwen3 templates'): the generation prompt opens the thinking itself
+OPENING_TEMPLATE = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}",
+                                          "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+EOS = "<|endoftext|>"  # the tiny model's end of sequence, which the prompt never holds
+HI = [{"role": "user", "content": "Hi"}]
+THOUGHT, ANSWER = " Ok.", "\tYo!"  # what the model writes inside and after its think block, each character once
+
+
+def thinking_tokenizer() -> Tokenizer:
+    tokenizer = byte_tokenizer()
+    # as in Qwen3's tokenizer.json: added, not special, so decoded text keeps them
+    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                          AddedToken("</think>", special=False, normalized=False)])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = write_family_model(tmp_path_factory.mktemp("qwen3-thinking"), "qwen3", max_position_embeddings=2048)
+    thinking_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": QWEN3_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def generator(model_dir) -> Generator:
+    model = OurModel(model_dir)
+    return Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+
+
+def serve(generator: Generator, template: str | None = None, **app_options):
+    tokenizer = generator.tokenizer
+    if template is not None:
+        tokenizer = dataclasses.replace(tokenizer, chat_templates=ChatTemplates({"default": template}, "test"))
+    generator = Generator(generator.head, tokenizer, generator.pipeline, generator.dtype)
+    service = GenerationService("tiny", tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    return start_http_server(create_app(service, **app_options), "127.0.0.1", 0, threads=2)
+
+
+@pytest.fixture(scope="module")
+def servers(generator):
+    """A live server with the model's own (Qwen3) template, and one whose template opens the thinking itself."""
+    running = {"qwen3": serve(generator), "opening": serve(generator, OPENING_TEMPLATE)}
+    yield {name: openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+           for name, server in running.items()}
+    for server in running.values():
+        server.stop()
+
+
+def forced(tokenizer: TextTokenizer, *pieces: str) -> dict:
+    """The request fields that make the model write `pieces` (token texts: a tag, or one byte each) in this order,
+    then end."""
+    ids = []
+    for piece in (*pieces, EOS):
+        found = tokenizer.token_id(piece)
+        ids += [found] if found is not None else tokenizer.encode(piece)
+    assert len(set(ids)) == len(ids), "a token the penalty would hold back the second time"
+    bias = {str(token): 100 - 8 * i for i, token in enumerate(ids)}
+    return {"temperature": 0, "max_tokens": len(ids), "extra_body": {"logit_bias": bias, "repetition_penalty": 1e6}}
+
+
+def thinking_reply(tokenizer: TextTokenizer) -> dict:
+    return forced(tokenizer, "<think>", *THOUGHT, "</think>", *ANSWER)
+
+
+def with_fields(fields: dict, **extra) -> dict:
+    """`fields` with more of tc's own request fields."""
+    return {**fields, "extra_body": {**fields["extra_body"], **extra}}
+
+
+def test_the_model_is_found_to_think_and_the_demo_model_is_not(generator, demo_model_dir):
+    tokens, why = thinks(generator.tokenizer)
+    assert tokens is not None and (tokens.open_text, tokens.close_text) == ("<think>", "</think>"), why
+    demo = TextTokenizer.load(demo_model_dir)
+    assert thinks(demo)[0] is None and reasoning_tokens(demo, None)[0] is None
+    with pytest.raises(ReasoningUnavailable, match="remove the key, or set it to auto"):
+        reasoning_tokens(demo, True)
+    # think tokens, but a template that never writes them: a model that does not think (forced on, it is split)
+    plain = dataclasses.replace(generator.tokenizer, chat_templates=ChatTemplates({"default": "{{ messages }}"}, "t"))
+    assert thinks(plain)[0] is None and reasoning_tokens(plain, True)[0] == tokens
+    assert reasoning_tokens(generator.tokenizer, False) == (None, "reasoning_content: false in the topology")
+
+
+def test_the_thinking_is_reasoning_content_and_the_answer_content(servers, generator):
+    client = servers["qwen3"]
+    fields = thinking_reply(generator.tokenizer)
+    inline = client.chat.completions.create(model="tiny", messages=HI, **with_fields(fields, reasoning_format="none"))
+    # as before, asked for: the thinking inline, tags and all
+    assert inline.choices[0].message.content == f"<think>{THOUGHT}</think>{ANSWER}"
+    reply = client.chat.completions.create(model="tiny", messages=HI, **fields)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (THOUGHT.strip(), ANSWER.strip())
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == inline.usage.completion_tokens == 2 + len(THOUGHT) + len(ANSWER)
+
+
+def chunks_of(client, model: str = "tiny", **request) -> list:
+    return list(client.chat.completions.create(model=model, stream=True, **request))
+
+
+def test_streamed_thinking_comes_before_the_answer_and_joins_into_the_whole_reply(servers, generator):
+    client = servers["qwen3"]
+    fields = thinking_reply(generator.tokenizer)
+    whole = client.chat.completions.create(model="tiny", messages=HI, logprobs=True, top_logprobs=2, **fields)
+    chunks = chunks_of(client, messages=HI, logprobs=True, top_logprobs=2, stream_options={"include_usage": True},
+                       **fields)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    kinds = [("reasoning" if getattr(d, "reasoning_content", None) else "content") for d in deltas
+             if getattr(d, "reasoning_content", None) or d.content]
+    assert kinds == sorted(kinds, key=lambda kind: kind == "content") and "reasoning" in kinds and "content" in kinds
+    thinking = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    answer = "".join(d.content or "" for d in deltas)
+    assert (thinking, answer) == (whole.choices[0].message.reasoning_content, whole.choices[0].message.content)
+    assert "<think>" not in thinking + answer and "</think>" not in thinking + answer
+    # the log-probability entries cover every token, tags and thinking included, as the whole reply's do
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    assert entries[0].token == "<think>"
+
+
+def test_a_reply_that_never_closes_its_thinking_is_all_reasoning(servers, generator):
+    client = servers["qwen3"]
+    fields = thinking_reply(generator.tokenizer)
+    fields["max_tokens"] = 1 + len(THOUGHT)  # cut before </think>
+    reply = client.chat.completions.create(model="tiny", messages=HI, **fields)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "length"
+    assert (message.reasoning_content, message.content) == (THOUGHT.strip(), None)
+    deltas = [c.choices[0].delta for c in chunks_of(client, messages=HI, **fields) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT.strip()
+    assert "".join(d.content or "" for d in deltas) == ""
+
+
+def test_a_template_that_opens_the_thinking_starts_the_reply_in_it(servers, generator):
+    fields = forced(generator.tokenizer, *THOUGHT, "</think>", *ANSWER)  # no <think>: the prompt wrote it
+    for stream in (False, True):
+        if stream:
+            deltas = [c.choices[0].delta for c in chunks_of(servers["opening"], messages=HI, **fields) if c.choices]
+            thinking = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            answer = "".join(d.content or "" for d in deltas)
+        else:
+            message = servers["opening"].chat.completions.create(model="tiny", messages=HI, **fields)
+            thinking, answer = message.choices[0].message.reasoning_content, message.choices[0].message.content
+        assert (thinking, answer) == (THOUGHT.strip(), ANSWER.strip())
+    # the same reply after a prompt that opened nothing is no thinking: all of it is the answer
+    reply = servers["qwen3"].chat.completions.create(model="tiny", messages=HI, **fields).choices[0].message
+    assert (reply.reasoning_content, reply.content) == (None, f"{THOUGHT}</think>{ANSWER}")
+
+
+def test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_the_reply_is_the_answer(servers, generator):
+    fields = with_fields(forced(generator.tokenizer, *ANSWER), chat_template_kwargs={"enable_thinking": False})
+    for client in servers.values():  # the opening template writes the empty block after its own <think>
+        reply = client.chat.completions.create(model="tiny", messages=HI, **fields).choices[0].message
+        assert (reply.reasoning_content, reply.content) == (None, ANSWER)
+
+
+def test_a_json_response_format_is_the_answer_even_where_the_prompt_opened_the_thinking(servers):
+    # the grammar holds from the reply's first token: no thinking, and the content is the JSON
+    reply = servers["opening"].chat.completions.create(
+        model="tiny", messages=HI, response_format={"type": "json_object"}, max_tokens=60, seed=3, temperature=0)
+    message = reply.choices[0].message
+    assert message.reasoning_content is None
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(message.content), dict)
+    else:  # the random model ran out of tokens inside its object: its text is still content, not thinking
+        assert message.content.startswith("{")
+
+
+def test_the_topology_can_turn_it_off(generator):
+    server = serve(generator, reasoning=False)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        message = client.chat.completions.create(model="tiny", messages=HI,
+                                                 **thinking_reply(generator.tokenizer)).choices[0].message
+        assert message.content == f"<think>{THOUGHT}</think>{ANSWER}"
+        assert getattr(message, "reasoning_content", None) is None
+    finally:
+        server.stop()
+
+
+def test_the_demo_model_replies_as_before(demo_model_dir):
+    model = OurModel(demo_model_dir, dtype=torch.bfloat16)
+    generator = Generator(model.head, TextTokenizer.load(demo_model_dir), model.pipeline(), torch.bfloat16)
+    service = GenerationService("demo", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        reply = client.chat.completions.create(model="demo", messages=HI, max_tokens=8, temperature=0)
+        assert "reasoning_content" not in reply.choices[0].message.model_dump()
+        deltas = [c.choices[0].delta for c in chunks_of(client, "demo", messages=HI, max_tokens=8, temperature=0)
+                  if c.choices]
+        assert all("reasoning_content" not in d.model_dump() for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == reply.choices[0].message.content
+    finally:
+        server.stop()
+
+
+# --- the split, step by step, against the whole reply -----------------------------------------------------------
+
+def steps_of(tokenizer: TextTokenizer, text: str, stops: tuple[str, ...] = ()) -> tuple[list[Step], Completion]:
+    """The steps the generation loop releases for a reply spelled `text` (its tags as their tokens)."""
+    ids = tokenizer.encode(text)
+    state = CompletionText(tokenizer, stops)
+    steps = []
+    for token in ids:
+        state.push(token, None)
+        if state.stop_at is not None:
+            break
+        steps.append(state.release())
+    final, rest, tokens = state.finish()
+    completion = Completion(tuple(t.id for t in state.tokens), final, "stop", 5, 0.0, 0.0, tuple(state.tokens))
+    steps.append(Step(rest, tokens, completion))
+    return steps, completion
+
+
+def chat_reply(tokenizer: TextTokenizer, opened: bool, tools: bool = False) -> ChatReply:
+    counter = itertools.count()
+    calling = ToolCalling(frozenset({"get_weather"}), new_id=lambda: f"call_{next(counter)}") if tools else None
+    return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(tokenizer), logprobs=None, tools=calling,
+                     reasoning=Reasoning(ThinkTokens.find(tokenizer), opened))
+
+
+def streamed(reply: ChatReply, steps: list[Step]) -> ChatCompletion:
+    state = ChatCompletionStreamState()
+    chunks = reply.opening(steps[0])
+    for step in steps:
+        chunks += reply.deltas(step)
+    chunks += reply.closing(steps[-1].completion)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion()
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CASES = [  # (reply, prompt opened the thinking, stop strings, thinking, answer)
+    ("<think>\nPlan it.\n</think>\n\nHello!", False, (), "Plan it.", "Hello!"),
+    ("Plan it.\n</think>\n\nHello!", True, (), "Plan it.", "Hello!"),
+    ("<think>\n\n</think>\n\nHello!", False, (), None, "Hello!"),
+    ("<think>\nStill thinking", False, (), "Still thinking", None),
+    ("Hello! </think> is a tag", False, (), None, "Hello! </think> is a tag"),
+    ("<think>a </think> b</think>c", False, (), "a", "b</think>c"),
+    ("<think>Plan</think>Hi. STOP here", False, ("STOP",), "Plan", "Hi. "),
+    ("<think>Plan STOP</think>Hi.", False, ("STOP",), "Plan", None),
+    ("<think>Plan</thi", False, ("</thi",), "Plan", None),
+]
+
+
+@pytest.mark.parametrize(("text", "opened", "stops", "thinking", "answer"), CASES)
+def test_each_step_split_joins_into_the_whole_reply(generator, text, opened, stops, thinking, answer):
+    tokenizer = generator.tokenizer
+    steps, completion = steps_of(tokenizer, text, stops)
+    whole = ChatCompletion.model_validate(chat_reply(tokenizer, opened).whole(completion)).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (thinking, answer)
+    joined = streamed(chat_reply(tokenizer, opened), steps).choices[0].message
+    assert (getattr(joined, "reasoning_content", None) or None, joined.content or None) == (thinking, answer or None)
+
+
+def test_a_split_at_every_offset_is_the_same_split(generator):
+    """The text arriving in any two pieces, the tags' tokens with the piece that ends their text."""
+    tokenizer = generator.tokenizer
+    tokens = ThinkTokens.find(tokenizer)
+    steps, completion = steps_of(tokenizer, "<think>\n Plan </thi it.\n</think>\n\n Hello </think>")
+    infos = completion.tokens
+    whole = ReasoningSplit(tokens, opened=False)
+    expected = whole.finish(completion.text, infos)
+    for cut in range(len(completion.text) + 1):
+        split = ReasoningSplit(tokens, opened=False)
+        first = [t for t in infos if t.offset + len(tokenizer.decode([t.id])) <= cut]
+        thinking, answer = split.push(completion.text[:cut], first)
+        more = split.finish(completion.text[cut:], infos[len(first):])
+        assert (thinking + more[0], answer + more[1]) == expected, cut
+    assert expected == ("Plan </thi it.", "Hello </think>")
+
+
+def test_tool_calls_are_read_from_the_answer_not_the_thinking(generator):
+    tokenizer = generator.tokenizer
+    for text, calls in ((f"<think>Call it? {CALL}</think>No need.", 0), (f"<think>Call it.</think>\n{CALL}", 1)):
+        steps, completion = steps_of(tokenizer, text)
+        whole = ChatCompletion.model_validate(chat_reply(tokenizer, False, tools=True).whole(completion))
+        joined = streamed(chat_reply(tokenizer, False, tools=True), steps)
+        for reply in (whole, joined):
+            message = reply.choices[0].message
+            assert len(message.tool_calls or []) == calls
+            assert message.reasoning_content.startswith("Call it")
+            assert (reply.choices[0].finish_reason == "tool_calls") == bool(calls)
+        assert whole.choices[0].message.content == ("No need." if not calls else None)
+
+
+def test_the_head_logs_what_it_decided_and_refuses_to_force_it_on_a_model_without_think_tokens(
+        generator, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="tc.head.main")
+    assert splits_reasoning(generator.tokenizer, None)
+    assert "chat replies give the thinking in reasoning_content: the vocabulary has <think> and </think> tokens " \
+           "and the chat template writes them" in caplog.text
+    plain = TextTokenizer.load(tiny_model_dir)
+    assert not splits_reasoning(plain, None)
+    assert "chat replies keep any thinking in content: the vocabulary has no <think> and </think>" in caplog.text
+    with pytest.raises(TopologyError) as caught:
+        splits_reasoning(plain, True)
+    assert caught.value.key_path == "reasoning_content" and "set it to auto" in caught.value.message
