@@ -207,6 +207,21 @@ def test_a_json_response_format_is_the_answer_even_where_the_prompt_opened_the_t
         assert message.content.startswith("{")
 
 
+def test_an_assistant_turns_reasoning_content_sent_back_reaches_the_template(servers, generator):
+    """Qwen3's template writes an assistant turn's thinking back in the turns since the last query (a tool loop)."""
+    called = {"role": "assistant", "content": "", "reasoning_content": "Weather needs the tool.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    messages = [*HI, called, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    reply = servers["qwen3"].chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    without = [*HI, {**called, "reasoning_content": None}, messages[2]]
+    shorter = servers["qwen3"].chat.completions.create(model="tiny", messages=without, max_tokens=1)
+    written = generator.tokenizer.encode("<think>\nWeather needs the tool.\n</think>\n\n")
+    assert reply.usage.prompt_tokens - shorter.usage.prompt_tokens == len(written)
+    with pytest.raises(openai.BadRequestError, match="only for assistant messages"):
+        servers["qwen3"].chat.completions.create(model="tiny", max_tokens=1,
+                                                 messages=[{**HI[0], "reasoning_content": "mine"}])
+
+
 def test_the_topology_can_turn_it_off(generator):
     server = serve(generator, reasoning=False)
     try:

@@ -181,6 +181,7 @@ class ChatMessage:
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: tuple[MessageToolCall, ...] = ()
+    reasoning_content: str | None = None  # an assistant's thinking, as this server's replies give it back
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates expect it (only the keys that were given)."""
@@ -192,6 +193,8 @@ class ChatMessage:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.reasoning_content is not None:  # Qwen3's template writes it back in the turns after the last query
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -279,7 +282,8 @@ _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # type), a call's `function.parsed_arguments` (its arguments read into the tool's type) and a streamed call's
 # `index`. They repeat what `content` and `arguments` hold, which is what the template renders, so any value of
 # theirs is taken and left unused.
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed", "refusal"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed", "refusal",
+                             "reasoning_content"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"function_call": (None,), "audio": (None,), "annotations": (None, [])}
 _TOOL_FIELDS = frozenset({"type", "function"})
@@ -734,6 +738,12 @@ def _message(value: Any, index: int) -> ChatMessage:
             raise RequestError(f"'{param}.refusal' is only for assistant messages, not {role}",
                                param=f"{param}.refusal", code="invalid_value")
         refusal = _string(refusal, f"{param}.refusal")
+    reasoning = value.get("reasoning_content")
+    if reasoning is not None:
+        if role != "assistant":
+            raise RequestError(f"'{param}.reasoning_content' is only for assistant messages, not {role}",
+                               param=f"{param}.reasoning_content", code="invalid_value")
+        reasoning = _string(reasoning, f"{param}.reasoning_content")
     if value.get("tool_calls") is not None and value.get("content") is None:
         # an assistant message that only calls tools has no text; nor has one whose calls are an empty array, which
         # clients send back as they got it (servers that answer "tool_calls": [] on every reply)
@@ -752,7 +762,7 @@ def _message(value: Any, index: int) -> ChatMessage:
     return ChatMessage(role, content,
                        name=_string(name, f"{param}.name") if name is not None else None,
                        tool_call_id=_string(tool_call_id, f"{param}.tool_call_id") if tool_call_id is not None
-                       else None, tool_calls=calls)
+                       else None, tool_calls=calls, reasoning_content=reasoning)
 
 
 def _tool(value: Any, index: int) -> Tool:
