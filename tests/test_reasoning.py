@@ -188,6 +188,13 @@ def test_a_template_that_opens_the_thinking_starts_the_reply_in_it(servers, gene
     assert (reply.reasoning_content, reply.content) == (None, f"{THOUGHT}</think>{ANSWER}")
 
 
+def test_a_think_tag_a_user_typed_opens_no_thinking(servers, generator):
+    fields = forced(generator.tokenizer, *ANSWER)
+    typed = [{"role": "user", "content": "What is <think>?"}]  # the tokenizer reads it as the tag's token
+    reply = servers["qwen3"].chat.completions.create(model="tiny", messages=typed, **fields).choices[0].message
+    assert (reply.reasoning_content, reply.content) == (None, ANSWER)
+
+
 def test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_the_reply_is_the_answer(servers, generator):
     fields = with_fields(forced(generator.tokenizer, *ANSWER), chat_template_kwargs={"enable_thinking": False})
     for client in servers.values():  # the opening template writes the empty block after its own <think>

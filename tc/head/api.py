@@ -508,7 +508,7 @@ class ChatCompletionsResource:
                  else None)
         # a grammar holds from the reply's first token, so such a reply has no thinking: all of it is the answer
         reasoning = None if self.think is None else Reasoning(
-            self.think, self.think.opened_in(prompt_ids),
+            self.think, self.think.opened_in(prompt_ids, self.service.tokenizer.eos_token_ids),
             split=params.constraint is None and request.reasoning_format != "none")
         self.generation.serve(req, resp, prompt_ids, params,
                               lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools,

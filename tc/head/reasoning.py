@@ -7,8 +7,8 @@ token ids, never on text a model may spell itself: `ThinkTokens.find` finds them
 
 Where a reply starts depends on its prompt: a template may open `<think>` itself (DeepSeek-R1's; Qwen3's newer
 ones), so the reply starts inside the thinking; Qwen3's with `enable_thinking: false` writes an empty, closed block,
-so the reply has none. `ThinkTokens.opened_in` reads that from the prompt's last tag. Otherwise the reply thinks
-only when its first token is `<think>`.
+so the reply has none. `ThinkTokens.opened_in` reads that from the last tag of the prompt's last turn. Otherwise
+the reply thinks only when its first token is `<think>`.
 
 `ReasoningSplit` takes a reply as the generation loop releases it: text, and the tokens whose text it holds, each
 with its offset in the reply's text. A tag's token is released in the same step as its text's last character, so
@@ -20,7 +20,7 @@ string) is all thinking, as vLLM reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ..generation import TokenInfo
 from ..model.tokenizer import TextTokenizer
@@ -48,11 +48,16 @@ class ThinkTokens:
         # the text a reply holds for each: the tag itself, or nothing where the tokenizer marks it special
         return cls(opening, closing, tokenizer.decode([opening]), tokenizer.decode([closing]))
 
-    def opened_in(self, prompt_ids: Sequence[int]) -> bool:
-        """Whether the prompt leaves a <think> open (its template began the thinking), so the reply starts in it."""
+    def opened_in(self, prompt_ids: Sequence[int], turn_ends: Collection[int] = ()) -> bool:
+        """Whether the prompt leaves a <think> open (its template began the thinking), so the reply starts in it.
+
+        Only the tags after the last of `turn_ends` (the tokens that end a turn: the model's end-of-sequence ids)
+        count: one before it is in an earlier message (a user who typed "<think>" is no thinking begun)."""
         for token in reversed(prompt_ids):
             if token in (self.open, self.close):
                 return token == self.open
+            if token in turn_ends:
+                return False
         return False
 
 
