@@ -4,7 +4,9 @@ A streamed reply is the whole reply cut at each generation step, so both are bui
 a `ReplyFormat` per endpoint turns a `Completion` into the whole body, and each `Step` into chunks. Joining the
 chunks' text (and their log-probability entries) gives exactly the whole body's, because the generation loop
 only ever releases final text. A chat reply that may call tools reads its text through `ToolCallStream`, which
-holds back what may be a call and settles it as the whole reply's parser does (tool_calls.py).
+holds back what may be a call and settles it as the whole reply's parser does (tool_calls.py). A thinking model's
+reply first goes through `ReasoningSplit` (reasoning.py), which tells its thinking from its answer at the think
+tokens; the whole reply is split by the same object, fed everything at once, so the two agree.
 
 Streams are server-sent events: `data: {chunk}` lines, then `data: [DONE]`. `EventStream` is the WSGI body. A
 request for several choices (`n`) streams them side by side: one step of each in turn (they share the batch's
