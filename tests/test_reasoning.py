@@ -22,6 +22,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import AddedToken, Tokenizer
 
+from cluster import Cluster, write_topology
 from model_helpers import OurModel
 from tiny_families import write_family_model
 from tiny_model import byte_tokenizer
@@ -361,3 +362,21 @@ def test_the_head_logs_what_it_decided_and_refuses_to_force_it_on_a_model_withou
     with pytest.raises(TopologyError) as caught:
         splits_reasoning(plain, True)
     assert caught.value.key_path == "reasoning_content" and "set it to auto" in caught.value.message
+
+
+@pytest.mark.parametrize("setting", ["auto", False])
+def test_a_cluster_s_head_splits_as_its_topology_says(tmp_path, model_dir, generator, setting):
+    """The head and a worker as processes, the topology's reasoning_content read by the head at load."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                              reasoning_content=setting)
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_all(["a"])
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        message = client.chat.completions.create(model=model_dir.name, messages=HI,
+                                                 **thinking_reply(generator.tokenizer)).choices[0].message
+        if setting == "auto":
+            assert (message.reasoning_content, message.content) == (THOUGHT.strip(), ANSWER.strip())
+            assert "chat replies give the thinking in reasoning_content" in cluster.head.output()
+        else:
+            assert message.content == f"<think>{THOUGHT}</think>{ANSWER}"
+            assert "chat replies keep any thinking in content: reasoning_content: false" in cluster.head.output()
