@@ -319,6 +319,20 @@ def test_each_step_split_joins_into_the_whole_reply(generator, text, opened, sto
     assert (getattr(joined, "reasoning_content", None) or None, joined.content or None) == (thinking, answer or None)
 
 
+def test_tags_a_tokenizer_marks_special_split_the_reply_though_decoding_drops_them(generator):
+    """Where the think tokens are special, the reply's text has no tags: their tokens' offsets still split it."""
+    special = byte_tokenizer()
+    special.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    tokenizer = dataclasses.replace(generator.tokenizer, tokenizer=special)
+    assert ThinkTokens.find(tokenizer).close_text == ""
+    steps, completion = steps_of(tokenizer, "<think>\nPlan it.\n</think>\n\nHello!")
+    assert completion.text == "\nPlan it.\n\n\nHello!"
+    whole = ChatCompletion.model_validate(chat_reply(tokenizer, False).whole(completion)).choices[0].message
+    joined = streamed(chat_reply(tokenizer, False), steps).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (joined.reasoning_content, joined.content) == \
+        ("Plan it.", "Hello!")
+
+
 def test_a_split_at_every_offset_is_the_same_split(generator):
     """The text arriving in any two pieces, the tags' tokens with the piece that ends their text."""
     tokenizer = generator.tokenizer
