@@ -170,3 +170,34 @@ class GrammarState:
         # the token came through `allowed`, so refusing it is our bug, not the client's
         if not self.matcher.consume_token(token_id):
             raise AssertionError(f"grammar refused token {token_id} it allowed: {self.matcher.get_error()}")
+
+
+@dataclass(frozen=True)
+class AfterToken:
+    """`inner`, from the token after the first `token` chosen on; every token is allowed until then.
+
+    A thinking model's reply under a grammar: the thinking before its </think> is free, the answer after it follows
+    the grammar, as vLLM constrains a reasoning model's reply. `vocab_size` is the logits' width."""
+
+    inner: TokenConstraint
+    token: int
+    vocab_size: int
+
+    def start(self) -> "AfterTokenState":
+        return AfterTokenState(self)
+
+
+class AfterTokenState:
+    def __init__(self, constraint: AfterToken):
+        self.constraint = constraint
+        self.state: ConstraintState | None = None  # the inner grammar's, once `token` has been chosen
+        self._any = torch.ones(constraint.vocab_size, dtype=torch.bool)
+
+    def allowed(self) -> torch.Tensor:
+        return self._any if self.state is None else self.state.allowed()
+
+    def advance(self, token_id: int) -> None:
+        if self.state is not None:
+            self.state.advance(token_id)
+        elif token_id == self.constraint.token:
+            self.state = self.constraint.inner.start()

@@ -203,16 +203,33 @@ def test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_the_reply_i
         assert (reply.reasoning_content, reply.content) == (None, ANSWER)
 
 
-def test_a_json_response_format_is_the_answer_even_where_the_prompt_opened_the_thinking(servers):
-    # the grammar holds from the reply's first token: no thinking, and the content is the JSON
-    reply = servers["opening"].chat.completions.create(
-        model="tiny", messages=HI, response_format={"type": "json_object"}, max_tokens=60, seed=3, temperature=0)
-    message = reply.choices[0].message
-    assert message.reasoning_content is None
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(message.content), dict)
-    else:  # the random model ran out of tokens inside its object: its text is still content, not thinking
-        assert message.content.startswith("{")
+EMPTY_OBJECT = {"type": "json_schema", "json_schema": {"name": "empty", "schema": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}  # whatever the model: "{}"
+
+
+def test_a_response_format_holds_from_the_first_token_where_the_reply_has_not_begun_thinking(servers, generator):
+    # the grammar allows no <think> to start it: all of the reply is the answer
+    fields = thinking_reply(generator.tokenizer)
+    reply = servers["qwen3"].chat.completions.create(model="tiny", messages=HI, response_format=EMPTY_OBJECT,
+                                                     **fields)
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == (None, "{}")
+
+
+def test_a_response_format_holds_for_the_answer_after_the_thinking_the_prompt_began(servers, generator):
+    fields = {**forced(generator.tokenizer, *THOUGHT, "</think>"), "max_tokens": 20}
+    for stream in (False, True):
+        request = dict(model="tiny", messages=HI, response_format=EMPTY_OBJECT, **fields)
+        if stream:
+            chunks = chunks_of(servers["opening"], **request)
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            thinking = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            answer, finish = "".join(d.content or "" for d in deltas), chunks[-1].choices[0].finish_reason
+        else:
+            reply = servers["opening"].chat.completions.create(**request)
+            message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+            thinking, answer = message.reasoning_content, message.content
+        # the thinking as the bias wrote it, free of the grammar; then the only JSON the schema allows, and the end
+        assert (thinking, answer, finish) == (THOUGHT.strip(), "{}", "stop")
 
 
 def test_an_assistant_turns_reasoning_content_sent_back_reaches_the_template(servers, generator):

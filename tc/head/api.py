@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 import falcon
 
-from ..constraint import GrammarEngine
+from ..constraint import AfterToken, GrammarEngine
 from ..generation import Completion, text_with_offsets
 from ..model.tokenizer import ChatTemplateError, TextTokenizer
 from ..batch_memory import BatchPlan
@@ -500,16 +500,20 @@ class ChatCompletionsResource:
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
                                             continues_prompt=request.continue_final_message)
         check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
-        params = dataclasses.replace(params, constraint=self.structured.grammar(request))
+        opened = self.think is not None and self.think.opened_in(prompt_ids, self.service.tokenizer.eos_token_ids)
+        grammar = self.structured.grammar(request)
+        if grammar is not None and opened:
+            # the thinking the prompt began is free; the grammar holds for the answer, from </think> on
+            assert self.think is not None
+            grammar = AfterToken(grammar, self.think.close, self.service.generator.head.config.vocab_size)
+        params = dataclasses.replace(params, constraint=grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
         tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
                  else None)
-        # a grammar holds from the reply's first token, so such a reply has no thinking: all of it is the answer
-        reasoning = None if self.think is None else Reasoning(
-            self.think, self.think.opened_in(prompt_ids, self.service.tokenizer.eos_token_ids),
-            split=params.constraint is None and request.reasoning_format != "none")
+        reasoning = None if self.think is None else Reasoning(self.think, opened,
+                                                              split=request.reasoning_format != "none")
         self.generation.serve(req, resp, prompt_ids, params,
                               lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools,
                                                 reasoning=reasoning),

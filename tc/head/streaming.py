@@ -273,8 +273,7 @@ def _call_body(call: ToolCall) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Reasoning:
     """A reply of a model that thinks: its think tokens, and whether its prompt left the thinking open. `split`
-    False: the model thinks, but this reply is not split (its grammar holds from the first token, or the client
-    asked for the thinking inline); its message still has reasoning_content, null."""
+    False: the client asked for the thinking inline; the message still has reasoning_content, null."""
 
     tokens: ThinkTokens
     opened: bool
