@@ -43,7 +43,7 @@ OPENING_TEMPLATE = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}",
                                           "{{- '<|im_start|>assistant\\n<think>\\n' }}")
 EOS = "<|endoftext|>"  # the tiny model's end of sequence, which the prompt never holds
 HI = [{"role": "user", "content": "Hi"}]
-THOUGHT, ANSWER = " Ok.", "\tYo!"  # what the model writes inside and after its think block, each character once
+THOUGHT, ANSWER = " Ok.", "\rYo!"  # what the model writes inside and after its think block, each character once
 
 
 def thinking_tokenizer() -> Tokenizer:
@@ -319,10 +319,11 @@ CASES = [  # (reply, prompt opened the thinking, stop strings, thinking, answer)
     ("<think>\n\n</think>\n\nHello!", False, (), None, "Hello!"),
     ("<think>\nStill thinking", False, (), "Still thinking", None),
     ("Hello! </think> is a tag", False, (), None, "Hello! </think> is a tag"),
-    ("<think>a </think> b</think>c", False, (), "a", "b</think>c"),
+    ("<think>a </think> b</think>c", False, (), "a", " b</think>c"),
     ("<think>Plan</think>Hi. STOP here", False, ("STOP",), "Plan", "Hi. "),
     ("<think>Plan STOP</think>Hi.", False, ("STOP",), "Plan", None),
     ("<think>Plan</thi", False, ("</thi",), "Plan", None),
+    ("<think>Plan</think>\r\n\n    indented()", False, (), "Plan", "    indented()"),
 ]
 
 
@@ -364,7 +365,7 @@ def test_a_split_at_every_offset_is_the_same_split(generator):
         thinking, answer = split.push(completion.text[:cut], first)
         more = split.finish(completion.text[cut:], infos[len(first):])
         assert (thinking + more[0], answer + more[1]) == expected, cut
-    assert expected == ("Plan </thi it.", "Hello </think>")
+    assert expected == ("Plan </thi it.", " Hello </think>")
 
 
 def test_tool_calls_are_read_from_the_answer_not_the_thinking(generator):

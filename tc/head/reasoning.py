@@ -14,8 +14,8 @@ the reply thinks only when its first token is `<think>`.
 with its offset in the reply's text. A tag's token is released in the same step as its text's last character, so
 the text up to a `</think>` token's offset is thinking and the rest answer; a tail of text that may still become
 the tag is held until its token settles it. The thinking goes out without the whitespace around it, the answer
-without what the model writes between the tag and it. A reply that never closes its thinking (max_tokens, a stop
-string) is all thinking, as vLLM reads it.
+without the line breaks the model writes between the tag and it (its first line's indent stays: it may be code's).
+A reply that never closes its thinking (max_tokens, a stop string) is all thinking, as vLLM reads it.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class ReasoningSplit:
         self.open_at: int | None = None  # where the reply's opening <think> starts, when it has one
         self.close_at: int | None = None  # where the first </think> in its thinking starts, once its token came
         self.thought = ""  # thinking sent so far: whitespace before the first of it is dropped
-        self.answer = ""  # answer after a think block sent so far: whitespace before the first of it is dropped
+        self.answer = ""  # answer after a think block sent so far: line breaks before the first of it are dropped
 
     def _note(self, tokens: Sequence[TokenInfo]) -> None:
         for token in tokens:
@@ -136,7 +136,7 @@ class ReasoningSplit:
 
     def _answer(self, text: str, after_thinking: bool) -> str:
         if after_thinking and not self.answer:
-            text = text.lstrip()
+            text = text.lstrip("\r\n")  # only line breaks: the first line's indent may be code's
         self.answer += text
         return text
 
