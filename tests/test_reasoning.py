@@ -135,6 +135,14 @@ def test_the_thinking_is_reasoning_content_and_the_answer_content(servers, gener
     assert reply.usage.completion_tokens == inline.usage.completion_tokens == 2 + len(THOUGHT) + len(ANSWER)
 
 
+def test_a_reasoning_format_this_server_does_not_know_is_refused_by_name(servers):
+    with pytest.raises(openai.BadRequestError) as caught:
+        servers["qwen3"].chat.completions.create(model="tiny", messages=HI, max_tokens=1,
+                                                 extra_body={"reasoning_format": "hidden"})
+    assert caught.value.body["param"] == "reasoning_format"
+    assert "use auto, deepseek, none" in caught.value.body["message"]
+
+
 def chunks_of(client, model: str = "tiny", **request) -> list:
     return list(client.chat.completions.create(model=model, stream=True, **request))
 
