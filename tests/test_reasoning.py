@@ -26,7 +26,7 @@ from cluster import Cluster, write_topology
 from model_helpers import OurModel
 from tiny_families import write_family_model
 from tiny_model import byte_tokenizer
-from tc.generation import CompletionText, Completion, Generator, Step
+from tc.generation import CompletionText, Completion, Generator, LocalPipeline, Step
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.main import splits_reasoning
@@ -73,7 +73,8 @@ def serve(generator: Generator, template: str | None = None, **app_options):
     tokenizer = generator.tokenizer
     if template is not None:
         tokenizer = dataclasses.replace(tokenizer, chat_templates=ChatTemplates({"default": template}, "test"))
-    generator = Generator(generator.head, tokenizer, generator.pipeline, generator.dtype)
+    # a pipeline of its own: each server's generator numbers its sequences from 1
+    generator = Generator(generator.head, tokenizer, LocalPipeline(generator.pipeline.stages), generator.dtype)
     service = GenerationService("tiny", tokenizer, generator, lambda: Readiness(1, ("w",), ()))
     return start_http_server(create_app(service, **app_options), "127.0.0.1", 0, threads=2)
 
