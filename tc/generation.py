@@ -581,8 +581,9 @@ class Generator:
         """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
 
         Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
-        positions in the order given (the rest wait for a later step); with no budget, or none decoding, each
-        reads all of its prompt, as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
+        positions in the order given (the rest wait for a later step); with none decoding, the first reads all of
+        its prompt and the others share what the budget leaves; with no budget, each reads all of its prompt; all
+        as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
         while its leader reads the prompt, and gets a copy of the leader's cache in the step that reads the
         prompt's end; a sequence that copies the start of another's (SequenceState.copy_cache) waits until that
         one has read it. The pipeline's errors pass through.
@@ -599,14 +600,20 @@ class Generator:
         for sequence in sequences:
             if sequence.leader is not None:
                 followers.setdefault(sequence.leader.id, []).append(sequence)
-        budget = prompt_budget if prompt_budget is not None and any(s.decoding for s in sequences) else None
+        # a sequence that copies another's cache waits until that one's entries before this step have read what
+        # they share (not this step's: every stage copies before the step's rows run)
+        unready = {s for s in sequences if not s.ready}
+        budget = prompt_budget
+        if budget is not None and not any(s.decoding for s in sequences):
+            # nothing decodes: the first prompt in line is read whole, and others beside it only as far as the
+            # budget goes, so that long prompts arriving together get their first tokens one after another, not
+            # all at the end of one long step (and the next reads in chunks beside the first one's decoding)
+            first = next((s for s in sequences if s.leader is None and s not in unready), None)
+            budget = None if first is None else max(budget, len(first.prompt_ids) - first.prefilled)
         cap = getattr(self.pipeline, "max_positions", None)
         if cap is not None:  # what a step may carry, less a position for each decoding sequence; at least one
             room = max(1, cap - sum(1 for s in sequences if s.decoding))
             budget = room if budget is None else min(budget, room)
-        # a sequence that copies another's cache waits until that one's entries before this step have read what
-        # they share (not this step's: every stage copies before the step's rows run)
-        unready = {s for s in sequences if not s.ready}
         planned: list[tuple[SequenceState, Entry]] = []
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []

@@ -168,6 +168,39 @@ def test_a_long_prompt_arriving_mid_stream_is_read_in_chunks_between_its_tokens(
     assert_same_greedy_text(running.completion.text, solo(model, tokenizer, "Hello", greedy(60)))
 
 
+def test_long_prompts_arriving_together_are_read_first_come_first_served(model, tokenizer):
+    """Nothing decodes when three long prompts are admitted together: the first in line is read whole in one step,
+    alone, and the others in prefill_chunk chunks beside its decoding, so each gets its first token in turn rather
+    than all at the end of one long step; every text is its solo run's."""
+    from test_prefix_cache import GatedPipeline, in_threads, wait_for
+
+    service = service_over(model, tokenizer, model.pipeline(), max_batch=4, prefill_chunk=8)
+    gate = GatedPipeline(service)
+    prompts = [" ".join(f"{word}{i}" for i in range(12)) for word in ("alpha", "beta", "gamma")]
+    assert all(len(tokenizer.encode(p)) > 2 * 8 for p in prompts)
+    # a request that ends on its first token holds the loop in its one step while the three queue behind it
+    blocker, _ = in_threads(lambda: service.complete(tokenizer.encode("Hello"), greedy(1)))
+    wait_for(lambda: service.running == 1, "the first request in the batch")
+    threads, results = in_threads(*[lambda p=p: service.complete(tokenizer.encode(p), greedy(4)) for p in prompts])
+    wait_for(lambda: service.queue_depth == 3, "the three prompts queued")
+    gate.open_all()
+    for thread in blocker + threads:
+        thread.join(120)
+    (whole,) = gate.steps[1]  # the step after the first request's: the first prompt in line, alone and whole
+    assert whole.start == 0 and whole.length == whole.capacity - 4
+    for step in gate.steps[2:]:
+        reading = [e for e in step if e.start < e.capacity - 4]
+        if len(reading) < len(step):  # beside decoding sequences: prompts in chunks of prefill_chunk at most
+            assert sum(e.length for e in reading) <= 8
+        else:  # nothing decodes: the first in line alone, the rest of it whole
+            assert len(step) == 1 and step[0].start + step[0].length == step[0].capacity - 4
+    # the step in which each prompt's reading ends (its first token's): one after another
+    read_by = {e.sequence: i for i, step in enumerate(gate.steps) for e in step if e.start + e.length == e.capacity - 4}
+    assert sorted(read_by.values()) == list(read_by.values()) and len(set(read_by.values())) == 3
+    for prompt, completion in zip(prompts, (results[i] for i in range(3))):
+        assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, greedy(4)))
+
+
 def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(model, tokenizer):
     pipeline = RecordingPipeline(model.stages, pause_s=0.005)
     service = service_over(model, tokenizer, pipeline, max_batch=3)
