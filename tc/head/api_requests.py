@@ -732,18 +732,8 @@ def _message(value: Any, index: int) -> ChatMessage:
             raise RequestError(f"'{param}.tool_calls' must be an array, not {_json_type(listed)}",
                                param=f"{param}.tool_calls", code="invalid_type")
         calls = tuple(_message_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(listed))
-    refusal = value.get("refusal")
-    if refusal is not None:
-        if role != "assistant":
-            raise RequestError(f"'{param}.refusal' is only for assistant messages, not {role}",
-                               param=f"{param}.refusal", code="invalid_value")
-        refusal = _string(refusal, f"{param}.refusal")
-    reasoning = value.get("reasoning_content")
-    if reasoning is not None:
-        if role != "assistant":
-            raise RequestError(f"'{param}.reasoning_content' is only for assistant messages, not {role}",
-                               param=f"{param}.reasoning_content", code="invalid_value")
-        reasoning = _string(reasoning, f"{param}.reasoning_content")
+    refusal = _assistant_text(value, "refusal", role, param)
+    reasoning = _assistant_text(value, "reasoning_content", role, param)
     if value.get("tool_calls") is not None and value.get("content") is None:
         # an assistant message that only calls tools has no text; nor has one whose calls are an empty array, which
         # clients send back as they got it (servers that answer "tool_calls": [] on every reply)
@@ -763,6 +753,17 @@ def _message(value: Any, index: int) -> ChatMessage:
                        name=_string(name, f"{param}.name") if name is not None else None,
                        tool_call_id=_string(tool_call_id, f"{param}.tool_call_id") if tool_call_id is not None
                        else None, tool_calls=calls, reasoning_content=reasoning)
+
+
+def _assistant_text(message: Mapping[str, Any], field: str, role: str, param: str) -> str | None:
+    """A text field only an assistant message may carry (`refusal`, `reasoning_content`), or None."""
+    value = message.get(field)
+    if value is None:
+        return None
+    if role != "assistant":
+        raise RequestError(f"'{param}.{field}' is only for assistant messages, not {role}", param=f"{param}.{field}",
+                           code="invalid_value")
+    return _string(value, f"{param}.{field}")
 
 
 def _tool(value: Any, index: int) -> Tool:
