@@ -253,7 +253,7 @@ def test_workers_fetch_the_commit_the_head_resolved_though_the_branch_moved(tmp_
                               hf_cache_dir=str(tmp_path / "head-cache"))
         with Cluster(topo, tmp_path, env=env) as cluster:
             cluster.start_head()
-            cluster.wait_api()  # the API opens once the head has fetched all it needs
+            cluster.wait_api()  # the head serves once it has fetched all it needs
             hub.branches["main"] = new
             for node in ("a", "b"):
                 cluster.start_worker(node, "--hf-cache-dir", str(tmp_path / f"cache-{node}"))

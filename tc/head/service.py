@@ -637,12 +637,13 @@ class GenerationService:
     def _release_sequences(self, sequences: list[int]) -> None:
         """Release these sequences' caches on the workers; a request waiting to copy one of them reads its prompt
         whole instead."""
+        if not sequences:  # every turn of the loop ends and evicts nothing, mostly: no look at the batch then
+            return
         copying = self._copying()
         for sequence in sequences:
             for copier in copying.get(sequence, ()):
                 copier.read_whole()
-        if sequences:
-            self.generator.pipeline.release(sequences)
+        self.generator.pipeline.release(sequences)
 
     def _forget_kept_not_replayed(self) -> None:
         """After the pipeline resumed a step on a refilled set of workers, the kept caches it did not replay (`_idle`)
