@@ -3,10 +3,17 @@
 Each machine resolves the model itself (no weights cross the cluster), and fetches only the files it needs:
 config.json and the shard index always, the tokenizer on the head, and only the safetensors shards holding the
 tensors it will load.
+
+Every download is watched the same way, whichever path huggingface_hub takes: progress lines every
+PROGRESS_EVERY_S, its bytes told to a caller as they come (the head's loading status), and the stall rule below. A
+file it fetches over HTTP is watched where its body is read, by a hook on its HTTP client (`_StallHook`). A file
+of a Xet-backed repo (nearly every model repo on the Hub), with hf_xet installed, hf_xet fetches with a client of
+its own that no hook reaches: its progress bar is tc's (`_xet_watched_bar`), and a watchdog thread gives it up.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -88,13 +95,15 @@ class ModelSource:
         from huggingface_hub import errors, hf_hub_download
 
         stall_s = stall_seconds(os.environ)
-        _guard_downloads(stall_s, f"{filename} of {self.model}", on_bytes)
+        watch = _Watch(f"{filename} of {self.model}", stall_s, on_bytes)
+        bars = _guard_downloads(watch)
         # the remote "no such file" error is its own class in newer huggingface_hub releases
         not_found = tuple(c for c in (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", None))
                           if c is not None)
         try:
             return Path(hf_hub_download(self.model, filename, revision=self.revision,
-                                        cache_dir=str(self.cache_dir) if self.cache_dir else None))
+                                        cache_dir=str(self.cache_dir) if self.cache_dir else None,
+                                        **({} if bars is None else {"tqdm_class": bars})))
         except errors.LocalEntryNotFoundError as exc:  # offline, or the Hub unreachable, and not in the cache
             refusal = _refusal(exc.__cause__)  # or the Hub answered, refusing: that says nothing of the file
             if refusal is not None:
@@ -126,16 +135,21 @@ class ModelSource:
                                    f"and for a private repo give this machine a token that can read it "
                                    f"({TOKEN_HINT})") from exc
         except DownloadStalled as exc:
-            raise ModelSourceError(
-                f"download of {filename} of {self.model} stalled: {exc}, under the {STALL_MIN_BYTES // 1024} KiB "
-                f"it must get in {stall_s:g}s. Check this machine's link to the Hub (or the mirror in HF_ENDPOINT), "
-                f"or for a slow link set {STALL_S_ENV} to a longer time") from None
+            raise self._stalled(filename, exc, stall_s) from None
         except Exception as exc:  # an HTTP error, a broken-off body, a name the cache refuses: one line, not a trace
+            if watch.stalled is not None:  # a Xet download given up for a stall ends in hf_xet's "cancelled"
+                raise self._stalled(filename, watch.stalled, stall_s) from None
             refusal = _refusal(exc)
             if refusal is not None:
                 raise ModelSourceError(f"cannot get {filename} of {self.model}: {refusal}") from exc
             raise ModelSourceError(f"cannot download {filename} of {self.model}: {type(exc).__name__}: "
                                    f"{_first_line(exc)}") from exc
+
+    def _stalled(self, filename: str, exc: DownloadStalled, stall_s: float) -> ModelSourceError:
+        return ModelSourceError(
+            f"download of {filename} of {self.model} stalled: {exc}, under the {STALL_MIN_BYTES // 1024} KiB "
+            f"it must get in {stall_s:g}s. Check this machine's link to the Hub (or the mirror in HF_ENDPOINT), "
+            f"or for a slow link set {STALL_S_ENV} to a longer time")
 
     def config_dir(self) -> Path:
         """The directory holding config.json (downloading it if needed)."""
@@ -202,39 +216,53 @@ class ModelSource:
         return root
 
 
+class _Watch:
+    """One file's download as tc watches it, on either of huggingface_hub's paths: the stall rule's time, the file
+    for the progress lines, who is told of its bytes, and what gave it up."""
+
+    def __init__(self, what: str, stall_s: float, on_bytes: Callable[[int, int | None], None] | None = None):
+        self.what, self.stall_s, self.on_bytes = what, stall_s, on_bytes
+        self.bodies = 0  # its response bodies that the HTTP hook is passing on now
+        self.stalled: DownloadStalled | None = None  # set where the Xet watchdog gave it up
+
+    def log_progress(self, done: int, size: int | None, seconds: float) -> None:
+        log.info("fetching %s: %.1f of %s MB, %.2f MB/s", self.what, done / 1e6,
+                 "?" if size is None else f"{size / 1e6:.1f}", done / 1e6 / seconds)
+
+
 class _StallHook:
     """A response hook of huggingface_hub's HTTP client that holds each response body to the stall rule."""
 
     def __init__(self) -> None:
-        # the rule's time and the file being downloaded, for the progress lines, set by each downloading thread for
-        # itself (a worker's compute thread of a session that ended may still be downloading beside the next's);
-        # the client runs its hooks on the thread that sends the request
+        # the download each thread is at, set by each downloading thread for itself (a worker's compute thread of a
+        # session that ended may still be downloading beside the next's); the client runs its hooks on the thread
+        # that sends the request
         self.local = threading.local()
 
     def __call__(self, response) -> None:
-        stall_s = getattr(self.local, "stall_s", DEFAULT_STALL_S)  # a request of another thread: a Hub API call
-        what = getattr(self.local, "what", str(response.request.url))
-        on_bytes = getattr(self.local, "on_bytes", None)
+        watch = getattr(self.local, "watch", None)
+        if watch is None:  # a request of another thread: a Hub API call
+            watch = _Watch(str(response.request.url), DEFAULT_STALL_S)
         # the httpx package the client is built on (httpx, or httpx2 for huggingface_hub 2), for its stream class
         package = sys.modules[type(response).__module__.partition(".")[0]]
         length = response.headers.get("Content-Length", "")
         size = int(length) if length.isdigit() else None
-        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, stall_s, what, size,
-                                                                        on_bytes)
+        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, watch, size)
 
 
 @functools.cache
 def _stall_guarded_stream(base: type) -> type:
     """A subclass of httpx's SyncByteStream (`base`) that passes on a body, logging how far it has come every
-    PROGRESS_EVERY_S (and telling `on_bytes` of every chunk, where given), and raising DownloadStalled where it gets
-    fewer than STALL_MIN_BYTES in `stall_s` seconds. A chunk comes in at least every HF_HUB_DOWNLOAD_TIMEOUT (else
-    the read times out), so a stall is found within twice the rule's time and that timeout."""
+    PROGRESS_EVERY_S (and telling the watch's on_bytes of every chunk, where given), and raising DownloadStalled
+    where it gets fewer than STALL_MIN_BYTES in the rule's time. A chunk comes in at least every
+    HF_HUB_DOWNLOAD_TIMEOUT (else the read times out), so a stall is found within twice the rule's time and that
+    timeout."""
 
     class StallGuardedStream(base):
-        def __init__(self, stream, stall_s: float, what: str, size: int | None,
-                     on_bytes: Callable[[int, int | None], None] | None = None):
-            self.stream, self.stall_s, self.what, self.size = stream, stall_s, what, size
-            self.on_bytes = on_bytes
+        def __init__(self, stream, watch: _Watch, size: int | None):
+            self.stream, self.watch, self.size = stream, watch, size
+            self.open = True
+            watch.bodies += 1
 
         def __iter__(self) -> Iterator[bytes]:
             started = since = logged = time.monotonic()
@@ -242,47 +270,160 @@ def _stall_guarded_stream(base: type) -> type:
             for chunk in self.stream:
                 received += len(chunk)
                 done += len(chunk)
-                if self.on_bytes is not None:
-                    self.on_bytes(done, self.size)
+                if self.watch.on_bytes is not None:
+                    self.watch.on_bytes(done, self.size)
                 now = time.monotonic()
                 if now - logged >= PROGRESS_EVERY_S:
                     logged = now
-                    log.info("fetching %s: %.1f of %s MB, %.2f MB/s", self.what, done / 1e6,
-                             "?" if self.size is None else f"{self.size / 1e6:.1f}", done / 1e6 / (now - started))
-                if now - since >= self.stall_s:
+                    self.watch.log_progress(done, self.size, now - started)
+                if now - since >= self.watch.stall_s:
                     if received < STALL_MIN_BYTES:
                         raise DownloadStalled(received, now - since)
                     since, received = now, 0
                 yield chunk
 
         def close(self) -> None:
+            if self.open:
+                self.open = False
+                self.watch.bodies -= 1
             self.stream.close()
 
     return StallGuardedStream
 
 
-def _guard_downloads(stall_s: float, what: str, on_bytes: Callable[[int, int | None], None] | None = None) -> None:
-    """Hold huggingface_hub's downloads of `what` to the stall rule, with progress lines (and told to `on_bytes`):
-    a hook on its shared HTTP client, which it makes anew after a fork or close_session(), so this looks again
-    before each download."""
+@functools.cache
+def _xet_watched_bar(base: type) -> type:
+    """A subclass of huggingface_hub's progress bar (`base`) that watches a download the HTTP hook cannot see: one
+    hf_xet fetches with a client of its own, for a file of a Xet-backed repo. huggingface_hub tells such a bar of the
+    file's bytes written (`update`) and, as the class has `update_transfer`, of the bytes fetched for them on the
+    same bar, every fraction of a second from a thread of hf_xet's. The bar logs progress lines and tells the watch's
+    on_bytes as the stream does, and a watchdog thread holds the download to the stall rule.
+
+    huggingface_hub makes its bars itself, from a class: each download gets a subclass of this naming its _Watch
+    (`_guard_downloads`). The bar of a file fetched over HTTP only shows itself: the hook counts those bytes as they
+    come in, where the bar hears of them 10 MB at a time."""
+
+    class XetWatchedBar(base):
+        watch: _Watch
+
+        def __init__(self, *args, **kwargs):
+            self.written = self.received = 0  # the file's bytes on disk; the bytes fetched for them
+            self.size = kwargs.get("total")
+            self.started = self.logged = time.monotonic()
+            self.finished = threading.Event()
+            # huggingface_hub makes the bar of an HTTP download once the body's response has come, on this thread
+            self.counting = self.watch.bodies == 0
+            super().__init__(*args, **kwargs)
+            if self.counting:
+                self._report()  # 0 of the file's size, in place of the hook's count of the Xet token's answer
+                threading.Thread(target=self._watchdog, name=f"stall watchdog of {self.watch.what}",
+                                 daemon=True).start()
+
+        def update(self, n=1):
+            if self.counting:
+                self.written += n
+                self._report()
+            return super().update(n)
+
+        def update_transfer(self, n: int) -> None:
+            if self.counting:
+                self.received += n
+                self._report()
+
+        def set_transfer_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            pass  # the transfer's rate, which the progress lines give
+
+        def close(self) -> None:
+            self.finished.set()
+            super().close()
+
+        def _report(self) -> None:
+            # the bytes fetched run ahead of those written; fetched, they may be compressed or carry chunk headers
+            done = max(self.written, self.received)
+            done = done if self.size is None else min(done, self.size)
+            if self.watch.on_bytes is not None:
+                self.watch.on_bytes(done, self.size)
+            now = time.monotonic()
+            if now - self.logged >= PROGRESS_EVERY_S:
+                self.logged = now
+                self.watch.log_progress(done, self.size, now - self.started)
+
+        def _watchdog(self) -> None:
+            """Give the download up where it moves fewer than STALL_MIN_BYTES in the rule's time. Nothing raised in a
+            bar ends it (hf_xet prints the exception and goes on), nor does hf_xet's read timeout while a byte comes
+            now and then: only an abort of hf_xet's session does."""
+            moved, since = 0, time.monotonic()
+            while not self.finished.wait(self.watch.stall_s):
+                now, moving = time.monotonic(), self.written + self.received
+                if moving - moved < STALL_MIN_BYTES:
+                    _give_up_xet(self.watch, DownloadStalled(moving - moved, now - since))
+                    return
+                moved, since = moving, now
+
+    return XetWatchedBar
+
+
+def _give_up_xet(watch: _Watch, stalled: DownloadStalled) -> None:
+    """End the stalled Xet download of `watch`. hf_xet gives huggingface_hub's callers no handle on one download,
+    only an abort of its session, which ends every Xet download of this process: one beside this fails (it said it
+    was cancelled), and the next download starts a session anew."""
+    try:
+        from huggingface_hub.utils._xet import abort_xet_session
+    except ImportError:  # a huggingface_hub with no session of hf_xet's to abort
+        log.warning("download of %s stalled (%s), under the %d KiB it must get in %gs, but this huggingface_hub "
+                    "cannot stop a Xet download; stop tc and check this machine's link to the Hub, or upgrade "
+                    "with: python -m pip install -U huggingface_hub", watch.what, stalled, STALL_MIN_BYTES // 1024,
+                    watch.stall_s)
+        return
+    watch.stalled = stalled
+    abort_xet_session()
+
+
+def _guard_downloads(watch: _Watch) -> type | None:
+    """Hold huggingface_hub's download of `watch`'s file to the stall rule, with progress lines (and told to its
+    on_bytes), on both of huggingface_hub's paths. Returns the progress bar class to give hf_hub_download as its
+    tqdm_class, which watches a Xet download (None where it takes none).
+
+    A file fetched over HTTP is watched by a hook on its shared HTTP client, which it makes anew after a fork or
+    close_session(), so this looks again before each download. A file of a Xet-backed repo (with hf_xet installed)
+    is fetched by hf_xet's own client, which no hook reaches: its progress bar watches it."""
     from huggingface_hub import get_session
+    from huggingface_hub.utils import tqdm
 
     session = get_session()
     hooks = getattr(session, "event_hooks", None)
     if hooks is None:
         _warn_unguarded()
-        return
+        return None
     hook = next((h for h in hooks["response"] if isinstance(h, _StallHook)), None)
     if hook is None:
         hook = _StallHook()
         session.event_hooks = {**hooks, "response": [*hooks["response"], hook]}
-    hook.local.stall_s, hook.local.what, hook.local.on_bytes = stall_s, what, on_bytes
+    hook.local.watch = watch
+    if not _takes_tqdm_class():
+        _warn_xet_unwatched()
+        return None
+    return type("XetWatchedBar", (_xet_watched_bar(tqdm),), {"watch": watch})
+
+
+@functools.cache
+def _takes_tqdm_class() -> bool:
+    from huggingface_hub import hf_hub_download
+
+    return "tqdm_class" in inspect.signature(hf_hub_download).parameters
 
 
 @functools.cache
 def _warn_unguarded() -> None:
     log.warning("huggingface_hub before 1.0 downloads through requests, whose reads tc cannot watch: a download "
                 "that stalls is not given up (upgrade with: python -m pip install 'huggingface_hub>=1.0')")
+
+
+@functools.cache
+def _warn_xet_unwatched() -> None:
+    log.warning("this huggingface_hub takes no progress bar class for a download, so tc cannot watch one of a "
+                "Xet-backed repo: no progress lines, and a download that stalls is not given up (upgrade with: "
+                "python -m pip install -U huggingface_hub)")
 
 
 def _refusal(exc: BaseException | None) -> str | None:

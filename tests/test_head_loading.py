@@ -88,13 +88,16 @@ def local_greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
 
 
 @contextlib.contextmanager
-def head_mid_download(tmp_path: Path, model_dir: Path) -> Iterator[tuple[HubStandIn, Cluster, Process]]:
-    """A head of a one-worker topology whose shard the Hub stand-in holds half sent: (the stand-in, the cluster,
-    the head's process), once the head is in the middle of that download."""
-    with HubStandIn({REPO: model_dir}, hold={SHARD}) as hub:
+def head_mid_download(tmp_path: Path, model_dir: Path, xet: bool = False
+                      ) -> Iterator[tuple[HubStandIn, Cluster, Process]]:
+    """A head of a one-worker topology whose shard the Hub stand-in holds half sent (with `xet`, from a Xet-backed
+    repo: half its xorb): (the stand-in, the cluster, the head's process), once the head is in the middle of that
+    download."""
+    with HubStandIn({REPO: model_dir}, hold={SHARD}, xet={SHARD} if xet else set()) as hub:
         topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
                                   hf_cache_dir=str(tmp_path / "head-cache"))
-        with Cluster(topology, tmp_path, env=hub_env(hub)) as cluster:
+        env = {**hub_env(hub), "HF_XET_CACHE": str(tmp_path / "xet")}
+        with Cluster(topology, tmp_path, env=env) as cluster:
             head = cluster.start_head()
             wait_for(hub.holding, head, "the head's download of its shard")
             yield hub, cluster, head
@@ -148,6 +151,26 @@ def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_
         status, _, body = call(cluster, "POST", "/v1/completions", {
             "model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
         assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
+
+
+def test_a_head_loading_a_xet_backed_repo_says_how_far_its_download_has_come(tmp_path: Path,
+                                                                              model_dir: Path) -> None:
+    """hf_xet fetches a Xet-backed repo's shard with a client of its own, past the hook that counts a body's bytes:
+    the head's API must still say how many have come, not 0 until the shard is whole."""
+    size = (model_dir / SHARD).stat().st_size
+    with head_mid_download(tmp_path, model_dir, xet=True) as (hub, cluster, head):
+        sent = len(hub.xorb(SHARD)) // 2  # what the stand-in has sent of the xorb holding the shard
+        status, _, body = poll(lambda: call(cluster, "GET", "/health"),
+                               lambda reply: (reply[2]["loading"]["progress"] or {}).get("done") == sent,
+                               "the Xet download's progress")
+        assert status == 503 and body["loading"] == {
+            "step": "fetching_tensors", "message": f"fetching {SHARD} (1 of 1) from the Hub",
+            "progress": {"done": sent, "total": size, "unit": "bytes"}}
+        assert hub.fetched_over_xet() == {SHARD} and SHARD not in hub.fetched_files()
+
+        hub.release.set()
+        cluster.wait_api()
+        assert call(cluster, "GET", "/health")[::2] == (200, {"status": "ok"})
 
 
 def test_a_load_that_fails_ends_the_head_and_closes_its_port(tmp_path: Path, model_dir: Path) -> None:

@@ -236,3 +236,51 @@ def test_a_repo_without_the_safetensors_tc_needs_says_what_is_wrong(tmp_path, mo
             ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
                 ["model.embed_tokens.weight"])
     assert says in str(info.value), str(info.value)
+
+
+def test_a_xet_backed_shard_comes_whole_and_tells_its_bytes(tmp_path, model_dir, hub_env, monkeypatch):
+    """Nearly every model repo on the Hub is Xet-backed: hf_xet fetches its files with a client of its own, past the
+    hook that counts a body's bytes over HTTP. The head's API must still hear each shard's bytes up to its size."""
+    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet"))  # hf_xet's staging (and a first session's logs)
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    told: list[list] = []
+
+    def progress(file: str, number: int, files: int):
+        told.append([file, number, files, None, None])
+        return lambda done, size: told[-1].__setitem__(slice(3, 5), [done, size])
+
+    with HubStandIn({REPO: model_dir}, xet=set(shards)) as hub:
+        hub_env(hub)
+        root = ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(list(weight_map),
+                                                                                             progress)
+    assert hub.fetched_over_xet() == set(shards) and not hub.fetched_files() & set(shards)
+    sizes = [(model_dir / shard).stat().st_size for shard in shards]
+    assert told == [[shard, i, len(shards), size, size] for i, (shard, size) in enumerate(zip(shards, sizes), 1)]
+    for shard in shards:
+        assert (root / shard).read_bytes() == (model_dir / shard).read_bytes()
+
+
+def test_a_xet_download_trickling_below_the_stall_rule_says_how_far_it_came_then_stops(tmp_path, model_dir):
+    """hf_xet's client ends on no read timeout while a byte comes now and then, and on no exception of tc's: a Xet
+    download that all but stalls must still log its progress, then end with the line that names the file and the
+    setting, as one over HTTP does."""
+    shard = "model-00001-of-00002.safetensors"
+    script = ("import logging, sys; from tc import model_source; logging.basicConfig(level=logging.INFO); "
+              "model_source.PROGRESS_EVERY_S = 0.2; "
+              f"model_source.ModelSource({REPO!r}, is_local=False, cache_dir=sys.argv[1])"
+              ".fetch_tensors(['model.embed_tokens.weight'])")
+    with HubStandIn({REPO: model_dir}, xet={shard}, trickle={shard}) as hub:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_XET_CACHE": str(tmp_path / "xet"), "TC_DOWNLOAD_STALL_S": "2"}
+        try:
+            done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], capture_output=True,
+                                  text=True, env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a Xet download sent one byte every {hub.trickle_s}s ran on past the stall rule")
+        assert hub.fetched_over_xet() == {shard}
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"download of {shard} of {REPO} stalled" in last and "TC_DOWNLOAD_STALL_S" in last, done.stderr
+    size = (model_dir / shard).stat().st_size
+    assert f"fetching {shard} of {REPO}: 0.0 of {size / 1e6:.1f} MB" in done.stderr, done.stderr
