@@ -22,6 +22,7 @@ checks neither the file's hash nor the xorb's on download, so SHA-256 digests st
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import json
 import re
@@ -30,6 +31,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<filename>.+)$")
 XET_TOKEN_ROUTE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/xet-read-token/(?P<revision>[^/]+)$")
@@ -37,6 +40,9 @@ RECONSTRUCTION_ROUTE = re.compile(r"^/cas/v2/reconstructions/(?P<hash>[0-9a-f]{6
 XORB_ROUTE = re.compile(r"^/cas/xorbs/default/(?P<hash>[0-9a-f]{64})$")
 XET_CHUNK = 64 * 1024  # hf_xet's target chunk size (its chunks are at most twice that)
 XET_CHUNK_HEADER = 8
+# for tests of what hf_xet fetches: without it, huggingface_hub fetches a Xet-backed file over its resolve route
+needs_hf_xet = pytest.mark.skipif(importlib.util.find_spec("hf_xet") is None,
+                                  reason="hf_xet is not installed: huggingface_hub fetches Xet-backed files over HTTP")
 
 
 def chunk_header(length: int) -> bytes:

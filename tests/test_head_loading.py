@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cluster import Cluster, Process, write_topology
-from hub_standin import HubStandIn
+from hub_standin import HubStandIn, needs_hf_xet
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
@@ -153,6 +153,7 @@ def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_
         assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
 
 
+@needs_hf_xet
 def test_a_head_loading_a_xet_backed_repo_says_how_far_its_download_has_come(tmp_path: Path,
                                                                               model_dir: Path) -> None:
     """hf_xet fetches a Xet-backed repo's shard with a client of its own, past the hook that counts a body's bytes:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_standin import COMMIT, HubStandIn
+from hub_standin import COMMIT, HubStandIn, needs_hf_xet
 from tc.model_source import ModelSource, ModelSourceError
 from tiny_model import write_tiny_model
 
@@ -238,6 +238,7 @@ def test_a_repo_without_the_safetensors_tc_needs_says_what_is_wrong(tmp_path, mo
     assert says in str(info.value), str(info.value)
 
 
+@needs_hf_xet
 def test_a_xet_backed_shard_comes_whole_and_tells_its_bytes(tmp_path, model_dir, hub_env, monkeypatch):
     """Nearly every model repo on the Hub is Xet-backed: hf_xet fetches its files with a client of its own, past the
     hook that counts a body's bytes over HTTP. The head's API must still hear each shard's bytes up to its size."""
@@ -261,6 +262,7 @@ def test_a_xet_backed_shard_comes_whole_and_tells_its_bytes(tmp_path, model_dir,
         assert (root / shard).read_bytes() == (model_dir / shard).read_bytes()
 
 
+@needs_hf_xet
 def test_a_xet_download_trickling_below_the_stall_rule_says_how_far_it_came_then_stops(tmp_path, model_dir):
     """hf_xet's client ends on no read timeout while a byte comes now and then, and on no exception of tc's: a Xet
     download that all but stalls must still log its progress, then end with the line that names the file and the
