@@ -444,8 +444,10 @@ def tc_single(mode: str, args: argparse.Namespace) -> Measured:
 
 
 def timed_completion(cluster: Cluster, model: str, prompt: list[int], max_tokens: int) -> float:
-    """Seconds for one whole (not streamed) completion of exactly `max_tokens` tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    """Seconds for one whole (not streamed) completion of exactly `max_tokens` tokens, its whole prompt read: the
+    same prompt again would otherwise start from the last run's kept cache and read one position."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": False}
     started = time.perf_counter()
     status, reply = cluster.post("/v1/completions", body)
     elapsed = time.perf_counter() - started
@@ -453,6 +455,8 @@ def timed_completion(cluster: Cluster, model: str, prompt: list[int], max_tokens
         raise BenchError(f"the head answered {status}: {reply}")
     if reply["usage"]["completion_tokens"] != max_tokens:
         raise BenchError(f"asked for {max_tokens} tokens, got {reply['usage']['completion_tokens']}")
+    if "prompt_tokens_details" in reply["usage"]:
+        raise BenchError(f"part of the prompt was not read: {reply['usage']['prompt_tokens_details']}")
     return elapsed
 
 
