@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tc.model import native, quant
 from tc.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantized_nbytes
@@ -306,10 +307,32 @@ def test_layouts_keep_every_code_and_take_the_same_bytes():
         byte = int(tiled[row // 8, col // 8, row % 8, col % 4])
         assert (byte >> 4 if col % 8 >= 4 else byte & 0x0F) == int(codes[row, col])
     assert torch.equal(scales[1, 2], q4.scales[8:16, 2])
+    tiled8 = native.tile_int8(quantize_int8(w).qweight.clone()).view(3, 256 // 4, 8, 4)  # (tile, block, row, byte)
+    for row, col in ((0, 0), (5, 4), (9, 130), (23, 255)):
+        assert int(tiled8[row // 8, col // 4, row % 8, col % 4]) == int(quantize_int8(w).qweight[row, col])
+
+
+@needs_kernels
+def test_rows_laid_back_out_are_the_reference_weights_bit_for_bit():
+    """The dense prefill's weights: int4 rows dequantized exactly as quant.dequantize_int4 then converted to bf16
+    (even where (code - 8) * scale + zero lands between two bf16 values), int8 rows their codes."""
+    w = weights(48, 256, 3)
+    w[5, :64] *= 1000.0  # a group far from the others, whose zero point and scale differ in magnitude
+    for group in (32, 64, 128):
+        q4 = quantize_int4(w, group)
+        ref = quant.dequantize_int4(q4).to(torch.bfloat16)
+        packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
+        assert torch.equal(KERNELS.int4_rows(packed, scales, zeros, group, 0, 48), ref)
+        out = torch.full((16, 256), float("nan"), dtype=torch.bfloat16)
+        assert KERNELS.int4_rows(packed, scales, zeros, group, 16, 32, out) is out and torch.equal(out, ref[16:32])
     q8 = quantize_int8(w)
     tiled8 = native.tile_int8(q8.qweight.clone())
-    assert torch.equal(native.untile_int8(tiled8, 0, 24), q8.qweight)
-    assert torch.equal(native.untile_int8(tiled8, 8, 16), q8.qweight[8:16])
+    assert torch.equal(KERNELS.int8_rows(tiled8, 0, 48), q8.qweight.to(torch.bfloat16))
+    assert torch.equal(KERNELS.int8_rows(tiled8, 40, 48), q8.qweight[40:48].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        KERNELS.int8_rows(tiled8, 0, 20)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        KERNELS.int8_rows(tiled8, 0, 16, torch.empty(16, 256))
 
 
 def test_tiling_works_in_place_a_slab_at_a_time(monkeypatch):
@@ -361,18 +384,50 @@ def test_a_widened_int8_product_is_the_bf16_one_in_float32(rows):
             assert torch.equal(layer.widened(batch), layer(batch).float())
 
 
+def native_int4_layer(lin: torch.nn.Linear, dense_prefill: bool) -> Int4Linear:
+    return Int4Linear(quantize_int4(lin.weight.detach(), 64), lin.bias, compute_dtype=torch.bfloat16,
+                      dense_prefill=dense_prefill)
+
+
 @needs_kernels
-def test_int8_prefill_rows_take_the_path_the_probe_chose():
-    lin = torch.nn.Linear(256, 64, bias=False).bfloat16()
-    dense = Int8Linear.from_linear(lin, dense_prefill=True)
-    natively = Int8Linear.from_linear(lin, dense_prefill=False)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_prefill_rows_take_the_path_the_probe_chose(mode, monkeypatch):
+    """From NATIVE_DENSE_MIN_ROWS rows, a layer the probe sent dense multiplies its weights laid back out in bf16:
+    F.linear's bits against them (int8: then the row scales); fewer rows, or the other choice, stay native."""
+    lin = torch.nn.Linear(256, 64, bias=True).bfloat16()
+    bias = lin.bias.detach()
+    if mode == "int8":
+        dense, natively = (Int8Linear.from_linear(lin, dense_prefill=d) for d in (True, False))
+        q8 = quantize_int8(lin.weight.detach())
+        reference = lambda x: F.linear(x, q8.qweight.to(x.dtype)) * q8.scale.to(x.dtype) + bias  # noqa: E731
+    else:
+        dense, natively = native_int4_layer(lin, True), native_int4_layer(lin, False)
+        w = quant.dequantize_int4(quantize_int4(lin.weight.detach(), 64)).to(torch.bfloat16)
+        reference = lambda x: F.linear(x, w) + bias  # noqa: E731
     if dense.path != "native":
-        pytest.skip("PyTorch's int8 kernel is as fast here")
-    x = torch.randn(quant.PREFILL_MIN_ROWS, 256).bfloat16()
+        pytest.skip(f"PyTorch's {mode} kernel is as fast here")
     assert dense.dense_prefill_dtype == torch.bfloat16 and natively.dense_prefill_dtype is None
-    ref = x.float() @ quant.dequantize_int8(quantize_int8(lin.weight.detach())).T
-    assert relative(dense(x), ref) < 1e-2 and relative(natively(x), ref) < 2e-2
-    assert not torch.equal(dense(x), natively(x))  # two different paths, both right
+    x = torch.randn(quant.NATIVE_DENSE_MIN_ROWS, 256).bfloat16()
+    assert torch.equal(dense(x), reference(x)) and torch.equal(dense(x[None]), reference(x)[None])
+    assert not torch.equal(natively(x), reference(x))  # activations quantized to int8: near it, not it
+    assert relative(natively(x), reference(x)) < 2e-2
+    fewer = x[:quant.NATIVE_DENSE_MIN_ROWS - 1]
+    assert torch.equal(dense(fewer), natively(fewer))
+    monkeypatch.setattr(quant, "_NATIVE_DENSE_SLAB_BYTES", 256 * 2 * 24)  # slabs of 24 rows, the last one partial
+    assert relative(dense(x), reference(x)) < 1e-2  # smaller products may sum in another order: near, maybe not it
+
+
+@needs_kernels
+def test_an_int4_layer_in_a_prefill_sized_decode_plan_call_keeps_to_the_native_product():
+    """A decode plan calls the native product directly (native_calls): it must never be handed the rows the layer
+    would have multiplied densely."""
+    lin = torch.nn.Linear(256, 64, bias=False).bfloat16()
+    dense = native_int4_layer(lin, True)
+    if dense.path != "native":
+        pytest.skip("PyTorch's int4 kernel is as fast here")
+    few, many = torch.randn(8, 256).bfloat16(), torch.randn(quant.NATIVE_DENSE_MIN_ROWS, 256).bfloat16()
+    assert dense.native_calls(few, torch.empty(8, 64, dtype=torch.bfloat16)) is not None
+    assert dense.native_calls(many, torch.empty(len(many), 64, dtype=torch.bfloat16)) is None
 
 
 # what this run was told is not the child's: each test says where its kernels are kept and whether they are on

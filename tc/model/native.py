@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 10  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 11  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
@@ -149,6 +149,12 @@ class Kernels:
         self._add_rows = lib.tc_add_rows
         self._add_rows.argtypes = [_VOID_P, _VOID_P, _INT, _INT, _INT]
         self._add_rows.restype = None
+        self._int4_dequantize = lib.tc_int4_dequantize
+        self._int4_dequantize.argtypes = [_VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT, _VOID_P, _INT]
+        self._int4_dequantize.restype = None
+        self._int8_dequantize = lib.tc_int8_dequantize
+        self._int8_dequantize.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _INT]
+        self._int8_dequantize.restype = None
         self._bf16 = lib.tc_bf16_linear
         self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT, _INT]
         self._bf16.restype = None
@@ -305,6 +311,25 @@ class Kernels:
             raise _no_memory_for_codes(m, k)
         return y
 
+    def int4_rows(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, r0: int,
+                  r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [r0, r1) (multiples of 8) of a tiled int4 weight, dequantized to plain bfloat16 [r1 - r0,
+        K] (into `out`, contiguous, where given): quant.dequantize_int4's values converted to bfloat16, bit for bit."""
+        k = packed.shape[1] * 8
+        out = _rows_out(r0, r1, k, out)
+        self._int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), k, group_size,
+                              r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def int8_rows(self, qweight: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [r0, r1) (multiples of 8) of a tiled int8 weight as plain codes [r1 - r0, K] in bfloat16
+        (into `out`, contiguous, where given; exact: |code| <= 127)."""
+        k = qweight.shape[1] * 4
+        out = _rows_out(r0, r1, k, out)
+        self._int8_dequantize(qweight.data_ptr(), k, r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(),
+                              torch.get_num_threads())
+        return out
+
     def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
                          slots: Sequence[torch.Tensor], positions: Sequence[int], heads: int, kv_heads: int,
                          scale: float, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -426,6 +451,17 @@ def _activations(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
 # ------------------------------------------------------------------------------------------------ layouts
 
 
+def _rows_out(r0: int, r1: int, k: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Where Kernels.int4_rows and int8_rows write rows [r0, r1) of K columns: `out`, checked, or a new tensor."""
+    if r0 % TILE_ROWS or r1 % TILE_ROWS or not 0 <= r0 < r1:  # the kernels write whole tiles
+        raise ValueError(f"rows [{r0}, {r1}): both must be multiples of {TILE_ROWS}, the first below the last")
+    if out is None:
+        return torch.empty(r1 - r0, k, dtype=torch.bfloat16)
+    if out.shape != (r1 - r0, k) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bfloat16 [{r1 - r0}, {k}], not {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def tile_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Portable int4 buffers (quant.Int4Weight: packed [N, K/2], scales and zeros [N, groups]) -> the tiled layout.
@@ -460,13 +496,6 @@ def tile_int8(qweight: torch.Tensor) -> torch.Tensor:
         n = slab.shape[0]
         slab.view(-1).copy_(slab.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(-1))
     return qweight.view(rows // TILE_ROWS, k // 4, TILE_ROWS, 4)
-
-
-def untile_int8(tiled: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) (multiples of 8, or the end) of a tiled int8 weight as plain [r1 - r0, K] codes (a copy)."""
-    t0, t1 = r0 // TILE_ROWS, -(-r1 // TILE_ROWS)
-    part = tiled[t0:t1]  # [tiles, K/4, 8, 4]
-    return part.permute(0, 2, 1, 3).reshape((t1 - t0) * TILE_ROWS, -1)
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -27,7 +27,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 10
+#define TC_QDOT_ABI 11
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -437,3 +437,52 @@ int tc_int8_linear(const void* x, int x_bf16, int M, int K, const int8_t* qweigh
     PRODUCT(INT8_CALL, (void)0, INT8_STREAMS)
 }
 
+
+/* Weights laid back out as plain bfloat16 rows, for prefill-sized products: there the codes-by-codes products above
+   cost compute for every activation row, while a CPU with bfloat16 matrix units (AMX) multiplies converted weights
+   several times faster, so converting a slab of rows and multiplying it densely wins (quant.py's dense prefill,
+   chosen by a probe at load). Both take rows [8 t0, 8 t1) (whole tiles) into out [8 (t1 - t0), K]. */
+
+/* int4: (code - 8) * scale + zero, to the nearest bf16: quant.dequantize_int4's float32 value converted by torch,
+   bit for bit, since (code - 8) * scale (a 4-bit integer times a bf16) is exact in float32, fused or not. */
+void tc_int4_dequantize(const uint8_t* packed, const uint16_t* scales, const uint16_t* zeros, int K, int group,
+                        int t0, int t1, uint16_t* out, int nthreads) {
+    const int KB = K / 8, G = K / group, per_group = group / 8;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = t0; t < t1; t++) {
+        for (int r = 0; r < 8; r++) {
+            uint16_t* row = out + ((size_t)(t - t0) * 8 + r) * K;
+            for (int g = 0; g < G; g++) {
+                const size_t param = ((size_t)t * G + g) * 8 + r;
+                const __m256 s = _mm256_set1_ps(scalar_f32(scales[param]));
+                const __m256 z = _mm256_set1_ps(scalar_f32(zeros[param]));
+                for (int kb = g * per_group; kb < (g + 1) * per_group; kb++) {
+                    uint32_t b; /* columns 8kb+0..3 in the low nibbles, 8kb+4..7 in the high ones */
+                    memcpy(&b, packed + (((size_t)t * KB + kb) * 8 + r) * 4, 4);
+                    const uint64_t codes = (uint64_t)(b & 0x0F0F0F0Fu) | ((uint64_t)((b >> 4) & 0x0F0F0F0Fu) << 32);
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes)));
+                    const __m256 signed_codes = _mm256_sub_ps(v, _mm256_set1_ps(8.f));
+                    bf16x8_store(row + (size_t)kb * 8, _mm256_add_ps(_mm256_mul_ps(signed_codes, s), z));
+                }
+            }
+        }
+    }
+}
+
+/* int8: the codes themselves, exact in bf16 (|code| <= 127); the row scales are applied after the product. */
+void tc_int8_dequantize(const int8_t* qweight, int K, int t0, int t1, uint16_t* out, int nthreads) {
+    const int K4 = K / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = t0; t < t1; t++) {
+        for (int r = 0; r < 8; r++) {
+            uint16_t* row = out + ((size_t)(t - t0) * 8 + r) * K;
+            for (int kb = 0; kb < K4; kb += 2) { /* columns 4kb..4kb+7: two 4-byte groups, 32 bytes apart */
+                uint32_t lo, hi;
+                memcpy(&lo, qweight + (((size_t)t * K4 + kb) * 8 + r) * 4, 4);
+                memcpy(&hi, qweight + (((size_t)t * K4 + kb + 1) * 8 + r) * 4, 4);
+                const __m128i codes = _mm_cvtsi64_si128((long long)((uint64_t)lo | ((uint64_t)hi << 32)));
+                bf16x8_store(row + (size_t)kb * 4, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+            }
+        }
+    }
+}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -71,9 +72,16 @@ _INT8_KERNEL_MULTIPLES_OTHER = (32, 32)
 PREFILL_MIN_ROWS = 64  # activation rows from which an int8 product may take the portable path (see Int8Linear)
 DENSE_PREFILL_PROBE_ROWS = 128  # ... if the probe finds it DENSE_PREFILL_MIN_GAIN times faster for this many
 DENSE_PREFILL_MIN_GAIN = 1.25
+# tc's native products go dense from the rows the probe times: below, the conversion outweighs the gain (int4
+# [9728, 896] at 64 rows: 2.7 ms dense against 2.1 native, at 256: 3.8 against 8.5, on a Sapphire Rapids VM)
+NATIVE_DENSE_MIN_ROWS = DENSE_PREFILL_PROBE_ROWS
 _ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
 _CHUNK_ELEMENTS = 1 << 20  # quantize this many weights at a time: float temporaries of 4 MiB (faster than 16)
 _INT8_DENSE_SLAB_ROWS = 4096  # rows of int8 codes converted at a time by the portable path
+# bf16 weight bytes the native dense prefill converts at a time: a whole matrix of a model the demo's size, so each
+# product is one large GEMM (per-slab products of a few hundred rows ran at half the rate); slabs on larger models,
+# whose scratch stays this size (_dense_scratch)
+_NATIVE_DENSE_SLAB_BYTES = 32 << 20
 
 
 class QuantizationError(ValueError):
@@ -367,21 +375,52 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
     return deq.view(out, w.padded_in_features)[:, :cols].to(dtype)
 
 
-def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                rows_of: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(x2 [M, in] @ qweight.T) * scale in x2's dtype, converting the codes _INT8_DENSE_SLAB_ROWS rows at a time, so
     the converted copy stays small whatever the matrix (an lm_head's would be hundreds of MB). Rows are
-    independent, so slabs give the same bits as the whole. rows_of(qweight, r0, r1) gives rows [r0, r1) as plain
-    [rows, in] codes where qweight is in another layout (native.untile_int8)."""
+    independent, so slabs give the same bits as the whole."""
     rows, dtype = scale.shape[0], x2.dtype
-    if rows_of is None:
-        rows_of = lambda w, r0, r1: w[r0:r1]  # noqa: E731
     if rows <= _INT8_DENSE_SLAB_ROWS:
-        return F.linear(x2, rows_of(qweight, 0, rows).to(dtype)) * scale.to(dtype)
+        return F.linear(x2, qweight.to(dtype)) * scale.to(dtype)
     y = x2.new_empty(x2.shape[0], rows)  # [M, out]
     for r0 in range(0, rows, _INT8_DENSE_SLAB_ROWS):
         r1 = min(rows, r0 + _INT8_DENSE_SLAB_ROWS)
-        torch.mul(F.linear(x2, rows_of(qweight, r0, r1).to(dtype)), scale[r0:r1].to(dtype), out=y[:, r0:r1])
+        torch.mul(F.linear(x2, qweight[r0:r1].to(dtype)), scale[r0:r1].to(dtype), out=y[:, r0:r1])
+    return y
+
+
+_scratch = threading.local()  # each thread's bf16 buffer for the native dense prefill's converted rows
+
+
+def _dense_scratch(numel: int) -> torch.Tensor:
+    """A bfloat16 buffer of at least `numel` values, kept by this thread for the next product: a fresh one of tens
+    of MB each time would cost its page faults, about four times the conversion itself."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch.buffer = torch.empty(numel, dtype=torch.bfloat16)
+    return buffer[:numel]
+
+
+def _native_dense(x2: torch.Tensor, rows: int, rows_into: Callable[[int, int, torch.Tensor], torch.Tensor],
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] @ W.T (times `scale` per output row, where given) in x2's dtype, for a weight of `rows` rows in the
+    native kernels' tiled layout, of which rows_into(r0, r1, out) writes rows [r0, r1) into out [r1 - r0, K] as
+    bfloat16 (native.Kernels.int4_rows, int8_rows): converted into this thread's scratch, _NATIVE_DENSE_SLAB_BYTES
+    at a time, and multiplied densely. Rows are independent, so slabs give the same bits as the whole."""
+    k, dtype = x2.shape[1], x2.dtype
+    slab = max(native.TILE_ROWS, _NATIVE_DENSE_SLAB_BYTES // (2 * k) // native.TILE_ROWS * native.TILE_ROWS)
+    buffer = _dense_scratch(min(rows, slab) * k)
+    if rows <= slab:
+        y = F.linear(x2, rows_into(0, rows, buffer.view(rows, k)).to(dtype))
+        return y if scale is None else y * scale.to(dtype)
+    y = x2.new_empty(x2.shape[0], rows)
+    for r0 in range(0, rows, slab):
+        r1 = min(rows, r0 + slab)
+        part = F.linear(x2, rows_into(r0, r1, buffer[:(r1 - r0) * k].view(r1 - r0, k)).to(dtype))
+        if scale is None:
+            y[:, r0:r1] = part
+        else:
+            torch.mul(part, scale[r0:r1].to(dtype), out=y[:, r0:r1])
     return y
 
 
@@ -476,12 +515,13 @@ def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype, p
     if path == "native":
         kernels, tiled = native.kernels(), native.tile_int8(qweight)
         product = lambda: kernels.int8_linear(x, tiled, scale)  # noqa: E731
-        dense = lambda: _int8_dense(x, tiled, scale, native.untile_int8)  # noqa: E731
+        dense = lambda: _native_dense(x, rows, functools.partial(kernels.int8_rows, tiled), scale)  # noqa: E731
     else:
         product = lambda: _int8_kernel(x, qweight, scale)  # noqa: E731
         dense = lambda: F.linear(x, qweight.to(dtype)) * scale.to(dtype)  # noqa: E731
     with one_thread():  # see probe.py: steady timings on a shared machine
         product_s, dense_s = race([product, dense], 5)
+    _scratch.buffer = None  # a product's size, not the probe's, is what a prefill keeps
     faster = product_s >= DENSE_PREFILL_MIN_GAIN * dense_s
     log.info("int8 [%d, %d] x %d rows of %s: %s %.0f us, codes converted + dense product %.0f us: %s", rows,
              in_features, DENSE_PREFILL_PROBE_ROWS, dtype, path, product_s * 1e6, dense_s * 1e6,
@@ -508,6 +548,41 @@ def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: tor
     elif not int8_kernel_available("cpu") or not int8_kernel_shape_ok(out_features, in_features, "cpu"):
         return False
     return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype, path)
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_dense_prefill_probe(rows: int, padded_in: int, group_size: int, dtype: torch.dtype) -> bool:
+    """The timing behind int4_dense_prefill_is_faster: tc's native product against its dense way."""
+    # codes and parameters drawn as they are, no float weight made: a worker's loading peaks at its weights and one
+    # layer (tests/test_load_memory.py)
+    gen = torch.Generator().manual_seed(0)
+    groups = padded_in // group_size
+    packed, scales, zeros = native.tile_int4(
+        torch.randint(0, 256, (rows, padded_in // 2), dtype=torch.uint8, generator=gen),
+        (torch.rand(rows, groups, generator=gen) / 8).to(_KERNEL_DTYPE), torch.zeros(rows, groups, dtype=_KERNEL_DTYPE))
+    kernels = native.kernels()
+    x = torch.randn(DENSE_PREFILL_PROBE_ROWS, padded_in, generator=gen).to(dtype)
+    product = lambda: kernels.int4_linear(x, packed, scales, zeros, group_size)  # noqa: E731
+    rows_into = functools.partial(kernels.int4_rows, packed, scales, zeros, group_size)
+    dense = lambda: _native_dense(x, rows, rows_into)  # noqa: E731
+    with one_thread():  # see probe.py: steady timings on a shared machine
+        product_s, dense_s = race([product, dense], 5)
+    _scratch.buffer = None  # a product's size, not the probe's, is what a prefill keeps
+    faster = product_s >= DENSE_PREFILL_MIN_GAIN * dense_s
+    log.info("int4 [%d, %d] x %d rows of %s: native %.0f us, dequantized + dense product %.0f us: %s", rows,
+             padded_in, DENSE_PREFILL_PROBE_ROWS, dtype, product_s * 1e6, dense_s * 1e6,
+             "dense" if faster else "native")
+    return faster
+
+
+def int4_dense_prefill_is_faster(out_features: int, padded_in: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether, on this CPU, NATIVE_DENSE_MIN_ROWS or more rows of `dtype` activations times a tiled int4 [out,
+    padded_in] weight run faster dequantized to bfloat16 and multiplied densely than through tc's native product, as
+    int8_dense_prefill_is_faster decides for int8 (the same probe rows, margin and reasons). A CPU with bfloat16
+    matrix units gains most: 4x at 256 rows of the demo's MLP on a Sapphire Rapids VM with AMX."""
+    if native.kernels() is None or not native.shape_ok_int4(out_features, padded_in, group_size):
+        return False
+    return _int4_dense_prefill_probe(min(out_features, PROBE_ROWS), padded_in, group_size, dtype)
 
 
 def synchronize(device: torch.device) -> None:
@@ -847,10 +922,10 @@ class Int8Linear(_QuantLinear):
             return self._native.int8_product(x, qweight, scale, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.path == "native":
-            if x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype:
+            if x2.shape[0] < NATIVE_DENSE_MIN_ROWS or x.dtype != self.dense_prefill_dtype:
                 y = self._native.int8_linear(x2, qweight, scale)
             else:
-                y = _int8_dense(x2, qweight, scale, native.untile_int8)
+                y = _native_dense(x2, scale.shape[0], functools.partial(self._native.int8_rows, qweight), scale)
         elif self.uses_kernel and (x2.shape[0] < PREFILL_MIN_ROWS or x.dtype != self.dense_prefill_dtype):
             y = _int8_kernel(x2, qweight, scale, self._kernel_dtype)
         elif x.dtype == torch.float16:
@@ -899,11 +974,16 @@ class Int4Linear(_QuantLinear):
     needed padding, so the padding columns contribute nothing.
     """
 
+    dense_prefill_dtype: torch.dtype | None = None  # prefill-sized products in this dtype take the dense way
+
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
-                 pack_in_place: bool = False, compute_dtype: torch.dtype | None = None):
+                 pack_in_place: bool = False, compute_dtype: torch.dtype | None = None,
+                 dense_prefill: bool | None = None):
         """pack_in_place: the caller gives `weight` up (made for this module alone), so on a CPU the kernel layout
         is written over its codes instead of beside them (_Int4Kernel.pack); `weight` must not be read after.
         compute_dtype: the dtype of the activations, where known: float32 ones are not quantized (native_allowed).
+        dense_prefill: on the native path, whether prefill-sized products in compute_dtype take the dense way (None:
+        where int4_dense_prefill_is_faster finds it faster).
         Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -917,7 +997,7 @@ class Int4Linear(_QuantLinear):
         if (use_kernel is None and params_ok
                 and native.shape_ok_int4(self.out_features, self.padded_in_features, self.group_size)
                 and native_by_default("int4", device_type, compute_dtype)):
-            self._init_native(weight, bias, pack_in_place)
+            self._init_native(weight, bias, pack_in_place, compute_dtype, dense_prefill)
             return
         shape_ok = _int4_kernel_shape_ok(self.out_features, self.padded_in_features, self.group_size)
         kernel = int4_kernel_available(str(weight.packed.device)) if shape_ok and params_ok else None
@@ -955,12 +1035,19 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zeros", weight.zeros)
         self._init_bias(bias)
 
-    def _init_native(self, weight: Int4Weight, bias: torch.Tensor | None, in_place: bool) -> None:
-        """Buffers in the native kernels' tiled layout (native.tile_int4), over the codes where `in_place`."""
+    def _init_native(self, weight: Int4Weight, bias: torch.Tensor | None, in_place: bool,
+                     compute_dtype: torch.dtype | None, dense: bool | None) -> None:
+        """Buffers in the native kernels' tiled layout (native.tile_int4), over the codes where `in_place`;
+        prefill-sized products in the compute dtype may dequantize them and multiply densely instead, where a probe
+        finds that faster (int4_dense_prefill_is_faster)."""
         self.path, self.uses_kernel = "native", False
         self._kernel_device_type = "cpu"
         self._native = native.kernels()
         native.one_row_prefetch("int4")  # once per process: whether one row prefetches its weights here
+        if dense is None:
+            dense = compute_dtype is not None and int4_dense_prefill_is_faster(
+                self.out_features, self.padded_in_features, self.group_size, compute_dtype)
+        self.dense_prefill_dtype = compute_dtype if dense else None
         packed = weight.packed if in_place else weight.packed.clone()
         packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
         self.register_buffer("packed", packed)
@@ -983,7 +1070,10 @@ class Int4Linear(_QuantLinear):
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]; weights there: any
-        if self.path == "native":
+        if self.path == "native" and x2.shape[0] >= NATIVE_DENSE_MIN_ROWS and x.dtype == self.dense_prefill_dtype:
+            y = _native_dense(x2, self.out_features, functools.partial(
+                self._native.int4_rows, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size))
+        elif self.path == "native":
             y = self._native.int4_linear(x2, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size)
         elif self.uses_kernel:
             y = self._kernel.mm(x2, buffers["packed"], self.group_size, buffers["scales_and_zeros"])
@@ -1001,9 +1091,11 @@ class Int4Linear(_QuantLinear):
                 + _bias_calls(y, buffers["bias"]))
 
     def _unpadded_rows(self, x: torch.Tensor) -> bool:
-        """Whether x is bf16 rows that need no padding, which the native product takes in the fewest operations."""
+        """Whether x is bf16 rows that need no padding, which the native product takes in the fewest operations
+        (but for rows that the dense way takes: forward's first branch)."""
         return (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.padded_in_features
-                and self.padded_in_features == self.in_features and x.is_contiguous())
+                and self.padded_in_features == self.in_features and x.is_contiguous()
+                and (self.dense_prefill_dtype is None or x.numel() < NATIVE_DENSE_MIN_ROWS * self.in_features))
 
 
 @dataclass(frozen=True)
