@@ -397,7 +397,9 @@ def _dense_scratch(numel: int) -> torch.Tensor:
     of MB each time would cost its page faults, about four times the conversion itself."""
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < numel:
-        buffer = _scratch.buffer = torch.empty(numel, dtype=torch.bfloat16)
+        # a normal tensor even when made under inference_mode (a model's forward), as dense.float_linear's
+        with torch.inference_mode(False):
+            buffer = _scratch.buffer = torch.empty(numel, dtype=torch.bfloat16)
     return buffer[:numel]
 
 
