@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 # next to this file: the .c files make one library
 SOURCES = ("qdot.c", "attention.c", "norm.c", "bf16dot.c", "act.c", "bf16.h")
-ABI = 11  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
+ABI = 12  # qdot.c's TC_QDOT_ABI: a cached library of another ABI is rebuilt
 ATTENTION_ABI = 3  # attention.c's TC_ATTENTION_ABI
 NORM_ABI = 1  # norm.c's TC_NORM_ABI
 BF16DOT_ABI = 7  # bf16dot.c's TC_BF16DOT_ABI
@@ -155,6 +155,9 @@ class Kernels:
         self._int8_dequantize = lib.tc_int8_dequantize
         self._int8_dequantize.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _INT]
         self._int8_dequantize.restype = None
+        self._quantize_activations = lib.tc_quantize_activations
+        self._quantize_activations.argtypes = [_VOID_P, _INT, _INT, _INT, _VOID_P, _INT]
+        self._quantize_activations.restype = None
         self._bf16 = lib.tc_bf16_linear
         self._bf16.argtypes = [_VOID_P, _INT, _INT, _VOID_P, _INT, _VOID_P, _VOID_P, _INT, _INT, _INT, _INT, _INT]
         self._bf16.restype = None
@@ -328,6 +331,15 @@ class Kernels:
         out = _rows_out(r0, r1, k, out)
         self._int8_dequantize(qweight.data_ptr(), k, r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(),
                               torch.get_num_threads())
+        return out
+
+    def quantized_activations(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] (K a multiple of ACTIVATION_GROUP) as the products see it, in bfloat16: quantize_activations'
+        values converted to bfloat16, bit for bit. What a prompt's rows multiplied densely are multiplied as."""
+        x2, bf16 = _activations(x2)
+        m, k = x2.shape
+        out = torch.empty(m, k, dtype=torch.bfloat16)
+        self._quantize_activations(x2.data_ptr(), bf16, m, k, out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_attention(self, qkv: torch.Tensor, out: torch.Tensor, rows: Sequence[int],
@@ -506,7 +518,9 @@ def quantize_activations(x2: torch.Tensor, group: int = ACTIVATION_GROUP) -> tor
     x = x2.float()
     g = x.view(x.shape[0], -1, group)  # [M, groups, group]
     amax = g.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # as qdot.c computes it, in float32
+    # as qdot.c computes it: 127 / amax in one float32 division (Python's 127 / tensor is 127 * (1 / tensor), two
+    # roundings, which now and then moved a code by one where x * inverse came near a half)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     return (torch.round(g * inverse) * (amax / 127)).view_as(x)
 
 

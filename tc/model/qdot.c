@@ -27,7 +27,7 @@
 #error "these kernels need AVX2 and FMA"
 #endif
 
-#define TC_QDOT_ABI 11
+#define TC_QDOT_ABI 12
 #if defined(__AVX512VL__)
 #define MR 8 /* activation rows per pass over a tile: 32 vector registers hold their accumulators */
 #else
@@ -482,6 +482,35 @@ void tc_int8_dequantize(const int8_t* qweight, int K, int t0, int t1, uint16_t* 
                 memcpy(&hi, qweight + (((size_t)t * K4 + kb + 1) * 8 + r) * 4, 4);
                 const __m128i codes = _mm_cvtsi64_si128((long long)((uint64_t)lo | ((uint64_t)hi << 32)));
                 bf16x8_store(row + (size_t)kb * 4, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+            }
+        }
+    }
+}
+
+/* x [M, K] (float32, or bfloat16 where x_bf16) as the products above see it, for the rows a prompt multiplies
+   densely: quantized per row and XGROUP columns by quantize_row, and back (code * scale in float32), rounded to
+   bf16, which is native.quantize_activations' value converted by torch. With it the dense way differs from the
+   codes-by-codes products only in roundings of the last bits, so a decode row computed beside a prompt's chunk
+   comes out as it would alone, up to those bits. */
+void tc_quantize_activations(const void* x, int x_bf16, int M, int K, uint16_t* out, int nthreads) {
+    const int B = K / XGROUP;
+    const size_t element = x_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(nthreads) if (M >= 16)
+    {
+        int8_t xq[K]; /* one row's codes on this thread's stack: K bytes, and 8 per XGROUP columns */
+        float xs[B];
+        int32_t xqsum[B];
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            quantize_row((const char*)x + (size_t)m * K * element, x_bf16, 0, K, xq, xs, xqsum);
+            uint16_t* row = out + (size_t)m * K;
+            for (int b = 0; b < B; b++) {
+                const __m256 scale = _mm256_set1_ps(xs[b]);
+                for (int i = 0; i < XGROUP; i += 8) {
+                    const __m128i codes = _mm_loadl_epi64((const __m128i*)(xq + b * XGROUP + i));
+                    bf16x8_store(row + b * XGROUP + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+                                                                      scale));
+                }
             }
         }
     }

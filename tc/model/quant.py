@@ -408,8 +408,14 @@ def _native_dense(x2: torch.Tensor, rows: int, rows_into: Callable[[int, int, to
     """x2 [M, K] @ W.T (times `scale` per output row, where given) in x2's dtype, for a weight of `rows` rows in the
     native kernels' tiled layout, of which rows_into(r0, r1, out) writes rows [r0, r1) into out [r1 - r0, K] as
     bfloat16 (native.Kernels.int4_rows, int8_rows): converted into this thread's scratch, _NATIVE_DENSE_SLAB_BYTES
-    at a time, and multiplied densely. Rows are independent, so slabs give the same bits as the whole."""
+    at a time, and multiplied densely. Rows are independent, so slabs give the same bits as the whole.
+
+    x2 is multiplied as the native products see it, quantized to int8 per row and 32 columns and back
+    (Kernels.quantized_activations): a batch's rows all go one way, and a decode row beside a prompt's chunk must
+    come out as it would alone, through the native product, up to the last bits (unquantized, it moved a row of
+    an int4 stage by 3% of its largest value)."""
     k, dtype = x2.shape[1], x2.dtype
+    x2 = native.kernels().quantized_activations(x2).to(dtype)
     slab = max(native.TILE_ROWS, _NATIVE_DENSE_SLAB_BYTES // (2 * k) // native.TILE_ROWS * native.TILE_ROWS)
     buffer = _dense_scratch(min(rows, slab) * k)
     if rows <= slab:
