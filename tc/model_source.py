@@ -305,6 +305,10 @@ def _xet_watched_bar(base: type) -> type:
 
     class XetWatchedBar(base):
         watch: _Watch
+        # tqdm starts a monitor thread for a bar class that has none and never ends it: with a class for each
+        # download, that was a thread (holding the download's watch) for every file fetched. It only refreshes
+        # bars that print, which these need not.
+        monitor_interval = 0
 
         def __init__(self, *args, **kwargs):
             self.written = self.received = 0  # the file's bytes on disk; the bytes fetched for them

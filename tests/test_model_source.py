@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +288,31 @@ def test_a_xet_download_trickling_below_the_stall_rule_says_how_far_it_came_then
     assert f"download of {shard} of {REPO} stalled" in last and "TC_DOWNLOAD_STALL_S" in last, done.stderr
     size = (model_dir / shard).stat().st_size
     assert f"fetching {shard} of {REPO}: 0.0 of {size / 1e6:.1f} MB" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("xet", [False, pytest.param(True, marks=needs_hf_xet)], ids=["http", "xet"])
+def test_downloads_leave_no_thread_behind(tmp_path, model_dir, hub_env, monkeypatch, xet):
+    """Each download hands huggingface_hub a bar class of its own (naming its watch); tqdm starts a monitor thread
+    for a bar class that has none and never ends it, so a class of each download's own must not start one: a
+    process that fetched a model's files would keep a thread (and the download's watch) for every one of them."""
+    from huggingface_hub.utils import tqdm
+    from tqdm._monitor import TMonitor
+
+    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet"))
+    monkeypatch.setattr(tqdm, "monitor", None)  # as in a process whose bars have not started tqdm's own monitor yet
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = set(weight_map.values())
+
+    def monitors() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if isinstance(t, TMonitor)}
+
+    before = monitors()
+    with HubStandIn({REPO: model_dir}, xet=shards if xet else set()) as hub:
+        hub_env(hub)
+        ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(list(weight_map))
+    assert (hub.fetched_over_xet() == shards) == xet
+    deadline = time.monotonic() + 5  # a Xet download's stall watchdog ends as its bar closes
+    while any(t.name.startswith("stall watchdog") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("stall watchdog")]
+    assert monitors() <= before and not left, (monitors() - before, left)
