@@ -333,6 +333,11 @@ def test_rows_laid_back_out_are_the_reference_weights_bit_for_bit():
         KERNELS.int8_rows(tiled8, 0, 20)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         KERNELS.int8_rows(tiled8, 0, 16, torch.empty(16, 256))
+    # rows past the weight's last would be read past its buffers
+    with pytest.raises(ValueError, match="past the weight's 48 rows"):
+        KERNELS.int8_rows(tiled8, 40, 56)
+    with pytest.raises(ValueError, match="past the weight's 48 rows"):
+        KERNELS.int4_rows(packed, scales, zeros, 128, 0, 56)
 
 
 @needs_kernels

@@ -319,7 +319,7 @@ class Kernels:
         """Rows [r0, r1) (multiples of 8) of a tiled int4 weight, dequantized to plain bfloat16 [r1 - r0,
         K] (into `out`, contiguous, where given): quant.dequantize_int4's values converted to bfloat16, bit for bit."""
         k = packed.shape[1] * 8
-        out = _rows_out(r0, r1, k, out)
+        out = _rows_out(r0, r1, packed.shape[0] * TILE_ROWS, k, out)
         self._int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), k, group_size,
                               r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(), torch.get_num_threads())
         return out
@@ -328,7 +328,7 @@ class Kernels:
         """Rows [r0, r1) (multiples of 8) of a tiled int8 weight as plain codes [r1 - r0, K] in bfloat16
         (into `out`, contiguous, where given; exact: |code| <= 127)."""
         k = qweight.shape[1] * 4
-        out = _rows_out(r0, r1, k, out)
+        out = _rows_out(r0, r1, qweight.shape[0] * TILE_ROWS, k, out)
         self._int8_dequantize(qweight.data_ptr(), k, r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(),
                               torch.get_num_threads())
         return out
@@ -463,10 +463,13 @@ def _activations(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
 # ------------------------------------------------------------------------------------------------ layouts
 
 
-def _rows_out(r0: int, r1: int, k: int, out: torch.Tensor | None) -> torch.Tensor:
-    """Where Kernels.int4_rows and int8_rows write rows [r0, r1) of K columns: `out`, checked, or a new tensor."""
+def _rows_out(r0: int, r1: int, rows: int, k: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Where Kernels.int4_rows and int8_rows write rows [r0, r1) of K columns of a weight of `rows` rows: `out`,
+    checked, or a new tensor."""
     if r0 % TILE_ROWS or r1 % TILE_ROWS or not 0 <= r0 < r1:  # the kernels write whole tiles
         raise ValueError(f"rows [{r0}, {r1}): both must be multiples of {TILE_ROWS}, the first below the last")
+    if r1 > rows:  # the kernels would read past the weight's buffers
+        raise ValueError(f"rows [{r0}, {r1}) run past the weight's {rows} rows")
     if out is None:
         return torch.empty(r1 - r0, k, dtype=torch.bfloat16)
     if out.shape != (r1 - r0, k) or out.dtype != torch.bfloat16 or not out.is_contiguous():
