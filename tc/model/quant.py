@@ -73,7 +73,7 @@ PREFILL_MIN_ROWS = 64  # activation rows from which an int8 product may take the
 DENSE_PREFILL_PROBE_ROWS = 128  # ... if the probe finds it DENSE_PREFILL_MIN_GAIN times faster for this many
 DENSE_PREFILL_MIN_GAIN = 1.25
 # tc's native products go dense from the rows the probe times: below, the conversion outweighs the gain (int4
-# [9728, 896] at 64 rows: 2.7 ms dense against 2.1 native, at 256: 3.8 against 8.5, on a Sapphire Rapids VM)
+# [9728, 896] at 64 rows: 2.7 ms dense against 2.1 native, at 256: 3.9 against 8.0, on a Sapphire Rapids VM)
 NATIVE_DENSE_MIN_ROWS = DENSE_PREFILL_PROBE_ROWS
 _ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
 _CHUNK_ELEMENTS = 1 << 20  # quantize this many weights at a time: float temporaries of 4 MiB (faster than 16)
@@ -587,7 +587,7 @@ def int4_dense_prefill_is_faster(out_features: int, padded_in: int, group_size: 
     """Whether, on this CPU, NATIVE_DENSE_MIN_ROWS or more rows of `dtype` activations times a tiled int4 [out,
     padded_in] weight run faster dequantized to bfloat16 and multiplied densely than through tc's native product, as
     int8_dense_prefill_is_faster decides for int8 (the same probe rows, margin and reasons). A CPU with bfloat16
-    matrix units gains most: 4x at 256 rows of the demo's MLP on a Sapphire Rapids VM with AMX."""
+    matrix units gains most: 2x at 256 rows of the demo's MLP on a Sapphire Rapids VM with AMX."""
     if native.kernels() is None or not native.shape_ok_int4(out_features, padded_in, group_size):
         return False
     return _int4_dense_prefill_probe(min(out_features, PROBE_ROWS), padded_in, group_size, dtype)
