@@ -102,12 +102,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out_features, in_features = weight.shape
     rows = max(1, UPCAST_SLAB_BYTES // (4 * in_features))
     wanted = min(out_features, rows) * in_features
-    buffer = getattr(_upcast, "buffer", None)
-    if buffer is None or buffer.numel() < wanted:
-        # a normal tensor even when made under inference_mode (a model's forward): an inference tensor could not
-        # be written again outside it (a layer's speed probe, under no_grad)
-        with torch.inference_mode(False):
-            buffer = _upcast.buffer = torch.empty(wanted, dtype=torch.float32, device="cpu")
+    buffer = kept_buffer(_upcast, wanted, torch.float32)
     weight, xf = weight.detach(), x.float()  # the kept buffer never joins an autograd graph
     if out_features <= rows:
         weight_f = _converted(buffer, weight)
@@ -118,6 +113,19 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         y[..., start:end] = F.linear(xf, _converted(buffer, weight[start:end]),
                                      None if bias is None else bias[start:end].float())
     return y
+
+
+def kept_buffer(store: threading.local, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`numel` values of `dtype` on the CPU, the start of a buffer that `store` keeps for the calling thread and
+    grows as needed: for products that convert weights each call, where a fresh tensor of tens of MB would cost
+    its page faults every time."""
+    buffer = getattr(store, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        # a normal tensor even when made under inference_mode (a model's forward): an inference tensor could not
+        # be written again outside it (a layer's speed probe, under no_grad)
+        with torch.inference_mode(False):
+            buffer = store.buffer = torch.empty(numel, dtype=dtype, device="cpu")
+    return buffer[:numel]
 
 
 def _converted(buffer: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .dense import PROBE_ROWS, PackedLinear
+from .dense import PROBE_ROWS, PackedLinear, kept_buffer
 from .probe import one_thread, race
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ _CHUNK_ELEMENTS = 1 << 20  # quantize this many weights at a time: float tempora
 _INT8_DENSE_SLAB_ROWS = 4096  # rows of int8 codes converted at a time by the portable path
 # bf16 weight bytes the native dense prefill converts at a time: a whole matrix of a model the demo's size, so each
 # product is one large GEMM (per-slab products of a few hundred rows ran at half the rate); slabs on larger models,
-# whose scratch stays this size (_dense_scratch)
+# whose scratch stays this size (_native_dense)
 _NATIVE_DENSE_SLAB_BYTES = 32 << 20
 
 
@@ -392,17 +392,6 @@ def _int8_dense(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 _scratch = threading.local()  # each thread's bf16 buffer for the native dense prefill's converted rows
 
 
-def _dense_scratch(numel: int) -> torch.Tensor:
-    """A bfloat16 buffer of at least `numel` values, kept by this thread for the next product: a fresh one of tens
-    of MB each time would cost its page faults, about four times the conversion itself."""
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        # a normal tensor even when made under inference_mode (a model's forward), as dense.float_linear's
-        with torch.inference_mode(False):
-            buffer = _scratch.buffer = torch.empty(numel, dtype=torch.bfloat16)
-    return buffer[:numel]
-
-
 def _native_dense(x2: torch.Tensor, rows: int, rows_into: Callable[[int, int, torch.Tensor], torch.Tensor],
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] @ W.T (times `scale` per output row, where given) in x2's dtype, for a weight of `rows` rows in the
@@ -417,7 +406,7 @@ def _native_dense(x2: torch.Tensor, rows: int, rows_into: Callable[[int, int, to
     k, dtype = x2.shape[1], x2.dtype
     x2 = native.kernels().quantized_activations(x2).to(dtype)
     slab = max(native.TILE_ROWS, _NATIVE_DENSE_SLAB_BYTES // (2 * k) // native.TILE_ROWS * native.TILE_ROWS)
-    buffer = _dense_scratch(min(rows, slab) * k)
+    buffer = kept_buffer(_scratch, min(rows, slab) * k, torch.bfloat16)  # fresh, 4x the conversion's time
     if rows <= slab:
         y = F.linear(x2, rows_into(0, rows, buffer.view(rows, k)).to(dtype))
         return y if scale is None else y * scale.to(dtype)
