@@ -7,7 +7,7 @@ if sys.version_info < (3, 10):  # first: installing the packages for this interp
     sys.exit(3)
 
 from tc import version_line
-from tc.deps import missing_message, missing_native_packages, old_torch_message
+from tc.deps import missing_message, missing_native_packages, outdated_message
 
 
 def _asks_version(argv: list[str]) -> bool:
@@ -29,7 +29,7 @@ from tc.openmp import settle_openmp
 settle_openmp(os.environ)  # before torch loads libgomp, which reads it once (tc/openmp.py)
 
 missing = missing_native_packages()
-problem = missing_message(missing) if missing else old_torch_message()
+problem = missing_message(missing) if missing else outdated_message()
 if problem:
     print(f"error: {problem}", file=sys.stderr)
     sys.exit(3)

@@ -9,7 +9,11 @@ import importlib.metadata
 import importlib.util
 import re
 
-OLDEST_TORCH = (2, 4)  # the oldest torch release tc runs on (README)
+# import name -> the oldest release tc runs on (README, pyproject.toml): an older one fails later, far from the cause
+OLDEST_RELEASES = {
+    "torch": (2, 4),
+    "huggingface_hub": (0, 25),  # errors.EntryNotFoundError, which model_source catches, came in 0.25
+}
 
 # import name -> pip requirement (torch pinned loosely: any 2.4+ build for the host's accelerator works)
 NATIVE_PACKAGES = {
@@ -31,16 +35,18 @@ def missing_message(missing: list[str]) -> str:
             f"Python; install with: python -m pip install {reqs}")
 
 
-def old_torch_message() -> str | None:
-    """What to do when the installed torch is older than OLDEST_TORCH, read from its metadata without importing it;
-    None when it is recent enough, or when its version cannot be read (it then gets its chance)."""
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or (int(found[1]), int(found[2])) >= OLDEST_TORCH:
-        return None
-    oldest = ".".join(map(str, OLDEST_TORCH))
-    return (f"tc needs torch {oldest} or newer, and this Python has torch {version}; upgrade with: "
-            f"python -m pip install 'torch>={oldest}'")
+def outdated_message() -> str | None:
+    """What to do when an installed package is older than tc runs on (OLDEST_RELEASES), read from its metadata
+    without importing it; None when all are recent enough. A version that cannot be read gets its chance."""
+    for name, oldest in OLDEST_RELEASES.items():
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found = re.match(r"(\d+)\.(\d+)", version)
+        if found is None or (int(found[1]), int(found[2])) >= oldest:
+            continue
+        floor = ".".join(map(str, oldest))
+        return (f"tc needs {name} {floor} or newer, and this Python has {name} {version}; upgrade with: "
+                f"python -m pip install '{NATIVE_PACKAGES[name]}>={floor}'")
+    return None

@@ -380,20 +380,23 @@ def test_version_shows_on_a_host_without_the_native_packages(pyz, tmp_path):
     assert proc.returncode == 0 and proc.stdout == f"tc {__version__}\n", proc.stderr
 
 
-def test_a_torch_older_than_tc_runs_on_is_one_line_and_exit_3(pyz, tmp_path):
-    """A host whose torch predates the oldest release tc runs on (2.4) is told so, with the pip line, before
-    anything imports it: it failed later, somewhere inside the model code."""
-    argv, env = pyz_command(pyz, tmp_path, without=("torch",))
+@pytest.mark.parametrize("package, installed, floor", [("torch", "2.3.1", "2.4"), ("huggingface_hub", "0.24.7", "0.25")])
+def test_a_package_older_than_tc_runs_on_is_one_line_and_exit_3(pyz, tmp_path, package, installed, floor):
+    """A host whose torch or huggingface_hub predates the oldest release tc runs on is told so, with the pip line,
+    before anything imports it: an old torch failed somewhere inside the model code, an old huggingface_hub at the
+    first download."""
+    argv, env = pyz_command(pyz, tmp_path, without=(package,))
     site_dir = Path(env["PYTHONPATH"])
-    (site_dir / "torch").mkdir()
-    (site_dir / "torch" / "__init__.py").write_text("raise ImportError('this torch is too old to import')\n")
-    dist_info = site_dir / "torch-2.3.1.dist-info"
+    (site_dir / package).mkdir()
+    (site_dir / package / "__init__.py").write_text("raise ImportError('this release is too old to import')\n")
+    dist_info = site_dir / f"{package}-{installed}.dist-info"
     dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n")
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {installed}\n")
     proc = _run([*argv, "plan", "topology.yaml"], env, pyz_run_dir(argv))
     assert proc.returncode == 3 and proc.stdout == "", proc.stderr
-    assert proc.stderr.splitlines() == ["error: tc needs torch 2.4 or newer, and this Python has torch 2.3.1; "
-                                        "upgrade with: python -m pip install 'torch>=2.4'"], proc.stderr
+    assert proc.stderr.splitlines() == [f"error: tc needs {package} {floor} or newer, and this Python has {package} "
+                                        f"{installed}; upgrade with: python -m pip install '{package}>={floor}'"], \
+        proc.stderr
 
 
 def test_pyz_copied_alone_runs_a_head_and_a_worker(pyz, tmp_path):
