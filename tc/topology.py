@@ -52,6 +52,7 @@ DEFAULT_PREFILL_CHUNK = 256  # prompt positions per step while other sequences d
 DEFAULT_STEP_TIMEOUT_S = 30.0  # the floor of a step's bound (tc.head.step_deadline)
 DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
 MIN_JOIN_TOKEN_CHARS = 16
+MIN_API_KEY_CHARS = 16
 # The most (and least) each key takes: past these a value only overflows or breaks what uses it (a body limit of 0
 # bytes, a heartbeat that never comes or comes every nanosecond, a thread per queued request by the million).
 MAX_COUNT = 1 << 20  # prefill_chunk, and any count without a bound of its own
@@ -77,7 +78,7 @@ TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtyp
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
              "prefix_cache", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token",
              "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from",
-             "cors_origins")
+             "cors_origins", "api_keys")
 PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
 _DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
@@ -142,6 +143,7 @@ class HeadSettings:
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
     plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
     cors_origins: tuple[str, ...] = ()  # browser origins whose pages may read the API's replies; ("*",): any
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in logs or reprs; (): an open API
 
     @property
     def silence_limit_s(self) -> float:
@@ -284,6 +286,8 @@ class Topology:
             head["plan_from"] = self.head.plan_from
         if self.head.cors_origins:
             head["cors_origins"] = list(self.head.cors_origins)
+        if self.head.api_keys:
+            head["api_keys"] = list(self.head.api_keys)
         data: dict[str, Any] = {
             "version": self.version,
             "model": self.model,
@@ -682,12 +686,14 @@ class _Parser:
         speed = self.optional(head, "speed", "head", self.speed)
         plan_from = self.choice(head.get("plan_from", "topology"), "head.plan_from", PLAN_SOURCES, "plan source")
         cors_origins = self.optional(head, "cors_origins", "head", self.cors_origins) or ()
+        api_keys = self.optional(head, "api_keys", "head", self.api_keys) or ()
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
                             prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops,
-                            speed=speed, plan_from=plan_from, prefix_cache=prefix_cache, cors_origins=cors_origins)
+                            speed=speed, plan_from=plan_from, prefix_cache=prefix_cache, cors_origins=cors_origins,
+                            api_keys=api_keys)
 
     def cors_origins(self, value: object, path: str) -> tuple[str, ...]:
         """The origins a browser may call the API from. Each is compared as text with the Origin header a browser
@@ -781,6 +787,25 @@ class _Parser:
         if value != value.strip() or len(value) < MIN_JOIN_TOKEN_CHARS:
             raise self.fail(path, f"the token must be at least {MIN_JOIN_TOKEN_CHARS} characters with no spaces "
                             "at either end; make one with: python -c 'import secrets; print(secrets.token_hex(32))'")
+        return value
+
+    def api_keys(self, value: object, path: str) -> tuple[str, ...]:
+        """The keys a client may send as `Authorization: Bearer <key>`. As with the join token, a key itself is
+        never echoed back: an error message may end up in a log."""
+        if not isinstance(value, list) or not value:
+            got = "an empty list" if value == [] else _describe(value) if not isinstance(value, str) else "one text"
+            raise self.fail(path, f"expected a list of one or more keys, got {got}; write api_keys: [\"<key>\"], or "
+                            "leave api_keys out for an API without keys")
+        return tuple(self.api_key(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+    def api_key(self, value: object, path: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected text, got {type(value).__name__}; quote the key")
+        # a header value: printable ASCII without spaces, as OpenAI's keys and secrets.token_urlsafe's are
+        if len(value) < MIN_API_KEY_CHARS or not all("!" <= c <= "~" for c in value):
+            raise self.fail(path, f"a key must be at least {MIN_API_KEY_CHARS} printable ASCII characters without "
+                            "spaces; make one with: python -c 'import secrets; print(\"sk-\" + "
+                            "secrets.token_urlsafe(32))'")
         return value
 
     def optional(self, section: Mapping[str, Any], key: str, path: str, check: Callable[[Any, str], Any]) -> Any:

@@ -124,8 +124,11 @@ class Cluster:
     """A head and its workers as child processes. `tc` is the command prefix (python -m tc, or a tc.pyz)."""
 
     def __init__(self, topology: Path, workdir: Path, tc: list[str] | None = None, env: dict | None = None,
-                 api_host: str = "127.0.0.1", join_host: str = "127.0.0.1", head_prefix: tuple[str, ...] = ()):
+                 api_host: str = "127.0.0.1", join_host: str = "127.0.0.1", head_prefix: tuple[str, ...] = (),
+                 api_key: str | None = None):
         self.topology, self.workdir, self.env = topology, workdir, env or {}
+        # sent with every request of get and post, as an OpenAI client sends its api_key (head.api_keys)
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if tc is None:
             # `python -m tc` runs in workdir: put this checkout first on the path, so the processes run the code
             # under test rather than whatever `tc` the environment has installed
@@ -171,14 +174,15 @@ class Cluster:
 
     def get(self, path: str, timeout: float = 5) -> tuple[int, dict]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=self.auth),
+                                        timeout=timeout) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.auth})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())

@@ -2,12 +2,15 @@
 
 One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
 official `openai` client (whole, streamed, and the final answer from the tool's result), and structured output
-(`parse` with a pydantic model; schema-valid replies across seeds and temperatures).
+(`parse` with a pydantic model; schema-valid replies across seeds and temperatures). Its topology sets an API key
+(head.api_keys), so every client here sends one, as against a server that asks for one.
 """
 from __future__ import annotations
 
 import ast
 import json
+import urllib.error
+import urllib.request
 
 import jsonschema
 import pytest
@@ -19,14 +22,15 @@ from cluster import Cluster, write_topology
 pytestmark = [pytest.mark.demo, pytest.mark.slow]
 
 MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+API_KEY = "sk-demo-9f2c4e7a1b8d3f60"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, demo_model_dir):
     workdir = tmp_path_factory.mktemp("demo-openai")
     nodes = [{"id": "w0", "device": "cpu"}, {"id": "w1", "device": "cpu"}]
-    topology = write_topology(workdir / "t.yaml", demo_model_dir, nodes, dtype="fp32")
-    with Cluster(topology, workdir) as running:
+    topology = write_topology(workdir / "t.yaml", demo_model_dir, nodes, dtype="fp32", head={"api_keys": [API_KEY]})
+    with Cluster(topology, workdir, api_key=API_KEY) as running:
         running.start_all(["w0", "w1"])
         yield running
 
@@ -52,7 +56,7 @@ WEATHER_RESULT = {"location": "Paris", "temperature_c": 18, "condition": "sunny"
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,7 @@ def test_the_async_client_gets_the_same_call_two_at_once(cluster, weather_call):
     from openai import AsyncOpenAI
 
     async def ask_twice():
-        client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
         try:
             return await asyncio.gather(*(client.chat.completions.create(
                 model=MODEL_NAME, messages=[QUESTION], tools=[WEATHER_TOOL], temperature=0, max_tokens=64)
@@ -170,7 +174,6 @@ def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temp
 
 def prompt_tokens_read(cluster: Cluster) -> float:
     """tc_prompt_tokens_total from the head's /metrics: prompt positions the pipeline has read."""
-    import urllib.request
     with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as reply:
         lines = reply.read().decode().splitlines()
     return float(next(line.split()[-1] for line in lines if line.startswith("tc_prompt_tokens_total ")))
@@ -321,3 +324,32 @@ def test_a_template_variable_the_template_does_not_read_changes_nothing(client):
     plain = client.chat.completions.create(**ask)
     quiet = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert quiet.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_client_without_the_key_is_refused_and_costs_the_cluster_nothing(cluster, client):
+    """head.api_keys on the demo cluster: the openai client with a wrong key gets its AuthenticationError (a 401 of
+    OpenAI's shape), a request with no key at all the same, and neither is generated: the head's token counters do
+    not move. With the key, the same request is answered."""
+    import openai
+
+    def generated() -> float:
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as reply:  # open without a key
+            text = reply.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("tc_prompt_tokens_total", "tc_completion_tokens_total")))
+
+    before = generated()
+    stranger = OpenAI(base_url=cluster.url + "/v1", api_key="sk-not-this-servers-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        stranger.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=4)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert "sk-not-this-servers-key" not in str(refused.value)
+    request = urllib.request.Request(cluster.url + "/v1/completions", data=json.dumps(
+        {"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 4}).encode())
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request, timeout=60)
+    assert missing.value.code == 401 and missing.value.headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(missing.value.read())["error"]["code"] == "invalid_api_key"
+    assert generated() == before
+    answered = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=4, temperature=0)
+    assert answered.usage.completion_tokens == 4 and generated() > before

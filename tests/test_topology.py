@@ -237,6 +237,18 @@ BAD = [
      '"*" allows every origin'),
     ("origin twice", changed(("head.cors_origins", ["http://a", "http://a"])), "head.cors_origins",
      "listed twice"),
+    # API keys, which an error never echoes
+    ("api keys one text", changed(("head.api_keys", "sk-0123456789abcdef01")), "head.api_keys",
+     "expected a list of one or more keys, got one text; write api_keys: [\"<key>\"]"),
+    ("api keys empty", changed(("head.api_keys", [])), "head.api_keys", "got an empty list"),
+    ("api keys a mapping", changed(("head.api_keys", {"k": 1})), "head.api_keys", "expected a list"),
+    ("api key a number", changed(("head.api_keys", [1234567890123456789])), "head.api_keys[0]", "quote the key"),
+    ("api key short", changed(("head.api_keys", ["sk-0123456789abcdef", "sk-short"])), "head.api_keys[1]",
+     "at least 16 printable ASCII characters without spaces; make one with"),
+    ("api key with a space", changed(("head.api_keys", ["sk-0123456789 abcdef"])), "head.api_keys[0]",
+     "without spaces"),
+    ("api key not ASCII", changed(("head.api_keys", ["sk-caf\u00e9-0123456789abc"])), "head.api_keys[0]",
+     "printable ASCII"),
     # paths the file system refuses
     ("model path of a NUL", changed(("model", "./a\0b")), "model", "not a usable path"),
     ("model path too long", changed(("model", "a" * 5000)), "model", "not a usable path"),
@@ -333,6 +345,20 @@ def test_cors_origins_are_kept_as_written_and_round_trip(origins: list[str], bas
     topo = parse_topology(changed(("head.cors_origins", origins)), base_dir)
     assert topo.head.cors_origins == tuple(origins)
     assert parse_topology(topo.to_dict(), Path("/")) == topo
+
+
+def test_api_keys_round_trip_and_stay_out_of_reprs_and_errors(base_dir: Path) -> None:
+    keys = ["sk-0123456789abcdef01", "another-key_!~#0123456789"]
+    topo = parse_topology(changed(("head.api_keys", keys)), base_dir)
+    assert topo.head.api_keys == tuple(keys)
+    assert parse_topology(topo.to_dict(), Path("/")) == topo
+    assert not any(key in repr(topo) for key in keys)
+    assert parse_topology(changed(), base_dir).head.api_keys == ()  # absent: an open API
+    assert "api_keys" not in parse_topology(changed(), base_dir).to_dict()["head"]
+    for bad in (["sk-0123456789 abcdef"], ["sk-short"], "sk-0123456789abcdef01"):
+        with pytest.raises(TopologyError) as info:
+            parse_topology(changed(("head.api_keys", bad)), base_dir)
+        assert (bad if isinstance(bad, str) else bad[0]) not in str(info.value)
 
 
 @pytest.mark.parametrize("edits", [(), (("head.cors_origins", None),), (("head.cors_origins", []),)],

@@ -5,7 +5,8 @@ whole, or as server-sent events). Every failure, ours or Falcon's own (unknown r
 leaves through one error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so
 clients never see an HTML page; a failure after a stream has started is its last event instead. Handlers are
 synchronous; the service serialises generations, and Waitress runs each request in its own thread. Pages of the
-origins in `head.cors_origins` may call it from a browser (`Cors`). While the head still loads its model,
+origins in `head.cors_origins` may call it from a browser (`Cors`); with `head.api_keys`, a /v1 request must carry
+one (`api_keys.ApiKeys`). While the head still loads its model,
 `create_loading_app` serves the same routes, with what can be answered before (loading.py).
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .api_requests import (
     parse_completion_request,
     says_json,
 )
+from .api_keys import ApiKeys, Unauthorized
 from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
 from .loading import HeadLoading, StillLoading
 from .metrics import Metrics
@@ -119,6 +121,9 @@ def _snake(text: str) -> str:
 
 def error_reply(exc: BaseException, request_line: str) -> ErrorReply:
     """The reply for any exception a request raised; `request_line` is "METHOD /path" for messages."""
+    if isinstance(exc, Unauthorized):  # RFC 6750: a 401 names the scheme it wants
+        return ErrorReply(401, "invalid_request_error", exc.message, None, "invalid_api_key",
+                          (("WWW-Authenticate", "Bearer"),))
     if isinstance(exc, ModelNotFound):
         return ErrorReply(404, "invalid_request_error", exc.message, exc.param, exc.code)
     if isinstance(exc, BodyTooLarge):
@@ -572,16 +577,17 @@ def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, par
 
 def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                cluster: ClusterView | None = None, cors_origins: tuple[str, ...] = (),
-               reasoning: bool | None = None) -> falcon.App:
+               reasoning: bool | None = None, api_keys: tuple[str, ...] = ()) -> falcon.App:
     """The WSGI app serving `service` under /v1, with /health, /metrics and GET /v1/cluster.
 
     Request bodies over `max_body_bytes` get a 413. `cluster` (the head's WorkerRegistry) fills /v1/cluster's
     plan and nodes; without it (a single process) they are null and empty. Browser pages of `cors_origins`
     (("*",): any) may call it (`Cors`); with none, replies carry no CORS headers. `reasoning` is the topology's
     reasoning_content (None: auto): whether chat replies give a thinking model's thinking apart from its answer.
+    With `api_keys` (head.api_keys), the /v1 routes want one of them (api_keys.py).
     Raises ReasoningUnavailable for reasoning True on a model without think tokens.
     """
-    app = _new_app(service.metrics, cors_origins)
+    app = _new_app(service.metrics, cors_origins, api_keys)
     models = ModelsResource(service.model_id, service.context_length)
     app.add_route("/v1/models", models)
     # model ids such as "Qwen/Qwen2.5-0.5B-Instruct" hold slashes, so the id takes the rest of the path
@@ -602,13 +608,14 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     return app
 
 
-def create_loading_app(loading: HeadLoading, metrics: Metrics, cors_origins: tuple[str, ...] = ()) -> falcon.App:
+def create_loading_app(loading: HeadLoading, metrics: Metrics, cors_origins: tuple[str, ...] = (),
+                       api_keys: tuple[str, ...] = ()) -> falcon.App:
     """The app the head serves while it loads its model (loading.py), on the routes of create_app's: /v1/models and
     /metrics answer what they already can, the rest a 503 that says the model is loading (LoadingResource).
 
     Give create_app's service the same `metrics`: the requests answered meanwhile stay counted once it serves.
     """
-    app = _new_app(metrics, cors_origins)
+    app = _new_app(metrics, cors_origins, api_keys)
     models = ModelsResource(loading.model_id, loading.context_length)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
@@ -623,12 +630,15 @@ def create_loading_app(loading: HeadLoading, metrics: Metrics, cors_origins: tup
     return app
 
 
-def _new_app(metrics: Metrics, cors_origins: tuple[str, ...]) -> falcon.App:
+def _new_app(metrics: Metrics, cors_origins: tuple[str, ...], api_keys: tuple[str, ...]) -> falcon.App:
     """An app with what both of the head's apps share: the request log, the CORS policy (where origins are given),
-    and one error handler for everything, Falcon's own HTTPError included (it has a default handler of its own)."""
+    the API keys (where keys are given), and one error handler for everything, Falcon's own HTTPError included (it
+    has a default handler of its own)."""
     middleware: list[object] = [RequestLog(metrics)]
     if cors_origins:
         middleware.append(Cors(cors_origins))
+    if api_keys:  # last: a request it refuses has been through the others, whose replies' headers its 401 gets
+        middleware.append(ApiKeys(api_keys))
     app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler([Exception, falcon.HTTPError], _handle_error)

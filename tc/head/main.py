@@ -267,11 +267,15 @@ def start_head(topology: Topology) -> Head:
     # where a closed port said nothing. Enough HTTP threads for the batch, the queue, and health checks, so the
     # bounded queue (not Waitress's unbounded backlog) decides who waits and who gets a 429.
     with _listening("head.api", topology.head.api):
-        http = start_http_server(create_loading_app(loading, metrics, topology.head.cors_origins),
+        http = start_http_server(create_loading_app(loading, metrics, topology.head.cors_origins,
+                                                    topology.head.api_keys),
                                  topology.head.api.host, topology.head.api.port,
                                  threads=batch.max_batch + topology.head.max_queue + 4, max_body_bytes=max_body,
                                  cors_origins=topology.head.cors_origins)
-    log.info("API at %s/v1 (answers 503 while the head loads its tensors)", http.url)
+    keys = len(topology.head.api_keys)
+    log.info("API at %s/v1 (answers 503 while the head loads its tensors; %s)", http.url,
+             f"its /v1 routes want one of {keys} API key{'s' if keys > 1 else ''} (head.api_keys)" if keys else
+             "open to whoever reaches it: head.api_keys would ask for a key")
     try:
         return _load_and_serve(topology, source, config, plan, batch, speed, loading, metrics, http, max_body,
                                started)
@@ -345,7 +349,8 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
     registry.on_plan = planned
     # the model's API first, then the workers' port: a worker that joins finds an API that will serve it
     http.serve(create_app(service, max_body_bytes=max_body, cluster=registry,
-                          cors_origins=topology.head.cors_origins, reasoning=reasoning))
+                          cors_origins=topology.head.cors_origins, reasoning=reasoning,
+                          api_keys=topology.head.api_keys))
     with _listening("head.listen", topology.head.listen):
         listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
     registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
