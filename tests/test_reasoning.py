@@ -20,6 +20,8 @@ import pytest
 import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from tokenizers import AddedToken, Tokenizer
 
 from cluster import Cluster, write_topology
@@ -31,6 +33,7 @@ from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.main import splits_reasoning
 from tc.head.reasoning import ReasoningSplit, ReasoningUnavailable, ThinkTokens, reasoning_tokens, thinks
+from tc.head.responses import ResponseShape, ResponsesReply
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import ChatReply, Reasoning, ReplyContext, TokenText, ToolCalling
 from tc.model.chat_template import ChatTemplates
@@ -344,6 +347,37 @@ def test_each_step_split_joins_into_the_whole_reply(generator, text, opened, sto
     assert (whole.reasoning_content, whole.content) == (thinking, answer)
     joined = streamed(chat_reply(tokenizer, opened), steps).choices[0].message
     assert (getattr(joined, "reasoning_content", None) or None, joined.content or None) == (thinking, answer or None)
+
+
+def responses_events(reply: ResponsesReply, steps: list[Step]) -> list[dict]:
+    """The Responses events of a streamed reply, as ResponseEventStream sends them (without their SSE framing)."""
+    chunks = reply.chat.opening(steps[0])
+    for step in steps:
+        chunks += reply.chat.deltas(step)
+    chunks += reply.chat.closing(steps[-1].completion)
+    sent = [*reply.opening(), *(e for chunk in chunks for e in reply.events(chunk)),
+            *reply.closing(steps[-1].completion)]
+    events = [json.loads(event.split(b"\ndata: ", 1)[1]) for event in sent]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    return events
+
+
+@pytest.mark.parametrize(("text", "opened", "stops", "thinking", "answer"), CASES)
+def test_on_v1_responses_the_thinking_is_a_reasoning_item_whole_and_streamed(generator, text, opened, stops,
+                                                                            thinking, answer):
+    tokenizer = generator.tokenizer
+    steps, completion = steps_of(tokenizer, text, stops)
+    shape = ResponseShape("tiny", {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True})
+    whole = Response.model_validate(ResponsesReply(chat_reply(tokenizer, opened), shape).whole(completion))
+    reasoning = [item.content[0].text for item in whole.output if item.type == "reasoning"]
+    assert reasoning == ([thinking] if thinking else [])
+    assert (whole.output_text or None) == answer
+    events = responses_events(ResponsesReply(chat_reply(tokenizer, opened), shape), steps)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == (thinking or "")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == (answer or "")
+    final = Response.model_validate(events[-1]["response"])
+    assert [item.type for item in final.output] == [item.type for item in whole.output]
 
 
 def test_tags_a_tokenizer_marks_special_split_the_reply_though_decoding_drops_them(generator):

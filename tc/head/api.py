@@ -29,6 +29,7 @@ from ..sampling import SamplingParams
 from .api_requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyTooLarge,
+    ChatRequest,
     ModelNotFound,
     RequestError,
     UnsupportedEncoding,
@@ -48,6 +49,7 @@ from .metrics import Metrics
 from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
                       GenerationSummary, QueueFull, Readiness, ServiceError, ShuttingDown, StageFailed, WorkerLost)
 from .reasoning import ThinkTokens, reasoning_tokens
+from .responses import ResponseEventStream, ResponseShape, ResponsesReply, Translation, translate
 from .structured_output import StructuredOutput
 from .streaming import (ChatReply, CompletionReply, EventStream, Reasoning, ReplyContext, ReplyFormat, TokenText,
                         ToolCalling)
@@ -168,7 +170,7 @@ def _falcon_error_reply(exc: falcon.HTTPError, request_line: str) -> ErrorReply:
         return ErrorReply(404, "invalid_request_error",
                           f"Invalid URL ({request_line}); this server serves GET /v1/models, "
                           "GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions, "
-                          "GET /v1/cluster, GET /health, GET /health/ready and GET /metrics",
+                          "POST /v1/responses, GET /v1/cluster, GET /health, GET /health/ready and GET /metrics",
                           None, "unknown_url", headers)
     if isinstance(exc, falcon.HTTPMethodNotAllowed):
         allowed = (exc.headers or {}).get("Allow", "")
@@ -381,14 +383,15 @@ def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class _Generation:
-    """Serving one generation request, whole or streamed, of one or more choices; shared by both endpoints."""
+    """Serving one generation request, whole or streamed, of one or more choices; shared by the endpoints.
+    `events` is the stream's WSGI body: the chat and completion chunks' EventStream, or the Responses' own."""
 
     def __init__(self, service: GenerationService):
         self.service = service
 
     def serve(self, req: falcon.Request, resp: falcon.Response, prompt_ids: list[int], params: SamplingParams,
               make_reply: Callable[[], ReplyFormat], request_id: str, include_usage: bool, stream: bool,
-              n: int = 1) -> None:
+              n: int = 1, events: type[EventStream] = EventStream) -> None:
         if n > self.service.max_batch:
             raise RequestError(f"'n' is {n}, but this server generates at most {self.service.max_batch} sequences "
                                "at once (its batch: head.max_batch, or what the nodes' memory holds); ask for fewer "
@@ -410,7 +413,7 @@ class _Generation:
             _log_generation(request_line, 200, time.perf_counter() - started, request_id, group.summary())
 
         try:
-            resp.stream = EventStream(generations, replies, include_usage=include_usage, on_close=on_close,
+            resp.stream = events(generations, replies, include_usage=include_usage, on_close=on_close,
                                       error_body=lambda exc: _stream_error_body(exc, request_line))
         except BaseException:
             group.close()  # nobody else holds them yet to give their places back
@@ -481,16 +484,29 @@ class CompletionsResource:
                               request.sampling.n)
 
 
-class ChatCompletionsResource:
-    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
-                 structured: StructuredOutput, think: ThinkTokens | None):
-        self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
-        self.structured, self.think = structured, think
-        self.generation = _Generation(service)
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request made ready to generate: its prompt's tokens, its sampling (with the grammar of a structured
+    reply or a forced call), and how its reply reads tool calls and thinking."""
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = parse_chat_request(read_json_body(req, self.max_body_bytes))
-        check_model(request.model, self.service.model_id)
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolCalling | None
+    reasoning: Reasoning | None
+
+    def reply(self, context: ReplyContext, token_text: TokenText) -> ChatReply:
+        return ChatReply(context, token_text, logprobs=self.params.logprobs, tools=self.tools,
+                         reasoning=self.reasoning)
+
+
+class ChatPrompts:
+    """What both chat-shaped endpoints (/v1/chat/completions, /v1/responses) do with a parsed chat request before
+    generating: the template, the prompt's checks, the sampling, the grammar, the thinking and the tools."""
+
+    def __init__(self, service: GenerationService, structured: StructuredOutput, think: ThinkTokens | None):
+        self.service, self.structured, self.think = service, structured, think
+
+    def prepare(self, request: ChatRequest) -> ChatPrompt:
         offered = request.offered_tools  # tool_choice "none" shows the model no tools, so it answers in text
         rendered = self.service.tokenizer.apply_chat_template(
             [m.as_template_input() for m in request.messages], add_generation_prompt=request.add_generation_prompt,
@@ -512,18 +528,62 @@ class ChatCompletionsResource:
             assert self.think is not None
             grammar = AfterToken(grammar, self.think.close, self.service.generator.head.config.vocab_size)
         params = dataclasses.replace(params, constraint=grammar)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        context = ReplyContext(request_id, int(time.time()), self.service.model_id,
-                               request.streaming.include_usage)
         tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
                  else None)
         reasoning = None if self.think is None else Reasoning(self.think, opened,
                                                               split=request.reasoning_format != "none")
-        self.generation.serve(req, resp, prompt_ids, params,
-                              lambda: ChatReply(context, self.token_text, logprobs=params.logprobs, tools=tools,
-                                                reasoning=reasoning),
+        return ChatPrompt(prompt_ids, params, tools, reasoning)
+
+
+class ChatCompletionsResource:
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
+                 prompts: ChatPrompts):
+        self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.prompts = prompts
+        self.generation = _Generation(service)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        request = parse_chat_request(read_json_body(req, self.max_body_bytes))
+        check_model(request.model, self.service.model_id)
+        prompt = self.prompts.prepare(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        context = ReplyContext(request_id, int(time.time()), self.service.model_id,
+                               request.streaming.include_usage)
+        self.generation.serve(req, resp, prompt.prompt_ids, prompt.params,
+                              lambda: prompt.reply(context, self.token_text),
                               request_id, request.streaming.include_usage, request.streaming.stream,
                               request.sampling.n)
+
+
+class ResponsesResource:
+    """POST /v1/responses: the request translated into a chat request (responses.py), served as one, and its reply
+    told in the Responses' shapes. A refusal names the field the client sent, not the chat one it became."""
+
+    def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText,
+                 prompts: ChatPrompts):
+        self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
+        self.prompts = prompts
+        self.generation = _Generation(service)
+
+    def _prepare(self, translation: Translation) -> tuple[ChatRequest, ChatPrompt]:
+        try:
+            request = parse_chat_request(translation.chat)
+            check_model(request.model, self.service.model_id)
+            return request, self.prompts.prepare(request)
+        except RequestError as exc:
+            exc.param = translation.blame(exc.param)
+            raise
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), param="input", code="chat_template_error") from exc
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        translation = translate(read_json_body(req, self.max_body_bytes))
+        request, prompt = self._prepare(translation)
+        shape = ResponseShape(self.service.model_id, translation.echo)
+        context = ReplyContext(shape.id, shape.created_at, self.service.model_id)
+        self.generation.serve(req, resp, prompt.prompt_ids, prompt.params,
+                              lambda: ResponsesReply(prompt.reply(context, self.token_text), shape),
+                              shape.id, False, request.streaming.stream, events=ResponseEventStream)
 
 
 def _log_generation(request_line: str, status: int, seconds: float, request_id: str,
@@ -603,8 +663,9 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
                                                              tokenizer.eos_token_ids))
     think, _ = reasoning_tokens(tokenizer, reasoning)
-    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, structured,
-                                                                  think))
+    prompts = ChatPrompts(service, structured, think)
+    app.add_route("/v1/chat/completions", ChatCompletionsResource(service, max_body_bytes, token_text, prompts))
+    app.add_route("/v1/responses", ResponsesResource(service, max_body_bytes, token_text, prompts))
     return app
 
 
@@ -627,6 +688,7 @@ def create_loading_app(loading: HeadLoading, metrics: Metrics, cors_origins: tup
     # POST only, as create_app's: another method gets the 405 it will get then
     app.add_route("/v1/completions", waiting, suffix="generation")
     app.add_route("/v1/chat/completions", waiting, suffix="generation")
+    app.add_route("/v1/responses", waiting, suffix="generation")
     return app
 
 
