@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP API (docs/api.md): a Falcon WSGI app over a `GenerationService`.
 
 Resources are thin: read the body, parse it (`api_requests`), call the service, shape the reply (`streaming`:
-whole, or as server-sent events). Every failure, ours or Falcon's own (unknown route, wrong method, bad header),
-leaves through one error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so
-clients never see an HTML page; a failure after a stream has started is its last event instead. Handlers are
-synchronous; the service serialises generations, and Waitress runs each request in its own thread. Pages of the
-origins in `head.cors_origins` may call it from a browser (`Cors`); with `head.api_keys`, a /v1 request must carry
-one (`api_keys.ApiKeys`). While the head still loads its model,
-`create_loading_app` serves the same routes, with what can be answered before (loading.py).
+whole, or as server-sent events); /v1/responses is served as a chat completion told in its own shapes
+(`responses`). Every failure, ours or Falcon's own (unknown route, wrong method, bad header), leaves through one
+error handler as an OpenAI error body `{"error": {"message", "type", "param", "code"}}`, so clients never see an
+HTML page; a failure after a stream has started is its last event instead. Handlers are synchronous; the service
+serialises generations, and Waitress runs each request in its own thread. Pages of the origins in
+`head.cors_origins` may call it from a browser (`Cors`); with `head.api_keys`, a /v1 request must carry one
+(`api_keys.ApiKeys`). While the head still loads its model, `create_loading_app` serves the same routes, with what
+can be answered before (loading.py).
 """
 from __future__ import annotations
 
