@@ -1,9 +1,9 @@
 """What OpenAI clients ask of a local server, on the real demo model through a head and two worker processes.
 
 One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
-official `openai` client (whole, streamed, and the final answer from the tool's result), and structured output
-(`parse` with a pydantic model; schema-valid replies across seeds and temperatures). Its topology sets an API key
-(head.api_keys), so every client here sends one, as against a server that asks for one.
+official `openai` client (whole, streamed, and the final answer from the tool's result), structured output
+(`parse` with a pydantic model; schema-valid replies across seeds and temperatures), and the Responses API. Its
+topology sets an API key (head.api_keys), so every client here sends one, as against a server that asks for one.
 """
 from __future__ import annotations
 
@@ -353,3 +353,16 @@ def test_a_client_without_the_key_is_refused_and_costs_the_cluster_nothing(clust
     assert generated() == before
     answered = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=4, temperature=0)
     assert answered.usage.completion_tokens == 4 and generated() > before
+
+
+def test_the_responses_api_writes_the_function_whole_and_streamed(client):
+    """client.responses.create, as OpenAI's quick-starts call it, through the key: the text the whole response
+    gives, and the same text joined from the stream's deltas, whose last event carries the whole response."""
+    ask = dict(model=MODEL_NAME, input="Write a Python function that adds two numbers.", max_output_tokens=48,
+               temperature=0)
+    whole = client.responses.create(**ask)
+    assert "def " in whole.output_text, whole.output_text
+    assert whole.usage.output_tokens <= 48 and whole.status in ("completed", "incomplete")
+    events = list(client.responses.create(stream=True, **ask))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].type == f"response.{whole.status}" and events[-1].response.output_text == whole.output_text
