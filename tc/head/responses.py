@@ -78,8 +78,9 @@ class Translation:
 
     chat: dict[str, Any]
     echo: dict[str, Any]  # the request's settings as the response repeats them
-    sources: list[tuple[str, bool]] = field(default_factory=list)  # per message: its field, and whether its
-    # sub-fields are named as in chat (a message item) or not (a function call, its output, `instructions`)
+    # per chat message: the field it came from, and whether its sub-fields are named as in chat (a message item)
+    # or not (a function call, its output, `instructions`)
+    sources: list[tuple[str, bool]] = field(default_factory=list)
 
     def blame(self, param: str | None) -> str | None:
         """The Responses field for the chat field `param` that a refusal names."""
