@@ -782,7 +782,8 @@ def test_each_request_logs_one_line(client, caplog):
 @pytest.mark.parametrize("method, path", [
     ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/v1/models/other"), ("HEAD", "/v1/models"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
-    ("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("GET", "/v1/responses"), ("GET", "/v1/cluster"), ("HEAD", "/v1/cluster"), ("GET", "/health"),
+    ("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("GET", "/v1/responses"), ("GET", "/v1/cluster"),
+    ("HEAD", "/v1/cluster"), ("GET", "/health"),
     ("HEAD", "/health"), ("GET", "/health/ready"), ("GET", "/health/"), ("GET", "/metrics"), ("GET", "/v1/nothing"),
 ])
 def test_while_loading_each_route_answers_as_it_will_or_that_the_model_is_loading(generator, method, path):
