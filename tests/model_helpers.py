@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from tc.generation import LocalPipeline
+from tc.head.service import WorkerLost
 from tc.model.config import ModelConfig
 from tc.model.qwen2 import HeadModel, Stage
 from tc.model.weights import WeightIndex, layer_tensor_names
@@ -47,6 +48,19 @@ class GatedPipeline(LocalPipeline):
     def run(self, entries, hidden):
         if len(entries) >= self.hold_at and any(e.start > 0 for e in entries):
             self.gate.wait(60)
+        return super().run(entries, hidden)
+
+
+class LosesWorkerAtDecode(LocalPipeline):
+    """The real stages, but the third decode step loses its worker w1, as a remote pipeline would."""
+
+    decodes = 0
+
+    def run(self, entries, hidden):
+        if entries[0].start > 0:
+            self.decodes += 1
+            if self.decodes == 3:
+                raise WorkerLost("w1", "connection reset")
         return super().run(entries, hidden)
 
 

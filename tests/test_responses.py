@@ -16,12 +16,12 @@ import torch
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from model_helpers import OurModel
+from model_helpers import LosesWorkerAtDecode, OurModel
 from tiny_model import write_tiny_model
 from tc.generation import Generator, LocalPipeline
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
-from tc.head.service import GenerationService, Readiness, WorkerLost
+from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 
 MODEL = "tiny"
@@ -254,17 +254,7 @@ def test_the_openai_client_raises_on_a_refusal(client):
 
 
 def test_a_stream_that_fails_midway_ends_with_response_failed(model, model_dir):
-    class FailingPipeline(LocalPipeline):
-        """The real stages, but the third decode step loses its worker, as a remote pipeline would."""
-
-        def run(self, entries, hidden):
-            if entries[0].start > 0:
-                self.decodes = getattr(self, "decodes", 0) + 1
-                if self.decodes == 3:
-                    raise WorkerLost("w1", "connection reset")
-            return super().run(entries, hidden)
-
-    failing = serve(model, model_dir, FailingPipeline(model.stages))
+    failing = serve(model, model_dir, LosesWorkerAtDecode(model.stages))
     try:
         events = stream_events(failing, {"input": "Hello there", "max_output_tokens": 10, "temperature": 0})
     finally:

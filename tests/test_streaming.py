@@ -13,7 +13,7 @@ import pytest
 import torch
 from falcon import testing
 
-from model_helpers import OurModel
+from model_helpers import LosesWorkerAtDecode, OurModel
 from tiny_model import sentencepiece_tokenizer
 from tc.generation import (CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back,
                            text_with_offsets)
@@ -425,17 +425,7 @@ def test_a_chat_reply_cut_inside_a_character_keeps_it(client, generator, tokeniz
 
 
 def test_stream_that_fails_midway_ends_with_an_error_event(model, tokenizer):
-    class FailingPipeline(LocalPipeline):
-        """The real stages, but the third decode step loses its worker, as a remote pipeline would."""
-
-        def run(self, entries, hidden):
-            if entries[0].start > 0:
-                self.decodes = getattr(self, "decodes", 0) + 1
-                if self.decodes == 3:
-                    raise WorkerLost("w1", "connection reset")
-            return super().run(entries, hidden)
-
-    generator = Generator(model.head, tokenizer, FailingPipeline(model.stages), torch.float32)
+    generator = Generator(model.head, tokenizer, LosesWorkerAtDecode(model.stages), torch.float32)
     client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
     result = client.simulate_post(COMPLETIONS, json={"model": MODEL, "prompt": "Hello", "max_tokens": 10,
                                                      "ignore_eos": True, "stream": True})
