@@ -686,7 +686,8 @@ class _Parser:
         speed = self.optional(head, "speed", "head", self.speed)
         plan_from = self.choice(head.get("plan_from", "topology"), "head.plan_from", PLAN_SOURCES, "plan source")
         cors_origins = self.optional(head, "cors_origins", "head", self.cors_origins) or ()
-        api_keys = self.optional(head, "api_keys", "head", self.api_keys) or ()
+        # written but empty (a YAML "api_keys:" whose keys are commented out) must not leave the API open
+        api_keys = self.api_keys(head["api_keys"], "head.api_keys") if "api_keys" in head else ()
         return HeadSettings(api=api, listen=listen, threads=threads, max_queue=max_queue, heartbeat_s=heartbeat_s,
                             heartbeat_timeout_s=timeout, resume=resume, resume_grace_s=resume_grace_s,
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
@@ -793,7 +794,9 @@ class _Parser:
         """The keys a client may send as `Authorization: Bearer <key>`. As with the join token, a key itself is
         never echoed back: an error message may end up in a log."""
         if not isinstance(value, list) or not value:
-            got = "an empty list" if value == [] else _describe(value) if not isinstance(value, str) else "one text"
+            # named by its type alone: a key written as a bare number must not be echoed either
+            got = ("nothing" if value is None else "an empty list" if value == [] else "one text"
+                   if isinstance(value, str) else type(value).__name__)
             raise self.fail(path, f"expected a list of one or more keys, got {got}; write api_keys: [\"<key>\"], or "
                             "leave api_keys out for an API without keys")
         return tuple(self.api_key(item, f"{path}[{i}]") for i, item in enumerate(value))

@@ -88,7 +88,7 @@ def test_either_key_is_answered_and_the_answer_is_the_models(server, expected_te
 @pytest.mark.parametrize("authorization, says", [
     (None, "You didn't provide an API key"),
     ("", "You didn't provide an API key"),
-    ("Bearer", "Incorrect API key provided"),
+    ("Bearer", "You didn't provide an API key"),
     (f"Bearer {KEY}x", "Incorrect API key provided"),
     (f"Bearer {KEY[:-1]}", "Incorrect API key provided"),
     (f"Bearer {KEY},{OTHER_KEY}", "Incorrect API key provided"),
@@ -149,6 +149,7 @@ def test_a_browser_page_gets_its_preflight_without_a_key_and_can_read_the_401(se
                  {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     refused(reply)
     assert reply[1]["access-control-allow-origin"] == PAGE
+    assert "www-authenticate" in reply[1]["access-control-expose-headers"].lower()
 
 
 def test_refused_requests_are_logged_and_counted_without_the_keys(server, caplog):

@@ -201,6 +201,10 @@ def test_a_forced_call_is_a_function_call_item_and_its_output_goes_back(server, 
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"name": "Ada"}'}]
     expected = chat(client, messages, tools=[CHAT_LOOKUP], max_tokens=4, temperature=0)
     assert follow.usage.input_tokens == expected.usage.prompt_tokens
+    # ... or as a client keeps a conversation as JSON: the items dumped, the SDK's null fields and all
+    dumped = [item.model_dump(by_alias=True, mode="json") for item in reply.output]
+    again = create(client, input=[*ask, *dumped, result], tools=[LOOKUP], max_output_tokens=4, temperature=0)
+    assert again.usage.input_tokens == expected.usage.prompt_tokens
 
 
 def test_required_tool_choice_always_calls(client):
@@ -238,6 +242,13 @@ def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "schema": POINT}}}, "text.format.name"),
     ({"model": "other"}, "model"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format.schema"),
+    ({"reasoning": {"effort": "bogus"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "bogus"}}, "reasoning.summary"),
+    ({"store": "yes"}, "store"),
+    ({"background": "no"}, "background"),
+    ({"truncation": 5}, "truncation"),
 ])
 def test_refusals_name_the_responses_field(server, fields, param):
     status, _, text = post(server, {"model": MODEL, "input": "Hi", **fields})
@@ -245,6 +256,8 @@ def test_refusals_name_the_responses_field(server, fields, param):
     error = json.loads(text)["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert error["type"] == "invalid_request_error"
+    for chat_field in ("max_completion_tokens", "response_format", "messages", ".function."):
+        assert chat_field not in error["message"], error  # what the client sent, not the chat request it became
 
 
 def test_the_openai_client_raises_on_a_refusal(client):

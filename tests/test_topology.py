@@ -241,6 +241,8 @@ BAD = [
     ("api keys one text", changed(("head.api_keys", "sk-0123456789abcdef01")), "head.api_keys",
      "expected a list of one or more keys, got one text; write api_keys: [\"<key>\"]"),
     ("api keys empty", changed(("head.api_keys", [])), "head.api_keys", "got an empty list"),
+    # "api_keys:" with its keys commented out: null, which must not leave the API open
+    ("api keys null", changed(("head.api_keys", None)), "head.api_keys", "got nothing"),
     ("api keys a mapping", changed(("head.api_keys", {"k": 1})), "head.api_keys", "expected a list"),
     ("api key a number", changed(("head.api_keys", [1234567890123456789])), "head.api_keys[0]", "quote the key"),
     ("api key short", changed(("head.api_keys", ["sk-0123456789abcdef", "sk-short"])), "head.api_keys[1]",
@@ -355,10 +357,10 @@ def test_api_keys_round_trip_and_stay_out_of_reprs_and_errors(base_dir: Path) ->
     assert not any(key in repr(topo) for key in keys)
     assert parse_topology(changed(), base_dir).head.api_keys == ()  # absent: an open API
     assert "api_keys" not in parse_topology(changed(), base_dir).to_dict()["head"]
-    for bad in (["sk-0123456789 abcdef"], ["sk-short"], "sk-0123456789abcdef01"):
+    for bad in (["sk-0123456789 abcdef"], ["sk-short"], "sk-0123456789abcdef01", 12345678901234567890):
         with pytest.raises(TopologyError) as info:
             parse_topology(changed(("head.api_keys", bad)), base_dir)
-        assert (bad if isinstance(bad, str) else bad[0]) not in str(info.value)
+        assert str(bad[0] if isinstance(bad, list) else bad) not in str(info.value)
 
 
 @pytest.mark.parametrize("edits", [(), (("head.cors_origins", None),), (("head.cors_origins", []),)],

@@ -82,8 +82,9 @@ class ErrorReply:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# Headers a page may read only where a reply exposes them: clients wait by Retry-After after a 429 or a 503
-CORS_EXPOSED_HEADERS = ("Retry-After",)
+# Headers a page may read only where a reply exposes them: clients wait by Retry-After after a 429 or a 503, and
+# WWW-Authenticate says what a 401 wants (head.api_keys)
+CORS_EXPOSED_HEADERS = ("Retry-After", "WWW-Authenticate")
 
 
 def allowed_origin(cors_origins: tuple[str, ...], origin: str | None) -> str | None:
@@ -572,7 +573,7 @@ class ResponsesResource:
             check_model(request.model, self.service.model_id)
             return request, self.prompts.prepare(request)
         except RequestError as exc:
-            exc.param = translation.blame(exc.param)
+            exc.param, exc.message = translation.blame(exc.param), translation.reword(exc.message)
             raise
         except ChatTemplateError as exc:
             raise RequestError(str(exc), param="input", code="chat_template_error") from exc

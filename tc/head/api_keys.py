@@ -52,6 +52,8 @@ class ApiKeys:
         scheme, _, given = header.strip().partition(" ")
         if scheme.lower() != "bearer":
             raise Unauthorized(NOT_BEARER)
+        if not given.strip():
+            raise Unauthorized(MISSING)
         # WSGI gives header values as latin-1 text: these are the bytes the client sent
         sent = given.strip().encode("latin-1", "replace")
         if not sum(hmac.compare_digest(sent, key) for key in self._keys):  # every key compared, match or not

@@ -34,11 +34,15 @@ INPUT_ROLES = ("user", "assistant", "system", "developer")
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
 _PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
 _TEXT_PARTS = ("input_text", "output_text")
-_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+# ... and a function call item as the SDK dumps it (model_dump: its null async, caller and namespace too)
+_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status", "async", "async_", "caller",
+                        "namespace"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 _FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
 _REASONING_KEYS = frozenset({"effort", "summary", "generate_summary"})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 NO_STORE = ("tc keeps no responses between requests; send the whole conversation in 'input' (the earlier input "
             "items, then the response's output items)")
 
@@ -82,6 +86,10 @@ class Translation:
     # or not (a function call, its output, `instructions`)
     sources: list[tuple[str, bool]] = field(default_factory=list)
 
+    def reword(self, message: str) -> str:
+        """A refusal's message with each field it quotes ('max_completion_tokens') named as the client sent it."""
+        return re.sub(r"'([A-Za-z_][\w.\[\]]*)'", lambda quoted: f"'{self.blame(quoted[1])}'", message)
+
     def blame(self, param: str | None) -> str | None:
         """The Responses field for the chat field `param` that a refusal names."""
         if param is None:
@@ -108,11 +116,18 @@ def _refuse_stored_state(body: Mapping[str, Any]) -> None:
     if body.get("prompt") is not None:
         raise RequestError("'prompt' (a stored prompt template) is not supported: tc stores no prompts; send the "
                            "text in 'instructions' and 'input'", param="prompt", code="unsupported_parameter")
+    for name in ("background", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestError(f"'{name}' must be a boolean, not {_kind(body[name])}", param=name,
+                               code="invalid_type")
     if body.get("background") not in (None, False):
         raise RequestError("'background' is not supported: tc answers while the request is open and keeps no "
                            "responses to fetch later; leave it out, or send \"stream\": true for the text as it "
                            "comes", param="background", code="unsupported_value")
-    if body.get("truncation") not in (None, "disabled"):
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise RequestError(f"'truncation' is {json.dumps(body['truncation'])}; use \"disabled\" or leave it out",
+                           param="truncation", code="invalid_value")
+    if body.get("truncation") == "auto":
         raise RequestError("'truncation' \"auto\" is not supported: tc does not drop parts of a conversation to fit "
                            "the context; leave it out, or send \"disabled\" (a conversation too long for the "
                            "context gets a 400)", param="truncation", code="unsupported_value")
@@ -226,6 +241,7 @@ def _tools(value: Any) -> list[Any]:
                                "own (web or file search, code, computer use, MCP): only \"function\" tools, which "
                                "the client runs", param=f"{param}.type", code="unsupported_value")
         tool = _object(tool, param, _TOOL_KEYS)
+        _string(_required(tool, "name", param), f"{param}.name")  # the echo below reads it before the chat parser
         tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return tools
 
@@ -248,6 +264,7 @@ def _response_format(value: Any) -> dict[str, Any]:
     fmt = _object(text["format"], "text.format", _FORMAT_KEYS)
     if fmt.get("type") != "json_schema":
         return dict(fmt)  # "text" and "json_object" read the same in chat
+    _required(fmt, "schema", "text.format")  # optional in chat's response_format, required here
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
@@ -256,8 +273,11 @@ def _reasoning(value: Any) -> dict[str, Any] | None:
         return None
     reasoning = _object(value, "reasoning", _REASONING_KEYS)
     for key, setting in reasoning.items():
-        if setting is not None:
-            _string(setting, f"reasoning.{key}")
+        # the values OpenAI takes: echoed back, another would fail the client's own reading of the response
+        choices = REASONING_EFFORTS if key == "effort" else REASONING_SUMMARIES
+        if setting is not None and setting not in choices:
+            raise RequestError(f"'reasoning.{key}' is {json.dumps(setting)}; use one of {', '.join(choices)}",
+                               param=f"reasoning.{key}", code="invalid_value")
     return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
 
 
