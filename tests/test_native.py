@@ -909,3 +909,20 @@ def test_the_sum_check_refuses_a_kernel_one_bit_off(monkeypatch):
 
     monkeypatch.setattr(native.Kernels, "add_", off_by_one)
     assert native._check_add(KERNELS, torch.Generator().manual_seed(0)) == 1.0
+
+
+@needs_kernels
+def test_an_fp16_int8_layer_taken_densely_scales_its_rows_within_fp16s_range():
+    """The dense way multiplies int8 codes by the activations and applies the row scales after: in fp16 that
+    product passed 65504 and came out inf where the scaled result is small (an fp16 layer given to
+    Int8Linear.from_linear). It is made in float32 there; the result is the reference's in fp16."""
+    lin = torch.nn.Linear(256, 64, bias=False).half()
+    with torch.no_grad():
+        lin.weight.fill_(0.001)  # every code 127, the scale 0.001 / 127
+    dense = Int8Linear.from_linear(lin, dense_prefill=True)
+    if dense.path != "native":
+        pytest.skip("PyTorch's int8 kernel is as fast here")
+    x = torch.full((quant.NATIVE_DENSE_MIN_ROWS, 256), 50.0, dtype=torch.float16)  # 256 x 127 x 50 > 65504
+    y = dense(x)
+    assert y.dtype == torch.float16 and bool(y.isfinite().all())
+    assert relative(y.float(), torch.full_like(y, 256 * 0.001 * 50, dtype=torch.float32)) < 1e-2

@@ -404,21 +404,24 @@ def _native_dense(x2: torch.Tensor, rows: int, rows_into: Callable[[int, int, to
     come out as it would alone, through the native product, up to the last bits (unquantized, it moved a row of
     an int4 stage by 3% of its largest value)."""
     k, dtype = x2.shape[1], x2.dtype
-    x2 = native.kernels().quantized_activations(x2).to(dtype)
+    # int8 codes times the activations, before the row scales bring them back, can pass fp16's 65504: that product
+    # is made in float32 (bf16 and float32 have the range)
+    compute = torch.float32 if scale is not None and dtype == torch.float16 else dtype
+    x2 = native.kernels().quantized_activations(x2).to(compute)
     slab = max(native.TILE_ROWS, _NATIVE_DENSE_SLAB_BYTES // (2 * k) // native.TILE_ROWS * native.TILE_ROWS)
     buffer = kept_buffer(_scratch, min(rows, slab) * k, torch.bfloat16)  # fresh, 4x the conversion's time
     if rows <= slab:
-        y = F.linear(x2, rows_into(0, rows, buffer.view(rows, k)).to(dtype))
-        return y if scale is None else y * scale.to(dtype)
+        y = F.linear(x2, rows_into(0, rows, buffer.view(rows, k)).to(compute))
+        return (y if scale is None else y * scale.to(compute)).to(dtype)
     y = x2.new_empty(x2.shape[0], rows)
     for r0 in range(0, rows, slab):
         r1 = min(rows, r0 + slab)
-        part = F.linear(x2, rows_into(r0, r1, buffer[:(r1 - r0) * k].view(r1 - r0, k)).to(dtype))
+        part = F.linear(x2, rows_into(r0, r1, buffer[:(r1 - r0) * k].view(r1 - r0, k)).to(compute))
         if scale is None:
             y[:, r0:r1] = part
         else:
-            torch.mul(part, scale[r0:r1].to(dtype), out=y[:, r0:r1])
-    return y
+            torch.mul(part, scale[r0:r1].to(compute), out=y[:, r0:r1])
+    return y.to(dtype)
 
 
 def _int4_portable_linear(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
