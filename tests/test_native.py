@@ -338,6 +338,9 @@ def test_rows_laid_back_out_are_the_reference_weights_bit_for_bit():
         KERNELS.int8_rows(tiled8, 40, 56)
     with pytest.raises(ValueError, match="past the weight's 48 rows"):
         KERNELS.int4_rows(packed, scales, zeros, 128, 0, 56)
+    # a group size the scales were not made for would have the kernel read past them
+    with pytest.raises(ValueError, match=r"scales and zeros must be \[6, 8, 8\] for group_size 32"):
+        KERNELS.int4_rows(packed, scales, zeros, 32, 0, 48)
 
 
 @needs_kernels

@@ -320,6 +320,10 @@ class Kernels:
         K] (into `out`, contiguous, where given): quant.dequantize_int4's values converted to bfloat16, bit for bit."""
         k = packed.shape[1] * 8
         out = _rows_out(r0, r1, packed.shape[0] * TILE_ROWS, k, out)
+        if scales.shape != (packed.shape[0], k // group_size, TILE_ROWS) or zeros.shape != scales.shape:
+            # the kernel reads K / group_size scales and zero points a row: others would be read past their buffers
+            raise ValueError(f"scales and zeros must be [{packed.shape[0]}, {k // group_size}, {TILE_ROWS}] for "
+                             f"group_size {group_size}, not {tuple(scales.shape)} and {tuple(zeros.shape)}")
         self._int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), k, group_size,
                               r0 // TILE_ROWS, r1 // TILE_ROWS, out.data_ptr(), torch.get_num_threads())
         return out
