@@ -81,6 +81,7 @@ class ModelConfig:
     final_softcap: float | None = None  # logits likewise (Gemma 2)
     sliding_windows: tuple[int | None, ...] = ()  # per layer: keys within this many positions, None: all; ()
     local_rope: Rope | None = None  # the rotary embedding of sliding-window layers, where it differs (Gemma 3)
+    rope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); (): all
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused already (Phi-3)
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
@@ -117,6 +118,10 @@ class ModelConfig:
     def layer_rope(self, layer: int) -> Rope:
         """The rotary embedding `layer` uses."""
         return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
+
+    def rotates(self, layer: int) -> bool:
+        """Whether `layer` applies its rotary embedding to q and k."""
+        return self.rope_layers[layer] if self.rope_layers else True
 
     def has_experts(self, layer: int) -> bool:
         return self.experts is not None and (not self.experts.layers or self.experts.layers[layer])

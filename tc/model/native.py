@@ -290,16 +290,17 @@ class Kernels:
 
     def decode_attention_call(self, qkv: torch.Tensor, out: torch.Tensor, slots: ctypes.Array,
                               positions: ctypes.Array, capacities: ctypes.Array, rows: ctypes.Array, heads: int,
-                              kv_heads: int, scale: float, rotary: tuple[torch.Tensor, torch.Tensor]) -> Call:
+                              kv_heads: int, scale: float, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> Call:
         """decode_attention's kernel call for every row of qkv [rows, ...] into out [rows, heads * D], rotating
-        by rotary's cos and sin [rows, 1, D] (all contiguous bfloat16), for a decode plan: slots (int64),
+        by rotary's cos and sin [rows, 1, D] (all contiguous bfloat16; None: a layer that rotates nothing, as
+        SmolLM3's NoPE layers), for a decode plan: slots (int64),
         positions, capacities and rows (int32) are ctypes arrays of one entry per row, which the plan fills for
         each step (a row's cache storage for this layer, its position, its cache's capacity, and its row)."""
         n = qkv.shape[0]
         d = qkv.shape[-1] // (heads + 2 * kv_heads)
-        cos, sin = rotary
+        cos, sin = (None, None) if rotary is None else (t.data_ptr() for t in rotary)
         return (self._attention, (n, slots, positions, capacities, rows, qkv.data_ptr(), out.data_ptr(), heads,
-                                  kv_heads, d, scale, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()),
+                                  kv_heads, d, scale, cos, sin, torch.get_num_threads()),
                 f"no memory for the attention scores of {n} sequences")
 
     def int8_linear(self, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -308,6 +308,7 @@ class Attention(nn.Module):
         self.scale = config.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.softcap = config.attn_softcap
         self.window = config.window(layer)
+        self.rotates = config.rotates(layer)  # False: q and k go in unrotated (SmolLM3's NoPE layers)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
                 layer: int) -> torch.Tensor:
@@ -321,9 +322,11 @@ class Attention(nn.Module):
             # a decode step the native kernel takes whole: it rotates the query and key heads itself, which spares
             # rotate_'s operators (each several times its hot-loop cost in a step whose weights swept the caches)
             out = qkv.new_empty(1, rows, h * d)
-            self._decode_natively(kernels, qkv, out, list(enumerate(spans)), layer, (cos, sin))
+            self._decode_natively(kernels, qkv, out, list(enumerate(spans)), layer,
+                                  (cos, sin) if self.rotates else None)
             return self.o_proj(out)
-        rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
+        if self.rotates:
+            rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
         if len(spans) == 1:
             return self.o_proj(self._attend(qkv, spans[0], layer))
         out = qkv.new_empty(1, rows, h * d)
