@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
-from . import gemma, granite, llama, mistral, moe, olmo2, phi3, qwen2, qwen3
+from . import gemma, granite, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", ("Gemma3ForCausalLM",), gemma.parse_gemma3),
     Family("granite", ("GraniteForCausalLM",), granite.parse),
     Family("olmo2", ("Olmo2ForCausalLM",), olmo2.parse),
+    Family("olmo3", ("Olmo3ForCausalLM",), olmo3.parse),
+    Family("smollm3", ("SmolLM3ForCausalLM",), smollm3.parse),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe.parse_qwen2_moe),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe.parse_qwen3_moe),
     Family("mixtral", ("MixtralForCausalLM",), moe.parse_mixtral),
