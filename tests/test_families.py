@@ -18,7 +18,9 @@ from model_helpers import OurModel, hf_logits
 from tc.generation import Generator
 from tc.model.config import ConfigError, ModelConfig
 from tc.model.quant import Int4Linear, Int8Linear
-from tc.model.qwen2 import Stage
+from tc.model import native
+from tc.model.decode_plan import DecodePlan
+from tc.model.qwen2 import MLP, Attention, RMSNorm, Span, Stage
 from tc.model.tokenizer import TextTokenizer
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tc.sampling import SamplingParams
@@ -102,6 +104,34 @@ def test_bf16_follows_fp32(family_dirs, name):
     scale = fp32.abs().max().item()
     assert (bf16.full_logits(PROMPT) - fp32).abs().max().item() < 0.05 * scale
     assert (bf16.cached_logits(PROMPT, split=4) - fp32).abs().max().item() < 0.05 * scale
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no native kernels on this machine (see the log)")
+@pytest.mark.parametrize("planned", [True, False], ids=["decode plan", "modules"])
+def test_nope_layers_decode_unrotated_through_the_native_attention(family_dirs, monkeypatch, planned):
+    """The native attention rotates a decode row's q and k itself, where a layer rotates them (it is given cos and
+    sin): SmolLM3's NoPE layers (1 and 3, one in each stage) must be given none, through a decode plan and through
+    the modules alike. A bf16 decode step of each stage, its change to the residual stream against fp32's: measured
+    within 3% of the largest, as through PyTorch's attention; 17-20% with the NoPE layers rotated."""
+    model_dir = family_dirs("smollm3")
+    assert ModelConfig.from_file(model_dir / "config.json").rope_layers == (True, False, True, False)
+    monkeypatch.setattr(Stage, "decode_plans", planned)
+    monkeypatch.setattr(Attention, "native_decode", True)
+    monkeypatch.setattr(RMSNorm, "native", True)
+    monkeypatch.setattr(MLP, "native_act", True)
+
+    def decode_step(stage: Stage, dtype: torch.dtype) -> torch.Tensor:
+        g = torch.Generator().manual_seed(3)
+        cache = stage.new_cache(16, dtype, "cpu")
+        stage(torch.randn(1, 11, stage.config.hidden_size, generator=g).to(dtype), cache, 0)
+        x = torch.randn(1, 1, stage.config.hidden_size, generator=g).to(dtype)
+        return (stage.forward_batch(x, [Span(cache, 11, 1)]) - x).float()
+
+    bf16, fp32 = OurModel(model_dir, torch.bfloat16, splits=[2]), OurModel(model_dir, splits=[2])
+    for ours, ref in zip(bf16.stages, fp32.stages):
+        got, want = decode_step(ours, torch.bfloat16), decode_step(ref, torch.float32)
+        assert any(isinstance(p, DecodePlan) for p in ours._plans.values()) == planned
+        assert (got - want).abs().max().item() < 0.08 * want.abs().max().item()
 
 
 @pytest.mark.slow
@@ -352,6 +382,24 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     assert gemma3.layer_rope(0) == gemma3.local_rope and gemma3.layer_rope(5) == gemma3.rope
 
 
+@pytest.mark.parametrize("name, changes, message", [
+    ("smollm3", {"no_rope_layers": [1, 0, 1]}, r"no_rope_layers = \[1, 0, 1\]; expected a 1 \(RoPE\) or 0"),
+    ("smollm3", {"no_rope_layers": [1, 2, 1, 1]}, r"no_rope_layers = \[1, 2, 1, 1\]; expected"),
+    ("smollm3", {"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval = 0; expected"),
+    ("smollm3", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 5},
+     "layer_types holds sliding_attention with use_sliding_window = False and sliding_window = 5"),
+    ("smollm3-window", {"layer_types": ["chunked_attention"] * 4}, "layer_types holds 'chunked_attention'"),
+    ("olmo3", {"rope_parameters": None, "rope_theta": 10000.0}, "rope_theta = 10000.0 without rope_parameters by "
+     "layer type; transformers 4.x turns the sliding layers at that base, 5.x at 500000"),
+    ("olmo3", {"sliding_window": None}, "sliding_window = null while layer_types holds sliding_attention"),
+    ("olmo3", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling = .* beside rope_parameters"),
+])
+def test_a_smollm3_or_olmo3_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):
+    data = json.loads((family_dirs(name) / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**data, **changes})
+
+
 # Keys a config.json may leave out (written by hand, or by a tool that writes only what differs from the defaults),
 # whose transformers default is the family's own rather than what most families take: Gemma 2's soft caps, query
 # scale and activation, Gemma 3's two rotary bases (with linear scaling on the global layers only, and the 4.x
@@ -370,6 +418,12 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "mixtral": ("mixtral", {"rope_parameters"}, {}),
     "granite": ("granite", {"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"},
                 {}),
+    # SmolLM3's NoPE layers by no_rope_layer_interval, its rotary base (2e6), and its window on the NoPE layers
+    "smollm3": ("smollm3", {"no_rope_layers", "layer_types", "rope_parameters"}, {"no_rope_layer_interval": 2}),
+    "smollm3-window": ("smollm3-window", {"layer_types", "rope_parameters"}, {}),
+    # OLMo 3 as 4.x wrote it: one rope_scaling (for the global layers) and three sliding layers to a global one
+    "olmo3": ("olmo3", {"layer_types", "rope_parameters"},
+              {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
 }
 
 

@@ -46,10 +46,20 @@ FAMILIES = {
                     layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # NoPE layers (0) on either side of a split after layer 2; SmolLM3-3B's own files slide nowhere
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1, 0], rope_theta=10000.0)),
+    # with a window, SmolLM3Config slides the NoPE layers
+    "smollm3-window": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                       dict(no_rope_layers=[0, 1, 0, 1], use_sliding_window=True, sliding_window=5)),
     "granite": ("GraniteConfig", "GraniteForCausalLM",  # multipliers of Granite 3.0's kind, none a power of two
                 dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.22, logits_scaling=3.0,
                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True)),
+    # sliding and global layers on either side of a split after layer 2, each type with a rotary base of its own
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(attention_bias=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(**MOE, shared_expert_intermediate_size=48, mlp_only_layers=[2])),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**MOE, norm_topk_prob=True, head_dim=32)),
