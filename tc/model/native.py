@@ -410,8 +410,8 @@ class Kernels:
         The result is the same either way."""
         x2 = x2.contiguous()
         if x2.dtype != torch.bfloat16 or x2.device.type != "cpu" or not bf16_operands_ok(x2.shape[1], weight, bias):
-            raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N] on the CPU, "
-                             f"got x {x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
+            raise ValueError(f"bf16_linear takes bfloat16 x [M, K], a contiguous weight [N, K] and bias [N] on the "
+                             f"CPU, got x {x2.dtype} {list(x2.shape)}, weight {weight.dtype} {list(weight.shape)}"
                              + ("" if bias is None else f", bias {bias.dtype} {list(bias.shape)}"))
         return self.bf16_product(x2, weight, bias, tiled)
 
