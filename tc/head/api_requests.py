@@ -691,8 +691,8 @@ def _object(value: Any, param: str, known: frozenset[str],
             continue
         if neutral and key in neutral and any(_same_json(value[key], v) for v in neutral[key]):
             continue
-        raise RequestError(f"unsupported field '{param}.{key}'", param=f"{param}.{key}",
-                           code="unsupported_parameter")
+        raise RequestError(f"unsupported field '{param}.{key}': this server does not implement it; remove it",
+                           param=f"{param}.{key}", code="unsupported_parameter")
     return value
 
 

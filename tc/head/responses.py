@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from ..generation import Completion, Step
-from .api_requests import RequestError
+# the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
+from .api_requests import RequestError, _boolean, _check_fields, _json_type, _object, _required, _string
 from .service import GenerationStream
 from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 
@@ -47,32 +48,9 @@ NO_STORE = ("tc keeps no responses between requests; send the whole conversation
             "items, then the response's output items)")
 
 
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
-
-
-def _object(value: Any, param: str, known: frozenset[str]) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise RequestError(f"'{param}' must be an object, not {_kind(value)}", param=param, code="invalid_type")
-    for key in value:
-        if key not in known:
-            raise RequestError(f"unsupported field '{param}.{key}': this server does not implement it; remove it",
-                               param=f"{param}.{key}", code="unsupported_parameter")
-    return value
-
-
-def _string(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise RequestError(f"'{param}' must be a string, not {_kind(value)}", param=param, code="invalid_type")
-    return value
-
-
-def _required(item: Mapping[str, Any], key: str, param: str) -> Any:
-    if item.get(key) is None:
-        raise RequestError(f"missing required field '{param}.{key}'", param=f"{param}.{key}",
-                           code="missing_required_parameter")
-    return item[key]
+def _text_field(item: Mapping[str, Any], key: str, param: str) -> str:
+    """item[key], required and a string (`param`: where item is)."""
+    return _string(_required(item, key, f"{param}."), f"{param}.{key}")
 
 
 @dataclass
@@ -117,9 +95,8 @@ def _refuse_stored_state(body: Mapping[str, Any]) -> None:
         raise RequestError("'prompt' (a stored prompt template) is not supported: tc stores no prompts; send the "
                            "text in 'instructions' and 'input'", param="prompt", code="unsupported_parameter")
     for name in ("background", "store"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise RequestError(f"'{name}' must be a boolean, not {_kind(body[name])}", param=name,
-                               code="invalid_type")
+        if body.get(name) is not None:
+            _boolean(body[name], name)
     if body.get("background") not in (None, False):
         raise RequestError("'background' is not supported: tc answers while the request is open and keeps no "
                            "responses to fetch later; leave it out, or send \"stream\": true for the text as it "
@@ -143,7 +120,7 @@ def _text_parts(value: Any, param: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise RequestError(f"'{param}' must be a string or an array of input_text parts, not {_kind(value)}",
+        raise RequestError(f"'{param}' must be a string or an array of input_text parts, not {_json_type(value)}",
                            param=param, code="invalid_type")
     parts = []
     for j, part in enumerate(value):
@@ -153,7 +130,7 @@ def _text_parts(value: Any, param: str) -> str | list[dict[str, Any]]:
             raise RequestError(f"'{where}.type' is {json.dumps(part.get('type'))}; this server reads only text: "
                                "\"input_text\" (or \"output_text\" in an assistant's message)",
                                param=f"{where}.type", code="unsupported_value")
-        parts.append({"type": "text", "text": _string(_required(part, "text", where), f"{where}.text")})
+        parts.append({"type": "text", "text": _text_field(part, "text", where)})
     return parts
 
 
@@ -170,18 +147,18 @@ class _Messages:
 
     def message(self, item: Mapping[str, Any], param: str) -> None:
         item = _object(item, param, _MESSAGE_KEYS)
-        role = _required(item, "role", param)
+        role = _required(item, "role", f"{param}.")
         if role not in INPUT_ROLES:
             raise RequestError(f"'{param}.role' is {json.dumps(role)}; use one of {', '.join(INPUT_ROLES)}",
                                param=f"{param}.role", code="invalid_value")
-        content = _text_parts(_required(item, "content", param), f"{param}.content")
+        content = _text_parts(_required(item, "content", f"{param}."), f"{param}.content")
         self.add({"role": "system" if role == "developer" else role, "content": content}, param, True)
 
     def function_call(self, item: Mapping[str, Any], param: str) -> None:
         item = _object(item, param, _CALL_KEYS)
-        call = {"id": _string(_required(item, "call_id", param), f"{param}.call_id"), "type": "function",
-                "function": {"name": _string(_required(item, "name", param), f"{param}.name"),
-                             "arguments": _string(_required(item, "arguments", param), f"{param}.arguments")}}
+        call = {"id": _text_field(item, "call_id", param), "type": "function",
+                "function": {"name": _text_field(item, "name", param),
+                             "arguments": _text_field(item, "arguments", param)}}
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant":
             # calls that follow the assistant's text, or each other, are that one turn of the assistant's
@@ -191,8 +168,8 @@ class _Messages:
 
     def function_call_output(self, item: Mapping[str, Any], param: str) -> None:
         item = _object(item, param, _OUTPUT_KEYS)
-        call_id = _string(_required(item, "call_id", param), f"{param}.call_id")
-        output = _text_parts(_required(item, "output", param), f"{param}.output")
+        call_id = _text_field(item, "call_id", param)
+        output = _text_parts(_required(item, "output", f"{param}."), f"{param}.output")
         self.add({"role": "tool", "tool_call_id": call_id, "content": output}, param, False)
 
 
@@ -205,14 +182,14 @@ def _input(body: Mapping[str, Any], messages: _Messages) -> None:
         messages.add({"role": "user", "content": value}, "input", False)
         return
     if not isinstance(value, list):
-        raise RequestError(f"'input' must be a string or an array of input items, not {_kind(value)}",
+        raise RequestError(f"'input' must be a string or an array of input items, not {_json_type(value)}",
                            param="input", code="invalid_type")
     if not value:
         raise RequestError("'input' must hold at least one item", param="input", code="invalid_value")
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(f"'{param}' must be an object, not {_kind(item)}", param=param, code="invalid_type")
+            raise RequestError(f"'{param}' must be an object, not {_json_type(item)}", param=param, code="invalid_type")
         kind = item.get("type", "message")
         if kind == "message":
             messages.message(item, param)
@@ -230,18 +207,18 @@ def _input(body: Mapping[str, Any], messages: _Messages) -> None:
 
 def _tools(value: Any) -> list[Any]:
     if not isinstance(value, list):
-        raise RequestError(f"'tools' must be an array, not {_kind(value)}", param="tools", code="invalid_type")
+        raise RequestError(f"'tools' must be an array, not {_json_type(value)}", param="tools", code="invalid_type")
     tools = []
     for i, tool in enumerate(value):
         param = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise RequestError(f"'{param}' must be an object, not {_kind(tool)}", param=param, code="invalid_type")
+            raise RequestError(f"'{param}' must be an object, not {_json_type(tool)}", param=param, code="invalid_type")
         if tool.get("type") != "function":
             raise RequestError(f"'{param}.type' is {json.dumps(tool.get('type'))}; this server runs no tools of its "
                                "own (web or file search, code, computer use, MCP): only \"function\" tools, which "
                                "the client runs", param=f"{param}.type", code="unsupported_value")
         tool = _object(tool, param, _TOOL_KEYS)
-        _string(_required(tool, "name", param), f"{param}.name")  # the echo below reads it before the chat parser
+        _text_field(tool, "name", param)  # the echo below reads it before the chat parser
         tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return tools
 
@@ -254,7 +231,7 @@ def _tool_choice(value: Any) -> Any:
                            "\"required\" or {\"type\": \"function\", \"name\": ...}", param="tool_choice.type",
                            code="unsupported_value")
     chosen = _object(value, "tool_choice", frozenset({"type", "name"}))
-    return {"type": "function", "function": {"name": _required(chosen, "name", "tool_choice")}}
+    return {"type": "function", "function": {"name": _required(chosen, "name", "tool_choice.")}}
 
 
 def _response_format(value: Any) -> dict[str, Any]:
@@ -264,7 +241,7 @@ def _response_format(value: Any) -> dict[str, Any]:
     fmt = _object(text["format"], "text.format", _FORMAT_KEYS)
     if fmt.get("type") != "json_schema":
         return dict(fmt)  # "text" and "json_object" read the same in chat
-    _required(fmt, "schema", "text.format")  # optional in chat's response_format, required here
+    _required(fmt, "schema", "text.format.")  # optional in chat's response_format, required here
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
@@ -284,10 +261,7 @@ def _reasoning(value: Any) -> dict[str, Any] | None:
 def translate(body: Mapping[str, Any]) -> Translation:
     """The chat body for a Responses body. Raises RequestError, naming the Responses field, for what the
     translation itself cannot take; what the chat parser refuses later goes through `Translation.blame`."""
-    for name in body:
-        if name not in _FIELDS:
-            raise RequestError(f"unsupported field '{name}': this server does not implement it; remove it",
-                               param=name, code="unsupported_parameter")
+    _check_fields(body, _FIELDS, {})
     _refuse_stored_state(body)
     messages = _Messages()
     instructions = body.get("instructions")
@@ -311,7 +285,7 @@ def translate(body: Mapping[str, Any]) -> Translation:
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise RequestError(f"'metadata' must be an object of strings, not {_kind(metadata)}", param="metadata",
+            raise RequestError(f"'metadata' must be an object of strings, not {_json_type(metadata)}", param="metadata",
                                code="invalid_type")
         for key, value in metadata.items():
             _string(value, f"metadata.{key}")
