@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from tc.generation import LocalPipeline
-from tc.head.service import WorkerLost
+from tc.head.api import create_app
+from tc.head.http_server import start_http_server
+from tc.head.service import GenerationService, Readiness, WorkerLost
 from tc.model.config import ModelConfig
 from tc.model.qwen2 import HeadModel, Stage
 from tc.model.weights import WeightIndex, layer_tensor_names
@@ -49,6 +51,16 @@ class GatedPipeline(LocalPipeline):
         if len(entries) >= self.hold_at and any(e.start > 0 for e in entries):
             self.gate.wait(60)
         return super().run(entries, hidden)
+
+
+def serve_app(generator, model_id: str, body_limit: int, cors_origins: tuple[str, ...] = (),
+              api_keys: tuple[str, ...] = (), **service_args):
+    """The head's API over `generator` on a live Waitress server (an ephemeral loopback port), its one worker w1
+    ready; `service_args` go to GenerationService."""
+    service = GenerationService(model_id, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
+                                **service_args)
+    app = create_app(service, max_body_bytes=body_limit, cors_origins=cors_origins, api_keys=api_keys)
+    return start_http_server(app, "127.0.0.1", 0, threads=4, max_body_bytes=body_limit, cors_origins=cors_origins)
 
 
 class LosesWorkerAtDecode(LocalPipeline):

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from cluster import free_ports, write_topology
-from model_helpers import OurModel
+from model_helpers import OurModel, serve_app
 from tc.generation import Generator
-from tc.head.api import create_app, create_loading_app
+from tc.head.api import create_loading_app
 from tc.head.http_server import HttpServer, start_http_server
 from tc.head.loading import HeadLoading
 from tc.head.metrics import Metrics
-from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
@@ -40,9 +39,7 @@ def generator(tiny_model_dir) -> Generator:
 @pytest.fixture(scope="module")
 def server(generator):
     """A server with two keys, whose pages of PAGE may call it from a browser."""
-    service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()))
-    app = create_app(service, max_body_bytes=BODY_LIMIT, cors_origins=(PAGE,), api_keys=(KEY, OTHER_KEY))
-    running = start_http_server(app, "127.0.0.1", 0, threads=4, max_body_bytes=BODY_LIMIT, cors_origins=(PAGE,))
+    running = serve_app(generator, MODEL, BODY_LIMIT, (PAGE,), (KEY, OTHER_KEY))
     yield running
     running.stop()
 

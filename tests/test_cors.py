@@ -14,11 +14,9 @@ import pytest
 import torch
 
 from cluster import free_ports, write_topology
-from model_helpers import OurModel
+from model_helpers import OurModel, serve_app
 from tc.generation import Generator
-from tc.head.api import create_app
-from tc.head.http_server import HttpServer, start_http_server
-from tc.head.service import GenerationService, Readiness
+from tc.head.http_server import HttpServer
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
@@ -40,10 +38,7 @@ def generator(tiny_model_dir) -> Generator:
 
 
 def serve(generator: Generator, cors_origins: tuple[str, ...], **service_args) -> HttpServer:
-    service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()),
-                                **service_args)
-    return start_http_server(create_app(service, max_body_bytes=BODY_LIMIT, cors_origins=cors_origins),
-                             "127.0.0.1", 0, threads=4, max_body_bytes=BODY_LIMIT, cors_origins=cors_origins)
+    return serve_app(generator, MODEL, BODY_LIMIT, cors_origins, **service_args)
 
 
 @pytest.fixture(scope="module")
