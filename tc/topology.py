@@ -672,7 +672,8 @@ class _Parser:
         resume = self.boolean(head.get("resume", True), "head.resume")
         grace = head.get("resume_grace_s", DEFAULT_RESUME_GRACE_S)
         resume_grace_s = self.positive_number(grace, "head.resume_grace_s", "seconds", MAX_SECONDS)
-        join_token = self.optional(head, "join_token", "head", self.join_token)
+        # as with api_keys: written without its value (YAML null) must not let anyone join
+        join_token = self.join_token(head["join_token"], "head.join_token") if "join_token" in head else None
         low, high = SIZE_RANGE_MB
         max_frame_mb = self.positive_number(head.get("max_frame_mb", DEFAULT_MAX_FRAME_MB), "head.max_frame_mb",
                                             "MiB", high, low)
@@ -783,6 +784,9 @@ class _Parser:
 
     def join_token(self, value: object, path: str) -> str:
         # The text itself is never echoed back: an error message may end up in a log.
+        if value is None:
+            raise self.fail(path, "the key is written without a token; give the token, or leave join_token out for "
+                            "a cluster that any worker may join")
         if not isinstance(value, str):
             raise self.fail(path, f"expected text, got {type(value).__name__}; quote the token")
         if value != value.strip() or len(value) < MIN_JOIN_TOKEN_CHARS:

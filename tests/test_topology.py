@@ -251,6 +251,16 @@ BAD = [
      "without spaces"),
     ("api key not ASCII", changed(("head.api_keys", ["sk-caf\u00e9-0123456789abc"])), "head.api_keys[0]",
      "printable ASCII"),
+    # the join token, which an error never echoes either
+    # "join_token:" with its token commented out: null, which must not let any worker join
+    ("join token null", changed(("head.join_token", None)), "head.join_token",
+     "written without a token; give the token, or leave join_token out"),
+    ("join token a number", changed(("head.join_token", 12345678901234567890)), "head.join_token",
+     "expected text, got int; quote the token"),
+    ("join token short", changed(("head.join_token", "0123456789abcde")), "head.join_token",
+     "at least 16 characters with no spaces at either end; make one with"),
+    ("join token with a space", changed(("head.join_token", " 0123456789abcdef")), "head.join_token",
+     "no spaces at either end"),
     # paths the file system refuses
     ("model path of a NUL", changed(("model", "./a\0b")), "model", "not a usable path"),
     ("model path too long", changed(("model", "a" * 5000)), "model", "not a usable path"),
@@ -361,6 +371,20 @@ def test_api_keys_round_trip_and_stay_out_of_reprs_and_errors(base_dir: Path) ->
         with pytest.raises(TopologyError) as info:
             parse_topology(changed(("head.api_keys", bad)), base_dir)
         assert str(bad[0] if isinstance(bad, list) else bad) not in str(info.value)
+
+
+def test_join_token_round_trips_and_stays_out_of_reprs_and_errors(base_dir: Path) -> None:
+    token = "3f9c2d0e8b7a41f6a5c4e3d2b1a09f8e"
+    topo = parse_topology(changed(("head.join_token", token)), base_dir)
+    assert topo.head.join_token == token
+    assert parse_topology(topo.to_dict(), Path("/")) == topo
+    assert token not in repr(topo)
+    assert parse_topology(changed(), base_dir).head.join_token is None  # absent: any worker may join
+    assert "join_token" not in parse_topology(changed(), base_dir).to_dict()["head"]
+    for bad in ("0123456789 abcdef ", "short-token", 12345678901234567890):
+        with pytest.raises(TopologyError) as info:
+            parse_topology(changed(("head.join_token", bad)), base_dir)
+        assert str(bad).strip() not in str(info.value)
 
 
 @pytest.mark.parametrize("edits", [(), (("head.cors_origins", None),), (("head.cors_origins", []),)],
