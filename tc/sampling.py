@@ -2,9 +2,12 @@
 
 The order is the one vLLM uses: the tokens that may not come next masked out (a grammar's, EOS before min_tokens),
 then the request's logit_bias added, then penalties (repetition, then presence and frequency), then temperature,
-then top-k and top-p, then one draw from the request's `SeededRandom`. Greedy (temperature 0) takes the argmax
-after the bias and the penalties. Log-probabilities are reported from the raw model distribution (`log_softmax` of
-the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did; before the bias too, as vLLM reads them.
+then top-k and top-p, then min-p, then one draw from the request's `SeededRandom`. Min-p alone comes where
+transformers puts it, after top-p: vLLM filters it before top-k and top-p, and its top-p then reads the renormalised
+rest, which can keep fewer tokens; after top-p, min-p keeps exactly the nucleus's tokens that it keeps alone.
+Greedy (temperature 0) takes the argmax after the bias and the penalties. Log-probabilities are reported from the
+raw model distribution (`log_softmax` of the fp32 logits), as OpenAI and vLLM report them, whatever the sampler did;
+before the bias too, as vLLM reads them.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_k: int = 0  # 0: every token
+    min_p: float = 0.0  # drop tokens less likely than this times the most likely one; 0: none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,6 +63,7 @@ class SamplingParams:
              f"seed must fit a signed 64-bit integer, got {self.seed}"),
             (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (not self.top_k >= 0, f"top_k must be >= 0 (0: every token), got {self.top_k}"),
+            (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0: off), got {self.min_p}"),
             (not self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.logprobs is not None and not self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (self.prompt_logprobs and self.logprobs is None,
@@ -220,6 +225,25 @@ def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, kept)
 
 
+def below_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Which tokens min-p drops (bool, like `probs`, in this thread's scratch buffer: valid until the next call
+    here): those less likely than `min_p` times the most likely one, as transformers' MinPLogitsWarper and vLLM drop.
+
+    The most likely token is never among them, so at least one is always kept (what MinPLogitsWarper's
+    min_tokens_to_keep=1 ensures): with min_p <= 1 the threshold is a product of its probability and a factor of at
+    most 1, which rounds to at most that probability. Where probs is the nucleus (the rest zeroed) the threshold is
+    the same fraction of the same token's probability as over the renormalised nucleus transformers reads."""
+    threshold = probs.max() * min_p
+    return torch.lt(probs, threshold, out=_scratch.like("below_min_p", probs, torch.bool))
+
+
+def filter_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Zero the tokens less likely than `min_p` times the most likely one (none for min_p = 0)."""
+    if min_p <= 0:
+        return probs
+    return probs.masked_fill(below_min_p(probs, min_p), 0.0)
+
+
 class _Scratch(threading.local):
     """Vocabulary-sized buffers for sampling, kept per thread and reused for every token.
 
@@ -271,8 +295,9 @@ def greedy(logits: torch.Tensor) -> int:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: SeededRandom | torch.Generator | None,
-           top_k: int = 0) -> int:
-    """The next token id for fp32 `logits` [vocab] (already penalised). Greedy at temperature 0."""
+           top_k: int = 0, min_p: float = 0.0) -> int:
+    """The next token id for fp32 `logits` [vocab] (already penalised). Greedy at temperature 0, whatever top_p
+    and min_p say."""
     # a temperature below the logits' dtype's smallest number is 0 there; greedy is what it tends to anyway
     if temperature == 0 or logits.new_tensor(temperature) == 0:
         return greedy(logits)
@@ -281,8 +306,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: Se
     shifted = torch.sub(logits, logits.max(), out=_scratch.like("shifted", logits)).div_(temperature)
     probs = torch.softmax(shifted, dim=-1, out=_scratch.like("probs", logits))
     if top_p >= 1.0:
+        if min_p > 0:  # in place: probs is this call's own scratch buffer
+            probs.masked_fill_(below_min_p(probs, min_p), 0.0)
         return draw(probs, generator)
     kept, order = nucleus(probs, top_p)
+    if min_p > 0:  # after top-p, as transformers orders them
+        kept.masked_fill_(below_min_p(kept, min_p), 0.0)
     return int(order[draw(kept, generator)])
 
 
@@ -291,12 +320,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, history: TokenHistory |
            ) -> int:
     """The next token for raw fp32 `logits` [vocab] under `params`: one of `allowed` (bool [vocab]) if given,
     never one of `banned`."""
-    if allowed is not None:  # before everything else: penalties and top-k/top-p then see only valid tokens
+    if allowed is not None:  # before everything else: penalties and top-k/top-p/min-p then see only valid tokens
         logits = logits.masked_fill(~allowed, float("-inf"))
     if banned:
         logits = logits.index_fill(0, torch.tensor(list(banned), dtype=torch.long), float("-inf"))
     logits = apply_logit_bias(logits, params.logit_bias)  # after the masks and before the penalties, as in vLLM
-    return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k)
+    return sample(penalise(logits, history, params), params.temperature, params.top_p, rng, params.top_k,
+                  params.min_p)
 
 
 def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:

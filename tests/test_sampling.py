@@ -6,13 +6,15 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import (SamplingParams, TokenHistory, apply_presence_frequency, apply_repetition_penalty, choose,
-                         draw, filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample, token_logprob)
+                         draw, filter_min_p, filter_top_k, filter_top_p, new_rng, penalise, prompt_logprobs, sample,
+                         token_logprob)
 
 VOCAB = 50
 
@@ -25,6 +27,7 @@ def test_greedy_takes_the_argmax_whatever_the_rng():
     logits = random_logits(0)
     assert sample(logits, 0.0, 0.5, None) == int(torch.argmax(logits))
     assert sample(logits, 0.0, 1.0, new_rng(1), top_k=3) == int(torch.argmax(logits))
+    assert sample(logits, 0.0, 0.5, new_rng(1), min_p=0.9) == int(torch.argmax(logits))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -113,6 +116,73 @@ def test_top_p_keeps_the_same_tokens_as_transformers(seed, top_p):
     theirs = ~torch.isinf(TopPLogitsWarper(top_p)(None, logits[None].clone())[0])
     assert torch.equal(kept, theirs)
     assert filter_top_p(torch.softmax(logits, -1), top_p).sum() <= 1.0 + 1e-6
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely_one():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = {min_p: (filter_min_p(probs, min_p) > 0).nonzero().flatten().tolist() for min_p in (0, 0.2, 0.5, 1)}
+    # thresholds 0, 0.1, 0.25 and 0.5: the most likely token always stays
+    assert kept == {0: [0, 1, 2, 3], 0.2: [0, 1, 2], 0.5: [0, 1], 1: [0]}
+    assert torch.equal(filter_min_p(probs, 0.2), torch.tensor([0.5, 0.3, 0.15, 0.0]))  # the kept ones as they were
+
+
+def clear_of_min_p(probs: torch.Tensor, min_p: float) -> bool:
+    """Whether every token but the most likely one is at least 0.01% away from min_p's threshold, so that no
+    rounding of ours or transformers' can put it on the other side."""
+    threshold = probs.max() * min_p
+    others = probs[torch.arange(probs.shape[-1]) != torch.argmax(probs)]
+    return bool(((others - threshold).abs() > 1e-4 * threshold).all())
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])
+def test_min_p_keeps_the_same_tokens_as_transformers(seed, min_p):
+    logits = random_logits(seed)
+    probs = torch.softmax(logits, -1)
+    assert clear_of_min_p(probs, min_p)
+    kept = filter_min_p(probs, min_p) > 0
+    theirs = ~torch.isinf(MinPLogitsWarper(min_p)(None, logits[None].clone())[0])
+    assert torch.equal(kept, theirs) and 1 <= int(kept.sum()) < VOCAB
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(2.0, 0, 1.0, 0.05), (1.5, 30, 0.95, 0.1),
+                                                              (3.0, 0, 0.9, 0.2), (1.2, 0, 0.99, 0.02)])
+def test_sampled_tokens_are_those_transformers_keeps_with_min_p_after_temperature_top_k_and_top_p(
+        seed, temperature, top_k, top_p, min_p):
+    logits = random_logits(seed)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k or VOCAB),
+                                   TopPLogitsWarper(top_p), MinPLogitsWarper(min_p)])  # transformers' order
+    theirs = set((~torch.isinf(warpers(None, logits[None].clone())[0])).nonzero().flatten().tolist())
+    probs = torch.softmax(filter_top_k(logits, top_k) / temperature, -1)
+    assert clear_of_min_p(probs, min_p)
+    nucleus = filter_top_p(probs, top_p)
+    kept = filter_min_p(nucleus, min_p) > 0
+    assert set(kept.nonzero().flatten().tolist()) == theirs
+    assert len(theirs) < int((nucleus > 0).sum())  # min_p took some of the nucleus's tokens away
+    rng = new_rng(seed)
+    assert {sample(logits, temperature, top_p, rng, top_k=top_k, min_p=min_p) for _ in range(300)} <= theirs
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.999])
+def test_a_token_under_min_p_after_temperature_is_never_drawn(top_p):
+    """Probabilities 0.5, 0.3, 0.15, 0.05: at temperature 1 and min_p 0.4 the threshold is 0.2, which only the first
+    two pass. Temperature 2 flattens them to shares 1, 0.77, 0.55, 0.32 of the first: the third passes too."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    rng = new_rng(11)
+    assert {sample(logits, 1.0, top_p, rng, min_p=0.4) for _ in range(300)} == {0, 1}
+    assert {sample(logits, 2.0, top_p, rng, min_p=0.4) for _ in range(300)} == {0, 1, 2}
+    assert {sample(logits, 2.0, top_p, rng, min_p=1.0) for _ in range(50)} == {0}
+
+
+def test_min_p_filters_the_nucleus_as_transformers_orders_them():
+    """top_p 0.83 keeps 0.5, 0.3 and 0.15 (0.8 comes before the third); min_p 0.2 then drops 0.05 only. vLLM's
+    order, min-p first, would renormalise to 0.53, 0.32, 0.16, and top-p would then drop the third as well."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    warpers = LogitsProcessorList([TopPLogitsWarper(0.83), MinPLogitsWarper(0.2)])
+    assert (~torch.isinf(warpers(None, logits[None].clone())[0])).nonzero().flatten().tolist() == [0, 1, 2]
+    rng = new_rng(3)
+    assert {sample(logits, 1.0, 0.83, rng, min_p=0.2) for _ in range(300)} == {0, 1, 2}
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1e-300, 1.0), (5e-324, 0.5), (1.0, 1e-300), (1.0, 5e-324),
@@ -337,6 +407,9 @@ BAD_PARAMS = {
     "zero top_p": ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
     "top_p over 1": ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
     "negative top_k": ({"top_k": -1}, "top_k must be >= 0"),
+    "negative min_p": ({"min_p": -0.1}, r"min_p must be in \[0, 1\] \(0: off\), got -0.1"),
+    "min_p over 1": ({"min_p": 1.5}, r"min_p must be in \[0, 1\] \(0: off\), got 1.5"),
+    "NaN min_p": ({"min_p": float("nan")}, r"min_p must be in \[0, 1\] \(0: off\), got nan"),
     "zero repetition_penalty": ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
     "negative logprobs": ({"logprobs": -2}, "logprobs must be >= 0, got -2"),
     "prompt_logprobs alone": ({"prompt_logprobs": True}, "prompt_logprobs needs logprobs"),
