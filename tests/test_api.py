@@ -99,10 +99,12 @@ def test_parse_completion_request_fills_defaults_and_keeps_values():
     assert request.sampling.to_params(16) == SamplingParams(max_tokens=16)
     request = parse_completion_request({"model": "m", "prompt": [[1, 2]], "max_tokens": 3, "temperature": 0,
                                         "top_p": 0.5, "stop": "x", "seed": 9, "n": 1, "stream": False,
-                                        "user": "u", "presence_penalty": 0, "logprobs": None})
+                                        "user": "u", "presence_penalty": 0, "logprobs": None, "min_p": 0.05})
     assert request.prompt == (1, 2)
     assert request.sampling.to_params(16) == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, stop=("x",),
-                                                            seed=9)
+                                                            seed=9, min_p=0.05)
+    chat_request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 1})
+    assert chat_request.sampling.to_params(16).min_p == 1.0
 
 
 def test_logit_bias_is_read_into_token_ids_and_values_by_id():
@@ -256,6 +258,14 @@ BAD_REQUESTS = [
      "invalid_value"),
     (COMPLETIONS, completion(top_k=-2), 400, "invalid_request_error", "top_k", "invalid_value"),
     (COMPLETIONS, completion(top_k=1.5), 400, "invalid_request_error", "top_k", "invalid_type"),
+    (COMPLETIONS, completion(min_p=-0.1), 400, "invalid_request_error", "min_p", "invalid_value"),
+    (COMPLETIONS, completion(min_p=1.5), 400, "invalid_request_error", "min_p", "invalid_value"),
+    (COMPLETIONS, completion(min_p="x"), 400, "invalid_request_error", "min_p", "invalid_type"),
+    (COMPLETIONS, completion(min_p=True), 400, "invalid_request_error", "min_p", "invalid_type"),
+    (CHAT, chat(min_p=-0.1), 400, "invalid_request_error", "min_p", "invalid_value"),
+    (CHAT, chat(min_p=1.5), 400, "invalid_request_error", "min_p", "invalid_value"),
+    (CHAT, chat(min_p="x"), 400, "invalid_request_error", "min_p", "invalid_type"),
+    (CHAT, chat(min_p=True), 400, "invalid_request_error", "min_p", "invalid_type"),
     (COMPLETIONS, completion(echo=0), 400, "invalid_request_error", "echo", "invalid_type"),
     (COMPLETIONS, completion(logit_bias=[[50, 1]]), 400, "invalid_request_error", "logit_bias", "invalid_type"),
     (COMPLETIONS, completion(logit_bias={"the": 5}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
@@ -285,7 +295,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(suffix="x"), 400, "invalid_request_error", "suffix", "unsupported_value"),
     (COMPLETIONS, completion(suffix=5), 400, "invalid_request_error", "suffix", "invalid_type"),
     (COMPLETIONS, completion(suffix="x", echo=True), 400, "invalid_request_error", "suffix", "invalid_value"),
-    (COMPLETIONS, completion(min_p=0.1), 400, "invalid_request_error", "min_p", "unsupported_parameter"),
+    (COMPLETIONS, completion(typical_p=0.9), 400, "invalid_request_error", "typical_p", "unsupported_parameter"),
     (COMPLETIONS, completion(top_logprobs=2), 400, "invalid_request_error", "top_logprobs",
      "unsupported_parameter"),
     (COMPLETIONS, completion(messages=[]), 400, "invalid_request_error", "messages", "unsupported_parameter"),
@@ -410,7 +420,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, sta
 
 
 @pytest.mark.parametrize("path, body, field", [
-    (COMPLETIONS, completion(min_p=0.1), "min_p"),
+    (COMPLETIONS, completion(typical_p=0.9), "typical_p"),
     (CHAT, chat(stream=True, stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
 ])
 def test_unsupported_field_is_refused_by_name(client, path, body, field):
@@ -546,6 +556,22 @@ def test_stop_string_truncates_and_finishes_with_stop(client, generator):
                                                  stop=[text[cut]])).json
     assert reply["choices"][0]["text"] == text[:cut]
     assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path, base", [(COMPLETIONS, completion(prompt="Hello")), (CHAT, GOOD_CHAT)])
+def test_min_p_1_samples_only_the_greedy_text(client, path, base):
+    """min_p 1 keeps only the most likely token, whatever the temperature; Qwen's suggested settings, min_p 0
+    among them, are served as they are."""
+    def text(**fields) -> str:
+        reply = post(client, path, {**base, "max_tokens": 12, "ignore_eos": True, **fields})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json["choices"][0]
+        return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
+
+    greedy = text(temperature=0)
+    assert all(text(temperature=1.5, min_p=1, seed=seed) == greedy for seed in (1, 2, 3))
+    assert any(text(temperature=1.5, seed=seed) != greedy for seed in (1, 2, 3))  # those seeds sample without it
+    text(temperature=0.6, top_p=0.95, top_k=20, min_p=0, seed=1)
 
 
 def test_seeded_sampling_repeats(client):

@@ -100,7 +100,8 @@ def test_sampling_fields_through_the_openai_client(client):
     def ask(seed: int):
         return client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.8, seed=seed,
                                          presence_penalty=0.3, frequency_penalty=0.2, stop=["\n\n", "zz"],
-                                         logprobs=2, extra_body={"top_k": 20, "repetition_penalty": 1.1})
+                                         logprobs=2, extra_body={"top_k": 20, "min_p": 0.05,
+                                                                 "repetition_penalty": 1.1})
 
     first = ask(42)
     assert ask(42).choices[0].text == first.choices[0].text
@@ -110,6 +111,16 @@ def test_sampling_fields_through_the_openai_client(client):
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                            max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
     assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.content) <= 3
+
+
+def test_min_p_1_through_the_openai_client_samples_the_greedy_text(client):
+    def text(temperature: float, seed: int, **extra) -> str:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_completion_tokens=8, temperature=temperature, seed=seed,
+                                              extra_body={"ignore_eos": True, **extra}).choices[0].message.content
+
+    greedy = text(0, 0)
+    assert all(text(1.5, seed, min_p=1) == greedy for seed in (1, 2))
 
 
 def test_a_repetition_penalty_near_zero_repeats_the_prompt_as_a_small_one_does(client):
@@ -184,8 +195,11 @@ def test_openai_client_sees_typed_errors(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"50": 101})
     assert info.value.body["param"] == "logit_bias" and info.value.code == "invalid_value"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 0.1})
-    assert info.value.body["param"] == "min_p" and info.value.code == "unsupported_parameter"
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"typical_p": 0.9})
+    assert info.value.body["param"] == "typical_p" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 1.5})
+    assert info.value.body["param"] == "min_p" and info.value.code == "invalid_value"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                        top_logprobs=2)

@@ -110,6 +110,7 @@ class SamplingFields:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_k: int = 0  # 0: off (a client's -1 means the same)
+    min_p: float = 0.0  # 0: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -131,7 +132,7 @@ class SamplingFields:
             raise RequestError(f"'min_tokens' ({self.min_tokens}) must not be more than {given}",
                                param="min_tokens", code="invalid_value")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              stop=self.stop, seed=self.seed, top_k=self.top_k,
+                              stop=self.stop, seed=self.seed, top_k=self.top_k, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs and self.logprobs is not None,
@@ -267,8 +268,8 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1)}
 _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {}
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
-                            "seed", "user", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "logprobs", "min_tokens", "ignore_eos", "logit_bias", "cache_prompt"})
+                            "seed", "user", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                            "repetition_penalty", "logprobs", "min_tokens", "ignore_eos", "logit_bias", "cache_prompt"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
@@ -439,6 +440,14 @@ def _top_p(value: Any) -> float:
     return top_p
 
 
+def _min_p(value: Any) -> float:
+    min_p = _number(value, "min_p")
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"'min_p' must be between 0 and 1 (0 turns it off), not {value}", param="min_p",
+                           code="invalid_value")
+    return min_p
+
+
 def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list):
@@ -565,7 +574,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k,
+    "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k, "min_p": _min_p,
     "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
     "repetition_penalty": _repetition_penalty,
     "min_tokens": lambda value: _max_tokens(value, "min_tokens", least=0),
