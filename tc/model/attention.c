@@ -65,10 +65,20 @@ static void scores_of(const float* qf, const uint16_t* keys, int T, int G, int D
 
 /* scores[j, :] -> exp(scores - max) in place; returns 1 / their sum */
 static float softmax_numerators(float* s, int T) {
-    float top = s[0];
-    for (int t = 1; t < T; t++) top = s[t] > top ? s[t] : top;
-    __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+    /* The largest score, 8 lanes at a time: the scalar loop is one chain of dependent compares, which the compiler
+       may not vectorize (NaN), and took a fifth of the kernel at 4096 positions. max_ps(x, top) keeps top where x
+       is NaN, as the scalar loop did. */
+    __m256 vtop = _mm256_set1_ps(s[0]);
     int t = 0;
+    for (; t + 8 <= T; t += 8) vtop = _mm256_max_ps(_mm256_loadu_ps(s + t), vtop);
+    float lanes[8] __attribute__((aligned(32)));
+    _mm256_store_ps(lanes, vtop);
+    float top = lanes[0];
+    for (int l = 1; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; t < T; t++) top = s[t] > top ? s[t] : top;
+    vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    t = 0;
     for (; t + 8 <= T; t += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
         _mm256_storeu_ps(s + t, e);
@@ -116,6 +126,55 @@ __attribute__((noinline)) static void weighted_values(const float* p, const uint
         }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* weighted_values for G query heads known when compiled, D a multiple of 32, with AVX-512: 32 columns at a time,
+   every head's sums of those columns held in registers over all T positions (2 G of the 32 registers), each value
+   row read and widened once for all G heads, each weight broadcast from memory into its FMA. weighted_values
+   widens a block of rows into scratch memory, then reads it back and loads and stores every head's sums once a
+   block; at 4096 positions that took ~40% of the kernel's time. Every sum is the same chain of FMAs over t in
+   the same order, so the result is the same to the bit. */
+#define MAX_WIDE_GROUP 8 /* 2 G sums in registers, with the two widened halves of a row */
+TC_INLINE void values_wide(const float* p, const uint16_t* values, int T, const int G, int D, float* acc) {
+    for (int i0 = 0; i0 < D; i0 += 32) {
+        __m512 lo[MAX_WIDE_GROUP], hi[MAX_WIDE_GROUP];
+        for (int j = 0; j < G; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+        const uint16_t* v = values + i0;
+        for (int t = 0; t < T; t++, v += D) {
+            const __m512i x = _mm512_loadu_si512(v); /* 32 bf16 */
+            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+            const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+            for (int j = 0; j < G; j++) {
+                const __m512 w = _mm512_set1_ps(p[(size_t)j * T + t]);
+                lo[j] = _mm512_fmadd_ps(w, a, lo[j]);
+                hi[j] = _mm512_fmadd_ps(w, b, hi[j]);
+            }
+        }
+        for (int j = 0; j < G; j++) {
+            _mm512_storeu_ps(acc + j * D + i0, lo[j]);
+            _mm512_storeu_ps(acc + j * D + i0 + 16, hi[j]);
+        }
+    }
+}
+
+#define VALUES_WIDE(g) \
+    case g:            \
+        values_wide(p, values, T, g, D, acc); \
+        return 1;
+
+/* values_wide where it takes the shape (returns 1), else 0: each G its own copy, so that the compiler holds the
+   heads' sums in registers */
+static int values_wide_for(const float* p, const uint16_t* values, int T, int G, int D, float* acc) {
+    if (D % 32 != 0) return 0;
+    switch (G) {
+        VALUES_WIDE(1) VALUES_WIDE(2) VALUES_WIDE(3) VALUES_WIDE(4)
+        VALUES_WIDE(5) VALUES_WIDE(6) VALUES_WIDE(7) VALUES_WIDE(8)
+    }
+    return 0;
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* With AVX512-BF16 and heads of a multiple of 32 (attend_group), the scores come straight from the bf16 query
@@ -211,7 +270,10 @@ static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t
     scores_scaled(q, keys, T, G, D, scale, scores);
     float inv[MAX_GROUP];
     for (int j = 0; j < G; j++) inv[j] = softmax_numerators(scores + (size_t)j * T, T);
-    weighted_values(scores, values, T, G, D, acc);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (!values_wide_for(scores, values, T, G, D, acc))
+#endif
+        weighted_values(scores, values, T, G, D, acc);
     for (int j = 0; j < G; j++)
         for (int i = 0; i < D; i += 8)
             bf16x8_store(out + (size_t)j * D + i,
