@@ -1,7 +1,7 @@
 """tc against llama.cpp on the demo model, side by side: the benchmark the project's speed targets are judged by.
 
-    python bench/vs_llamacpp.py [--modes fp16 int8 int4] [--tokens 64] [--prompt-tokens 512] [--repeat 3]
-                                [--rounds 1] [--only tc|llamacpp] [--skip-build]
+    python bench/vs_llamacpp.py [--modes fp16 int8 int4] [--tokens 64] [--prompt-tokens 512] [--depth 0]
+                                [--repeat 3] [--rounds 1] [--only tc|llamacpp] [--skip-build]
 
 For each weight mode it pairs tc with the llama.cpp format of about the same size: tc fp16 (bf16 compute) with
 GGUF bf16, tc int8 with Q8_0, tc int4 with Q4_0 (llama.cpp groups by 32, tc by the topology's default 128). Under
@@ -19,6 +19,10 @@ over --tokens new tokens from an almost empty context, as llama-bench's tgN meas
 one-token prompt, with ``ignore_eos`` so every run makes exactly that many tokens; through the API the decode time
 is a (tokens + 1)-token request minus a 1-token one, so the HTTP round trip and the one-token prefill cancel.
 Figures are the mean (± standard deviation) of --repeat runs after a warm-up. Nothing is asserted.
+
+With --depth N both run after a context of N tokens already read, as a long conversation does (llama-bench's
+``-d N``): decode is --tokens new tokens after an N-token prompt; tc's prefill is --prompt-tokens more tokens read
+after those N, timed as an (N + prompt)-token prompt minus an N-token one, since tc reads a prompt whole.
 
 With --rounds N every setup of every mode is measured N times, the setups taking turns in an order reversed every
 other round, and each figure is the mean (± standard deviation) of its N rounds' means: on a machine whose speed
@@ -353,7 +357,7 @@ def convert_models(src: Path, bin_dir: Path, cache: Path, modes: Sequence[str], 
 
 def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace, rpc: Sequence[str] = ()) -> Measured:
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(THREADS), "-p", str(args.prompt_tokens),
-           "-n", str(args.tokens), "-r", str(args.repeat), "-o", "json"]
+           "-n", str(args.tokens), "-r", str(args.repeat), "-d", str(args.depth), "-o", "json"]
     if rpc:  # every layer on the RPC devices, half each
         cmd += ["--rpc", ",".join(rpc), "-ngl", "99", "-ts", "1/1"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -408,7 +412,7 @@ def prompt_ids(model_dir: Path, count: int) -> list[int]:
     return ids[:count]
 
 
-def tc_single_child(mode: str, tokens: int, prompt_tokens: int, repeat: int) -> dict:
+def tc_single_child(mode: str, tokens: int, prompt_tokens: int, repeat: int, depth: int) -> dict:
     """Runs in a child process of its own: the whole model here, quantized as a cluster in `mode` would be."""
     import torch
 
@@ -422,12 +426,16 @@ def tc_single_child(mode: str, tokens: int, prompt_tokens: int, repeat: int) -> 
     quant.quantize_linears(generator.head, quant.head_weight_mode(mode), quant.DEFAULT_GROUP_SIZE)
     for stage in generator.pipeline.stages:
         quant.quantize_linears(stage, mode, quant.DEFAULT_GROUP_SIZE)
-    ids = prompt_ids(model_dir, prompt_tokens)
+    ids = prompt_ids(model_dir, depth + prompt_tokens)
     first_token = SamplingParams(max_tokens=1, temperature=0)
     decode = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
     generator.generate(ids, SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    prefill = [prompt_tokens / generator.generate(ids, first_token).time_to_first_token_s for _ in range(repeat)]
-    steps = [generator.generate(ids[:1], decode) for _ in range(repeat)]
+
+    def reading(count: int) -> float:  # seconds to read `count` tokens of the prompt and choose the first token
+        return generator.generate(ids[:count], first_token).time_to_first_token_s if count else 0.0
+
+    prefill = [prompt_tokens / (reading(depth + prompt_tokens) - reading(depth)) for _ in range(repeat)]
+    steps = [generator.generate(ids[:max(depth, 1)], decode) for _ in range(repeat)]
     if any(s.completion_tokens != tokens + 1 for s in steps):
         raise BenchError(f"a decode run made {[s.completion_tokens for s in steps]} tokens, not {tokens + 1}")
     return {"prefill": prefill, "decode": [s.decode_tokens_per_s for s in steps]}
@@ -435,7 +443,7 @@ def tc_single_child(mode: str, tokens: int, prompt_tokens: int, repeat: int) -> 
 
 def tc_single(mode: str, args: argparse.Namespace) -> Measured:
     cmd = [sys.executable, __file__, "--child-single", mode, "--tokens", str(args.tokens), "--prompt-tokens",
-           str(args.prompt_tokens), "--repeat", str(args.repeat)]
+           str(args.prompt_tokens), "--repeat", str(args.repeat), "--depth", str(args.depth)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise BenchError(f"the tc single-process run ({mode}) failed:\n{result.stderr[-3000:]}")
@@ -462,7 +470,8 @@ def timed_completion(cluster: Cluster, model: str, prompt: list[int], max_tokens
 
 def tc_cluster(mode: str, args: argparse.Namespace, workdir: Path) -> Measured:
     model_dir = demo_model_dir()
-    ids = prompt_ids(model_dir, args.prompt_tokens)
+    depth = args.depth
+    ids = prompt_ids(model_dir, depth + args.prompt_tokens)
     nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
     topology = write_topology(workdir / f"topology-{mode}.yaml", model_dir, nodes, quant=mode, dtype="bf16",
                               head={"threads": THREADS})
@@ -477,11 +486,16 @@ def tc_cluster(mode: str, args: argparse.Namespace, workdir: Path) -> Measured:
             raise BenchError(f"the tc cluster ({mode}) did not start: {exc}") from exc
         served = model_dir.name  # the head serves a local model under its directory's name
         timed_completion(cluster, served, ids, 2)  # warm-up
-        prefill = [args.prompt_tokens / timed_completion(cluster, served, ids, 1) for _ in range(args.repeat)]
+
+        def reading(count: int) -> float:  # the HTTP round trip cancels where depth > 0, and costs ~1 ms where not
+            return timed_completion(cluster, served, ids[:count], 1) if count else 0.0
+
+        prefill = [args.prompt_tokens / (reading(depth + args.prompt_tokens) - reading(depth))
+                   for _ in range(args.repeat)]
         decode = []
         for _ in range(args.repeat):  # (tokens + 1) tokens minus 1 token: `tokens` decode steps, nothing else
-            one = timed_completion(cluster, served, ids[:1], 1)
-            many = timed_completion(cluster, served, ids[:1], args.tokens + 1)
+            one = timed_completion(cluster, served, ids[:max(depth, 1)], 1)
+            many = timed_completion(cluster, served, ids[:max(depth, 1)], args.tokens + 1)
             decode.append(args.tokens / max(many - one, 1e-9))
     return Measured(Rate.of(prefill), Rate.of(decode))
 
@@ -494,6 +508,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=list(GGUF_TYPES), choices=list(GGUF_TYPES))
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode run (default 64)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for prefill (default 512)")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="tokens of context already read before each test, as llama-bench's -d (default 0)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure, after a warm-up (default 3)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every setup this many times, taking turns (default 1)")
@@ -504,9 +520,12 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.tokens, args.prompt_tokens, args.repeat, args.rounds) < 1:
         parser.error("--tokens, --prompt-tokens, --repeat and --rounds must be at least 1")
+    if args.depth < 0:
+        parser.error("--depth must be 0 or more")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="vs_llamacpp: %(message)s")
     if args.child_single:
-        print(json.dumps(tc_single_child(args.child_single, args.tokens, args.prompt_tokens, args.repeat)))
+        print(json.dumps(tc_single_child(args.child_single, args.tokens, args.prompt_tokens, args.repeat,
+                                         args.depth)))
         return 0
     load_before = os.getloadavg()[0]  # every figure here moves with what else the cores are running
     try:
@@ -514,8 +533,9 @@ def main() -> int:
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    context = f" after {args.depth} tokens of context" if args.depth else ""
     print(f"\ndemo model ({MODEL_SLUG}), {THREADS} threads a process, prefill of {args.prompt_tokens} tokens, "
-          f"decode of {args.tokens} tokens, mean ± sd of "
+          f"decode of {args.tokens} tokens{context}, mean ± sd of "
           f"{f'{args.rounds} rounds of {args.repeat} runs each' if args.rounds > 1 else f'{args.repeat} runs'}; "
           f"llama.cpp {LLAMA_CPP_PYTHON_VERSION} "
           f"(llama-cpp-python's vendored tree); {os.cpu_count()} cores, 1-minute load average "
