@@ -2,8 +2,9 @@
 
 One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
 official `openai` client (whole, streamed, and the final answer from the tool's result), structured output
-(`parse` with a pydantic model; schema-valid replies across seeds and temperatures), and the Responses API. Its
-topology sets an API key (head.api_keys), so every client here sends one, as against a server that asks for one.
+(`parse` with a pydantic model; schema-valid replies across seeds and temperatures), sampling settings beyond
+OpenAI's (min_p), and the Responses API. Its topology sets an API key (head.api_keys), so every client here sends
+one, as against a server that asks for one.
 """
 from __future__ import annotations
 
@@ -170,6 +171,21 @@ def test_json_schema_replies_validate_across_seeds_and_temperatures(client, temp
         messages=[{"role": "user", "content": "Describe Rome as JSON."}])
     assert reply.choices[0].finish_reason == "stop", reply
     jsonschema.validate(json.loads(reply.choices[0].message.content), CITY_SCHEMA)
+
+
+def test_qwen_s_suggested_sampling_settings_write_code_and_min_p_1_is_greedy(client):
+    """The settings Qwen's model cards give (min_p among them, which OpenAI's API lacks) are served and write
+    code; min_p = 1 keeps only the most likely token, so even at a high temperature the text is the greedy one."""
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string. Only the code."}]
+    suggested = dict(temperature=0.7, top_p=0.8, seed=5, extra_body={"top_k": 20, "min_p": 0.05,
+                                                                      "repetition_penalty": 1.05})
+    code = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=120, **suggested)
+    assert "def " in code.choices[0].message.content, code
+    ask = dict(model=MODEL_NAME, messages=messages, max_tokens=24)
+    greedy = client.chat.completions.create(temperature=0, **ask).choices[0].message.content
+    for seed in (1, 2):
+        hot = client.chat.completions.create(temperature=1.5, seed=seed, extra_body={"min_p": 1}, **ask)
+        assert hot.choices[0].message.content == greedy
 
 
 def prompt_tokens_read(cluster: Cluster) -> float:
