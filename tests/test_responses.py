@@ -260,6 +260,16 @@ def test_refusals_name_the_responses_field(server, fields, param):
         assert chat_field not in error["message"], error  # what the client sent, not the chat request it became
 
 
+@pytest.mark.parametrize("field, value", [("min_p", 0.05), ("top_k", 20), ("seed", 1), ("stop", "x")])
+def test_chat_s_own_sampling_fields_are_refused_with_where_they_are_taken(server, field, value):
+    """Chat takes them and the Responses API has no name for them: the refusal says where to send them, not that
+    the server does not implement them."""
+    status, _, text = post(server, {"model": MODEL, "input": "Hi", field: value})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == field and error["code"] == "unsupported_parameter", error
+    assert "/v1/chat/completions does" in error["message"] and "does not implement" not in error["message"], error
+
+
 def test_the_openai_client_raises_on_a_refusal(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")

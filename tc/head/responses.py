@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..generation import Completion, Step
 # the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
-from .api_requests import RequestError, _boolean, _check_fields, _json_type, _object, _required, _string
+from .api_requests import (_SAMPLING_PARSERS, RequestError, _boolean, _check_fields, _json_type, _object, _required,
+                           _string)
 from .service import GenerationStream
 from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 
@@ -30,6 +31,9 @@ from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
                      "tool_choice", "parallel_tool_calls", "text", "metadata", "user", "store", "reasoning",
                      "truncation", "previous_response_id", "conversation", "background", "include", "prompt"})
+# chat's sampling fields that the Responses API has no name for (min_p, top_k, seed, stop, ...): refused by name
+# with where they are taken, rather than as fields this server does not implement
+_CHAT_ONLY = (frozenset(_SAMPLING_PARSERS) | {"logprobs", "top_logprobs"}) - _FIELDS
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 # what the openai client sends back when a reply's output items are appended to the next request's input
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
@@ -261,6 +265,11 @@ def _reasoning(value: Any) -> dict[str, Any] | None:
 def translate(body: Mapping[str, Any]) -> Translation:
     """The chat body for a Responses body. Raises RequestError, naming the Responses field, for what the
     translation itself cannot take; what the chat parser refuses later goes through `Translation.blame`."""
+    for name in body:
+        if name in _CHAT_ONLY:
+            raise RequestError(f"unsupported field '{name}': /v1/responses does not take it, "
+                               "/v1/chat/completions does; send the request there, or remove it", param=name,
+                               code="unsupported_parameter")
     _check_fields(body, _FIELDS, {})
     _refuse_stored_state(body)
     messages = _Messages()
