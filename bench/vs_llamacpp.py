@@ -403,12 +403,13 @@ def rpc_servers(bin_dir: Path, count: int, workdir: Path) -> Iterator[list[str]]
 
 
 def prompt_ids(model_dir: Path, count: int) -> list[int]:
-    """The first `count` tokens of bench/data/perplexity.txt."""
+    """The first `count` tokens of bench/data/perplexity.txt (--depth and then --prompt-tokens of them)."""
     from tc.model.tokenizer import TextTokenizer
 
     ids = TextTokenizer.load(model_dir).encode(PROMPT_TEXT.read_text(encoding="utf-8"))
     if len(ids) < count:
-        raise BenchError(f"{PROMPT_TEXT} holds only {len(ids)} tokens; ask for at most that many --prompt-tokens")
+        raise BenchError(f"{PROMPT_TEXT} holds only {len(ids)} tokens, not {count}; ask for at most that many "
+                         "--depth and --prompt-tokens together")
     return ids[:count]
 
 

@@ -155,3 +155,13 @@ def test_rounds_pool_into_the_mean_and_spread_of_their_means():
     pooled = vs.pool_rounds([one, vs.Measured(rate(120.0, 1.0), rate(30.0, 1.0)),
                              vs.Measured(rate(140.0, 1.0), rate(25.0, 1.0))])
     assert pooled == vs.Measured(rate(120.0, 20.0), rate(25.0, 5.0))
+
+
+def test_a_prompt_longer_than_the_text_names_depth_too(tiny_model_dir):
+    """--depth N reads N tokens of the text before the --prompt-tokens ones: the refusal counts and names both."""
+    from tc.model.tokenizer import TextTokenizer
+
+    held = len(TextTokenizer.load(tiny_model_dir).encode(vs.PROMPT_TEXT.read_text(encoding="utf-8")))
+    assert len(vs.prompt_ids(tiny_model_dir, held)) == held
+    with pytest.raises(vs.BenchError, match=rf"holds only {held} tokens, not {held + 1}; .* --depth and --prompt"):
+        vs.prompt_ids(tiny_model_dir, held + 1)
