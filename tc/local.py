@@ -17,9 +17,12 @@ log = logging.getLogger(__name__)
 
 
 def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cpu", quant: str = "fp16",
-                         group_size: int = quantization.DEFAULT_GROUP_SIZE) -> Generator:
+                         group_size: int = quantization.DEFAULT_GROUP_SIZE, pack_head: bool | None = None
+                         ) -> Generator:
     """Load every layer of the model in `model_dir` into this process, in weight mode `quant` as a cluster does:
-    each layer quantized as it loads, the lm_head in `quant.head_weight_mode(quant)`.
+    each layer quantized as it loads, the lm_head in `quant.head_weight_mode(quant)`. An lm_head that stays in
+    the compute dtype takes the fastest product a probe finds for it (`HeadModel.load`'s pack=None), or with
+    pack_head=False stays a plain linear layer, whose weight a greedy screen can read whatever the probe says.
 
     Raises QuantizationError for an unknown weight mode or group size.
     """
@@ -34,7 +37,7 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
     # the head's part (embedding, norm, lm_head) runs on the CPU, as on a cluster's head; the layers on `device`
     head_mode = quantization.head_weight_mode(quant)
     head = HeadModel.load(config, index, resolve_compute_dtype(dtype, "cpu"),
-                          pack=None if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
+                          pack=pack_head if head_mode == "fp16" else False)  # a quantized lm_head: nothing to pack
     quantization.quantize_linears(head, head_mode, group_size)
     head.screen_greedy()
     # each weight is quantized as it loads (nothing to do for fp16), as a worker does

@@ -260,7 +260,7 @@ def counted(screen: GreedyScreen) -> list[int]:
 
 @needs_native
 def test_greedy_generation_with_the_screen_makes_the_same_tokens(bf16_model_dir):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     head = generator.head
     screen = head.greedy_screen or GreedyScreen(head.lm_head.weight, native.kernels())  # its probe may decline
     calls = counted(screen)
@@ -284,7 +284,7 @@ def test_greedy_generation_with_the_screen_makes_the_same_tokens(bf16_model_dir)
     SamplingParams(max_tokens=4, temperature=0, logit_bias=((5, -100.0), (9, 3.0))),  # the bias moves the argmax
 ])
 def test_a_step_that_needs_more_than_the_argmax_reads_every_logit(bf16_model_dir, params):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     screen = generator.head.greedy_screen = GreedyScreen(generator.head.lm_head.weight, native.kernels())
     calls = counted(screen)
     greedy_one = generator.start([5, 9, 14], SamplingParams(max_tokens=4, temperature=0))
@@ -298,7 +298,7 @@ def test_a_step_that_needs_more_than_the_argmax_reads_every_logit(bf16_model_dir
 
 @needs_native
 def test_a_screen_made_for_another_lm_head_is_not_used(bf16_model_dir):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     head = generator.head
     head.greedy_screen = GreedyScreen(head.lm_head.weight, native.kernels())
     assert head.greedy_tokens(head.embed_ids([4])) is not None
@@ -309,7 +309,7 @@ def test_a_screen_made_for_another_lm_head_is_not_used(bf16_model_dir):
 
 @needs_native
 def test_under_a_final_softcap_logits_that_cap_equal_go_to_the_first_row_as_in_the_full_product(bf16_model_dir):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     head = generator.head
     head.greedy_screen = GreedyScreen(head.lm_head.weight, native.kernels())
     # the tiny model's best logits are ~2: capped at 0.2, tanh(10) rounds to 1 in float32, so logits well apart
@@ -327,7 +327,7 @@ def test_under_a_final_softcap_logits_that_cap_equal_go_to_the_first_row_as_in_t
 
 @needs_native
 def test_the_screen_can_be_turned_off_for_the_memory_it_takes(bf16_model_dir, monkeypatch):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     monkeypatch.setenv("TC_GREEDY_SCREEN", "0")
     generator.head.greedy_screen = GreedyScreen(generator.head.lm_head.weight, native.kernels())
     assert generator.head.screen_greedy() is None and generator.head.greedy_screen is None
@@ -335,7 +335,7 @@ def test_the_screen_can_be_turned_off_for_the_memory_it_takes(bf16_model_dir, mo
 
 @needs_native
 def test_a_head_whose_screen_cannot_be_made_starts_without_it(bf16_model_dir, caplog):
-    generator = load_local_generator(bf16_model_dir, "bf16")
+    generator = load_local_generator(bf16_model_dir, "bf16", pack_head=False)
     head = generator.head
     weight = head.lm_head.weight.detach().clone()
     weight[3, 0] = float("inf")  # a row the screen cannot bound: greedy steps then read the whole lm_head
@@ -346,7 +346,7 @@ def test_a_head_whose_screen_cannot_be_made_starts_without_it(bf16_model_dir, ca
 
 @needs_native
 def test_demo_greedy_tokens_are_the_full_products(demo_model_dir):
-    generator = load_local_generator(demo_model_dir, "bf16")
+    generator = load_local_generator(demo_model_dir, "bf16", pack_head=False)
     head = generator.head
     screen = head.greedy_screen or GreedyScreen(head.lm_head.weight, native.kernels())
     calls = counted(screen)
