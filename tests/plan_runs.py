@@ -70,8 +70,10 @@ def run(model_dir: Path, workers: int, plan_from: str, slow: int | None = None, 
                 if i == slow:
                     throttles.append(Throttle(proc.proc.pid, duty).start())
                 # one at a time: each measures itself before joining, and machines of a real cluster do not
-                # share cores, so neither should their measurements here
-                wait_joined(cluster, node["id"])
+                # share cores, so neither should their measurements here. The held worker measures at `duty` of
+                # a core (its figures for every dtype and mode take ~45 s on a whole core of a 2-core VM, some
+                # 200 s held to a quarter and more under load), so it is given that much longer to join
+                wait_joined(cluster, node["id"], timeout=300 / (duty if i == slow else 1))
             try:
                 cluster.wait_ready(timeout=900)
                 measured = decode_tokens_per_s(cluster, model_dir.name, tokens)
