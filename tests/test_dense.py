@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_helpers import OurModel
-from tc.model import dense
+from tc.model import dense, native
 from tc.model.dense import PRODUCTS, Linear, NativeLinear, PackedLinear, fastest_product, pack_linears
 from tc.model.quant import Int4Linear, Int8Linear, quantize_linears
 from tiny_model import write_tiny_model
@@ -186,8 +186,9 @@ def test_the_head_packs_its_lm_head_only_when_asked(tiny_model_dir):
 @pytest.mark.parametrize("quant, kind", [("fp16", None), ("int8", Int8Linear), ("int4", Int8Linear)])
 def test_the_head_process_packs_an_lm_head_that_stays_in_bf16_where_that_is_faster(tmp_path, tiny_model_dir, quant,
                                                                                    kind):
-    """As the single-process generator does: a bf16 lm_head takes the blocked layout where this CPU's probe finds
-    it faster; a quantized one (int8 under int4 too) is quantized instead."""
+    """As the single-process generator does: a bf16 lm_head takes the product this CPU's probe finds fastest (of
+    the plain and the native one where a greedy screen can take it, since the blocked layout would leave the
+    screen no plain rows to read); a quantized one (int8 under int4 too) is quantized instead."""
     from cluster import write_topology
     from tc.head.main import start_head
     from tc.topology import load_topology
@@ -198,7 +199,10 @@ def test_the_head_process_packs_an_lm_head_that_stays_in_bf16_where_that_is_fast
     try:
         lm_head = head.service.generator.head.lm_head
         if kind is None:
-            product = fastest_product(lm_head.out_features, lm_head.in_features, torch.bfloat16)
+            screenable = native.kernels() is not None and native.shape_ok_int8(lm_head.out_features,
+                                                                              lm_head.in_features)
+            product = fastest_product(lm_head.out_features, lm_head.in_features, torch.bfloat16,
+                                      ("plain", "native") if screenable else PRODUCTS)
             kind = {"plain": Linear, "packed": PackedLinear, "native": NativeLinear}[product]
         assert type(lm_head) is kind
     finally:

@@ -358,3 +358,35 @@ def test_demo_greedy_tokens_are_the_full_products(demo_model_dir):
         head.greedy_screen = screen
         assert generator.generate(prompt, params).token_ids == plain.token_ids, text
     assert calls[0] == 3 * 40
+
+
+@needs_native
+@pytest.mark.parametrize("screen_off", [False, True])
+def test_the_head_never_blocks_an_lm_head_a_greedy_screen_can_take(bf16_model_dir, monkeypatch, screen_off):
+    """The screen reads the rows it keeps from the plain weight, which the blocked layout replaces: where a screen
+    is possible the head's probe chooses between the plain and the native product only, even where it would find
+    the blocked one fastest (as it did under load; its verdict is given here); with the screen off, as before."""
+    from tc.model import dense
+    from tc.model.config import ModelConfig
+    from tc.model.qwen2 import HeadModel
+    from tc.model.weights import WeightIndex
+
+    if screen_off:
+        if not dense.can_pack():
+            pytest.skip("no oneDNN blocked bf16 linear on this CPU")
+        monkeypatch.setenv("TC_GREEDY_SCREEN", "0")
+    other = "native" if dense.native_bf16_available() else "plain"
+    asked = []
+    monkeypatch.setattr(dense, "fastest_product", lambda out_f, in_f, dtype, allowed:
+                        asked.append(allowed) or ("packed" if "packed" in allowed else other))
+    head = HeadModel.load(ModelConfig.from_file(bf16_model_dir / "config.json"), WeightIndex.open(bf16_model_dir),
+                          torch.bfloat16, pack=None)
+    assert len(asked) == 1  # the lm_head, which is its own matrix here
+    if screen_off:
+        assert "packed" in asked[0] and isinstance(head.lm_head, dense.PackedLinear)
+    else:
+        assert "packed" not in asked[0] and not isinstance(head.lm_head, dense.PackedLinear)
+        screen = GreedyScreen(head.lm_head.weight, native.kernels())
+        x = torch.randn(1, head.config.hidden_size).bfloat16()
+        ids, _ = screen.candidates(x)
+        assert int(greedy(head.lm_head(x)[0])) in ids.tolist()

@@ -37,7 +37,7 @@ from torch import nn
 from . import native
 from .config import ModelConfig
 from .decode_plan import DecodePlan, Plans
-from .dense import Linear, pack_linears
+from .dense import PRODUCTS, Linear, pack_linears
 from .greedy_screen import MAX_TIME_SHARE, GreedyScreen, screens
 from .kv_cache import KVCache
 from .probe import cache_sweeper, race
@@ -675,6 +675,15 @@ class Stage(nn.Module):
         return (rows, torch.get_num_threads(), RMSNorm.native, Attention.native_decode, MLP.native_act, prefetch)
 
 
+def _screen_turned_off() -> bool:
+    return os.environ.get("TC_GREEDY_SCREEN", "1") == "0"
+
+
+def _may_screen(weight: torch.Tensor) -> bool:
+    """Whether HeadModel.screen_greedy could give this lm_head weight a screen (its probe then decides)."""
+    return not _screen_turned_off() and screens(weight) and native.kernels() is not None
+
+
 class HeadModel(nn.Module):
     """What the head owns: token embedding, final norm and lm_head (tied to the embedding or not)."""
 
@@ -699,7 +708,11 @@ class HeadModel(nn.Module):
         largest one of a small model), which is only worth it for an lm_head that stays in the compute dtype, while
         a head in int8 or int4 quantizes its lm_head after loading. An lm_head tied to the embedding is never
         packed, since that would hold the matrix twice for good; with pack=None it may take the native product,
-        which reads the embedding's own tensor."""
+        which reads the embedding's own tensor. Nor, with pack=None, is one that a greedy screen can take
+        (`screen_greedy`): the screen reads the rows it keeps from the plain weight, which the blocked layout
+        replaces, and a probe that found the blocked product fastest (as one did under load) cost greedy steps
+        the screen: the demo's lm_head in 5-6 ms on a 2-core Xeon against 12 for the native product and 15 for the
+        blocked one. Steps that need every logit then take the native or plain product."""
         with torch.device("meta"):
             head = cls(config)
         tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
@@ -708,7 +721,8 @@ class HeadModel(nn.Module):
         lm = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
         head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
         if "lm_head.weight" in tensors:
-            pack_linears(head, force=pack)
+            pack_linears(head, force=pack, allowed=("plain", "native") if pack is None and _may_screen(lm) else
+                         PRODUCTS)
         elif pack is None:
             pack_linears(head, allowed=("plain", "native"))
         return head.eval()
@@ -743,7 +757,7 @@ class HeadModel(nn.Module):
         (also where the screen cannot be made: a weight row that is not finite, no memory for the copy).
         TC_GREEDY_SCREEN=0 turns it off, for a head whose memory cannot spare the copy (half the lm_head's)."""
         self.greedy_screen = None
-        if os.environ.get("TC_GREEDY_SCREEN", "1") == "0":
+        if _screen_turned_off():
             log.info("greedy steps read the whole lm_head: its int8 screen is off (TC_GREEDY_SCREEN=0)")
             return None
         weight = getattr(self.lm_head, "weight", None)
