@@ -288,9 +288,13 @@ def test_cut_and_restored_link_resumes_the_request(lab, tmp_path, model_dir, gre
         result = hold_mid_request(cluster, "w1")
         lab.set_link(1, False)
         cluster.workers["w1"].proc.send_signal(signal.SIGCONT)
-        time.sleep(3)  # the head has counted w1 lost by now; the request waits for w1's entry to be filled
+        # the head counts w1 lost once it has been silent for heartbeat_timeout_s (2 s; a watch period later at
+        # most, ~2.1 s here); the request then waits for w1's entry to be filled
+        deadline = time.monotonic() + 30
+        while "worker w1 lost" not in cluster.head.output():
+            assert time.monotonic() < deadline, cluster.head.output()
+            time.sleep(0.1)
         assert result["thread"].is_alive()
-        assert "worker w1 lost" in cluster.head.output()
         lab.set_link(1, True)
         result["thread"].join(90)
         assert not result["thread"].is_alive()
