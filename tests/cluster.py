@@ -189,8 +189,12 @@ class Cluster:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
-    def wait_api(self, timeout: float = 120) -> None:
-        """Wait until the head has loaded its tensors and serves its API (/health 200; 503 while it loads)."""
+    def wait_api(self, timeout: float = 300) -> None:
+        """Wait until the head has loaded its tensors and serves its API (/health 200; 503 while it loads).
+
+        A head loading the demo model in bf16 times its products first (packed head, native prefetch): 12-24 s on
+        a loaded 2-core VM, ~7 s more where it first builds the native kernels, more again on a slower CPU; a head
+        that exits fails the wait at once."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.head is not None
