@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ROOT, Cluster, worker_hello, write_topology
+from cluster import ROOT, WORKER_JOIN_S, Cluster, worker_hello, write_topology
 from tc.protocol.auth import (CHALLENGE_BYTES, NONCE_BYTES, AuthError, answer_challenge, check_answer, head_proof,
                               make_challenge, new_nonce, token_key, worker_proof)
 from tc.protocol.connection import Connection
@@ -148,14 +148,14 @@ def guarded(tmp_path_factory, model_dir):
 
 def test_worker_without_the_token_is_refused(guarded):
     worker = guarded.start_worker("a", name="no-token")
-    assert worker.proc.wait(60) == 2
+    assert worker.proc.wait(WORKER_JOIN_S) == 2
     guarded.workers.pop("no-token").stop()
     assert "needs a join token" in worker.output()
 
 
 def test_worker_with_a_wrong_token_is_refused(guarded):
     worker = guarded.start_worker("a", name="wrong-token", env={TOKEN_ENV: "this is not the token at all"})
-    assert worker.proc.wait(60) == 2
+    assert worker.proc.wait(WORKER_JOIN_S) == 2
     guarded.workers.pop("wrong-token").stop()
     assert "could not prove it knows the join token" in worker.output()  # the worker notices first
 
@@ -201,7 +201,7 @@ def test_worker_with_a_token_refuses_a_head_without_one(tmp_path, model_dir):
         cluster.start_head()
         cluster.wait_api()
         worker = cluster.start_worker("a", env={TOKEN_ENV: TOKEN})
-        assert worker.proc.wait(60) == 2
+        assert worker.proc.wait(WORKER_JOIN_S) == 2
         assert "did not ask for the join token" in worker.output()
 
 
@@ -233,7 +233,7 @@ def test_the_token_never_crosses_the_wire(tmp_path, model_dir):
     cluster.listen_port = listener.getsockname()[1]
     try:
         worker = cluster.start_worker("a", env={TOKEN_ENV: TOKEN})
-        assert worker.proc.wait(60) == 2  # it will not serve a head that cannot prove it knows the token
+        assert worker.proc.wait(WORKER_JOIN_S) == 2  # it will not serve a head that cannot prove it knows the token
         assert "could not prove" in worker.output()
         thread.join(30)
         assert len(received) > 0

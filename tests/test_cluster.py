@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from cluster import ROOT, Cluster, Process, worker_hello, write_topology
+from cluster import ROOT, WORKER_JOIN_S, Cluster, Process, worker_hello, write_topology
 from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.generation import Generator
@@ -125,7 +125,7 @@ def test_a_prompt_past_a_workers_frame_limit_is_read_over_several_steps(tmp_path
                                 ("0.002", "start it with --max-frame-mb 1 or more")):
             cluster.start_worker("a", "--max-frame-mb", cap_mb, name="tiny-frames")
             tiny = cluster.workers.pop("tiny-frames")
-            assert tiny.proc.wait(60) == 2, tiny.output()  # refused: it would fail every request
+            assert tiny.proc.wait(WORKER_JOIN_S) == 2, tiny.output()  # refused: it would fail every request
             assert refusal in tiny.output() and "Traceback" not in tiny.output()
         cluster.start_worker("a", "--max-frame-mb", "0.02")
         cluster.start_worker("b")
@@ -164,20 +164,20 @@ def test_refused_workers_leave_the_head_serving(tmp_path, model_dir):
         cluster.start_head()
         cluster.wait_api()
         unknown = cluster.start_worker("nobody", name="unknown")
-        assert unknown.proc.wait(60) == 2
+        assert unknown.proc.wait(WORKER_JOIN_S) == 2
         assert "unknown node id 'nobody'" in unknown.output()
         no_gpu = cluster.start_worker("gpu", name="no-gpu")
-        assert no_gpu.proc.wait(60) == 2
+        assert no_gpu.proc.wait(WORKER_JOIN_S) == 2
         assert "needs device cuda:0" in no_gpu.output()
         reply = raw_hello(cluster, worker_hello("a", protocol_version=PROTOCOL_VERSION + 1))
         assert isinstance(reply, Error) and "protocol" in reply.message
         cluster.start_worker("a")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WORKER_JOIN_S
         while "worker a joined" not in cluster.head.output():
             assert time.monotonic() < deadline
             time.sleep(0.2)
         taken = cluster.start_worker("a", name="second-a")
-        assert taken.proc.wait(60) == 2
+        assert taken.proc.wait(WORKER_JOIN_S) == 2
         assert "already taken" in taken.output()
         assert cluster.get("/health")[0] == 200
         status, body = cluster.get("/health/ready")

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from cluster import Cluster, worker_hello, write_topology
+from cluster import WORKER_JOIN_S, Cluster, worker_hello, write_topology
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.messages import Assignment, HelloAck, Ping, Pong, SpeedFigure
@@ -288,7 +288,7 @@ def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_j
         cluster.start_head()
         cluster.wait_api()
         short = cluster.start_worker("slow", "--max-memory-gb", str(1 / 1024), name="short")  # 1 MiB
-        assert short.proc.wait(60) == 2, short.output()
+        assert short.proc.wait(WORKER_JOIN_S) == 2, short.output()
         said = " ".join(short.output().split())
         assert ("entry slow (layers 0-3) needs 2.3 MiB: 338.0 KiB of weights + 2.0 MiB of KV cache for 8 "
                 "sequence(s) of 256.0 KiB each at full context on cpu, but this worker offers 1.0 MiB; "
@@ -297,7 +297,7 @@ def test_a_worker_with_room_for_its_weights_but_not_its_kv_cache_is_refused_at_j
         assert "spare" not in said
         assert STAGE_NEED <= 4 << 20
         cluster.start_worker("slow", "--max-memory-gb", str(4 / 1024))  # 4 MiB
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WORKER_JOIN_S
         while "worker slow joined" not in cluster.head.output():
             assert time.monotonic() < deadline, cluster.head.output()
             time.sleep(0.2)
@@ -313,7 +313,7 @@ def test_where_the_batch_is_left_to_the_head_a_worker_short_of_its_caches_joins_
         cluster.start_head()
         cluster.wait_api()
         short = cluster.start_worker("slow", "--max-memory-gb", str((4 * LAYER_BYTES + 2 * 4 * LAYER_CACHE) / 2**30))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WORKER_JOIN_S
         while "worker slow joined" not in cluster.head.output():
             assert time.monotonic() < deadline, cluster.head.output()
             time.sleep(0.2)
@@ -323,7 +323,7 @@ def test_where_the_batch_is_left_to_the_head_a_worker_short_of_its_caches_joins_
         assert "set head.max_batch to 2 in topology.yaml to rule that out" in said
         assert short.proc.poll() is None
         tiny = cluster.start_worker("fast", "--max-memory-gb", str(4 * LAYER_BYTES / 2**30), name="tiny")
-        assert tiny.proc.wait(60) == 2, tiny.output()
+        assert tiny.proc.wait(WORKER_JOIN_S) == 2, tiny.output()
         assert "KV cache for 1 sequence(s)" in " ".join(tiny.output().split()), tiny.output()
 
 

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from cluster import Cluster, Process, Request, write_topology
+from cluster import WORKER_JOIN_S, Cluster, Process, Request, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
@@ -289,7 +289,7 @@ def test_spare_takes_over_a_lost_node_and_the_request_resumes(tmp_path, model_di
         # the lost worker, back, is told its node is covered instead of taking it away mid-service
         cluster.workers.pop("b").stop()
         back = cluster.start_worker("b", name="b-again")
-        assert back.proc.wait(60) == 2
+        assert back.proc.wait(WORKER_JOIN_S) == 2
         assert "served by the spare spare1" in back.output()
 
 
@@ -349,7 +349,7 @@ def test_worker_without_a_head_keeps_retrying_and_stops_on_sigterm(tmp_path, mod
     topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
     with Cluster(topo, tmp_path) as cluster:
         worker = cluster.start_worker("a", "--retry-max-s", "1")
-        wait_for(lambda: worker.output().count("not reachable") >= 2, 60, "two join attempts")
+        wait_for(lambda: worker.output().count("not reachable") >= 2, WORKER_JOIN_S, "two join attempts")
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(20) == 0
 

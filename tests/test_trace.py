@@ -34,7 +34,7 @@ def test_every_step_through_head_and_two_workers_is_traced_hand_off_by_hand_off(
         cluster.wait_api()
         for node in NODES:
             cluster.start_worker(node["id"])
-        cluster.wait_ready(timeout=120)
+        cluster.wait_ready()
         since = time.perf_counter_ns()
         status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": "the quick brown fox",
                                                         "max_tokens": 6, "temperature": 0, "ignore_eos": True})

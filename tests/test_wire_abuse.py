@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, worker_hello, write_topology
+from cluster import WORKER_JOIN_S, Cluster, worker_hello, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.model.config import Qwen2Config
@@ -137,7 +137,7 @@ def cluster(tmp_path_factory, model_dir):
         yield cluster
 
 
-def join_fake(cluster: Cluster, node_id: str, timeout: float = 60) -> FakeWorker:
+def join_fake(cluster: Cluster, node_id: str, timeout: float = WORKER_JOIN_S) -> FakeWorker:
     """A FakeWorker for `node_id`, joined once every other node is ready.
 
     A fake answers PINGs only while a test waits on it, so it joins last: the cluster is then ready at once,
