@@ -228,21 +228,27 @@ def measure_all(device: str, device_name: str, dtypes: tuple[str, ...], cache_di
     `cache_dir` None measures without reading or writing any file.
     """
     threads = torch.get_num_threads()
+    paths = {(dtype, mode): None if cache_dir is None else
+             Path(cache_dir) / cache_key(device, device_name, dtype, mode, threads)
+             for dtype in dtypes for mode in modes}
+    speeds = {key: None if path is None or fresh else _read_cached(path) for key, path in paths.items()}
+    missing = [f"{dtype} {mode}" for (dtype, mode), speed in speeds.items() if speed is None]
+    if missing:  # up to a minute of probe lines before anything else: say what they are for, once
+        log.info("measuring this machine's %s for the head's planner (%s; %d threads; %s)", device,
+                 ", ".join(missing), threads, "measured at every start" if cache_dir is None else
+                 f"kept in {cache_dir} for later starts")
     figures = []
-    for dtype in dtypes:
-        for mode in modes:
-            path = None if cache_dir is None else Path(cache_dir) / cache_key(device, device_name, dtype, mode,
-                                                                               threads)
-            speed = None if path is None or fresh else _read_cached(path)
-            if speed is None:
-                started = time.perf_counter()
-                speed = measure(device, dtype, mode)
-                log.info("bench %s %s %s: decode %.2f GB/s, prefill %.1f GB/s, %.3f ms a layer (%.1fs)", device,
-                         dtype, mode, speed.decode_bytes_per_s / 1e9, speed.prefill_bytes_per_s / 1e9,
-                         speed.layer_overhead_s * 1e3, time.perf_counter() - started)
-                if path is not None:
-                    _write_cached(path, speed)
-            figures.append(Measured(device, dtype, mode, speed))
+    for (dtype, mode), path in paths.items():
+        speed = speeds[dtype, mode]
+        if speed is None:
+            started = time.perf_counter()
+            speed = measure(device, dtype, mode)
+            log.info("bench %s %s %s: decode %.2f GB/s, prefill %.1f GB/s, %.3f ms a layer (%.1fs)", device,
+                     dtype, mode, speed.decode_bytes_per_s / 1e9, speed.prefill_bytes_per_s / 1e9,
+                     speed.layer_overhead_s * 1e3, time.perf_counter() - started)
+            if path is not None:
+                _write_cached(path, speed)
+        figures.append(Measured(device, dtype, mode, speed))
     return tuple(figures)
 
 

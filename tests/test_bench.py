@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tc.speed import LinkSpeed, Speed, fit_line
 from tc import bench
@@ -123,3 +125,15 @@ def test_a_figure_says_whether_it_was_measured_on_native_products():
     # fp16 weights: native where the bf16 product may be chosen, never in fp32
     assert bench.cache_key("cpu", "x", "bf16", "fp16", 2).endswith("-native.json") is dense.native_bf16_available()
     assert not bench.cache_key("cpu", "x", "fp32", "fp16", 2).endswith("-native.json")
+
+
+def test_a_start_that_measures_says_what_for_and_where_it_keeps_the_figures_once(tmp_path, caplog):
+    """A first start spends up to a minute on probe lines before it joins: one line says what they are."""
+    with caplog.at_level(logging.INFO, logger="tc.bench"):
+        bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path, modes=("fp16", "int8"))
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measuring")]
+        assert said == [f"measuring this machine's cpu for the head's planner (fp32 fp16, fp32 int8; "
+                        f"{torch.get_num_threads()} threads; kept in {tmp_path} for later starts)"]
+        caplog.clear()
+        bench.measure_all("cpu", "test cpu", ("fp32",), tmp_path, modes=("fp16", "int8"))  # read back
+        assert not caplog.records
