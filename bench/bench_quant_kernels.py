@@ -5,7 +5,7 @@ sequences, --modes decode,batch8) and [1, 128, in] (prefill), prints microsecond
 per call for bf16 nn.Linear, bf16 in oneDNN's blocked layout (dense.PackedLinear), fp32 nn.Linear, Int8Linear
 and Int4Linear on their portable and PyTorch packed-kernel paths and on tc's native products (tc/model/native.py;
 n/a where they do not build or lose their probe), and Int8Linear as it chooses between PyTorch's kernel and a
-dense product for prefill (quant.int8_dense_prefill_is_faster), activations in bf16 for the quantized modules,
+dense product for prefill (quant.int8_dense_prefill_from_rows), activations in bf16 for the quantized modules,
 and each one's speed-up over bf16 nn.Linear (>1 is faster).
 By default each variant rotates through enough copies of its layer that the weights come from memory, as they
 do when a whole model decodes; --hot calls a single copy instead.

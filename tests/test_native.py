@@ -438,6 +438,53 @@ def test_prefill_rows_take_the_path_the_probe_chose(mode, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_layer_the_probe_sends_dense_from_more_rows_keeps_fewer_native(mode, monkeypatch):
+    """Where the dense way wins only from a longer prompt's rows (the probe's answer, given here), the rows below
+    that stay on the native product, those from it go dense, whatever the layer's shape."""
+    monkeypatch.setattr(quant, f"_{mode}_dense_prefill_probe", lambda *args: quant.NATIVE_DENSE_ROWS[1])
+    lin = torch.nn.Linear(256, 64, bias=True).bfloat16()
+    if mode == "int8":
+        probed, dense, natively = (Int8Linear.from_linear(lin, dense_prefill=d) for d in (None, True, False))
+    else:
+        probed, dense, natively = (native_int4_layer(lin, d) for d in (None, True, False))
+    if probed.path != "native":
+        pytest.skip(f"PyTorch's {mode} kernel is as fast here")
+    assert probed.dense_prefill_dtype == torch.bfloat16 and probed.dense_from_rows == quant.NATIVE_DENSE_ROWS[1]
+    assert dense.dense_from_rows == quant.NATIVE_DENSE_MIN_ROWS
+    x = torch.randn(quant.NATIVE_DENSE_ROWS[1], 256).bfloat16()
+    fewer = x[:-1]
+    assert len(fewer) >= quant.NATIVE_DENSE_MIN_ROWS  # rows the dense layer multiplies densely
+    assert torch.equal(probed(fewer), natively(fewer)) and not torch.equal(dense(fewer), natively(fewer))
+    assert torch.equal(probed(x), dense(x))
+    if mode == "int4":
+        assert probed.native_calls(fewer, torch.empty(len(fewer), 64, dtype=torch.bfloat16)) is not None
+        assert probed.native_calls(x, torch.empty(len(x), 64, dtype=torch.bfloat16)) is None
+
+
+def test_the_dense_way_is_taken_from_the_first_row_count_where_it_wins_by_the_margin(monkeypatch):
+    """Scripted timings (the product's time grows with every row, the dense way's mostly fixed): each row count is
+    timed in turn until the dense way wins by DENSE_PREFILL_MIN_GAIN, and none wins where it never does."""
+    def rows_timed(product_us_a_row: float, dense_fixed_us: float):
+        seen = []
+
+        def race(fns, runs):
+            for fn in fns:
+                fn()
+            rows = seen[-1]
+            return [product_us_a_row * rows * 1e-6, (dense_fixed_us + rows) * 1e-6]
+        monkeypatch.setattr(quant, "race", race)
+        called = lambda x: seen.append(len(x))  # noqa: E731
+        return quant._dense_from_rows("test [8, 32]", "native", "dense", quant.NATIVE_DENSE_ROWS, called, called,
+                                      lambda count: torch.zeros(count, 32)), seen
+
+    # gain at 128, 256, 512 rows: 10 us a row against 1000 us + 1 a row: 1.13, 2.05, 3.40
+    assert rows_timed(10, 1000) == (256, [128, 128, 256, 256])
+    assert rows_timed(20, 1000) == (128, [128, 128])  # 2.27 at once
+    assert rows_timed(2, 1000) == (None, [128, 128, 256, 256, 512, 512])  # 0.23, 0.41, 0.68
+
+
+@needs_kernels
 def test_an_int4_layer_in_a_prefill_sized_decode_plan_call_keeps_to_the_native_product():
     """A decode plan calls the native product directly (native_calls): it must never be handed the rows the layer
     would have multiplied densely."""

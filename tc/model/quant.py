@@ -72,9 +72,13 @@ _INT8_KERNEL_MULTIPLES_OTHER = (32, 32)
 PREFILL_MIN_ROWS = 64  # activation rows from which an int8 product may take the portable path (see Int8Linear)
 DENSE_PREFILL_PROBE_ROWS = 128  # ... if the probe finds it DENSE_PREFILL_MIN_GAIN times faster for this many
 DENSE_PREFILL_MIN_GAIN = 1.25
-# tc's native products go dense from the rows the probe times: below, the conversion outweighs the gain (int4
-# [9728, 896] at 64 rows: 2.7 ms dense against 2.1 native, at 256: 3.9 against 8.0, on a Sapphire Rapids VM)
-NATIVE_DENSE_MIN_ROWS = DENSE_PREFILL_PROBE_ROWS
+# tc's native products go dense from the first of these row counts at which the probe finds the dense way
+# DENSE_PREFILL_MIN_GAIN times faster; with fewer, the conversion outweighs the gain (int4 [9728, 896] at 64 rows:
+# 2.7 ms dense against 2.1 native, at 256: 3.9 against 8.0, on a Sapphire Rapids VM). The gain grows with the
+# rows, and where it is near the margin at 128 (1.1-1.4x for the demo's shapes on a 2-core Xeon, whose probe then
+# kept every layer native) it is 1.5-1.8x at 256 and 1.7-2.5x at 512: a 512-token prompt takes the dense way there.
+NATIVE_DENSE_ROWS = (DENSE_PREFILL_PROBE_ROWS, 2 * DENSE_PREFILL_PROBE_ROWS, 4 * DENSE_PREFILL_PROBE_ROWS)
+NATIVE_DENSE_MIN_ROWS = NATIVE_DENSE_ROWS[0]
 _ALIGNMENT = 64  # bytes; the x86 int8 kernel uses aligned vector loads on the activation rows
 _CHUNK_ELEMENTS = 1 << 20  # quantize this many weights at a time: float temporaries of 4 MiB (faster than 16)
 _INT8_DENSE_SLAB_ROWS = 4096  # rows of int8 codes converted at a time by the portable path
@@ -504,55 +508,75 @@ def int8_kernel_available(device: str, dtype: torch.dtype = _KERNEL_DTYPE) -> bo
     return ok
 
 
+def _dense_from_rows(what: str, path: str, dense_way: str, row_counts: tuple[int, ...],
+                     product: Callable[[torch.Tensor], object], dense: Callable[[torch.Tensor], object],
+                     rows_of: Callable[[int], torch.Tensor]) -> int | None:
+    """The first of `row_counts` for which dense(x) runs DENSE_PREFILL_MIN_GAIN times faster than product(x), x =
+    rows_of(count), timed on one thread (probe.py: steady timings on a shared machine), with the timings logged;
+    None where it wins at none of them."""
+    timed, found = [], None
+    with one_thread():
+        for count in row_counts:
+            x = rows_of(count)
+            product_s, dense_s = race([lambda: product(x), lambda: dense(x)], 5)
+            timed.append((count, product_s, dense_s))
+            if product_s >= DENSE_PREFILL_MIN_GAIN * dense_s:
+                found = count
+                break
+    _scratch.buffer = None  # a product's size, not the probe's, is what a prefill keeps
+    log.info("%s x %s rows: %s %s us, %s %s us: %s", what, " / ".join(str(c) for c, _, _ in timed), path,
+             " / ".join(f"{p * 1e6:.0f}" for _, p, _ in timed), dense_way,
+             " / ".join(f"{d * 1e6:.0f}" for _, _, d in timed),
+             path if found is None else f"dense from {found} rows")
+    return found
+
+
 @functools.lru_cache(maxsize=None)
-def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype, path: str = "kernel") -> bool:
-    """The timing behind int8_dense_prefill_is_faster, against PyTorch's kernel or (path "native") tc's native
-    product, whose dense way first lays the tiled codes back out, as Int8Linear's does."""
+def _int8_dense_prefill_probe(rows: int, in_features: int, dtype: torch.dtype, path: str = "kernel") -> int | None:
+    """The timing behind int8_dense_prefill_from_rows, against PyTorch's kernel (at DENSE_PREFILL_PROBE_ROWS rows)
+    or (path "native") tc's native product (at each of NATIVE_DENSE_ROWS in turn), whose dense way first lays the
+    tiled codes back out, as Int8Linear's does: the rows from which the dense way wins, or None."""
     gen = torch.Generator().manual_seed(0)
     qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen)
     scale = torch.rand(rows, generator=gen) / INT8_MAX
-    x = torch.randn(DENSE_PREFILL_PROBE_ROWS, in_features, generator=gen).to(dtype)
     if path == "native":
         kernels, tiled = native.kernels(), native.tile_int8(qweight)
-        product = lambda: kernels.int8_linear(x, tiled, scale)  # noqa: E731
-        dense = lambda: _native_dense(x, rows, functools.partial(kernels.int8_rows, tiled), scale)  # noqa: E731
+        product = lambda x: kernels.int8_linear(x, tiled, scale)  # noqa: E731
+        dense = lambda x: _native_dense(x, rows, functools.partial(kernels.int8_rows, tiled), scale)  # noqa: E731
     else:
-        product = lambda: _int8_kernel(x, qweight, scale)  # noqa: E731
-        dense = lambda: F.linear(x, qweight.to(dtype)) * scale.to(dtype)  # noqa: E731
-    with one_thread():  # see probe.py: steady timings on a shared machine
-        product_s, dense_s = race([product, dense], 5)
-    _scratch.buffer = None  # a product's size, not the probe's, is what a prefill keeps
-    faster = product_s >= DENSE_PREFILL_MIN_GAIN * dense_s
-    log.info("int8 [%d, %d] x %d rows of %s: %s %.0f us, codes converted + dense product %.0f us: %s", rows,
-             in_features, DENSE_PREFILL_PROBE_ROWS, dtype, path, product_s * 1e6, dense_s * 1e6,
-             "dense" if faster else path)
-    return faster
+        product = lambda x: _int8_kernel(x, qweight, scale)  # noqa: E731
+        dense = lambda x: F.linear(x, qweight.to(dtype)) * scale.to(dtype)  # noqa: E731
+    return _dense_from_rows(f"int8 [{rows}, {in_features}] of {dtype}", path, "codes converted + dense product",
+                            NATIVE_DENSE_ROWS if path == "native" else (DENSE_PREFILL_PROBE_ROWS,), product, dense,
+                            lambda count: torch.randn(count, in_features, generator=gen).to(dtype))
 
 
-def int8_dense_prefill_is_faster(out_features: int, in_features: int, dtype: torch.dtype, path: str = "kernel"
-                                 ) -> bool:
-    """Whether, on this CPU, PREFILL_MIN_ROWS or more rows of `dtype` activations times an int8 [out, in] weight run
-    faster by converting the codes to `dtype` and multiplying densely than through the packed kernel, or with path
-    "native" through tc's native product (probed once per shape, on a slab of at most PROBE_ROWS rows, on one
-    thread).
+def int8_dense_prefill_from_rows(out_features: int, in_features: int, dtype: torch.dtype, path: str = "kernel"
+                                  ) -> int | None:
+    """From how many rows of `dtype` activations, on this CPU, an int8 [out, in] weight times them runs faster by
+    converting the codes to `dtype` and multiplying densely than through the packed kernel (PREFILL_MIN_ROWS, where
+    it does at DENSE_PREFILL_PROBE_ROWS), or with path "native" through tc's native product (the first of
+    NATIVE_DENSE_ROWS where it does); None where it does not (probed once per shape, on a slab of at most
+    PROBE_ROWS rows, on one thread).
 
     The kernel's time grows with every row, while the conversion costs the same for any number, so the dense way
     gains with the rows: 0.8-1.2x at 16 rows, 1.3-1.8x at 64 and 1.8-2.3x at 128 on one AVX512-BF16 EPYC. The
-    probe times DENSE_PREFILL_PROBE_ROWS rows, where the dense way must win by DENSE_PREFILL_MIN_GAIN: the two ways
-    round differently, so a choice that flipped between processes with the timing's noise would let one request's
-    text depend on which worker process decided what. Fewer rows (a decode step's one) stay on the kernel.
+    dense way must win by DENSE_PREFILL_MIN_GAIN: the two ways round differently, so a choice that flipped between
+    processes with the timing's noise would let one request's text depend on which worker process decided what.
+    Fewer rows (a decode step's one) stay on the kernel.
     """
     if path == "native":
         if native.kernels() is None or not native.shape_ok_int8(out_features, in_features):
-            return False
+            return None
     elif not int8_kernel_available("cpu") or not int8_kernel_shape_ok(out_features, in_features, "cpu"):
-        return False
-    return _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype, path)
+        return None
+    found = _int8_dense_prefill_probe(min(out_features, PROBE_ROWS), in_features, dtype, path)
+    return None if found is None else found if path == "native" else PREFILL_MIN_ROWS
 
 
 @functools.lru_cache(maxsize=None)
-def _int4_dense_prefill_probe(rows: int, padded_in: int, group_size: int, dtype: torch.dtype) -> bool:
-    """The timing behind int4_dense_prefill_is_faster: tc's native product against its dense way."""
+def _int4_dense_prefill_probe(rows: int, padded_in: int, group_size: int, dtype: torch.dtype) -> int | None:
+    """The timing behind int4_dense_prefill_from_rows: tc's native product against its dense way."""
     # codes and parameters drawn as they are, no float weight made: a worker's loading peaks at its weights and one
     # layer (tests/test_load_memory.py)
     gen = torch.Generator().manual_seed(0)
@@ -561,27 +585,23 @@ def _int4_dense_prefill_probe(rows: int, padded_in: int, group_size: int, dtype:
         torch.randint(0, 256, (rows, padded_in // 2), dtype=torch.uint8, generator=gen),
         (torch.rand(rows, groups, generator=gen) / 8).to(_KERNEL_DTYPE), torch.zeros(rows, groups, dtype=_KERNEL_DTYPE))
     kernels = native.kernels()
-    x = torch.randn(DENSE_PREFILL_PROBE_ROWS, padded_in, generator=gen).to(dtype)
-    product = lambda: kernels.int4_linear(x, packed, scales, zeros, group_size)  # noqa: E731
+    product = lambda x: kernels.int4_linear(x, packed, scales, zeros, group_size)  # noqa: E731
     rows_into = functools.partial(kernels.int4_rows, packed, scales, zeros, group_size)
-    dense = lambda: _native_dense(x, rows, rows_into)  # noqa: E731
-    with one_thread():  # see probe.py: steady timings on a shared machine
-        product_s, dense_s = race([product, dense], 5)
-    _scratch.buffer = None  # a product's size, not the probe's, is what a prefill keeps
-    faster = product_s >= DENSE_PREFILL_MIN_GAIN * dense_s
-    log.info("int4 [%d, %d] x %d rows of %s: native %.0f us, dequantized + dense product %.0f us: %s", rows,
-             padded_in, DENSE_PREFILL_PROBE_ROWS, dtype, product_s * 1e6, dense_s * 1e6,
-             "dense" if faster else "native")
-    return faster
+    dense = lambda x: _native_dense(x, rows, rows_into)  # noqa: E731
+    return _dense_from_rows(f"int4 [{rows}, {padded_in}] of {dtype}", "native", "dequantized + dense product",
+                            NATIVE_DENSE_ROWS, product, dense,
+                            lambda count: torch.randn(count, padded_in, generator=gen).to(dtype))
 
 
-def int4_dense_prefill_is_faster(out_features: int, padded_in: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether, on this CPU, NATIVE_DENSE_MIN_ROWS or more rows of `dtype` activations times a tiled int4 [out,
-    padded_in] weight run faster dequantized to bfloat16 and multiplied densely than through tc's native product, as
-    int8_dense_prefill_is_faster decides for int8 (the same probe rows, margin and reasons). A CPU with bfloat16
-    matrix units gains most: 2x at 256 rows of the demo's MLP on a Sapphire Rapids VM with AMX."""
+def int4_dense_prefill_from_rows(out_features: int, padded_in: int, group_size: int, dtype: torch.dtype
+                                 ) -> int | None:
+    """From how many rows of `dtype` activations, on this CPU, a tiled int4 [out, padded_in] weight times them runs
+    faster dequantized to bfloat16 and multiplied densely than through tc's native product (the first of
+    NATIVE_DENSE_ROWS where it does), as int8_dense_prefill_from_rows finds for int8 (the same margin and reasons);
+    None where it does not. A CPU with bfloat16 matrix units gains most: 2x at 256 rows of the demo's MLP on a
+    Sapphire Rapids VM with AMX."""
     if native.kernels() is None or not native.shape_ok_int4(out_features, padded_in, group_size):
-        return False
+        return None
     return _int4_dense_prefill_probe(min(out_features, PROBE_ROWS), padded_in, group_size, dtype)
 
 
@@ -620,7 +640,7 @@ def int8_device_speed_probe(device: str, rows: int, in_features: int, dtype: tor
                             kernel_dtype: torch.dtype = _KERNEL_DTYPE) -> tuple[bool, bool]:
     """int8_paths_by_speed for an int8 [rows, in] weight with `dtype` activations on an accelerator (cpu works too,
     for a test), timed by wall clock with the device waited for: a few milliseconds, once per device and shape.
-    (On the CPU the loaded worker uses int8_dense_prefill_is_faster, which times thread CPU time instead.)"""
+    (On the CPU the loaded worker uses int8_dense_prefill_from_rows, which times thread CPU time instead.)"""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     qweight = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), dtype=torch.int8, generator=gen).to(dev)
@@ -829,7 +849,7 @@ class Int8Linear(_QuantLinear):
     With the kernel, prefill-sized products (PREFILL_MIN_ROWS activation rows or more) in `prefill_dtype` may take
     the portable path instead: the kernel's time grows with every row, while the portable path converts the codes
     once and then runs the dense product at its own, much higher rate per row. A load-time probe per shape decides
-    (`int8_dense_prefill_is_faster`; `dense_prefill` overrides it). Both paths read the same codes.
+    (`int8_dense_prefill_from_rows`; `dense_prefill` overrides it). Both paths read the same codes.
     """
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
@@ -866,11 +886,12 @@ class Int8Linear(_QuantLinear):
         self._kernel_device_type = "cpu"  # the tiled layout is for this CPU's kernels
         self._native = native.kernels()
         native.one_row_prefetch("int8")  # once per process: whether one row prefetches its weights here
-        dense = self._dense_prefill
-        if dense is None:
-            dense = self._prefill_dtype is not None and int8_dense_prefill_is_faster(
-                self.out_features, self.in_features, self._prefill_dtype, "native")
-        self.dense_prefill_dtype = self._prefill_dtype if dense else None
+        from_rows = NATIVE_DENSE_MIN_ROWS if self._dense_prefill else None
+        if self._dense_prefill is None and self._prefill_dtype is not None:
+            from_rows = int8_dense_prefill_from_rows(self.out_features, self.in_features, self._prefill_dtype,
+                                                     "native")
+        self.dense_prefill_dtype = self._prefill_dtype if from_rows is not None else None
+        self.dense_from_rows = from_rows or NATIVE_DENSE_MIN_ROWS  # rows in that dtype from which it goes dense
         qweight = weight.qweight if in_place else weight.qweight.clone()
         self.register_buffer("qweight", native.tile_int8(qweight.contiguous()))
         self.register_buffer("scale", weight.scale)
@@ -895,7 +916,8 @@ class Int8Linear(_QuantLinear):
             dense = dense_prefill if dense is None else dense
         if dense is None:
             dense = (uses_kernel and device_type == "cpu" and self._prefill_dtype is not None
-                     and int8_dense_prefill_is_faster(self.out_features, self.in_features, self._prefill_dtype))
+                     and int8_dense_prefill_from_rows(self.out_features, self.in_features, self._prefill_dtype)
+                     is not None)
         # the dtype whose prefill-sized products take the portable path, or None
         self.dense_prefill_dtype = self._prefill_dtype if uses_kernel and dense else None
         return uses_kernel
@@ -922,7 +944,7 @@ class Int8Linear(_QuantLinear):
             return self._native.int8_product(x, qweight, scale, buffers["bias"])
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.path == "native":
-            if x2.shape[0] < NATIVE_DENSE_MIN_ROWS or x.dtype != self.dense_prefill_dtype:
+            if x2.shape[0] < self.dense_from_rows or x.dtype != self.dense_prefill_dtype:
                 y = self._native.int8_linear(x2, qweight, scale)
             else:
                 y = _native_dense(x2, scale.shape[0], functools.partial(self._native.int8_rows, qweight), scale)
@@ -974,7 +996,8 @@ class Int4Linear(_QuantLinear):
     needed padding, so the padding columns contribute nothing.
     """
 
-    dense_prefill_dtype: torch.dtype | None = None  # prefill-sized products in this dtype take the dense way
+    dense_prefill_dtype: torch.dtype | None = None  # prefill-sized products in this dtype take the dense way,
+    dense_from_rows = NATIVE_DENSE_MIN_ROWS  # from this many rows
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, use_kernel: bool | None = None,
                  pack_in_place: bool = False, compute_dtype: torch.dtype | None = None,
@@ -983,7 +1006,7 @@ class Int4Linear(_QuantLinear):
         is written over its codes instead of beside them (_Int4Kernel.pack); `weight` must not be read after.
         compute_dtype: the dtype of the activations, where known: float32 ones are not quantized (native_allowed).
         dense_prefill: on the native path, whether prefill-sized products in compute_dtype take the dense way (None:
-        where int4_dense_prefill_is_faster finds it faster).
+        from the rows where int4_dense_prefill_from_rows finds it faster; True: from NATIVE_DENSE_MIN_ROWS).
         Raises KernelUnavailableError if use_kernel=True and the device or shape has no int4 kernel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -1039,15 +1062,17 @@ class Int4Linear(_QuantLinear):
                      compute_dtype: torch.dtype | None, dense: bool | None) -> None:
         """Buffers in the native kernels' tiled layout (native.tile_int4), over the codes where `in_place`;
         prefill-sized products in the compute dtype may dequantize them and multiply densely instead, where a probe
-        finds that faster (int4_dense_prefill_is_faster)."""
+        finds that faster (int4_dense_prefill_from_rows)."""
         self.path, self.uses_kernel = "native", False
         self._kernel_device_type = "cpu"
         self._native = native.kernels()
         native.one_row_prefetch("int4")  # once per process: whether one row prefetches its weights here
-        if dense is None:
-            dense = compute_dtype is not None and int4_dense_prefill_is_faster(
-                self.out_features, self.padded_in_features, self.group_size, compute_dtype)
-        self.dense_prefill_dtype = compute_dtype if dense else None
+        from_rows = NATIVE_DENSE_MIN_ROWS if dense else None
+        if dense is None and compute_dtype is not None:
+            from_rows = int4_dense_prefill_from_rows(self.out_features, self.padded_in_features, self.group_size,
+                                                     compute_dtype)
+        self.dense_prefill_dtype = compute_dtype if from_rows is not None else None
+        self.dense_from_rows = from_rows or NATIVE_DENSE_MIN_ROWS
         packed = weight.packed if in_place else weight.packed.clone()
         packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
         self.register_buffer("packed", packed)
@@ -1070,7 +1095,7 @@ class Int4Linear(_QuantLinear):
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # [M, padded_in]; weights there: any
-        if self.path == "native" and x2.shape[0] >= NATIVE_DENSE_MIN_ROWS and x.dtype == self.dense_prefill_dtype:
+        if self.path == "native" and x2.shape[0] >= self.dense_from_rows and x.dtype == self.dense_prefill_dtype:
             y = _native_dense(x2, self.out_features, functools.partial(
                 self._native.int4_rows, buffers["packed"], buffers["scales"], buffers["zeros"], self.group_size))
         elif self.path == "native":
@@ -1095,7 +1120,7 @@ class Int4Linear(_QuantLinear):
         (but for rows that the dense way takes: forward's first branch)."""
         return (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.padded_in_features
                 and self.padded_in_features == self.in_features and x.is_contiguous()
-                and (self.dense_prefill_dtype is None or x.numel() < NATIVE_DENSE_MIN_ROWS * self.in_features))
+                and (self.dense_prefill_dtype is None or x.numel() < self.dense_from_rows * self.in_features))
 
 
 @dataclass(frozen=True)
