@@ -18,8 +18,9 @@ every real layer in those same bytes (tc.planner.layer_weight_bytes).
 
 `measure_all` measures every (dtype, mode) a worker could be assigned on its device and keeps each result in a
 small JSON file under the cache directory, keyed by everything that changes it (device and its name, dtype,
-mode, threads, torch version), so a worker pays a few seconds once per machine and setting. A file of another
-format version, or unreadable, is measured again.
+mode, threads, torch version), so a worker pays once per machine and setting (30-60 s for all six on a 2-core
+CPU, most of it the bf16 products' own probes). A file of another format version, or unreadable, is measured
+again.
 """
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ class Worker:
         self._peers: PeerListener | None = None  # this connection's listener for the stage before, if any
 
     def measure_speeds(self, fresh: bool = False) -> tuple[Measured, ...]:
-        """Measure (or read back) this machine's speed on its device for HELLO; a few seconds the first time."""
+        """Measure (or read back) this machine's speed on its device for HELLO; up to a minute the first time."""
         name = next(d.name for d in self.devices if d.id == self.device)
         figures = measure_all(self.device, name, compute_dtypes(self.device), self.options.bench_dir, fresh)
         self.speeds = tuple(SpeedFigure(device=f.device, dtype=f.dtype, quant=f.quant,
