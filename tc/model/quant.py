@@ -800,6 +800,16 @@ class _QuantLinear(nn.Module):
             raise QuantizationError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach())
 
+    def _init_dense_rows(self, dense: bool | None, dtype: torch.dtype | None,
+                         probe: Callable[[], int | None]) -> None:
+        """On the native path, from how many rows of `dtype` a product takes the dense way: `dense` True, from
+        NATIVE_DENSE_MIN_ROWS; False, never; None, from the rows `probe()` finds it faster (None: never)."""
+        from_rows = NATIVE_DENSE_MIN_ROWS if dense else None
+        if dense is None and dtype is not None:
+            from_rows = probe()
+        self.dense_prefill_dtype = dtype if from_rows is not None else None  # None: every product native
+        self.dense_from_rows = from_rows or NATIVE_DENSE_MIN_ROWS
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Kernel output [M, out] -> x's dtype, plus bias, shaped [..., out].
 
@@ -886,12 +896,8 @@ class Int8Linear(_QuantLinear):
         self._kernel_device_type = "cpu"  # the tiled layout is for this CPU's kernels
         self._native = native.kernels()
         native.one_row_prefetch("int8")  # once per process: whether one row prefetches its weights here
-        from_rows = NATIVE_DENSE_MIN_ROWS if self._dense_prefill else None
-        if self._dense_prefill is None and self._prefill_dtype is not None:
-            from_rows = int8_dense_prefill_from_rows(self.out_features, self.in_features, self._prefill_dtype,
-                                                     "native")
-        self.dense_prefill_dtype = self._prefill_dtype if from_rows is not None else None
-        self.dense_from_rows = from_rows or NATIVE_DENSE_MIN_ROWS  # rows in that dtype from which it goes dense
+        self._init_dense_rows(self._dense_prefill, self._prefill_dtype, lambda: int8_dense_prefill_from_rows(
+            self.out_features, self.in_features, self._prefill_dtype, "native"))
         qweight = weight.qweight if in_place else weight.qweight.clone()
         self.register_buffer("qweight", native.tile_int8(qweight.contiguous()))
         self.register_buffer("scale", weight.scale)
@@ -1067,12 +1073,8 @@ class Int4Linear(_QuantLinear):
         self._kernel_device_type = "cpu"
         self._native = native.kernels()
         native.one_row_prefetch("int4")  # once per process: whether one row prefetches its weights here
-        from_rows = NATIVE_DENSE_MIN_ROWS if dense else None
-        if dense is None and compute_dtype is not None:
-            from_rows = int4_dense_prefill_from_rows(self.out_features, self.padded_in_features, self.group_size,
-                                                     compute_dtype)
-        self.dense_prefill_dtype = compute_dtype if from_rows is not None else None
-        self.dense_from_rows = from_rows or NATIVE_DENSE_MIN_ROWS
+        self._init_dense_rows(dense, compute_dtype, lambda: int4_dense_prefill_from_rows(
+            self.out_features, self.padded_in_features, self.group_size, compute_dtype))
         packed = weight.packed if in_place else weight.packed.clone()
         packed, scales, zeros = native.tile_int4(packed, weight.scales, weight.zeros)
         self.register_buffer("packed", packed)
