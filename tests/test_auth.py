@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,11 @@ def test_worker_with_a_wrong_token_is_refused(guarded):
     assert worker.proc.wait(WORKER_JOIN_S) == 2
     guarded.workers.pop("wrong-token").stop()
     assert "could not prove it knows the join token" in worker.output()  # the worker notices first
+    # and it leaves without a word, so the head's log says what a worker leaving at that point most likely means
+    deadline = time.monotonic() + 10
+    while "most likely differs from this head's head.join_token" not in guarded.head.output():
+        assert time.monotonic() < deadline, guarded.head.output()[-2000:]
+        time.sleep(0.1)
 
 
 def test_stranger_replaying_an_old_answer_is_refused(guarded):

@@ -693,7 +693,12 @@ class WorkerRegistry:
                           "TC_JOIN_TOKEN) holding the head's head.join_token") from None
         head_nonce, challenge = make_challenge(self._token_key, worker_nonce)
         conn.send(HelloAck(node_id="", challenge=challenge))
-        proven = _expect_hello(conn)
+        try:
+            proven = _expect_hello(conn)
+        except ConnectionClosed as exc:  # a worker checks the head's proof first, and leaves when it fails
+            raise ConnectionClosed(f"{exc} at the join-token challenge: its token most likely differs from this "
+                                   "head's head.join_token; give it the same one (--join-token-file or "
+                                   "TC_JOIN_TOKEN)") from exc
         check_answer(self._token_key, head_nonce, worker_nonce, proven.auth)
         return proven
 
