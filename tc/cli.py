@@ -22,8 +22,9 @@ def _port_number(text: str) -> int | None:
 def _host_port(value: str) -> tuple[str, int]:
     from .topology import AddressError, parse_host_port
 
-    try:
-        address = parse_host_port(value)  # the topology's own rules: an IPv6 host in brackets, a port 1-65535
+    try:  # the topology's own rules: an IPv6 host in brackets, a port 1-65535; the example is a join address,
+        # not an API one (0.0.0.0:8000 there had workers dial the API port)
+        address = parse_host_port(value, example="HEAD_HOST:7001, the head's head.listen address")
     except AddressError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return address.host, address.port

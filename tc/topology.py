@@ -328,13 +328,17 @@ def parse_device(text: str) -> tuple[str, int | None]:
     return match.group(1), (int(index) if index is not None else None)
 
 
-def parse_host_port(text: str) -> HostPort:
-    """Parse "host:port" (IPv6 as "[::1]:7001"), port 1-65535. Raises AddressError saying what to write."""
+def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
+    """Parse "host:port" (IPv6 as "[::1]:7001"), port 1-65535. Raises AddressError saying what to write, with
+    `example` as the address to write (the worker's --join gives the head's listen address)."""
     if not isinstance(text, str):
-        raise AddressError(f"expected \"host:port\" like 0.0.0.0:8000, got {_describe(text)}")
+        raise AddressError(f"expected \"host:port\" like {example}, got {_describe(text)}")
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme and "[" not in scheme:  # a URL pasted in: its colon would read as an IPv6 host's
+        raise AddressError(f"{text!r} is a URL; write host:port alone, without {scheme}://, like {example}")
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text or text.endswith("]"):  # "[::1]": the last colon is the address's own
-        raise AddressError(f"{text!r} has no port; write host:port like 0.0.0.0:8000")
+        raise AddressError(f"{text!r} has no port; write host:port like {example}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
         valid_host = _is_ip(host, ipaddress.IPv6Address)
@@ -343,9 +347,9 @@ def parse_host_port(text: str) -> HostPort:
             raise AddressError(f"{text!r}: put an IPv6 host in brackets, like [::]:8000")
         valid_host = _is_host_name(host)
     if not valid_host:
-        raise AddressError(f"{text!r} has no valid host; write host:port like 0.0.0.0:8000 or localhost:7001")
+        raise AddressError(f"{text!r} has no valid host; write host:port like {example} or localhost:7001")
     if not _PORT_PATTERN.fullmatch(port_text):
-        raise AddressError(f"{text!r}: port {port_text!r} is not a number; write host:port like 0.0.0.0:8000")
+        raise AddressError(f"{text!r}: port {port_text!r} is not a number; write host:port like {example}")
     return HostPort(host, _check_port(int(port_text), allow_zero=False))
 
 

@@ -116,6 +116,7 @@ BAD = [
     ("api no host", changed(("head.api", ":8000")), "head.api", "no valid host"),
     ("api bad host", changed(("head.api", "my host:8000")), "head.api", "no valid host"),
     ("api bare ipv6", changed(("head.api", "::1:8000")), "head.api", "in brackets"),
+    ("api a URL", changed(("head.api", "http://0.0.0.0:8000")), "head.api", "is a URL; write host:port alone"),
     ("listen missing", changed(("head.listen", DELETE)), "head.listen", "missing"),
     ("listen same port", changed(("head.listen", "127.0.0.1:8000")), "head.listen", "different ports"),
     ("head threads zero", changed(("head.threads", 0)), "head.threads", "too small"),
@@ -563,6 +564,9 @@ def test_the_command_line_takes_only_ports(port: str, capsys) -> None:
     (["worker", "--join", "::1"], "put an IPv6 host in brackets"),
     (["worker", "--join", "::1:7001"], "put an IPv6 host in brackets"),
     (["worker", "--join", "[::1]"], "has no port"),
+    (["worker", "--join", "10.0.0.5"], "has no port; write host:port like HEAD_HOST:7001, the head's head.listen"),
+    (["worker", "--join", "http://10.0.0.5:7001"], "is a URL; write host:port alone, without http://, like HEAD"),
+    (["worker", "--join", "tcp://[::1]:7001"], "is a URL"),
     (["worker", "--join", "h:0"], "--join"),
 ])
 def test_flags_that_stand_for_topology_keys_take_their_ranges(argv: list[str], refused: str, capsys) -> None:
