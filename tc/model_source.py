@@ -155,6 +155,10 @@ class ModelSource:
         """The directory holding config.json (downloading it if needed)."""
         if self.is_local:
             path = Path(self.model)
+            if not path.is_dir():  # the head has it; a worker on another machine needs its own copy
+                raise ModelSourceError(f"{path}: no such directory on this machine; a local model must be at the "
+                                       "same path on every machine: copy the model directory here, then restart "
+                                       "this worker (or give model: a HuggingFace repo id)")
             if not (path / "config.json").is_file():
                 raise ModelSourceError(f"{path} has no config.json; is it a HuggingFace model directory?")
             return path

@@ -76,3 +76,13 @@ def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_d
     assert isinstance(assign(local_assignment(tiny_model_dir, 2, 4)), LoadComplete)
     assert worker.alive_when_loading[2] == [False, True]
     assert worker.loaded is not None and worker.loaded[1].stage is worker.stages[1]()  # set before LOAD_COMPLETE
+
+
+def test_a_model_directory_missing_on_the_worker_machine_is_named_so(tiny_model_dir, worker_and_head, tmp_path):
+    """The head has the local model; a worker machine without a copy at the same path said the directory had no
+    config.json and asked whether it was a HuggingFace model directory, which it is, on the head."""
+    _, assign = worker_and_head
+    reply = assign(local_assignment(tiny_model_dir, 0, 2, model_id=str(tmp_path / "not-copied-here")))
+    assert isinstance(reply, LoadFailed)
+    assert "not-copied-here: no such directory on this machine" in reply.reason
+    assert "copy the model directory here" in reply.reason
