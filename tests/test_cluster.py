@@ -324,3 +324,37 @@ def test_a_join_address_that_is_no_head_says_so(tmp_path):
     finally:
         worker.stop()
         server.shutdown()
+
+
+def test_a_join_address_where_another_server_speaks_first_is_no_head_and_no_frame_limit(tmp_path):
+    """A server that speaks first (sshd's banner on port 22, written for 7001) reads as a frame header announcing
+    a body of exabytes: the worker said to raise its --max-frame-mb to the head's head.max_frame_mb, a limit no
+    setting could meet; what answered is simply not a tc head."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def banner() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            with sock:
+                sock.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    threading.Thread(target=banner, daemon=True).start()
+    port = listener.getsockname()[1]
+    worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{port}", "--no-bench",
+                      "--retry-max-s", "1"], tmp_path / "worker.log", cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while "no tc head answered" not in worker.output():
+            assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
+            time.sleep(0.2)
+        assert "what answered is not a tc head" in worker.output() and "head.listen" in worker.output()
+        assert "--max-frame-mb" not in worker.output()
+    finally:
+        worker.stop()
+        listener.close()

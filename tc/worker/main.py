@@ -238,8 +238,9 @@ class Worker:
                 self.stop.wait(delay)
                 delay = min(delay * 2, self.options.retry_max_s)
                 continue
-            conn.frame_limit_advice = ("that is this worker's --max-frame-mb (TC_MAX_FRAME_MB): start it with one "
-                                       "as large as the head's head.max_frame_mb")
+            # a head's first frame is a small HELLO_ACK: a header announcing more is a server of another kind
+            # speaking first (sshd's banner, say), not a limit to raise; _expect_ack gives the advice for later
+            conn.frame_limit_advice = "a head's first reply is a few bytes: what answered is not a tc head"
             self._conn, self._head_answered = conn, False
             try:
                 served = self.session(conn)
@@ -288,6 +289,8 @@ class Worker:
     def _expect_ack(self, conn: Connection) -> HelloAck:
         env = conn.recv()
         self._head_answered = True
+        conn.frame_limit_advice = ("that is this worker's --max-frame-mb (TC_MAX_FRAME_MB): start it with one as "
+                                   "large as the head's head.max_frame_mb")
         if isinstance(env.message, Error) and env.message.code == ERROR_SHUTTING_DOWN:
             raise ConnectionClosed(env.message.message)  # not a refusal: rejoin once the head is back
         if isinstance(env.message, Error):
