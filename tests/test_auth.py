@@ -147,6 +147,15 @@ def guarded(tmp_path_factory, model_dir):
         yield cluster
 
 
+def test_the_head_s_join_line_asks_for_the_token(guarded):
+    """The head's log says what to run on each worker; copied as it stood, that line was refused for want of the
+    token."""
+    assert (f"worker --join 127.0.0.1:{guarded.listen_port} --join-token-file TOKEN_FILE [--node-id ID]"
+            in guarded.head.output())
+    assert "TOKEN_FILE: a file holding head.join_token" in guarded.head.output()
+    assert TOKEN not in guarded.head.output()
+
+
 def test_worker_without_the_token_is_refused(guarded):
     worker = guarded.start_worker("a", name="no-token")
     assert worker.proc.wait(WORKER_JOIN_S) == 2

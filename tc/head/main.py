@@ -357,9 +357,11 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
                                          len(plan.stages), topology.name, http.url)
     log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
     spares = ", ".join(e.id for e in topology.spare_nodes)
-    log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s [--node-id ID]  "
-             "(ids: %s%s)", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
-             ", ".join(s.node_id for s in plan.stages), f"; spares: {spares}" if spares else "")
+    token = topology.head.join_token is not None  # the line is copied as it stands: without this it is refused
+    log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s%s [--node-id ID]  "
+             "(ids: %s%s)%s", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
+             " --join-token-file TOKEN_FILE" if token else "", ", ".join(s.node_id for s in plan.stages),
+             f"; spares: {spares}" if spares else "", "; TOKEN_FILE: a file holding head.join_token" if token else "")
     return Head(topology, registry, service, http, listen_port)
 
 
