@@ -303,6 +303,8 @@ def test_resume_gives_up_after_the_grace_period(tmp_path, model_dir):
         assert 1.5 < request.answered_at - killed_at < 6
         assert status == 503 and body["error"]["type"] == "worker_lost", body
         assert "worker b" in body["error"]["message"] and "grace period" in body["error"]["message"]
+        assert "no worker filled its place" in body["error"]["message"]
+        assert "(head.resume_grace_s: give it more than a worker's start-up and load time)" in body["error"]["message"]
 
 
 def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error_and_tells_the_workers(tmp_path, model_dir):
