@@ -601,6 +601,13 @@ def test_an_address_the_head_cannot_listen_on_names_its_key() -> None:
         with pytest.raises(TopologyError) as info, _listening("head.listen", address):
             socket.create_server((address.host, address.port))
     assert info.value.key_path == "head.listen" and f"cannot listen on {address}" in info.value.message
+    assert "another process holds that port (a head already running?)" in info.value.message
+    # an address of another machine (README's example head, 192.168.1.50, copied) has no port to free
+    elsewhere = HostPort("192.0.2.1", 7001)  # TEST-NET-1: never an address of this machine
+    with pytest.raises(TopologyError) as info, _listening("head.api", elsewhere):
+        socket.create_server((elsewhere.host, elsewhere.port))
+    assert "the host must be an address of this machine, or 0.0.0.0" in info.value.message
+    assert "free that port" not in info.value.message and "holds that port" not in info.value.message
 
 
 @pytest.mark.parametrize("key", ["head.api", "head.listen"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -207,8 +208,14 @@ def _listening(key: str, address: HostPort) -> Iterator[None]:
         yield
     except (OSError, ValueError) as exc:  # Waitress raises ValueError for a host it cannot resolve
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise TopologyError(key, f"cannot listen on {address}: {reason}; free that port or give another address "
-                            "(the host must be an address of this machine, or 0.0.0.0)") from exc
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code == errno.EADDRINUSE:
+            fix = "another process holds that port (a head already running?): stop it or give another port"
+        elif code in (errno.EACCES, errno.EPERM):
+            fix = "ports below 1024 need root on most systems: give a port from 1024 up"
+        else:  # an address of another machine, or a host name that does not resolve: no port to free
+            fix = "the host must be an address of this machine, or 0.0.0.0 for every interface"
+        raise TopologyError(key, f"cannot listen on {address}: {reason}; {fix}") from exc
 
 
 def check_can_listen(key: str, address: HostPort) -> None:
