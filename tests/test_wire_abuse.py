@@ -272,6 +272,9 @@ def test_a_worker_that_could_not_load_shows_as_failed_with_the_reason(cluster):
             time.sleep(0.1)
         assert row["id"] == "b" and row["detail"] == "load failed: out of memory on cpu: tried to allocate 9 GB"
         assert cluster.get("/health/ready")[0] == 503
+        # the worker stays connected and does nothing more: the head's log says what the operator does next
+        assert ("could not load its layers: out of memory on cpu: tried to allocate 9 GB; the node stays out of the "
+                "cluster until that is fixed and the worker restarted") in cluster.head.output()
 
 
 def test_oversized_frame_from_a_joined_worker_is_bounded_by_the_topology(tmp_path, model_dir):

@@ -859,7 +859,8 @@ class WorkerRegistry:
                 elif isinstance(msg, LoadComplete):
                     self._loaded(link, msg)
                 elif isinstance(msg, LoadFailed):
-                    log.error("worker %s could not load its layers: %s", link.name, msg.reason)
+                    log.error("worker %s could not load its layers: %s; the node stays out of the cluster until "
+                              "that is fixed and the worker restarted", link.name, msg.reason)
                     self._set_detail(link, f"load failed: {msg.reason}", state="failed")
                 elif isinstance(msg, Error):
                     log.warning("worker %s reports: %s (%s)", link.name, msg.message, msg.code)
