@@ -15,6 +15,7 @@ from cluster import Cluster, Request, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
 from tc.batch_memory import kv_bytes_per_slot, plan_batch
 from tc.generation import Generator, LocalPipeline
+from tc.head import service as service_module
 from tc.head.service import GenerationService, Readiness
 from tc.model.config import Qwen2Config
 from tc.model.tokenizer import TextTokenizer
@@ -228,6 +229,16 @@ def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(m
         assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, params))
     assert cancelled.outcome == "abandoned" and service.running == 0
 
+
+def test_a_head_nobody_scrapes_keeps_only_the_steps_its_rate_window_covers(model, tokenizer, monkeypatch):
+    # the tokens/s gauge's steps were trimmed only when /metrics or /v1/cluster read it: unread, they grew by one
+    # entry per step for as long as the head ran (with a zero window, every step outlives it at once)
+    monkeypatch.setattr(service_module, "RATE_WINDOW_S", 0.0)
+    service = service_over(model, tokenizer, model.pipeline())
+    completion = service.complete(tokenizer.encode("the quick brown fox"), greedy(20))
+    assert len(completion.tokens) == 20
+    assert len(service._recent_tokens) <= 1
+    assert service.tokens_per_s() >= 0.0
 
 # --- the batch's memory -------------------------------------------------------------------------------------
 

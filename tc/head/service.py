@@ -365,12 +365,16 @@ class GenerationService:
                  "completion_tokens": len(r.sequence.text.tokens),
                  "phase": "decode" if r.sequence.decoding else "prefill"} for r in batch]
 
+    def _forget_old_steps(self, now: float) -> None:
+        """Drop the steps older than RATE_WINDOW_S. Call with the lock held."""
+        while self._recent_tokens and self._recent_tokens[0][0] < now - RATE_WINDOW_S:
+            self._recent_tokens.popleft()
+
     def tokens_per_s(self) -> float:
         """Tokens chosen per second, all sequences together, over the last RATE_WINDOW_S."""
         now = time.perf_counter()
         with self._lock:
-            while self._recent_tokens and self._recent_tokens[0][0] < now - RATE_WINDOW_S:
-                self._recent_tokens.popleft()
+            self._forget_old_steps(now)
             if not self._recent_tokens:
                 return 0.0
             total = sum(n for _, n in self._recent_tokens)
@@ -552,8 +556,11 @@ class GenerationService:
         if phase == "decode":
             self.metrics.decode_step.observe(elapsed_s)
         self.metrics.batch_size.observe(batch_size)
+        now = time.perf_counter()
         with self._lock:
-            self._recent_tokens.append((time.perf_counter(), tokens))
+            # trimmed here too, not only when read: a head nobody scrapes would keep every step it ever ran
+            self._forget_old_steps(now)
+            self._recent_tokens.append((now, tokens))
         if self.step_hops is not None:
             self.metrics.observe_step(phase, self.step_hops())
 
