@@ -102,6 +102,19 @@ def test_a_request_refused_with_a_429_is_not_a_failed_generation(gated):
     assert value(samples, "tc_generations_total", outcome="length") == 1  # the one that ran
 
 
+@pytest.mark.filterwarnings("ignore:Unknown REQUEST_METHOD")  # the test client's WSGI check says so too
+def test_a_method_http_does_not_define_counts_as_other_not_as_a_series_of_its_own(generator):
+    # any token is a method to the HTTP server: one series per name sent grew /metrics and the head without bound
+    client, _ = make_client(generator)
+    for method in ("FOO1", "FOO2", "X" * 40):
+        assert client.simulate_request(method, "/health").status_code in (400, 405)
+    samples = scrape(client)
+    methods = {dict(labels)["method"] for name, labels in samples if name == "tc_http_requests_total"}
+    assert methods == {"other"}  # the scrape counts once it is answered
+    assert sum(v for (name, labels), v in samples.items()
+               if name == "tc_http_requests_total" and dict(labels)["method"] == "other") == 3
+
+
 def test_node_up_follows_readiness(generator):
     client, _ = make_client(generator, readiness=lambda: Readiness(3, ("a",), ("b", "c")))
     samples = scrape(client)

@@ -66,6 +66,10 @@ class _LiveState(Collector):
         return iter((waiting, running, slots, rate, up))
 
 
+# the methods counted under their own name (RFC 9110's and PATCH); any other counts as "other"
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
 class Metrics:
     """The head's metrics in a registry of their own; `render()` is the body of GET /metrics."""
 
@@ -105,7 +109,8 @@ class Metrics:
         self.registry.register(_LiveState(waiting, running, nodes, slots, tokens_per_s))
 
     def observe_request(self, method: str, route: str, status: int) -> None:
-        self.http_requests.labels(method, route, str(status)).inc()
+        # a method is any token a client sends ("FOO1", "FOO2", ...): each would be a series kept for good
+        self.http_requests.labels(method if method in HTTP_METHODS else "other", route, str(status)).inc()
 
     def observe_step(self, phase: str, hops: Sequence[Hop]) -> None:
         """One pipeline step ("prefill" or "decode") with each hop's (node, compute s, round trip s)."""
