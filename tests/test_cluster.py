@@ -315,7 +315,7 @@ def test_a_join_address_that_is_no_head_says_so(tmp_path):
     worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{server.server_address[1]}",
                       "--no-bench", "--retry-max-s", "1"], tmp_path / "worker.log", cwd=ROOT)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WORKER_JOIN_S  # a start under load, and the handshake's own bound
         while "no tc head answered" not in worker.output():
             assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
             time.sleep(0.2)
@@ -349,7 +349,7 @@ def test_a_join_address_where_another_server_speaks_first_is_no_head_and_no_fram
     worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{port}", "--no-bench",
                       "--retry-max-s", "1"], tmp_path / "worker.log", cwd=ROOT)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WORKER_JOIN_S  # a start under load, and the handshake's own bound
         while "no tc head answered" not in worker.output():
             assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
             time.sleep(0.2)
