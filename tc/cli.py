@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tc", description="TrueCluster: one LLM across your machines.")
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the tc release and exit (the head and every worker must run the same)")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="how much to log (default info; also after the command, where it wins)")
     sub = parser.add_subparsers(dest="command", required=True)
     # also after the command (`tc worker --join ... --log-level debug`), where it wins over one before it
     common = argparse.ArgumentParser(add_help=False)
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", parents=[common],
                           help="print the layer plan for a topology without starting anything")
-    plan.add_argument("topology", type=Path)
+    plan.add_argument("topology", type=Path, help="the topology YAML file")
     plan.add_argument("--explain", action="store_true",
                       help="add memory headroom and predicted time per stage and hop, predicted tokens/s, and what "
                            "would most improve them (from nodes[].speed; the head's own speed is measured here)")
@@ -148,13 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[common],
                          help="run the whole model in this process (the single-machine baseline)")
     gen.add_argument("--model", required=True, type=Path, help="a local model directory")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all)")
+    gen.add_argument("--seed", type=int, help="seed for sampling: the same seed gives the same text again")
+    gen.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                     help="compute dtype (default bf16)")
     gen.add_argument("--threads", type=_threads, help="torch threads (default: all cores)")
     return parser
 

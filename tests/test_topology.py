@@ -590,6 +590,21 @@ def test_join_takes_an_ipv6_host_in_brackets_as_the_topology_writes_it() -> None
     assert (args.threads, args.retry_max_s, args.max_memory_gb, args.max_frame_mb) == (3, 0.5, 0.5, 64.0)
 
 
+def test_every_argument_of_every_command_says_what_it_is_for() -> None:
+    """`tc plan -h` showed its topology argument, and `tc generate -h` most of its flags, with no word of help."""
+    import argparse
+
+    from tc.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in [("tc", parser), *commands.items()]:
+        for action in command._actions:
+            if action.dest != "command":
+                what = f"{name} {action.option_strings or action.dest}"
+                assert action.help and action.help is not argparse.SUPPRESS, what
+
+
 def test_an_address_the_head_cannot_listen_on_names_its_key() -> None:
     """A port in use (or an address not of this machine) is a one-line error at the key, not a traceback."""
     import socket
