@@ -333,7 +333,7 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
     `example` as the address to write (the worker's --join gives the head's listen address)."""
     if not isinstance(text, str):
         raise AddressError(f"expected \"host:port\" like {example}, got {_describe(text)}")
-    scheme, sep, rest = text.partition("://")
+    scheme, sep, _ = text.partition("://")
     if sep and scheme and "[" not in scheme:  # a URL pasted in: its colon would read as an IPv6 host's
         raise AddressError(f"{text!r} is a URL; write host:port alone, without {scheme}://, like {example}")
     host, sep, port_text = text.rpartition(":")

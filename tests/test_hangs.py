@@ -180,6 +180,29 @@ def test_a_request_held_by_a_hung_worker_resumes_on_its_replacement(tmp_path, mo
         assert "resumed on a refilled pipeline" in cluster.head.output()
 
 
+def test_a_request_whose_lost_worker_is_still_loading_at_the_end_of_the_grace_says_so(tmp_path, model_dir):
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with start(tmp_path, model_dir, nodes, step_timeout_s=0.5, step_timeout_factor=2, resume=True,
+               resume_grace_s=10) as cluster:
+        cluster.start_worker("a")
+        b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: None)  # never answers anything
+        cluster.wait_ready()
+        request = Request(cluster, {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert b.closed.wait(10), "the hung worker was never dropped"
+        wait_for(lambda: node_row(cluster, "b")["state"] == "waiting", 10, "b's slot to be freed")
+        # b's replacement joins and takes its assignment, and is still loading when the grace period ends
+        with Connection(socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=15)) as loading:
+            loading.send(worker_hello("b"))
+            assert isinstance(loading.recv(timeout=15).message, HelloAck)
+            assert isinstance(loading.recv(timeout=15).message, Assignment)
+            assert node_row(cluster, "b")["state"] == "loading"
+            status, body = request.wait(60)
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert ("a worker took its place but was still loading its layers at the end of the 10s resume grace period "
+                "(head.resume_grace_s: give it more than a worker's start-up and load time)"
+                in body["error"]["message"]), body
+
+
 # --- a worker whose compute thread fails -------------------------------------------------------------------------
 
 def test_a_worker_whose_compute_fails_fails_the_step_with_its_reason_and_may_rejoin(tmp_path, model_dir):

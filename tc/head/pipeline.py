@@ -374,11 +374,9 @@ class RemotePipeline:
             if not self.registry.wait_ready(deadline - time.monotonic()):
                 if self.registry.stopping.is_set():
                     raise HeadShuttingDown() from lost
-                with self.registry.lock:
-                    slot = self.registry.slots.get(lost.node_id)
-                    loading = slot is not None and slot.state == "loading"
                 where = ("a worker took its place but was still loading its layers at the end of the "
-                         if loading else "no worker filled its place within the ")
+                         if self.registry.slot_state(lost.node_id) == "loading" else
+                         "no worker filled its place within the ")
                 raise WorkerLost(lost.node_id, f"{_reason(lost)}; {where}{self.resume_grace_s:g}s resume grace "
                                  "period (head.resume_grace_s: give it more than a worker's start-up and load "
                                  "time)") from lost

@@ -465,6 +465,12 @@ class WorkerRegistry:
             missing = tuple(n for n, s in self.slots.items() if s.state != "ready")
         return Readiness(required=len(self.slots), ready=ready, missing=missing)
 
+    def slot_state(self, node_id: str) -> str | None:
+        """Planned node `node_id`'s slot's state (waiting, loading, ready or failed); None for no such node."""
+        with self.lock:
+            slot = self.slots.get(node_id)
+            return None if slot is None else slot.state
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every slot is ready (True), or the head stops or the time runs out (False)."""
         deadline = time.monotonic() + timeout_s
