@@ -39,6 +39,16 @@ def test_race_runs_before_each_timed_call_untimed():
     assert len(best) == 2 and all(0 <= t < 0.01 for t in best)
 
 
+@pytest.mark.parametrize("llc_mib, swept_mib", [(8, 16), (32, 64), (480, probe.SWEEP_MAX_BYTES >> 20)])
+def test_a_cache_sweep_reads_twice_the_last_level_cache_and_no_more_than_its_cap(monkeypatch, llc_mib, swept_mib):
+    # 480 MiB: what a VM's sysfs gave as its L3, the host's, where sweeps of twice it took half a bf16 load
+    monkeypatch.setattr(probe, "cache_bytes", lambda level: {3: llc_mib << 20}[level])
+    sweep = probe.cache_sweeper()
+    buffer = sweep.__self__  # the tensor whose sum it is
+    assert buffer.numel() * buffer.element_size() == swept_mib << 20
+    assert sweep().item() == buffer.numel()  # it reads all of it
+
+
 needs_flock = pytest.mark.skipif(probe.fcntl is None, reason="no flock on this platform: probes run unlocked")
 
 

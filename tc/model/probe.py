@@ -141,10 +141,19 @@ def cache_bytes(level: int) -> int:
     return CACHE_FALLBACK[level]
 
 
+# The most a cache sweep reads. Twice the last-level cache empties it, but a VM's sysfs may give its host's whole
+# L3 (480 MiB on a 2-core Sapphire Rapids-class VM), a share of which the guest's two cores see: sweeps of twice
+# that, ~60 ms each, were 4.7 s of a 9.4 s bf16 load of the demo model in one process, and a process of a cluster
+# pays them at every start. Capped here the load took 5.0 s, and every product, screen and kernel probe chose as
+# before (after a 960 MiB sweep the one-row products timed 10-30% slower, in the same order).
+SWEEP_MAX_BYTES = 256 << 20
+
+
 def cache_sweeper() -> Callable[[], object]:
-    """A function that reads a buffer twice the size of the last-level cache, as a decode step's weights sweep it
-    between the small operators around them: a probe that runs each candidate after it (race's `before`) times it
-    as a step would find it (an operator of a few microseconds in a hot loop took several times that after such a
-    sweep). The buffer lives as long as the function: make one for a probe and let it go after."""
-    buffer = torch.ones(2 * cache_bytes(3) // 4)  # float32
+    """A function that reads a buffer twice the size of the last-level cache (SWEEP_MAX_BYTES at most), as a decode
+    step's weights sweep it between the small operators around them: a probe that runs each candidate after it
+    (race's `before`) times it as a step would find it (an operator of a few microseconds in a hot loop took several
+    times that after such a sweep). The buffer lives as long as the function: make one for a probe and let it go
+    after."""
+    buffer = torch.ones(min(2 * cache_bytes(3), SWEEP_MAX_BYTES) // 4)  # float32
     return buffer.sum
