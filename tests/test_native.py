@@ -3,6 +3,7 @@ references, their layouts, their fallbacks."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import shutil
@@ -100,6 +101,24 @@ def test_where_a_product_prefetches_changes_no_bit_and_the_probe_settles_it(kind
     ahead = KERNELS.prefetch_ahead[kind]
     assert ahead in ((native.PREFETCH_AHEAD[kind], native.FAR_AHEAD) if chosen == 1 else (native.PREFETCH_AHEAD[kind],))
     assert sorted(KERNELS.streams) == ["bf16", "int4", "int8"] and set(KERNELS.streams.values()) <= set(native.STREAMS)
+
+
+@needs_kernels
+def test_the_prefetch_probe_on_a_busy_machine_stops_at_its_budget_and_says_so(monkeypatch, caplog):
+    """A budget spent (0 s here, as a machine whose cores are busy spends 2 s) ends the probe's turns after
+    PREFETCH_MIN_TURNS, and its choice is one of the settings, logged as made from fewer turns."""
+    monkeypatch.setattr(native, "PREFETCH_BUDGET_S", 0.0)
+    kept = dict(KERNELS.prefetch_rows), dict(KERNELS.prefetch_ahead), dict(KERNELS.streams)
+    try:
+        with caplog.at_level(logging.INFO, logger=native.log.name):
+            chosen = native.one_row_prefetch.__wrapped__("int4")  # the process's own choice stays cached
+    finally:
+        for setting, value in zip((KERNELS.prefetch_rows, KERNELS.prefetch_ahead, KERNELS.streams), kept):
+            setting.update(value)
+    assert chosen in (1, native.PREFETCH_ROWS["int4"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native int4 product, one row")]
+    assert len(said) == 1 and f"(the best of {native.PREFETCH_MIN_TURNS} of {native.PREFETCH_TURNS} turns: the " \
+        "machine is busy, the turns took" in said[0], said
 
 
 @needs_kernels

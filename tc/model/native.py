@@ -103,6 +103,10 @@ FAR_AHEAD = 8192
 PREFETCH_GAIN = 1.03  # ... by this much for one row streamed from memory
 STREAMS = (1, 2, 4, 8)  # weight streams a thread may walk for one row (bf16dot.c's and qdot.c's MAX_STREAMS: the last)
 PREFETCH_TURNS = 8  # ... the best of this many turns each
+# ... or of as many as fit this budget (s), one at least: 8 turns take 0.6-0.75 s on an idle 2-core VM, where two
+# busy loops beside them made a turn 2-7 s (each two-thread product waiting a scheduler tick at its barrier), paid
+# by every process at every start: a worker restarted beside a serving cluster must load within the resume grace
+PREFETCH_BUDGET_S, PREFETCH_MIN_TURNS = 2.0, 1
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
 MIN_GAIN = 1.1  # the probe's margin over PyTorch's kernel before the native path is preferred
 PRIVATE_PREFIX = "tc-kernels-"  # a library built for one process where the cache cannot be written (_build)
@@ -1015,6 +1019,7 @@ def one_row_prefetch(kind: str) -> int:
     lost a little with it; on a 2-core Sapphire Rapids VM every kind gained 15-30%, and more again from farther
     ahead: one row of [9728, 896] streamed at 16.1 GB/s in bf16 and 14.8 in int4 with FAR_AHEAD against 13.8 and
     12.7 with the nearer prefetch (every demo shape, and 4 rows, gained 5-30% or held). The result does not change.
+    On a busy machine the turns stop at PREFETCH_BUDGET_S (the log says so): a choice from fewer turns.
     """
     native = kernels()
     if native is None:
@@ -1047,20 +1052,25 @@ def one_row_prefetch(kind: str) -> int:
     settings = [default, (1, PREFETCH_AHEAD[kind], 1), (1, FAR_AHEAD, 1)]
     settings += [(rows, ahead, streams) for streams in STREAMS[1:] for rows, ahead, _ in settings]
     best = dict.fromkeys(settings, float("inf"))
+    probe_started = time.perf_counter()
     with probe_lock():  # wall time, as race's: no other tc process on the machine probes meanwhile
-        for _ in range(PREFETCH_TURNS):
+        for turns in range(1, PREFETCH_TURNS + 1):
             for setting in best:
                 _set_one_row(native, kind, setting)
                 started = time.perf_counter()
                 for w in weights:
                     run(w)
                 best[setting] = min(best[setting], (time.perf_counter() - started) / len(weights))
+            if turns >= PREFETCH_MIN_TURNS and time.perf_counter() - probe_started > PREFETCH_BUDGET_S:
+                break  # a busy machine
     fastest = min(best, key=best.__getitem__)
     chosen = fastest if best[default] >= PREFETCH_GAIN * best[fastest] else default
     _set_one_row(native, kind, chosen)
-    log.info("native %s product, one row from memory (us): %s; chose %s", kind,
+    cut = (f" (the best of {turns} of {PREFETCH_TURNS} turns: the machine is busy, the turns took "
+           f"{time.perf_counter() - probe_started:.1f} s)" if turns < PREFETCH_TURNS else "")
+    log.info("native %s product, one row from memory (us): %s; chose %s%s", kind,
              ", ".join(f"{_one_row_setting(setting)} {seconds * 1e6:.0f}" for setting, seconds in best.items()),
-             _one_row_setting(chosen))
+             _one_row_setting(chosen), cut)
     return chosen[0]
 
 
