@@ -42,7 +42,8 @@ for id in worker-1 worker-2; do
 done
 echo "starting: logs in demo/head.log, demo/worker-1.log, demo/worker-2.log"
 for _ in $(seq 1 600); do
-  if curl -sf "http://127.0.0.1:$API_PORT/health/ready" > /dev/null 2>&1; then break; fi
+  # the whole 503 body read, not -f: curl -f hangs up at the status line, which the head logs as a client gone
+  if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$API_PORT/health/ready")" = 200 ]; then break; fi
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see demo/*.log"; tail -n 20 demo/*.log; exit 1; }; done
   sleep 0.5
 done

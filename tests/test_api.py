@@ -816,7 +816,7 @@ def test_while_loading_each_route_answers_as_it_will_or_that_the_model_is_loadin
     """The loading head's app has every route of the full one: a route answers what the full app will (the model's
     card, a 404 or 405), or a 503 that says the model is loading, never a 404 that it will not give later."""
     service = make_service(generator)
-    loading = HeadLoading(service.model_id, service.context_length, ("a", "b"))
+    loading = HeadLoading(service.model_id, service.context_length, lambda: Readiness(2, (), ("a", "b")))
     loading.begin("fetching_tensors", "fetching model.safetensors (1 of 1) from the Hub", unit="bytes")
     loading.advance(10, 20)
     waiting = testing.TestClient(create_loading_app(loading, Metrics())).simulate_request(method, path, json={})

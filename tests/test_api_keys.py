@@ -19,6 +19,7 @@ from tc.head.api import create_loading_app
 from tc.head.http_server import HttpServer, start_http_server
 from tc.head.loading import HeadLoading
 from tc.head.metrics import Metrics
+from tc.head.service import Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
@@ -161,7 +162,7 @@ def test_refused_requests_are_logged_and_counted_without_the_keys(server, caplog
 
 def test_the_app_of_a_loading_head_asks_for_a_key_too():
     """While the head loads its model it serves create_loading_app: /v1/models answers then, with a key only."""
-    loading = HeadLoading(MODEL, 4096, ("w1",))
+    loading = HeadLoading(MODEL, 4096, lambda: Readiness(1, (), ("w1",)))
     running = start_http_server(create_loading_app(loading, Metrics(), api_keys=(KEY,)), "127.0.0.1", 0, threads=2)
     try:
         refused(call(running, "GET", "/v1/models"))

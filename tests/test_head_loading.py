@@ -106,7 +106,7 @@ def head_mid_download(tmp_path: Path, model_dir: Path, xet: bool = False
 def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_dir: Path) -> None:
     size = (model_dir / SHARD).stat().st_size
     with head_mid_download(tmp_path, model_dir) as (hub, cluster, head):
-        # a worker started now finds no head to join yet, and tries again, as a worker started before its head
+        # a worker started now joins, and fetches its layers (held by the stand-in too) while the head fetches its own
         worker = cluster.start_worker("a", "--hf-cache-dir", str(tmp_path / "worker-cache"))
 
         # the bytes the stand-in has sent arrive at the head in their own time: their count is what it reports
@@ -139,8 +139,8 @@ def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_
         counted = 'tc_http_requests_total{method="POST",route="/v1/completions",status="503"} 1.0'
         assert counted in metrics
 
-        # the worker's port opens with the model's API: the worker started meanwhile has been turned away
-        poll(lambda: (0, {}, worker.output()), lambda reply: "not reachable" in reply[2], "the worker's first try")
+        poll(lambda: (0, {}, worker.output()), lambda reply: "joined the head as a" in reply[2], "the worker's join")
+        assert "not reachable" not in worker.output()  # the head listened for workers from the start
 
         hub.release.set()
         cluster.wait_api()
@@ -151,6 +151,34 @@ def test_the_api_says_the_head_is_loading_until_it_serves(tmp_path: Path, model_
         status, _, body = call(cluster, "POST", "/v1/completions", {
             "model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
         assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
+
+
+def test_a_worker_loads_its_layers_while_the_head_loads_its_own(tmp_path: Path, model_dir: Path) -> None:
+    """The head takes workers from the start: a worker joins and loads its layers while the head still fetches
+    its tokenizer (held half sent), and /health/ready says so, not ready; once the head has loaded, it serves at
+    once and says the cluster is ready, once."""
+    with HubStandIn({REPO: model_dir}, hold={"tokenizer.json"}) as hub:
+        topology = write_topology(tmp_path / "t.yaml", REPO, [{"id": "a", "device": "cpu"}],
+                                  hf_cache_dir=str(tmp_path / "head-cache"))
+        with Cluster(topology, tmp_path, env=hub_env(hub)) as cluster:
+            head = cluster.start_head()
+            wait_for(hub.holding, head, "the head's download of its tokenizer")
+            cluster.start_worker("a", "--hf-cache-dir", str(tmp_path / "worker-cache"))
+            status, headers, body = poll(lambda: call(cluster, "GET", "/health/ready"),
+                                         lambda reply: reply[2]["ready_nodes"] == ["a"], "the worker's load")
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert body == {"ready": False, "required_nodes": 1, "ready_nodes": ["a"], "missing_nodes": [],
+                            "loading": {"step": "fetching_tokenizer", "message": "fetching the tokenizer's files",
+                                        "progress": None}}
+            assert call(cluster, "GET", "/v1/cluster")[0] == 503
+            assert "worker a ready" in head.output() and "cluster ready" not in head.output()
+
+            hub.release.set()
+            cluster.wait_ready()
+            status, _, body = call(cluster, "POST", "/v1/completions", {
+                "model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            assert status == 200 and body["choices"][0]["text"] == local_greedy(model_dir, PROMPT, 6)
+            assert head.output().count("cluster ready: all 1 workers loaded") == 1, head.output()
 
 
 @needs_hf_xet

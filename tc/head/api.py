@@ -287,10 +287,9 @@ class LoadingResource:
         resp.set_header("Retry-After", RETRY_AFTER_S)
 
     def on_get_ready(self, req: falcon.Request, resp: falcon.Response) -> None:
-        # the shape /health/ready has once loaded: no node serves yet, since the head takes none before then
-        nodes = self.loading.nodes
+        # the shape /health/ready has once loaded, with the workers loaded meanwhile: not ready while the head loads
         resp.status = 503
-        resp.media = {**_readiness_body(Readiness(len(nodes), (), nodes)), "loading": self.loading.now().body()}
+        resp.media = {**_readiness_body(self.loading.workers()), "ready": False, "loading": self.loading.now().body()}
         resp.set_header("Retry-After", RETRY_AFTER_S)
 
     def on_get_refused(self, req: falcon.Request, resp: falcon.Response) -> None:

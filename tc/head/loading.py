@@ -5,13 +5,16 @@ download and minutes of reading), so that a health check, a load balancer or a c
 not a closed port it cannot tell from a dead head's. Until the model is loaded the API is `api.create_loading_app`,
 which reads a `HeadLoading`: the loading thread names each step as it begins and reports its progress where it has
 any (the bytes of a file being fetched), and request threads read the step at any time.
+
+The head listens for workers meanwhile too: each joins and loads its layers while the head loads its own share,
+so that a cluster is ready when its slowest member is, not after the head and then its workers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
-from .service import ServiceError
+from .service import Readiness, ServiceError
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,9 @@ class HeadLoading:
     """The step the head's start is at. One thread (the head's start) sets it; any thread reads it: each change
     replaces a frozen LoadStep, so a reader sees one step whole, never half of two."""
 
-    def __init__(self, model_id: str, context_length: int, nodes: tuple[str, ...]):
+    def __init__(self, model_id: str, context_length: int, workers: Callable[[], Readiness]):
         self.model_id, self.context_length = model_id, context_length
-        self.nodes = nodes  # the planned workers' ids, none of which the head takes before it has loaded
+        self.workers = workers  # which workers have joined and loaded their layers meanwhile (the registry's view)
         self._step = LoadStep("opening", "opening the model's files")
 
     def now(self) -> LoadStep:

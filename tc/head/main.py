@@ -267,9 +267,16 @@ def start_head(topology: Topology) -> Head:
     if max_body is None:
         max_body = body_limit(config.context_length)
     metrics = Metrics()
-    # the nodes the registry will wait for: the plan's, else (planned once they join) the topology's
-    nodes = [e.id for e in topology.pipeline_nodes] if waiting else [s.node_id for s in plan.stages]
-    loading = HeadLoading(topology.name, config.context_length, tuple(nodes))
+
+    def plan_once(hellos: dict[str, Hello], links: dict[str, LinkSpeed | None]) -> Plan:
+        made = plan_from_workers(topology, config, hellos, links)
+        log.info("plan from the workers' measurements (fixed while the head runs):\n%s",
+                 explain(made, plan_forecast(topology, config, made, speed)))
+        return made
+
+    registry = WorkerRegistry(topology, None if waiting else plan, config,
+                              plan_once=plan_once if waiting else None, batch=batch)
+    loading = HeadLoading(topology.name, config.context_length, registry.readiness)
     # The API opens now, before the load (minutes for a large model), so that it answers what the head is doing
     # where a closed port said nothing. Enough HTTP threads for the batch, the queue, and health checks, so the
     # bounded queue (not Waitress's unbounded backlog) decides who waits and who gets a 429.
@@ -284,20 +291,42 @@ def start_head(topology: Topology) -> Head:
              f"its /v1 routes want one of {keys} API key{'s' if keys > 1 else ''} (head.api_keys)" if keys else
              "open to whoever reaches it: head.api_keys would ask for a key")
     try:
-        return _load_and_serve(topology, source, config, plan, batch, speed, loading, metrics, http, max_body,
-                               started)
+        return _load_and_serve(topology, source, config, plan, registry, loading, metrics, http, max_body, started)
     except BaseException:
+        registry.stop()  # the workers that joined are told, and rejoin a head started again
         http.stop(SHUTDOWN_DRAIN_S)  # a head that cannot serve closes its port, as it exits
         raise
 
 
-def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig, plan: Plan, batch: BatchPlan,
-                    speed: Speed | None, loading: HeadLoading, metrics: Metrics, http: HttpServer, max_body: int,
+def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig, plan: Plan,
+                    registry: WorkerRegistry, loading: HeadLoading, metrics: Metrics, http: HttpServer, max_body: int,
                     started: float) -> Head:
-    """start_head's part while its API answers that it is loading: fetch and load the head's tensors and its
-    tokenizer, naming each step in `loading`, then hand the API the model and listen for workers."""
-    waiting = topology.head.plan_from == "workers"
+    """start_head's part while its API answers that it is loading: listen for workers, which join and load their
+    layers meanwhile, fetch and load the head's tensors and its tokenizer, naming each step in `loading`, then
+    hand the API the model."""
     names = head_tensor_names(config)
+    # while the head loads, a plan made from the workers is logged; once it serves, the batch is its service's
+    serving: list[GenerationService] = []  # the service, once made (appended under the registry's lock)
+
+    def planned(made: BatchPlan) -> None:  # the workers' memory may hold fewer sequences than the topology's plan
+        log.info("batch: %s", made.describe())
+        for service in serving:
+            service.max_batch = made.max_batch
+
+    def cluster_ready() -> None:
+        if serving:  # else the head, still loading, says so once it serves
+            log.info("cluster ready: all %d workers loaded; serving %s at %s/v1", len(registry.slots),
+                     topology.name, http.url)
+
+    registry.on_plan, registry.on_ready = planned, cluster_ready
+    with _listening("head.listen", topology.head.listen):
+        listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
+    spares = ", ".join(e.id for e in topology.spare_nodes)
+    token = topology.head.join_token is not None  # the line is copied as it stands: without this it is refused
+    log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s%s [--node-id ID]  "
+             "(ids: %s%s)%s", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
+             " --join-token-file TOKEN_FILE" if token else "", ", ".join(s.node_id for s in plan.stages),
+             f"; spares: {spares}" if spares else "", "; TOKEN_FILE: a file holding head.join_token" if token else "")
 
     def fetching(file: str, number: int, files: int) -> Callable[[int, int | None], None]:
         loading.begin("fetching_tensors", f"fetching {file} ({number} of {files}) from the Hub", unit="bytes")
@@ -334,41 +363,25 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
     log.info("head tensors loaded (%s, %s) in %.1fs", format_bytes(index.nbytes(names)), dtype,
              time.perf_counter() - started)
 
-    def plan_once(hellos: dict[str, Hello], links: dict[str, LinkSpeed | None]) -> Plan:
-        made = plan_from_workers(topology, config, hellos, links)
-        log.info("plan from the workers' measurements (fixed while the head runs):\n%s",
-                 explain(made, plan_forecast(topology, config, made, speed)))
-        return made
-
-    registry = WorkerRegistry(topology, None if waiting else plan, config,
-                              plan_once=plan_once if waiting else None, batch=batch)
     pipeline = RemotePipeline(registry)
     generator = Generator(head_model, tokenizer, pipeline, dtype)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
                                 prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops,
                                 metrics=metrics, prefix_cache=topology.head.prefix_cache)
-
-    def planned(made: BatchPlan) -> None:  # the workers' memory may hold fewer sequences than the topology's plan
-        service.max_batch = made.max_batch
-        log.info("batch: %s", made.describe())
-
-    registry.on_plan = planned
-    # the model's API first, then the workers' port: a worker that joins finds an API that will serve it
+    with registry.lock:  # a plan made from the workers while the head loaded (planned() runs under this lock)
+        service.max_batch = registry.batch.max_batch
+        serving.append(service)
     http.serve(create_app(service, max_body_bytes=max_body, cluster=registry,
                           cors_origins=topology.head.cors_origins, reasoning=reasoning,
                           api_keys=topology.head.api_keys))
-    with _listening("head.listen", topology.head.listen):
-        listen_port = registry.start(topology.head.listen.host, topology.head.listen.port)
-    registry.on_ready = lambda: log.info("cluster ready: all %d workers loaded; serving %s at %s/v1",
-                                         len(plan.stages), topology.name, http.url)
-    log.info("API at %s/v1 (answers 503 until the workers are ready)", http.url)
-    spares = ", ".join(e.id for e in topology.spare_nodes)
-    token = topology.head.join_token is not None  # the line is copied as it stands: without this it is refused
-    log.info("waiting for %d worker(s) on port %d; %s run: python tc.pyz worker --join %s%s [--node-id ID]  "
-             "(ids: %s%s)%s", len(plan.stages), listen_port, *join_hint(topology.head.listen.host, listen_port),
-             " --join-token-file TOKEN_FILE" if token else "", ", ".join(s.node_id for s in plan.stages),
-             f"; spares: {spares}" if spares else "", "; TOKEN_FILE: a file holding head.join_token" if token else "")
+    readiness = registry.readiness()
+    if readiness.is_ready:  # every worker loaded before the head did
+        log.info("cluster ready: all %d workers loaded; serving %s at %s/v1", readiness.required, topology.name,
+                 http.url)
+    else:
+        log.info("API at %s/v1 (answers 503 until the workers are ready: %d of %d so far)", http.url,
+                 len(readiness.ready), readiness.required)
     return Head(topology, registry, service, http, listen_port)
 
 
