@@ -331,6 +331,23 @@ def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error_and_tell
             assert worker.proc.poll() is None
 
 
+def test_a_head_stopped_for_longer_than_the_heartbeat_limit_keeps_its_workers(tmp_path, model_dir, greedy):
+    with start(tmp_path, model_dir) as cluster:  # heartbeat_timeout_s 3
+        head = cluster.head
+        head.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(6)  # the pause under test: twice the heartbeat limit, the workers answering PINGs unread
+        finally:
+            head.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: cluster.get("/health")[0] == 200, 15, "the head to answer again")
+        time.sleep(4)  # past the heartbeat limit again, counted from the head's wake: it reads the PONGs meanwhile
+        said = head.output()
+        assert "silent for" not in said and "the head did not run for" in said, said
+        assert "joined" not in said.split("the head did not run for")[1]  # no worker had to rejoin
+        assert cluster.get("/health/ready")[0] == 200
+        assert_serves(cluster, greedy)
+
+
 def test_sigterm_to_a_worker_fails_its_request_and_it_exits_cleanly(tmp_path, model_dir, greedy):
     with start(tmp_path, model_dir, resume=False) as cluster:
         b = cluster.workers["b"]

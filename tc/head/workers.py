@@ -966,10 +966,19 @@ class WorkerRegistry:
 
     def _watch_loop(self) -> None:
         period = min(self.heartbeat_s, self.silence_limit_s / 4)
+        # A head that did not run (SIGSTOP, a debugger, a VM paused) wakes to every worker's PONGs still unread in
+        # its sockets: silence counts from when it woke, so that they are read before any worker is judged by it
+        # (each was dropped at once, and had to rejoin and reload its caches)
+        woke = last = time.monotonic()
         while not self.stopping.wait(period):
             now = time.monotonic()
+            if now - last > period + self.silence_limit_s / 2:
+                woke = now
+                log.warning("the head did not run for %.1fs (stopped or paused?); its workers' silence counts from "
+                            "now", now - last)
+            last = now
             for link in self._live_links():
-                silent = now - link.last_seen
+                silent = now - max(link.last_seen, woke)
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
