@@ -52,8 +52,8 @@ def test_a_real_head_assigns_the_entry_threads_and_warns_of_a_dtype_fallback(tmp
         cluster.start_worker("b", "--threads", "2")
         cluster.wait_ready()
         a, b = cluster.workers["a"], cluster.workers["b"]
-        assert wait_for_line(a, r"using (\d+) torch threads, from the topology entry").group(1) == "1"
-        wait_for_line(b, r"the topology entry asks for 1 torch threads; keeping --threads 2")
+        assert wait_for_line(a, r"using (\d+) torch thread, from the topology entry").group(1) == "1"
+        wait_for_line(b, r"the topology entry asks for 1 torch thread; keeping --threads 2")
         assert "from the topology entry" not in b.output()
         # a CPU has no native fp16 (the worker computes in fp32): the head says so, for b only
         warnings = re.findall(r"worker (\w+): cpu on .* has no native (\w+)", cluster.head.output())

@@ -98,6 +98,10 @@ def test_token_from_a_file_the_environment_or_nowhere(tmp_path):
     assert join_token_from(None, {TOKEN_FILE_ENV: str(path)}) == TOKEN
     assert join_token_from(None, {TOKEN_ENV: TOKEN}) == TOKEN
     assert join_token_from(None, {}) is None
+    assert join_token_from(None, {TOKEN_ENV: ""}) is None  # set empty: as if unset, as shells take it
+    with pytest.raises(WorkerSetupError, match=f"{TOKEN_ENV} holds only whitespace; set it to the head's "
+                                               "head.join_token, or unset it"):
+        join_token_from(None, {TOKEN_ENV: " \t"})
     assert worker_options(worker_args(join_token_file=path), {}).join_token == TOKEN
     assert TOKEN not in repr(worker_options(worker_args(join_token_file=path), {}))
     with pytest.raises(WorkerSetupError, match="cannot read"):

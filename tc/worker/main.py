@@ -60,7 +60,7 @@ from .device import DeviceError, compute_dtypes, detect_devices, select_device, 
 from ..openmp import on_own_thread
 from ..trace import mark
 from .peers import Forwarder, PeerListener, Routes
-from .runtime import LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment
+from .runtime import LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,11 @@ def join_token_from(token_file: Path | None, environ: Mapping[str, str]) -> str 
         return read_token_file(token_file)
     if environ.get(TOKEN_FILE_ENV):
         return read_token_file(Path(environ[TOKEN_FILE_ENV]))
-    token = environ.get(TOKEN_ENV, "").strip()
-    return token or None
+    raw = environ.get(TOKEN_ENV, "")
+    if raw and not raw.strip():  # set to blanks: a token meant and lost (the head would refuse the worker for none)
+        raise WorkerSetupError(f"{TOKEN_ENV} holds only whitespace; set it to the head's head.join_token, or unset "
+                               "it for a head without one")
+    return raw.strip() or None
 
 
 def _positive(value: object, what: str) -> float:
@@ -596,7 +599,7 @@ def run_worker(args: argparse.Namespace) -> int:
                         "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
-    log.info("worker %s: device %s, %d torch threads, joining %s:%d%s", options.node_id or "(any entry)",
-             worker.device, torch.get_num_threads(), options.host, options.port,
+    log.info("worker %s: device %s, %s, joining %s:%d%s", options.node_id or "(any entry)",
+             worker.device, torch_threads(torch.get_num_threads()), options.host, options.port,
              " with a join token" if options.join_token else "")
     return worker.run()

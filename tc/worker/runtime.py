@@ -73,12 +73,16 @@ def apply_threads(assigned: int | None, command_line: int | None) -> None:
     """
     if command_line is not None:
         if assigned is not None and assigned != command_line:
-            log.info("the topology entry asks for %d torch threads; keeping --threads %d", assigned, command_line)
+            log.info("the topology entry asks for %s; keeping --threads %d", torch_threads(assigned), command_line)
         return
     if assigned is None:
         return
     torch.set_num_threads(assigned)
-    log.info("using %d torch threads, from the topology entry", torch.get_num_threads())
+    log.info("using %s, from the topology entry", torch_threads(torch.get_num_threads()))
+
+
+def torch_threads(count: int) -> str:
+    return f"{count} torch thread{'' if count == 1 else 's'}"
 
 
 def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
