@@ -20,7 +20,9 @@ from tc.model.quant import (
     int4_kernel_available,
     int8_kernel_available,
     quantize_int4,
+    quantize_int4_slabs,
     quantize_int8,
+    quantize_int8_slabs,
     quantize_linears,
     quantized_nbytes,
     unpack_int4,
@@ -115,14 +117,22 @@ def test_quantize_rejects_what_is_not_a_float_matrix(bad):
         quantize_int4(bad, 32)
 
 
-@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
-def test_quantize_names_the_rows_holding_nan_or_inf(bad_value):
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("col", [0, 3, 63])
+def test_quantize_names_the_rows_holding_nan_or_inf(bad_value, col):
     bad = weight("normal", (8, 64))
-    bad[5, 3] = bad_value
-    with pytest.raises(QuantizationError, match="rows 0..7"):
+    bad[5, col] = bad_value
+    said = "the weight has NaN or infinite values in rows 0..7"
+    with pytest.raises(QuantizationError, match=said):
         quantize_int8(bad)
-    with pytest.raises(QuantizationError, match="NaN or infinite"):
-        quantize_int4(bad, 32)
+    for param_dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(QuantizationError, match=said):
+            quantize_int4(bad, 32, param_dtype)
+    # a weight read a slab at a time: the rows are the whole weight's
+    with pytest.raises(QuantizationError, match="rows 8..15"):
+        quantize_int8_slabs([(0, weight("normal", (8, 64))), (8, bad)], (16, 64), "cpu")
+    with pytest.raises(QuantizationError, match="rows 8..15"):
+        quantize_int4_slabs([(0, weight("normal", (8, 64))), (8, bad)], (16, 64), "cpu", 32)
 
 
 # ----------------------------------------------------------------------------------------------- int4 format
