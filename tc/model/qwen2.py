@@ -690,7 +690,10 @@ class HeadModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given a weight (the checkpoint's replaces it as it loads), not drawn at random: on the meta device that
+        # draw imported sympy and ~800 other modules, ~1 s of every head's start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.norm = norm(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embedding_scale = config.embedding_scale  # Gemma: sqrt(hidden), rounded to the compute dtype
