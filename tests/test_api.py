@@ -378,6 +378,21 @@ BAD_REQUESTS = [
      "tool_choice.function.name", "invalid_value"),
     (CHAT, chat(parallel_tool_calls="yes"), 400, "invalid_request_error", "parallel_tool_calls", "invalid_type"),
     (CHAT, chat(prompt="x"), 400, "invalid_request_error", "prompt", "unsupported_parameter"),
+    (CHAT, chat(store=True), 400, "invalid_request_error", "store", "unsupported_parameter"),  # nothing is kept
+    (CHAT, chat(service_tier="flex"), 400, "invalid_request_error", "service_tier", "unsupported_parameter"),
+    (CHAT, chat(modalities=["text", "audio"]), 400, "invalid_request_error", "modalities", "unsupported_parameter"),
+    (CHAT, chat(reasoning_effort="low"), 400, "invalid_request_error", "reasoning_effort", "unsupported_parameter"),
+    (CHAT, chat(metadata=["tag"]), 400, "invalid_request_error", "metadata", "invalid_type"),
+    (CHAT, chat(metadata={"run": 3}), 400, "invalid_request_error", "metadata.run", "invalid_type"),
+    (CHAT, chat(prompt_cache_key=7), 400, "invalid_request_error", "prompt_cache_key", "invalid_type"),
+    (CHAT, chat(safety_identifier=["u"]), 400, "invalid_request_error", "safety_identifier", "invalid_type"),
+    (CHAT, chat(prediction="def f():"), 400, "invalid_request_error", "prediction", "invalid_type"),
+    (CHAT, chat(prediction={"type": "text", "content": "x"}), 400, "invalid_request_error", "prediction.type",
+     "invalid_value"),
+    (CHAT, chat(prediction={"type": "content"}), 400, "invalid_request_error", "prediction.content",
+     "missing_required_parameter"),
+    (CHAT, chat(prediction={"type": "content", "content": [{"type": "image_url"}]}), 400, "invalid_request_error",
+     "prediction.content[0].type", "unsupported_value"),
     (CHAT, chat(logit_bias={"259": -100}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
     (CHAT, chat(logit_bias={"50": 101}), 400, "invalid_request_error", "logit_bias", "invalid_value"),
     (CHAT, chat(logit_bias="ban 50"), 400, "invalid_request_error", "logit_bias", "invalid_type"),
@@ -447,6 +462,23 @@ def test_neutral_values_of_unimplemented_fields_are_served(client):
     reply = post(client, CHAT, body)
     assert reply.status_code == 200, reply.text
     assert reply.json["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"store": False}, {"service_tier": "auto"}, {"service_tier": "default"}, {"modalities": ["text"]},
+    {"audio": None}, {"metadata": {"run": "nightly", "team": "ops"}}, {"prompt_cache_key": "session-42"},
+    {"safety_identifier": "user-7f3a"}, {"prediction": {"type": "content", "content": "Hello"}},
+    {"prediction": {"type": "content", "content": [{"type": "text", "text": "Hello"}]}},
+    {"store": None, "service_tier": None, "modalities": None, "metadata": None, "prompt_cache_key": None,
+     "safety_identifier": None, "prediction": None},
+])
+def test_openai_chat_fields_that_change_no_reply_are_taken_and_change_none(client, fields):
+    """Fields OpenAI's chat API has for storing replies, routing, abuse detection and predicted outputs, which
+    leave the reply as it is, at values that ask for nothing this server does not do: the same reply."""
+    plain = post(client, CHAT, chat(max_tokens=4, temperature=0))
+    reply = post(client, CHAT, chat(max_tokens=4, temperature=0, **fields))
+    assert reply.status_code == 200, reply.text
+    assert reply.json["choices"] == plain.json["choices"]
 
 
 def test_chat_template_failure_is_a_client_error(generator):

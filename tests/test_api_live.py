@@ -113,6 +113,20 @@ def test_sampling_fields_through_the_openai_client(client):
     assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.content) <= 3
 
 
+def test_the_openai_clients_storage_routing_and_prediction_parameters_leave_the_reply_as_it_is(client):
+    def reply(**fields) -> str:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_completion_tokens=6, temperature=0, **fields).choices[0].message
+
+    # extra_body: the client's own names for them came in releases after the oldest one the tests allow
+    assert reply(service_tier="auto", extra_body={
+        "store": False, "metadata": {"run": "nightly"}, "modalities": ["text"],
+        "prediction": {"type": "content", "content": "Hello there"}, "prompt_cache_key": "conversation-1",
+        "safety_identifier": "user-7f3a"}) == reply()
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'store'"):
+        reply(extra_body={"store": True})  # a completion kept for later: not here
+
+
 def test_min_p_1_through_the_openai_client_samples_the_greedy_text(client):
     def text(temperature: float, seed: int, **extra) -> str:
         return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

@@ -265,7 +265,10 @@ class ChatRequest:
 # this server does anyway, so such a request is served as written; any other value is refused like any unknown
 # field. Values are compared with their JSON type, so `false` never passes for `0`.
 _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1)}
-_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {}
+# Chat fields of OpenAI's that a client may send set to what this server does anyway: nothing stored, the default
+# service tier, text out
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {"store": (None, False), "service_tier": (None, "auto", "default"),
+                                             "modalities": (None, ["text"]), "audio": (None,)}
 
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options",
                             "seed", "user", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -273,7 +276,8 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "stop
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
-                                 "add_generation_prompt", "continue_final_message", "reasoning_format"}
+                                 "add_generation_prompt", "continue_final_message", "reasoning_format",
+                                 "metadata", "prompt_cache_key", "safety_identifier", "prediction"}  # _check_hints
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # llama.cpp's server's names: "deepseek" (its default) and "auto" split the thinking into reasoning_content
 REASONING_FORMATS = ("auto", "deepseek", "none")
@@ -488,6 +492,29 @@ def _check_user(body: Mapping[str, Any]) -> None:
     user = body.get("user")
     if user is not None:
         _string(user, "user")  # accepted for compatibility; it changes nothing here
+
+
+def _check_hints(body: Mapping[str, Any]) -> None:
+    """Chat fields of OpenAI's that change no reply, checked as OpenAI checks them and left unused: `metadata`
+    (tags for a stored completion: nothing is stored), `prompt_cache_key` and `safety_identifier` (hints for its
+    cache routing and abuse detection), `prediction` (a predicted output, which only makes its replies sooner)."""
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise RequestError(f"'metadata' must be an object of strings, not {_json_type(metadata)}",
+                               param="metadata", code="invalid_type")
+        for key, value in metadata.items():
+            _string(value, f"metadata.{key}")
+    for name in ("prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None:
+            _string(body[name], name)
+    prediction = body.get("prediction")
+    if prediction is not None:
+        prediction = _object(prediction, "prediction", frozenset({"type", "content"}))
+        if prediction.get("type") != "content":
+            raise RequestError(f"'prediction.type' is {json.dumps(prediction.get('type'))}; it must be \"content\"",
+                               param="prediction.type", code="invalid_value")
+        _content(_required(prediction, "content", "prediction."), "prediction.content")
 
 
 def _streaming(body: Mapping[str, Any]) -> StreamFields:
@@ -944,6 +971,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     _check_user(body)
+    _check_hints(body)
     streaming = _streaming(body)
     # max_completion_tokens is the newer name for max_tokens; both may be sent, but not disagreeing
     limits = {name: _max_tokens(body[name], name) for name in ("max_tokens", "max_completion_tokens")
