@@ -236,9 +236,9 @@ def check_can_listen(key: str, address: HostPort) -> None:
 
 
 def start_head(topology: Topology) -> Head:
-    """Plan, open the API, load the head's share of the model (the API meanwhile says so), listen for workers and
-    serve. Returns once serving. Raises TopologyError, ConfigError, WeightsError, ModelSourceError, PlanError, with
-    the API closed again."""
+    """Plan, open the API, listen for workers (who load their layers meanwhile), load the head's share of the model
+    (the API meanwhile says so) and serve. Returns once serving. Raises TopologyError, ConfigError, WeightsError,
+    ModelSourceError, PlanError, with the API and the workers' port closed again."""
     started = time.perf_counter()
     if topology.head.threads:
         torch.set_num_threads(topology.head.threads)
