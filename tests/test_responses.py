@@ -249,6 +249,9 @@ def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     ({"store": "yes"}, "store"),
     ({"background": "no"}, "background"),
     ({"truncation": 5}, "truncation"),
+    ({"service_tier": "priority"}, "service_tier"),
+    ({"prompt_cache_key": 5}, "prompt_cache_key"),
+    ({"safety_identifier": {"id": "u"}}, "safety_identifier"),
 ])
 def test_refusals_name_the_responses_field(server, fields, param):
     status, _, text = post(server, {"model": MODEL, "input": "Hi", **fields})
@@ -258,6 +261,17 @@ def test_refusals_name_the_responses_field(server, fields, param):
     assert error["type"] == "invalid_request_error"
     for chat_field in ("max_completion_tokens", "response_format", "messages", ".function."):
         assert chat_field not in error["message"], error  # what the client sent, not the chat request it became
+
+
+def test_the_routing_and_abuse_hints_a_client_sends_leave_the_response_as_it_is(server):
+    """OpenAI's prompt_cache_key and safety_identifier (Codex sends the first), and the default service tier."""
+    def output(**fields) -> list:
+        status, _, text = post(server, {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "temperature": 0,
+                                        **fields})
+        assert status == 200, text
+        return [item["content"] for item in json.loads(text)["output"]]
+
+    assert output(prompt_cache_key="conversation-1", safety_identifier="user-7f3a", service_tier="auto") == output()
 
 
 @pytest.mark.parametrize("field, value", [("min_p", 0.05), ("top_k", 20), ("seed", 1), ("stop", "x")])

@@ -30,7 +30,8 @@ from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 # Fields translated into the chat body, or only echoed back in the response
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
                      "tool_choice", "parallel_tool_calls", "text", "metadata", "user", "store", "reasoning",
-                     "truncation", "previous_response_id", "conversation", "background", "include", "prompt"})
+                     "truncation", "previous_response_id", "conversation", "background", "include", "prompt",
+                     "prompt_cache_key", "safety_identifier", "service_tier"})
 # chat's sampling fields that the Responses API has no name for (min_p, top_k, seed, stop, ...): refused by name
 # with where they are taken, rather than as fields this server does not implement
 _CHAT_ONLY = (frozenset(_SAMPLING_PARSERS) | {"logprobs", "top_logprobs"}) - _FIELDS
@@ -280,7 +281,8 @@ def translate(body: Mapping[str, Any]) -> Translation:
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages.messages}
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("parallel_tool_calls", "parallel_tool_calls"),
-                         ("user", "user")):
+                         ("user", "user"), ("prompt_cache_key", "prompt_cache_key"),  # chat checks these three
+                         ("safety_identifier", "safety_identifier"), ("service_tier", "service_tier")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if body.get("tools") is not None:
