@@ -104,7 +104,7 @@ PREFETCH_GAIN = 1.03  # ... by this much for one row streamed from memory
 STREAMS = (1, 2, 4, 8)  # weight streams a thread may walk for one row (bf16dot.c's and qdot.c's MAX_STREAMS: the last)
 PREFETCH_TURNS = 8  # ... the best of this many turns each
 # ... or of as many as fit this budget (s), one at least: 8 turns take 0.6-0.75 s on an idle 2-core VM, where two
-# busy loops beside them made a turn 2-7 s (each two-thread product waiting a scheduler tick at its barrier), paid
+# busy loops beside them made a turn 0.25-7 s (each two-thread product waiting a scheduler tick at its barrier), paid
 # by every process at every start: a worker restarted beside a serving cluster must load within the resume grace
 PREFETCH_BUDGET_S, PREFETCH_MIN_TURNS = 2.0, 1
 PREFETCH_PROBE_BYTES = 128 << 20  # ... over at most this much memory (twice the last-level cache)
