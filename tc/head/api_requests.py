@@ -494,17 +494,22 @@ def _check_user(body: Mapping[str, Any]) -> None:
         _string(user, "user")  # accepted for compatibility; it changes nothing here
 
 
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's `metadata` (chat's and the Responses API's): null, or an object of strings."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise RequestError(f"'metadata' must be an object of strings, not {_json_type(metadata)}", param="metadata",
+                           code="invalid_type")
+    for key, value in metadata.items():
+        _string(value, f"metadata.{key}")
+
+
 def _check_hints(body: Mapping[str, Any]) -> None:
     """Chat fields of OpenAI's that change no reply, checked as OpenAI checks them and left unused: `metadata`
     (tags for a stored completion: nothing is stored), `prompt_cache_key` and `safety_identifier` (hints for its
     cache routing and abuse detection), `prediction` (a predicted output, which only makes its replies sooner)."""
-    metadata = body.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise RequestError(f"'metadata' must be an object of strings, not {_json_type(metadata)}",
-                               param="metadata", code="invalid_type")
-        for key, value in metadata.items():
-            _string(value, f"metadata.{key}")
+    check_metadata(body.get("metadata"))
     for name in ("prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None:
             _string(body[name], name)

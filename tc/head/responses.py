@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 from ..generation import Completion, Step
 # the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
 from .api_requests import (_SAMPLING_PARSERS, RequestError, _boolean, _check_fields, _json_type, _object, _required,
-                           _string)
+                           _string, check_metadata)
 from .service import GenerationStream
 from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 
@@ -294,12 +294,7 @@ def translate(body: Mapping[str, Any]) -> Translation:
         chat["response_format"] = _response_format(body["text"])
         text = {"format": body["text"].get("format") or {"type": "text"}}
     metadata = body.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise RequestError(f"'metadata' must be an object of strings, not {_json_type(metadata)}", param="metadata",
-                               code="invalid_type")
-        for key, value in metadata.items():
-            _string(value, f"metadata.{key}")
+    check_metadata(metadata)
     parallel = body.get("parallel_tool_calls")
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "metadata": metadata or {}, "parallel_tool_calls": True if parallel is None else parallel,
