@@ -377,8 +377,7 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
                           api_keys=topology.head.api_keys))
     readiness = registry.readiness()
     if readiness.is_ready:  # every worker loaded before the head did
-        log.info("cluster ready: all %d workers loaded; serving %s at %s/v1", readiness.required, topology.name,
-                 http.url)
+        cluster_ready()
     else:
         log.info("API at %s/v1 (answers 503 until the workers are ready: %d of %d so far)", http.url,
                  len(readiness.ready), readiness.required)
