@@ -286,6 +286,8 @@ static void attend_group(const uint16_t* q, const uint16_t* keys, const uint16_t
    (< capacity[s]). The key and value are stored at that position, and the attention of the H query heads over
    positions [0, positions[s]] goes to row rows[s] of out ([rows, H D]). With cos and sin ([rows, D] bf16, row
    rows[s] for sequence s; or NULL), the query and key heads are rotated first (rotate_heads); qkv is only read.
+   Several of the n may be one sequence's consecutive positions (a draft checked in one step: the same slots, each
+   its own row and position): every key and value is stored before any row attends, so each sees those before it.
    D a multiple of 8 up to MAX_DIM, H / H_kv up to MAX_GROUP. Returns 0, -1 if scratch memory ran out, -2 for a
    shape it does not take. */
 int tc_decode_attention(int n, const int64_t* slots, const int32_t* positions, const int32_t* capacity,
@@ -295,23 +297,33 @@ int tc_decode_attention(int n, const int64_t* slots, const int32_t* positions, c
     const int G = H / H_kv;
     const size_t row = (size_t)(H + 2 * H_kv) * D;
     int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+    /* The stores first, on this thread: a few hundred bytes each, where a parallel region of their own would cost
+       more than they do. */
     for (int task = 0; task < n * H_kv; task++) {
-        const int s = task / H_kv, g = task % H_kv, pos = positions[s], T = pos + 1;
+        const int s = task / H_kv, g = task % H_kv, pos = positions[s];
         uint16_t* keys = (uint16_t*)(intptr_t)slots[s] + (size_t)g * capacity[s] * D;
         uint16_t* values = (uint16_t*)(intptr_t)slots[s] + (size_t)(H_kv + g) * capacity[s] * D;
         const uint16_t* x = qkv + (size_t)rows[s] * row;
-        const uint16_t* q = x + (size_t)g * G * D;
-        uint16_t rotated[MAX_GROUP * MAX_DIM];
         if (cos) {
             const size_t r = (size_t)rows[s] * D;
-            rotate_heads(q, cos + r, sin + r, G, D, rotated);
             rotate_heads(x + (size_t)(H + g) * D, cos + r, sin + r, 1, D, keys + (size_t)pos * D);
-            q = rotated;
         } else {
             memcpy(keys + (size_t)pos * D, x + (size_t)(H + g) * D, (size_t)D * 2);
         }
         memcpy(values + (size_t)pos * D, x + (size_t)(H + H_kv + g) * D, (size_t)D * 2);
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+    for (int task = 0; task < n * H_kv; task++) {
+        const int s = task / H_kv, g = task % H_kv, pos = positions[s], T = pos + 1;
+        const uint16_t* keys = (uint16_t*)(intptr_t)slots[s] + (size_t)g * capacity[s] * D;
+        const uint16_t* values = (uint16_t*)(intptr_t)slots[s] + (size_t)(H_kv + g) * capacity[s] * D;
+        const uint16_t* q = qkv + (size_t)rows[s] * row + (size_t)g * G * D;
+        uint16_t rotated[MAX_GROUP * MAX_DIM];
+        if (cos) {
+            const size_t r = (size_t)rows[s] * D;
+            rotate_heads(q, cos + r, sin + r, G, D, rotated);
+            q = rotated;
+        }
         float* scores = (float*)malloc((size_t)G * T * sizeof(float));
         if (!scores) {
             failed = 1;

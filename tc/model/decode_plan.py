@@ -97,7 +97,9 @@ class _Buffers:
 
 
 class DecodePlan:
-    """Native calls for steps of `rows` decode rows (one position of one sequence each) through `layers`."""
+    """Native calls for steps of `rows` decode rows through `layers`: one position of a sequence each, where
+    consecutive rows may be consecutive positions of one sequence (a draft: the attention stores every row's key
+    and value before any row attends)."""
 
     def __init__(self, rows: int, buffers: _Buffers, calls: list[native.Call],
                  slots: list[tuple[Index, ctypes.Array]], positions: ctypes.Array, capacities: ctypes.Array,

@@ -285,6 +285,12 @@ def _native_decode_row(span: Span) -> bool:
     return span.length == 1 and span.cache.kv.dtype == torch.bfloat16
 
 
+def _plan_takes(span: Span) -> bool:
+    """Whether a decode plan takes a span: one decode row, or several that continue a cache (a draft, draft.py),
+    each a row of its own. A prompt's first positions are read by the modules, whose attention takes them at once."""
+    return span.cache.kv.dtype == torch.bfloat16 and (span.length == 1 or span.start > 0)
+
+
 class Attention(nn.Module):
     # None: a prefill expands the KV heads where this torch and device need it (expand_kv_heads_on); True or False
     # forces the choice, so the two ways can be compared on any machine
@@ -620,9 +626,9 @@ class Stage(nn.Module):
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
         plan = self._decode_plan(hidden.dtype, hidden.device.type, spans)
         if plan is not None:
-            hidden = plan.run(hidden, [s.cache for s in spans], [s.start for s in spans], self.rotary)
+            hidden = plan.run(hidden, *_plan_rows(spans), self.rotary)
             for span in spans:
-                span.cache.length = span.start + 1
+                span.cache.length = span.start + span.length
             return hidden
         cos, sin = self.rotary.span_tables(spans, hidden.dtype)
         local = (cos, sin) if self.local_rotary is None else \
@@ -644,25 +650,27 @@ class Stage(nn.Module):
         plan = self._decode_plan(torch.bfloat16, "cpu", spans)
         if plan is None:
             return None
-        out = plan.run_bytes(hidden, [s.cache for s in spans], [s.start for s in spans], self.rotary)
+        out = plan.run_bytes(hidden, *_plan_rows(spans), self.rotary)
         for span in spans:
-            span.cache.length = span.start + 1
+            span.cache.length = span.start + span.length
         return out
 
     def _decode_plan(self, dtype: torch.dtype, device_type: str, spans: Sequence[Span]) -> DecodePlan | None:
-        """The plan for a step of `dtype` rows on `device_type`: bf16 decode rows on the CPU, one per sequence,
+        """The plan for a step of `dtype` rows on `device_type`: bf16 decode rows on the CPU (one position of each
+        sequence, or a few consecutive ones: _plan_takes), at most the native.ACT_ROWS the activation kernel takes,
         through layers whose norms, attention and activation all take their native kernels for that many rows
         (made once, and kept while it is current); else None."""
-        if not self.decode_plans or dtype != torch.bfloat16 or device_type != "cpu" \
-                or not all(_native_decode_row(s) for s in spans) or self.local_rotary is not None:
+        rows = sum(s.length for s in spans)
+        if not self.decode_plans or dtype != torch.bfloat16 or device_type != "cpu" or rows > native.ACT_ROWS \
+                or not all(_plan_takes(s) for s in spans) or self.local_rotary is not None:
             return None
-        key = self._plan_key(len(spans))
+        key = self._plan_key(rows)
         if key in self._plans:
             plan = self._plans[key]
             if plan is None or plan.current():  # None: these layers decline such steps
                 return plan
             self._plans.clear()  # the stage changed: the others are stale too, and hold what it let go
-        plan = self._plans[key] = DecodePlan.make(self.layers, len(spans))
+        plan = self._plans[key] = DecodePlan.make(self.layers, rows)
         return plan
 
     @staticmethod
@@ -673,6 +681,13 @@ class Stage(nn.Module):
         prefetch = (tuple(kernels.prefetch_rows.values()) + tuple(kernels.prefetch_ahead.values())
                     + tuple(kernels.streams.values()) if kernels is not None else ())
         return (rows, torch.get_num_threads(), RMSNorm.native, Attention.native_decode, MLP.native_act, prefetch)
+
+
+def _plan_rows(spans: Sequence[Span]) -> tuple[list[KVCache], list[int]]:
+    """Each row's cache and position for a decode plan: a span of several rows (a draft) is that many positions of
+    its sequence, which the native attention stores before any of them attends."""
+    caches = [s.cache for s in spans for _ in range(s.length)]
+    return caches, [s.start + i for s in spans for i in range(s.length)]
 
 
 def _screen_turned_off() -> bool:
