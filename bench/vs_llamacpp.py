@@ -18,7 +18,9 @@ bench/data/perplexity.txt, sent as token ids; tc's figure includes choosing the 
 over --tokens new tokens from an almost empty context, as llama-bench's tgN measures it: tc decodes after a
 one-token prompt, with ``ignore_eos`` so every run makes exactly that many tokens; through the API the decode time
 is a (tokens + 1)-token request minus a 1-token one, so the HTTP round trip and the one-token prefill cancel.
-Figures are the mean (± standard deviation) of --repeat runs after a warm-up. Nothing is asserted.
+Figures are the mean (± standard deviation) of --repeat runs after a warm-up. Nothing is asserted. tc runs
+without drafts (head.draft_tokens 0), one token a step as llama-bench makes them: a greedy run's guesses from its own
+text would count its repetitions as speed (bench/bench_drafts.py measures them).
 
 With --depth N both run after a context of N tokens already read, as a long conversation does (llama-bench's
 ``-d N``): decode is --tokens new tokens after an N-token prompt; tc's prefill is --prompt-tokens more tokens read
@@ -475,7 +477,7 @@ def tc_cluster(mode: str, args: argparse.Namespace, workdir: Path) -> Measured:
     ids = prompt_ids(model_dir, depth + args.prompt_tokens)
     nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
     topology = write_topology(workdir / f"topology-{mode}.yaml", model_dir, nodes, quant=mode, dtype="bf16",
-                              head={"threads": THREADS})
+                              head={"threads": THREADS, "draft_tokens": 0})  # one token a step, as llama-bench
     with Cluster(topology, workdir) as cluster:
         try:
             cluster.start_head()

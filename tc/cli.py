@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from .draft import MAX_LIMIT as MAX_DRAFT_TOKENS
+
 log = logging.getLogger("tc")
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -54,6 +56,10 @@ def _in_range(value: str, kind: type, low: float, high: float) -> float:
 def _threads(value: str) -> int:
     from .topology import MAX_THREADS
     return int(_in_range(value, int, 1, MAX_THREADS))
+
+
+def _draft_tokens(value: str) -> int:
+    return int(_in_range(value, int, 0, MAX_DRAFT_TOKENS))
 
 
 def _gib(value: str) -> float:
@@ -158,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
                      help="compute dtype (default bf16)")
     gen.add_argument("--threads", type=_threads, help="torch threads (default: all cores)")
+    gen.add_argument("--draft-tokens", type=_draft_tokens, default=MAX_DRAFT_TOKENS, metavar="N",
+                     help="tokens a greedy run may guess ahead from its own text and check in one step; 0: none "
+                          f"(default {MAX_DRAFT_TOKENS})")
     return parser
 
 
@@ -177,7 +186,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    generator = load_local_generator(args.model, args.dtype)
+    generator = load_local_generator(args.model, args.dtype, draft_tokens=args.draft_tokens)
     prompt = args.prompt
     if args.chat:
         prompt = generator.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -27,10 +27,11 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from .draft import DraftLookup
 from .model.kv_cache import KVCache
 from .model.qwen2 import HeadModel, Span
 from .model.tokenizer import TextTokenizer
-from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, new_rng, prompt_logprobs,
+from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, greedy, new_rng, prompt_logprobs,
                        token_logprob)
 from .trace import mark
 
@@ -250,6 +251,15 @@ class Step:
     prompt: tuple[TokenInfo, ...] = ()  # on the first step only, when SamplingParams.prompt_logprobs
 
 
+def joined(steps: Sequence[Step]) -> Step:
+    """Steps made one after another as one: their text and tokens in order, the first's prompt, the last's
+    completion."""
+    if len(steps) == 1:
+        return steps[0]
+    return Step("".join(s.text for s in steps), tuple(t for s in steps for t in s.tokens), steps[-1].completion,
+                steps[0].prompt)
+
+
 def text_with_offsets(tokenizer: TextTokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     """The text of `ids` (special tokens written out, as a prompt holds them) and where each token starts."""
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=False)
@@ -363,6 +373,10 @@ class SequenceState:
         self.after: SequenceState | None = None
         self.fed: list[int] = []  # the tokens decode steps fed in: with the prompt read, what its cache holds
         self.next_token: int | None = None  # the token the next decode step feeds in
+        # Tokens guessed to follow next_token, fed in with it (draft.py); [] for a step of one row. `lookup` is made
+        # for a sequence that chooses the argmax, at its first decode step (plan_draft).
+        self.draft: list[int] = []
+        self.lookup: DraftLookup | None = None
         self.prompt_reports: list[TokenLogprob] = []
         self.unsent_prompt: tuple[TokenInfo, ...] = ()  # the prompt's tokens, for the first step to carry
         self.prompt_infos: tuple[TokenInfo, ...] = ()
@@ -390,8 +404,13 @@ class SequenceState:
             self.started = time.perf_counter()
         if self.decoding:
             assert self.next_token is not None
-            self.fed.append(self.next_token)
-            return Entry(self.id, self.position, 1, self.capacity), [self.next_token]
+            start = self.position
+            # a step whose draft was refused in part wrote positions past this one: the entry cuts them off
+            source = self.id if self.prefilled + len(self.fed) > start else None
+            del self.fed[start - self.prefilled:]
+            ids = [self.next_token, *self.draft]
+            self.fed += ids
+            return Entry(self.id, start, len(ids), self.capacity, source=source), ids
         ids = self.prompt_ids[self.prefilled:self.prefilled + prompt_budget]
         entry = Entry(self.id, self.prefilled, len(ids), self.capacity, source=self.pending_source)
         self.source = self.after = None
@@ -414,6 +433,37 @@ class SequenceState:
             self.prompt_infos = tuple(TokenInfo(t, o, r) for t, o, r in
                                       zip(self.prompt_ids, offsets, [None, *self.prompt_reports]))
             self.unsent_prompt = self.prompt_infos
+
+    def plan_draft(self, most: int) -> int:
+        """Guess up to `most` tokens to follow next_token, fed in with it by the next entry (a sequence that chooses
+        the argmax, with tokens left to make); returns how many."""
+        self.draft = []
+        left = self.max_tokens - len(self.text.tokens)  # the cache has room for this many positions after position
+        if most <= 0 or left <= 0 or not self.chooses_the_argmax:
+            return 0
+        if self.lookup is None:
+            self.lookup = DraftLookup(self.params.draft_reference)
+            self.lookup.extend(self.prompt_ids)
+        self.lookup.extend(t.id for t in self.text.tokens[len(self.lookup.text) - len(self.prompt_ids):])
+        self.draft = self.lookup.draft(min(most, left))
+        return len(self.draft)
+
+    def check_draft(self, chosen: Sequence[int]) -> tuple[Step, int]:
+        """Take the argmax of each of the last entry's rows (`chosen`, one per row: after next_token and after each
+        draft token): the first, then each next one while the draft token before it was the argmax there; returns
+        what they add, as one Step, and how many draft tokens were right."""
+        draft, self.draft = self.draft, []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+            accepted += 1
+        if self.lookup is not None:
+            self.lookup.taken(len(draft), accepted)
+        steps = []
+        for token in chosen[:accepted + 1]:
+            steps.append(self.add_token(token))
+            if steps[-1].completion is not None:
+                break
+        return joined(steps), accepted
 
     def cache_ids(self) -> list[int]:
         """The tokens whose positions this sequence's cache holds, once its last step has run."""
@@ -544,12 +594,17 @@ class SequenceState:
 class Generator:
     """Turns prompts into completions over a pipeline: `start` a sequence, `step` a batch of them."""
 
-    def __init__(self, head: HeadModel, tokenizer: TextTokenizer, pipeline: Pipeline, dtype: torch.dtype):
+    def __init__(self, head: HeadModel, tokenizer: TextTokenizer, pipeline: Pipeline, dtype: torch.dtype,
+                 draft_tokens: int = 0):
         self.head, self.tokenizer, self.pipeline, self.dtype = head, tokenizer, pipeline, dtype
         self.context_length = head.config.context_length
         self._ids = itertools.count(1)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks, made beside the pipeline
         self.prompt_positions = 0  # prompt positions run through the pipeline so far (a prompt read for n, once)
+        # tokens a greedy sequence may guess ahead in one step (draft.py; the head's is head.draft_tokens); 0 runs
+        # every decode step on one row
+        self.draft_tokens = draft_tokens
+        self.drafted = self.accepted = 0  # draft tokens run so far, and of those, the tokens chosen
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden.to(self.dtype))  # [1, rows, vocab] fp32
@@ -610,9 +665,15 @@ class Generator:
             # all at the end of one long step (and the next reads in chunks beside the first one's decoding)
             first = next((s for s in sequences if s.leader is None and s not in unready), None)
             budget = None if first is None else max(budget, len(first.prompt_ids) - first.prefilled)
+        decoding = [s for s in sequences if s.decoding]
+        for sequence in decoding:
+            sequence.plan_draft(self.draft_tokens)
         cap = getattr(self.pipeline, "max_positions", None)
-        if cap is not None:  # what a step may carry, less a position for each decoding sequence; at least one
-            room = max(1, cap - sum(1 for s in sequences if s.decoding))
+        if cap is not None:  # what a step may carry, less the positions of decoding sequences; at least one
+            if sum(1 + len(s.draft) for s in decoding) > cap:
+                for sequence in decoding:
+                    sequence.draft = []
+            room = max(1, cap - sum(1 + len(s.draft) for s in decoding))
             budget = room if budget is None else min(budget, room)
         planned: list[tuple[SequenceState, Entry]] = []
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
@@ -645,7 +706,7 @@ class Generator:
             if masks is not None:
                 masks.result()
         self.prompt_positions += sum(e.length for s, e in planned if not s.decoding)
-        row, choosing, last_rows = 0, [], []
+        row, choosing, last_rows = 0, [], []  # choosing: (sequence, its first row in last_rows, its rows)
         for sequence, entry in planned:
             rows = hidden[:, row:row + entry.length]
             row += entry.length
@@ -653,21 +714,29 @@ class Generator:
                 sequence.read_prompt(entry, rows, self._logits)
                 if not sequence.decoding:
                     continue  # more of its prompt to read
-            choosing.append((sequence, len(last_rows)))
-            last_rows.append(rows[:, -1:])
+                rows = rows[:, -1:]
+            choosing.append((sequence, len(last_rows), rows.shape[1]))  # a draft's rows: after each token fed
+            last_rows += rows.split(1, dim=1)
         for follower, leader in forked:  # each chooses from the leader's logits, with its own sampling state
             follower.take_prompt_from(leader)
-            choosing.append((follower, next(i for s, i in choosing if s is leader)))
+            choosing.append((follower, next(i for s, i, _ in choosing if s is leader), 1))
         if not choosing:
             return []
         rows = torch.cat(last_rows, dim=1)
-        tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _ in choosing) \
+        tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _, _ in choosing) \
             else None
-        if tokens is not None:
-            chosen = [(sequence, sequence.add_token(tokens[i])) for sequence, i in choosing]
-        else:
-            logits = self._logits(rows)[0]  # [sequences choosing, vocab]: one lm_head read
-            chosen = [(sequence, sequence.advance(logits[i])) for sequence, i in choosing]
+        logits = self._logits(rows)[0] if tokens is None else None  # [rows, vocab]: one lm_head read for all
+        chosen = []
+        for sequence, i, n in choosing:
+            if n > 1:  # a draft: the argmax of each row, which chooses_the_argmax makes the token chosen there
+                step, accepted = sequence.check_draft(
+                    tokens[i:i + n] if tokens is not None else [greedy(logits[j]) for j in range(i, i + n)])
+                self.drafted, self.accepted = self.drafted + n - 1, self.accepted + accepted
+                chosen.append((sequence, step))
+            elif tokens is not None:
+                chosen.append((sequence, sequence.add_token(tokens[i])))
+            else:
+                chosen.append((sequence, sequence.advance(logits[i])))
         mark("chosen")
         return chosen
 

@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cpu", quant: str = "fp16",
-                         group_size: int = quantization.DEFAULT_GROUP_SIZE, pack_head: bool | None = None
-                         ) -> Generator:
+                         group_size: int = quantization.DEFAULT_GROUP_SIZE, pack_head: bool | None = None,
+                         draft_tokens: int = 0) -> Generator:
     """Load every layer of the model in `model_dir` into this process, in weight mode `quant` as a cluster does:
     each layer quantized as it loads, the lm_head in `quant.head_weight_mode(quant)`. An lm_head that stays in
     the compute dtype takes the fastest product a probe finds for it (`HeadModel.load`'s pack=None), or with
@@ -45,4 +45,5 @@ def load_local_generator(model_dir: Path, dtype: str = "bf16", device: str = "cp
                        quantization.Quantization(quant, group_size, half_dtype(device)))
     log.info("loaded %s (%d layers, %s, weights %s) in %.1fs", model_dir, config.num_hidden_layers, torch_dtype,
              quant, time.perf_counter() - started)
-    return Generator(head, tokenizer, LocalPipeline([stage], device), head.embed_tokens.weight.dtype)
+    return Generator(head, tokenizer, LocalPipeline([stage], device), head.embed_tokens.weight.dtype,
+                     draft_tokens=draft_tokens)

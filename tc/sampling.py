@@ -50,6 +50,9 @@ class SamplingParams:
     # llama.cpp's cache_prompt: the prompt may start from a kept cache that holds its start (head.prefix_cache);
     # False reads all of it, as a request alone would (the same positions computed the same way, run after run)
     cache_prompt: bool = True
+    # tokens the reply is expected to repeat (chat's `prediction`): a greedy sequence guesses its next tokens from
+    # them first (draft.py); they change no token, only how many one step makes
+    draft_reference: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from tc.draft import MAX_LIMIT as MAX_DRAFT_TOKENS
 from tc.model.quant import DEFAULT_GROUP_SIZE, WEIGHT_MODES
 from tc.speed import SPEED_KEYS, Speed
 
@@ -76,8 +77,8 @@ GIB = 1 << 30  # max_memory_gb counts GiB: what nvidia-smi and Activity Monitor 
 TOP_KEYS = ("version", "model", "name", "revision", "quant", "group_size", "dtype", "context_length", "hf_cache_dir",
             "chat_template", "reasoning_content", "head", "nodes")
 HEAD_KEYS = ("api", "listen", "threads", "max_queue", "max_batch", "prefill_chunk", "micro_batches", "direct_hops",
-             "prefix_cache", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s", "join_token",
-             "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from",
+             "prefix_cache", "draft_tokens", "heartbeat_s", "heartbeat_timeout_s", "resume", "resume_grace_s",
+             "join_token", "max_frame_mb", "max_body_mb", "step_timeout_s", "step_timeout_factor", "speed", "plan_from",
              "cors_origins", "api_keys")
 PLAN_SOURCES = ("topology", "workers")
 NODE_KEYS = ("id", "device", "dtype", "max_memory_gb", "layers", "threads", "spare", "speed")
@@ -140,6 +141,7 @@ class HeadSettings:
     micro_batches: int = 1  # groups a step's batch is cut into, so that stages work at the same time
     direct_hops: bool = True  # workers pass hidden states straight to the next worker, not back through the head
     prefix_cache: bool = True  # a finished request's caches kept for the request that continues its text
+    draft_tokens: int = MAX_DRAFT_TOKENS  # tokens a greedy request may guess ahead in one step (tc/draft.py); 0: none
     speed: Speed | None = None  # the head machine's own (its lm_head share of a token), from `worker --bench`
     plan_from: str = "topology"  # "workers": plan once from the planned set's own measurements in HELLO
     cors_origins: tuple[str, ...] = ()  # browser origins whose pages may read the API's replies; ("*",): any
@@ -264,6 +266,8 @@ class Topology:
             head["direct_hops"] = False
         if not self.head.prefix_cache:
             head["prefix_cache"] = False
+        if self.head.draft_tokens != MAX_DRAFT_TOKENS:
+            head["draft_tokens"] = self.head.draft_tokens
         if self.head.heartbeat_timeout_s is not None:
             head["heartbeat_timeout_s"] = self.head.heartbeat_timeout_s
         if not self.head.resume:
@@ -664,6 +668,8 @@ class _Parser:
                                      maximum=MAX_MICRO_BATCHES)
         direct_hops = self.boolean(head.get("direct_hops", True), "head.direct_hops")
         prefix_cache = self.boolean(head.get("prefix_cache", True), "head.prefix_cache")
+        draft_tokens = self.integer(head.get("draft_tokens", MAX_DRAFT_TOKENS), "head.draft_tokens", 0,
+                                    " (0: every step makes one token)", maximum=MAX_DRAFT_TOKENS)
         heartbeat = head.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         low, high = HEARTBEAT_RANGE_S
         heartbeat_s = self.positive_number(heartbeat, "head.heartbeat_s", "seconds", high, low)
@@ -698,8 +704,8 @@ class _Parser:
                             join_token=join_token, max_frame_mb=max_frame_mb, max_body_mb=max_body_mb,
                             step_timeout_s=step_timeout_s, step_timeout_factor=step_factor, max_batch=max_batch,
                             prefill_chunk=prefill_chunk, micro_batches=micro_batches, direct_hops=direct_hops,
-                            speed=speed, plan_from=plan_from, prefix_cache=prefix_cache, cors_origins=cors_origins,
-                            api_keys=api_keys)
+                            speed=speed, plan_from=plan_from, prefix_cache=prefix_cache, draft_tokens=draft_tokens,
+                            cors_origins=cors_origins, api_keys=api_keys)
 
     def cors_origins(self, value: object, path: str) -> tuple[str, ...]:
         """The origins a browser may call the API from. Each is compared as text with the Origin header a browser

@@ -205,7 +205,9 @@ def get_text(cluster: Cluster, path: str) -> str:
 @pytest.mark.slow
 def test_a_real_cluster_streams_and_reports_its_stages(tmp_path):
     model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=5)
-    topology = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    # one token a step (no drafts), so that each generation's decode steps are its tokens but the first
+    topology = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                              head={"draft_tokens": 0})
     expected = local_greedy(model_dir, "the quick brown fox", 12)
     with Cluster(topology, tmp_path) as cluster:
         cluster.start_head()

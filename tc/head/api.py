@@ -522,6 +522,9 @@ class ChatPrompts:
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
                                             continues_prompt=request.continue_final_message)
         check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
+        if request.prediction:  # guesses for a greedy reply's next tokens (draft.py): they change none of them
+            params = dataclasses.replace(params, draft_reference=tuple(self.service.tokenizer.encode(
+                request.prediction)))
         opened = self.think is not None and self.think.opened_in(prompt_ids, self.service.tokenizer.eos_token_ids)
         grammar = self.structured.grammar(request)
         if grammar is not None and opened:

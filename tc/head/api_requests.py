@@ -250,6 +250,7 @@ class ChatRequest:
     continue_final_message: bool = False  # the reply continues the final (assistant) message's text instead
     template_variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     reasoning_format: str = "auto"  # "none": a thinking model's thinking stays in content, tags and all
+    prediction: str | None = None  # the text the reply is expected to repeat much of (OpenAI's predicted output)
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:
@@ -505,10 +506,11 @@ def check_metadata(metadata: Any) -> None:
         _string(value, f"metadata.{key}")
 
 
-def _check_hints(body: Mapping[str, Any]) -> None:
-    """Chat fields of OpenAI's that change no reply, checked as OpenAI checks them and left unused: `metadata`
-    (tags for a stored completion: nothing is stored), `prompt_cache_key` and `safety_identifier` (hints for its
-    cache routing and abuse detection), `prediction` (a predicted output, which only makes its replies sooner)."""
+def _check_hints(body: Mapping[str, Any]) -> str | None:
+    """Chat fields of OpenAI's that change no reply, checked as OpenAI checks them: `metadata` (tags for a stored
+    completion: nothing is stored), `prompt_cache_key` and `safety_identifier` (hints for its cache routing and
+    abuse detection), left unused; and `prediction` (a predicted output, which only makes a reply sooner: a greedy
+    one takes its guesses from it, draft.py), whose text is returned (None: there is none)."""
     check_metadata(body.get("metadata"))
     for name in ("prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None:
@@ -519,7 +521,8 @@ def _check_hints(body: Mapping[str, Any]) -> None:
         if prediction.get("type") != "content":
             raise RequestError(f"'prediction.type' is {json.dumps(prediction.get('type'))}; it must be \"content\"",
                                param="prediction.type", code="invalid_value")
-        _content(_required(prediction, "content", "prediction."), "prediction.content")
+        return _content(_required(prediction, "content", "prediction."), "prediction.content")
+    return None
 
 
 def _streaming(body: Mapping[str, Any]) -> StreamFields:
@@ -976,7 +979,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     _check_user(body)
-    _check_hints(body)
+    prediction = _check_hints(body)
     streaming = _streaming(body)
     # max_completion_tokens is the newer name for max_tokens; both may be sent, but not disagreeing
     limits = {name: _max_tokens(body[name], name) for name in ("max_tokens", "max_completion_tokens")
@@ -1002,7 +1005,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
                                param=name, code="invalid_value")
     opens, continues = _generation_prompt(body, parsed)
     return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format, opens,
-                       continues, _template_variables(body), _reasoning_format(body))
+                       continues, _template_variables(body), _reasoning_format(body), prediction)
 
 
 def _reasoning_format(body: Mapping[str, Any]) -> str:

@@ -364,7 +364,7 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
              time.perf_counter() - started)
 
     pipeline = RemotePipeline(registry)
-    generator = Generator(head_model, tokenizer, pipeline, dtype)
+    generator = Generator(head_model, tokenizer, pipeline, dtype, draft_tokens=topology.head.draft_tokens)
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
                                 prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops,

@@ -85,6 +85,10 @@ class Metrics:
                                             "(head.prefix_cache) held them", registry=r)
         self.completion_tokens = Counter("tc_completion_tokens", "Tokens generated and sent to clients",
                                          registry=r)
+        self.draft_tokens = Counter("tc_draft_tokens", "Tokens guessed ahead by greedy requests and checked in the "
+                                    "same step (head.draft_tokens)", registry=r)
+        self.draft_tokens_accepted = Counter("tc_draft_tokens_accepted", "Guessed tokens that were the tokens "
+                                             "chosen, each a step saved", registry=r)
         self.time_to_first_token = Histogram("tc_time_to_first_token_seconds",
                                              "From the start of the prefill to the first token chosen",
                                              buckets=LATENCY_BUCKETS, registry=r)

@@ -525,6 +525,8 @@ class GenerationService:
         reading = any(not r.sequence.decoding for r in batch)
         first_steps = [r.sequence for r in batch if r.sequence.started is None]
         started, read_before = time.perf_counter(), self.generator.prompt_positions
+        drafted_before, accepted_before = self.generator.drafted, self.generator.accepted
+        made_before = {r.sequence.id: len(r.sequence.text.tokens) for r in batch}
         try:
             results = self.generator.step([r.sequence for r in batch], self.prefill_chunk)
         except Exception as exc:  # the pipeline's errors end this step's sequences, not the service
@@ -539,7 +541,11 @@ class GenerationService:
         self.metrics.prompt_tokens.inc(self.generator.prompt_positions - read_before)  # a failed step's are not
         # the positions a sequence's first entry did not read, found in another's cache (none for one that waits)
         self.metrics.cached_prompt_tokens.inc(sum(s.cached for s in first_steps if s.started is not None))
-        self._observe_step("prefill" if reading else "decode", elapsed, len(batch), len(results))
+        self.metrics.draft_tokens.inc(self.generator.drafted - drafted_before)
+        self.metrics.draft_tokens_accepted.inc(self.generator.accepted - accepted_before)
+        # tokens chosen: one a sequence (its EOS included), more where a draft was taken
+        made = sum(max(1, len(s.text.tokens) - made_before[s.id]) for s, _ in results)
+        self._observe_step("prefill" if reading else "decode", elapsed, len(batch), made)
         by_sequence = {r.sequence.id: r for r in batch}
         ended = []
         for sequence, step in results:
