@@ -18,7 +18,11 @@ from typing import Iterable, Sequence
 
 NGRAM_SIZES = (3, 2)  # the tail lengths looked up, longest first: a longer match guesses better
 FIRST_LIMIT = 4  # draft tokens tried first; doubled after a draft taken whole, halved after one refused at once
-MAX_LIMIT = 15  # draft tokens at most in one step: with its chosen token, the rows a decode plan takes (ACT_ROWS)
+# Rows a decode step carries at most with its drafts, every sequence's together: what a decode plan takes
+# (native.ACT_ROWS). A step of more rows runs through the modules, and a batch's many drafts would make every
+# sequence's step slower for guesses that may fail.
+STEP_ROWS = 16
+MAX_LIMIT = STEP_ROWS - 1  # draft tokens at most in one step, for a sequence alone
 MAX_PAUSE = 64  # steps at most without a draft after drafts refused at their first token, one after another
 
 

@@ -4,8 +4,8 @@ The same loop serves the single-process generator and the head: only the `Pipeli
 process, or layers on workers across the network).
 
 Each request is a `SequenceState`: its prompt, its sampling state (seed, penalties, grammar) and its text so far.
-`Generator.step` runs one pipeline call for a batch of them: every decoding sequence contributes its last token,
-sequences still reading their prompt contribute the next chunk of it, and the rows go through the pipeline as one
+`Generator.step` runs one pipeline call for a batch of them: every decoding sequence contributes its last token
+(a greedy one, with the tokens it guesses follow it: draft.py), sequences still reading their prompt contribute the next chunk of it, and the rows go through the pipeline as one
 ragged batch (each weight read once for all of them). Each sequence that reached a new token then chooses it from
 its own logits, with its own state, so a request's output never depends on what runs beside it. The head's
 scheduler (head/service.py) calls `step` for the sequences it holds; `Generator.stream` calls it for one, so
@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .draft import DraftLookup
+from .draft import STEP_ROWS, DraftLookup
 from .model.kv_cache import KVCache
 from .model.qwen2 import HeadModel, Span
 from .model.tokenizer import TextTokenizer
@@ -343,9 +343,10 @@ def _text_context(tokenizer: TextTokenizer, prompt_ids: Sequence[int]) -> Sequen
 class SequenceState:
     """One request in the loop: its prompt, where it stands, its own sampling state and its text so far.
 
-    A sequence reads its prompt (one or more entries), then decodes one position per step. `advance` takes the
-    logits of its newest position, chooses a token with the request's own parameters and generator, and returns
-    the `Step` it adds; the last one carries the Completion.
+    A sequence reads its prompt (one or more entries), then decodes one position per step (a greedy one, its
+    guesses too: plan_draft, check_draft). `advance` takes the logits of its newest position, chooses a token with
+    the request's own parameters and generator, and returns the `Step` it adds; the last one carries the
+    Completion.
     """
 
     def __init__(self, sequence_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
@@ -635,7 +636,8 @@ class Generator:
              ) -> list[tuple[SequenceState, Step]]:
         """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
 
-        Decoding sequences each run one position. Sequences reading their prompt share `prompt_budget` prompt
+        Decoding sequences each run one position, and greedy ones the tokens they guess follow it (draft.py), up to
+        STEP_ROWS rows in all, first come first served. Sequences reading their prompt share `prompt_budget` prompt
         positions in the order given (the rest wait for a later step); with none decoding, the first reads all of
         its prompt and the others share what the budget leaves; with no budget, each reads all of its prompt; all
         as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
@@ -666,8 +668,9 @@ class Generator:
             first = next((s for s in sequences if s.leader is None and s not in unready), None)
             budget = None if first is None else max(budget, len(first.prompt_ids) - first.prefilled)
         decoding = [s for s in sequences if s.decoding]
+        spare = STEP_ROWS - len(decoding)  # rows the step may add for drafts, first come first served
         for sequence in decoding:
-            sequence.plan_draft(self.draft_tokens)
+            spare -= sequence.plan_draft(min(self.draft_tokens, spare))
         cap = getattr(self.pipeline, "max_positions", None)
         if cap is not None:  # what a step may carry, less the positions of decoding sequences; at least one
             if sum(1 + len(s.draft) for s in decoding) > cap:

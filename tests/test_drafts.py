@@ -13,7 +13,7 @@ import yaml
 
 from cluster import Cluster, Request, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
-from tc.draft import FIRST_LIMIT, MAX_LIMIT, MAX_PAUSE, DraftLookup
+from tc.draft import FIRST_LIMIT, MAX_LIMIT, MAX_PAUSE, STEP_ROWS, DraftLookup
 from tc.generation import Generator, LocalPipeline
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
@@ -113,11 +113,15 @@ class RecordingPipeline(LocalPipeline):
 
     def __init__(self, stages: list):
         super().__init__(stages)
-        self.entries: list[tuple[int, int, int | None]] = []
+        self.steps: list[list[tuple[int, int, int | None]]] = []
 
     def run(self, entries, hidden):
-        self.entries += [(e.start, e.length, e.source) for e in entries]
+        self.steps.append([(e.start, e.length, e.source) for e in entries])
         return super().run(entries, hidden)
+
+    @property
+    def entries(self) -> list[tuple[int, int, int | None]]:
+        return [entry for step in self.steps for entry in step]
 
 
 PROMPTS = ["the quick brown fox", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "1 2 3 4 5 6 7 8 9",
@@ -188,6 +192,22 @@ def test_a_drafting_sequence_beside_sampled_ones_leaves_each_its_text_alone(mode
             assert_same_greedy_text(sequence.completion.text, solo(model, tokenizer, prompt, params))
         else:  # sampled, or with log-probabilities: no drafts, and the text it gets alone
             assert sequence.completion.text == alone.text
+
+
+def test_a_batch_s_drafts_share_the_rows_of_one_plan_first_come_first_served(model, tokenizer):
+    pipeline = RecordingPipeline(model.stages)
+    generator = Generator(model.head, tokenizer, pipeline, torch.float32, draft_tokens=MAX_LIMIT)
+    sequences = [generator.start(tokenizer.encode(PROMPTS[i % 4]), greedy(40)) for i in range(6)]
+    running = list(sequences)
+    while running:
+        for sequence, step in generator.step(running):
+            if step.completion is not None:
+                running.remove(sequence)
+    decoding = [step for step in pipeline.steps if all(start > 0 for start, _, _ in step)]
+    assert max(sum(length for _, length, _ in step) for step in decoding) == STEP_ROWS  # drafts, up to the cap
+    assert all(sum(length for _, length, _ in step) <= max(STEP_ROWS, len(step)) for step in decoding)
+    for i, sequence in enumerate(sequences):
+        assert_same_greedy_text(sequence.completion.text, solo(model, tokenizer, PROMPTS[i % 4], greedy(40)))
 
 
 def test_head_draft_tokens_is_a_topology_key_from_0_to_the_most_a_step_takes(model_dir, tmp_path):
@@ -322,3 +342,13 @@ def test_a_draft_s_rows_compute_the_bits_of_one_row_a_step_on_the_demo_model(dem
     assert drafted.length == one_by_one.length == 46
     assert torch.equal(drafted.kv[..., :46, :], one_by_one.kv[..., :46, :])
     assert torch.equal(generator.head.logits(singles), generator.head.logits(together))
+
+
+def test_a_cut_keeps_the_inputs_first_positions_and_the_parts_before_it_as_they_are():
+    from tc.head.pipeline import first_positions
+    parts = [torch.arange(a, b, dtype=torch.float32).view(1, -1, 1) for a, b in ((0, 5), (5, 8), (8, 12))]
+    kept = first_positions(parts, 6)
+    assert [p.shape[1] for p in kept] == [5, 1] and kept[0] is parts[0]
+    assert torch.cat(kept, dim=1).flatten().tolist() == list(range(6))
+    assert [p is q for p, q in zip(first_positions(parts, 8), parts)] == [True, True]
+    assert first_positions(parts, 0) == [] and len(first_positions(parts, 12)) == 3

@@ -129,8 +129,9 @@ def start(tmp_path, model_dir, nodes: list[dict], **head) -> Cluster:
 def test_a_worker_that_pings_but_stops_computing_is_dropped_within_its_measured_bound(tmp_path, model_dir):
     floor, factor, step_s = 0.5, 4, 0.3
     nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    # one token a step (no drafts): every step after the prefill is a decode step of one row
     with start(tmp_path, model_dir, nodes, step_timeout_s=floor, step_timeout_factor=factor,
-               resume=False) as cluster:
+               resume=False, draft_tokens=0) as cluster:
         cluster.start_worker("a")
         # b answers its prefill and three decode steps in step_s each, then never again
         b = ScriptedWorker(cluster.listen_port, "b", lambda kind, index: step_s if index < 4 else None)

@@ -289,7 +289,9 @@ class RemotePipeline:
     def run(self, entries: Sequence[Entry], hidden: torch.Tensor) -> torch.Tensor:
         row = 0
         for e in entries:
-            if e.source is not None:  # its cache starts as the source's first e.start positions: so do its inputs
+            if e.source == e.sequence:  # its cache cut back to e.start positions (a refused draft's): its inputs too
+                self._inputs[e.sequence] = (e.capacity, first_positions(self._inputs[e.sequence][1], e.start))
+            elif e.source is not None:  # its cache starts as the source's first e.start positions: so do its inputs
                 first = torch.cat(self._inputs[e.source][1], dim=1)[:, :e.start].clone()
                 self._inputs[e.sequence] = (e.capacity, [first])
             elif e.start == 0:
@@ -423,6 +425,21 @@ class RemotePipeline:
                 outputs[sequence].append(out[:, row:row + n])
                 row += n
         return {sequence: torch.cat(parts, dim=1) for sequence, parts in outputs.items()}
+
+
+def first_positions(parts: list[torch.Tensor], positions: int) -> list[torch.Tensor]:
+    """The first `positions` rows of the inputs `parts` ([1, n, hidden] each, in order): the parts before, whole,
+    and what the last one holds of them (a step after a refused draft cuts only its last few rows, and a copy of a
+    long conversation's inputs at every such step would cost more than the step)."""
+    kept, held = [], 0
+    for part in parts:
+        if held + part.shape[1] > positions:
+            if positions > held:
+                kept.append(part[:, :positions - held].clone())
+            break
+        kept.append(part)
+        held += part.shape[1]
+    return kept
 
 
 def split_entries(entries: Sequence[BatchEntry], groups: int) -> list[tuple[BatchEntry, ...]]:
