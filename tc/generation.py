@@ -5,9 +5,10 @@ process, or layers on workers across the network).
 
 Each request is a `SequenceState`: its prompt, its sampling state (seed, penalties, grammar) and its text so far.
 `Generator.step` runs one pipeline call for a batch of them: every decoding sequence contributes its last token
-(a greedy one, with the tokens it guesses follow it: draft.py), sequences still reading their prompt contribute the next chunk of it, and the rows go through the pipeline as one
-ragged batch (each weight read once for all of them). Each sequence that reached a new token then chooses it from
-its own logits, with its own state, so a request's output never depends on what runs beside it. The head's
+(a greedy one, with the tokens it guesses follow it: draft.py), sequences still reading their prompt contribute the
+next chunk of it, and the rows go through the pipeline as one ragged batch (each weight read once for all of them).
+Each sequence that reached a new token then chooses it from its own logits, with its own state, so a request's
+output never depends on what runs beside it (up to the roundings of products over other rows: docs/design.md). The head's
 scheduler (head/service.py) calls `step` for the sequences it holds; `Generator.stream` calls it for one, so
 streamed and whole replies, alone or batched, come from the same code.
 
@@ -439,7 +440,7 @@ class SequenceState:
         """Guess up to `most` tokens to follow next_token, fed in with it by the next entry (a sequence that chooses
         the argmax, with tokens left to make); returns how many."""
         self.draft = []
-        left = self.max_tokens - len(self.text.tokens)  # the cache has room for this many positions after position
+        left = self.max_tokens - len(self.text.tokens) - 1  # tokens to make after those the step's first row makes
         if most <= 0 or left <= 0 or not self.chooses_the_argmax:
             return 0
         if self.lookup is None:
@@ -452,7 +453,7 @@ class SequenceState:
     def check_draft(self, chosen: Sequence[int]) -> tuple[Step, int]:
         """Take the argmax of each of the last entry's rows (`chosen`, one per row: after next_token and after each
         draft token): the first, then each next one while the draft token before it was the argmax there; returns
-        what they add, as one Step, and how many draft tokens were right."""
+        what they add, as one Step, and how many draft tokens it took as its tokens."""
         draft, self.draft = self.draft, []
         accepted = 0
         while accepted < len(draft) and draft[accepted] == chosen[accepted]:
@@ -462,19 +463,26 @@ class SequenceState:
         steps = []
         for token in chosen[:accepted + 1]:
             steps.append(self.add_token(token))
-            if steps[-1].completion is not None:
+            if steps[-1].completion is not None:  # EOS, a stop string: the guesses after it made no token
                 break
-        return joined(steps), accepted
+        return joined(steps), len(steps) - 1
 
     def cache_ids(self) -> list[int]:
-        """The tokens whose positions this sequence's cache holds, once its last step has run."""
-        return self.prompt_ids[:self.prefilled] + self.fed
+        """The tokens whose positions this sequence's cache holds for its text, once its last step has run: where
+        that step's draft was refused in part, the positions of the refused guesses follow them in the cache (an
+        entry that continues it cuts them off: take_cache's `cut`)."""
+        tokens = self.text.tokens
+        kept = 0
+        while kept < len(self.fed) and kept < len(tokens) and self.fed[kept] == tokens[kept].id:
+            kept += 1
+        return self.prompt_ids[:self.prefilled] + self.fed[:kept]
 
     def take_cache(self, sequence: int, held: int, cut: bool = False) -> None:
         """Continue the cache of `sequence`, a finished one whose first `held` positions hold this prompt's first
         `held` tokens (fewer than the prompt has: its last position must run for the first token's logits): the
         first entry reads the prompt from there, and grows the cache to this sequence's capacity. With `cut`, the
-        cache holds more positions than those (text this prompt does not share), and that entry cuts it back."""
+        cache may hold more positions than those (text this prompt does not share, a refused draft's guesses), and
+        that entry cuts it back (to where it ends, where it holds no more)."""
         assert self.prefilled == self.cached and 0 < held < len(self.prompt_ids)
         self.id, self.prefilled, self.cached = sequence, held, held
         self.source, self.after = (sequence if cut else None), None

@@ -162,16 +162,16 @@ def test_max_tokens_and_stop_strings_end_a_draft_where_they_end_a_run_without_on
     reference = solo(model, tokenizer, prompt, greedy(40))
     generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32, draft_tokens=MAX_LIMIT)
     ids = tokenizer.encode(prompt)
-    for count in (1, 2, 7, 13):
+    for count in (1, 2, 7, 13, 33, 40):
         completion = generator.generate(ids, greedy(count))
         assert completion.completion_tokens == count and completion.finish_reason == "length"
         assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, greedy(count)))
+    assert generator.accepted > 0
     stop = reference.text[len(reference.text) // 2:][:3]
     cut = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
     completion = generator.generate(ids, cut)
     assert completion.finish_reason == "stop" and stop not in completion.text
     assert completion.text == reference.text[:reference.text.index(stop)]
-    assert generator.accepted > 0
 
 
 def test_a_drafting_sequence_beside_sampled_ones_leaves_each_its_text_alone(model, tokenizer):
@@ -352,3 +352,43 @@ def test_a_cut_keeps_the_inputs_first_positions_and_the_parts_before_it_as_they_
     assert torch.cat(kept, dim=1).flatten().tolist() == list(range(6))
     assert [p is q for p, q in zip(first_positions(parts, 8), parts)] == [True, True]
     assert first_positions(parts, 0) == [] and len(first_positions(parts, 12)) == 3
+
+
+def test_the_next_turn_takes_over_a_drafting_reply_s_cache_and_its_refused_guesses_are_cut_off(tmp_path):
+    """A finished reply's cache is kept for the request that continues its text (head.prefix_cache). A reply that
+    a stop string ends inside a draft leaves positions past its tokens in the workers' caches (guesses after the
+    stop, taken or not), which the next turn's first entry cuts off: a worker refuses an entry that does not start
+    where its cache ends."""
+    # a vocabulary of exactly the tokenizer's, so that every token generated may be sent back in a prompt
+    model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=11, max_position_embeddings=512, vocab_size=259)
+    model, tokenizer = OurModel(model_dir, splits=[2]), TextTokenizer.load(model_dir)
+    ids = tokenizer.encode(PROMPTS[3])
+    reference = solo(model, tokenizer, PROMPTS[3], greedy(60))
+    # a stop string that ends the reply inside a draft, found in process: the cache then holds more than its text
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32, draft_tokens=MAX_LIMIT)
+    for at in range(len(reference.text) - 2, 0, -1):
+        stop = reference.text[at:at + 2]
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=(stop,))
+        sequence = generator.start(ids, params)
+        while sequence.completion is None:
+            generator.step([sequence])
+        held = generator.pipeline.caches[sequence.id][0].length
+        generator.pipeline.release([sequence.id])
+        if held > len(sequence.cache_ids()):
+            break
+    else:
+        pytest.fail("no stop string of the reply ends it inside a draft")
+    first = sequence.completion
+    with start_cluster(tmp_path, model_dir) as cluster:
+        status, reply = cluster.post("/v1/completions", {**body_for(PROMPTS[3], 60), "prompt": ids, "stop": stop},
+                                     timeout=120)
+        assert status == 200, reply
+        assert reply["choices"][0]["text"] == first.text
+        # the conversation goes on from the reply's tokens: the positions its cache kept for them are taken over
+        turn = ids + list(first.token_ids) + tokenizer.encode(" and then")
+        status, reply = cluster.post("/v1/completions", {**body_for(PROMPTS[3], 20), "prompt": turn}, timeout=120)
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == len(sequence.cache_ids())
+        fresh = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(
+            turn, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2))
+        assert_same_greedy_text(reply["choices"][0]["text"], fresh)

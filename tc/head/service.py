@@ -543,7 +543,7 @@ class GenerationService:
         self.metrics.cached_prompt_tokens.inc(sum(s.cached for s in first_steps if s.started is not None))
         self.metrics.draft_tokens.inc(self.generator.drafted - drafted_before)
         self.metrics.draft_tokens_accepted.inc(self.generator.accepted - accepted_before)
-        # tokens chosen: one a sequence (its EOS included), more where a draft was taken
+        # tokens chosen: those its text gained, at least one (a step that ended at EOS chose it)
         made = sum(max(1, len(s.text.tokens) - made_before[s.id]) for s, _ in results)
         self._observe_step("prefill" if reading else "decode", elapsed, len(batch), made)
         by_sequence = {r.sequence.id: r for r in batch}
@@ -630,7 +630,7 @@ class GenerationService:
             self._release_sequences([holder])
         elif rank == 2:
             del self._kept[holder]
-            sequence.take_cache(holder, held)
+            sequence.take_cache(holder, held, cut=True)  # past its tokens, a refused draft's positions may follow
         else:
             self._kept.move_to_end(holder)  # the last to be released (_release_kept)
             sequence.copy_cache(holder, held)

@@ -6,8 +6,9 @@ word) still passes the heartbeat; what catches it is a bound on each step:
     bound = head.step_timeout_s + head.step_timeout_factor x (the slowest of its recent steps of that kind)
 
 measured per worker connection and per kind, prefill in seconds per position times the positions asked for. A
-step with an entry of several positions is of the prefill kind, a greedy decode step that checks a draft
-(draft.py) too: its cost grows with its rows, as a prefill's does, where a decode step's bound would not.
+decode step that checks a greedy sequence's draft (a few positions continuing its cache, draft.py) is of the decode
+kind (RunBatch.is_decode): timed per position, its few rows would count as a slow prefill and stretch the next
+long prompt's bound many times over.
 Why this shape:
 
 - The measurement is the round trip the head sees (send to reply), which is what it waits for: transfer of a

@@ -323,7 +323,7 @@ class WorkerLink:
         """What one step took this worker: `elapsed` from the head's view (its bound learns from it), `compute_s`
         from its own."""
         self.steps.record(sent.kind, sent.positions, elapsed)
-        if sent.kind == "decode":
+        if sent.kind == "decode" and sent.positions == len(sent.message.entries):  # one row each, as predicted
             self.decode_compute_s.append(compute_s)
             self.decode_round_trip_s.append(elapsed)
 

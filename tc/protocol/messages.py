@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from tc.draft import STEP_ROWS
 from tc.protocol.cbor import CBOR_INT_MAX, CBOR_INT_MIN
 from tc.protocol.errors import ProtocolError, ProtocolVersionMismatch
 from tc.protocol.tensors import WIRE_DTYPES, WireTensor
@@ -733,8 +734,10 @@ class RunBatch(Message):
 
     @property
     def is_decode(self) -> bool:
-        """Every entry is one position: a decode step (for step deadlines and metrics)."""
-        return all(e.length == 1 for e in self.entries)
+        """Every entry is one position, or a few that continue its cache (a greedy sequence's draft, checked in the
+        same step: tc/draft.py): a decode step, for step deadlines and metrics. Its cost is a step's reading of the
+        weights, not that of a prompt's positions, which a prefill's bound scales with."""
+        return all(e.length == 1 or (e.position_start > 0 and e.length <= STEP_ROWS) for e in self.entries)
 
 
 @_message
