@@ -170,8 +170,9 @@ def demo_cluster(mode: str, workdir: Path, name: str, **head) -> Iterator[Cluste
     """Head + 2 workers serving the demo model in `mode` (bf16 compute, THREADS each), ready; `head` settings
     beside the head's threads; `name` tells its topology file from others in `workdir`."""
     nodes = [{"id": node, "device": "cpu"} for node in NODES]
+    # one token a step (no drafts): these figures are decode steps' (bench_drafts.py measures drafts)
     topology = write_topology(workdir / f"topology-{name}.yaml", demo_model_dir(), nodes, quant=mode, dtype="bf16",
-                              head={"threads": THREADS, **head})
+                              head={"threads": THREADS, "draft_tokens": 0, **head})
     with Cluster(topology, workdir) as cluster:
         cluster.start_head()
         cluster.wait_api(timeout=300)

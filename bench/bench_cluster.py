@@ -76,8 +76,9 @@ def cluster_run(args, quant: str, model_dir: Path, workers: int, env: dict) -> d
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": f"w{i + 1}", "device": "cpu"} for i in range(workers)]
+        # one token a step (no drafts): these figures are decode steps' (bench_drafts.py measures drafts)
         topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype=args.dtype,
-                                  head={"threads": args.head_threads})
+                                  head={"threads": args.head_threads, "draft_tokens": 0})
         with Cluster(topology, tmp_path, env=env) as cluster:
             cluster.start_head()
             cluster.wait_api(timeout=300)

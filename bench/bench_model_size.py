@@ -135,8 +135,9 @@ def measure(model_dir: Path, quant: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
+        # one token a step (no drafts): these figures are decode steps' (bench_drafts.py measures drafts)
         topo_path = write_topology(tmp_path / "t.yaml", model_dir, nodes, quant=quant, dtype="bf16",
-                                   head={"threads": args.head_threads})
+                                   head={"threads": args.head_threads, "draft_tokens": 0})
         topology = load_topology(topo_path)
         config = ModelConfig.from_file(model_dir / "config.json")
         plan = build_plan(topology, config)

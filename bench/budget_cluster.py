@@ -90,8 +90,9 @@ def budget(model_dir: Path, quant: str, workers: int, tokens: int, threads: int,
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         nodes = [{"id": f"w{i + 1}", "device": "cpu", "threads": threads} for i in range(workers)]
+        # one token a step (no drafts): these figures are decode steps' (bench_drafts.py measures drafts)
         topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype="bf16",
-                                  head={"threads": threads, "direct_hops": hops == "direct"})
+                                  head={"threads": threads, "direct_hops": hops == "direct", "draft_tokens": 0})
         with Cluster(topology, tmp_path, env=env) as cluster:
             cluster.start_head()
             cluster.wait_api(timeout=300)

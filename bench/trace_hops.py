@@ -55,8 +55,9 @@ def traced_steps(model_dir: Path, quant: str, workers: int, tokens: int, threads
         trace_dir = tmp_path / "trace"
         trace_dir.mkdir()
         nodes = [{"id": f"w{i + 1}", "device": "cpu", "threads": threads} for i in range(workers)]
+        # one token a step (no drafts): these figures are decode steps' (bench_drafts.py measures drafts)
         topology = write_topology(tmp_path / "topology.yaml", model_dir, nodes, quant=quant, dtype="bf16",
-                                  head={"threads": threads})
+                                  head={"threads": threads, "draft_tokens": 0})
         with Cluster(topology, tmp_path, env={"TC_TRACE_DIR": str(trace_dir)}) as cluster:
             cluster.start_head()
             cluster.wait_api(timeout=300)
