@@ -242,6 +242,21 @@ class Cluster:
         self.stop()
 
 
+def start_cluster(tmp_path: Path, model_dir: Path, **head) -> Cluster:
+    """A head and two CPU workers, "a" and "b", serving `model_dir`, ready; heartbeats every 0.5 s and a worker lost
+    after 3 s of silence, and the `head` settings given."""
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    topology = write_topology(tmp_path / "t.yaml", model_dir, nodes,
+                              head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 3, **head})
+    cluster = Cluster(topology, tmp_path)
+    cluster.start_head()
+    cluster.wait_api()
+    cluster.start_worker("a")
+    cluster.start_worker("b")
+    cluster.wait_ready()
+    return cluster
+
+
 class Request:
     """A POST /v1/completions sent from a thread; `.reply` and `.answered_at` once it returns."""
 

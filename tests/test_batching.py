@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from cluster import Cluster, Request, write_topology
+from cluster import Cluster, Request, start_cluster, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
 from tc.batch_memory import kv_bytes_per_slot, plan_batch
 from tc.generation import Generator, LocalPipeline
@@ -305,19 +305,6 @@ def scrape(cluster: Cluster) -> str:
     import urllib.request
     with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as reply:
         return reply.read().decode()
-
-
-def start_cluster(tmp_path, model_dir, **head) -> Cluster:
-    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
-    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes,
-                          head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 3, **head})
-    cluster = Cluster(topo, tmp_path)
-    cluster.start_head()
-    cluster.wait_api()
-    cluster.start_worker("a")
-    cluster.start_worker("b")
-    cluster.wait_ready()
-    return cluster
 
 
 def body_for(prompt: str, max_tokens: int) -> dict:

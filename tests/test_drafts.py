@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from cluster import Cluster, Request, write_topology
+from cluster import Cluster, Request, start_cluster, write_topology
 from model_helpers import OurModel, assert_same_greedy_text
 from tc.draft import FIRST_LIMIT, MAX_LIMIT, MAX_PAUSE, STEP_ROWS, DraftLookup
 from tc.generation import Generator, LocalPipeline
@@ -223,19 +223,6 @@ def test_head_draft_tokens_is_a_topology_key_from_0_to_the_most_a_step_takes(mod
 
 
 # --- through real head and worker processes ---------------------------------------------------------------------
-
-def start_cluster(tmp_path, model_dir, **head) -> Cluster:
-    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
-    topology = write_topology(tmp_path / "t.yaml", model_dir, nodes,
-                              head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 3, **head})
-    cluster = Cluster(topology, tmp_path)
-    cluster.start_head()
-    cluster.wait_api()
-    cluster.start_worker("a")
-    cluster.start_worker("b")
-    cluster.wait_ready()
-    return cluster
-
 
 def metric(cluster: Cluster, name: str) -> float:
     import urllib.request
