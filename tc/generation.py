@@ -8,8 +8,8 @@ Each request is a `SequenceState`: its prompt, its sampling state (seed, penalti
 (a greedy one, with the tokens it guesses follow it: draft.py), sequences still reading their prompt contribute the
 next chunk of it, and the rows go through the pipeline as one ragged batch (each weight read once for all of them).
 Each sequence that reached a new token then chooses it from its own logits, with its own state, so a request's
-output never depends on what runs beside it (up to the roundings of products over other rows: docs/design.md). The head's
-scheduler (head/service.py) calls `step` for the sequences it holds; `Generator.stream` calls it for one, so
+output never depends on what runs beside it (up to the roundings of products over other rows: docs/design.md). The
+head's scheduler (head/service.py) calls `step` for the sequences it holds; `Generator.stream` calls it for one, so
 streamed and whole replies, alone or batched, come from the same code.
 
 Text leaves the loop only when it is final. A byte-level token can end inside a multi-byte character, so the

@@ -292,8 +292,7 @@ class RemotePipeline:
             if e.source == e.sequence:  # its cache cut back to e.start positions (a refused draft's): its inputs too
                 self._inputs[e.sequence] = (e.capacity, first_positions(self._inputs[e.sequence][1], e.start))
             elif e.source is not None:  # its cache starts as the source's first e.start positions: so do its inputs
-                first = torch.cat(self._inputs[e.source][1], dim=1)[:, :e.start].clone()
-                self._inputs[e.sequence] = (e.capacity, [first])
+                self._inputs[e.sequence] = (e.capacity, first_positions(self._inputs[e.source][1], e.start))
             elif e.start == 0:
                 self._inputs[e.sequence] = (e.capacity, [])
             elif e.capacity > self._inputs[e.sequence][0]:  # a cache taken up by a request that continues it
@@ -429,8 +428,9 @@ class RemotePipeline:
 
 def first_positions(parts: list[torch.Tensor], positions: int) -> list[torch.Tensor]:
     """The first `positions` rows of the inputs `parts` ([1, n, hidden] each, in order): the parts before, whole,
-    and what the last one holds of them (a step after a refused draft cuts only its last few rows, and a copy of a
-    long conversation's inputs at every such step would cost more than the step)."""
+    and what the last one holds of them, copied (a step after a refused draft cuts only its last few rows, and a copy
+    of a long conversation's inputs at every such step would cost more than the step). The parts are never written
+    after they are appended, so a cache copied from another's shares them."""
     kept, held = [], 0
     for part in parts:
         if held + part.shape[1] > positions:
