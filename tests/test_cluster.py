@@ -326,6 +326,35 @@ def test_a_join_address_that_is_no_head_says_so(tmp_path):
         server.shutdown()
 
 
+def test_a_join_address_that_never_answers_gets_the_hint_long_before_the_handshake_bound(tmp_path):
+    """--join at the head's API port: waitress, which serves it, waits for the end of an HTTP request and never
+    answers a frame, so the worker said nothing for the handshake's whole bound (30 s). It now says within a few
+    seconds what --join should name, and goes on waiting in case a slow head answers after all."""
+    import threading
+
+    from waitress.server import create_server
+
+    from tc.worker.main import HANDSHAKE_TIMEOUT_S, SILENCE_HINT_S
+
+    server = create_server(lambda environ, start_response: [], host="127.0.0.1", port=0)
+    threading.Thread(target=server.run, daemon=True).start()
+    port = server.effective_port
+    worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{port}", "--no-bench"],
+                     tmp_path / "worker.log", cwd=ROOT)
+    try:
+        deadline = time.monotonic() + WORKER_JOIN_S
+        while "still waiting" not in worker.output():
+            assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
+            time.sleep(0.2)
+        output = worker.output()
+        assert f"nothing has answered at 127.0.0.1:{port} for {SILENCE_HINT_S:.0f} s" in output
+        assert "head.listen" in output
+        assert SILENCE_HINT_S < HANDSHAKE_TIMEOUT_S and "no tc head answered" not in output  # the hint came first
+    finally:
+        worker.stop()
+        server.close()
+
+
 def test_a_join_address_where_another_server_speaks_first_is_no_head_and_no_frame_limit(tmp_path):
     """A server that speaks first (sshd's banner on port 22, written for 7001) reads as a frame header announcing
     a body of exabytes: the worker said to raise its --max-frame-mb to the head's head.max_frame_mb, a limit no

@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 REFUSED_EXIT = 2
 HANDSHAKE_TIMEOUT_S = 30.0
+# A head answers HELLO at once: silence past this is most likely --join naming an HTTP server (the head's API
+# port), which never answers a frame. Said then, rather than after the whole handshake bound.
+SILENCE_HINT_S = 5.0
 DEFAULT_HEAD_TIMEOUT_S = 30.0  # several of the head's default 5 s heartbeats
 TOKEN_ENV = "TC_JOIN_TOKEN"
 TOKEN_FILE_ENV = "TC_JOIN_TOKEN_FILE"
@@ -290,7 +293,17 @@ class Worker:
         threading.Thread(target=farewell, name="farewell", daemon=True).start()
 
     def _expect_ack(self, conn: Connection) -> HelloAck:
-        env = conn.recv()
+        if self._head_answered:
+            env = conn.recv()
+        else:
+            try:
+                env = conn.recv(timeout=SILENCE_HINT_S)
+            except TimeoutError:
+                log.warning("nothing has answered at %s for %.0f s, where a tc head answers at once: if that is an "
+                            "HTTP server (the head's API port), --join must name the head's head.listen address "
+                            "instead (port 7001 unless its topology says otherwise); still waiting", conn.peer,
+                            SILENCE_HINT_S)
+                env = conn.recv(timeout=HANDSHAKE_TIMEOUT_S - SILENCE_HINT_S)
         self._head_answered = True
         conn.frame_limit_advice = ("that is this worker's --max-frame-mb (TC_MAX_FRAME_MB): start it with one as "
                                    "large as the head's head.max_frame_mb")
