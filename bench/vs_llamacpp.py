@@ -29,7 +29,10 @@ after those N, timed as an (N + prompt)-token prompt minus an N-token one, since
 With --rounds N every setup of every mode is measured N times, the setups taking turns in an order reversed every
 other round, and each figure is the mean (± standard deviation) of its N rounds' means: on a machine whose speed
 drifts by tens of per cent within minutes (a VM whose host is shared), measuring one setup after the other lets
-the drift decide the ratios, and taking turns spreads it over all of them.
+the drift decide the ratios, and taking turns spreads it over all of them. Each round starts its processes afresh,
+which matters there too: on a 2-core EPYC VM a process's memory streamed at one of two speeds for its whole life
+(the demo's int8 lm_head in 2.6 or 4.0 ms a step, six one-process runs in a row, same command), so one round's
+ratio can land a third either side of the next's; three rounds or more say what the machine does.
 
 On first use the script builds llama.cpp from the source vendored in the ``llama-cpp-python`` sdist on PyPI
 (fetched with pip, version and sha256 pinned): Release, ``nice``, ``-j2``, only llama-bench, llama-quantize,
