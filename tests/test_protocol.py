@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import struct
 import tracemalloc
+from pathlib import Path
 from typing import Any, Callable
 
 import cbor2
@@ -1066,3 +1068,10 @@ def test_tensor_messages_repr_shows_shape_not_values():
 def test_nesting_up_to_the_limit_round_trips():
     value = nested_lists(MAX_NESTING)
     assert decode_cbor(encode_cbor(value)) == value
+
+
+def test_the_design_doc_names_the_protocol_version_the_code_speaks():
+    # operators read the number there when a worker is refused for its version; it went stale once (6 for 8)
+    design = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    named = re.findall(r"`HELLO` the protocol's \((\d+)\)", design)
+    assert named == [str(PROTOCOL_VERSION)]
