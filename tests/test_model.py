@@ -253,17 +253,19 @@ def test_a_caches_storage_is_its_layer_slots_one_after_another():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_ids_given_as_ints_gives_the_embedding_modules_rows(tiny_model_dir, dtype):
-    """The head's per-step path (embed_ids: an index from the ints' bytes, one index_select) reads the same rows
-    as nn.Embedding over a tensor of the ids, bit for bit, scaled as the family asks; an id outside the
-    vocabulary fails as it does there."""
+    """The head's per-step path (embed_ids: one id's row copied, or an index from the ints' bytes and one
+    index_select) reads the same rows as nn.Embedding over a tensor of the ids, bit for bit, scaled as the family
+    asks; an id outside the vocabulary fails as it does there, one id alone too (a negative one does not wrap)."""
     head = OurModel(tiny_model_dir, dtype).head
     for ids in ([7], PROMPT, []):
         want = head.embed(torch.tensor([ids], dtype=torch.int64))
         got = head.embed_ids(ids)
         assert got.dtype == dtype and got.shape == want.shape == (1, len(ids), head.config.hidden_size)
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and not got.requires_grad  # no autograd graph outside inference mode
     head.embedding_scale = 3.5  # as Gemma's sqrt(hidden_size)
-    assert torch.equal(head.embed_ids(PROMPT), head.embed(torch.tensor([PROMPT])))
-    assert not torch.equal(head.embed_ids(PROMPT), head.embed(torch.tensor([PROMPT])) / 3.5)
-    with pytest.raises(IndexError):
-        head.embed_ids([head.config.vocab_size])
+    for ids in ([7], PROMPT):
+        assert torch.equal(head.embed_ids(ids), head.embed(torch.tensor([ids])))
+        assert not torch.equal(head.embed_ids(ids), head.embed(torch.tensor([ids])) / 3.5)
+    for ids in ([head.config.vocab_size], [-1], [7, head.config.vocab_size]):
+        with pytest.raises(IndexError):
+            head.embed_ids(ids)
