@@ -326,7 +326,7 @@ BAD_REQUESTS = [
     (CHAT, chat_message(role="assistant", content=None, tool_calls=[{"id": "c", "type": "custom",
                                                                      "function": {"name": "f", "arguments": "{}"}}]),
      400, "invalid_request_error", "messages[0].tool_calls[0].type", "unsupported_value"),
-    (CHAT, chat_message(role="assistant", content=None), 400, "invalid_request_error", "messages[0].content",
+    (CHAT, chat_message(content=None), 400, "invalid_request_error", "messages[0].content",
      "missing_required_parameter"),
     (CHAT, chat_message(refusal="no"), 400, "invalid_request_error", "messages[0].refusal", "invalid_value"),
     (CHAT, chat_message(role="assistant", content=None, refusal=3), 400, "invalid_request_error",
@@ -381,7 +381,13 @@ BAD_REQUESTS = [
     (CHAT, chat(store=True), 400, "invalid_request_error", "store", "unsupported_parameter"),  # nothing is kept
     (CHAT, chat(service_tier="flex"), 400, "invalid_request_error", "service_tier", "unsupported_parameter"),
     (CHAT, chat(modalities=["text", "audio"]), 400, "invalid_request_error", "modalities", "unsupported_parameter"),
-    (CHAT, chat(reasoning_effort="low"), 400, "invalid_request_error", "reasoning_effort", "unsupported_parameter"),
+    (CHAT, chat(reasoning_effort="lowest"), 400, "invalid_request_error", "reasoning_effort", "invalid_value"),
+    (CHAT, chat(reasoning_effort=2), 400, "invalid_request_error", "reasoning_effort", "invalid_value"),
+    (CHAT, chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}), 400,
+     "invalid_request_error", "reasoning_effort", "invalid_value"),
+    (CHAT, chat(stream=True, stream_options={"include_obfuscation": "no"}), 400, "invalid_request_error",
+     "stream_options.include_obfuscation", "invalid_type"),
+    (CHAT, chat(verbosity="low"), 400, "invalid_request_error", "verbosity", "unsupported_parameter"),
     (CHAT, chat(metadata=["tag"]), 400, "invalid_request_error", "metadata", "invalid_type"),
     (CHAT, chat(metadata={"run": 3}), 400, "invalid_request_error", "metadata.run", "invalid_type"),
     (CHAT, chat(prompt_cache_key=7), 400, "invalid_request_error", "prompt_cache_key", "invalid_type"),
@@ -471,6 +477,11 @@ def test_neutral_values_of_unimplemented_fields_are_served(client):
     {"prediction": {"type": "content", "content": [{"type": "text", "text": "Hello"}]}},
     {"store": None, "service_tier": None, "modalities": None, "metadata": None, "prompt_cache_key": None,
      "safety_identifier": None, "prediction": None},
+    # nulls for fields this server does not implement: as if left out (a wrapper's unset settings)
+    {"reasoning_effort": None, "verbosity": None, "web_search_options": None, "functions": None,
+     "function_call": None, "stream_options": None},
+    # for the chat template, which reads it or not: this one does not
+    {"reasoning_effort": "low"}, {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "high"}},
 ])
 def test_openai_chat_fields_that_change_no_reply_are_taken_and_change_none(client, fields):
     """Fields OpenAI's chat API has for storing replies, routing, abuse detection and predicted outputs, which
@@ -986,9 +997,10 @@ def test_a_prompt_scored_with_echo_may_fill_the_context(client, generator, refer
     assert f"the prompt is {context} tokens, leaving no room to generate" in generating["message"]
 
 
-def test_an_assistant_refusal_carried_over_is_what_the_assistant_said(client):
+def test_an_assistant_refusal_or_silence_carried_over_is_what_the_assistant_said(client):
     """A conversation carried over from a model that declined holds its words in `refusal`, with content null
-    (OpenAI's replies do that): it is served, and read as the assistant's text, as if it were its content."""
+    (OpenAI's replies do that): it is served, and read as the assistant's text, as if it were its content. One
+    whose assistant said nothing (content null, maybe beside reasoning_content) is served as an empty turn."""
     def reply_to(assistant: dict) -> dict:
         body = chat(messages=[{"role": "user", "content": "Tell me a secret"}, assistant,
                               {"role": "user", "content": "Why not?"}], max_tokens=6, temperature=0)
@@ -1002,6 +1014,12 @@ def test_an_assistant_refusal_carried_over_is_what_the_assistant_said(client):
     assert declined["choices"][0]["message"]["content"] == said["choices"][0]["message"]["content"]
     silent = reply_to({"role": "assistant", "content": ""})
     assert silent["usage"]["prompt_tokens"] < said["usage"]["prompt_tokens"]
+    # a reply with no text at all (a thinking model stopped before its answer: tc's own replies give content null
+    # beside reasoning_content), sent back as the client got it, is an empty turn
+    for unsaid in ({"role": "assistant", "content": None}, {"role": "assistant", "reasoning_content": "Hmm."},
+                   {"role": "assistant", "content": None, "reasoning_content": "Hmm."}):
+        reply = reply_to(unsaid)
+        assert (reply["usage"], reply["choices"]) == (silent["usage"], silent["choices"])
 
 
 def test_a_chat_over_the_context_is_refused_in_plain_words(client, generator):

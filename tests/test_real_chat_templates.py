@@ -20,6 +20,7 @@ from tiny_model import byte_tokenizer, write_tiny_model
 from tc.generation import Generator
 from tc.head.api import create_app
 from tc.head.api_requests import parse_chat_request
+from tc.head.responses import translate
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import new_call_id
 from tc.model.chat_template import ChatTemplateError
@@ -187,6 +188,28 @@ def test_a_continued_message_is_the_opened_turn_with_its_text(tmp_path, family):
     opened = ours(directory, {"messages": PREFILLED[:1]})
     assert ours(directory, {"messages": PREFILLED, "continue_final_message": True}) == \
         opened + PREFILLED[1]["content"]
+
+
+# how gpt-oss's template reads a reasoning effort: a variable beside the messages, when given
+EFFORT_TEMPLATE = ("{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+                   "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_a_reasoning_effort_reaches_the_template_as_its_variable(tmp_path):
+    """Chat's reasoning_effort and the Responses API's reasoning.effort reach the chat template as the variable
+    `reasoning_effort`, as chat_template_kwargs would give it, and as transformers hands it over; left out, the
+    template sees no such variable."""
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        **QWEN, "chat_template": EFFORT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    messages = CONVERSATIONS["system"]
+    assert ours(tmp_path, {"messages": messages}) == "system: Be brief.\nuser: Hi\n"
+    low = ours(tmp_path, {"messages": messages, "reasoning_effort": "low"})
+    assert low == "Reasoning: low\nsystem: Be brief.\nuser: Hi\n"
+    given = {"messages": messages, "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert ours(tmp_path, given) == theirs(tmp_path, given) == low
+    chat = translate({"model": "m", "instructions": "Be brief.", "input": "Hi", "reasoning": {"effort": "low"}}).chat
+    assert ours(tmp_path, {k: v for k, v in chat.items() if k != "model"}) == low
 
 
 def test_qwen3_sees_enable_thinking_from_chat_template_kwargs(tmp_path):

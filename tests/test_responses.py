@@ -252,6 +252,11 @@ def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     ({"service_tier": "priority"}, "service_tier"),
     ({"prompt_cache_key": 5}, "prompt_cache_key"),
     ({"safety_identifier": {"id": "u"}}, "safety_identifier"),
+    ({"text": {"verbosity": "terse"}}, "text.verbosity"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # only beside "stream": true
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1].type"),
 ])
 def test_refusals_name_the_responses_field(server, fields, param):
     status, _, text = post(server, {"model": MODEL, "input": "Hi", **fields})
@@ -261,6 +266,48 @@ def test_refusals_name_the_responses_field(server, fields, param):
     assert error["type"] == "invalid_request_error"
     for chat_field in ("max_completion_tokens", "response_format", "messages", ".function."):
         assert chat_field not in error["message"], error  # what the client sent, not the chat request it became
+
+
+def test_an_item_reference_is_refused_with_what_to_send_instead(server):
+    """The AI SDK refers to earlier output items by id unless told its responses are not stored."""
+    status, _, text = post(server, {"model": MODEL, "input": [
+        {"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]})
+    assert status == 400 and '"store": false' in json.loads(text)["error"]["message"], text
+
+
+def test_what_clients_send_that_changes_nothing_here_leaves_the_response_as_it_is(server):
+    """Settings OpenAI's models read and tc's have no use for, sent by clients on every request (Wave Terminal's
+    stream_options and text.verbosity, Codex's verbosity), nulls for fields tc does not implement (what a wrapper
+    passes for its unset settings), and the extra readings openai's responses.parse() sends back with its output
+    items: the same output; verbosity is echoed as OpenAI echoes it."""
+    def output(stream: bool = False, **fields) -> tuple[list, dict]:
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "temperature": 0, **fields}
+        if stream:
+            done = stream_events(server, body)[-1]
+            assert done["type"] == "response.incomplete", done  # cut at max_output_tokens, as unstreamed
+            response = done["response"]
+        else:
+            status, _, text = post(server, body)
+            assert status == 200, text
+            response = json.loads(text)
+        return [item["content"] for item in response["output"]], response["text"]
+
+    plain, text = output()
+    assert text == {"format": {"type": "text"}}
+    assert output(text={"verbosity": "low"}) == (plain, {"format": {"type": "text"}, "verbosity": "low"})
+    assert output(max_tool_calls=None, stream_options=None, top_logprobs=None, top_p=None) == (plain, text)
+    assert output(top_logprobs=0) == (plain, text)
+    for obfuscation in (False, True):
+        assert output(True, stream_options={"include_obfuscation": obfuscation}) == (plain, text)
+    earlier = [{"role": "user", "content": "Hi"},
+               {"type": "message", "role": "assistant", "content": [
+                   {"type": "output_text", "text": "{}", "annotations": [], "parsed": {}}]},
+               {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"id": 1}',
+                "parsed_arguments": {"id": 1}},
+               {"type": "function_call_output", "call_id": "c1", "output": "none"}]
+    bare = [{k: v for k, v in item.items() if k not in ("parsed_arguments",)} for item in earlier]
+    bare[1]["content"] = [{"type": "output_text", "text": "{}", "annotations": []}]
+    assert output(input=earlier, tools=[LOOKUP]) == output(input=bare, tools=[LOOKUP])
 
 
 def test_the_routing_and_abuse_hints_a_client_sends_leave_the_response_as_it_is(server):

@@ -337,6 +337,12 @@ def test_streamed_chat_equals_the_whole_one_and_reports_usage(client):
     assert all(e["usage"] is None for e in events[:-1])
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
     assert joined_text(events, "content") == whole["choices"][0]["message"]["content"]
+    # OpenAI's padding against reading a reply's length off the wire, asked for or not: tc's chunks carry none
+    for obfuscation in (False, True):
+        padded = stream_post(client, CHAT, {**body, "stream_options": {"include_usage": True,
+                                                                       "include_obfuscation": obfuscation}})
+        assert [{k: v for k, v in e.items() if k not in ("id", "created")} for e in padded] == \
+            [{k: v for k, v in e.items() if k not in ("id", "created")} for e in events]
 
 
 def test_streamed_logprobs_join_to_the_whole_ones(client):

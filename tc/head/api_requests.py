@@ -6,7 +6,8 @@ this server implements. Anything else in the body is refused by name rather than
 believes a parameter took effect when it did not. Every refusal is a `RequestError` that names the offending
 field (`param`) and a short machine-readable `code`; the API turns it into an OpenAI error body.
 
-As in OpenAI's API, an optional field sent as `null` means the same as leaving it out.
+As in OpenAI's API, an optional field sent as `null` means the same as leaving it out; so does a field this server
+does not implement, sent as `null` (clients built on the openai package pass their unset settings through as null).
 """
 from __future__ import annotations
 
@@ -278,7 +279,8 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
                                  "add_generation_prompt", "continue_final_message", "reasoning_format",
-                                 "metadata", "prompt_cache_key", "safety_identifier", "prediction"}  # _check_hints
+                                 "metadata", "prompt_cache_key", "safety_identifier", "prediction",  # _check_hints
+                                 "reasoning_effort"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # llama.cpp's server's names: "deepseek" (its default) and "auto" split the thinking into reasoning_content
 REASONING_FORMATS = ("auto", "deepseek", "none")
@@ -296,7 +298,13 @@ _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _CALL_FIELDS = frozenset({"id", "type", "function", "index"})
 _CALL_FUNCTION_FIELDS = frozenset({"name", "arguments", "parsed_arguments"})
-_STREAM_OPTIONS = frozenset({"include_usage"})
+# include_obfuscation asks OpenAI to pad each chunk with random characters (against reading a reply's length off
+# the wire); tc's chunks carry no padding either way, so both values are taken
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+# chat's reasoning_effort (and the Responses API's reasoning.effort): the values OpenAI takes. The chat template
+# sees the value as its variable `reasoning_effort` (gpt-oss's reads it); a template that does not read it, as most
+# do not, renders the same prompt without it
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _reject_constant(name: str) -> Any:
@@ -374,7 +382,7 @@ def _same_json(a: Any, b: Any) -> bool:
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str], neutral: Mapping[str, tuple[Any, ...]]) -> None:
     for name in body:
-        if name in known:
+        if name in known or body[name] is None:  # null: as if left out (the module's docstring)
             continue
         if name in neutral:
             if any(_same_json(body[name], allowed) for allowed in neutral[name]):
@@ -538,9 +546,12 @@ def _streaming(body: Mapping[str, Any]) -> StreamFields:
         raise RequestError(f"'stream_options' must be an object, not {_json_type(options)}",
                            param="stream_options", code="invalid_type")
     for key in options:
-        if key not in _STREAM_OPTIONS:
+        if key not in _STREAM_OPTIONS and options[key] is not None:
             raise RequestError(f"unsupported field 'stream_options.{key}': this server implements only "
-                               "include_usage", param=f"stream_options.{key}", code="unsupported_parameter")
+                               "include_usage and include_obfuscation", param=f"stream_options.{key}",
+                               code="unsupported_parameter")
+    if options.get("include_obfuscation") is not None:
+        _boolean(options["include_obfuscation"], "stream_options.include_obfuscation")
     include = options.get("include_usage")
     return StreamFields(True, _boolean(include, "stream_options.include_usage") if include is not None else False)
 
@@ -731,7 +742,7 @@ def _object(value: Any, param: str, known: frozenset[str],
         raise RequestError(f"'{param}' must be an object, not {_json_type(value)}", param=param,
                            code="invalid_type")
     for key in value:
-        if key in known:
+        if key in known or value[key] is None:  # null: as if left out (the module's docstring)
             continue
         if neutral and key in neutral and any(_same_json(value[key], v) for v in neutral[key]):
             continue
@@ -786,6 +797,10 @@ def _message(value: Any, index: int) -> ChatMessage:
         # a model that declined says so in `refusal`, with no content (OpenAI's replies): a conversation carried
         # over from one holds it, and it is what the assistant said
         content = refusal
+    elif role == "assistant" and value.get("content") is None:
+        # a reply with no text: a thinking model stopped by max_tokens before its answer (tc's own replies give
+        # its thinking in reasoning_content and content null), sent back as the client got it
+        content = ""
     else:
         content = _content(_required(value, "content", f"{param}."), f"{param}.content")
     name = value.get("name")
@@ -1005,7 +1020,24 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
                                param=name, code="invalid_value")
     opens, continues = _generation_prompt(body, parsed)
     return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format, opens,
-                       continues, _template_variables(body), _reasoning_format(body), prediction)
+                       continues, _reasoning_effort(body, _template_variables(body)), _reasoning_format(body),
+                       prediction)
+
+
+def _reasoning_effort(body: Mapping[str, Any], variables: dict[str, Any]) -> dict[str, Any]:
+    """`variables` (chat_template_kwargs) with `reasoning_effort`, where the request sets it, for the chat template
+    (REASONING_EFFORTS says why); refused where chat_template_kwargs gives the variable another value."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return variables
+    if effort not in REASONING_EFFORTS:
+        shown = json.dumps(effort) if isinstance(effort, str) else _json_type(effort)
+        raise RequestError(f"'reasoning_effort' is {shown}; use one of {', '.join(REASONING_EFFORTS)}",
+                           param="reasoning_effort", code="invalid_value")
+    if variables.get("reasoning_effort", effort) != effort:
+        raise RequestError("'reasoning_effort' and 'chat_template_kwargs.reasoning_effort' disagree; send one",
+                           param="reasoning_effort", code="invalid_value")
+    return {**variables, "reasoning_effort": effort}
 
 
 def _reasoning_format(body: Mapping[str, Any]) -> str:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..generation import Completion, Step
 # the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
-from .api_requests import (_SAMPLING_PARSERS, RequestError, _boolean, _check_fields, _json_type, _object, _required,
-                           _string, check_metadata)
+from .api_requests import (_SAMPLING_PARSERS, REASONING_EFFORTS, RequestError, _boolean, _check_fields, _json_type,
+                           _object, _required, _string, check_metadata)
 from .service import GenerationStream
 from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 
@@ -31,23 +31,29 @@ from .streaming import KEEPALIVE, ChatReply, EventStream, sse
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
                      "tool_choice", "parallel_tool_calls", "text", "metadata", "user", "store", "reasoning",
                      "truncation", "previous_response_id", "conversation", "background", "include", "prompt",
-                     "prompt_cache_key", "safety_identifier", "service_tier"})
+                     "prompt_cache_key", "safety_identifier", "service_tier", "stream_options", "top_logprobs"})
 # chat's sampling fields that the Responses API has no name for (min_p, top_k, seed, stop, ...): refused by name
 # with where they are taken, rather than as fields this server does not implement
 _CHAT_ONLY = (frozenset(_SAMPLING_PARSERS) | {"logprobs", "top_logprobs"}) - _FIELDS
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 # what the openai client sends back when a reply's output items are appended to the next request's input
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
-_PART_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
+# (`parsed`: what the client's responses.parse() read the text as, which it may send back with it; unused)
+_PART_KEYS = frozenset({"type", "text", "annotations", "logprobs", "parsed"})
 _TEXT_PARTS = ("input_text", "output_text")
 # ... and a function call item as the SDK dumps it (model_dump: its null async, caller and namespace too)
 _CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status", "async", "async_", "caller",
-                        "namespace"})
+                        "namespace", "parsed_arguments"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 _FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
 _REASONING_KEYS = frozenset({"effort", "summary", "generate_summary"})
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_TEXT_KEYS = frozenset({"format", "verbosity"})
+# text.verbosity: how long OpenAI's models make their answers; taken and echoed, with no effect on tc's models
+VERBOSITIES = ("low", "medium", "high")
+# stream_options: OpenAI's padding of each event against reading a reply's length off the wire, which tc's events
+# carry neither way (as chat's)
+_STREAM_OPTION_KEYS = frozenset({"include_obfuscation"})
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 NO_STORE = ("tc keeps no responses between requests; send the whole conversation in 'input' (the earlier input "
             "items, then the response's output items)")
@@ -204,6 +210,11 @@ def _input(body: Mapping[str, Any], messages: _Messages) -> None:
             messages.function_call_output(item, param)
         elif kind == "reasoning":
             continue  # as the chat API: earlier thinking is not shown to the model again
+        elif kind == "item_reference":
+            raise RequestError(f"'{param}' is an item_reference to {json.dumps(item.get('id'))}: {NO_STORE}. A "
+                               "client that refers to earlier items does so when it believes they were stored: send "
+                               "\"store\": false (the AI SDK: providerOptions.openai.store = false)",
+                               param=f"{param}.type", code="unsupported_value")
         else:
             raise RequestError(f"'{param}.type' is {json.dumps(kind)}; this server reads \"message\", "
                                "\"function_call\", \"function_call_output\" and \"reasoning\" items",
@@ -240,7 +251,11 @@ def _tool_choice(value: Any) -> Any:
 
 
 def _response_format(value: Any) -> dict[str, Any]:
-    text = _object(value, "text", frozenset({"format"}))
+    text = _object(value, "text", _TEXT_KEYS)
+    verbosity = text.get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise RequestError(f"'text.verbosity' is {json.dumps(verbosity)}; use one of {', '.join(VERBOSITIES)}",
+                           param="text.verbosity", code="invalid_value")
     if text.get("format") is None:
         return {"type": "text"}
     fmt = _object(text["format"], "text.format", _FORMAT_KEYS)
@@ -248,6 +263,19 @@ def _response_format(value: Any) -> dict[str, Any]:
         return dict(fmt)  # "text" and "json_object" read the same in chat
     _required(fmt, "schema", "text.format.")  # optional in chat's response_format, required here
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+def _stream_options(body: Mapping[str, Any]) -> None:
+    """`stream_options`, as chat reads it: only beside "stream": true; nothing in it changes the events."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if body.get("stream") is not True:
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", param="stream_options",
+                           code="invalid_value")
+    options = _object(options, "stream_options", _STREAM_OPTION_KEYS)
+    if options.get("include_obfuscation") is not None:
+        _boolean(options["include_obfuscation"], "stream_options.include_obfuscation")
 
 
 def _reasoning(value: Any) -> dict[str, Any] | None:
@@ -267,12 +295,18 @@ def translate(body: Mapping[str, Any]) -> Translation:
     """The chat body for a Responses body. Raises RequestError, naming the Responses field, for what the
     translation itself cannot take; what the chat parser refuses later goes through `Translation.blame`."""
     for name in body:
-        if name in _CHAT_ONLY:
+        if name in _CHAT_ONLY and body[name] is not None:
             raise RequestError(f"unsupported field '{name}': /v1/responses does not take it, "
                                "/v1/chat/completions does; send the request there, or remove it", param=name,
                                code="unsupported_parameter")
     _check_fields(body, _FIELDS, {})
     _refuse_stored_state(body)
+    _stream_options(body)
+    if body.get("top_logprobs") not in (None, 0):
+        raise RequestError("'top_logprobs' is not supported on /v1/responses: tc gives no log-probabilities here "
+                           "(the output_text logprobs that 'include' selects); send the request to "
+                           "/v1/chat/completions with \"logprobs\": true and top_logprobs", param="top_logprobs",
+                           code="unsupported_parameter")
     messages = _Messages()
     instructions = body.get("instructions")
     if instructions is not None:
@@ -293,6 +327,11 @@ def translate(body: Mapping[str, Any]) -> Translation:
     if body.get("text") is not None:
         chat["response_format"] = _response_format(body["text"])
         text = {"format": body["text"].get("format") or {"type": "text"}}
+        if body["text"].get("verbosity") is not None:
+            text["verbosity"] = body["text"]["verbosity"]
+    reasoning = _reasoning(body.get("reasoning"))
+    if reasoning is not None and reasoning["effort"] is not None:
+        chat["reasoning_effort"] = reasoning["effort"]  # for the chat template, as chat's own field
     metadata = body.get("metadata")
     check_metadata(metadata)
     parallel = body.get("parallel_tool_calls")
@@ -301,7 +340,7 @@ def translate(body: Mapping[str, Any]) -> Translation:
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tool_choice": body.get("tool_choice") or "auto",
             "tools": [_echo_tool(t["function"]) for t in chat.get("tools", ())], "text": text,
-            "reasoning": _reasoning(body.get("reasoning")), "truncation": "disabled", "user": body.get("user"),
+            "reasoning": reasoning, "truncation": "disabled", "user": body.get("user"),
             "store": False}
     return Translation(chat, echo, messages.sources)
 
