@@ -848,6 +848,21 @@ def test_each_request_logs_one_line(client, caplog):
     assert re.fullmatch(r"GET /v1/nothing 404 \d+\.\d{3}s", lines[1]), lines[1]
 
 
+def test_probes_log_at_debug_and_only_there(client, caplog):
+    """A load balancer's health checks and Prometheus's scrapes, answered as they are (200, or 503 while the
+    cluster is not ready), log at DEBUG: every few seconds at INFO they would bury the cluster's own lines."""
+    with caplog.at_level(logging.DEBUG, logger="tc.head.api"):
+        for path in ("/health", "/health/ready", "/metrics"):
+            assert client.simulate_get(path).status_code == 200
+        client.simulate_head("/health")
+        client.simulate_get("/health/nothing")
+    records = [r for r in caplog.records if r.name == "tc.head.api"]
+    assert [(r.levelno, r.getMessage().split()[:3]) for r in records] == [
+        (logging.DEBUG, ["GET", "/health", "200"]), (logging.DEBUG, ["GET", "/health/ready", "200"]),
+        (logging.DEBUG, ["GET", "/metrics", "200"]), (logging.DEBUG, ["HEAD", "/health", "200"]),
+        (logging.INFO, ["GET", "/health/nothing", "404"])]
+
+
 @pytest.mark.parametrize("method, path", [
     ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/v1/models/other"), ("HEAD", "/v1/models"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),

@@ -56,6 +56,7 @@ from .streaming import (ChatReply, CompletionReply, EventStream, Reasoning, Repl
                         ToolCalling)
 
 log = logging.getLogger(__name__)
+PROBE_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # what load balancers and Prometheus ask, often
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # without a model's context to go by; also what a body holds beside its tokens
 # What a token of the prompt may take in a body, generously: a token id with its comma and space is 8 bytes, a
@@ -624,7 +625,11 @@ class RequestLog:
             _log_generation(f"{req.method} {req.path}", resp.status_code, seconds, req.context.request_id,
                             generation.summary())
         else:
-            log.info("%s %s %d %.3fs", req.method, req.path, resp.status_code, seconds)
+            # a probe answered as probes are (ready, not ready) is DEBUG: a load balancer's health check every few
+            # seconds and Prometheus's scrapes would otherwise bury what the cluster does under their lines
+            probe = req.path in PROBE_PATHS and resp.status_code in (200, 503)
+            log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d %.3fs", req.method, req.path,
+                    resp.status_code, seconds)
 
 
 def _handle_error(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict[str, Any]) -> None:
