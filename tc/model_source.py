@@ -26,6 +26,23 @@ from .model.weights import INDEX_FILE, SINGLE_FILE, WeightsError, read_weight_ma
 
 log = logging.getLogger(__name__)
 
+
+def _hub_offline() -> bool:
+    """Whether huggingface_hub was told to use the cache alone (HF_HUB_OFFLINE, as it read it at import)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _one_line_per_hub_record() -> None:
+    """huggingface_hub gives its loggers a stderr handler of their own and lets their records reach the root's
+    too: where tc's logging has a handler there, each of its retry warnings printed twice. Its own goes."""
+    hub = logging.getLogger("huggingface_hub")
+    if logging.getLogger().handlers:
+        for handler in list(hub.handlers):
+            if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stderr:
+                hub.removeHandler(handler)
+
 # the chat template may live in tokenizer_config.json or in files of its own (tc/model/chat_template.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "chat_template.json", "additional_chat_templates/tool_use.jinja")
@@ -94,6 +111,7 @@ class ModelSource:
         """
         from huggingface_hub import errors, hf_hub_download
 
+        _one_line_per_hub_record()
         stall_s = stall_seconds(os.environ)
         watch = _Watch(f"{filename} of {self.model}", stall_s, on_bytes)
         bars = _guard_downloads(watch)
@@ -114,6 +132,12 @@ class ModelSource:
                 return None
             # the commit, once pinned: a cache may hold the repo at another (a branch's older one)
             at = "" if self.revision is None else f" at {self.revision}"
+            if _hub_offline():  # asking the Hub would not help: it was not asked
+                raise ModelSourceError(
+                    f"cannot get {filename} of {self.model}{at}: it is not in the HF cache, and HF_HUB_OFFLINE=1 "
+                    f"keeps this machine from asking the Hub ({_first_line(exc)}). Fill the cache where the Hub is "
+                    f"reachable (hf download {self.model}) and copy it here, unset HF_HUB_OFFLINE, or copy the model "
+                    "directory here and give its path as model: in topology.yaml") from exc
             raise ModelSourceError(
                 f"cannot get {filename} of {self.model}{at}: it is not in the HF cache and the Hub did not provide it "
                 f"({_first_line(exc)}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror; "
@@ -162,7 +186,8 @@ class ModelSource:
             if not (path / "config.json").is_file():
                 raise ModelSourceError(f"{path} has no config.json; is it a HuggingFace model directory?")
             return path
-        log.info("resolving %s from the HuggingFace Hub", self.model)
+        log.info("resolving %s from the HuggingFace %s", self.model,
+                 "cache alone (HF_HUB_OFFLINE)" if _hub_offline() else "Hub")
         path = self._download("config.json")
         assert path is not None
         # Pin the commit that config.json came from (hf_hub_download keeps a file at snapshots/<commit>/): every

@@ -347,8 +347,14 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
         host = host[1:-1]
         valid_host = _is_ip(host, ipaddress.IPv6Address)
     else:
-        if ":" in host:
-            raise AddressError(f"{text!r}: put an IPv6 host in brackets, like [::]:8000")
+        if ":" in host and _is_ip(host, ipaddress.IPv6Address):  # bracket it; "::1" may be an address alone too
+            alone = f", or for the address {text} itself [{text}]:PORT" if _is_ip(text, ipaddress.IPv6Address) else ""
+            raise AddressError(f"{text!r}: put an IPv6 host in brackets, then the port: [{host}]:{port_text}{alone}")
+        if ":" in host and _is_ip(text, ipaddress.IPv6Address):  # "::1": an address alone
+            raise AddressError(f"{text!r} is an IPv6 address with no port; write it in brackets, then the port: "
+                               f"[{text}]:PORT")
+        if ":" in host:  # "10.0.0.5:7001:7001", "head:8000:7001": a port too many
+            raise AddressError(f"{text!r} holds more than one ':'; write one host and one port, like {example}")
         valid_host = _is_host_name(host)
     if not valid_host:
         raise AddressError(f"{text!r} has no valid host; write host:port like {example} or localhost:7001")
@@ -639,13 +645,26 @@ class _Parser:
                     f"{text!r} is neither a HuggingFace repo id (org/name) nor a directory next to the file; "
                     f"give a repo id like {example} or a local path like ./models/qwen",
                 )
+            in_cwd = Path.cwd() / text
+            if self.is_dir(in_cwd, "model") and in_cwd.resolve() != (self.base_dir / text).resolve():
+                # read as a repo id, it would be looked for on the Hub (a minute of retries offline)
+                raise self.fail(
+                    "model",
+                    f"{text!r} is a directory of the current one ({in_cwd}), not of this file's "
+                    f"({self.base_dir.resolve()}), so it reads as a HuggingFace repo id; a local model's relative path is "
+                    f"relative to the topology file: write the absolute path {in_cwd}",
+                )
             return text, False
         path = self.local_path(text, "model")
+        if self.is_file(path, "model"):
+            where = "" if str(path) == text else f" ({path})"
+            raise self.fail("model", f"{text} is a file{where}; give the directory that holds config.json and the "
+                            "*.safetensors files")
         if not self.is_dir(path, "model"):
             raise self.fail(
                 "model",
-                f"{text}: no such directory; give an existing local model directory or a HuggingFace repo id "
-                f"like {example}",
+                f"{text}: no such directory ({path}: relative paths are relative to the topology file); give an "
+                f"existing local model directory or a HuggingFace repo id like {example}",
             )
         if not self.is_file(path / "config.json", "model"):
             raise self.fail(

@@ -171,7 +171,8 @@ def test_worker_with_a_wrong_token_is_refused(guarded):
     worker = guarded.start_worker("a", name="wrong-token", env={TOKEN_ENV: "this is not the token at all"})
     assert worker.proc.wait(WORKER_JOIN_S) == 2
     guarded.workers.pop("wrong-token").stop()
-    assert "could not prove it knows the join token" in worker.output()  # the worker notices first
+    # the worker notices first, and says the likely cause before the rarer one
+    assert "could not prove it knows this worker's join token: most likely the two tokens differ" in worker.output()
     # and it leaves without a word, so the head's log says what a worker leaving at that point most likely means
     deadline = time.monotonic() + 60  # the head reads the close at once; a loaded machine may be slow to log it
     while "most likely differs from this head's head.join_token" not in guarded.head.output():

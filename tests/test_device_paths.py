@@ -15,7 +15,7 @@ from tc.model.quant import (QuantizationError, dequantize_int4, int8_device_spee
 from tc.model.qwen2 import (Attention, compute_dtype_name, cuda_capability_has_bf16, grouped_attention,
                             must_expand_kv_heads, sdpa_has_enable_gqa, torch_release, Stage)
 from tc.model.weights import WeightIndex
-from tc.worker.device import compute_dtypes, cuda_devices, detect_devices
+from tc.worker.device import DeviceError, compute_dtypes, cuda_devices, detect_devices, select_device
 
 IDS = [5, 17, 250, 3, 99, 42, 7, 128, 64, 31, 200, 11]
 
@@ -133,6 +133,24 @@ def test_the_cpu_devices_of_this_machine():
     devices = detect_devices(selected="cpu")
     assert devices[-1].id == "cpu" and devices[-1].total_memory
     assert compute_dtypes("cpu") == ("bf16", "fp32")
+
+
+def test_a_worker_s_device_is_chosen_or_refused_in_words_that_say_what_to_do(monkeypatch):
+    """--device takes what the topology's device takes, and refuses what is no device in the same words; a CUDA
+    device asked of a PyTorch built without CUDA (its CPU-only wheel on a GPU box) says so and what to install."""
+    cpu_only = detect_devices(selected="cpu")[-1:]
+    assert select_device("auto", cpu_only) == select_device("cpu", cpu_only) == "cpu"
+    with pytest.raises(DeviceError, match="'gpu' is not a device; use auto, cpu, cuda, cuda:N or mps"):
+        select_device("gpu", cpu_only)
+    with pytest.raises(DeviceError, match=r"device 'mps' is not available on this machine \(it has: cpu\)$"):
+        select_device("mps", cpu_only)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(DeviceError, match=r"'cuda:0' is not available .*: this PyTorch \(.*\) is built without "
+                                          "CUDA; install a CUDA build of torch"):
+        select_device("cuda", cpu_only)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build that finds no GPU: no word on the build
+    with pytest.raises(DeviceError, match=r"device 'cuda:1' is not available on this machine \(it has: cpu\)$"):
+        select_device("cuda:1", cpu_only)
 
 
 # ------------------------------------------------------------------ quantization without bf16 (older macOS)

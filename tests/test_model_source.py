@@ -3,7 +3,10 @@ what goes wrong there is one line that says what to do, never a traceback, and a
 serves offline."""
 from __future__ import annotations
 
+import importlib
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -88,7 +91,29 @@ def test_a_cache_without_records_of_absent_files_serves_offline(tmp_path, model_
     done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode != 0 and "cannot get tokenizer.json of acme/tiny" in done.stderr
-    assert json.dumps("HF_HUB_OFFLINE=1")[1:-1] in done.stderr
+    # offline, the Hub was not asked: the fix is the cache or the setting, not the link
+    assert "it is not in the HF cache, and HF_HUB_OFFLINE=1 keeps this machine from asking the Hub" in done.stderr
+
+
+def test_the_hub_s_warnings_print_once_under_tc_s_logging():
+    """huggingface_hub's loggers print to stderr themselves and pass their records on to the root's handler,
+    where tc's logging prints them again: under a root handler its own stderr handler goes, and only that."""
+    from tc import model_source
+
+    importlib.import_module("huggingface_hub")  # its logging module gives the library's logger that handler
+    hub = logging.getLogger("huggingface_hub")
+    kept, root = list(hub.handlers), logging.getLogger()
+    own = logging.StreamHandler(sys.stderr)
+    mine = logging.StreamHandler(io.StringIO())  # not stderr: someone else's, left alone
+    root_handler = logging.NullHandler()
+    try:
+        hub.handlers[:] = [own, mine]
+        root.addHandler(root_handler)
+        model_source._one_line_per_hub_record()
+        assert hub.handlers == [mine]
+    finally:
+        hub.handlers[:] = kept
+        root.removeHandler(root_handler)
 
 
 def test_a_download_trickling_below_the_stall_rule_stops_naming_the_file_and_the_setting(tmp_path, model_dir):

@@ -78,8 +78,12 @@ BAD = [
     ("model not a repo id", changed(("model", "qwen-small")), "model", "neither a HuggingFace repo id"),
     ("model two slashes", changed(("model", "a/b/c")), "model", "neither a HuggingFace repo id"),
     ("model local missing", changed(("model", "./models/x")), "model",
-     "./models/x: no such directory; give an existing local model directory or a HuggingFace repo id like "
-     "Qwen/Qwen2.5-0.5B-Instruct"),
+     "./models/x: no such directory ("),
+    ("model local missing says where it looked", changed(("model", "./models/x")), "model",
+     "models/x: relative paths are relative to the topology file); give an existing local model directory or a "
+     "HuggingFace repo id like Qwen/Qwen2.5-0.5B-Instruct"),
+    ("model a file", changed(("model", "./no-config/model.safetensors")), "model",
+     "no-config/model.safetensors is a file ("),
     ("model absolute missing", changed(("model", "/nonexistent/tc-model")), "model", "no such directory"),
     ("model dir lacks config", changed(("model", "./no-config")), "model", "has no config.json"),
     ("revision number", changed(("revision", 1234)), "revision", 'quote it: "1234"'),
@@ -274,6 +278,7 @@ BAD = [
 @pytest.fixture
 def base_dir(tmp_path: Path) -> Path:
     (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "model.safetensors").write_bytes(b"")
     return tmp_path
 
 
@@ -287,6 +292,23 @@ def test_bad_topology_names_key_and_fix(data: object, key_path: str, phrase: str
     text = str(err)
     assert "\n" not in text
     assert text.startswith(f"topology.yaml: {key_path}: " if key_path else "topology.yaml: ")
+
+
+def test_a_model_directory_of_the_current_one_and_not_of_the_file_s_is_named_with_the_fix(
+        base_dir: Path, tmp_path_factory, monkeypatch) -> None:
+    """model: models/x, written from where the operator stands rather than from the topology file: read as it is
+    written it is a repo id, which a head would look for on the Hub (a minute of retries offline). Said at once,
+    with the absolute path to write; a directory that is the file's own is taken as before."""
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    (elsewhere / "models" / "x").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(TopologyError) as info:
+        parse_topology(changed(("model", "models/x")), base_dir, source="topology.yaml")
+    assert info.value.key_path == "model"
+    assert f"a directory of the current one ({elsewhere / 'models' / 'x'}), not of this file's ({base_dir})" \
+        in info.value.message and info.value.message.endswith(f"write the absolute path {elsewhere / 'models/x'}")
+    monkeypatch.chdir(base_dir)  # the file's own directory: the repo id it reads as is what it always was
+    assert parse_topology(changed(("model", "models/x")), base_dir, source="topology.yaml").model == "models/x"
 
 
 def test_error_text_is_file_key_and_fix(base_dir: Path) -> None:
@@ -561,8 +583,13 @@ def test_the_command_line_takes_only_ports(port: str, capsys) -> None:
     (["worker", "--join", "h:7001", "--max-memory-gb", "1e30"], "argument --max-memory-gb: '1e30' GiB is more"),
     (["worker", "--join", "h:7001", "--max-frame-mb", "1e-9"], "argument --max-frame-mb: '1e-9'"),
     (["worker", "--join", "h:7001", "--head-timeout-s", "inf"], "argument --head-timeout-s: 'inf'"),
-    (["worker", "--join", "::1"], "put an IPv6 host in brackets"),
-    (["worker", "--join", "::1:7001"], "put an IPv6 host in brackets"),
+    (["worker", "--join", "::1"], "'::1' is an IPv6 address with no port; write it in brackets, then the port: "
+                                  "[::1]:PORT"),
+    (["worker", "--join", "fe80::1:7001"], "put an IPv6 host in brackets, then the port: [fe80::1]:7001, or for "
+                                           "the address fe80::1:7001 itself [fe80::1:7001]:PORT"),
+    (["worker", "--join", "::1:7001"], "put an IPv6 host in brackets, then the port: [::1]:7001"),
+    (["worker", "--join", "10.0.0.5:7001:7001"], "holds more than one ':'; write one host and one port, like "
+                                                 "HEAD_HOST:7001"),
     (["worker", "--join", "[::1]"], "has no port"),
     (["worker", "--join", "10.0.0.5"], "has no port; write host:port like HEAD_HOST:7001, the head's head.listen"),
     (["worker", "--join", "http://10.0.0.5:7001"], "is a URL; write host:port alone, without http://, like HEAD"),

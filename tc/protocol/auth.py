@@ -84,8 +84,9 @@ def answer_challenge(key: bytes, worker_nonce: bytes, challenge: bytes | None) -
                         "release on the head and the workers")
     head_nonce, proof = challenge[:NONCE_BYTES], challenge[NONCE_BYTES:]
     if not hmac.compare_digest(proof, head_proof(key, worker_nonce, head_nonce)):
-        raise AuthError("the head could not prove it knows the join token: it belongs to another cluster or "
-                        "is not the head; check --join and that both sides use the same token")
+        raise AuthError("the head could not prove it knows this worker's join token: most likely the two tokens "
+                        "differ (check this worker's --join-token-file or TC_JOIN_TOKEN against the head's "
+                        "head.join_token); else --join names another cluster's head")
     return worker_proof(key, head_nonce, worker_nonce)
 
 

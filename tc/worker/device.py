@@ -10,6 +10,7 @@ import torch
 
 from ..model.qwen2 import device_supports_bf16, mps_supports_bf16
 from ..protocol.messages import DeviceInfo
+from ..topology import parse_device
 
 
 class DeviceError(ValueError):
@@ -85,13 +86,22 @@ def detect_devices(selected: str | None = None) -> list[DeviceInfo]:
 def select_device(requested: str, devices: list[DeviceInfo]) -> str:
     """The device id to use for `requested` (auto, cpu, cuda, cuda:N, mps). Raises DeviceError."""
     ids = [d.id for d in devices]
+    try:
+        kind, _ = parse_device(requested)  # what is no device at all says so, as the topology's device does
+    except ValueError as exc:
+        raise DeviceError(str(exc)) from None
     if requested == "auto":
         return ids[0]
     if requested == "cuda":
         requested = "cuda:0"
     if requested in ids:
         return requested
-    raise DeviceError(f"device {requested!r} is not available on this machine (it has: {', '.join(ids)})")
+    missing = f"device {requested!r} is not available on this machine (it has: {', '.join(ids)})"
+    if kind == "cuda" and torch.version.cuda is None:  # a GPU box given PyTorch's CPU-only build
+        raise DeviceError(f"{missing}: this PyTorch ({torch.__version__}) is built without CUDA; install a CUDA "
+                          "build of torch (scripts/setup.sh without TORCH_INDEX_URL, or pip from PyTorch's index "
+                          "for your CUDA version)")
+    raise DeviceError(missing)
 
 
 def compute_dtypes(device: str) -> tuple[str, ...]:
