@@ -161,7 +161,27 @@ def wait_ready_state(cluster: Cluster, ready: bool, timeout: float = 30) -> None
 
 def test_garbage_gets_an_error_and_a_close(cluster):
     only_error(raw_reply(cluster.listen_port, b"\xff" * 64), "frame header announces")
-    only_error(raw_reply(cluster.listen_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "frame header announces")
+
+
+@pytest.mark.parametrize("request_line", [b"GET /v1/models HTTP/1.1", b"POST /v1/chat/completions HTTP/1.1",
+                                          b"HEAD / HTTP/1.0"])
+def test_an_http_client_on_the_workers_port_is_told_in_http_where_the_api_is(cluster, request_line):
+    """curl or an OpenAI client given head.listen's port instead of head.api's: an HTTP answer it can show, which
+    names the API's address, and a line in the head's log; the head serves on."""
+    with socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=15) as sock:
+        sock.sendall(request_line + b"\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        reply = b""
+        while chunk := sock.recv(65536):  # a timeout here: the head kept the connection open
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n"), reply
+    assert f"the OpenAI API is at http://127.0.0.1:{cluster.api_port}/v1 (head.api)".encode() in body, reply
+    assert f"Content-Length: {len(body)}".encode() in head
+    deadline = time.monotonic() + 30
+    while "asked the workers' port; the API is at" not in cluster.head.output():
+        assert time.monotonic() < deadline, cluster.head.output()[-2000:]
+        time.sleep(0.1)
+    assert cluster.get("/health")[0] == 200
 
 
 def test_well_framed_garbage_body_gets_an_error(cluster):

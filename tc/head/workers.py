@@ -639,6 +639,29 @@ class WorkerRegistry:
         if admitted is not None:
             self._serve(*admitted)
 
+    def _answer_http(self, sock: socket.socket, peer: str) -> None:
+        """An HTTP request on the workers' port: answered in HTTP, with where the API is, and closed."""
+        api = self.topology.head.api
+        words = (f"this is a TrueCluster head's port for workers (head.listen); the OpenAI API is at "
+                 f"http://{api}/v1 (head.api)")
+        log.warning("an HTTP client at %s asked the workers' port; the API is at http://%s/v1 (head.api), and "
+                    "--join takes this port only in `tc worker`", peer, api)
+        body = (words + "\n").encode()
+        reply = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        try:
+            sock.sendall(reply)
+            # closed with its request unread, the socket would reset the connection, and the client could lose
+            # the answer: the end of ours is sent, then what it sent is read (a little, briefly) before closing
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(HTTP_DRAIN_S)
+            for _ in range(HTTP_DRAIN_READS):
+                if not sock.recv(65536):
+                    break
+        except OSError:
+            pass  # it went already, or sends on: the log says what it was
+        sock.close()
+
     def _handshake(self, sock: socket.socket, peer: str) -> tuple[WorkerLink, list] | None:
         """Admit a worker: (its link, assignments to send), or None once it is refused and closed."""
         conn = Connection(sock, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)
@@ -649,6 +672,9 @@ class WorkerRegistry:
         deadline = _Deadline(conn, self.handshake_timeout_s)
         try:
             conn.settimeout(self.handshake_timeout_s)
+            if _speaks_http(sock):
+                self._answer_http(sock, peer)
+                return None
             hello = _expect_hello(conn)
             if self._token_key is not None:
                 hello = self._authenticate(conn, hello)
@@ -1055,6 +1081,23 @@ def _expect_hello(conn: Connection) -> Hello:
     if not isinstance(env.message, Hello):
         raise ProtocolError(f"expected HELLO, got {env.message.TYPE}")
     return env.message
+
+
+# the first bytes of an HTTP request (a method and its space, cut to four): a browser, curl or an OpenAI client
+# given head.listen's port instead of head.api's
+HTTP_DRAIN_S, HTTP_DRAIN_READS = 1.0, 16  # how long, and how much, an HTTP client's request is read before closing
+_HTTP_STARTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC")
+
+
+def _speaks_http(sock: socket.socket) -> bool:
+    """Whether what connected opens with an HTTP request line, looked at without taking it from the socket (a
+    worker's frame header never starts so: it would announce a body of gigabytes). Waits for four bytes as the
+    handshake waits for its first frame; fewer, and the handshake reads on and judges."""
+    try:
+        first = sock.recv(4, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False
+    return first in _HTTP_STARTS
 
 
 def _send_and_close(conn: Connection, message: Message) -> None:
