@@ -651,8 +651,8 @@ class _Parser:
                 raise self.fail(
                     "model",
                     f"{text!r} is a directory of the current one ({in_cwd}), not of this file's "
-                    f"({self.base_dir.resolve()}), so it reads as a HuggingFace repo id; a local model's relative path is "
-                    f"relative to the topology file: write the absolute path {in_cwd}",
+                    f"({self.base_dir.resolve()}), so it reads as a HuggingFace repo id; a local model's relative "
+                    f"path is relative to the topology file: write the absolute path {in_cwd}",
                 )
             return text, False
         path = self.local_path(text, "model")
