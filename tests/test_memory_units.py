@@ -95,3 +95,24 @@ def test_a_spare_on_a_cpu_is_counted_fp16_caches_as_it_computes_them_in_fp32():
     assert "on cpu" in problem and "declare a spare with more memory" in problem
     enough = worker_hello("s", max_memory_bytes=(1 << 20) + 8 * 256 * 1024)
     assert stage_fit_problem(spare, enough, on_gpu, config, 8) is None
+
+
+def test_a_worker_told_of_more_memory_or_threads_than_the_machine_has_is_warned(caplog):
+    """--max-memory-gb past the device's memory and --threads past the cores are taken (whoever starts the worker
+    may know better), with a warning that says what follows and what to give instead; within them, no word."""
+    from tc.worker.device import detect_devices
+    from tc.worker.main import warn_past_the_memory
+    from tc.worker.runtime import warn_past_the_cores
+
+    total = detect_devices("cpu")[-1].total_memory
+    with caplog.at_level("WARNING", logger="tc.worker"):
+        assert warn_past_the_memory(total + GIB, "cpu")
+        assert not warn_past_the_memory(total, "cpu") and not warn_past_the_memory(None, "cpu")
+        assert warn_past_the_cores(64, "--threads", cores=2)
+        assert not warn_past_the_cores(2, "--threads", cores=2)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"--max-memory-gb offers {(total + GIB) / GIB:.1f} GiB, and cpu has "
+                              f"{total / GIB:.1f} GiB") and "run out of it while loading" in said[0]
+    assert said[1] == ("--threads: 64 torch threads on a machine with 2 cores; threads past the cores slow every "
+                       "step (each product waits for its slowest thread): give 2 or fewer")

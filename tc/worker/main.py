@@ -60,7 +60,8 @@ from .device import DeviceError, compute_dtypes, detect_devices, select_device, 
 from ..openmp import on_own_thread
 from ..trace import mark
 from .peers import Forwarder, PeerListener, Routes
-from .runtime import LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment, torch_threads
+from .runtime import (LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment, torch_threads,
+                      warn_past_the_cores)
 
 log = logging.getLogger(__name__)
 
@@ -590,6 +591,18 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def warn_past_the_memory(offered: int | None, device: str) -> bool:
+    """Warn where --max-memory-gb offers more than the device has: the head plans by the figure offered, and a
+    stage planned past the real memory runs out of it while loading. True if it warned."""
+    total = next((d.total_memory for d in detect_devices(device) if d.id == device), None)
+    if offered is None or total is None or offered <= total:
+        return False
+    log.warning("--max-memory-gb offers %.1f GiB, and %s has %.1f GiB: the head plans by the figure offered, so "
+                "layers planned past the real memory run out of it while loading; give %.0f or less", offered / GIB,
+                device, total / GIB, total / GIB)
+    return True
+
+
 def run_worker(args: argparse.Namespace) -> int:
     if args.bench:
         return run_bench(args)
@@ -610,6 +623,9 @@ def run_worker(args: argparse.Namespace) -> int:
         except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
             log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
                         "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
+    if args.threads:
+        warn_past_the_cores(args.threads, "--threads")
+    warn_past_the_memory(options.max_memory_bytes, worker.device)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
     log.info("worker %s: device %s, %s, joining %s:%d%s", options.node_id or "(any entry)",

@@ -6,6 +6,7 @@ send); main.py wraps the output in the message it sends on, and owns the connect
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,23 @@ def apply_threads(assigned: int | None, command_line: int | None) -> None:
         return
     torch.set_num_threads(assigned)
     log.info("using %s, from the topology entry", torch_threads(torch.get_num_threads()))
+    warn_past_the_cores(assigned, "the topology entry's threads")
 
 
 def torch_threads(count: int) -> str:
     return f"{count} torch thread{'' if count == 1 else 's'}"
+
+
+def warn_past_the_cores(threads: int, setting: str, cores: int | None = None) -> bool:
+    """Warn where `threads` (from `setting`) are more than this machine's cores: each product's threads then wait
+    on each other at every barrier, and a step takes longer than with one per core. True if it warned."""
+    cores = cores if cores is not None else os.cpu_count()
+    if cores is None or threads <= cores:
+        return False
+    log.warning("%s: %s on a machine with %d core%s; threads past the cores slow every step (each product waits "
+                "for its slowest thread): give %d or fewer", setting, torch_threads(threads), cores,
+                "" if cores == 1 else "s", cores)
+    return True
 
 
 def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
