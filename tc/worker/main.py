@@ -598,8 +598,8 @@ def warn_past_the_memory(offered: int | None, device: str) -> bool:
     if offered is None or total is None or offered <= total:
         return False
     log.warning("--max-memory-gb offers %.1f GiB, and %s has %.1f GiB: the head plans by the figure offered, so "
-                "layers planned past the real memory run out of it while loading; give %.0f or less", offered / GIB,
-                device, total / GIB, total / GIB)
+                "layers planned past the real memory run out of it while loading; give %d or less", offered / GIB,
+                device, total / GIB, total // GIB)
     return True
 
 
