@@ -182,6 +182,25 @@ def test_plan_explain_prints_the_timed_table(tmp_path, capsys):
     assert "decode ms" not in capsys.readouterr().out
 
 
+def test_plan_notes_the_cpu_nodes_that_compute_fp16_in_fp32(tmp_path, capsys):
+    """The table gives the dtype a node asks for; a CPU computes fp16 in fp32 (and its caches are counted so), which
+    its worker says only at its load: `tc plan` says it at once, naming those nodes, and nothing where none do."""
+    from tc.cli import main
+    from cluster import write_topology
+    from tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    topology = write_topology(tmp_path / "topology.yaml", model, [
+        {"id": "a", "device": "cpu", "dtype": "fp16"}, {"id": "b", "device": "cpu"}], dtype="bf16")
+    assert main(["plan", str(topology)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == ["note: a (cpu, fp16) computes in fp32: CPUs have no fast fp16, and their KV caches above are "
+                     "counted in fp32; dtype: bf16 is the fast choice on a CPU"]
+    topology = write_topology(tmp_path / "topology.yaml", model, [{"id": "a", "device": "cpu"}], dtype="bf16")
+    assert main(["plan", str(topology)]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_advice_offers_only_weight_modes_smaller_than_the_one_in_use():
     """A topology already in int8 is told of int4 alone, one in int4 of no mode at all; the head's lm_head stays
     int8 under int4, so only an fp16 head is told to quantize."""
