@@ -573,6 +573,9 @@ class _Parser:
             )
         model, is_local = self.model(self.required(top, "model", "", "Qwen/Qwen2.5-0.5B-Instruct"))
         revision = None if top.get("revision") is None else self.revision(top["revision"], "revision")
+        if revision is not None and is_local:  # nothing would read it: say so rather than serve another version
+            raise self.fail("revision", f"{revision!r} names a version of a HuggingFace repo, and model is a local "
+                            f"directory ({model}), which has none: remove revision, or give model as a repo id")
         name = _default_name(model, is_local) if top.get("name") is None else self.string(top["name"], "name")
         quant = self.choice(self.required(top, "quant", "", "int8"), "quant", QUANT_MODES, "weight mode")
         group_size = top.get("group_size", DEFAULT_GROUP_SIZE)

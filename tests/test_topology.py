@@ -504,7 +504,7 @@ def test_repo_id_that_is_not_a_directory_stays_remote(tmp_path: Path) -> None:
 def test_round_trip_through_yaml(tmp_path: Path) -> None:
     make_model_dir(tmp_path / "m")
     data = changed(
-        ("model", "./m"), ("revision", "abc"), ("hf_cache_dir", "hf"), ("head.threads", 2),
+        ("model", "./m"), ("hf_cache_dir", "hf"), ("head.threads", 2),
         ("head.api", "[::1]:8000"), ("head.step_timeout_s", 5), ("head.step_timeout_factor", 3),
         ("nodes.0.dtype", "fp32"), ("nodes.0.threads", 4), ("nodes.2.layers", 20),
         ("nodes.1.speed", {"decode_gbps": 61.37, "prefill_gbps": 4812.5, "layer_ms": 0.0913}),
@@ -517,6 +517,19 @@ def test_round_trip_through_yaml(tmp_path: Path) -> None:
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False), encoding="utf-8")
     assert load_topology(path) == topo
+    of_repo = parse_topology(changed(("revision", "abc")), tmp_path)  # a repo id's revision goes round too
+    assert of_repo.revision == "abc" and parse_topology(of_repo.to_dict(), Path("/")) == of_repo
+
+
+def test_a_revision_of_a_local_model_is_refused_not_ignored(tmp_path: Path) -> None:
+    """A local directory has no revisions: a revision beside it would be read by nothing, and the head would serve
+    what the directory holds while the file says another version."""
+    make_model_dir(tmp_path / "m")
+    with pytest.raises(TopologyError) as info:
+        parse_topology(changed(("model", "./m"), ("revision", "v2.0")), tmp_path)
+    assert info.value.key_path == "revision"
+    assert info.value.message == (f"'v2.0' names a version of a HuggingFace repo, and model is a local directory "
+                                  f"({tmp_path / 'm'}), which has none: remove revision, or give model as a repo id")
 
 
 SPEED = {"decode_gbps": 12.5, "prefill_gbps": 150, "layer_ms": 0.3}
