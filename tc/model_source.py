@@ -133,11 +133,12 @@ class ModelSource:
             # the commit, once pinned: a cache may hold the repo at another (a branch's older one)
             at = "" if self.revision is None else f" at {self.revision}"
             if _hub_offline():  # asking the Hub would not help: it was not asked
+                pinned = "" if self.revision is None else f" --revision {self.revision}"
                 raise ModelSourceError(
                     f"cannot get {filename} of {self.model}{at}: it is not in the HF cache, and HF_HUB_OFFLINE=1 "
                     f"keeps this machine from asking the Hub ({_first_line(exc)}). Fill the cache where the Hub is "
-                    f"reachable (hf download {self.model}) and copy it here, unset HF_HUB_OFFLINE, or copy the model "
-                    "directory here and give its path as model: in topology.yaml") from exc
+                    f"reachable (hf download {self.model}{pinned}) and copy it here, unset HF_HUB_OFFLINE, or copy "
+                    "the model directory here and give its path as model: in topology.yaml") from exc
             raise ModelSourceError(
                 f"cannot get {filename} of {self.model}{at}: it is not in the HF cache and the Hub did not provide it "
                 f"({_first_line(exc)}). Check this machine reaches the Hub (or set HF_ENDPOINT to a mirror; "

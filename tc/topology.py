@@ -37,7 +37,7 @@ NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")  # one dot-separated part of a host name
 _PORT_PATTERN = re.compile(r"[0-9]{1,5}")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # An origin as a browser sends it in Origin: scheme://host[:port], nothing after (RFC 6454)
 _ORIGIN_PATTERN = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[^/?#:@\[\]\s]+)"
                              r"(?::(?P<port>[0-9]{1,5}))?")
@@ -347,7 +347,8 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
         host = host[1:-1]
         valid_host = _is_ip(host, ipaddress.IPv6Address)
     else:
-        if ":" in host and _is_ip(host, ipaddress.IPv6Address):  # bracket it; "::1" may be an address alone too
+        if ":" in host and _is_ip(host, ipaddress.IPv6Address) and _PORT_PATTERN.fullmatch(port_text):
+            # bracket it; "::1" may be an address alone too
             alone = f", or for the address {text} itself [{text}]:PORT" if _is_ip(text, ipaddress.IPv6Address) else ""
             raise AddressError(f"{text!r}: put an IPv6 host in brackets, then the port: [{host}]:{port_text}{alone}")
         if ":" in host and _is_ip(text, ipaddress.IPv6Address):  # "::1": an address alone
@@ -366,7 +367,7 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
 def _same_port(api: HostPort, listen: HostPort) -> bool:
     """Whether the two addresses would listen on one port: the same port, on the same host or a wildcard."""
     return api.port == listen.port and (
-        api.host == listen.host or api.host in _WILDCARD_HOSTS or listen.host in _WILDCARD_HOSTS
+        api.host == listen.host or api.host in WILDCARD_HOSTS or listen.host in WILDCARD_HOSTS
     )
 
 
@@ -649,7 +650,7 @@ class _Parser:
                     f"give a repo id like {example} or a local path like ./models/qwen",
                 )
             in_cwd = Path.cwd() / text
-            if self.is_dir(in_cwd, "model") and in_cwd.resolve() != (self.base_dir / text).resolve():
+            if self.is_file(in_cwd / "config.json", "model"):  # a model there, not next to the file
                 # read as a repo id, it would be looked for on the Hub (a minute of retries offline)
                 raise self.fail(
                     "model",

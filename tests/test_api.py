@@ -482,6 +482,8 @@ def test_neutral_values_of_unimplemented_fields_are_served(client):
      "function_call": None, "stream_options": None},
     # for the chat template, which reads it or not: this one does not
     {"reasoning_effort": "low"}, {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "high"}},
+    {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": None}},  # null: no value to clash
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": None}]}]},
 ])
 def test_openai_chat_fields_that_change_no_reply_are_taken_and_change_none(client, fields):
     """Fields OpenAI's chat API has for storing replies, routing, abuse detection and predicted outputs, which

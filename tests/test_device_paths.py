@@ -145,8 +145,12 @@ def test_a_worker_s_device_is_chosen_or_refused_in_words_that_say_what_to_do(mon
     with pytest.raises(DeviceError, match=r"device 'mps' is not available on this machine \(it has: cpu\)$"):
         select_device("mps", cpu_only)
     monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
     with pytest.raises(DeviceError, match=r"'cuda:0' is not available .*: this PyTorch \(.*\) is built without "
-                                          "CUDA; install a CUDA build of torch"):
+                                          "CUDA; pip uninstall torch, then install a CUDA build"):
+        select_device("cuda", cpu_only)
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)  # ROCm's builds answer to "cuda" too
+    with pytest.raises(DeviceError, match=r"device 'cuda:0' is not available on this machine \(it has: cpu\)$"):
         select_device("cuda", cpu_only)
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build that finds no GPU: no word on the build
     with pytest.raises(DeviceError, match=r"device 'cuda:1' is not available on this machine \(it has: cpu\)$"):

@@ -1,6 +1,7 @@
 """One memory unit everywhere: the worker's --max-memory-gb and the topology's max_memory_gb both count GiB."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -108,12 +109,12 @@ def test_a_worker_told_of_more_memory_or_threads_than_the_machine_has_is_warned(
     with caplog.at_level("WARNING", logger="tc.worker"):
         assert warn_past_the_memory(total + GIB, "cpu")
         assert not warn_past_the_memory(total, "cpu") and not warn_past_the_memory(None, "cpu")
-        assert warn_past_the_cores(64, "--threads", cores=2)
-        assert not warn_past_the_cores(2, "--threads", cores=2)
+        assert warn_past_the_cores(64, "--threads", cpus=2)
+        assert not warn_past_the_cores(2, "--threads", cpus=2)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said
     assert said[0].startswith(f"--max-memory-gb offers {(total + GIB) / GIB:.1f} GiB, and cpu has "
                               f"{total / GIB:.1f} GiB")
-    assert said[0].endswith(f"run out of it while loading; give {total // GIB} or less")
-    assert said[1] == ("--threads: 64 torch threads on a machine with 2 cores; threads past the cores slow every "
-                       "step (each product waits for its slowest thread): give 2 or fewer")
+    assert said[0].endswith(f"run out of it while loading; give {math.floor(total / GIB * 10) / 10:.1f} or less")
+    assert said[1] == ("--threads: 64 torch threads, and this process may run on 2 CPUs; threads past the CPUs slow "
+                       "every step (each product waits for its slowest thread): give 2 or fewer")

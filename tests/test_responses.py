@@ -254,6 +254,8 @@ def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     ({"safety_identifier": {"id": "u"}}, "safety_identifier"),
     ({"text": {"verbosity": "terse"}}, "text.verbosity"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": False}, "top_logprobs"),
+    ({"stream": "yes", "stream_options": {"include_obfuscation": False}}, "stream"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # only beside "stream": true
     ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
     ({"input": [{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1].type"),

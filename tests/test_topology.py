@@ -300,7 +300,7 @@ def test_a_model_directory_of_the_current_one_and_not_of_the_file_s_is_named_wit
     written it is a repo id, which a head would look for on the Hub (a minute of retries offline). Said at once,
     with the absolute path to write; a directory that is the file's own is taken as before."""
     elsewhere = tmp_path_factory.mktemp("cwd")
-    (elsewhere / "models" / "x").mkdir(parents=True)
+    make_model_dir(elsewhere / "models" / "x")
     monkeypatch.chdir(elsewhere)
     with pytest.raises(TopologyError) as info:
         parse_topology(changed(("model", "models/x")), base_dir, source="topology.yaml")
@@ -309,6 +309,9 @@ def test_a_model_directory_of_the_current_one_and_not_of_the_file_s_is_named_wit
         in info.value.message and info.value.message.endswith(f"write the absolute path {elsewhere / 'models/x'}")
     monkeypatch.chdir(base_dir)  # the file's own directory: the repo id it reads as is what it always was
     assert parse_topology(changed(("model", "models/x")), base_dir, source="topology.yaml").model == "models/x"
+    (elsewhere / "out" / "run").mkdir(parents=True)  # a directory of that name, but no model: a repo id still
+    monkeypatch.chdir(elsewhere)
+    assert parse_topology(changed(("model", "out/run")), base_dir, source="topology.yaml").model == "out/run"
 
 
 def test_error_text_is_file_key_and_fix(base_dir: Path) -> None:
@@ -601,6 +604,7 @@ def test_the_command_line_takes_only_ports(port: str, capsys) -> None:
     (["worker", "--join", "fe80::1:7001"], "put an IPv6 host in brackets, then the port: [fe80::1]:7001, or for "
                                            "the address fe80::1:7001 itself [fe80::1:7001]:PORT"),
     (["worker", "--join", "::1:7001"], "put an IPv6 host in brackets, then the port: [::1]:7001"),
+    (["worker", "--join", "fe80::1:abcd"], "'fe80::1:abcd' is an IPv6 address with no port"),
     (["worker", "--join", "10.0.0.5:7001:7001"], "holds more than one ':'; write one host and one port, like "
                                                  "HEAD_HOST:7001"),
     (["worker", "--join", "[::1]"], "has no port"),

@@ -184,6 +184,18 @@ def test_an_http_client_on_the_workers_port_is_told_in_http_where_the_api_is(clu
     assert cluster.get("/health")[0] == 200
 
 
+def test_the_api_address_told_is_one_the_client_can_reach():
+    """head.api on a wildcard (the example's 0.0.0.0:8000) is no address to give a client: it is told the address
+    it reached the head at, with the API's port; a named host is told as it is."""
+    from tc.head.workers import api_address
+    from tc.topology import HostPort
+
+    assert str(api_address(HostPort("0.0.0.0", 8000), "192.168.1.50")) == "192.168.1.50:8000"
+    assert str(api_address(HostPort("::", 8000), "fd00::5")) == "[fd00::5]:8000"
+    assert str(api_address(HostPort("10.0.0.2", 8000), "192.168.1.50")) == "10.0.0.2:8000"
+    assert str(api_address(HostPort("0.0.0.0", 8000), None)) == "0.0.0.0:8000"
+
+
 def test_well_framed_garbage_body_gets_an_error(cluster):
     only_error(raw_reply(cluster.listen_port, frame_header(5) + b"\x00\x01\x02\x03\x04"))
     only_error(raw_reply(cluster.listen_port, frame_header(1) + encode_cbor([1, 2, 3])[:1]))

@@ -728,7 +728,7 @@ def _content(value: Any, param: str) -> str:
             raise RequestError(f"'{part_param}.type' is {json.dumps(part.get('type'))}; only \"text\" parts are "
                                "supported", param=f"{part_param}.type", code="unsupported_value")
         for key in part:
-            if key not in ("type", "text"):
+            if key not in ("type", "text") and part[key] is not None:  # null: as if left out
                 raise RequestError(f"unsupported field '{part_param}.{key}'", param=f"{part_param}.{key}",
                                    code="unsupported_parameter")
         texts.append(_string(_required(part, "text", f"{part_param}."), f"{part_param}.text"))
@@ -1034,7 +1034,7 @@ def _reasoning_effort(body: Mapping[str, Any], variables: dict[str, Any]) -> dic
         shown = json.dumps(effort) if isinstance(effort, str) else _json_type(effort)
         raise RequestError(f"'reasoning_effort' is {shown}; use one of {', '.join(REASONING_EFFORTS)}",
                            param="reasoning_effort", code="invalid_value")
-    if variables.get("reasoning_effort", effort) != effort:
+    if variables.get("reasoning_effort") not in (None, effort):
         raise RequestError("'reasoning_effort' and 'chat_template_kwargs.reasoning_effort' disagree; send one",
                            param="reasoning_effort", code="invalid_value")
     return {**variables, "reasoning_effort": effort}

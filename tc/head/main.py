@@ -178,11 +178,13 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"batch: {batch.describe()}")
     for line in describe_spares(topology, plan, config, batch.max_batch):
         print(line)
-    fp32 = [entry.id for entry in topology.nodes if entry.device == "cpu" and (entry.dtype or topology.dtype) == "fp16"]
-    if fp32:
+    cpu_fp16 = [entry.id for entry in topology.nodes
+                if entry.device == "cpu" and (entry.dtype or topology.dtype) == "fp16"]
+    if cpu_fp16:
         # the table gives the dtype asked for; the worker warns at its load, which is late to learn it
-        print(f"note: {', '.join(fp32)} (cpu, fp16) compute{'s' if len(fp32) == 1 else ''} in fp32: CPUs have no fast "
-              "fp16, and their KV caches above are counted in fp32; dtype: bf16 is the fast choice on a CPU")
+        verb = "computes" if len(cpu_fp16) == 1 else "compute"
+        print(f"note: {', '.join(cpu_fp16)} (cpu, fp16) {verb} in fp32: CPUs have no fast fp16, and their KV caches "
+              "above are counted in fp32; dtype: bf16 is the fast choice on a CPU")
     if topology.head.plan_from == "workers":
         print(f"head.plan_from: workers: the head makes its plan once all {len(plan.stages)} workers have joined, "
               "from their own speeds and memory and their links; the split above is from this file alone")

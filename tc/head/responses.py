@@ -270,7 +270,10 @@ def _stream_options(body: Mapping[str, Any]) -> None:
     options = body.get("stream_options")
     if options is None:
         return
-    if body.get("stream") is not True:
+    stream = body.get("stream")
+    if stream is not None:
+        _boolean(stream, "stream")  # a wrong type is named as such before what it keeps from stream_options
+    if stream is not True:
         raise RequestError("'stream_options' is only allowed with \"stream\": true", param="stream_options",
                            code="invalid_value")
     options = _object(options, "stream_options", _STREAM_OPTION_KEYS)
@@ -302,7 +305,8 @@ def translate(body: Mapping[str, Any]) -> Translation:
     _check_fields(body, _FIELDS, {})
     _refuse_stored_state(body)
     _stream_options(body)
-    if body.get("top_logprobs") not in (None, 0):
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or top != 0):  # not False, not 0.0: the integer 0 asks for none
         raise RequestError("'top_logprobs' is not supported on /v1/responses: tc gives no log-probabilities here "
                            "(the output_text logprobs that 'include' selects); send the request to "
                            "/v1/chat/completions with \"logprobs\": true and top_logprobs", param="top_logprobs",

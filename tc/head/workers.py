@@ -54,7 +54,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERRO
                                  RunBatch)
 from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
-from ..topology import Topology
+from ..topology import WILDCARD_HOSTS, HostPort, Topology
 from ..trace import mark
 from .admission import (Refusal, caches_short_of_the_batch, choose_entry, device_for, dtype_fallback,
                         sequences_to_hold, stage_fit_problem)
@@ -641,7 +641,11 @@ class WorkerRegistry:
 
     def _answer_http(self, sock: socket.socket, peer: str) -> None:
         """An HTTP request on the workers' port: answered in HTTP, with where the API is, and closed."""
-        api = self.topology.head.api
+        try:
+            reached = sock.getsockname()[0]
+        except OSError:
+            reached = None
+        api = api_address(self.topology.head.api, reached)
         words = (f"this is a TrueCluster head's port for workers (head.listen); the OpenAI API is at "
                  f"http://{api}/v1 (head.api)")
         log.warning("an HTTP client at %s asked the workers' port; the API is at http://%s/v1 (head.api), and "
@@ -1083,21 +1087,26 @@ def _expect_hello(conn: Connection) -> Hello:
     return env.message
 
 
+HTTP_DRAIN_S, HTTP_DRAIN_READS = 1.0, 16  # how long, and how much, an HTTP client's request is read before closing
 # the first bytes of an HTTP request (a method and its space, cut to four): a browser, curl or an OpenAI client
 # given head.listen's port instead of head.api's
-HTTP_DRAIN_S, HTTP_DRAIN_READS = 1.0, 16  # how long, and how much, an HTTP client's request is read before closing
 _HTTP_STARTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC")
 
 
 def _speaks_http(sock: socket.socket) -> bool:
     """Whether what connected opens with an HTTP request line, looked at without taking it from the socket (a
-    worker's frame header never starts so: it would announce a body of gigabytes). Waits for four bytes as the
-    handshake waits for its first frame; fewer, and the handshake reads on and judges."""
-    try:
-        first = sock.recv(4, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return False
-    return first in _HTTP_STARTS
+    worker's frame header never starts so: it would announce a body of gigabytes). Waits, as the handshake waits
+    for its first frame, for what comes first: a request line comes whole in its first segment, and fewer than
+    four bytes are left to the handshake to read on and judge."""
+    return sock.recv(4, socket.MSG_PEEK) in _HTTP_STARTS
+
+
+def api_address(api: HostPort, reached: str | None) -> HostPort:
+    """Where a client on this machine's network finds the API: head.api, but for a wildcard host (0.0.0.0, ::)
+    the address it reached this head at (`reached`, the connection's own end), which it can reach again."""
+    if api.host in WILDCARD_HOSTS and reached:
+        return HostPort(reached, api.port)
+    return api
 
 
 def _send_and_close(conn: Connection, message: Message) -> None:

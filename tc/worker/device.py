@@ -97,10 +97,11 @@ def select_device(requested: str, devices: list[DeviceInfo]) -> str:
     if requested in ids:
         return requested
     missing = f"device {requested!r} is not available on this machine (it has: {', '.join(ids)})"
-    if kind == "cuda" and torch.version.cuda is None:  # a GPU box given PyTorch's CPU-only build
-        raise DeviceError(f"{missing}: this PyTorch ({torch.__version__}) is built without CUDA; install a CUDA "
-                          "build of torch (scripts/setup.sh without TORCH_INDEX_URL, or pip from PyTorch's index "
-                          "for your CUDA version)")
+    if kind == "cuda" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        # a GPU box given PyTorch's CPU-only build; pip keeps it for "torch==X" (X+cpu satisfies it)
+        raise DeviceError(f"{missing}: this PyTorch ({torch.__version__}) is built without CUDA; pip uninstall "
+                          "torch, then install a CUDA build (from PyPI on Linux x86-64, or PyTorch's index for your "
+                          "CUDA version)")
     raise DeviceError(missing)
 
 

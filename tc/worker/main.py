@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -592,14 +593,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def warn_past_the_memory(offered: int | None, device: str) -> bool:
-    """Warn where --max-memory-gb offers more than the device has: the head plans by the figure offered, and a
-    stage planned past the real memory runs out of it while loading. True if it warned."""
+    """Warn where --max-memory-gb offers more than the device has: the head admits the worker by the figure offered
+    (and with head.plan_from: workers gives it layers by it), so layers past the real memory run out of it while
+    loading. True if it warned."""
     total = next((d.total_memory for d in detect_devices(device) if d.id == device), None)
     if offered is None or total is None or offered <= total:
         return False
-    log.warning("--max-memory-gb offers %.1f GiB, and %s has %.1f GiB: the head plans by the figure offered, so "
-                "layers planned past the real memory run out of it while loading; give %d or less", offered / GIB,
-                device, total / GIB, total // GIB)
+    log.warning("--max-memory-gb offers %.1f GiB, and %s has %.1f GiB: the head admits this worker by the figure "
+                "offered (and plans by it under head.plan_from: workers), so layers past the real memory run out of "
+                "it while loading; give %.1f or less", offered / GIB, device, total / GIB,
+                math.floor(total / GIB * 10) / 10)
     return True
 
 
@@ -617,15 +620,15 @@ def run_worker(args: argparse.Namespace) -> int:
     except (DeviceError, WorkerSetupError, ValueError) as exc:
         log.error("%s", exc)
         return REFUSED_EXIT
+    if args.threads:
+        warn_past_the_cores(args.threads, "--threads")  # before the speed probe, which runs on them
+    warn_past_the_memory(options.max_memory_bytes, worker.device)
     if options.bench:
         try:
             on_own_thread(worker.measure_speeds, "speed-probe")  # no OpenMP pool left beside the compute thread's
         except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
             log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
                         "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
-    if args.threads:
-        warn_past_the_cores(args.threads, "--threads")
-    warn_past_the_memory(options.max_memory_bytes, worker.device)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
     log.info("worker %s: device %s, %s, joining %s:%d%s", options.node_id or "(any entry)",

@@ -87,15 +87,17 @@ def torch_threads(count: int) -> str:
     return f"{count} torch thread{'' if count == 1 else 's'}"
 
 
-def warn_past_the_cores(threads: int, setting: str, cores: int | None = None) -> bool:
-    """Warn where `threads` (from `setting`) are more than this machine's cores: each product's threads then wait
-    on each other at every barrier, and a step takes longer than with one per core. True if it warned."""
-    cores = cores if cores is not None else os.cpu_count()
-    if cores is None or threads <= cores:
+def warn_past_the_cores(threads: int, setting: str, cpus: int | None = None) -> bool:
+    """Warn where `threads` (from `setting`) are more than the CPUs this process may run on (its affinity: a
+    container's or taskset's share, not the host's count): each product's threads then wait on each other at
+    every barrier, and a step takes longer than with one per CPU. True if it warned."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpus is None or threads <= cpus:
         return False
-    log.warning("%s: %s on a machine with %d core%s; threads past the cores slow every step (each product waits "
-                "for its slowest thread): give %d or fewer", setting, torch_threads(threads), cores,
-                "" if cores == 1 else "s", cores)
+    log.warning("%s: %s, and this process may run on %d CPU%s; threads past the CPUs slow every step (each product "
+                "waits for its slowest thread): give %d or fewer", setting, torch_threads(threads), cpus,
+                "" if cpus == 1 else "s", cpus)
     return True
 
 
