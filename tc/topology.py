@@ -347,14 +347,16 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
         host = host[1:-1]
         valid_host = _is_ip(host, ipaddress.IPv6Address)
     else:
-        if ":" in host and _is_ip(host, ipaddress.IPv6Address) and _PORT_PATTERN.fullmatch(port_text):
-            # bracket it; "::1" may be an address alone too
-            alone = f", or for the address {text} itself [{text}]:PORT" if _is_ip(text, ipaddress.IPv6Address) else ""
-            raise AddressError(f"{text!r}: put an IPv6 host in brackets, then the port: [{host}]:{port_text}{alone}")
-        if ":" in host and _is_ip(text, ipaddress.IPv6Address):  # "::1": an address alone
-            raise AddressError(f"{text!r} is an IPv6 address with no port; write it in brackets, then the port: "
-                               f"[{text}]:PORT")
-        if ":" in host:  # "10.0.0.5:7001:7001", "head:8000:7001": a port too many
+        if ":" in host:
+            alone = _is_ip(text, ipaddress.IPv6Address)  # "::1": an address alone, or its host and a port?
+            if _is_ip(host, ipaddress.IPv6Address) and _PORT_PATTERN.fullmatch(port_text):
+                either = f", or for the address {text} itself [{text}]:PORT" if alone else ""
+                raise AddressError(f"{text!r}: put an IPv6 host in brackets, then the port: [{host}]:{port_text}"
+                                   f"{either}")
+            if alone:
+                raise AddressError(f"{text!r} is an IPv6 address with no port; write it in brackets, then the port: "
+                                   f"[{text}]:PORT")
+            # "10.0.0.5:7001:7001", "head:8000:7001": a port too many
             raise AddressError(f"{text!r} holds more than one ':'; write one host and one port, like {example}")
         valid_host = _is_host_name(host)
     if not valid_host:

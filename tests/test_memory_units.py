@@ -105,10 +105,11 @@ def test_a_worker_told_of_more_memory_or_threads_than_the_machine_has_is_warned(
     from tc.worker.main import warn_past_the_memory
     from tc.worker.runtime import warn_past_the_cores
 
-    total = detect_devices("cpu")[-1].total_memory
+    devices = detect_devices("cpu")
+    total = devices[-1].total_memory
     with caplog.at_level("WARNING", logger="tc.worker"):
-        assert warn_past_the_memory(total + GIB, "cpu")
-        assert not warn_past_the_memory(total, "cpu") and not warn_past_the_memory(None, "cpu")
+        assert warn_past_the_memory(total + GIB, "cpu", devices)
+        assert not warn_past_the_memory(total, "cpu", devices) and not warn_past_the_memory(None, "cpu", devices)
         assert warn_past_the_cores(64, "--threads", cpus=2)
         assert not warn_past_the_cores(2, "--threads", cpus=2)
     said = [r.getMessage() for r in caplog.records]

@@ -297,6 +297,7 @@ _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"function_call": (None,), "audio
 _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _CALL_FIELDS = frozenset({"id", "type", "function", "index"})
+_TEXT_PART_FIELDS = frozenset({"type", "text"})
 _CALL_FUNCTION_FIELDS = frozenset({"name", "arguments", "parsed_arguments"})
 # include_obfuscation asks OpenAI to pad each chunk with random characters (against reading a reply's length off
 # the wire); tc's chunks carry no padding either way, so both values are taken
@@ -727,10 +728,7 @@ def _content(value: Any, param: str) -> str:
         if part.get("type") != "text":
             raise RequestError(f"'{part_param}.type' is {json.dumps(part.get('type'))}; only \"text\" parts are "
                                "supported", param=f"{part_param}.type", code="unsupported_value")
-        for key in part:
-            if key not in ("type", "text") and part[key] is not None:  # null: as if left out
-                raise RequestError(f"unsupported field '{part_param}.{key}'", param=f"{part_param}.{key}",
-                                   code="unsupported_parameter")
+        _object(part, part_param, _TEXT_PART_FIELDS)
         texts.append(_string(_required(part, "text", f"{part_param}."), f"{part_param}.text"))
     return "\n".join(texts)
 

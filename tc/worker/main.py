@@ -53,8 +53,8 @@ from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
-                                 Assignment, ClearCache, Error, Hello, HelloAck, InferenceError, LoadComplete,
-                                 HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
+                                 Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck, InferenceError,
+                                 LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
                                  RunBatch, SpeedFigure)
 from ..topology import GIB, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
@@ -592,11 +592,11 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def warn_past_the_memory(offered: int | None, device: str) -> bool:
-    """Warn where --max-memory-gb offers more than the device has: the head admits the worker by the figure offered
-    (and with head.plan_from: workers gives it layers by it), so layers past the real memory run out of it while
-    loading. True if it warned."""
-    total = next((d.total_memory for d in detect_devices(device) if d.id == device), None)
+def warn_past_the_memory(offered: int | None, device: str, devices: list[DeviceInfo]) -> bool:
+    """Warn where --max-memory-gb offers more than `device` has (of `devices`, as detected): the head admits the
+    worker by the figure offered (and with head.plan_from: workers gives it layers by it), so layers past the real
+    memory run out of it while loading. True if it warned."""
+    total = next((d.total_memory for d in devices if d.id == device), None)
     if offered is None or total is None or offered <= total:
         return False
     log.warning("--max-memory-gb offers %.1f GiB, and %s has %.1f GiB: the head admits this worker by the figure "
@@ -622,7 +622,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return REFUSED_EXIT
     if args.threads:
         warn_past_the_cores(args.threads, "--threads")  # before the speed probe, which runs on them
-    warn_past_the_memory(options.max_memory_bytes, worker.device)
+    warn_past_the_memory(options.max_memory_bytes, worker.device, worker.devices)
     if options.bench:
         try:
             on_own_thread(worker.measure_speeds, "speed-probe")  # no OpenMP pool left beside the compute thread's
