@@ -18,7 +18,7 @@ from model_helpers import OurModel
 from tiny_model import write_tiny_model
 from tc.generation import Completion, Generator, Step
 from tc.head.api import create_app
-from tc.head.api_requests import MessageToolCall, ToolChoice, parse_chat_request
+from tc.head.api_requests import MessageToolCall, RequestError, ToolChoice, parse_chat_request
 from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import ChatReply, ReplyContext, TokenText, ToolCalling
@@ -242,3 +242,127 @@ def test_each_streamed_call_is_a_header_then_its_arguments(tiny_model_dir):
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"location": "Paris"}'}}]},
     ]
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+
+# --- the deprecated form: functions, function_call and function messages -------------------------------------------
+
+FUNCTIONS = [WEATHER["function"], TIME["function"]]
+LEGACY_CALLED = {"role": "assistant", "content": None,
+                 "function_call": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}
+LEGACY_ANSWERED = {"role": "function", "name": "get_weather", "content": '{"temperature_c": 18}'}
+
+
+def test_functions_are_tools_with_one_call_a_turn():
+    request = parse_chat_request({"model": "m", "messages": [ASK], "functions": FUNCTIONS})
+    assert request.legacy_functions and not request.parallel_tool_calls
+    assert request.tool_choice == ToolChoice("auto") and request.tools == parse_chat_request(
+        {"model": "m", "messages": [ASK], "tools": [WEATHER, TIME]}).tools
+    assert parse_chat_request({"model": "m", "messages": [ASK], "functions": FUNCTIONS,
+                               "function_call": {"name": "get_time"}}).tool_choice == ToolChoice("function", "get_time")
+    assert parse_chat_request({"model": "m", "messages": [ASK], "functions": FUNCTIONS,
+                               "function_call": "none"}).offered_tools == ()
+    assert not parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER]}).legacy_functions
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"functions": FUNCTIONS, "tools": [WEATHER]}, "functions", "cannot be combined with 'tools'"),
+    ({"functions": FUNCTIONS, "tool_choice": "auto"}, "functions", "cannot be combined with 'tool_choice'"),
+    ({"tools": [WEATHER], "function_call": "auto"}, "function_call", "cannot be combined with 'tools'"),
+    ({"functions": FUNCTIONS, "function_call": "required"}, "function_call", '"none", "auto" or {"name": ...}'),
+    ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call.name", "not in 'functions'"),
+    ({"function_call": "auto"}, "function_call", "needs 'functions'"),
+    ({"functions": FUNCTIONS, "parallel_tool_calls": True}, "parallel_tool_calls", "one function_call"),
+    ({"functions": [WEATHER]}, "functions[0].type", "unsupported field"),
+    ({"functions": [WEATHER["function"], WEATHER["function"]]}, "functions[1].name", "repeats the function name"),
+])
+def test_the_deprecated_form_is_refused_where_it_says_two_things(extra, param, words):
+    with pytest.raises(RequestError) as caught:
+        parse_chat_request({"model": "m", "messages": [ASK], **extra})
+    assert caught.value.param == param and words in str(caught.value), caught.value
+
+
+def test_function_messages_answer_the_call_before_them():
+    later = {"role": "assistant", "content": None,
+             "function_call": {"name": "get_weather", "arguments": '{"location": "Rome"}'}}
+    request = parse_chat_request({"model": "m", "messages": [
+        ASK, LEGACY_CALLED, LEGACY_ANSWERED, later, {**LEGACY_ANSWERED, "content": None},
+        {"role": "function", "name": "get_time", "content": "noon"}]})
+    first, second = request.messages[1].tool_calls[0], request.messages[3].tool_calls[0]
+    assert (first, second.id) == (MessageToolCall("000000001", "get_weather", '{"location": "Paris"}'), "000000003")
+    assert [(m.role, m.tool_call_id, m.name, m.content) for m in (request.messages[i] for i in (2, 4, 5))] == [
+        ("tool", "000000001", "get_weather", '{"temperature_c": 18}'), ("tool", "000000003", "get_weather", ""),
+        ("tool", None, "get_time", "noon")]  # a result of no call stays as it came
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "function", "content": "x"}, "messages[1].name"),
+    ({"role": "function", "name": "f", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id"),
+    ({"role": "user", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}, "messages[1].function_call"),
+    ({**CALLED, "function_call": {"name": "f", "arguments": "{}"}}, "messages[1].function_call"),
+    ({**LEGACY_CALLED, "function_call": {"name": "f"}}, "messages[1].function_call.arguments"),
+])
+def test_malformed_function_messages_are_refused_by_name(message, param):
+    with pytest.raises(RequestError) as caught:
+        parse_chat_request({"model": "m", "messages": [ASK, message]})
+    assert caught.value.param == param, caught.value
+
+
+def test_a_deprecated_conversation_renders_as_its_tools_form(client, generator):
+    """Qwen2.5's template writes neither ids nor names of results: the two forms are one prompt."""
+    assert prompt_tokens(client, messages=[ASK, LEGACY_CALLED, LEGACY_ANSWERED], functions=[WEATHER["function"]]) == \
+        prompt_tokens(client, messages=[ASK, CALLED, ANSWERED], tools=[WEATHER])
+    assert prompt_tokens(client, messages=[ASK], functions=FUNCTIONS, function_call={"name": "get_time"}) == \
+        rendered_length(generator, [ASK], [TIME])
+
+
+def legacy_reply(tiny_model_dir) -> ChatReply:
+    tools = ToolCalling(frozenset(("get_weather", "get_time")), parallel=False, legacy=True)
+    return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(TextTokenizer.load(tiny_model_dir)),
+                     logprobs=None, tools=tools)
+
+
+def test_a_reply_to_functions_carries_one_function_call(tiny_model_dir):
+    body = legacy_reply(tiny_model_dir).whole(completion(TWO_CALLS))
+    choice = ChatCompletion.model_validate(body).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '{"location": "Paris"}'}}
+    plain = legacy_reply(tiny_model_dir).whole(completion("Sunny."))
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_a_streamed_function_call_is_its_name_then_its_arguments(tiny_model_dir, piece):
+    chunks = stream_chunks(legacy_reply(tiny_model_dir), "Checking.\n" + TWO_CALLS, piece)
+    deltas = [c["choices"][0]["delta"]["function_call"] for c in chunks if "function_call" in c["choices"][0]["delta"]]
+    assert deltas == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"location": "Paris"}'}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    state = ChatCompletionStreamState()  # the openai client's own joining of a stream
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    message = state.get_final_completion().choices[0].message
+    whole = ChatCompletion.model_validate(legacy_reply(tiny_model_dir).whole(completion("Checking.\n" + TWO_CALLS)))
+    assert message.function_call == whole.choices[0].message.function_call
+    assert message.content == whole.choices[0].message.content == "Checking."
+
+
+def test_the_openai_client_gets_and_sends_back_a_function_call(openai_client):
+    """The deprecated form end to end through the openai client: a function_call forced by name (the grammar makes
+    the random model call), its result sent back as a function message, and the conversation goes on."""
+    asked = [{"role": "user", "content": "Look up item 7."}]
+    lookup = {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                               "required": ["id"], "additionalProperties": False}}
+    reply = openai_client.chat.completions.create(model="tiny", messages=asked, functions=[lookup],
+                                                  function_call={"name": "lookup"}, max_tokens=200, seed=1)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.function_call.name == "lookup"
+    assert isinstance(json.loads(choice.message.function_call.arguments)["id"], int)
+    streamed = openai_client.chat.completions.create(model="tiny", messages=asked, functions=[lookup],
+                                                     function_call={"name": "lookup"}, max_tokens=200, seed=1,
+                                                     stream=True)
+    parts = [c.choices[0].delta.function_call for c in streamed if c.choices and c.choices[0].delta.function_call]
+    assert parts[0].name == "lookup" and "".join(p.arguments for p in parts) == choice.message.function_call.arguments
+    answered = [*asked, choice.message, {"role": "function", "name": "lookup", "content": "found"}]
+    follow = openai_client.chat.completions.create(model="tiny", messages=answered, functions=[lookup], max_tokens=2)
+    assert follow.choices[0].message.role == "assistant"

@@ -1,10 +1,10 @@
 """What OpenAI clients ask of a local server, on the real demo model through a head and two worker processes.
 
 One cluster serves the whole module (starting it is most of the time): fill in the middle, tool calls with the
-official `openai` client (whole, streamed, and the final answer from the tool's result), structured output
-(`parse` with a pydantic model; schema-valid replies across seeds and temperatures), sampling settings beyond
-OpenAI's (min_p), and the Responses API. Its topology sets an API key (head.api_keys), so every client here sends
-one, as against a server that asks for one.
+official `openai` client (whole, streamed, and the final answer from the tool's result; the deprecated `functions`
+form too), structured output (`parse` with a pydantic model; schema-valid replies across seeds and temperatures),
+sampling settings beyond OpenAI's (min_p), and the Responses API. Its topology sets an API key (head.api_keys), so
+every client here sends one, as against a server that asks for one.
 """
 from __future__ import annotations
 
@@ -126,6 +126,22 @@ def test_final_answer_uses_the_tool_result(client, weather_call):
     answer = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
     assert "sunny" in answer and "18" in answer, answer
+
+
+def test_the_deprecated_functions_form_calls_and_answers_as_tools_do(client, weather_call):
+    """Clients written for `functions` / `function_call` (older agents) get the same call in their form, and the
+    same answer from a `function` message with the result."""
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=[QUESTION], functions=[WEATHER_TOOL["function"]],
+                                           temperature=0, max_tokens=64)
+    choice, want = reply.choices[0], weather_call.choices[0].message.tool_calls[0].function
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None, choice
+    assert (choice.message.function_call.name, choice.message.function_call.arguments) == (want.name, want.arguments)
+    messages = [SYSTEM, QUESTION, choice.message,
+                {"role": "function", "name": "get_weather", "content": json.dumps(WEATHER_RESULT)}]
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, functions=[WEATHER_TOOL["function"]],
+                                            function_call="none", temperature=0, max_tokens=40).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.function_call is None
+    assert "sunny" in answer.message.content and "18" in answer.message.content, answer.message.content
 
 
 class City(BaseModel):

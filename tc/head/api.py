@@ -533,8 +533,8 @@ class ChatPrompts:
             assert self.think is not None
             grammar = AfterToken(grammar, self.think.close, self.service.generator.head.config.vocab_size)
         params = dataclasses.replace(params, constraint=grammar)
-        tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls) if offered
-                 else None)
+        tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls,
+                             legacy=request.legacy_functions) if offered else None)
         reasoning = None if self.think is None else Reasoning(self.think, opened,
                                                               split=request.reasoning_format != "none")
         return ChatPrompt(prompt_ids, params, tools, reasoning)

@@ -11,6 +11,7 @@ does not implement, sent as `null` (clients built on the openai package pass the
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -28,6 +29,11 @@ MAX_LOGPROBS = 20  # alternatives per token: OpenAI's limit for chat's top_logpr
 MAX_CHOICES = 16  # choices per request (n); each is a sequence in the batch, so head.max_batch bounds it too
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI documents them
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The deprecated function-calling form, which clients written for it still send (Dify's function-call mode, older
+# LangChain agents): `functions` and `function_call` in the request, an assistant message's `function_call` and a
+# `function` message with its result. It is read as tools with one call a turn, and answered in its own form.
+FUNCTION_ROLE = "function"
+FUNCTION_CALLS = ("none", "auto")
 # OpenAI's name for the system role in requests to its newer models, which its clients and SDK examples now send;
 # a chat template knows it as "system", which is what it is taken for.
 DEVELOPER_ROLE = "developer"
@@ -252,6 +258,11 @@ class ChatRequest:
     template_variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     reasoning_format: str = "auto"  # "none": a thinking model's thinking stays in content, tags and all
     prediction: str | None = None  # the text the reply is expected to repeat much of (OpenAI's predicted output)
+    legacy_functions: bool = False  # the tools came as `functions`: the reply's call is a `function_call`
+
+    def tool_param(self, index: int) -> str:
+        """Where the request holds tool `index`'s function object, for errors that name it."""
+        return f"functions[{index}]" if self.legacy_functions else f"tools[{index}].function"
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:
@@ -280,7 +291,7 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpr
                                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
                                  "add_generation_prompt", "continue_final_message", "reasoning_format",
                                  "metadata", "prompt_cache_key", "safety_identifier", "prediction",  # _check_hints
-                                 "reasoning_effort"}
+                                 "reasoning_effort", "functions", "function_call"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # llama.cpp's server's names: "deepseek" (its default) and "auto" split the thinking into reasoning_content
 REASONING_FORMATS = ("auto", "deepseek", "none")
@@ -291,9 +302,9 @@ _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # `index`. They repeat what `content` and `arguments` hold, which is what the template renders, so any value of
 # theirs is taken and left unused.
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed", "refusal",
-                             "reasoning_content"})
+                             "reasoning_content", "function_call"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
-_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"function_call": (None,), "audio": (None,), "annotations": (None, [])}
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"audio": (None,), "annotations": (None, [])}
 _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _CALL_FIELDS = frozenset({"id", "type", "function", "index"})
@@ -772,6 +783,8 @@ def _message(value: Any, index: int) -> ChatMessage:
     role = _string(_required(value, "role", f"{param}."), f"{param}.role")
     if role == DEVELOPER_ROLE:
         role = "system"
+    if role == FUNCTION_ROLE:
+        return _function_result(value, param)
     if role not in CHAT_ROLES:
         raise RequestError(f"'{param}.role' is '{role}'; use one of {', '.join((*CHAT_ROLES, DEVELOPER_ROLE))}",
                            param=f"{param}.role", code="invalid_value")
@@ -785,9 +798,11 @@ def _message(value: Any, index: int) -> ChatMessage:
             raise RequestError(f"'{param}.tool_calls' must be an array, not {_json_type(listed)}",
                                param=f"{param}.tool_calls", code="invalid_type")
         calls = tuple(_message_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(listed))
+    if value.get("function_call") is not None:
+        calls = _legacy_call(value, role, param, index)
     refusal = _assistant_text(value, "refusal", role, param)
     reasoning = _assistant_text(value, "reasoning_content", role, param)
-    if value.get("tool_calls") is not None and value.get("content") is None:
+    if (value.get("tool_calls") is not None or calls) and value.get("content") is None:
         # an assistant message that only calls tools has no text; nor has one whose calls are an empty array, which
         # clients send back as they got it (servers that answer "tool_calls": [] on every reply)
         content = None
@@ -812,6 +827,47 @@ def _message(value: Any, index: int) -> ChatMessage:
                        else None, tool_calls=calls, reasoning_content=reasoning)
 
 
+def _legacy_call(message: Mapping[str, Any], role: str, param: str, index: int) -> tuple[MessageToolCall]:
+    """An assistant message's deprecated `function_call`, as a tool call whose id is the message's index (nine
+    digits: Mistral's templates take only ids of nine letters and digits); `function` messages after it answer it."""
+    if role != "assistant":
+        raise RequestError(f"'{param}.function_call' is only for assistant messages, not {role}",
+                           param=f"{param}.function_call", code="invalid_value")
+    if message.get("tool_calls"):
+        raise RequestError(f"'{param}' has both 'tool_calls' and the deprecated 'function_call'; send only "
+                           "'tool_calls'", param=f"{param}.function_call", code="invalid_value")
+    call = _object(message["function_call"], f"{param}.function_call", _CALL_FUNCTION_FIELDS)
+    name = _string(_required(call, "name", f"{param}.function_call."), f"{param}.function_call.name")
+    arguments = _string(_required(call, "arguments", f"{param}.function_call."), f"{param}.function_call.arguments")
+    return (MessageToolCall(f"{index:09d}", name, arguments),)
+
+
+def _function_result(message: Mapping[str, Any], param: str) -> ChatMessage:
+    """A deprecated `function` message: the result of a function called by `function_call`, read as a tool
+    message. Its call's id is found once all messages are read (`_answer_function_calls`)."""
+    for key in ("tool_calls", "tool_call_id", "function_call", "refusal", "reasoning_content"):
+        if message.get(key) is not None:
+            raise RequestError(f"'{param}.{key}' is not for a function message", param=f"{param}.{key}",
+                               code="invalid_value")
+    name = _string(_required(message, "name", f"{param}."), f"{param}.name")
+    content = message.get("content")  # OpenAI's schema lets it be null: a function that returned nothing
+    return ChatMessage("tool", _content(content, f"{param}.content") if content is not None else "", name=name)
+
+
+def _answer_function_calls(messages: tuple[ChatMessage, ...], given: list[Any]) -> tuple[ChatMessage, ...]:
+    """Each `function` message (a tool message with no tool_call_id) linked to the latest earlier call of its
+    function, as the deprecated form pairs them, by name; a result of no call stays unlinked, as it came."""
+    calls: dict[str, str] = {}
+    linked = []
+    for message, sent in zip(messages, given):
+        for call in message.tool_calls:
+            calls[call.name] = call.id
+        if sent.get("role") == FUNCTION_ROLE and message.name in calls:
+            message = dataclasses.replace(message, tool_call_id=calls[message.name])
+        linked.append(message)
+    return tuple(linked)
+
+
 def _assistant_text(message: Mapping[str, Any], field: str, role: str, param: str) -> str | None:
     """A text field only an assistant message may carry (`refusal`, `reasoning_content`), or None."""
     value = message.get(field)
@@ -827,38 +883,77 @@ def _tool(value: Any, index: int) -> Tool:
     param = f"tools[{index}]"
     tool = _object(value, param, _TOOL_FIELDS)
     _function_type(tool, param)
-    function = _object(_required(tool, "function", f"{param}."), f"{param}.function", _FUNCTION_FIELDS)
-    name = _string(_required(function, "name", f"{param}.function."), f"{param}.function.name")
+    return _function(_required(tool, "function", f"{param}."), f"{param}.function")
+
+
+def _function(value: Any, param: str) -> Tool:
+    """A function object (a tool's `function`, or an entry of the deprecated `functions`)."""
+    function = _object(value, param, _FUNCTION_FIELDS)
+    name = _string(_required(function, "name", f"{param}."), f"{param}.name")
     if not TOOL_NAME.match(name):
-        raise RequestError(f"'{param}.function.name' is {json.dumps(name)}; a function name is 1 to 64 letters, "
-                           "digits, '_' or '-'", param=f"{param}.function.name", code="invalid_value")
+        raise RequestError(f"'{param}.name' is {json.dumps(name)}; a function name is 1 to 64 letters, "
+                           "digits, '_' or '-'", param=f"{param}.name", code="invalid_value")
     description = function.get("description")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise RequestError(f"'{param}.function.parameters' must be a JSON schema object, not "
-                           f"{_json_type(parameters)}", param=f"{param}.function.parameters", code="invalid_type")
+        raise RequestError(f"'{param}.parameters' must be a JSON schema object, not "
+                           f"{_json_type(parameters)}", param=f"{param}.parameters", code="invalid_type")
     strict = function.get("strict")
-    return Tool(name, _string(description, f"{param}.function.description") if description is not None else None,
-                parameters, _boolean(strict, f"{param}.function.strict") if strict is not None else False)
+    return Tool(name, _string(description, f"{param}.description") if description is not None else None,
+                parameters, _boolean(strict, f"{param}.strict") if strict is not None else False)
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
-    value = body.get("tools")
+def _tools(body: Mapping[str, Any], field: str = "tools") -> tuple[Tool, ...]:
+    """`tools`, or the deprecated `functions` (an array of the function objects themselves)."""
+    value = body.get(field)
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise RequestError(f"'tools' must be an array, not {_json_type(value)}", param="tools", code="invalid_type")
+        raise RequestError(f"'{field}' must be an array, not {_json_type(value)}", param=field, code="invalid_type")
     if len(value) > MAX_TOOLS:
-        raise RequestError(f"'tools' may hold at most {MAX_TOOLS} functions, not {len(value)}", param="tools",
+        raise RequestError(f"'{field}' may hold at most {MAX_TOOLS} functions, not {len(value)}", param=field,
                            code="invalid_value")
-    tools = tuple(_tool(t, i) for i, t in enumerate(value))
+    tools = tuple(_tool(t, i) if field == "tools" else _function(t, f"{field}[{i}]") for i, t in enumerate(value))
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.name in seen:
-            raise RequestError(f"'tools[{i}]' repeats the function name {json.dumps(tool.name)}; give each tool "
-                               "its own name", param=f"tools[{i}].function.name", code="invalid_value")
+            where = f"tools[{i}].function" if field == "tools" else f"{field}[{i}]"
+            raise RequestError(f"'{field}[{i}]' repeats the function name {json.dumps(tool.name)}; give each "
+                               "function its own name", param=f"{where}.name", code="invalid_value")
         seen.add(tool.name)
     return tools
+
+
+def _legacy_functions(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """The deprecated `functions` and `function_call`, as tools and a tool_choice (OpenAI's defaults: "auto" with
+    functions, "none" without). They do not mix with `tools` and `tool_choice`, which say the same thing."""
+    for modern, legacy in (("tools", "functions"), ("tool_choice", "function_call"), ("tool_choice", "functions"),
+                           ("tools", "function_call")):
+        if body.get(modern) is not None and body.get(legacy) is not None:
+            raise RequestError(f"'{legacy}' (the deprecated form) cannot be combined with '{modern}'; send 'tools' "
+                               "and 'tool_choice' only", param=legacy, code="invalid_value")
+    if body.get("parallel_tool_calls") is True:
+        raise RequestError("'parallel_tool_calls' goes with 'tools': a reply to 'functions' carries one "
+                           "function_call", param="parallel_tool_calls", code="invalid_value")
+    tools = _tools(body, "functions")
+    value = body.get("function_call")
+    if value is None:
+        return tools, ToolChoice("auto" if tools else "none")
+    if isinstance(value, str):
+        if value not in FUNCTION_CALLS:
+            raise RequestError(f"'function_call' is {json.dumps(value)}; use \"none\", \"auto\" or "
+                               '{"name": ...}', param="function_call", code="invalid_value")
+        choice = ToolChoice(value)
+    else:
+        chosen = _object(value, "function_call", frozenset({"name"}))
+        choice = ToolChoice("function", _string(_required(chosen, "name", "function_call."), "function_call.name"))
+        if choice.name not in {t.name for t in tools}:
+            raise RequestError(f"'function_call' names the function {json.dumps(choice.name)}, which is not in "
+                               "'functions'", param="function_call.name", code="invalid_value")
+    if choice.mode == "auto" and not tools:
+        raise RequestError("'function_call' \"auto\" needs 'functions' to choose from", param="function_call",
+                           code="invalid_value")
+    return tools, choice
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice:
@@ -990,7 +1085,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
                            code="invalid_type")
     if not messages:
         raise RequestError("'messages' must hold at least one message", param="messages", code="invalid_value")
-    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    parsed = _answer_function_calls(tuple(_message(m, i) for i, m in enumerate(messages)), messages)
     _check_user(body)
     prediction = _check_hints(body)
     streaming = _streaming(body)
@@ -1001,10 +1096,15 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send only one",
                            param="max_completion_tokens", code="invalid_value")
     max_tokens = next(iter(limits.values()), None)
-    tools = _tools(body)
-    tool_choice = _tool_choice(body, tools)
-    parallel = body.get("parallel_tool_calls")
-    parallel = _boolean(parallel, "parallel_tool_calls") if parallel is not None else True
+    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    if legacy:
+        tools, tool_choice = _legacy_functions(body)
+        parallel = False
+    else:
+        tools = _tools(body)
+        tool_choice = _tool_choice(body, tools)
+        parallel = body.get("parallel_tool_calls")
+        parallel = _boolean(parallel, "parallel_tool_calls") if parallel is not None else True
     response_format = _response_format(body)
     sampling = _sampling(body, max_tokens, _chat_logprobs(body))
     if response_format.type != "text" and tool_choice.mode in ("required", "function"):
@@ -1019,7 +1119,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
     opens, continues = _generation_prompt(body, parsed)
     return ChatRequest(model, parsed, sampling, streaming, tools, tool_choice, parallel, response_format, opens,
                        continues, _reasoning_effort(body, _template_variables(body)), _reasoning_format(body),
-                       prediction)
+                       prediction, legacy)
 
 
 def _reasoning_effort(body: Mapping[str, Any], variables: dict[str, Any]) -> dict[str, Any]:

@@ -259,15 +259,26 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """A chat reply that may call tools: their names, whether it may make several calls, and how ids are made."""
+    """A chat reply that may call tools: their names, whether it may make several calls, and how ids are made.
+    `legacy`: the tools came as the deprecated `functions`, so the reply's one call is a `function_call` (no id)
+    and its finish_reason "function_call", as OpenAI answers that form."""
 
     names: frozenset[str]
     parallel: bool = True
     new_id: Callable[[], str] = field(default=new_call_id)
+    legacy: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        return "function_call" if self.legacy else "tool_calls"
 
 
 def _call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _function_call(call: ToolCall) -> dict[str, Any]:
+    return {"name": call.name, "arguments": call.arguments}
 
 
 @dataclass(frozen=True)
@@ -284,7 +295,8 @@ class ChatReply:
     """/v1/chat/completions: an assistant message, and OpenAI's chat `logprobs` object ({"content": [...]}).
 
     With `tools`, calls the model wrote become `message.tool_calls` (finish_reason "tool_calls"); streamed, each
-    call is two deltas, as OpenAI sends them: its index, id, type and name, then its arguments.
+    call is two deltas, as OpenAI sends them: its index, id, type and name, then its arguments. In the deprecated
+    form (`tools.legacy`) the one call is `message.function_call`, streamed as its name, then its arguments.
     With `reasoning`, the thinking goes in `message.reasoning_content` (streamed: `delta.reasoning_content`, all of
     it before the answer's deltas) and only the answer in `content`, where the tool calls are looked for; the
     `logprobs` entries cover every token generated, tags and thinking included, each on the chunk of its step.
@@ -341,10 +353,13 @@ class ChatReply:
         if self.tools is not None and content is not None:
             parsed = parse_tool_calls(content, self.tools.names, self.tools.new_id)
             calls = parsed.calls if self.tools.parallel else parsed.calls[:1]
-            if calls:
+            if calls and self.tools.legacy:
+                message = {"role": "assistant", "content": parsed.content, "function_call": _function_call(calls[0])}
+                finish = self.tools.finish_reason
+            elif calls:
                 message = {"role": "assistant", "content": parsed.content,
                            "tool_calls": [_call_body(c) for c in calls]}
-                finish = "tool_calls"
+                finish = self.tools.finish_reason
         if self.reasoning is not None:
             message["reasoning_content"] = thinking
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(completion.tokens),
@@ -358,6 +373,10 @@ class ChatReply:
         chunks = []
         for call in calls:
             index, self._calls_sent = self._calls_sent, self._calls_sent + 1
+            if self.tools is not None and self.tools.legacy:  # one call, parallel being off: no index, no id
+                chunks.append(self._chunk({"function_call": {"name": call.name, "arguments": ""}}, None, None))
+                chunks.append(self._chunk({"function_call": {"arguments": call.arguments}}, None, None))
+                continue
             header = {"index": index, "id": call.id, "type": "function",
                       "function": {"name": call.name, "arguments": ""}}
             chunks.append(self._chunk({"tool_calls": [header]}, None, None))
@@ -402,7 +421,7 @@ class ChatReply:
             if content:
                 chunks.append(self._chunk({"content": content}, None, None))
             chunks += self._call_chunks(calls)
-        finish = "tool_calls" if self._calls_sent else completion.finish_reason
+        finish = self.tools.finish_reason if self.tools is not None and self._calls_sent else completion.finish_reason
         return chunks + [self._chunk({}, None, finish)]
 
     def usage_chunk(self, completion: Completion) -> dict[str, Any]:

@@ -96,8 +96,9 @@ class StructuredOutput:
                 try:
                     engine.check_schema(call_schema(tool))
                 except GrammarError as exc:
-                    raise RequestError(f"the schema in 'tools[{index}].function.parameters' is not a valid JSON "
-                                       f"schema: {exc}", param="tools", code="invalid_value") from exc
+                    raise RequestError(f"the schema in '{request.tool_param(index)}.parameters' is not a valid "
+                                       f"JSON schema: {exc}", param=_tools_field(request),
+                                       code="invalid_value") from exc
 
 
 def _schema_error(where: str, param: str, reason: object) -> RequestError:
@@ -120,7 +121,11 @@ def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarEr
         try:
             engine.json_schema(call_schema(tool))
         except GrammarError as own:
-            return _schema_error(f"tools[{index}].function.parameters", "tools", own)
+            return _schema_error(f"{request.tool_param(index)}.parameters", _tools_field(request), own)
     if request.response_format.type == "json_schema":
         return _schema_error("response_format.json_schema.schema", "response_format.json_schema.schema", exc)
-    return _schema_error("tools", "tools", exc)
+    return _schema_error(_tools_field(request), _tools_field(request), exc)
+
+
+def _tools_field(request: ChatRequest) -> str:
+    return "functions" if request.legacy_functions else "tools"
