@@ -296,6 +296,38 @@ def test_a_spare_that_stops_reading_mid_probe_is_still_dropped_after_it_takes_ov
         registry.stop()
 
 
+def test_a_worker_in_the_middle_of_a_large_frame_on_a_slow_link_is_not_silent(tmp_path, model_dir):
+    """Silence counts bytes, not whole frames: a worker sending a prefill's hidden states over a slow link (Wi-Fi)
+    for longer than heartbeat_timeout_s, its PONGs waiting behind them, is alive. It was dropped as "silent", and
+    the step's replay sent the same frame again, to be dropped again."""
+    limit = 1.5
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.5, heartbeat_timeout_s=limit)
+    port = registry.start("127.0.0.1", 0)
+    try:
+        conn = join_loaded(port, worker_hello("a"))
+
+        def drain():  # what the head sends (its PINGs) is read, and left unanswered: the frame below is under way
+            try:
+                while True:
+                    conn.recv()
+            except ConnectionClosed:
+                pass
+        threading.Thread(target=drain, daemon=True).start()
+        frame = encode(Pong(nonce=12345, payload=b"h" * 64 * 1024))  # a PONG of nothing asked for: unused
+        sock = conn._sock
+        began = time.monotonic()
+        for start in range(0, len(frame), len(frame) // 40):  # 40 slices over ~3 limits
+            sock.sendall(frame[start:start + len(frame) // 40])
+            time.sleep(3 * limit / 40)
+        assert time.monotonic() - began > 2 * limit
+        time.sleep(0.6)  # a watch period after the frame: had it counted whole frames only, `a` was gone by now
+        (row,) = registry.snapshot()
+        assert row["served_by"] == "a", row
+        conn.close()
+    finally:
+        registry.stop()
+
+
 # A thread stack larger than any address space: starting a thread then fails, as at a thread or memory
 # limit, whatever the machine's overcommit policy (which may map a mere 32 TiB).
 NO_STACK = 1 << 62

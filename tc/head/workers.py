@@ -1008,7 +1008,9 @@ class WorkerRegistry:
                             "now", now - last)
             last = now
             for link in self._live_links():
-                silent = now - max(link.last_seen, woke)
+                # a frame still coming or going counts: a long prompt's hidden states over Wi-Fi may take longer
+                # than the limit, and a PING waits behind it
+                silent = now - max(link.last_seen, link.conn.last_progress, woke)
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")

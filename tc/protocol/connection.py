@@ -34,6 +34,8 @@ import math
 import select
 import socket
 import threading
+import time
+from typing import Callable
 
 from tc.protocol.cbor import BytesLike
 from tc.protocol.errors import ConnectionClosed, FrameTooLarge
@@ -48,18 +50,21 @@ _MAX_PARTS_PER_CALL = 64
 RECEIVE_BUFFER_BYTES = 64 * 1024
 
 
-def _send_all_parts(sock: socket.socket, parts: list[BytesLike]) -> None:
-    """Send the buffers in order, as sendall would their concatenation, without concatenating them.
+def _send_all_parts(sock: socket.socket, parts: list[BytesLike], progressed: Callable[[], None]) -> None:
+    """Send the buffers in order, as sendall would their concatenation, without concatenating them, calling
+    `progressed` each time the kernel takes some of them.
 
     One gathering sendmsg per round; the kernel may take only some of the bytes, so the rest are resent.
     """
     if not hasattr(sock, "sendmsg"):  # Windows: no gathering send
         for part in parts:
             sock.sendall(part)
+            progressed()
         return
     pending = [memoryview(part).cast("B") for part in parts if len(part)]
     while pending:
         sent = sock.sendmsg(pending[:_MAX_PARTS_PER_CALL])
+        progressed()
         while pending and sent >= len(pending[0]):
             sent -= len(pending.pop(0))
         if sent:
@@ -122,6 +127,9 @@ class Connection:
         self._buffer = bytearray(RECEIVE_BUFFER_BYTES)
         self._start = self._end = 0
         self._poller = None  # a select.poll object, made by the first recv with a timeout
+        # When bytes last moved either way (time.monotonic()): a peer in the middle of a large frame on a slow link
+        # is alive though no whole frame has come or gone for a while
+        self.last_progress = time.monotonic()
 
     @property
     def closed(self) -> bool:
@@ -159,7 +167,7 @@ class Connection:
             if self._closed:
                 raise ConnectionClosed(f"cannot send {message.TYPE}: {self._closed_why()}")
             try:
-                _send_all_parts(self._sock, parts)
+                _send_all_parts(self._sock, parts, self._progressed)
             except OSError as exc:  # includes timeouts: some unknown part of the frame went out
                 waited = self._sock.gettimeout()  # None: the TimeoutError is TCP's own (ETIMEDOUT), not ours
                 if isinstance(exc, TimeoutError) and waited is not None:
@@ -238,6 +246,9 @@ class Connection:
         finally:
             self._send_lock.release()
 
+    def _progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
     def _wait_readable(self, timeout: float) -> bool:
         # poll, not select: no FD_SETSIZE limit and no file descriptor of its own to close.
         if self._poller is None:
@@ -289,6 +300,7 @@ class Connection:
                 raise ConnectionClosed(f"{self.peer} closed the connection")
             self._fail(f"{self.peer} closed the connection in the middle of a frame")
             raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame; the frame is lost")
+        self.last_progress = time.monotonic()
         return count
 
 
