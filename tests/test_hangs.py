@@ -328,6 +328,24 @@ def test_a_worker_in_the_middle_of_a_large_frame_on_a_slow_link_is_not_silent(tm
         registry.stop()
 
 
+def test_a_first_prefill_is_bounded_by_the_plans_forecast_for_its_stage(tmp_path, model_dir):
+    """The forecast comes from the node's speed in the plan: a long first prompt on a slow stage is given the time
+    the plan expects it to take (times head.step_timeout_factor), not a flat factor x floor."""
+    slow = {"decode_gbps": 1.0, "prefill_gbps": 0.001, "layer_ms": 1.0}
+    registry = registry_for(tmp_path, model_dir, [{"id": "a", "device": "cpu", "speed": slow}])
+    port = registry.start("127.0.0.1", 0)
+    try:
+        conn = join_loaded(port, worker_hello("a"))
+        steps = registry.slots["a"].link.steps
+        stage = registry.plan.stage_for("a")
+        compute = stage.speed.prefill_s(stage.weight_bytes, stage.layer_count, 8192)
+        assert compute > 300 and steps.bound("prefill", 8192) >= 30 + 10 * compute  # the defaults: 30 s, x 10
+        assert steps.bound("prefill", 8) == 300 and steps.bound("decode", 1) == 300
+        conn.close()
+    finally:
+        registry.stop()
+
+
 # A thread stack larger than any address space: starting a thread then fails, as at a thread or memory
 # limit, whatever the machine's overcommit policy (which may map a mere 32 TiB).
 NO_STACK = 1 << 62

@@ -45,3 +45,17 @@ def test_the_explanation_names_the_topology_keys_and_the_measurement():
     clock.record("prefill", 100, 0.5)
     assert clock.explain("prefill", 30) == ("head.step_timeout_s 2s + 5 x its slowest recent prefill, 5 ms a position, "
                                             "x 30 positions")
+
+
+def test_a_first_prefill_waits_as_long_as_the_plan_forecasts_it():
+    """A long prompt on a slow stage (or a replay of every history to a worker that took over) outlasted the flat
+    factor x floor of a first step and was dropped as hung; the forecast (compute and hop) stretches it."""
+    clock = StepClock(StepBudget(FLOOR, FACTOR))
+    clock.prefill_forecast = lambda positions: 0.01 * positions  # 10 ms a position
+    assert clock.bound("prefill", 100) == FACTOR * FLOOR  # forecast 1 s: the flat bound is longer
+    assert clock.bound("prefill", 10_000) == pytest.approx(FLOOR + FACTOR * 100.0)
+    assert clock.bound("decode", 1) == FACTOR * FLOOR  # decode steps are short: no forecast for them
+    assert clock.explain("prefill", 10_000) == ("head.step_timeout_s 2s + 5 x the plan's forecast for 10000 "
+                                                "positions, 100s, as no prefill step of this worker is measured yet")
+    clock.record("prefill", 10, 0.05)  # measured: the worker's own steps decide, as before
+    assert clock.bound("prefill", 10_000) == pytest.approx(FLOOR + FACTOR * 0.005 * 10_000)

@@ -20,12 +20,15 @@ Why this shape:
   make its per-position figure high, so estimates err long.
 - A kind with nothing measured yet (a worker's first prefill, its first decode step) waits factor x floor: a
   first step pays one-off costs (allocations, a GPU's kernel compilation, first touch of the weights) and there
-  is nothing to scale.
+  is nothing to scale. A first prefill waits longer where the plan forecasts it longer (floor + factor x the
+  forecast of its stage's compute and hop for its positions): a long prompt on a slow CPU stage, or every
+  sequence's history replayed to a worker that took over, outlasted a flat 300 s and was dropped as hung.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 RECENT_STEPS = 32  # per kind: enough to remember a slow spell, few enough to forget one that ended
 
@@ -45,6 +48,8 @@ class StepClock:
         self.budget = budget
         # seconds per position for prefill, seconds per step for decode
         self._recent = {"prefill": deque(maxlen=recent), "decode": deque(maxlen=recent)}
+        # the plan's forecast of a prefill's round trip over so many positions, once the worker has its stage
+        self.prefill_forecast: Callable[[int], float] | None = None
 
     def record(self, kind: str, positions: int, seconds: float) -> None:
         """A step of `kind` ("prefill" or "decode") over `positions` positions took `seconds` (round trip)."""
@@ -59,14 +64,23 @@ class StepClock:
         """Seconds the next step of `kind` over `positions` positions may take before the worker counts as lost."""
         slowest = self.slowest(kind)
         if slowest is None:
-            return self.budget.factor * self.budget.floor_s
+            return max(self.budget.factor * self.budget.floor_s, self._forecast_bound(kind, positions))
         scale = positions if kind == "prefill" else 1
         return self.budget.floor_s + self.budget.factor * slowest * scale
+
+    def _forecast_bound(self, kind: str, positions: int) -> float:
+        if kind != "prefill" or self.prefill_forecast is None:
+            return 0.0
+        return self.budget.floor_s + self.budget.factor * self.prefill_forecast(positions)
 
     def explain(self, kind: str, positions: int) -> str:
         """How `bound` came about, in the topology's terms, for the error a request gets."""
         floor, factor = self.budget.floor_s, self.budget.factor
         slowest = self.slowest(kind)
+        if slowest is None and self._forecast_bound(kind, positions) > factor * floor:
+            assert self.prefill_forecast is not None
+            return (f"head.step_timeout_s {floor:g}s + {factor:g} x the plan's forecast for {positions} positions, "
+                    f"{self.prefill_forecast(positions):.3g}s, as no prefill step of this worker is measured yet")
         if slowest is None:
             return (f"{factor:g} x head.step_timeout_s {floor:g}s, as no {kind} step of this worker is measured "
                     "yet")

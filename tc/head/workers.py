@@ -802,6 +802,7 @@ class WorkerRegistry:
         """Under the lock: give `slot` to `link`; returns the ASSIGNMENT to send it."""
         stage = self.plan.stage_for(slot.node_id)
         link.node_id = slot.node_id
+        link.steps.prefill_forecast = _prefill_forecast(stage, link.link_speed or stage.link, self.hop_bytes)
         slot.link, slot.state, slot.detail, slot.loaded, slot.joined_at = link, "loading", "loading", None, time.time()
         slot.history.append(f"{time.strftime('%H:%M:%S')} {link.entry_id} joined from {link.peer}")
         self.changed.notify_all()
@@ -1014,6 +1015,16 @@ class WorkerRegistry:
                 if silent > self.silence_limit_s:
                     self._lost(link, f"silent for {silent:.1f}s (heartbeat_timeout_s {self.silence_limit_s:g}): "
                                      "the worker is stopped, hung or unreachable")
+
+
+def _prefill_forecast(stage: Stage, link: LinkSpeed | None, hop_bytes: int) -> Callable[[int], float] | None:
+    """The plan's forecast of a prefill's round trip through `stage` (its compute, and its hidden states both ways
+    over the measured link), by positions; None where the node's speed is unknown."""
+    speed = stage.speed
+    if speed is None:
+        return None
+    return lambda positions: (speed.prefill_s(stage.weight_bytes, stage.layer_count, positions)
+                              + (link.hop_s(hop_bytes * positions) if link is not None else 0.0))
 
 
 def _times(stage: Stage | None, link: WorkerLink | None, hop_bytes: int) -> dict[str, float | None]:
