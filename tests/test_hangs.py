@@ -346,6 +346,33 @@ def test_a_first_prefill_is_bounded_by_the_plans_forecast_for_its_stage(tmp_path
         registry.stop()
 
 
+def test_a_client_that_never_reads_its_reply_does_not_hold_a_thread():
+    """A reply's writes to a connected client that reads nothing waited forever once Waitress held 16 MB of it
+    (with logprobs, a long stream writes that): each such client held a request thread for good, and enough of
+    them every thread. The reply now goes to Waitress's buffers and the thread is free when the reply ends."""
+    ended = threading.Event()
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/event-stream")])
+
+        def chunks():
+            for _ in range(600):  # ~38 MB, past Waitress's default high watermark
+                yield b"data: " + b"x" * 65536 + b"\n\n"
+            ended.set()
+        return chunks()
+
+    server = start_http_server(app, "127.0.0.1", 0, threads=1)
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", server.port))
+        client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+        assert ended.wait(30), "the reply's thread still waits on a client that does not read"
+    finally:
+        client.close()
+        server.stop()
+
+
 # A thread stack larger than any address space: starting a thread then fails, as at a thread or memory
 # limit, whatever the machine's overcommit policy (which may map a mere 32 TiB).
 NO_STACK = 1 << 62

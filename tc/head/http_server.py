@@ -43,6 +43,7 @@ QUIET_S = 0.2  # a connection counts as idle once it has been quiet this long: a
 MAX_BACKLOG = 4096  # connections taken from the listen backlog when it closes (Linux caps the backlog at 4096)
 IDLE_CONNECTIONS = 1000  # open connections allowed past one per request thread (connection_limit)
 FD_HEADROOM = 256  # file descriptors kept for everything else the head opens
+UNBOUNDED_OUTPUT_BYTES = 1 << 50  # a reply's output buffered for a slow client before its writes wait: never
 SHUTDOWN_REPLY = error_reply(ShuttingDown(), "")  # what the app answers a request it refuses while stopping
 
 
@@ -274,7 +275,13 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                            connection_limit=connection_limit(threads), asyncore_use_poll=True,
                            # reads on while a request runs, so that a client that closed its connection is seen
                            # (waitress.client_disconnected); one that only half-closes is taken as gone too
-                           channel_request_lookahead=1)
+                           channel_request_lookahead=1,
+                           # a reply's writes never wait on a client that does not read (Waitress's own limit, 16
+                           # MB, made the request's thread wait with no timeout: a stuck client held it for good,
+                           # and enough of them held every thread, /health's too); what is unread waits in
+                           # Waitress's buffers, on disk past outbuf_overflow (1 MB), until the reply has ended
+                           # and the idle connection is closed (channel_timeout, 120 s)
+                           outbuf_high_watermark=UNBOUNDED_OUTPUT_BYTES)
     server.channel_class = OpenAIErrorChannel  # before the loop runs: every connection is one of these
     server.cors_origins = cors_origins  # for OpenAIErrorTask, which Waitress makes with only its channel
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
