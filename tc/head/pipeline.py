@@ -108,7 +108,17 @@ class RemotePipeline:
             rows_of_group = hidden if len(groups) == 1 else hidden[:, row:row + rows]
             parts.append(RunBatch(entries=group, hidden_state=rows_of_group, route=route, released=released))
             row += rows
-        outputs = self._pass_along(parts, links) if route else self._schedule(parts, links)
+        try:
+            outputs = self._pass_along(parts, links) if route else self._schedule(parts, links)
+        except BaseException:
+            # whatever ended the step, not only a worker's loss: its replies still to come are dropped as they
+            # arrive (each step's seq counts from 0 again, so a late one could pass for the next step's), and
+            # with direct hops no group passed on before the failure runs after it
+            for link in links:
+                link.abandon(self.request_id)
+            if route:
+                self._retire_route(links)
+            raise
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _route_for(self, links: list[WorkerLink]) -> int:
@@ -153,50 +163,44 @@ class RemotePipeline:
         group_of: dict[int, int] = {}
         outputs: list[torch.Tensor | None] = [None] * len(groups)
         hops: list[tuple[str, float, float]] = []
-        try:
-            for g, group in enumerate(groups):
-                self.seq += 1
-                sents.append([link.expect(group, request_id, self.seq, may_pass=i + 1 < len(links))
-                              for i, link in enumerate(links)])
-                group_of[self.seq] = g
-                mark("send")
-                links[0].send_expected(sents[g][0])
-                mark("sent")
-            # one bound for the step, since no stage answers until the last: each stage's bound for its largest
-            # group, added up, and the largest again for each group after the first (the groups run as a pipeline)
-            per_stage = [max(group[i].bound for group in sents) for i in range(len(links))]
-            bound = sum(per_stage) + (len(groups) - 1) * max(per_stage)
-            deadline = sents[0][0].at + bound
-            sent_to = [0] * len(groups)  # the stage the head last sent each group to, and when
-            sent_at = [sents[0][0].at] * len(groups)
-            while any(out is None for out in outputs):
-                i, item = self._next_reply(links, deadline, request_id, bound)
-                mark("woke")
-                g = group_of.get(getattr(item, "seq", None), 0)
-                reply = links[i].accept(sents[g][i], item)
-                now, first = time.monotonic(), sent_to[g]
-                computes = [*reply.upstream_seconds, reply.compute_seconds]
-                if len(computes) != i - first + 1:
-                    links[i].refuse(f"HIDDEN_STATE carries {len(computes)} stage time(s) for a batch that passed "
-                                    f"{i - first + 1} stage(s)")
-                    raise WorkerLost(links[i].node_id or links[i].entry_id, links[i].close_reason)
-                share = max(0.0, now - sent_at[g] - sum(computes)) / len(computes)
-                for j, compute in enumerate(computes, start=first):
-                    links[j].record(sents[g][j], compute + share, compute)
-                    links[j].passes_to = links[j + 1].node_id if j < i else "head"
-                    hops.append((links[j].node_id or links[j].entry_id, compute, compute + share))
-                if i + 1 == len(links):
-                    outputs[g] = reply.hidden_state.tensor().to(out_dtype)
-                else:  # it could not pass the rows on: the head carries them to the next stage
-                    links[i + 1].send_expected(sents[g][i + 1], RunBatch(
-                        entries=groups[g].entries, hidden_state=reply.hidden_state, route=groups[g].route,
-                        released=groups[g].released))
-                    sent_to[g], sent_at[g] = i + 1, now
-        except (WorkerLost, StageFailed):
-            for link in links:
-                link.abandon(request_id)
-            self._retire_route(links)
-            raise
+        for g, group in enumerate(groups):
+            self.seq += 1
+            sents.append([link.expect(group, request_id, self.seq, may_pass=i + 1 < len(links))
+                          for i, link in enumerate(links)])
+            group_of[self.seq] = g
+            mark("send")
+            links[0].send_expected(sents[g][0])
+            mark("sent")
+        # one bound for the step, since no stage answers until the last: each stage's bound for its largest
+        # group, added up, and the largest again for each group after the first (the groups run as a pipeline)
+        per_stage = [max(group[i].bound for group in sents) for i in range(len(links))]
+        bound = sum(per_stage) + (len(groups) - 1) * max(per_stage)
+        deadline = sents[0][0].at + bound
+        sent_to = [0] * len(groups)  # the stage the head last sent each group to, and when
+        sent_at = [sents[0][0].at] * len(groups)
+        while any(out is None for out in outputs):
+            i, item = self._next_reply(links, deadline, request_id, bound)
+            mark("woke")
+            g = group_of.get(getattr(item, "seq", None), 0)
+            reply = links[i].accept(sents[g][i], item)
+            now, first = time.monotonic(), sent_to[g]
+            computes = [*reply.upstream_seconds, reply.compute_seconds]
+            if len(computes) != i - first + 1:
+                links[i].refuse(f"HIDDEN_STATE carries {len(computes)} stage time(s) for a batch that passed "
+                                f"{i - first + 1} stage(s)")
+                raise WorkerLost(links[i].node_id or links[i].entry_id, links[i].close_reason)
+            share = max(0.0, now - sent_at[g] - sum(computes)) / len(computes)
+            for j, compute in enumerate(computes, start=first):
+                links[j].record(sents[g][j], compute + share, compute)
+                links[j].passes_to = links[j + 1].node_id if j < i else "head"
+                hops.append((links[j].node_id or links[j].entry_id, compute, compute + share))
+            if i + 1 == len(links):
+                outputs[g] = reply.hidden_state.tensor().to(out_dtype)
+            else:  # it could not pass the rows on: the head carries them to the next stage
+                links[i + 1].send_expected(sents[g][i + 1], RunBatch(
+                    entries=groups[g].entries, hidden_state=reply.hidden_state, route=groups[g].route,
+                    released=groups[g].released))
+                sent_to[g], sent_at[g] = i + 1, now
         for link in links:
             link.settle(request_id)
         self.last_hops = hops
