@@ -230,6 +230,30 @@ def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(m
     assert cancelled.outcome == "abandoned" and service.running == 0
 
 
+def test_a_failure_of_the_scheduler_itself_answers_its_requests_and_frees_every_cache(model, tokenizer, monkeypatch):
+    """A bug in the loop (not a step's failure, which ends its own sequences) fails every request it holds, and
+    releases their caches and the kept ones: left on the workers, they counted against max_batch for good, and
+    every later request was refused there."""
+    pipeline = model.pipeline()
+    service = service_over(model, tokenizer, pipeline, prefix_cache=True)
+    prompt = tokenizer.encode(PROMPTS[0])
+    want = service.complete(prompt, greedy(4))
+    assert pipeline.caches  # its cache kept for a next turn
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the scheduler")
+    monkeypatch.setattr(service, "_observe_step", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the loop's thread ends by raising it
+    with pytest.raises(RuntimeError, match="a bug in the scheduler"):
+        service.complete(tokenizer.encode(PROMPTS[1]), greedy(4))
+    deadline = time.monotonic() + 10  # released after the requests hear, on the loop's thread
+    while pipeline.caches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pipeline.caches == {}
+    monkeypatch.undo()
+    assert service.complete(prompt, greedy(4)).text == want.text  # and the service goes on
+
+
 def test_a_head_nobody_scrapes_keeps_only_the_steps_its_rate_window_covers(model, tokenizer, monkeypatch):
     # the tokens/s gauge's steps were trimmed only when /metrics or /v1/cluster read it: unread, they grew by one
     # entry per step for as long as the head ran (with a zero window, every step outlives it at once)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -57,6 +58,7 @@ from ..sampling import SamplingParams
 from ..topology import DEFAULT_PREFILL_CHUNK
 from .metrics import Hop, Metrics
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_BATCH = 8
 GONE_CHECK_S = 0.25  # how often a request waiting for its first step looks whether its client has gone
 RATE_WINDOW_S = 10.0  # aggregate tokens/s is measured over this much recent time
@@ -475,7 +477,14 @@ class GenerationService:
             while self._cycle():
                 pass
         except BaseException as exc:  # a bug in the loop itself: no request may wait for ever on it
-            self._fail(self._take_everyone(), exc)
+            everyone = self._take_everyone()
+            self._fail(everyone, exc)
+            # nor may the workers hold their caches for good: they would refuse every new sequence past max_batch
+            try:
+                self._release(everyone)
+                self._release_kept(len(self._kept))
+            except Exception:
+                log.exception("releasing the caches of the requests the scheduler failed")
             raise
 
     def _cycle(self) -> bool:
