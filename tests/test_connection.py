@@ -320,3 +320,35 @@ def test_connect_to_nothing_raises_os_error():
         port = server.getsockname()[1]
     with pytest.raises(OSError):
         connect("127.0.0.1", port, timeout=WAIT)
+
+
+def test_a_send_marks_progress_only_while_the_peer_reads():
+    """last_progress, what the head's heartbeat watch counts besides whole frames: a large frame sent to a peer
+    that reads slowly keeps moving it; small frames the kernel takes whole into a stopped peer's buffers, and a
+    large one once those are full, do not (a stopped worker must still be found silent)."""
+    a, b = socket.socketpair()
+    for sock in (a, b):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+    sender = Connection(a)
+    try:
+        before = sender.last_progress
+        for _ in range(3):
+            sender.send(Ping(nonce=1))  # taken whole into buffers nobody reads
+        assert sender.last_progress == before
+        done = threading.Event()
+        threading.Thread(target=lambda: (sender.send(Pong(nonce=2, payload=b"p" * 400_000)), done.set()),
+                         daemon=True).start()
+        time.sleep(0.3)
+        stalled = sender.last_progress  # the buffers are full, and nobody reads
+        time.sleep(0.3)
+        assert sender.last_progress == stalled and not done.is_set()
+        marks = []
+        while not done.is_set():  # a slow reader: ~4 KB every 10 ms
+            b.recv(4096)
+            marks.append(sender.last_progress)
+            time.sleep(0.01)
+        assert len(set(marks)) > 10 and marks[-1] > stalled
+    finally:
+        sender.close()
+        b.close()

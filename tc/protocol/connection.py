@@ -50,25 +50,46 @@ _MAX_PARTS_PER_CALL = 64
 RECEIVE_BUFFER_BYTES = 64 * 1024
 
 
-def _send_all_parts(sock: socket.socket, parts: list[BytesLike], progressed: Callable[[], None]) -> None:
+def _send_all_parts(sock: socket.socket, parts: list[BytesLike], drained: Callable[[], None]) -> None:
     """Send the buffers in order, as sendall would their concatenation, without concatenating them, calling
-    `progressed` each time the kernel takes some of them.
+    `drained` each time the peer is seen to read: a round that takes bytes after one that found the buffers full.
+    (A round the kernel takes whole proves nothing: a stopped peer's socket takes a few small frames so.)
 
-    One gathering sendmsg per round; the kernel may take only some of the bytes, so the rest are resent.
+    One gathering sendmsg per round; the kernel may take only some of the bytes, so the rest are resent. On a
+    blocking socket each round takes what fits (MSG_DONTWAIT) and waits for room, as a blocking send would, but
+    in rounds: a blocking sendmsg of a large frame returned only once all of it was taken.
     """
     if not hasattr(sock, "sendmsg"):  # Windows: no gathering send
         for part in parts:
             sock.sendall(part)
-            progressed()
         return
+    blocking = sock.gettimeout() is None  # a socket with a timeout sends in rounds already
+    flags = socket.MSG_DONTWAIT if blocking else 0
     pending = [memoryview(part).cast("B") for part in parts if len(part)]
+    full = False  # the last round found the buffers full, so this one's bytes went once the peer read
     while pending:
-        sent = sock.sendmsg(pending[:_MAX_PARTS_PER_CALL])
-        progressed()
+        offered = pending[:_MAX_PARTS_PER_CALL]
+        try:
+            sent = sock.sendmsg(offered, (), flags)
+        except BlockingIOError:
+            _wait_writable(sock)
+            full = True
+            continue
+        if full and sent:
+            drained()
+        full = sent < sum(len(part) for part in offered)
         while pending and sent >= len(pending[0]):
             sent -= len(pending.pop(0))
         if sent:
             pending[0] = pending[0][sent:]
+
+
+def _wait_writable(sock: socket.socket) -> None:
+    """Wait, without a timeout, until a blocking socket has room to send (or is closed or broken: the send that
+    follows then raises)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    poller.poll()
 
 
 def _describe_peer(sock: socket.socket) -> str:
@@ -127,8 +148,9 @@ class Connection:
         self._buffer = bytearray(RECEIVE_BUFFER_BYTES)
         self._start = self._end = 0
         self._poller = None  # a select.poll object, made by the first recv with a timeout
-        # When bytes last moved either way (time.monotonic()): a peer in the middle of a large frame on a slow link
-        # is alive though no whole frame has come or gone for a while
+        # When the peer was last seen at work (time.monotonic()): bytes of a frame arrived, or it read bytes of
+        # one we send. A peer in the middle of a large frame on a slow link is alive though no whole frame has
+        # come or gone for a while.
         self.last_progress = time.monotonic()
 
     @property
