@@ -27,6 +27,7 @@ from cluster import Cluster, HandJoinedWorker, Request, join_loaded, worker_hell
 from model_helpers import OurModel
 from tc.generation import Generator
 from tc.head.api import create_app
+from tc.head import http_server
 from tc.head.http_server import start_http_server
 from tc.head.main import load_config_and_plan
 from tc.head.service import GenerationService, Readiness
@@ -346,30 +347,57 @@ def test_a_first_prefill_is_bounded_by_the_plans_forecast_for_its_stage(tmp_path
         registry.stop()
 
 
-def test_a_client_that_never_reads_its_reply_does_not_hold_a_thread():
+def test_a_client_that_never_reads_its_reply_is_dropped_and_frees_its_thread(monkeypatch):
     """A reply's writes to a connected client that reads nothing waited forever once Waitress held 16 MB of it
     (with logprobs, a long stream writes that): each such client held a request thread for good, and enough of
-    them every thread. The reply now goes to Waitress's buffers and the thread is free when the reply ends."""
-    ended = threading.Event()
+    them every thread. Past STALLED_CLIENT_S of reading nothing, the reply ends as a client's that left, and the
+    connection is closed; one that reads slowly is served to the end."""
+    monkeypatch.setattr(http_server, "STALLED_CLIENT_S", 1.0)
+    closed, ended = threading.Event(), threading.Event()
 
     def app(environ, start_response):
         start_response("200 OK", [("Content-Type", "text/event-stream")])
 
         def chunks():
-            for _ in range(600):  # ~38 MB, past Waitress's default high watermark
-                yield b"data: " + b"x" * 65536 + b"\n\n"
-            ended.set()
+            try:
+                for _ in range(400):  # 25 MB, past Waitress's high watermark (16 MB)
+                    yield b"data: " + b"x" * 65536 + b"\n\n"
+                ended.set()
+            finally:
+                closed.set()
         return chunks()
 
     server = start_http_server(app, "127.0.0.1", 0, threads=1)
-    client = socket.socket()
     try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(("127.0.0.1", server.port))
-        client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
-        assert ended.wait(30), "the reply's thread still waits on a client that does not read"
+        for reads in (False, True):
+            closed.clear()
+            client = socket.create_connection(("127.0.0.1", server.port))
+            client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = 0
+            if reads:  # slowly: at most 64 KB every 10 ms
+                client.settimeout(10)
+                while got < 400 * 65536:
+                    piece = client.recv(65536)
+                    if not piece:
+                        break
+                    got += len(piece)
+                    time.sleep(0.01)
+                assert closed.wait(10) and ended.is_set() and got >= 400 * 65536, got
+            else:  # reads nothing
+                assert closed.wait(30), "the reply's thread still waits on a client that reads nothing"
+                assert not ended.is_set()
+                client.settimeout(10)
+                while True:  # what it had been sent, then the end: the connection was closed
+                    try:
+                        piece = client.recv(1 << 20)
+                    except ConnectionResetError:
+                        break
+                    if not piece:
+                        break
+                    got += len(piece)
+                assert got < 20_000_000, got
+            client.close()
     finally:
-        client.close()
         server.stop()
 
 

@@ -23,12 +23,13 @@ import json
 import logging
 import resource
 import select
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterable
 
 from waitress import create_server, wasyncore
-from waitress.channel import HTTPChannel
+from waitress.channel import ClientDisconnected, HTTPChannel
 from waitress.task import ErrorTask
 
 from .api import CORS_EXPOSED_HEADERS, DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
@@ -43,7 +44,7 @@ QUIET_S = 0.2  # a connection counts as idle once it has been quiet this long: a
 MAX_BACKLOG = 4096  # connections taken from the listen backlog when it closes (Linux caps the backlog at 4096)
 IDLE_CONNECTIONS = 1000  # open connections allowed past one per request thread (connection_limit)
 FD_HEADROOM = 256  # file descriptors kept for everything else the head opens
-UNBOUNDED_OUTPUT_BYTES = 1 << 50  # a reply's output buffered for a slow client before its writes wait: never
+STALLED_CLIENT_S = 120.0  # a client that reads none of a reply's buffered output for this long is dropped
 SHUTDOWN_REPLY = error_reply(ShuttingDown(), "")  # what the app answers a request it refuses while stopping
 
 
@@ -132,6 +133,38 @@ class OpenAIErrorTask(ErrorTask):
 
 class OpenAIErrorChannel(HTTPChannel):
     error_task_class = OpenAIErrorTask
+
+    def _flush_outbufs_below_high_watermark(self) -> None:
+        """Waitress's wait, on a request's thread, for the client to read a reply's output down below
+        outbuf_high_watermark (16 MB), given up once the client has read nothing for STALLED_CLIENT_S.
+
+        Waitress waits with no timeout: a client that stays connected and reads nothing (a long stream with
+        logprobs writes 16 MB) held the thread for good, and enough of them every thread, /health's too. Given up,
+        the connection is shut (the server's loop then closes it and drops its buffers) and the write raises
+        ClientDisconnected, which ends the reply as a client that left ends it."""
+        if self.total_outbufs_len <= self.adj.outbuf_high_watermark:
+            return
+        with self.outbuf_lock:
+            _, failed = self._flush_exception(self._flush_some, do_close=False)
+            if failed:  # as Waitress: the server's loop closes the connection and wakes this thread
+                self.server.pull_trigger()
+                self.outbuf_lock.wait()
+                return
+            unread, deadline = self.total_outbufs_len, time.monotonic() + STALLED_CLIENT_S
+            while self.connected and self.total_outbufs_len > self.adj.outbuf_high_watermark:
+                if self.total_outbufs_len < unread:  # it read some: it is slow, not stalled
+                    unread, deadline = self.total_outbufs_len, time.monotonic() + STALLED_CLIENT_S
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("%s read none of its reply for %gs: dropped", self.addr, STALLED_CLIENT_S)
+                    try:
+                        self.socket.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    self.server.pull_trigger()
+                    raise ClientDisconnected(f"the client read nothing for {STALLED_CLIENT_S:g}s")
+                self.server.pull_trigger()
+                self.outbuf_lock.wait(left)
 
 
 class HttpServer:
@@ -275,13 +308,7 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                            connection_limit=connection_limit(threads), asyncore_use_poll=True,
                            # reads on while a request runs, so that a client that closed its connection is seen
                            # (waitress.client_disconnected); one that only half-closes is taken as gone too
-                           channel_request_lookahead=1,
-                           # a reply's writes never wait on a client that does not read (Waitress's own limit, 16
-                           # MB, made the request's thread wait with no timeout: a stuck client held it for good,
-                           # and enough of them held every thread, /health's too); what is unread waits in
-                           # Waitress's buffers, on disk past outbuf_overflow (1 MB), until the reply has ended
-                           # and the idle connection is closed (channel_timeout, 120 s)
-                           outbuf_high_watermark=UNBOUNDED_OUTPUT_BYTES)
+                           channel_request_lookahead=1)
     server.channel_class = OpenAIErrorChannel  # before the loop runs: every connection is one of these
     server.cors_origins = cors_origins  # for OpenAIErrorTask, which Waitress makes with only its channel
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
