@@ -246,10 +246,7 @@ def test_a_failure_of_the_scheduler_itself_answers_its_requests_and_frees_every_
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the loop's thread ends by raising it
     with pytest.raises(RuntimeError, match="a bug in the scheduler"):
         service.complete(tokenizer.encode(PROMPTS[1]), greedy(4))
-    deadline = time.monotonic() + 10  # released after the requests hear, on the loop's thread
-    while pipeline.caches and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pipeline.caches == {}
+    assert pipeline.caches == {}  # released before the requests hear: a retry's loop finds nothing held
     monkeypatch.undo()
     assert service.complete(prompt, greedy(4)).text == want.text  # and the service goes on
 

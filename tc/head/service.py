@@ -477,14 +477,16 @@ class GenerationService:
             while self._cycle():
                 pass
         except BaseException as exc:  # a bug in the loop itself: no request may wait for ever on it
-            everyone = self._take_everyone()
-            self._fail(everyone, exc)
-            # nor may the workers hold their caches for good: they would refuse every new sequence past max_batch
+            # nor may the workers hold their caches for good (they would refuse every new sequence past max_batch):
+            # released first, while this thread is still the loop and no other can start and use the pipeline
+            with self._lock:
+                batch = list(self._batch)
             try:
-                self._release(everyone)
+                self._release(batch)
                 self._release_kept(len(self._kept))
             except Exception:
                 log.exception("releasing the caches of the requests the scheduler failed")
+            self._fail(self._take_everyone(), exc)
             raise
 
     def _cycle(self) -> bool:
