@@ -262,6 +262,10 @@ def test_functions_are_tools_with_one_call_a_turn():
     assert parse_chat_request({"model": "m", "messages": [ASK], "functions": FUNCTIONS,
                                "function_call": "none"}).offered_tools == ()
     assert not parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER]}).legacy_functions
+    # an empty list is none (clients send [] for none), beside tools too; "auto" with no functions offers none
+    assert not parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER], "functions": []}
+                                  ).legacy_functions
+    assert parse_chat_request({"model": "m", "messages": [ASK], "function_call": "auto"}).offered_tools == ()
 
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
@@ -270,8 +274,9 @@ def test_functions_are_tools_with_one_call_a_turn():
     ({"tools": [WEATHER], "function_call": "auto"}, "function_call", "cannot be combined with 'tools'"),
     ({"functions": FUNCTIONS, "function_call": "required"}, "function_call", '"none", "auto" or {"name": ...}'),
     ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call.name", "not in 'functions'"),
-    ({"function_call": "auto"}, "function_call", "needs 'functions'"),
+    ({"tools": [WEATHER], "function_call": "none"}, "function_call", "cannot be combined with 'tools'"),
     ({"functions": FUNCTIONS, "parallel_tool_calls": True}, "parallel_tool_calls", "one function_call"),
+    ({"functions": FUNCTIONS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be a boolean"),
     ({"functions": [WEATHER]}, "functions[0].type", "unsupported field"),
     ({"functions": [WEATHER["function"], WEATHER["function"]]}, "functions[1].name", "repeats the function name"),
 ])
@@ -292,6 +297,10 @@ def test_function_messages_answer_the_call_before_them():
     assert [(m.role, m.tool_call_id, m.name, m.content) for m in (request.messages[i] for i in (2, 4, 5))] == [
         ("tool", "000000001", "get_weather", '{"temperature_c": 18}'), ("tool", "000000003", "get_weather", ""),
         ("tool", None, "get_time", "noon")]  # a result of no call stays as it came
+    # what a template that pairs them by id (Mistral's) is handed
+    assert request.messages[1].as_template_input()["tool_calls"][0]["id"] == "000000001"
+    assert request.messages[2].as_template_input() == {"role": "tool", "content": '{"temperature_c": 18}',
+                                                       "name": "get_weather", "tool_call_id": "000000001"}
 
 
 @pytest.mark.parametrize(("message", "param"), [

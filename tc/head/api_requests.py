@@ -260,6 +260,11 @@ class ChatRequest:
     prediction: str | None = None  # the text the reply is expected to repeat much of (OpenAI's predicted output)
     legacy_functions: bool = False  # the tools came as `functions`: the reply's call is a `function_call`
 
+    @property
+    def tools_field(self) -> str:
+        """The field the request's tools came in, for errors that name it."""
+        return "functions" if self.legacy_functions else "tools"
+
     def tool_param(self, index: int) -> str:
         """Where the request holds tool `index`'s function object, for errors that name it."""
         return f"functions[{index}]" if self.legacy_functions else f"tools[{index}].function"
@@ -929,10 +934,11 @@ def _legacy_functions(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolCh
     functions, "none" without). They do not mix with `tools` and `tool_choice`, which say the same thing."""
     for modern, legacy in (("tools", "functions"), ("tool_choice", "function_call"), ("tool_choice", "functions"),
                            ("tools", "function_call")):
-        if body.get(modern) is not None and body.get(legacy) is not None:
+        if body.get(modern) is not None and body.get(legacy) not in (None, []):  # clients send [] for none
             raise RequestError(f"'{legacy}' (the deprecated form) cannot be combined with '{modern}'; send 'tools' "
                                "and 'tool_choice' only", param=legacy, code="invalid_value")
-    if body.get("parallel_tool_calls") is True:
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and _boolean(parallel, "parallel_tool_calls"):
         raise RequestError("'parallel_tool_calls' goes with 'tools': a reply to 'functions' carries one "
                            "function_call", param="parallel_tool_calls", code="invalid_value")
     tools = _tools(body, "functions")
@@ -943,16 +949,12 @@ def _legacy_functions(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolCh
         if value not in FUNCTION_CALLS:
             raise RequestError(f"'function_call' is {json.dumps(value)}; use \"none\", \"auto\" or "
                                '{"name": ...}', param="function_call", code="invalid_value")
-        choice = ToolChoice(value)
-    else:
-        chosen = _object(value, "function_call", frozenset({"name"}))
-        choice = ToolChoice("function", _string(_required(chosen, "name", "function_call."), "function_call.name"))
-        if choice.name not in {t.name for t in tools}:
-            raise RequestError(f"'function_call' names the function {json.dumps(choice.name)}, which is not in "
-                               "'functions'", param="function_call.name", code="invalid_value")
-    if choice.mode == "auto" and not tools:
-        raise RequestError("'function_call' \"auto\" needs 'functions' to choose from", param="function_call",
-                           code="invalid_value")
+        return tools, ToolChoice(value)  # "auto" without functions offers none, as tool_choice's does
+    chosen = _object(value, "function_call", frozenset({"name"}))
+    choice = ToolChoice("function", _string(_required(chosen, "name", "function_call."), "function_call.name"))
+    if choice.name not in {t.name for t in tools}:
+        raise RequestError(f"'function_call' names the function {json.dumps(choice.name)}, which is not in "
+                           "'functions'", param="function_call.name", code="invalid_value")
     return tools, choice
 
 
@@ -1096,7 +1098,7 @@ def parse_chat_request(body: Mapping[str, Any]) -> ChatRequest:
         raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send only one",
                            param="max_completion_tokens", code="invalid_value")
     max_tokens = next(iter(limits.values()), None)
-    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    legacy = body.get("functions") not in (None, []) or body.get("function_call") is not None
     if legacy:
         tools, tool_choice = _legacy_functions(body)
         parallel = False

@@ -80,7 +80,7 @@ class StepClock:
         if slowest is None and self._forecast_bound(kind, positions) > factor * floor:
             assert self.prefill_forecast is not None
             return (f"head.step_timeout_s {floor:g}s + {factor:g} x the plan's forecast for {positions} positions, "
-                    f"{self.prefill_forecast(positions):.3g}s, as no prefill step of this worker is measured yet")
+                    f"{self.prefill_forecast(positions):.0f}s, as no prefill step of this worker is measured yet")
         if slowest is None:
             return (f"{factor:g} x head.step_timeout_s {floor:g}s, as no {kind} step of this worker is measured "
                     "yet")

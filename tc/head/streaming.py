@@ -373,9 +373,9 @@ class ChatReply:
         chunks = []
         for call in calls:
             index, self._calls_sent = self._calls_sent, self._calls_sent + 1
-            if self.tools is not None and self.tools.legacy:  # one call, parallel being off: no index, no id
-                chunks.append(self._chunk({"function_call": {"name": call.name, "arguments": ""}}, None, None))
-                chunks.append(self._chunk({"function_call": {"arguments": call.arguments}}, None, None))
+            if self.tools is not None and self.tools.legacy:  # the reply's one call (parallel is off): no index
+                chunks += [self._chunk({"function_call": {"name": call.name, "arguments": ""}}, None, None),
+                           self._chunk({"function_call": {"arguments": call.arguments}}, None, None)]
                 continue
             header = {"index": index, "id": call.id, "type": "function",
                       "function": {"name": call.name, "arguments": ""}}

@@ -97,7 +97,7 @@ class StructuredOutput:
                     engine.check_schema(call_schema(tool))
                 except GrammarError as exc:
                     raise RequestError(f"the schema in '{request.tool_param(index)}.parameters' is not a valid "
-                                       f"JSON schema: {exc}", param=_tools_field(request),
+                                       f"JSON schema: {exc}", param=request.tools_field,
                                        code="invalid_value") from exc
 
 
@@ -121,11 +121,7 @@ def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarEr
         try:
             engine.json_schema(call_schema(tool))
         except GrammarError as own:
-            return _schema_error(f"{request.tool_param(index)}.parameters", _tools_field(request), own)
+            return _schema_error(f"{request.tool_param(index)}.parameters", request.tools_field, own)
     if request.response_format.type == "json_schema":
         return _schema_error("response_format.json_schema.schema", "response_format.json_schema.schema", exc)
-    return _schema_error(_tools_field(request), _tools_field(request), exc)
-
-
-def _tools_field(request: ChatRequest) -> str:
-    return "functions" if request.legacy_functions else "tools"
+    return _schema_error(request.tools_field, request.tools_field, exc)
