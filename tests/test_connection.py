@@ -352,3 +352,23 @@ def test_a_send_marks_progress_only_while_the_peer_reads():
     finally:
         sender.close()
         b.close()
+
+
+def test_close_wakes_a_sender_waiting_for_room(pair):
+    """A large frame to a peer that reads nothing waits for room between its rounds; closing the connection (as
+    the head's watch does to a silent worker) ends that wait with ConnectionClosed."""
+    left, _right = pair
+    failure: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            left.send(Pong(nonce=1, payload=b"p" * 4_000_000))
+        except BaseException as exc:  # noqa: BLE001 - the test reads what it was
+            failure.append(exc)
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(0.3)
+    assert sender.is_alive()  # waiting: nobody reads
+    left.close()
+    sender.join(WAIT)
+    assert not sender.is_alive() and len(failure) == 1 and isinstance(failure[0], ConnectionClosed), failure

@@ -88,7 +88,10 @@ def _wait_writable(sock: socket.socket) -> None:
     """Wait, without a timeout, until a blocking socket has room to send (or is closed or broken: the send that
     follows then raises)."""
     poller = select.poll()
-    poller.register(sock, select.POLLOUT)
+    try:
+        poller.register(sock, select.POLLOUT)
+    except ValueError as exc:  # closed by another thread since the send began (its descriptor is -1)
+        raise OSError(f"the socket was closed ({exc})") from exc
     poller.poll()
 
 
