@@ -277,10 +277,6 @@ def _call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _function_call(call: ToolCall) -> dict[str, Any]:
-    return {"name": call.name, "arguments": call.arguments}
-
-
 @dataclass(frozen=True)
 class Reasoning:
     """A reply of a model that thinks: its think tokens, and whether its prompt left the thinking open. `split`
@@ -353,12 +349,12 @@ class ChatReply:
         if self.tools is not None and content is not None:
             parsed = parse_tool_calls(content, self.tools.names, self.tools.new_id)
             calls = parsed.calls if self.tools.parallel else parsed.calls[:1]
-            if calls and self.tools.legacy:
-                message = {"role": "assistant", "content": parsed.content, "function_call": _function_call(calls[0])}
-                finish = self.tools.finish_reason
-            elif calls:
-                message = {"role": "assistant", "content": parsed.content,
-                           "tool_calls": [_call_body(c) for c in calls]}
+            if calls:
+                message = {"role": "assistant", "content": parsed.content}
+                if self.tools.legacy:  # the deprecated form's one call
+                    message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+                else:
+                    message["tool_calls"] = [_call_body(c) for c in calls]
                 finish = self.tools.finish_reason
         if self.reasoning is not None:
             message["reasoning_content"] = thinking
