@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,11 +21,11 @@ from tc.model.config import ConfigError, ModelConfig
 from tc.model.quant import Int4Linear, Int8Linear
 from tc.model import native
 from tc.model.decode_plan import DecodePlan
-from tc.model.qwen2 import MLP, Attention, RMSNorm, Span, Stage
+from tc.model.qwen2 import MLP, Attention, HeadModel, RMSNorm, Span, Stage
 from tc.model.tokenizer import TextTokenizer
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tc.sampling import SamplingParams
-from tiny_families import FAMILIES, hf_family_model, write_family_model
+from tiny_families import FAMILIES, LONG_FACTORS, SHAPES, SHORT_FACTORS, hf_family_model, write_family_model
 
 PROMPT = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120, 64, 3]  # longer than every tiny sliding window
 NEW_TOKENS = 10
@@ -159,6 +160,94 @@ def test_head_and_two_workers_generate_what_transformers_does(tmp_path, family_d
         assert "assigned layers 0-1" in head_log and "assigned layers 2-3" in head_log
 
 
+def served(model_dir, context: int | None) -> OurModel:
+    """OurModel of `model_dir` serving `context` positions a sequence (None: the model's own), as a topology's
+    context_length makes the head and (through ASSIGNMENT) every worker serve."""
+    model = OurModel.__new__(OurModel)
+    model.config = replace(ModelConfig.from_file(model_dir / "config.json"), context_limit=context)
+    model.index, model.dtype = WeightIndex.open(model_dir), torch.float32
+    model.head = HeadModel.load(model.config, model.index, torch.float32)
+    model.stages = [Stage.load(model.config, model.index, 0, 2, torch.float32),
+                    Stage.load(model.config, model.index, 2, 4, torch.float32)]
+    return model
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory):
+    """Phi-3.5-mini's kind of longrope: a pre-training context (64) below the model's (256), and no `factor`, which
+    transformers then derives from the two (and the attention factor from that)."""
+    rope = {k: v for k, v in FAMILIES["phi3-longrope"][2]["rope_parameters"].items() if k != "factor"}
+    return write_family_model(tmp_path_factory.mktemp("longrope"), "phi3-longrope", seed=1,
+                              original_max_position_embeddings=64, rope_parameters=rope)
+
+
+def test_longrope_takes_the_long_list_where_the_context_served_passes_the_pretraining_one(longrope_dir):
+    """transformers rotates a sequence longer than the pre-training context with the long list, and tc every
+    sequence of a context longer than that; a context within it takes the short list, as transformers does for
+    a sequence within it. The two lists give different logits, so each side is told apart."""
+    ids = [(7 * i + 3) % 250 for i in range(80)]  # past the pre-training context of 64
+    long_context = served(longrope_dir, None)  # 256 positions
+    assert long_context.config.context_length == 256
+    reference = hf_family_model(longrope_dir)
+    assert (long_context.full_logits(ids) - hf_logits(reference, ids)).abs().max().item() < 1e-4
+    assert (long_context.cached_logits(ids, split=70) - hf_logits(reference, ids)).abs().max().item() < 1e-4
+    short_context = served(longrope_dir, 64)
+    within = ids[:40]
+    assert (short_context.full_logits(within) - hf_logits(reference, within)).abs().max().item() < 1e-4
+    assert (long_context.full_logits(within) - hf_logits(reference, within)).abs().max().item() > 1e-2
+
+
+def token_logprobs(model: OurModel, ids: list[int], tokens: list[int]) -> list[float]:
+    """The log-probability `model` gives each of `tokens` following `ids` (greedy tokens, temperature 0)."""
+    logits = model.full_logits(ids + tokens)[len(ids) - 1:-1]
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.slow
+def test_a_topology_context_within_the_pretraining_one_gives_every_worker_the_short_list(tmp_path, longrope_dir):
+    """The head's context_length reaches the workers in ASSIGNMENT: with `context_length: 64` the head and two
+    workers generate transformers' tokens for a short prompt with the short list's log-probabilities, which the
+    model's own context of 256 (the long list) does not give."""
+    tokenizer = TextTokenizer.load(longrope_dir)
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt)
+    short = served(longrope_dir, 64)
+    tokens = list(our_greedy(short, longrope_dir, ids, NEW_TOKENS).token_ids)
+    assert tokens == hf_greedy(longrope_dir, ids, NEW_TOKENS)
+    want = token_logprobs(short, ids, tokens)
+    long = token_logprobs(served(longrope_dir, None), ids, tokens)
+    assert max(abs(a - b) for a, b in zip(want, long)) > 1e-2
+    topo = write_topology(tmp_path / "t.yaml", longrope_dir, [{"id": "a", "device": "cpu"},
+                                                              {"id": "b", "device": "cpu"}], context_length=64)
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_all(["a", "b"])
+        status, body = cluster.post("/v1/completions", {"model": longrope_dir.name, "prompt": prompt,
+                                                        "max_tokens": NEW_TOKENS, "temperature": 0,
+                                                        "ignore_eos": True, "logprobs": 0})
+        assert status == 200, body
+        got = body["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want, long)
+
+
+def test_phi3_files_that_name_longrope_su_are_read_as_longrope():
+    """The 128k Phi-3-mini's first files called longrope "su" (and Phi3Config reads "yarn" beside the two lists as
+    longrope too): the same model as "longrope", and the same config on the wire."""
+    data = {"architectures": ["Phi3ForCausalLM"], **{k: v for k, v in SHAPES.items() if v is not None},
+            "rms_norm_eps": 1e-5, "original_max_position_embeddings": 64}
+    lists = {"short_factor": SHORT_FACTORS, "long_factor": LONG_FACTORS}
+    named = ModelConfig.from_dict({**data, "rope_scaling": {"type": "longrope", **lists}})
+    assert named.rope.type == "longrope" and named.rope.param("factor") == 4.0
+    for old in ("su", "yarn"):
+        config = ModelConfig.from_dict({**data, "rope_scaling": {"type": old, **lists}})
+        assert config.rope == named.rope
+        assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ConfigError, match=r"rope_scaling\.long_factor = \[1\.0\]; longrope needs a list of 8 "):
+        ModelConfig.from_dict({**data, "rope_scaling": {"type": "longrope", **lists, "long_factor": [1.0]}})
+    with pytest.raises(ConfigError, match=r"rope_scaling\.original_max_position_embeddings = None"):
+        ModelConfig.from_dict({**{k: v for k, v in data.items() if k != "original_max_position_embeddings"},
+                               "rope_scaling": {"type": "longrope", **lists}})
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "mixtral", "qwen2-moe"])
 def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
     """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""
@@ -282,11 +371,11 @@ def test_the_wire_copy_of_every_family_config_gives_the_same_config(family_dirs)
 
 
 def test_a_family_setting_tc_would_ignore_is_refused():
-    with pytest.raises(ConfigError, match="rope_scaling.type = 'longrope'; tc computes rope types"):
+    with pytest.raises(ConfigError, match="rope_scaling.type = 'longrope_v2'; tc computes rope types"):
         ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 320,
                                "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-                               "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}})
+                               "rope_scaling": {"type": "longrope_v2", "long_factor": [1.0], "short_factor": [1.0]}})
 
 
 @pytest.mark.parametrize("rope_scaling", [{"type": "linear", "factor": 2.0}, {"type": "dynamic", "factor": 2.0},

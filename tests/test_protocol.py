@@ -254,7 +254,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 8
+    assert PROTOCOL_VERSION == 9
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -594,11 +594,12 @@ def test_older_peers_are_told_apart():
     one lacks; version 5's RUN_BATCH entries name their copies, which a version 4 entry lacks; version 6's RUN_BATCH
     says its route, the stages' times before it and the sequences released before it, and its HELLO the worker's
     peer port; a version 6 worker would not grow a cache that a version 7 entry continues with more capacity; version
-    8's RUN_BATCH entries may name a source, which a version 7 entry lacks."""
-    for old in (1, 2, 3, 4, 5, 6, 7):
+    8's RUN_BATCH entries may name a source, which a version 7 entry lacks; version 9's ASSIGNMENT names the context
+    served, which a version 8 one lacks."""
+    for old in (1, 2, 3, 4, 5, 6, 7, 8):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 8)
+        assert (info.value.peer_version, info.value.our_version) == (old, 9)
     version_5_hello = {k: v for k, v in make_hello().to_payload().items() if k not in ("peer_port", "peer_host")}
     with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['peer_port', 'peer_host'\]"):
         Hello.from_payload(version_5_hello)
@@ -614,11 +615,15 @@ def test_older_peers_are_told_apart():
                                                              "hidden_state": good_tensor()})))
     with pytest.raises(ProtocolError, match=r"PONG .*payload"):
         FrameDecoder().feed(frame_of(envelope("PONG", {"nonce": 1})))
-    version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items() if k != "max_sequences"}
+    version_8 = {k: v for k, v in assignment_payload().items() if k != "context_length"}
+    with pytest.raises(ProtocolError, match=r"ASSIGNMENT lacks field\(s\) \['context_length'\]"):
+        FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_8)))
+    version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items()
+                 if k not in ("max_sequences", "context_length")}
     with pytest.raises(ProtocolError, match=r"ASSIGNMENT has unknown field\(s\) \['total_weight_bytes'\]"):
         FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_1)))
-    version_2 = {k: v for k, v in assignment_payload().items() if k != "max_sequences"}
-    with pytest.raises(ProtocolError, match=r"ASSIGNMENT lacks field\(s\) \['max_sequences'\]"):
+    version_2 = {k: v for k, v in assignment_payload().items() if k not in ("max_sequences", "context_length")}
+    with pytest.raises(ProtocolError, match=r"ASSIGNMENT lacks field\(s\) \['max_sequences', 'context_length'\]"):
         FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_2)))
     with pytest.raises(ProtocolError, match="unknown message type 'RUN_DECODE'"):
         FrameDecoder().feed(frame_of(envelope("RUN_DECODE", {"position": 0, "hidden_state": good_tensor()})))

@@ -52,6 +52,29 @@ def test_inverse_frequencies_and_factor_equal_transformers(name):
     assert attention_scaling(rope) == pytest.approx(want_factor, rel=0, abs=0)
 
 
+@pytest.mark.parametrize("given", [{}, {"factor": 8.0}, {"attention_factor": 1.3}])
+@pytest.mark.parametrize("served", [CONTEXT // 8, CONTEXT // 8 + 1, CONTEXT])
+def test_longrope_frequencies_and_factor_equal_transformers(given, served):
+    """Phi-3.5-mini's kind (a pre-training context an eighth of the model's): the list transformers takes for a
+    sequence of `served` positions, which tc takes for every sequence of a context of that many; the attention
+    factor from `factor`, from the two contexts where the file gives none, or as given."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    lists = {"short_factor": [1.0 + i / 16 for i in range(HEAD_DIM // 2)],
+             "long_factor": [1.0 + i for i in range(HEAD_DIM // 2)]}
+    parameters = {"rope_type": "longrope", "rope_theta": 10000.0, **lists, **given}
+    data = {"hidden_size": HEAD_DIM * 4, "num_attention_heads": 4, "max_position_embeddings": CONTEXT,
+            "original_max_position_embeddings": CONTEXT // 8}
+    rope = parse_rope({**data, "rope_scaling": parameters})
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config(**data, rope_parameters=dict(parameters)),
+                                                             "cpu", seq_len=served)
+    assert torch.equal(inv_freq(rope, HEAD_DIM, context=served), want_freq)
+    assert attention_scaling(rope) == pytest.approx(want_factor, rel=0, abs=0) and want_factor > 1
+    with pytest.raises(ValueError, match="longrope's frequencies depend on the context served"):
+        inv_freq(rope, HEAD_DIM)
+
+
 def test_the_tables_carry_yarns_factor():
     rope = parse_rope({"rope_parameters": SCALINGS["yarn (Qwen2.5's)"], "max_position_embeddings": CONTEXT})
     cos, _ = Rotary(HEAD_DIM, rope, "cpu").tables(0, 1, torch.float32)

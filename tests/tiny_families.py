@@ -18,6 +18,9 @@ SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_att
               bos_token_id=None, pad_token_id=None)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+# Phi-3.5-mini's kind: a factor per frequency from one of two lists, and cos/sin scaled by an attention factor
+SHORT_FACTORS = [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0]
+LONG_FACTORS = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name: (transformers config class, model class, config arguments beyond SHAPES)
@@ -37,6 +40,12 @@ FAMILIES = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6)),
+    # the whole context inside the pre-training one (the short list) and an attention factor of its own; the long
+    # list: test_families.py's longrope tests
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      dict(original_max_position_embeddings=256,
+                           rope_parameters={"rope_type": "longrope", "short_factor": SHORT_FACTORS,
+                                            "long_factor": LONG_FACTORS, "factor": 4.0, "rope_theta": 10000.0})),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,

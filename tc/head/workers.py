@@ -862,7 +862,7 @@ class WorkerRegistry:
                           layer_start=stage.start, layer_end_exclusive=stage.end, config=self.config.to_dict(),
                           tensor_count=len(layer_tensor_names(self.config, stage.start, stage.end)),
                           threads=self.topology.node(link.entry_id).threads,
-                          max_sequences=self.batch.max_batch)
+                          max_sequences=self.batch.max_batch, context_length=self.config.context_length)
 
     # --- serving -----------------------------------------------------------------------------------------------
     def _serve(self, link: WorkerLink, assignments: list[tuple[WorkerLink, Assignment]]) -> None:

@@ -561,7 +561,7 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
     """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
     if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
         return None
-    return Rotary(config.head_dim, config.local_rope, device)
+    return Rotary(config.head_dim, config.local_rope, device, config.context_length)
 
 
 class Stage(nn.Module):
@@ -578,7 +578,7 @@ class Stage(nn.Module):
         self.config, self.start, self.end = config, start, end
         # keyed by global layer number, so state-dict names match the checkpoint's
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
-        self.rotary = Rotary(config.head_dim, config.rope, device)
+        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length)
         self.local_rotary = _local_rotary(config, device)
         self._plans = Plans()  # by what a plan's calls depend on (_plan_key)
 
@@ -605,7 +605,7 @@ class Stage(nn.Module):
             _give_back_freed_memory()
             if progress is not None:
                 progress(done, end - start)
-        stage.rotary = Rotary(config.head_dim, config.rope, device)
+        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length)
         stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 

@@ -9,9 +9,10 @@ Scaling types tc computes, each as transformers' ROPE_INIT_FUNCTIONS does: `defa
 divided by `factor`), `llama3` (low frequencies divided by `factor`, high ones kept, a smooth ramp between),
 `yarn` (the same idea with YaRN's ramp, and cos/sin scaled by an attention factor) and `dynamic` (NTK scaling,
 which transformers applies only to sequences longer than max_position_embeddings: tc never runs one, since a
-request's cache is capped at that context, so inside it dynamic RoPE is plain RoPE). Anything else
-(`longrope`, partial rotary, a dynamic scaling from an original context shorter than the model's) is refused by
-name rather than run wrongly.
+request's cache is capped at that context, so inside it dynamic RoPE is plain RoPE) and `longrope` (Phi-3's: each
+frequency divided by its own factor from one of two lists, cos/sin scaled by an attention factor; see
+`longrope_factors` for which list). Anything else (partial rotary, a dynamic scaling from an original context
+shorter than the model's) is refused by name rather than run wrongly.
 """
 from __future__ import annotations
 
@@ -37,22 +38,28 @@ SCALING_KEYS = {
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings",),  # and its two lists: LONGROPE_LISTS
 }
+LONGROPE_LISTS = ("short_factor", "long_factor")
 # keys a type may leave out, and transformers' default for each (None: derived, see attention_scaling)
 OPTIONAL_KEYS = {
     "dynamic": {"original_max_position_embeddings": None},
     "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None, "mscale_all_dim": None,
              "truncate": True},
+    "longrope": {"factor": None, "attention_factor": None},
 }
 
 
 @dataclass(frozen=True)
 class Rope:
-    """One rotary embedding: its base, and its scaling type with that type's parameters (sorted (key, value))."""
+    """One rotary embedding: its base, and its scaling type with that type's parameters (sorted (key, value));
+    longrope's two lists of factors, one per frequency, beside them."""
 
     theta: float
     type: str = "default"
     params: tuple[tuple[str, float], ...] = ()
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def param(self, name: str, default: float | None = None) -> float:
         value = dict(self.params).get(name, default)
@@ -100,9 +107,10 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
     for name in SCALING_KEYS[rope_type]:
         value = rope.get(name)
         if value is None and name == "original_max_position_embeddings":
-            # transformers takes the model's context where the file names no pre-training one, and the ramp
-            # between kept and stretched frequencies sits there
-            value = data.get("max_position_embeddings")
+            # Phi-3's files give the pre-training context at the top level, beside max_position_embeddings; for the
+            # others transformers takes the model's context where the file names none, and the ramp between kept
+            # and stretched frequencies sits there
+            value = data.get(name) if rope_type == "longrope" else data.get("max_position_embeddings")
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"config.json sets {key}.{name} = {value!r}; rope_type {rope_type!r} needs it to be "
                               "a positive number")
@@ -114,6 +122,8 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
         if type(value) not in (bool, int, float) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"config.json sets {key}.{name} = {value!r}; expected a non-negative number")
         params.append((name, float(value)))
+    if rope_type == "longrope":
+        return _longrope(key, rope, data, theta, params)
     if rope_type == "llama3" and dict(params)["high_freq_factor"] <= dict(params)["low_freq_factor"]:
         raise ConfigError(f"config.json sets {key}.high_freq_factor <= low_freq_factor; llama3 rope scaling needs "
                           "high_freq_factor > low_freq_factor")
@@ -129,6 +139,31 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
     return Rope(theta, rope_type, tuple(params))
 
 
+def _longrope(key: str, rope: dict[str, Any], data: dict[str, Any], theta: float,
+              params: list[tuple[str, float]]) -> Rope:
+    """longrope's Rope: its two lists (one factor a frequency, each positive), and `factor` where the file gives
+    none as transformers derives it, the model's context over the pre-training one (what the attention factor's
+    default is made from)."""
+    head_dim = data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]
+    lists = []
+    for name in LONGROPE_LISTS:
+        value = rope.get(name)
+        if not (isinstance(value, list) and len(value) == head_dim // 2 and all(
+                type(v) in (int, float) and math.isfinite(v) and v > 0 for v in value)):
+            raise ConfigError(f"config.json sets {key}.{name} = {_short(value)}; longrope needs a list of "
+                              f"{head_dim // 2} positive numbers there, one for each rotary frequency")
+        lists.append(tuple(float(v) for v in value))
+    found = dict(params)
+    if "factor" not in found:
+        found["factor"] = data["max_position_embeddings"] / found["original_max_position_embeddings"]
+    return Rope(theta, "longrope", tuple(sorted(found.items())), *lists)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _scaling_type(key: str, rope: dict[str, Any]) -> str:
     """The scaling type `rope` names, after checking tc computes it and that it holds no key tc would ignore."""
     types = {rope[k] for k in ("rope_type", "type") if k in rope}
@@ -140,6 +175,8 @@ def _scaling_type(key: str, rope: dict[str, Any]) -> str:
                           f"{rope_type!r}; tc computes rope types {', '.join(map(repr, SCALING_KEYS))} only: this "
                           "rope scaling is not supported yet")
     allowed = COMMON_KEYS + SCALING_KEYS[rope_type] + tuple(OPTIONAL_KEYS.get(rope_type, ()))
+    if rope_type == "longrope":
+        allowed += LONGROPE_LISTS
     for name, value in rope.items():
         if name == "partial_rotary_factor" and value == 1.0:
             continue  # what tc computes anyway: the whole head rotates
@@ -149,9 +186,28 @@ def _scaling_type(key: str, rope: dict[str, Any]) -> str:
     return rope_type
 
 
-def inv_freq(rope: Rope, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The inverse frequencies [D/2] of `rope` for heads of `head_dim`, computed as transformers does (fp32)."""
+def longrope_factors(rope: Rope, context: int) -> tuple[float, ...]:
+    """The list of factors longrope divides its frequencies by for a model serving `context` positions a sequence
+    (ModelConfig.context_length): the long list where that is more than the pre-training context, else the short
+    one. Chosen once for the context served, as llama.cpp chooses by its context size, so that every
+    position of a sequence is rotated alike. transformers chooses per sequence instead: the short list until the
+    sequence passes the pre-training context, then (Phi-3's generate drops the cache and computes it again) the
+    long one for all of it. The two agree wherever a sequence stays on the served context's side of the line:
+    every sequence, with a context_length at most the pre-training context."""
+    long = context > rope.param("original_max_position_embeddings")
+    return rope.long_factor if long else rope.short_factor
+
+
+def inv_freq(rope: Rope, head_dim: int, device: torch.device | str = "cpu",
+             context: int | None = None) -> torch.Tensor:
+    """The inverse frequencies [D/2] of `rope` for heads of `head_dim`, computed as transformers does (fp32), for
+    a model that serves `context` positions a sequence: longrope's depend on it, and need it given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    if rope.type == "longrope":
+        if context is None:
+            raise ValueError("longrope's frequencies depend on the context served: give it")
+        factors = torch.tensor(longrope_factors(rope, context), dtype=torch.float32, device=device)
+        return 1.0 / (factors * rope.theta ** exponents)
     freq = 1.0 / (rope.theta ** exponents)  # [D/2]
     if rope.type == "linear":
         return freq / rope.param("factor")
@@ -174,12 +230,15 @@ def inv_freq(rope: Rope, head_dim: int, device: torch.device | str = "cpu") -> t
 
 
 def attention_scaling(rope: Rope) -> float:
-    """The factor cos and sin are multiplied by: YaRN's attention factor, 1 for every other type."""
-    if rope.type != "yarn":
+    """The factor cos and sin are multiplied by: YaRN's and longrope's attention factors, 1 for every other type."""
+    if rope.type not in ("yarn", "longrope"):
         return 1.0
     given = dict(rope.params).get("attention_factor")
     if given is not None:
         return given
+    if rope.type == "longrope":  # transformers' _compute_longrope_parameters
+        factor, original = rope.param("factor"), rope.param("original_max_position_embeddings")
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor, mscale, mscale_all = rope.param("factor"), rope.param("mscale", 0.0), rope.param("mscale_all_dim", 0.0)
 
     def get_mscale(scale: float, m: float = 1.0) -> float:
@@ -213,10 +272,12 @@ def _yarn_inv_freq(rope: Rope, dim: int, freq: torch.Tensor) -> torch.Tensor:
 class Rotary:
     """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
-    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str):
+    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str, context: int | None = None):
+        """context: the positions a sequence may use (ModelConfig.context_length), which longrope's frequencies
+        depend on."""
         rope = rope if isinstance(rope, Rope) else Rope(float(rope))
-        self.inv_freq = inv_freq(rope, head_dim, device)  # [D/2], scaled as the config says
-        self.attention_scaling = attention_scaling(rope)  # YaRN's factor on cos and sin; 1 otherwise
+        self.inv_freq = inv_freq(rope, head_dim, device, context)  # [D/2], scaled as the config says
+        self.attention_scaling = attention_scaling(rope)  # YaRN's and longrope's factor on cos and sin; else 1
         self.size = 0  # positions the tables cover
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 

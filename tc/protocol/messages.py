@@ -42,7 +42,8 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 #    and the worker grows the cache (a finished request's cache taken up by the request that continues its text)
 # 8: a RUN_BATCH entry may name a `source`: the sequence whose first position_start positions its cache starts
 #    from, its own cut back or another's copied (a request whose prompt shares only the start of a kept cache)
-PROTOCOL_VERSION = 8
+# 9: ASSIGNMENT names the context served (`context_length`), which longrope's rotary frequencies depend on
+PROTOCOL_VERSION = 9
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -490,6 +491,9 @@ class Assignment(Message):
     tensor_count: int = wire(COUNT)  # tensors in the layer range; a checkpoint with more has weights tc would skip
     threads: int | None = wire(_Optional(COUNT), default=None)  # torch threads, from the entry (None: worker's own)
     max_sequences: int = wire(_Int(1), default=1)  # KV caches the worker holds at once: the head's max_batch
+    # the positions a sequence may use, the topology's context_length (None: the model's own), which some rotary
+    # embeddings (longrope) are computed for
+    context_length: int | None = wire(_Optional(_Int(1)), default=None)
 
     def _validate(self) -> None:
         if self.layer_end_exclusive <= self.layer_start:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -125,7 +125,8 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     not match the assignment, QuantizationError for a weight mode or group size tc cannot quantize.
     """
     started = time.perf_counter()
-    config = ModelConfig.from_dict(assignment.config)  # raises ConfigError for a family this release lacks
+    # raises ConfigError for a family this release lacks; serving the head's context, which longrope computes for
+    config = replace(ModelConfig.from_dict(assignment.config), context_limit=assignment.context_length)
     if assignment.architecture != config.model_type:
         raise ConfigError(f"the head assigns a model of architecture {assignment.architecture!r}, and this worker "
                           f"(tc {__version__}) reads its config.json as {config.model_type!r}. Run the same tc "

@@ -1,18 +1,36 @@
-"""Phi-3: Mistral's layer, with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj)."""
+"""Phi-3: Mistral's layer, with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj); its
+long-context checkpoints (Phi-3.5-mini, Phi-3-mini-128k) scale their rotary embedding with longrope."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, common_fields, require
+from ..rope import ROPE_LAYOUTS
 
 
 def parse(data: dict[str, Any]) -> ModelConfig:
-    values = common_fields(data, "phi3")
-    if values["rope"].type != "default":
-        # transformers' Phi3Config takes longrope only (and reads "yarn" as longrope): no Phi-3 scales its rotary
-        # embedding another way, and transformers refuses the file that says so
+    values = common_fields(_longrope_named(data), "phi3")
+    values["source"] = copy.deepcopy(data)  # as read: each worker names the scaling the same way
+    if values["rope"].type not in ("default", "longrope"):
+        # transformers' Phi3Config takes longrope only: no Phi-3 scales its rotary embedding another way, and
+        # transformers refuses the file that says so
         raise ConfigError(f"config.json gives Phi3ForCausalLM rope scaling {values['rope'].type!r}; Phi-3 scales "
-                          "its rotary embedding with longrope only, which tc does not compute")
+                          "its rotary embedding with longrope only")
     window = None if data.get("sliding_window") is None else require(data, "sliding_window")
     return ModelConfig(**values, fused_checkpoint=True,
                        sliding_windows=(window,) * values["num_hidden_layers"] if window else ())
+
+
+def _longrope_named(data: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the names older Phi-3 files give longrope ("su", and "yarn" beside longrope's two lists)
+    replaced by "longrope", as transformers' Phi3Config reads them (the 128k Phi-3-mini's first files said "su")."""
+    found = dict(data)
+    for key in ROPE_LAYOUTS:
+        rope = data.get(key)
+        if not isinstance(rope, dict):
+            continue
+        for name in ("rope_type", "type"):
+            if rope.get(name) == "su" or rope.get(name) == "yarn" and "long_factor" in rope:
+                found[key] = rope = {**rope, name: "longrope"}
+    return found
