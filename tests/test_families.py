@@ -248,6 +248,41 @@ def test_phi3_files_that_name_longrope_su_are_read_as_longrope():
                                "rope_scaling": {"type": "longrope", **lists}})
 
 
+PHI_35_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+               "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 131072,
+               "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+               "sliding_window": 262144, "tie_word_embeddings": False, "hidden_act": "silu",
+               "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 48 for i in range(48)],
+                                "long_factor": [1.0 + i for i in range(48)]}}
+PHI_4_MINI = {**PHI_35_MINI, "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064,
+              "partial_rotary_factor": 0.75, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize(("data", "rotated"), [(PHI_35_MINI, None), (PHI_4_MINI, 96)])
+def test_phi_35_mini_and_phi_4_mini_configs_are_read(data, rotated):
+    """Their config.json files' shapes (the factors' values made up): longrope from the two contexts, with the
+    attention factor transformers derives (sqrt(1 + ln 32 / ln 4096)); Phi-4-mini rotating 96 of 128 dimensions,
+    its 48 factors one per rotated pair."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = ModelConfig.from_dict(json.loads(json.dumps(data)))
+    assert config.rope.type == "longrope" and config.rotary_dim == rotated and config.context_length == 131072
+    reference = Phi3Config.from_dict(json.loads(json.dumps(data)))
+    for served in (4096, 131072):
+        freq, factor = ROPE_INIT_FUNCTIONS["longrope"](reference, "cpu", seq_len=served)
+        rotary = Stage(replace(config, num_hidden_layers=1, context_limit=served), 0, 1).rotary
+        assert torch.equal(rotary.inv_freq, freq)
+        assert rotary.attention_scaling == factor == pytest.approx(1.1902, abs=1e-4)
+    if rotated:
+        order = config.rotary_rows()
+        assert sorted(order) == list(range((24 + 2 * 8) * 128))
+        # a head's rotated pairs (j, j + 48) on (j, j + 64), the 32 passing dimensions on the pairs between
+        assert order[:128] == [*range(48), *range(96, 112), *range(48, 96), *range(112, 128)]
+        assert order[128:256] == [128 + i for i in order[:128]] and order[-1] == (24 + 2 * 8) * 128 - 1
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "mixtral", "qwen2-moe"])
 def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
     """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""

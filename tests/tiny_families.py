@@ -21,6 +21,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 # Phi-3.5-mini's kind: a factor per frequency from one of two lists, and cos/sin scaled by an attention factor
 SHORT_FACTORS = [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0]
 LONG_FACTORS = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]
+# Phi-4-mini's kind: three quarters of each head rotate (12 of 16 here, 96 of 128 there), tied embeddings
+PHI4_MINI_ROPE = {"rope_type": "longrope", "short_factor": SHORT_FACTORS[:6], "long_factor": LONG_FACTORS[:6],
+                  "factor": 4.0, "rope_theta": 10000.0}
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name: (transformers config class, model class, config arguments beyond SHAPES)
@@ -46,6 +49,9 @@ FAMILIES = {
                       dict(original_max_position_embeddings=256,
                            rope_parameters={"rope_type": "longrope", "short_factor": SHORT_FACTORS,
                                             "long_factor": LONG_FACTORS, "factor": 4.0, "rope_theta": 10000.0})),
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM",
+                  dict(original_max_position_embeddings=256, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                       rope_parameters=PHI4_MINI_ROPE)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,

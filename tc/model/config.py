@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .rope import DEFAULT_ROPE_THETA, Rope, parse_rope
+from .rope import DEFAULT_ROPE_THETA, ROPE_LAYOUTS, Rope, parse_rope
 
 __all__ = ["ConfigError", "DEFAULT_ROPE_THETA", "Experts", "ModelConfig", "Qwen2Config", "Rope", "rope_theta"]
 
@@ -82,6 +82,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer: keys within this many positions, None: all; ()
     local_rope: Rope | None = None  # the rotary embedding of sliding-window layers, where it differs (Gemma 3)
     rope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); (): all
+    rotary_dim: int | None = None  # the leading dimensions of each head that rotate (Phi-4-mini's 96 of 128); None: all
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused already (Phi-3)
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
@@ -110,6 +111,23 @@ class ModelConfig:
         """The positions one sequence may use, its prompt and completion together: the model's context, or the
         topology's context_length where that is less (fewer bytes of KV cache for each sequence the plan holds)."""
         return self.model_context if self.context_limit is None else min(self.context_limit, self.model_context)
+
+    def rotary_rows(self) -> list[int] | None:
+        """Where only part of each head rotates: the order tc keeps qkv_proj's rows in (row i is the checkpoint's
+        rows()[i]); None where the whole head rotates. transformers rotates the pairs (j, j + R/2) of a head's
+        first R = rotary_dim dimensions and passes the rest; tc's rotation (and its native decode attention) turns
+        the pairs (j, j + D/2) of the whole head. Each query and key head's rows are reordered so that the
+        checkpoint's pair (j, j + R/2) lands on (j, j + D/2), and the passing dimensions on the pairs Rotary leaves
+        still (cos 1, sin 0). Queries and keys move alike, so every score q.k is the same sum; values and o_proj
+        keep their order."""
+        if self.rotary_dim is None:
+            return None
+        d, r = self.head_dim, self.rotary_dim
+        half, rest = r // 2, (d - r) // 2
+        head = [*range(half), *range(r, r + rest), *range(half, r), *range(r + rest, d)]
+        rotated = (self.num_attention_heads + self.num_key_value_heads) * d  # query heads, then key heads
+        order = [h * d + i for h in range(rotated // d) for i in head]
+        return order + list(range(rotated, rotated + self.num_key_value_heads * d))  # values as they are
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every position)."""
@@ -201,11 +219,13 @@ def token_ids(value: Any, where: str) -> list[int]:
 
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
                   act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA,
-                  defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+                  defaults: dict[str, Any] | None = None, partial_rotary: bool = False) -> dict[str, Any]:
     """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default`,
     `default_theta` and `defaults` (other keys: an explicit null stays null) are what the family's transformers
     config takes where config.json leaves those out. `source` is config.json as read, defaults not filled in: it
-    crosses the wire, and each worker fills them the same way.
+    crosses the wire, and each worker fills them the same way. `partial_rotary`: the family's attention rotates
+    only the first partial_rotary_factor of each head where config.json says so (Phi-3's does); elsewhere a
+    factor other than 1 is refused.
 
     Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
     """
@@ -245,12 +265,34 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
     if act not in ACTIVATIONS:
         raise ConfigError(f"config.json sets {act_key} = {act!r}; tc's MLP computes {', '.join(ACTIVATIONS)} only")
     values["hidden_act"] = act
-    partial = data.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ConfigError(f"config.json sets partial_rotary_factor = {partial!r}; tc rotates the whole head")
-    values["rope"] = parse_rope(data, default_theta=default_theta)
+    values["rotary_dim"] = rotary_dim(data, head_dim, partial_rotary)
+    values["rope"] = parse_rope(data, default_theta=default_theta, rotary_dim=values["rotary_dim"])
     values["source"] = source
     return values
+
+
+def rotary_dim(data: dict[str, Any], head_dim: int, partial_rotary: bool) -> int | None:
+    """The dimensions of each head that rotate, as transformers takes them (int(head_dim * partial_rotary_factor),
+    the factor at the top level or in the rotary dict), where that is fewer than head_dim; None where the whole
+    head rotates. Raises ConfigError for a factor the family does not apply, or one that leaves no whole pair."""
+    found = {"partial_rotary_factor": data.get("partial_rotary_factor")}
+    for key in ROPE_LAYOUTS:
+        if isinstance(data.get(key), dict):
+            found[f"{key}.partial_rotary_factor"] = data[key].get("partial_rotary_factor")
+    given = {where: value for where, value in found.items() if value is not None}
+    for where, value in given.items():
+        if type(value) not in (int, float) or not 0 < value <= 1:
+            raise ConfigError(f"config.json sets {where} = {value!r}; it must be a number in (0, 1]")
+        if value != 1.0 and not partial_rotary:
+            raise ConfigError(f"config.json sets {where} = {value!r}; tc rotates the whole head in this family")
+    if len({float(v) for v in given.values()}) > 1:
+        raise ConfigError(f"config.json gives two partial_rotary_factors ({given}); keep one of them")
+    factor = float(next(iter(given.values()), 1.0))
+    dims = int(head_dim * factor)
+    if dims <= 0 or dims % 2:
+        raise ConfigError(f"partial_rotary_factor = {factor!r} rotates {dims} of each head's {head_dim} "
+                          "dimensions; rotary embeddings need a positive even number of them")
+    return None if dims == head_dim else dims
 
 
 def rope_theta(data: dict[str, Any]) -> float:

@@ -515,16 +515,20 @@ def folded_scales(config: ModelConfig) -> dict[str, float]:
 
 def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict[str, dict[str, tuple[int, ...]]],
                 dtype: torch.dtype, device: torch.device | str, quantization: Quantization | None,
-                scales: dict[str, float] | None = None) -> None:
+                scales: dict[str, float] | None = None, rows: list[int] | None = None) -> None:
     """Fill a layer built on the meta device from the checkpoint tensors named `prefix` + each source, the weights
-    and biases of the modules in `scales` (folded_scales) multiplied by their factor in `dtype`.
+    and biases of the modules in `scales` (folded_scales) multiplied by their factor in `dtype`, and qkv_proj's
+    rows in the order `rows` gives (ModelConfig.rotary_rows), where given.
 
     Everything that stays in `dtype` (norms, biases, routers, and every weight without quantization) comes first,
     each tensor read straight into its place; then each linear weight to quantize streams in by slabs of rows and
-    replaces its Linear by the quantized module, the bias loaded before kept as it is.
+    replaces its Linear by the quantized module, the bias loaded before kept as it is. A qkv_proj whose rows are
+    reordered is read whole first (a few MB: the rows of one head are spread over the checkpoint's tensor).
     """
     quantize = quantization is not None and quantization.quantizes
     scales = scales or {}
+    order = None if rows is None else torch.tensor(rows)
+    reordered = ("self_attn.qkv_proj",)
     streamed: list[tuple[str, list[str]]] = []
     for target, parts in sources.items():
         names = [prefix + part for part in parts]
@@ -535,6 +539,8 @@ def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict
             streamed.append((path, names))
             continue
         tensor = index.load_rows(names, dtype)
+        if order is not None and path in reordered:
+            tensor = tensor.index_select(0, order)
         if path in scales:
             tensor.mul_(scales[path])
         setattr(module, attr, nn.Parameter(tensor.to(device), requires_grad=False))
@@ -542,8 +548,9 @@ def _load_layer(layer: nn.Module, index: WeightIndex, prefix: str, sources: dict
         assert quantization is not None
         linear = layer.get_submodule(path)
         scale = scales.get(path)
-        slabs = ((row, (slab if scale is None else slab.mul_(scale)).to(device))
-                 for row, slab in index.row_slabs(names, dtype))
+        pieces = index.row_slabs(names, dtype) if order is None or path not in reordered else \
+            [(0, index.load_rows(names, dtype).index_select(0, order))]
+        slabs = ((row, (slab if scale is None else slab.mul_(scale)).to(device)) for row, slab in pieces)
         quantized = quantization.linear(slabs, tuple(linear.weight.shape), device, linear.bias, dtype)
         parent, _, name = path.rpartition(".")
         setattr(layer.get_submodule(parent), name, quantized)
@@ -561,7 +568,7 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
     """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
     if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
         return None
-    return Rotary(config.head_dim, config.local_rope, device, config.context_length)
+    return Rotary(config.head_dim, config.local_rope, device, config.context_length, config.rotary_dim)
 
 
 class Stage(nn.Module):
@@ -578,7 +585,7 @@ class Stage(nn.Module):
         self.config, self.start, self.end = config, start, end
         # keyed by global layer number, so state-dict names match the checkpoint's
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
-        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length)
+        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim)
         self.local_rotary = _local_rotary(config, device)
         self._plans = Plans()  # by what a plan's calls depend on (_plan_key)
 
@@ -600,12 +607,12 @@ class Stage(nn.Module):
         for done, i in enumerate(range(start, end), 1):
             layer = stage.layers[str(i)]
             _load_layer(layer, index, layer_prefix(i), layer_sources(config, i), dtype, device, quantization,
-                        folded_scales(config))
+                        folded_scales(config), config.rotary_rows())
             pack_linears(layer, force=pack)
             _give_back_freed_memory()
             if progress is not None:
                 progress(done, end - start)
-        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length)
+        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim)
         stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 

@@ -67,11 +67,15 @@ class Rope:
         return value
 
 
-def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_theta: float = DEFAULT_ROPE_THETA) -> Rope:
+def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_theta: float = DEFAULT_ROPE_THETA,
+               rotary_dim: int | None = None) -> Rope:
     """The rotary embedding config.json gives, from either layout. Raises ConfigError for RoPE tc cannot compute.
 
     `theta_key` names the top-level base (Gemma 3's sliding layers read `rope_local_base_freq`); `default_theta` is
     the base when config.json gives none, which is the family's (transformers' MixtralConfig takes 1e6, most 1e4).
+    `rotary_dim`: the leading dimensions of each head that rotate, where a family rotates part of it (config.py's
+    `rotary_dim`, which has read partial_rotary_factor wherever it is); None: the whole head rotates, and a
+    partial_rotary_factor other than 1 is refused.
     """
     found: dict[str, Any] = {}
     if data.get(theta_key) is not None:
@@ -84,7 +88,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
         if not isinstance(rope, dict):
             raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
                               '{"rope_type": "default", "rope_theta": 1000000.0}')
-        rope_type = _scaling_type(key, rope)
+        rope_type = _scaling_type(key, rope, rotary_dim is not None)
         if rope_type != "default":
             if scaling is not None and (scaling[1] != rope):
                 raise ConfigError(f"config.json sets both {scaling[0]} and {key} to different rope scalings; "
@@ -102,7 +106,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
     if scaling is None:
         return Rope(theta)
     key, rope = scaling
-    rope_type = _scaling_type(key, rope)
+    rope_type = _scaling_type(key, rope, rotary_dim is not None)
     params = []
     for name in SCALING_KEYS[rope_type]:
         value = rope.get(name)
@@ -123,7 +127,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
             raise ConfigError(f"config.json sets {key}.{name} = {value!r}; expected a non-negative number")
         params.append((name, float(value)))
     if rope_type == "longrope":
-        return _longrope(key, rope, data, theta, params)
+        return _longrope(key, rope, data, theta, params, rotary_dim)
     if rope_type == "llama3" and dict(params)["high_freq_factor"] <= dict(params)["low_freq_factor"]:
         raise ConfigError(f"config.json sets {key}.high_freq_factor <= low_freq_factor; llama3 rope scaling needs "
                           "high_freq_factor > low_freq_factor")
@@ -140,18 +144,19 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
 
 
 def _longrope(key: str, rope: dict[str, Any], data: dict[str, Any], theta: float,
-              params: list[tuple[str, float]]) -> Rope:
+              params: list[tuple[str, float]], rotary_dim: int | None) -> Rope:
     """longrope's Rope: its two lists (one factor a frequency, each positive), and `factor` where the file gives
     none as transformers derives it, the model's context over the pre-training one (what the attention factor's
     default is made from)."""
-    head_dim = data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]
+    if rotary_dim is None:
+        rotary_dim = data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]
     lists = []
     for name in LONGROPE_LISTS:
         value = rope.get(name)
-        if not (isinstance(value, list) and len(value) == head_dim // 2 and all(
+        if not (isinstance(value, list) and len(value) == rotary_dim // 2 and all(
                 type(v) in (int, float) and math.isfinite(v) and v > 0 for v in value)):
             raise ConfigError(f"config.json sets {key}.{name} = {_short(value)}; longrope needs a list of "
-                              f"{head_dim // 2} positive numbers there, one for each rotary frequency")
+                              f"{rotary_dim // 2} positive numbers there, one for each rotary frequency")
         lists.append(tuple(float(v) for v in value))
     found = dict(params)
     if "factor" not in found:
@@ -164,8 +169,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _scaling_type(key: str, rope: dict[str, Any]) -> str:
-    """The scaling type `rope` names, after checking tc computes it and that it holds no key tc would ignore."""
+def _scaling_type(key: str, rope: dict[str, Any], partial: bool = False) -> str:
+    """The scaling type `rope` names, after checking tc computes it and that it holds no key tc would ignore
+    (`partial`: its partial_rotary_factor is read elsewhere, config.py's rotary_dim)."""
     types = {rope[k] for k in ("rope_type", "type") if k in rope}
     if len(types) > 1:
         raise ConfigError(f"config.json sets {key}.rope_type and {key}.type to different values {sorted(types)}")
@@ -178,8 +184,8 @@ def _scaling_type(key: str, rope: dict[str, Any]) -> str:
     if rope_type == "longrope":
         allowed += LONGROPE_LISTS
     for name, value in rope.items():
-        if name == "partial_rotary_factor" and value == 1.0:
-            continue  # what tc computes anyway: the whole head rotates
+        if name == "partial_rotary_factor" and (value == 1.0 or partial):
+            continue  # what tc computes anyway (the whole head rotates), or read where the family rotates part
         if name not in allowed:
             raise ConfigError(f"config.json sets {key}.{name} = {value!r}, which tc does not apply with rope_type "
                               f"{rope_type!r}; tc reads {', '.join(allowed)} there")
@@ -272,11 +278,16 @@ def _yarn_inv_freq(rope: Rope, dim: int, freq: torch.Tensor) -> torch.Tensor:
 class Rotary:
     """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
-    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str, context: int | None = None):
+    def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str, context: int | None = None,
+                 rotary_dim: int | None = None):
         """context: the positions a sequence may use (ModelConfig.context_length), which longrope's frequencies
-        depend on."""
+        depend on. rotary_dim: where only some of each head's dimensions rotate (ModelConfig.rotary_dim), how
+        many; their frequencies then take the first rotary_dim / 2 pairs of the tables, and the rest of the head
+        (pairs of frequency 0: cos 1, sin 0, unscaled) passes through as it is. The layer's q/k rows are ordered
+        to match as they load (ModelConfig.rotary_rows)."""
         rope = rope if isinstance(rope, Rope) else Rope(float(rope))
-        self.inv_freq = inv_freq(rope, head_dim, device, context)  # [D/2], scaled as the config says
+        self.head_dim = head_dim
+        self.inv_freq = inv_freq(rope, rotary_dim or head_dim, device, context)  # [R/2], scaled as the config says
         self.attention_scaling = attention_scaling(rope)  # YaRN's and longrope's factor on cos and sin; else 1
         self.size = 0  # positions the tables cover
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -289,12 +300,16 @@ class Rotary:
             self._tables.clear()
         if dtype not in self._tables:
             positions = torch.arange(self.size, device=self.inv_freq.device).float()
-            freqs = torch.outer(positions, self.inv_freq)  # [T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-            cos, sin = emb.cos(), emb.sin()
+            freqs = torch.outer(positions, self.inv_freq)  # [T, R/2]
+            cos, sin = freqs.cos(), freqs.sin()
             if self.attention_scaling != 1.0:
                 cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-            sin[:, :freqs.shape[1]].neg_()  # rotate_half's minus sign, folded into the table
+            passing = self.head_dim // 2 - freqs.shape[1]  # pairs that do not rotate (partial rotary)
+            if passing:
+                cos = torch.cat((cos, cos.new_ones(self.size, passing)), dim=-1)
+                sin = torch.cat((sin, sin.new_zeros(self.size, passing)), dim=-1)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, D]: rotate_half's minus
+            # sign folded into the table
             self._tables[dtype] = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [T, 1, D]
         cos, sin = self._tables[dtype]
         return cos[start:end], sin[start:end]

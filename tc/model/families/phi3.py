@@ -1,5 +1,6 @@
 """Phi-3: Mistral's layer, with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj); its
-long-context checkpoints (Phi-3.5-mini, Phi-3-mini-128k) scale their rotary embedding with longrope."""
+long-context checkpoints (Phi-3.5-mini, Phi-3-mini-128k, Phi-4-mini) scale their rotary embedding with longrope,
+and Phi-4-mini rotates only the first partial_rotary_factor of each head."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,7 @@ from ..rope import ROPE_LAYOUTS
 
 
 def parse(data: dict[str, Any]) -> ModelConfig:
-    values = common_fields(_longrope_named(data), "phi3")
+    values = common_fields(_longrope_named(data), "phi3", partial_rotary=True)
     values["source"] = copy.deepcopy(data)  # as read: each worker names the scaling the same way
     if values["rope"].type not in ("default", "longrope"):
         # transformers' Phi3Config takes longrope only: no Phi-3 scales its rotary embedding another way, and
