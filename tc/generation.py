@@ -22,9 +22,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -35,6 +36,8 @@ from .model.tokenizer import TextTokenizer
 from .sampling import (SamplingParams, TokenHistory, TokenLogprob, choose, greedy, new_rng, prompt_logprobs,
                        token_logprob)
 from .trace import mark
+
+log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_CHUNK = 128  # prompt positions turned into logits at once: [128, vocab] fp32 stays small
 CHARACTER_TOKENS = 4  # the most tokens one character's bytes span (UTF-8's longest)
@@ -250,6 +253,20 @@ class Step:
     tokens: tuple[TokenInfo, ...]
     completion: Completion | None = None
     prompt: tuple[TokenInfo, ...] = ()  # on the first step only, when SamplingParams.prompt_logprobs
+
+
+_FAILED = object()  # what _guarded returns for a call that raised
+
+
+def _guarded(failed: dict[int, Exception], sequence: "SequenceState", call: Callable[[], Any]) -> Any:
+    """call() for `sequence`'s own part of a step; an Exception it raises is logged and kept in failed[its id]
+    (the first one: a sequence whose mask failed is not read further), and _FAILED is returned."""
+    try:
+        return call()
+    except Exception as exc:
+        log.exception("sequence %d failed in its part of a step; the others in the step go on", sequence.id)
+        failed.setdefault(sequence.id, exc)
+        return _FAILED
 
 
 def joined(steps: Sequence[Step]) -> Step:
@@ -641,8 +658,11 @@ class Generator:
         return sequences
 
     def step(self, sequences: Sequence[SequenceState], prompt_budget: int | None = None
-             ) -> list[tuple[SequenceState, Step]]:
-        """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token.
+             ) -> list[tuple[SequenceState, Step | Exception]]:
+        """One pipeline call for `sequences` (none of them finished); returns the steps of those that chose a token,
+        and for each sequence whose own part of the step failed (making its grammar's mask, reading its prompt's
+        log-probabilities, choosing its token) the error instead: it ends that sequence alone (its followers with
+        it), while the others go on. What all share (the pipeline, the lm_head) fails the whole step.
 
         Decoding sequences each run one position, and greedy ones the tokens they guess follow it (draft.py), up to
         STEP_ROWS rows in all, first come first served. Sequences reading their prompt share `prompt_budget` prompt
@@ -710,7 +730,9 @@ class Generator:
         # critical path (llguidance releases the GIL; a remote pipeline mostly waits on its sockets).
         choosing_next = [s for s, e in planned if s.grammar is not None and e.start + e.length >= len(s.prompt_ids)]
         choosing_next += [f for f, _ in forked if f.grammar is not None]
-        masks = self._mask_pool().submit(lambda: [s.prepare_mask() for s in choosing_next]) if choosing_next else None
+        failed: dict[int, Exception] = {}  # by sequence id: its own part of this step failed
+        masks = self._mask_pool().submit(lambda: [_guarded(failed, s, s.prepare_mask) for s in choosing_next]) \
+            if choosing_next else None
         try:
             hidden = self.pipeline.run([e for _, e in planned], self.head.embed_ids(ids))
         finally:
@@ -721,35 +743,45 @@ class Generator:
         for sequence, entry in planned:
             rows = hidden[:, row:row + entry.length]
             row += entry.length
-            if not sequence.decoding:
-                sequence.read_prompt(entry, rows, self._logits)
+            if not sequence.decoding and sequence.id not in failed:
+                _guarded(failed, sequence, lambda: sequence.read_prompt(entry, rows, self._logits))
                 if not sequence.decoding:
-                    continue  # more of its prompt to read
+                    continue  # more of its prompt to read, or it failed
                 rows = rows[:, -1:]
+            if sequence.id in failed:
+                continue
             choosing.append((sequence, len(last_rows), rows.shape[1]))  # a draft's rows: after each token fed
             last_rows += rows.split(1, dim=1)
         for follower, leader in forked:  # each chooses from the leader's logits, with its own sampling state
-            follower.take_prompt_from(leader)
-            choosing.append((follower, next(i for s, i, _ in choosing if s is leader), 1))
+            if leader.id in failed:  # its prompt's reading is the leader's
+                failed.setdefault(follower.id, failed[leader.id])
+            elif _guarded(failed, follower, lambda: follower.take_prompt_from(leader)) is not _FAILED:
+                choosing.append((follower, next(i for s, i, _ in choosing if s is leader), 1))
+        ended = [(s, failed[s.id]) for s in [*(s for s, _ in planned), *(f for f, _ in forked)] if s.id in failed]
+        choosing = [c for c in choosing if c[0].id not in failed]  # a grammar's mask failed after its rows were kept
         if not choosing:
-            return []
+            return ended
         rows = torch.cat(last_rows, dim=1)
         tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _, _ in choosing) \
             else None
         logits = self._logits(rows)[0] if tokens is None else None  # [rows, vocab]: one lm_head read for all
-        chosen = []
+        chosen: list[tuple[SequenceState, Step | Exception]] = []
         for sequence, i, n in choosing:
-            if n > 1:  # a draft: the argmax of each row, which chooses_the_argmax makes the token chosen there
-                step, accepted = sequence.check_draft(
-                    tokens[i:i + n] if tokens is not None else [greedy(logits[j]) for j in range(i, i + n)])
-                self.drafted, self.accepted = self.drafted + n - 1, self.accepted + accepted
-                chosen.append((sequence, step))
-            elif tokens is not None:
-                chosen.append((sequence, sequence.add_token(tokens[i])))
-            else:
-                chosen.append((sequence, sequence.advance(logits[i])))
+            try:
+                if n > 1:  # a draft: the argmax of each row, which chooses_the_argmax makes the token chosen there
+                    step, accepted = sequence.check_draft(
+                        tokens[i:i + n] if tokens is not None else [greedy(logits[j]) for j in range(i, i + n)])
+                    self.drafted, self.accepted = self.drafted + n - 1, self.accepted + accepted
+                    chosen.append((sequence, step))
+                elif tokens is not None:
+                    chosen.append((sequence, sequence.add_token(tokens[i])))
+                else:
+                    chosen.append((sequence, sequence.advance(logits[i])))
+            except Exception as exc:
+                log.exception("sequence %d failed choosing its token; the others in its step go on", sequence.id)
+                chosen.append((sequence, exc))
         mark("chosen")
-        return chosen
+        return ended + chosen
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """Generate a completion for `prompt_ids` alone, one `Step` per token, the last carrying the Completion.
@@ -761,6 +793,8 @@ class Generator:
         try:
             while True:
                 for _, step in self.step([sequence]):
+                    if isinstance(step, Exception):
+                        raise step
                     yield step
                     if step.completion is not None:
                         return

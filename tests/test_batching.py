@@ -251,6 +251,70 @@ def test_a_failure_of_the_scheduler_itself_answers_its_requests_and_frees_every_
     assert service.complete(prompt, greedy(4)).text == want.text  # and the service goes on
 
 
+@pytest.mark.parametrize("part", ["read_prompt", "advance"])
+def test_a_failure_in_one_sequences_own_part_of_a_step_ends_that_request_alone(model, tokenizer, monkeypatch, part):
+    """One request's own part of a shared step fails (reading its prompt, or choosing its third token: as a grammar
+    engine's or a sampler's error would): that request hears its error and its cache is released, while the
+    requests stepping beside it write their solo texts, and the service goes on. Before, the error ended every
+    request of the step."""
+    from tc.generation import SequenceState
+
+    original = getattr(SequenceState, part)
+
+    def failing(self, *args, **kwargs):
+        if self.params.max_tokens == 7 and len(self.text.tokens) >= (0 if part == "read_prompt" else 2):
+            raise RuntimeError(f"a fault in {part}")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(SequenceState, part, failing)
+    pipeline = RecordingPipeline(model.stages)
+    service = service_over(model, tokenizer, pipeline, max_batch=4, prefill_chunk=64)
+    jobs = [(PROMPTS[0], greedy(6)), (PROMPTS[1], greedy(7)), (PROMPTS[2], greedy(8))]
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(jobs))
+
+    def one(i: int, prompt: str, params: SamplingParams) -> None:
+        start.wait(10)
+        try:
+            results[i] = service.complete(tokenizer.encode(prompt), params)
+        except RuntimeError as exc:
+            results[i] = exc
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == f"a fault in {part}"
+    assert any(len(step) == 3 for step in pipeline.steps), "the three never shared a step"
+    monkeypatch.undo()
+    for i in (0, 2):
+        assert_same_greedy_text(results[i].text, solo(model, tokenizer, *jobs[i]))
+    assert not pipeline.caches, "the failed request's cache was released with the others'"
+    assert (service.running, service.queue_depth) == (0, 0)
+    assert service.complete(tokenizer.encode(PROMPTS[1]), greedy(7)).text == \
+        solo(model, tokenizer, PROMPTS[1], greedy(7)).text
+
+
+def test_choices_whose_leader_fails_reading_the_prompt_fail_with_it(model, tokenizer, monkeypatch):
+    """The choices that follow a leader choose from its reading of the prompt: where that reading fails, they end
+    with its error in the same step (none is left waiting on a reading that will not come), and a sequence
+    beside them goes on."""
+    from tc.generation import SequenceState
+
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+    choices = generator.start_choices(tokenizer.encode(PROMPTS[0]), [greedy(5)] * 3)
+    other = generator.start(tokenizer.encode(PROMPTS[1]), greedy(5))
+    original = SequenceState.read_prompt
+
+    def failing(self, *args, **kwargs):
+        if self is choices[0]:
+            raise RuntimeError("a fault reading the prompt")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(SequenceState, "read_prompt", failing)
+    results = dict((s.id, step) for s, step in generator.step([*choices, other]))
+    assert all(isinstance(results[c.id], RuntimeError) for c in choices)
+    assert not isinstance(results[other.id], Exception) and results[other.id].tokens
+
+
 def test_a_head_nobody_scrapes_keeps_only_the_steps_its_rate_window_covers(model, tokenizer, monkeypatch):
     # the tokens/s gauge's steps were trimmed only when /metrics or /v1/cluster read it: unread, they grew by one
     # entry per step for as long as the head ran (with a zero window, every step outlives it at once)

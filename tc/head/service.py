@@ -36,7 +36,8 @@ predecessor did (a prompt read in one pass, a completion one position a step), n
 prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does (tc/head/pipeline.py).
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
-the loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
+an error in one sequence's own part of a step (its grammar's mask, its token's choosing) ends that request alone
+(generation.Generator.step). The loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
 its own (generation.SequenceState), and the batch only shares the weight reads.
 
 States of a request: waiting (in the queue) -> running (in the batch) -> done (finished, failed or abandoned).
@@ -555,19 +556,25 @@ class GenerationService:
         self.metrics.draft_tokens.inc(self.generator.drafted - drafted_before)
         self.metrics.draft_tokens_accepted.inc(self.generator.accepted - accepted_before)
         # tokens chosen: those its text gained, at least one (a step that ended at EOS chose it)
-        made = sum(max(1, len(s.text.tokens) - made_before[s.id]) for s, _ in results)
+        made = sum(max(1, len(s.text.tokens) - made_before[s.id]) for s, step in results
+                   if not isinstance(step, Exception))
         self._observe_step("prefill" if reading else "decode", elapsed, len(batch), made)
         by_sequence = {r.sequence.id: r for r in batch}
-        ended = []
+        ended, failed = [], []
         for sequence, step in results:
             request = by_sequence[sequence.id]
+            if isinstance(step, Exception):  # its own part of the step failed: it ends alone, with its error
+                self._fail([request], step)
+                failed.append(request)
+                continue
             request.outbox.put(step)
             if step.completion is not None:
                 ended.append(request)
-        if ended:
+        if ended or failed:
             with self._lock:
-                self._batch = [r for r in self._batch if r not in ended]
+                self._batch = [r for r in self._batch if r not in ended and r not in failed]
             self._end(ended)
+            self._release(failed)
 
     def _observe_step(self, phase: str, elapsed_s: float, batch_size: int, tokens: int) -> None:
         if phase == "decode":
