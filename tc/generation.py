@@ -753,7 +753,7 @@ class Generator:
             choosing.append((sequence, len(last_rows), rows.shape[1]))  # a draft's rows: after each token fed
             last_rows += rows.split(1, dim=1)
         for follower, leader in forked:  # each chooses from the leader's logits, with its own sampling state
-            if leader.id in failed:  # its prompt's reading is the leader's
+            if leader.id in failed:  # it chooses from the leader's reading of the prompt, which did not finish
                 failed.setdefault(follower.id, failed[leader.id])
             elif _guarded(failed, follower, lambda: follower.take_prompt_from(leader)) is not _FAILED:
                 choosing.append((follower, next(i for s, i, _ in choosing if s is leader), 1))

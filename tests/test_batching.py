@@ -566,7 +566,8 @@ def test_when_the_first_choice_leaves_before_its_prompt_is_read_the_next_reads_i
     assert [(s, start) for s, start, _ in pipeline.steps[0]] == [(second.id, 0), (longer.id, 0)]
     assert pipeline.copies == {second.id: (third.id,)} and len(results) == 3
     while not all(s.completion for s in (second, third, longer)):
-        generator.step([s for s in (second, third, longer) if s.completion is None])
+        assert not any(isinstance(step, Exception)
+                       for _, step in generator.step([s for s in (second, third, longer) if s.completion is None]))
     alone = solo(model, tokenizer, "def add(a, b):", greedy(6))
     assert second.completion.token_ids == third.completion.token_ids == alone.token_ids
     assert longer.completion.token_ids[:6] == alone.token_ids

@@ -111,13 +111,11 @@ REFUSED = {
                        r"rope_parameters\.rope_type = 'longrope_v2'.*rope scaling is not supported"),
     "v4 su (old 'type' key)": (v4(rope_scaling={"type": "su", "long_factor": [1.0]}),
                                r"rope_scaling\.type = 'su'.*rope scaling is not supported"),
-    "longrope without its pre-training context": (
-        v5(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "long_factor": [1.0], "short_factor": [1.0]}),
-        r"rope_parameters\.original_max_position_embeddings = None; rope_type 'longrope' needs it"),
-    "longrope with a short list of factors": (
-        v4(original_max_position_embeddings=64, rope_scaling={"type": "longrope", "long_factor": [1.0],
-                                                              "short_factor": [1.0]}),
-        r"rope_scaling\.short_factor = \[1\.0\]; longrope needs a list of \d+ positive numbers"),
+    "longrope outside Phi-3": (
+        v5(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "long_factor": [1.0], "short_factor": [1.0],
+                            "original_max_position_embeddings": 64}),
+        r"rope_parameters rope type 'longrope' for a model that is not Phi-3; tc computes longrope for "
+        r"Phi3ForCausalLM only"),
     "dynamic from a shorter original context": (
         v4(rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}),
         r"original_max_position_embeddings = 64 below max_position_embeddings = 256"),

@@ -358,7 +358,7 @@ def test_the_next_turn_takes_over_a_drafting_reply_s_cache_and_its_refused_guess
         params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=(stop,))
         sequence = generator.start(ids, params)
         while sequence.completion is None:
-            generator.step([sequence])
+            assert not any(isinstance(step, Exception) for _, step in generator.step([sequence]))
         held = generator.pipeline.caches[sequence.id][0].length
         generator.pipeline.release([sequence.id])
         if held > len(sequence.cache_ids()):

@@ -172,19 +172,25 @@ def served(model_dir, context: int | None) -> OurModel:
     return model
 
 
+def long_context_model(path, family: str):
+    """Phi-3.5-mini's kind of longrope (or Phi-4-mini's, rotating part of each head): a pre-training context (64)
+    below the model's (256), and no `factor`, which transformers then derives from the two (and the attention
+    factor from that)."""
+    rope = {k: v for k, v in FAMILIES[family][2]["rope_parameters"].items() if k != "factor"}
+    return write_family_model(path, family, seed=1, original_max_position_embeddings=64, rope_parameters=rope)
+
+
 @pytest.fixture(scope="module")
 def longrope_dir(tmp_path_factory):
-    """Phi-3.5-mini's kind of longrope: a pre-training context (64) below the model's (256), and no `factor`, which
-    transformers then derives from the two (and the attention factor from that)."""
-    rope = {k: v for k, v in FAMILIES["phi3-longrope"][2]["rope_parameters"].items() if k != "factor"}
-    return write_family_model(tmp_path_factory.mktemp("longrope"), "phi3-longrope", seed=1,
-                              original_max_position_embeddings=64, rope_parameters=rope)
+    return long_context_model(tmp_path_factory.mktemp("longrope"), "phi3-longrope")
 
 
-def test_longrope_takes_the_long_list_where_the_context_served_passes_the_pretraining_one(longrope_dir):
+@pytest.mark.parametrize("family", ["phi3-longrope", "phi4-mini"])
+def test_longrope_takes_the_long_list_where_the_context_served_passes_the_pretraining_one(tmp_path, family):
     """transformers rotates a sequence longer than the pre-training context with the long list, and tc every
     sequence of a context longer than that; a context within it takes the short list, as transformers does for
     a sequence within it. The two lists give different logits, so each side is told apart."""
+    longrope_dir = long_context_model(tmp_path, family)
     ids = [(7 * i + 3) % 250 for i in range(80)]  # past the pre-training context of 64
     long_context = served(longrope_dir, None)  # 256 positions
     assert long_context.config.context_length == 256
@@ -243,8 +249,20 @@ def test_phi3_files_that_name_longrope_su_are_read_as_longrope():
         assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(ConfigError, match=r"rope_scaling\.long_factor = \[1\.0\]; longrope needs a list of 8 "):
         ModelConfig.from_dict({**data, "rope_scaling": {"type": "longrope", **lists, "long_factor": [1.0]}})
-    with pytest.raises(ConfigError, match=r"rope_scaling\.original_max_position_embeddings = None"):
-        ModelConfig.from_dict({**{k: v for k, v in data.items() if k != "original_max_position_embeddings"},
+    # the pre-training context where Phi3Config takes it: the top-level one, 4096 where config.json has none
+    alone = {k: v for k, v in data.items() if k != "original_max_position_embeddings"}
+    assert ModelConfig.from_dict({**alone, "rope_scaling": {"type": "longrope", **lists}}).rope.param(
+        "original_max_position_embeddings") == 4096
+    for inner, top in ((64, None), (32, 64)):
+        with pytest.raises(ConfigError, match=rf"rope_scaling\.original_max_position_embeddings = {inner} and "
+                                              rf"original_max_position_embeddings = {top}; Phi3ForCausalLM reads"):
+            ModelConfig.from_dict({**alone, **({} if top is None else {"original_max_position_embeddings": top}),
+                                   "rope_scaling": {"type": "longrope", **lists,
+                                                    "original_max_position_embeddings": inner}})
+    assert ModelConfig.from_dict({**data, "rope_scaling": {"type": "longrope", **lists,
+                                                           "original_max_position_embeddings": 64}}) == named
+    with pytest.raises(ConfigError, match="tc computes longrope for Phi3ForCausalLM only"):
+        ModelConfig.from_dict({**data, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                "rope_scaling": {"type": "longrope", **lists}})
 
 

@@ -66,13 +66,15 @@ def test_longrope_frequencies_and_factor_equal_transformers(given, served):
     parameters = {"rope_type": "longrope", "rope_theta": 10000.0, **lists, **given}
     data = {"hidden_size": HEAD_DIM * 4, "num_attention_heads": 4, "max_position_embeddings": CONTEXT,
             "original_max_position_embeddings": CONTEXT // 8}
-    rope = parse_rope({**data, "rope_scaling": parameters})
+    rope = parse_rope({**data, "rope_scaling": parameters}, longrope=True)
     want_freq, want_factor = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config(**data, rope_parameters=dict(parameters)),
                                                              "cpu", seq_len=served)
     assert torch.equal(inv_freq(rope, HEAD_DIM, context=served), want_freq)
     assert attention_scaling(rope) == pytest.approx(want_factor, rel=0, abs=0) and want_factor > 1
     with pytest.raises(ValueError, match="longrope's frequencies depend on the context served"):
         inv_freq(rope, HEAD_DIM)
+    with pytest.raises(ConfigError, match="tc computes longrope for Phi3ForCausalLM only"):
+        parse_rope({**data, "rope_scaling": parameters})
 
 
 def test_the_tables_carry_yarns_factor():

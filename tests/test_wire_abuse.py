@@ -12,6 +12,7 @@ import itertools
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -452,6 +453,12 @@ def test_a_rejoined_worker_reports_its_kept_layers_as_taking_no_load_time(tmp_pa
         assert isinstance(again, LoadComplete) and again.load_seconds == 0.0, again
         assert again.weight_bytes == first.weight_bytes
         assert "already loaded; reusing them" in worker.output()
+        conn.close()
+        conn = head.accept()  # another context served: rotary tables made for it (longrope's are), so a new load
+        conn.send(replace(assignment_for(model_dir), context_length=64))
+        other = next_load_report(conn)
+        assert isinstance(other, LoadComplete) and other.load_seconds > 0, other
+        assert worker.output().count("already loaded; reusing them") == 1
         conn.close()
     finally:
         cluster.stop()

@@ -219,13 +219,14 @@ def token_ids(value: Any, where: str) -> list[int]:
 
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
                   act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA,
-                  defaults: dict[str, Any] | None = None, partial_rotary: bool = False) -> dict[str, Any]:
+                  defaults: dict[str, Any] | None = None, partial_rotary: bool = False,
+                  longrope: bool = False) -> dict[str, Any]:
     """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default`,
     `default_theta` and `defaults` (other keys: an explicit null stays null) are what the family's transformers
     config takes where config.json leaves those out. `source` is config.json as read, defaults not filled in: it
     crosses the wire, and each worker fills them the same way. `partial_rotary`: the family's attention rotates
     only the first partial_rotary_factor of each head where config.json says so (Phi-3's does); elsewhere a
-    factor other than 1 is refused.
+    factor other than 1 is refused. `longrope`: the family takes longrope scaling (rope.parse_rope).
 
     Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
     """
@@ -266,7 +267,7 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
         raise ConfigError(f"config.json sets {act_key} = {act!r}; tc's MLP computes {', '.join(ACTIVATIONS)} only")
     values["hidden_act"] = act
     values["rotary_dim"] = rotary_dim(data, head_dim, partial_rotary)
-    values["rope"] = parse_rope(data, default_theta=default_theta, rotary_dim=values["rotary_dim"])
+    values["rope"] = parse_rope(data, default_theta=default_theta, rotary_dim=values["rotary_dim"], longrope=longrope)
     values["source"] = source
     return values
 

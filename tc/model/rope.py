@@ -11,8 +11,9 @@ divided by `factor`), `llama3` (low frequencies divided by `factor`, high ones k
 which transformers applies only to sequences longer than max_position_embeddings: tc never runs one, since a
 request's cache is capped at that context, so inside it dynamic RoPE is plain RoPE) and `longrope` (Phi-3's: each
 frequency divided by its own factor from one of two lists, cos/sin scaled by an attention factor; see
-`longrope_factors` for which list). Anything else (partial rotary, a dynamic scaling from an original context
-shorter than the model's) is refused by name rather than run wrongly.
+`longrope_factors` for which list; Phi-3's family only). Partial rotary (Phi-4-mini's) rotates the first pairs
+of the tables and leaves the rest still (`Rotary`), for a family that asks for it. Anything else (a dynamic
+scaling from an original context shorter than the model's) is refused by name rather than run wrongly.
 """
 from __future__ import annotations
 
@@ -68,14 +69,16 @@ class Rope:
 
 
 def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_theta: float = DEFAULT_ROPE_THETA,
-               rotary_dim: int | None = None) -> Rope:
+               rotary_dim: int | None = None, longrope: bool = False) -> Rope:
     """The rotary embedding config.json gives, from either layout. Raises ConfigError for RoPE tc cannot compute.
 
     `theta_key` names the top-level base (Gemma 3's sliding layers read `rope_local_base_freq`); `default_theta` is
     the base when config.json gives none, which is the family's (transformers' MixtralConfig takes 1e6, most 1e4).
     `rotary_dim`: the leading dimensions of each head that rotate, where a family rotates part of it (config.py's
     `rotary_dim`, which has read partial_rotary_factor wherever it is); None: the whole head rotates, and a
-    partial_rotary_factor other than 1 is refused.
+    partial_rotary_factor other than 1 is refused. `longrope`: the family scales with longrope (Phi-3, whose
+    parse settles its pre-training context first); elsewhere longrope is refused, as tc matches it against
+    transformers for Phi-3 alone.
     """
     found: dict[str, Any] = {}
     if data.get(theta_key) is not None:
@@ -88,7 +91,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
         if not isinstance(rope, dict):
             raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
                               '{"rope_type": "default", "rope_theta": 1000000.0}')
-        rope_type = _scaling_type(key, rope, rotary_dim is not None)
+        rope_type = _scaling_type(key, rope, rotary_dim is not None, longrope)
         if rope_type != "default":
             if scaling is not None and (scaling[1] != rope):
                 raise ConfigError(f"config.json sets both {scaling[0]} and {key} to different rope scalings; "
@@ -106,7 +109,7 @@ def parse_rope(data: dict[str, Any], theta_key: str = "rope_theta", default_thet
     if scaling is None:
         return Rope(theta)
     key, rope = scaling
-    rope_type = _scaling_type(key, rope, rotary_dim is not None)
+    rope_type = _scaling_type(key, rope, rotary_dim is not None, longrope)
     params = []
     for name in SCALING_KEYS[rope_type]:
         value = rope.get(name)
@@ -169,9 +172,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _scaling_type(key: str, rope: dict[str, Any], partial: bool = False) -> str:
-    """The scaling type `rope` names, after checking tc computes it and that it holds no key tc would ignore
-    (`partial`: its partial_rotary_factor is read elsewhere, config.py's rotary_dim)."""
+def _scaling_type(key: str, rope: dict[str, Any], partial: bool = False, longrope: bool = False) -> str:
+    """The scaling type `rope` names, after checking tc computes it (longrope only where `longrope`) and that it
+    holds no key tc would ignore (`partial`: its partial_rotary_factor is read elsewhere, config.py's
+    rotary_dim)."""
     types = {rope[k] for k in ("rope_type", "type") if k in rope}
     if len(types) > 1:
         raise ConfigError(f"config.json sets {key}.rope_type and {key}.type to different values {sorted(types)}")
@@ -180,6 +184,9 @@ def _scaling_type(key: str, rope: dict[str, Any], partial: bool = False) -> str:
         raise ConfigError(f"config.json sets {key}.{'rope_type' if 'rope_type' in rope else 'type'} = "
                           f"{rope_type!r}; tc computes rope types {', '.join(map(repr, SCALING_KEYS))} only: this "
                           "rope scaling is not supported yet")
+    if rope_type == "longrope" and not longrope:
+        raise ConfigError(f"config.json sets {key} rope type 'longrope' for a model that is not Phi-3; tc computes "
+                          "longrope for Phi3ForCausalLM only")
     allowed = COMMON_KEYS + SCALING_KEYS[rope_type] + tuple(OPTIONAL_KEYS.get(rope_type, ()))
     if rope_type == "longrope":
         allowed += LONGROPE_LISTS

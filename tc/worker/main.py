@@ -112,9 +112,9 @@ def _assignment_key(a: Assignment) -> tuple:
     config.json, and for a local model directory the same files. A head restarted over a checkpoint rewritten in
     place (same path, new weights) would otherwise be served the old layers, and answer wrongly without a word.
     A Hub model is named by the commit the head resolved its revision to, so a branch that moved since the load
-    is loaded anew."""
+    is loaded anew. The context served is part of it: longrope's rotary tables are made for it."""
     return (a.model_id, a.revision, a.device, a.quant, a.group_size, a.compute_dtype, a.layer_start,
-            a.layer_end_exclusive, a.model_source, json.dumps(a.config, sort_keys=True),
+            a.layer_end_exclusive, a.model_source, json.dumps(a.config, sort_keys=True), a.context_length,
             _local_files(a.model_id) if a.model_source == "local" else ())
 
 
