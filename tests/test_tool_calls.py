@@ -62,6 +62,11 @@ RECORDED = [
      None, [("get_weather", {"location": "Paris"})]),
     ("mistral v11 two", '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
      None, [("get_weather", {"location": "Paris"}), ("get_time", {})]),
+    ("phi-4-mini functools", 'functools[{"name": "get_weather", "arguments": {"location": "Paris"}}, '
+     '{"name": "get_time", "arguments": {"timezone": "CET"}}]',
+     None, [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "CET"})]),
+    ("phi-4-mini after text", 'I will look it up.\nfunctools[{"name": "search", "arguments": {"query": "tc"}}]',
+     "I will look it up.", [("search", {"query": "tc"})]),
     ("arguments as a json string", '{"name": "get_weather", "arguments": "{\\"location\\": \\"Paris\\"}"}',
      None, [("get_weather", {"location": "Paris"})]),
     ("openai shape", '{"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}',
@@ -80,6 +85,8 @@ NOT_CALLS = [
     ("array of numbers", "[1, 2, 3]"),
     ("code fence of python", "```python\nprint('hi')\n```"),
     ("mistral marker then junk", "[TOOL_CALLS] not json at all"),
+    ("phi-4-mini marker then junk", "functools[not json]"),
+    ("python's functools", "import functools\n\n@functools.lru_cache\ndef f(x):\n    return [x]"),
     ("empty", ""),
     # no call in the array: not a reply of calls only, which a stream would have sent as text from its "]"
     ("an empty array before a call", '[]\n{"name": "get_time", "arguments": {}}'),
@@ -137,6 +144,8 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "``` json\n{\"name\": \"get_time\", \"arguments\": {}}\n```",
     "[ {\"name\": \"get_time\", \"arguments\": {}} ]",
     "[1, 2] are the numbers",
+    "Let me see. functools[{\"name\": \"get_time\", \"arguments\": {}}]",
+    "functools[{\"name\": \"get_time\", \"arguments\": {}}] and more",
 ]
 
 

@@ -9,6 +9,7 @@ then writes calls its own way:
   `<|python_tag|>` special token that decoding drops;
 - Mistral:        `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, or `[TOOL_CALLS]f[ARGS]{...}` in its
   newer tokenizers (both markers are special tokens, so decoded text often holds the bare JSON array);
+- Phi-4-mini:     `functools[{"name": "f", "arguments": {...}}, ...]`, maybe after some text;
 - small models (the demo model at temperature 0): the bare object `{"name": "f", "arguments": {...}}`, maybe
   in a ```json fence.
 
@@ -30,8 +31,9 @@ from typing import Any, Callable, Collection, Iterator
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PHI4_MARKER = "functools["  # Phi-4-mini's: the word, then the array of calls (whose "[" the marker includes)
 PYTHON_TAG = "<|python_tag|>"
-MARKERS = (HERMES_OPEN, MISTRAL_MARKER)  # may start a call anywhere in a reply
+MARKERS = (HERMES_OPEN, MISTRAL_MARKER, PHI4_MARKER)  # may start a call anywhere in a reply
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
 
@@ -168,12 +170,21 @@ def _mistral(text: str, names: Collection[str], new_id: Callable[[], str]) -> tu
     return [head], calls
 
 
+def _phi4(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+    """functools[...] once, the array of calls ending the reply. All valid, or no calls."""
+    head, _, rest = text.partition(PHI4_MARKER)
+    found = _bare_calls("[" + rest, names, new_id)
+    return ([head], found) if found else ([text], [])
+
+
 def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> ParsedReply:
     """The reply `text` split into content and calls to the tools named `names`; `new_id` makes call ids."""
     if HERMES_OPEN in text:
         pieces, calls = _hermes(text, names, new_id)
     elif MISTRAL_MARKER in text:
         pieces, calls = _mistral(text, names, new_id)
+    elif PHI4_MARKER in text:
+        pieces, calls = _phi4(text, names, new_id)
     else:
         bare = _bare_calls(text, names, new_id)
         pieces, calls = ([], bare) if bare else ([text], [])
