@@ -8,7 +8,7 @@ from model_helpers import OurModel, hf_logits, hf_model
 from tc.model.config import Qwen2Config
 from tc.model.kv_cache import CacheFullError, KVCache
 from tc.model.quant import quantize_int4, quantize_int8
-from tc.model.qwen2 import Rotary, rotate_
+from tc.model.qwen2 import Rotary, Span, StepInterrupted, rotate_
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tiny_model import write_tiny_model
 
@@ -60,6 +60,20 @@ def test_decode_steps_match_transformers_for_every_head_grouping(tmp_path, name)
     model_dir = write_tiny_model(tmp_path, seed=4, **CONFIGS[name])
     cached = OurModel(model_dir).cached_logits(PROMPT, split=3)
     assert (cached - hf_logits(hf_model(model_dir), PROMPT)).abs().max().item() < 1e-4
+
+
+def test_a_step_asked_to_stop_stops_before_its_next_layer_and_runs_whole_otherwise(tiny_model_dir):
+    stage = OurModel(tiny_model_dir).stages[0]
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
+    asked = []
+
+    def after_two() -> bool:
+        asked.append(len(asked))
+        return len(asked) > 2
+    with pytest.raises(StepInterrupted, match="after 2 of the stage's 4 layers"):
+        stage.forward_batch(x, [Span(stage.new_cache(5, torch.float32, "cpu"), 0, 5)], after_two)
+    whole = stage.forward_batch(x, [Span(stage.new_cache(5, torch.float32, "cpu"), 0, 5)], lambda: False)
+    assert torch.equal(whole, stage.forward_batch(x, [Span(stage.new_cache(5, torch.float32, "cpu"), 0, 5)]))
 
 
 def test_fused_layers_hold_the_checkpoint_rows(tiny_model_dir):

@@ -465,6 +465,36 @@ def test_a_rejoined_worker_reports_its_kept_layers_as_taking_no_load_time(tmp_pa
         head.close()
 
 
+def test_a_worker_whose_head_goes_away_mid_prompt_gives_the_step_up_and_rejoins(tmp_path):
+    """The head's connection ends while the worker runs a long prompt through its layers: the step is given up
+    at the next layer, not run to its end for no one, so the worker rejoins within the head's resume grace
+    rather than after a step that may take minutes on a slow CPU."""
+    model_dir = write_tiny_model(tmp_path / "deep", num_hidden_layers=24, max_position_embeddings=4096)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    head = FakeHead()
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    cluster = Cluster(topo, tmp_path, env={"TC_TRACE_DIR": str(trace)})
+    cluster.listen_port = head.port
+    try:
+        worker = cluster.start_worker("a", "--retry-max-s", "1")
+        conn = head.accept()
+        conn.send(replace(assignment_for(model_dir), tensor_count=12 * 24))
+        assert isinstance(next_load_report(conn), LoadComplete)
+        conn.send(batch(1, 0, 4096, torch.randn(1, 4096, HIDDEN)))
+        deadline = time.monotonic() + 30
+        while not any(line.endswith(" compute") for f in trace.glob("*.trace") for line in f.read_text().splitlines()):
+            assert time.monotonic() < deadline, "the worker never began the step"
+            time.sleep(0.005)
+        conn.close()  # while its 24 layers run
+        head.accept().close()  # it rejoined
+        assert "RUN_BATCH given up: the step was given up after" in worker.output()
+        assert "Traceback" not in worker.output()
+    finally:
+        cluster.stop()
+        head.close()
+
+
 def test_worker_reports_a_load_failure_of_any_kind_and_stays_out_of_service(tmp_path, model_dir):
     head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
     try:

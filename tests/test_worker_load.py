@@ -25,9 +25,9 @@ class RecordingWorker(Worker):
         self.stages: list[weakref.ref] = []
         self.alive_when_loading: list[list[bool]] = []
 
-    def load(self, conn, assignment):
+    def load(self, conn, assignment, interrupted=None):
         self.alive_when_loading.append([ref() is not None for ref in self.stages])
-        runtime = super().load(conn, assignment)
+        runtime = super().load(conn, assignment, interrupted)
         if runtime is not None:
             self.stages.append(weakref.ref(runtime.loaded.stage))
         return runtime

@@ -571,6 +571,10 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
     return Rotary(config.head_dim, config.local_rope, device, config.context_length, config.rotary_dim)
 
 
+class StepInterrupted(Exception):
+    """A stage's step given up between two layers (Stage.forward_batch's `interrupted`)."""
+
+
 class Stage(nn.Module):
     """Decoder layers [start, end) of a model: one worker's share of the pipeline."""
 
@@ -626,8 +630,11 @@ class Stage(nn.Module):
         return self.forward_batch(hidden, [Span(cache, position_start, hidden.shape[1])])
 
     @torch.inference_mode()
-    def forward_batch(self, hidden: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
-        """Run a ragged batch [1, rows, hidden], the spans' rows one after another, through every layer."""
+    def forward_batch(self, hidden: torch.Tensor, spans: Sequence[Span],
+                      interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Run a ragged batch [1, rows, hidden], the spans' rows one after another, through every layer.
+        `interrupted`, asked before each layer: where it says so, the step is given up (StepInterrupted), its
+        caches part-written (a worker whose head went away: no one is left to read the output)."""
         if hidden.shape[0] != 1 or hidden.shape[1] != sum(s.length for s in spans):
             raise ValueError(f"hidden states {list(hidden.shape)} do not hold the spans' "
                              f"{sum(s.length for s in spans)} rows as [1, rows, hidden]")
@@ -640,7 +647,9 @@ class Stage(nn.Module):
         cos, sin = self.rotary.span_tables(spans, hidden.dtype)
         local = (cos, sin) if self.local_rotary is None else \
             self.local_rotary.span_tables(spans, hidden.dtype)  # sliding layers' own (Gemma 3)
-        for key, layer in self.layers.items():
+        for done, (key, layer) in enumerate(self.layers.items()):
+            if interrupted is not None and interrupted():
+                raise StepInterrupted(f"the step was given up after {done} of the stage's {len(self.layers)} layers")
             if layer.self_attn.window is not None:
                 hidden = layer(hidden, *local, spans, int(key))
                 continue

@@ -18,8 +18,10 @@ reason and the worker rejoins with backoff.
 
 Staying joined: when the connection ends, the head says it is shutting down, or the head has sent nothing (not
 even a PING) for head_timeout_s (a head that died without closing, or a cut link), the worker rejoins with
-backoff; loaded layers are kept for the next assignment. A head that breaks the protocol (garbage, a command
-before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
+backoff; loaded layers are kept for the next assignment. A step the compute thread is running through its layers
+then (a long prompt's) is given up at the next layer: it would answer no one, and the head waits for a lost
+worker's return only its resume grace. A head that breaks the protocol (garbage, a command before any ASSIGNMENT,
+a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
 that reason), closes the connection and exits 0.
@@ -37,14 +39,14 @@ import signal
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from .. import __version__
 from ..bench import Measured, bench_table, default_bench_dir, measure_all
 from ..model_source import ModelSource, ModelSourceError
-from ..model.qwen2 import compute_dtype_name
+from ..model.qwen2 import StepInterrupted, compute_dtype_name
 from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..planner import format_bytes
@@ -377,7 +379,11 @@ class Worker:
         conn.settimeout(self.options.head_timeout_s)
         log.info("joined the head as %s (device %s%s)", node_id, self.device,
                  f"; the stage before may pass hidden states to {self._peers.address}" if self._peers else "")
-        computer = threading.Thread(target=self.compute_loop, args=(conn, jobs, routes), name="compute",
+        # set when this session ends: a step the compute thread is running through its layers (a long prompt's)
+        # is given up at the next layer, so that the worker rejoins within the head's resume grace rather than
+        # once a step whose output no one will read has finished
+        ending = threading.Event()
+        computer = threading.Thread(target=self.compute_loop, args=(conn, jobs, routes, ending), name="compute",
                                     daemon=True)
         try:
             computer.start()
@@ -431,12 +437,15 @@ class Worker:
                 log.warning("lost the head (%s); rejoining", exc)
             return True
         finally:
+            ending.set()
             conn.close()
             jobs.put(None)
             computer.join(timeout=1 if self.stop.is_set() else 60)
 
-    def compute_loop(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes | None = None) -> None:
-        """Load and infer, in order, until the session ends. Never dies silently (see the module's docstring)."""
+    def compute_loop(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes | None = None,
+                     ending: threading.Event | None = None) -> None:
+        """Load and infer, in order, until the session ends (`ending`, where given, is set then: a step running
+        through its layers is given up at the next one). Never dies silently (see the module's docstring)."""
         runtime: StageRuntime | None = None
         forwarder = Forwarder(self.options.max_frame_bytes, self._key)
         doing = "waiting for work"
@@ -453,7 +462,7 @@ class Worker:
                     if self.loaded is None or self.loaded[0] != _assignment_key(msg):
                         runtime = None  # with release_stage: the old layers are gone before the new ones load
                         self.release_stage()
-                    runtime = self.load(conn, msg)
+                    runtime = self.load(conn, msg, None if ending is None else ending.is_set)
                 elif isinstance(msg, ClearCache):
                     if runtime is not None:
                         runtime.clear()
@@ -518,6 +527,10 @@ class Worker:
         untouched."""
         try:
             return runtime.run(msg)
+        except StepInterrupted as exc:  # the session is ending: its caches go with it
+            log.info("%s given up: %s (the connection to the head has ended)", msg.TYPE, exc)
+            runtime.clear()
+            return InferenceError(message=f"{msg.TYPE} given up: {exc}")
         except Exception as exc:
             log.exception("%s failed", msg.TYPE)
             runtime.clear()
@@ -535,7 +548,10 @@ class Worker:
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from other processes
 
-    def load(self, conn: Connection, assignment: Assignment) -> StageRuntime | None:
+    def load(self, conn: Connection, assignment: Assignment,
+             interrupted: Callable[[], bool] | None = None) -> StageRuntime | None:
+        """Load the assigned layers (or keep those loaded for the same assignment) and report it; the runtime that
+        serves them, its steps given up where `interrupted` says so (StageRuntime), or None where loading failed."""
         key = _assignment_key(assignment)
         start, end = assignment.layer_start, assignment.layer_end_exclusive
         apply_threads(assignment.threads, self.options.threads)
@@ -573,7 +589,7 @@ class Worker:
         # the dtype it computes in after any fallback (fp16 asked of a CPU computes in fp32), not the one asked for
         conn.send(LoadComplete(load_seconds=loaded.load_seconds, weight_bytes=loaded.weight_bytes,
                                device=loaded.device, compute_dtype=compute_dtype_name(loaded.dtype)))
-        return StageRuntime(loaded, max_sequences=assignment.max_sequences)
+        return StageRuntime(loaded, max_sequences=assignment.max_sequences, interrupted=interrupted)
 
 
 def run_bench(args: argparse.Namespace) -> int:

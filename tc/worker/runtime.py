@@ -148,8 +148,11 @@ class StageRuntime:
     """Runs RUN_BATCH for one loaded stage, keeping a KV cache per sequence, at most `max_sequences` of them."""
 
     def __init__(self, loaded: LoadedStage, attention_budget_bytes: int = DEFAULT_ATTENTION_BUDGET_BYTES,
-                 max_sequences: int = 1):
+                 max_sequences: int = 1, interrupted: Callable[[], bool] | None = None):
+        """interrupted: asked before each layer of a step that runs through the layers one by one (a prompt's, not a
+        decode plan's few milliseconds); where it says so the step is given up with StepInterrupted."""
         self.loaded = loaded
+        self.interrupted = interrupted
         self.attention_budget_bytes = attention_budget_bytes
         self.max_sequences = max_sequences
         self.hidden_size = loaded.stage.config.hidden_size
@@ -225,7 +228,7 @@ class StageRuntime:
                 spans = [Span(self.caches[e.sequence], e.position_start, e.length) for e in msg.entries]
                 out = self._run_bytes(msg.hidden_state, spans)
                 if out is None:
-                    out = WireTensor.of(stage.forward_batch(self._input(msg.hidden_state), spans))
+                    out = WireTensor.of(stage.forward_batch(self._input(msg.hidden_state), spans, self.interrupted))
             else:
                 out = WireTensor.of(self._run_in_passes(self._input(msg.hidden_state), msg.entries, pieces))
         except CacheFullError as exc:
@@ -266,7 +269,7 @@ class StageRuntime:
                     spans.append(Span(self.caches[e.sequence], e.position_start + offset, length))
                     rows.append((first + offset, length))
             part = torch.cat([x[:, r:r + n] for r, n in rows], dim=1)
-            done = self.loaded.stage.forward_batch(part, spans).to("cpu")
+            done = self.loaded.stage.forward_batch(part, spans, self.interrupted).to("cpu")
             at = 0
             for r, n in rows:
                 out[:, r:r + n] = done[:, at:at + n]
