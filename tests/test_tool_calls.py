@@ -67,6 +67,8 @@ RECORDED = [
      None, [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "CET"})]),
     ("phi-4-mini after text", 'I will look it up.\nfunctools[{"name": "search", "arguments": {"query": "tc"}}]',
      "I will look it up.", [("search", {"query": "tc"})]),
+    ("bare call mentioning functools[", '{"name": "search", "arguments": {"query": "functools[ in python"}}',
+     None, [("search", {"query": "functools[ in python"})]),
     ("arguments as a json string", '{"name": "get_weather", "arguments": "{\\"location\\": \\"Paris\\"}"}',
      None, [("get_weather", {"location": "Paris"})]),
     ("openai shape", '{"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}',

@@ -469,7 +469,8 @@ def test_a_worker_whose_head_goes_away_mid_prompt_gives_the_step_up_and_rejoins(
     """The head's connection ends while the worker runs a long prompt through its layers: the step is given up
     at the next layer, not run to its end for no one, so the worker rejoins within the head's resume grace
     rather than after a step that may take minutes on a slow CPU."""
-    model_dir = write_tiny_model(tmp_path / "deep", num_hidden_layers=24, max_position_embeddings=4096)
+    # 32 layers over 8192 positions: several seconds here, long enough on any CPU for the close to come mid-step
+    model_dir = write_tiny_model(tmp_path / "deep", num_hidden_layers=32, max_position_embeddings=8192)
     trace = tmp_path / "trace"
     trace.mkdir()
     head = FakeHead()
@@ -479,14 +480,14 @@ def test_a_worker_whose_head_goes_away_mid_prompt_gives_the_step_up_and_rejoins(
     try:
         worker = cluster.start_worker("a", "--retry-max-s", "1")
         conn = head.accept()
-        conn.send(replace(assignment_for(model_dir), tensor_count=12 * 24))
+        conn.send(assignment_for(model_dir))
         assert isinstance(next_load_report(conn), LoadComplete)
-        conn.send(batch(1, 0, 4096, torch.randn(1, 4096, HIDDEN)))
+        conn.send(batch(1, 0, 8192, torch.randn(1, 8192, HIDDEN)))
         deadline = time.monotonic() + 30
         while not any(line.endswith(" compute") for f in trace.glob("*.trace") for line in f.read_text().splitlines()):
             assert time.monotonic() < deadline, "the worker never began the step"
             time.sleep(0.005)
-        conn.close()  # while its 24 layers run
+        conn.close()  # while its 32 layers run
         head.accept().close()  # it rejoined
         assert "RUN_BATCH given up: the step was given up after" in worker.output()
         assert "Traceback" not in worker.output()

@@ -185,6 +185,9 @@ def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str
         pieces, calls = _mistral(text, names, new_id)
     elif PHI4_MARKER in text:
         pieces, calls = _phi4(text, names, new_id)
+        if not calls:  # plain words, maybe inside a bare call's arguments ({"query": "functools["})
+            bare = _bare_calls(text, names, new_id)
+            pieces, calls = ([], bare) if bare else ([text], [])
     else:
         bare = _bare_calls(text, names, new_id)
         pieces, calls = ([], bare) if bare else ([text], [])

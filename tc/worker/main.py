@@ -476,6 +476,9 @@ class Worker:
                     self._run_batch(conn, runtime, env, from_peer, routes.current if routes else None, forwarder)
         except (ConnectionClosed, OSError):
             return  # the reader sees it too and ends the session
+        except StepInterrupted as exc:  # the session ended during a step: no reply, not even an error, for it
+            log.info("%s given up: %s (the connection to the head has ended)", doing, exc)
+            return
         except Exception as exc:  # a worker that pings but cannot compute must not stay joined
             self._fail_session(conn, f"the compute thread failed on {doing}: {type(exc).__name__}: {exc}", exc)
         finally:
@@ -527,10 +530,8 @@ class Worker:
         untouched."""
         try:
             return runtime.run(msg)
-        except StepInterrupted as exc:  # the session is ending: its caches go with it
-            log.info("%s given up: %s (the connection to the head has ended)", msg.TYPE, exc)
-            runtime.clear()
-            return InferenceError(message=f"{msg.TYPE} given up: {exc}")
+        except StepInterrupted:
+            raise  # the session is ending: nothing is sent for the step (compute_loop), its caches go with it
         except Exception as exc:
             log.exception("%s failed", msg.TYPE)
             runtime.clear()
