@@ -37,8 +37,9 @@ prompt: in fp32 that moves logits by ~1e-6, in bf16 by as much as resuming does 
 
 A pipeline error (a worker lost past resume, a stage that failed) ends every sequence of that step with the error;
 an error in one sequence's own part of a step (its grammar's mask, its prompt's reading, its token's choosing)
-ends that request alone (generation.Generator.step). The loop carries on with whatever arrives next. A request's text depends only on itself: its sampling state is
-its own (generation.SequenceState), and the batch only shares the weight reads.
+ends that request alone (generation.Generator.step). The loop carries on with whatever arrives next. A request's
+text depends only on itself: its sampling state is its own (generation.SequenceState), and the batch only shares
+the weight reads.
 
 States of a request: waiting (in the queue) -> running (in the batch) -> done (finished, failed or abandoned).
 """

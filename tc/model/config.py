@@ -113,13 +113,13 @@ class ModelConfig:
         return self.model_context if self.context_limit is None else min(self.context_limit, self.model_context)
 
     def rotary_rows(self) -> list[int] | None:
-        """Where only part of each head rotates: the order tc keeps qkv_proj's rows in (row i is the checkpoint's
-        rows()[i]); None where the whole head rotates. transformers rotates the pairs (j, j + R/2) of a head's
-        first R = rotary_dim dimensions and passes the rest; tc's rotation (and its native decode attention) turns
-        the pairs (j, j + D/2) of the whole head. Each query and key head's rows are reordered so that the
-        checkpoint's pair (j, j + R/2) lands on (j, j + D/2), and the passing dimensions on the pairs Rotary leaves
-        still (cos 1, sin 0). Queries and keys move alike, so every score q.k is the same sum; values and o_proj
-        keep their order."""
+        """Where only part of each head rotates: the order tc keeps qkv_proj's rows in (tc's row i holds the
+        checkpoint's row rotary_rows()[i]); None where the whole head rotates. transformers rotates the pairs
+        (j, j + R/2) of a head's first R = rotary_dim dimensions and passes the rest; tc's rotation (and its native
+        decode attention) turns the pairs (j, j + D/2) of the whole head. Each query and key head's rows are
+        reordered so that the checkpoint's pair (j, j + R/2) lands on (j, j + D/2), and the passing dimensions on
+        the pairs Rotary leaves still (cos 1, sin 0). Queries and keys move alike, so every score q.k is the same
+        sum; values and o_proj keep their order."""
         if self.rotary_dim is None:
             return None
         d, r = self.head_dim, self.rotary_dim
