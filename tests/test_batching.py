@@ -59,6 +59,13 @@ class RecordingPipeline(LocalPipeline):
         return super().run(entries, hidden)
 
 
+def wait_until(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g}s for {what}"
+        time.sleep(0.01)
+
+
 def ready() -> Readiness:
     return Readiness(1, ("w1",), ())
 
@@ -266,28 +273,41 @@ def test_a_failure_in_one_sequences_own_part_of_a_step_ends_that_request_alone(m
             raise RuntimeError(f"a fault in {part}")
         return original(self, *args, **kwargs)
     monkeypatch.setattr(SequenceState, part, failing)
-    pipeline = RecordingPipeline(model.stages)
+    gate = threading.Event()
+
+    class GatedPipeline(RecordingPipeline):  # the first step waits for the gate: the three queue up meanwhile
+        def run(self, entries, hidden):
+            if not self.steps:
+                self.steps.append([])
+                gate.wait(30)
+            return super().run(entries, hidden)
+    pipeline = GatedPipeline(model.stages)
     service = service_over(model, tokenizer, pipeline, max_batch=4, prefill_chunk=64)
     jobs = [(PROMPTS[0], greedy(6)), (PROMPTS[1], greedy(7)), (PROMPTS[2], greedy(8))]
     results: dict[int, object] = {}
-    start = threading.Barrier(len(jobs))
 
     def one(i: int, prompt: str, params: SamplingParams) -> None:
-        start.wait(10)
         try:
             results[i] = service.complete(tokenizer.encode(prompt), params)
         except RuntimeError as exc:
             results[i] = exc
+    blocker = threading.Thread(target=one, args=(3, PROMPTS[3], greedy(3)))
+    blocker.start()
+    wait_until(lambda: pipeline.steps, "the first step")
     threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
     for thread in threads:
         thread.start()
-    for thread in threads:
+    wait_until(lambda: service.queue_depth == 3, "the three requests queued")
+    gate.set()
+    for thread in [blocker, *threads]:
         thread.join(120)
     assert isinstance(results[1], RuntimeError) and str(results[1]) == f"a fault in {part}"
-    assert any(len(step) == 3 for step in pipeline.steps), "the three never shared a step"
+    # the three read their prompts in one step, beside the first request's decoding
+    assert any(sum(start == 0 for _, start, _ in step) == 3 for step in pipeline.steps), pipeline.steps
     monkeypatch.undo()
     for i in (0, 2):
         assert_same_greedy_text(results[i].text, solo(model, tokenizer, *jobs[i]))
+    assert_same_greedy_text(results[3].text, solo(model, tokenizer, PROMPTS[3], greedy(3)))
     assert not pipeline.caches, "the failed request's cache was released with the others'"
     assert (service.running, service.queue_depth) == (0, 0)
     assert service.complete(tokenizer.encode(PROMPTS[1]), greedy(7)).text == \
