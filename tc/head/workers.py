@@ -892,7 +892,7 @@ class WorkerRegistry:
                     raise ProtocolError(f"{msg.TYPE} from a spare that was given nothing to load")
                 elif isinstance(msg, LoadProgress):
                     log.debug("worker %s: %s %d/%d", link.name, msg.stage, msg.done, msg.total)
-                    self._set_detail(link, f"loading {msg.stage} {msg.done}/{msg.total}")
+                    self._set_detail(link, load_progress_detail(msg))
                 elif isinstance(msg, LoadComplete):
                     self._loaded(link, msg)
                 elif isinstance(msg, LoadFailed):
@@ -1128,3 +1128,11 @@ def _send_and_close(conn: Connection, message: Message) -> None:
     except OSError:
         pass
     conn.close()
+
+
+def load_progress_detail(msg: LoadProgress) -> str:
+    """A node's detail while it loads: a download's in MB (the worker counts its bytes), else units done."""
+    if msg.stage.startswith("download"):
+        total = f"{msg.total / 1e6:.1f} MB" if msg.total else "? MB"
+        return f"{msg.stage}: {msg.done / 1e6:.1f} of {total}"
+    return f"loading {msg.stage} {msg.done}/{msg.total}"

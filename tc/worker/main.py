@@ -37,6 +37,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
@@ -79,6 +80,7 @@ TOKEN_FILE_ENV = "TC_JOIN_TOKEN_FILE"
 HEAD_TIMEOUT_ENV = "TC_HEAD_TIMEOUT_S"
 MAX_FRAME_ENV = "TC_MAX_FRAME_MB"
 MIB = 1 << 20
+DOWNLOAD_REPORT_S = 1.0  # how often a worker tells the head how its download goes
 
 
 class Refused(Exception):
@@ -524,6 +526,22 @@ class Worker:
         conn.close()
 
     @staticmethod
+    def _fetching(conn: Connection) -> Callable[[str, int, int], Callable[[int, int | None], None]]:
+        """model_source.FetchProgress telling the head how a download of this worker's shards goes (LOAD_PROGRESS
+        "download of FILE (i of n)", in bytes: the head shows it for the node), at most every DOWNLOAD_REPORT_S
+        and once the file is whole. A head gone away ends the download there (the report's send raises)."""
+        def file(name: str, number: int, files: int) -> Callable[[int, int | None], None]:
+            stage, reported = f"download of {name} ({number} of {files})", [float("-inf")]
+
+            def fetched(done: int, size: int | None) -> None:
+                now = time.monotonic()
+                if now - reported[0] >= DOWNLOAD_REPORT_S or done == size:
+                    reported[0] = now
+                    conn.send(LoadProgress(stage=stage, done=done, total=size or 0))
+            return fetched
+        return file
+
+    @staticmethod
     def infer(runtime: StageRuntime, msg: RunBatch) -> StageOutput | InferenceError:
         """Run one batch; any failure (out of memory, a bad shape the checks missed, a bug) fails that batch's
         requests only: the caches, the one state a failed step can spoil, are dropped, and the weights are
@@ -567,7 +585,7 @@ class Worker:
                 source = ModelSource(assignment.model_id, is_local=assignment.model_source == "local",
                                      revision=assignment.revision, cache_dir=self.options.hf_cache_dir)
                 model_dir = source.fetch_tensors(
-                    layer_tensor_names(ModelConfig.from_dict(assignment.config), start, end))
+                    layer_tensor_names(ModelConfig.from_dict(assignment.config), start, end), self._fetching(conn))
 
                 def progress(done: int, total: int) -> None:
                     log.info("loaded layer %d/%d", done, total)
