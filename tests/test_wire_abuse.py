@@ -535,6 +535,29 @@ def test_a_worker_tells_the_head_how_its_download_goes(tmp_path, model_dir):
             head.close()
 
 
+def test_a_head_gone_mid_download_is_no_download_failure(tmp_path, model_dir):
+    """The head goes away while the worker downloads its shard: the download ends at its next report and the
+    worker rejoins, logging no failed load (the Hub did nothing wrong)."""
+    with HubStandIn({"acme/tiny-qwen": model_dir}, hold={"model.safetensors"}) as hub:
+        head = FakeHead()
+        topo = write_topology(tmp_path / "t.yaml", "acme/tiny-qwen", [{"id": "a", "device": "cpu"}])
+        cluster = Cluster(topo, tmp_path, env={"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
+                                               "HF_HUB_DOWNLOAD_TIMEOUT": "300", "TC_DOWNLOAD_STALL_S": "300"})
+        cluster.listen_port = head.port
+        try:
+            worker = cluster.start_worker("a", "--retry-max-s", "1", "--hf-cache-dir", str(tmp_path / "cache"))
+            conn = head.accept()
+            conn.send(replace(assignment_for(model_dir), model_id="acme/tiny-qwen", model_source="hub"))
+            assert isinstance(conn.recv(timeout=60).message, LoadProgress)
+            conn.close()
+            hub.release.set()  # its next report finds the head gone
+            head.accept().close()  # it rejoined
+            assert "could not load layers" not in worker.output() and "Traceback" not in worker.output()
+        finally:
+            cluster.stop()
+            head.close()
+
+
 def test_worker_reports_a_load_failure_of_any_kind_and_stays_out_of_service(tmp_path, model_dir):
     head, cluster, worker = worker_with_a_fake_head(tmp_path, model_dir)
     try:

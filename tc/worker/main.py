@@ -528,16 +528,28 @@ class Worker:
     @staticmethod
     def _fetching(conn: Connection) -> Callable[[str, int, int], Callable[[int, int | None], None]]:
         """model_source.FetchProgress telling the head how a download of this worker's shards goes (LOAD_PROGRESS
-        "download of FILE (i of n)", in bytes: the head shows it for the node), at most every DOWNLOAD_REPORT_S
-        and once the file is whole. A head gone away ends the download there (the report's send raises)."""
+        "download of FILE (i of n)", in bytes: the head shows it for the node), at most every DOWNLOAD_REPORT_S,
+        and at once when the size changes or the file is whole. Once a report finds the head gone, none is sent
+        again; the report raises ConnectionClosed where the download runs on the calling thread (an HTTP download,
+        which ends there), and stays quiet on another (hf_xet's, which finishes the file)."""
+        caller, gone = threading.current_thread(), [False]
+
         def file(name: str, number: int, files: int) -> Callable[[int, int | None], None]:
-            stage, reported = f"download of {name} ({number} of {files})", [float("-inf")]
+            stage, reported = f"download of {name} ({number} of {files})", [float("-inf"), None]
 
             def fetched(done: int, size: int | None) -> None:
-                now = time.monotonic()
-                if now - reported[0] >= DOWNLOAD_REPORT_S or done == size:
-                    reported[0] = now
-                    conn.send(LoadProgress(stage=stage, done=done, total=size or 0))
+                if not gone[0]:
+                    now = time.monotonic()
+                    if now - reported[0] < DOWNLOAD_REPORT_S and done != size and size == reported[1]:
+                        return
+                    reported[:] = [now, size]
+                    try:
+                        conn.send(LoadProgress(stage=stage, done=done, total=size or 0))
+                        return
+                    except ConnectionClosed:
+                        gone[0] = True
+                if threading.current_thread() is caller:
+                    raise ConnectionClosed("the head went away during the download")
             return fetched
         return file
 
@@ -595,6 +607,8 @@ class Worker:
             except ConnectionClosed:
                 raise  # a progress report found the head gone: no one to tell
             except Exception as exc:  # whatever it is, the head must hear it, or the node shows loading for ever
+                if isinstance(exc, ModelSourceError) and isinstance(exc.__cause__, ConnectionClosed):
+                    raise exc.__cause__ from None  # a download's report found the head gone: not the Hub's failure
                 # Our own errors (a missing file, a bad header, a download that failed) say what to do; anything
                 # else is a surprise, which gets its type in the reason and its traceback in the log.
                 expected = isinstance(exc, (ModelSourceError, OSError, ValueError))
