@@ -8,11 +8,13 @@ it cannot load, a command whose reply it cannot send, and a head that says it is
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
 import time
 from dataclasses import replace
+from typing import Iterator
 
 import pytest
 import torch
@@ -498,46 +500,10 @@ def test_a_worker_whose_head_goes_away_mid_prompt_gives_the_step_up_and_rejoins(
         head.close()
 
 
-def test_a_worker_tells_the_head_how_its_download_goes(tmp_path, model_dir):
-    """A worker fetching its shards from the Hub reports the bytes so far in LOAD_PROGRESS (the head shows them for
-    the node): a multi-GB download is not minutes of a bare "loading". Here the Hub stand-in holds the shard half
-    sent until the head has heard of it."""
-    size = (model_dir / "model.safetensors").stat().st_size
-    with HubStandIn({"acme/tiny-qwen": model_dir}, hold={"model.safetensors"}) as hub:
-        head = FakeHead()
-        topo = write_topology(tmp_path / "t.yaml", "acme/tiny-qwen", [{"id": "a", "device": "cpu"}])
-        cluster = Cluster(topo, tmp_path, env={"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
-                                               "HF_HUB_DOWNLOAD_TIMEOUT": "300", "TC_DOWNLOAD_STALL_S": "300"})
-        cluster.listen_port = head.port
-        try:
-            cluster.start_worker("a", "--retry-max-s", "1", "--hf-cache-dir", str(tmp_path / "cache"))
-            conn = head.accept()
-            conn.send(replace(assignment_for(model_dir), model_id="acme/tiny-qwen", model_source="hub"))
-            first = conn.recv(timeout=60).message
-            assert isinstance(first, LoadProgress), first
-            assert first.stage == "download of model.safetensors (1 of 1)"
-            assert 0 < first.done <= size // 2 and first.total == size
-            hub.release.set()
-            reports = [first]
-            while not isinstance(reports[-1], (LoadComplete, LoadFailed)):
-                reports.append(conn.recv(timeout=60).message)
-            assert isinstance(reports[-1], LoadComplete), reports[-1]
-            downloads = [r for r in reports if isinstance(r, LoadProgress) and r.stage.startswith("download")]
-            assert (downloads[-1].done, downloads[-1].total) == (size, size)  # the last report: the file whole
-            assert [r.stage for r in reports if isinstance(r, LoadProgress)][-1] == "layers"
-            conn.close()
-            # what the head shows for the node (GET /v1/cluster's detail)
-            assert load_progress_detail(first) == f"download of model.safetensors (1 of 1): {first.done / 1e6:.1f} of " \
-                f"{size / 1e6:.1f} MB"
-            assert load_progress_detail(reports[-2]) == f"loading layers {reports[-2].done}/{reports[-2].total}"
-        finally:
-            cluster.stop()
-            head.close()
-
-
-def test_a_head_gone_mid_download_is_no_download_failure(tmp_path, model_dir):
-    """The head goes away while the worker downloads its shard: the download ends at its next report and the
-    worker rejoins, logging no failed load (the Hub did nothing wrong)."""
+@contextlib.contextmanager
+def worker_downloading(tmp_path, model_dir) -> Iterator[tuple[HubStandIn, FakeHead, Connection, object]]:
+    """A real worker assigned the tiny model as a Hub repo whose shard the Hub stand-in holds half sent: (the
+    stand-in, the fake head, its connection to the worker, the worker's process) once the assignment is sent."""
     with HubStandIn({"acme/tiny-qwen": model_dir}, hold={"model.safetensors"}) as hub:
         head = FakeHead()
         topo = write_topology(tmp_path / "t.yaml", "acme/tiny-qwen", [{"id": "a", "device": "cpu"}])
@@ -548,14 +514,46 @@ def test_a_head_gone_mid_download_is_no_download_failure(tmp_path, model_dir):
             worker = cluster.start_worker("a", "--retry-max-s", "1", "--hf-cache-dir", str(tmp_path / "cache"))
             conn = head.accept()
             conn.send(replace(assignment_for(model_dir), model_id="acme/tiny-qwen", model_source="hub"))
-            assert isinstance(conn.recv(timeout=60).message, LoadProgress)
-            conn.close()
-            hub.release.set()  # its next report finds the head gone
-            head.accept().close()  # it rejoined
-            assert "could not load layers" not in worker.output() and "Traceback" not in worker.output()
+            yield hub, head, conn, worker
         finally:
             cluster.stop()
             head.close()
+
+
+def test_a_worker_tells_the_head_how_its_download_goes(tmp_path, model_dir):
+    """A worker fetching its shards from the Hub reports the bytes so far in LOAD_PROGRESS (the head shows them for
+    the node): a multi-GB download is not minutes of a bare "loading". Here the Hub stand-in holds the shard half
+    sent until the head has heard of it."""
+    size = (model_dir / "model.safetensors").stat().st_size
+    with worker_downloading(tmp_path, model_dir) as (hub, _, conn, _):
+        first = conn.recv(timeout=60).message
+        assert isinstance(first, LoadProgress), first
+        assert first.stage == "download of model.safetensors (1 of 1)"
+        assert 0 < first.done <= size // 2 and first.total == size
+        hub.release.set()
+        reports = [first]
+        while not isinstance(reports[-1], (LoadComplete, LoadFailed)):
+            reports.append(conn.recv(timeout=60).message)
+        assert isinstance(reports[-1], LoadComplete), reports[-1]
+        downloads = [r for r in reports if isinstance(r, LoadProgress) and r.stage.startswith("download")]
+        assert (downloads[-1].done, downloads[-1].total) == (size, size)  # the last report: the file whole
+        assert [r.stage for r in reports if isinstance(r, LoadProgress)][-1] == "layers"
+        conn.close()
+    # what the head shows for the node (GET /v1/cluster's detail)
+    assert load_progress_detail(first) == f"download of model.safetensors (1 of 1): {first.done / 1e6:.1f} of " \
+        f"{size / 1e6:.1f} MB"
+    assert load_progress_detail(reports[-2]) == f"loading layers {reports[-2].done}/{reports[-2].total}"
+
+
+def test_a_head_gone_mid_download_is_no_download_failure(tmp_path, model_dir):
+    """The head goes away while the worker downloads its shard: the download ends at its next report and the
+    worker rejoins, logging no failed load (the Hub did nothing wrong)."""
+    with worker_downloading(tmp_path, model_dir) as (hub, head, conn, worker):
+        assert isinstance(conn.recv(timeout=60).message, LoadProgress)
+        conn.close()
+        hub.release.set()  # its next report finds the head gone
+        head.accept().close()  # it rejoined
+        assert "could not load layers" not in worker.output() and "Traceback" not in worker.output()
 
 
 def test_worker_reports_a_load_failure_of_any_kind_and_stays_out_of_service(tmp_path, model_dir):
