@@ -757,31 +757,31 @@ class Generator:
                 failed.setdefault(follower.id, failed[leader.id])
             elif _guarded(failed, follower, lambda: follower.take_prompt_from(leader)) is not _FAILED:
                 choosing.append((follower, next(i for s, i, _ in choosing if s is leader), 1))
-        ended = [(s, failed[s.id]) for s in [*(s for s, _ in planned), *(f for f, _ in forked)] if s.id in failed]
+        stepped = [*(s for s, _ in planned), *(f for f, _ in forked)]
         choosing = [c for c in choosing if c[0].id not in failed]  # a grammar's mask failed after its rows were kept
         if not choosing:
-            return ended
+            return [(s, failed[s.id]) for s in stepped if s.id in failed]
         rows = torch.cat(last_rows, dim=1)
         tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _, _ in choosing) \
             else None
         logits = self._logits(rows)[0] if tokens is None else None  # [rows, vocab]: one lm_head read for all
         chosen: list[tuple[SequenceState, Step | Exception]] = []
         for sequence, i, n in choosing:
-            try:
-                if n > 1:  # a draft: the argmax of each row, which chooses_the_argmax makes the token chosen there
-                    step, accepted = sequence.check_draft(
-                        tokens[i:i + n] if tokens is not None else [greedy(logits[j]) for j in range(i, i + n)])
-                    self.drafted, self.accepted = self.drafted + n - 1, self.accepted + accepted
-                    chosen.append((sequence, step))
-                elif tokens is not None:
-                    chosen.append((sequence, sequence.add_token(tokens[i])))
-                else:
-                    chosen.append((sequence, sequence.advance(logits[i])))
-            except Exception as exc:
-                log.exception("sequence %d failed choosing its token; the others in its step go on", sequence.id)
-                chosen.append((sequence, exc))
+            step = _guarded(failed, sequence, lambda: self._choose(sequence, tokens, logits, i, n))
+            if step is not _FAILED:
+                chosen.append((sequence, step))
         mark("chosen")
-        return ended + chosen
+        return [(s, failed[s.id]) for s in stepped if s.id in failed] + chosen
+
+    def _choose(self, sequence: SequenceState, tokens: list[int] | None, logits: torch.Tensor | None, i: int,
+                n: int) -> Step:
+        """`sequence`'s step from its n rows at i of this step's greedy `tokens`, else of its `logits`."""
+        if n > 1:  # a draft: the argmax of each row, which chooses_the_argmax makes the token chosen there
+            step, accepted = sequence.check_draft(
+                tokens[i:i + n] if tokens is not None else [greedy(logits[j]) for j in range(i, i + n)])
+            self.drafted, self.accepted = self.drafted + n - 1, self.accepted + accepted
+            return step
+        return sequence.add_token(tokens[i]) if tokens is not None else sequence.advance(logits[i])
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """Generate a completion for `prompt_ids` alone, one `Step` per token, the last carrying the Completion.
