@@ -183,14 +183,11 @@ def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str
         pieces, calls = _hermes(text, names, new_id)
     elif MISTRAL_MARKER in text:
         pieces, calls = _mistral(text, names, new_id)
-    elif PHI4_MARKER in text:
-        pieces, calls = _phi4(text, names, new_id)
-        if not calls:  # plain words, maybe inside a bare call's arguments ({"query": "functools["})
+    else:
+        pieces, calls = _phi4(text, names, new_id) if PHI4_MARKER in text else ([text], [])
+        if not calls:  # no Phi-4-mini call: its marker may be plain words, even in a bare call's arguments
             bare = _bare_calls(text, names, new_id)
             pieces, calls = ([], bare) if bare else ([text], [])
-    else:
-        bare = _bare_calls(text, names, new_id)
-        pieces, calls = ([], bare) if bare else ([text], [])
     if not calls:
         return ParsedReply(text, ())
     content = "".join(pieces).rstrip()
