@@ -243,12 +243,14 @@ class Kernels:
                              self.prefetch_ahead["int4"], self.streams["int4"]),
                 str(_no_memory_for_codes(m, k)))
 
-    def int8_call(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> Call:
-        """int8_product's kernel call for contiguous bfloat16 x [..., K] into y [..., N], for a decode plan."""
+    def int8_call(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+                  widened: bool = False) -> Call:
+        """int8_product's kernel call for contiguous bfloat16 x [..., K] into y [..., N] (bfloat16, or float32
+        `widened` as int8_product widens), for a decode plan."""
         k = x.shape[-1]
         m = x.numel() // k
         return (self._int8, (x.data_ptr(), 1, m, k, qweight.data_ptr(), scale.data_ptr(), scale.shape[0],
-                             y.data_ptr(), 1, torch.get_num_threads(), self.prefetch_rows["int8"],
+                             y.data_ptr(), 2 if widened else 1, torch.get_num_threads(), self.prefetch_rows["int8"],
                              self.prefetch_ahead["int8"], self.streams["int8"]),
                 str(_no_memory_for_codes(m, k)))
 

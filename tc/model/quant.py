@@ -985,6 +985,13 @@ class Int8Linear(_QuantLinear):
         buffers = self._buffers
         return [self._native.int8_call(x, buffers["qweight"], buffers["scale"], y)] + _bias_calls(y, buffers["bias"])
 
+    def widened_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
+        """The native call that writes widened(x) into float32 y where widened takes the kernel for x, for the
+        head's greedy plan (greedy_plan.py); None elsewhere."""
+        if not self._decode_rows(x) or self._buffers["bias"] is not None:
+            return None
+        return self._native.int8_call(x, self._buffers["qweight"], self._buffers["scale"], y, widened=True)
+
     def _decode_rows(self, x: torch.Tensor) -> bool:
         """Whether x is a decode step's few bf16 rows, which the native kernel takes in the fewest operations."""
         return (self.path == "native" and x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features

@@ -38,6 +38,7 @@ from . import native
 from .config import ModelConfig
 from .decode_plan import DecodePlan, Plans
 from .dense import PRODUCTS, Linear, pack_linears
+from .greedy_plan import GreedyPlan
 from .greedy_screen import MAX_TIME_SHARE, GreedyScreen, screens
 from .kv_cache import KVCache
 from .probe import cache_sweeper, race
@@ -229,6 +230,12 @@ class RMSNorm(nn.Module):
         """The native call that writes this norm of x into y, for a decode plan; None where the native norm does
         not take x."""
         kernels = None if self.fp32_scaled else self._kernels(x, planned=True)
+        return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
+
+    def forward_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
+        """The native call that writes forward(x) into y where forward takes the native norm for x (the head's
+        greedy plan: the bits of HeadModel.logits); None elsewhere."""
+        kernels = None if self.fp32_scaled else self._kernels(x)
         return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
 
     def _kernels(self, x: torch.Tensor, planned: bool = False) -> native.Kernels | None:
@@ -731,6 +738,9 @@ class HeadModel(nn.Module):
         self.final_softcap = config.final_softcap
         self.logits_scaling = config.logits_scaling  # Granite divides its logits by it
         self.greedy_screen: GreedyScreen | None = None  # screen_greedy's, for the lm_head it was made for
+        self._greedy_plan: GreedyPlan | None = None  # an int8 lm_head's (greedy_tokens)
+        self._greedy_plan_declined: tuple[nn.Module, ...] = ()  # the lm_head no plan takes (not asked again), in a
+        # tuple: a module set as an attribute would become a submodule
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, dtype: torch.dtype,
@@ -822,14 +832,34 @@ class HeadModel(nn.Module):
         self.greedy_screen = screen
         return screen
 
-    @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """The index of each row's largest logit for final hidden states [1, rows, hidden], as greedy() would find
-        it in `logits(hidden)`, from the greedy screen; None where there is none (or it answers none, for a row
-        that is not finite or too wide a choice): the caller then takes the logits."""
+        it in `logits(hidden)`: from the greedy screen of a bf16 lm_head, or an int8 lm_head's greedy plan
+        (greedy_plan.py); None where neither answers (no screen or plan, or the screen answers none for a row that
+        is not finite or too wide a choice, or the plan takes no such rows): the caller then takes the logits."""
         screen = self.greedy_screen
-        if screen is None or screen.weight is not getattr(self.lm_head, "weight", None):  # none, or not this one's
+        if screen is not None and screen.weight is getattr(self.lm_head, "weight", None):  # this lm_head's
+            return self._screened_tokens(screen, hidden)
+        if self.logits_scaling is not None or self.final_softcap is not None:  # logits need more than the product
             return None
+        plan = self._greedy_plan
+        if plan is None or not plan.current(self.norm, self.lm_head):
+            plan = self._make_greedy_plan()
+        return None if plan is None else plan.tokens(hidden)
+
+    def _make_greedy_plan(self) -> GreedyPlan | None:
+        """A greedy plan for this norm and lm_head where one takes them; asked once for each lm_head."""
+        self._greedy_plan = None
+        if self._greedy_plan_declined and self._greedy_plan_declined[0] is self.lm_head:
+            return None
+        if GreedyPlan.takes(self.lm_head):
+            self._greedy_plan = GreedyPlan(self.norm, self.lm_head, self.config.hidden_size, self.config.vocab_size)
+        else:
+            self._greedy_plan_declined = (self.lm_head,)
+        return self._greedy_plan
+
+    @torch.inference_mode()
+    def _screened_tokens(self, screen: GreedyScreen, hidden: torch.Tensor) -> list[int] | None:
         normed = self.norm(hidden)[0]
         if normed.dtype != torch.bfloat16:
             return None
