@@ -739,19 +739,23 @@ class Generator:
             if masks is not None:
                 masks.result()
         self.prompt_positions += sum(e.length for s, e in planned if not s.decoding)
-        row, choosing, last_rows = 0, [], []  # choosing: (sequence, its first row in last_rows, its rows)
+        # choosing: (sequence, its first row among the rows chosen from, its rows); spans: those rows' (start,
+        # length) in hidden, in order
+        row, choosing, spans, kept = 0, [], [], 0
         for sequence, entry in planned:
-            rows = hidden[:, row:row + entry.length]
+            start, length = row, entry.length
             row += entry.length
             if not sequence.decoding and sequence.id not in failed:
+                rows = hidden[:, start:start + length]
                 _guarded(failed, sequence, lambda: sequence.read_prompt(entry, rows, self._logits))
                 if not sequence.decoding:
                     continue  # more of its prompt to read, or it failed
-                rows = rows[:, -1:]
+                start, length = start + length - 1, 1
             if sequence.id in failed:
                 continue
-            choosing.append((sequence, len(last_rows), rows.shape[1]))  # a draft's rows: after each token fed
-            last_rows += rows.split(1, dim=1)
+            choosing.append((sequence, kept, length))  # a draft's rows: after each token fed
+            spans.append((start, length))
+            kept += length
         for follower, leader in forked:  # each chooses from the leader's logits, with its own sampling state
             if leader.id in failed:  # it chooses from the leader's reading of the prompt, which did not finish
                 failed.setdefault(follower.id, failed[leader.id])
@@ -761,7 +765,9 @@ class Generator:
         choosing = [c for c in choosing if c[0].id not in failed]  # a grammar's mask failed after its rows were kept
         if not choosing:
             return [(s, failed[s.id]) for s in stepped if s.id in failed]
-        rows = torch.cat(last_rows, dim=1)
+        # a decode step chooses from every row of hidden, in order: hidden itself then, not a copy (each PyTorch
+        # call costs tens of microseconds on caches the stages' weights have swept)
+        rows = hidden if kept == hidden.shape[1] else torch.cat([hidden[:, a:a + n] for a, n in spans], dim=1)
         tokens = self.head.greedy_tokens(rows.to(self.dtype)) if all(s.chooses_the_argmax for s, _, _ in choosing) \
             else None
         logits = self._logits(rows)[0] if tokens is None else None  # [rows, vocab]: one lm_head read for all
