@@ -61,6 +61,13 @@ FAMILIES = {
                     layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Gemma 3's 4B-27B kind: the "gemma3" language model inside an image-text model, beside a vision tower tc never
+    # reads (its tensors, and the language model's, under the names such checkpoints are published with)
+    "gemma3-image-text": ("Gemma3Config", "Gemma3ForConditionalGeneration",
+                          dict(text_config="gemma3", mm_tokens_per_image=4,
+                               vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                  intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                                  image_size=28, patch_size=14))),
     # NoPE layers (0) on either side of a split after layer 2; SmolLM3-3B's own files slide nowhere
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1, 0], rope_theta=10000.0)),
     # with a window, SmolLM3Config slides the NoPE layers
@@ -93,7 +100,11 @@ def hf_classes(name: str):
 def write_family_model(path: Path, name: str, seed: int = 0, **changes) -> Path:
     """Write the tiny model `name` of FAMILIES to `path` (fp32 safetensors) and return the directory."""
     config_cls, model_cls, extra = hf_classes(name)
-    config = config_cls(**{**SHAPES, **extra, **changes})
+    if "text_config" in extra:  # an image-text model: its language model is the entry text_config names
+        text_cls, _, text_extra = hf_classes(extra["text_config"])
+        config = config_cls(**{**extra, "text_config": text_cls(**{**SHAPES, **text_extra, **changes}).to_dict()})
+    else:
+        config = config_cls(**{**SHAPES, **extra, **changes})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     g = torch.Generator().manual_seed(seed)

@@ -32,8 +32,37 @@ _DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
     "BF16": (torch.bfloat16, 2),
 }
 
+# Where an image-text checkpoint (Gemma 3's 4B-27B) keeps its language model, and where a causal LM of the same
+# family keeps the same tensors: tc reads the language model under the causal LM's names and never reads the
+# vision tower's. The first is how such checkpoints are published (and transformers still writes them), the second
+# how transformers 4.52-4.x named them in memory, which some re-saved copies keep.
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."))
+
+
 class WeightsError(ValueError):
     """The model's safetensors are missing, malformed, or do not match config.json."""
+
+
+def causal_lm_name(name: str) -> str:
+    """A checkpoint tensor's name as a causal LM of its family names it (LANGUAGE_MODEL_PREFIXES)."""
+    for prefix, replacement in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
+
+
+def _renamed(names: Iterable[str], where: Path) -> dict[str, str]:
+    """{causal LM name: checkpoint name} for the checkpoint names listed in `where`. Raises WeightsError where two
+    of them would become one (a language model's tensor stored under both names)."""
+    renamed: dict[str, str] = {}
+    for name in names:
+        ours = causal_lm_name(name)
+        if ours in renamed:
+            raise WeightsError(f"{where}: tensors {_one_line(renamed[ours])} and {_one_line(name)} are both the "
+                               f"language model's {_one_line(ours)}; {REDO}")
+        renamed[ours] = name
+    return renamed
 
 
 @dataclass(frozen=True)
@@ -166,7 +195,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors file's header. Reads only the header bytes.
+    """Parse one safetensors file's header, its tensors by their causal LM names (causal_lm_name). Reads only the
+    header bytes.
 
     Every entry is checked here, before any offset is trusted: a span outside the data (a negative offset
     reaches back into the header) would otherwise be read as weights without a word."""
@@ -188,12 +218,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise WeightsError(f"{path}: malformed safetensors header: a JSON {_json_type(header)}, not an object; {REDO}")
     data_start = 8 + header_len
     tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":  # free-form strings (the format, the converter); nothing tc reads
-            continue
+    # free-form strings (the format, the converter) under __metadata__: nothing tc reads
+    for ours, name in _renamed((n for n in header if n != "__metadata__"), path).items():
+        entry = header[name]
         dtype, shape, (begin, end) = _checked_entry(path, name, entry, file_size - data_start)
-        tensors[name] = TensorInfo(
-            name=name,
+        tensors[ours] = TensorInfo(
+            name=ours,
             file=path,
             dtype=dtype,
             shape=shape,
@@ -225,8 +255,9 @@ def _checked_entry(path: Path, name: str, entry: object, data_size: int
 
 
 def read_weight_map(index_path: Path) -> dict[str, str]:
-    """The shard index's weight_map (tensor name -> shard file), every file a plain name in the model directory:
-    an index that named "/etc/passwd" or "../x.safetensors" would have us open a file outside it."""
+    """The shard index's weight_map (tensor name, as causal_lm_name gives it -> shard file), every file a plain name
+    in the model directory: an index that named "/etc/passwd" or "../x.safetensors" would have us open a file
+    outside it."""
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -239,7 +270,7 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
         if not _is_plain_file_name(file):
             raise WeightsError(f"{index_path}: malformed shard index: weight_map entry {_one_line(name)} names "
                                f"{_brief(file)}, not a file name in the model directory; {REDO}")
-    return weight_map
+    return {ours: weight_map[name] for ours, name in _renamed(weight_map, index_path).items()}
 
 
 def _is_plain_file_name(file: object) -> bool:

@@ -35,6 +35,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma", ("GemmaForCausalLM",), gemma.parse_gemma),
     Family("gemma2", ("Gemma2ForCausalLM",), gemma.parse_gemma2),
     Family("gemma3_text", ("Gemma3ForCausalLM",), gemma.parse_gemma3),
+    Family("gemma3", ("Gemma3ForConditionalGeneration",), gemma.parse_gemma3_image_text),  # its language model
     Family("granite", ("GraniteForCausalLM",), granite.parse),
     Family("olmo2", ("Olmo2ForCausalLM",), olmo2.parse),
     Family("olmo3", ("Olmo3ForCausalLM",), olmo3.parse),

@@ -1,10 +1,12 @@
 """Gemma 1, 2 and 3 (text): embeddings times sqrt(hidden), (1 + w) norms, gelu-tanh. Gemma 1 (CodeGemma, Gemma
 1.1) is Llama's layer otherwise; Gemma 2 and 3 add norms after attention and the MLP, scale queries by
 query_pre_attn_scalar and alternate sliding and global layers; Gemma 2 soft-caps attention scores and logits, Gemma
-3 normalises q and k and gives its sliding layers a rotary base of their own."""
+3 normalises q and k and gives its sliding layers a rotary base of their own. Gemma 3's image-text checkpoints run
+as the Gemma 3 language model inside them, on text."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -20,6 +22,12 @@ GEMMA2_DEFAULTS = {**GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logi
 # GemmaConfig's (Gemma 1): heads of 256, 16 KV heads rather than one per query head, and its own activation key
 GEMMA1_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 16, "hidden_act": "gelu_pytorch_tanh"}
 GEMMA3_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.default_theta: global and local
+# Gemma3TextConfig's shapes, which an image-text checkpoint's text_config leaves out where they are these
+GEMMA3_DEFAULTS = {**GEMMA_DEFAULTS, "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                   "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                   "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6}
+# config.json keys of an image-text model that are not its language model's
+IMAGE_TEXT_KEYS = ("architectures", "model_type", "text_config", "vision_config")
 
 
 def _refuse_bidirectional(data: dict[str, Any]) -> None:
@@ -89,7 +97,7 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
     if type(pattern) is not int or pattern < 1:
         raise ConfigError(f"config.json sets sliding_window_pattern = {pattern!r}; expected a positive integer")
     values = _gemma({k: v for k, v in data.items() if not (per_type and k == "rope_parameters")}, "gemma3_text",
-                    lambda i: (i + 1) % pattern != 0, GEMMA_DEFAULTS, GEMMA3_THETA)
+                    lambda i: (i + 1) % pattern != 0, GEMMA3_DEFAULTS, GEMMA3_THETA)
     values["source"] = copy.deepcopy(data)
     # 4.x: the sliding layers turn at rope_local_base_freq, unscaled whatever rope_scaling does to the global ones
     local_theta = parse_rope({"rope_local_base_freq": data.get("rope_local_base_freq")}, "rope_local_base_freq",
@@ -104,3 +112,20 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
                        o_bias=flag(data, "attention_bias"), qk_norm=True,
                        attn_softcap=_cap(data, "attn_logit_softcapping"),
                        final_softcap=_cap(data, "final_logit_softcapping"), local_rope=local)
+
+
+def parse_gemma3_image_text(data: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration: 4B, 12B, 27B) as the causal LM inside
+    them, on text alone: `text_config` (Gemma3TextConfig's defaults where it leaves keys out, as transformers
+    fills them), with the top level's keys where it has none of its own (eos_token_id, tie_word_embeddings). The
+    vision tower's tensors are never read (weights.causal_lm_name)."""
+    text = data.get("text_config")
+    text = {} if text is None else text  # none: Gemma3Config's default text model
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json sets text_config = {text!r}; expected the language model's settings")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(f"config.json's text_config sets model_type = {text.get('model_type')!r}; a "
+                          "Gemma3ForConditionalGeneration's language model is a gemma3_text")
+    outer = {k: v for k, v in data.items() if k not in IMAGE_TEXT_KEYS}
+    config = parse_gemma3({**outer, **text, "model_type": "gemma3_text"})
+    return dataclasses.replace(config, source=copy.deepcopy(data))  # what crosses the wire: config.json as read
