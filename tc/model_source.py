@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -255,9 +256,10 @@ class _Watch:
         self.bodies = 0  # its response bodies that the HTTP hook is passing on now
         self.stalled: DownloadStalled | None = None  # set where the Xet watchdog gave it up
 
-    def log_progress(self, done: int, size: int | None, seconds: float) -> None:
+    def log_progress(self, done: int, size: int | None, seconds: float, fetched: int | None = None) -> None:
+        """`done` bytes of `size`, `fetched` of them (all, where not given) in `seconds`."""
         log.info("fetching %s: %.1f of %s MB, %.2f MB/s", self.what, done / 1e6,
-                 "?" if size is None else f"{size / 1e6:.1f}", done / 1e6 / seconds)
+                 "?" if size is None else f"{size / 1e6:.1f}", (done if fetched is None else fetched) / 1e6 / seconds)
 
 
 class _StallHook:
@@ -275,9 +277,19 @@ class _StallHook:
             watch = _Watch(str(response.request.url), DEFAULT_STALL_S)
         # the httpx package the client is built on (httpx, or httpx2 for huggingface_hub 2), for its stream class
         package = sys.modules[type(response).__module__.partition(".")[0]]
-        length = response.headers.get("Content-Length", "")
-        size = int(length) if length.isdigit() else None
-        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, watch, size)
+        size, offset = _body_span(response.headers)
+        response.stream = _stall_guarded_stream(package.SyncByteStream)(response.stream, watch, size, offset)
+
+
+def _body_span(headers) -> tuple[int | None, int]:
+    """The whole file's size (None where the answer gives none) and where a response's body starts in it. A
+    download resumed after a break (from the bytes the cache kept) is answered 206 with a Content-Length of what is
+    left and a Content-Range of the whole ("bytes 1000-4999/5000"): the progress told is of the whole file."""
+    whole = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", headers.get("Content-Range", "").strip())
+    if whole:
+        return int(whole[2]), int(whole[1])
+    length = headers.get("Content-Length", "")
+    return (int(length) if length.isdigit() else None), 0
 
 
 @functools.cache
@@ -289,14 +301,14 @@ def _stall_guarded_stream(base: type) -> type:
     timeout."""
 
     class StallGuardedStream(base):
-        def __init__(self, stream, watch: _Watch, size: int | None):
-            self.stream, self.watch, self.size = stream, watch, size
+        def __init__(self, stream, watch: _Watch, size: int | None, offset: int = 0):
+            self.stream, self.watch, self.size, self.offset = stream, watch, size, offset
             self.open = True
             watch.bodies += 1
 
         def __iter__(self) -> Iterator[bytes]:
             started = since = logged = time.monotonic()
-            received = done = 0
+            received, done = 0, self.offset  # done: of the whole file, a resumed body's first byte at its offset
             for chunk in self.stream:
                 received += len(chunk)
                 done += len(chunk)
@@ -305,7 +317,7 @@ def _stall_guarded_stream(base: type) -> type:
                 now = time.monotonic()
                 if now - logged >= PROGRESS_EVERY_S:
                     logged = now
-                    self.watch.log_progress(done, self.size, now - started)
+                    self.watch.log_progress(done, self.size, now - started, done - self.offset)
                 if now - since >= self.watch.stall_s:
                     if received < STALL_MIN_BYTES:
                         raise DownloadStalled(received, now - since)

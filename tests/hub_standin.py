@@ -78,6 +78,7 @@ class HubStandIn:
         self.cut = False
         self.closed = threading.Event()  # ends the trickles, whose handler threads would otherwise run on
         self.requests: list[tuple[str, str]] = []  # (method, path)
+        self.ranges: list[tuple[str, str]] = []  # (path, Range header) of each request that named a range
         self._etags: dict[Path, str] = {}
         handler = self._handler_class()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -151,6 +152,8 @@ class HubStandIn:
 
             def _serve(self, with_body: bool) -> None:
                 hub.requests.append((self.command, self.path))
+                if self.headers.get("Range"):
+                    hub.ranges.append((self.path, self.headers["Range"]))
                 route = self.path.split("?", 1)[0]
                 for pattern, serve in ((XET_TOKEN_ROUTE, self._xet_token), (RECONSTRUCTION_ROUTE, self._reconstruction),
                                        (XORB_ROUTE, self._xorb)):

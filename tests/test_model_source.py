@@ -242,6 +242,38 @@ def test_fetch_tensors_tells_each_shard_it_fetches_and_its_bytes(tmp_path, model
     assert told == [[shard, i, len(shards), size, size] for i, (shard, size) in enumerate(zip(shards, sizes), 1)]
 
 
+def test_a_download_resumed_after_a_break_tells_the_whole_files_bytes(tmp_path, model_dir, hub_env, monkeypatch):
+    """The link breaks off half way; huggingface_hub asks for the rest from the last chunk it wrote (a Range
+    request, answered 206 with a Content-Length of what is left): the progress told stays of the whole file."""
+    from huggingface_hub import constants
+
+    chunk = 1024  # the bytes huggingface_hub writes at a time, and so resumes from (10 MB unless set)
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", chunk)
+    shard = "model-00001-of-00002.safetensors"
+    size = (model_dir / shard).stat().st_size
+    told: list[tuple[int, int | None]] = []
+    with HubStandIn({REPO: model_dir}, hold={shard}) as hub:
+        hub_env(hub)
+        hub.cut = True
+
+        def break_off() -> None:
+            if hub.holding.wait(30):
+                time.sleep(0.2)  # the half sent is read, and told
+                hub.release.set()
+
+        breaker = threading.Thread(target=break_off)
+        breaker.start()
+        ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(
+            ["model.embed_tokens.weight"], lambda file, number, files: lambda done, whole: told.append((done, whole)))
+        breaker.join()
+    ranges = [range_ for path, range_ in hub.ranges if path.endswith(shard)]
+    assert len(ranges) == 1 and ranges[0] == f"bytes={size // 2 // chunk * chunk}-", ranges
+    assert told[-1] == (size, size) and {whole for _, whole in told} == {size}
+    dones = [done for done, _ in told]
+    assert any(0 < done <= size // 2 for done in dones)  # the half before the break
+    assert all(later >= earlier - chunk for earlier, later in zip(dones, dones[1:]))  # not from 0 again
+
+
 @pytest.mark.parametrize("layout, says", [
     ("bin only", "has neither model.safetensors nor model.safetensors.index.json: tc loads safetensors"),
     ("shard missing", "has no model-00001-of-00002.safetensors, which its model.safetensors.index.json names"),
