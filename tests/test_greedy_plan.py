@@ -79,7 +79,7 @@ def test_greedy_generation_with_the_plan_makes_the_same_tokens(model_dir, monkey
     calls = counted(monkeypatch)
     planned = [generator.generate(prompt, params).token_ids for prompt in ([5, 9, 14], [200, 3, 77, 41, 8])]
     assert calls[0] == 2 * 24  # every token of both chosen by the plan
-    monkeypatch.setattr(GreedyPlan, "takes", staticmethod(lambda lm_head: False))
+    monkeypatch.setattr(GreedyPlan, "takes", staticmethod(lambda norm, lm_head: False))
     generator.head._greedy_plan = None
     plain = [generator.generate(prompt, params).token_ids for prompt in ([5, 9, 14], [200, 3, 77, 41, 8])]
     assert calls[0] == 2 * 24 and planned == plain
@@ -114,6 +114,35 @@ def test_a_plan_serves_only_the_lm_head_it_was_made_for(model_dir):
 
 
 @needs_native
+def test_a_weight_replaced_or_moved_makes_a_new_plan(model_dir):
+    head = load_local_generator(model_dir, "bf16", quant="int8").head
+    hidden = hidden_rows(2, 4)
+    assert head.greedy_tokens(hidden) == full_tokens(head, hidden)
+    first = head._greedy_plan
+    head.norm.weight = torch.nn.Parameter(head.norm.weight.detach().flip(0).clone(), requires_grad=False)
+    assert head.greedy_tokens(hidden) == full_tokens(head, hidden) and head._greedy_plan is not first
+    second = head._greedy_plan
+    head.lm_head.scale.data = head.lm_head.scale.clone() * 2  # the same tensor object, its memory elsewhere
+    assert head.greedy_tokens(hidden) == full_tokens(head, hidden) and head._greedy_plan is not second
+
+
+@needs_native
+def test_a_plan_made_in_inference_mode_serves_outside_it(model_dir):
+    head = load_local_generator(model_dir, "bf16", quant="int8").head
+    with torch.inference_mode():
+        first = head.greedy_tokens(hidden_rows(1, 5))
+    assert first == full_tokens(head, hidden_rows(1, 5))
+    assert head.greedy_tokens(hidden_rows(1, 6)) == full_tokens(head, hidden_rows(1, 6))
+
+
+@needs_native
+def test_no_plan_where_the_norm_gives_float32_rows(model_dir):
+    head = load_local_generator(model_dir, "bf16", quant="int8").head
+    head.norm.weight = torch.nn.Parameter(head.norm.weight.detach().float(), requires_grad=False)
+    assert head.greedy_tokens(hidden_rows(1, 0)) is None and head._greedy_plan is None
+
+
+@needs_native
 def test_no_plan_where_the_logits_need_more_than_the_lm_head(model_dir):
     head = load_local_generator(model_dir, "bf16", quant="int8").head
     head.final_softcap = 0.2  # its rounding may tie logits the product keeps apart: the logits decide
@@ -136,6 +165,6 @@ def test_demo_greedy_tokens_through_the_plan_are_the_modules(demo_model_dir, mon
     prompts = [generator.tokenizer.encode(text) for text in ("def quicksort(arr):", "The capital of France is")]
     planned = [generator.generate(prompt, params).token_ids for prompt in prompts]
     assert calls[0] == 2 * 32
-    monkeypatch.setattr(GreedyPlan, "takes", staticmethod(lambda lm_head: False))
+    monkeypatch.setattr(GreedyPlan, "takes", staticmethod(lambda norm, lm_head: False))
     generator.head._greedy_plan = None
     assert [generator.generate(prompt, params).token_ids for prompt in prompts] == planned

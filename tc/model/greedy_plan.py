@@ -27,25 +27,32 @@ MAX_ROWS = 8  # rows of a step a plan takes (a batch of greedy sequences, a draf
 class GreedyPlan:
     """Each row's greedy token for final hidden states [1, rows, hidden] (bf16, rows <= MAX_ROWS)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, hidden_size: int, vocab_size: int):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
         self.norm, self.lm_head = norm, lm_head
-        self._weights = (norm.weight, lm_head.qweight)
-        self._x = torch.empty(MAX_ROWS, hidden_size, dtype=torch.bfloat16)
-        self._normed = torch.empty(MAX_ROWS, hidden_size, dtype=torch.bfloat16)
-        self._logits = torch.empty(MAX_ROWS, vocab_size, dtype=torch.float32)
+        self._addresses = _addresses(norm, lm_head)
+        with torch.inference_mode(False):  # buffers written in place by any later step, in inference mode or not
+            self._x = torch.empty(MAX_ROWS, lm_head.in_features, dtype=torch.bfloat16)
+            self._normed = torch.empty(MAX_ROWS, lm_head.in_features, dtype=torch.bfloat16)
+            self._logits = torch.empty(MAX_ROWS, lm_head.out_features, dtype=torch.float32)
         self._logits_np = self._logits.numpy()
         self._calls: dict[int, list[native.Call]] = {}  # by rows: calls on the buffers' first rows
 
     @staticmethod
-    def takes(lm_head: nn.Module) -> bool:
-        """Whether an lm_head's widened product is its native int8 kernel's, which a plan calls by itself."""
-        return callable(getattr(lm_head, "widened_call", None)) and lm_head.widened_call(
-            torch.empty(1, lm_head.in_features, dtype=torch.bfloat16), torch.empty(1, lm_head.out_features)) is not None
+    def takes(norm: nn.Module, lm_head: nn.Module) -> bool:
+        """Whether a plan takes this norm and lm_head: the lm_head's widened product is its native int8 kernel's,
+        which a plan calls by itself, and the norm gives bf16 rows for bf16 rows (that kernel's input, as in
+        HeadModel.logits: a norm of float32 weights would give float32, which the lm_head takes otherwise)."""
+        if not callable(getattr(lm_head, "widened_call", None)) or getattr(norm, "weight", None) is None:
+            return False
+        with torch.inference_mode():
+            row = torch.zeros(1, lm_head.in_features, dtype=torch.bfloat16)
+            return (norm(row).dtype == torch.bfloat16
+                    and lm_head.widened_call(row, torch.empty(1, lm_head.out_features)) is not None)
 
     def current(self, norm: nn.Module, lm_head: nn.Module) -> bool:
-        """Whether it was made for these modules, holding these weights."""
-        return (norm is self.norm and lm_head is self.lm_head
-                and self._weights == (norm.weight, getattr(lm_head, "qweight", None)))
+        """Whether it was made for these modules, holding their weights where they were then (a weight replaced
+        or moved leaves the plan's calls pointing at memory the modules no longer use)."""
+        return norm is self.norm and lm_head is self.lm_head and _addresses(norm, lm_head) == self._addresses
 
     def tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """The tokens, or None where the plan does not take these rows (too many, not bf16)."""
@@ -69,6 +76,11 @@ class GreedyPlan:
         if product is None:  # takes() said otherwise when the plan was made
             raise RuntimeError("the lm_head's product is no longer its native kernel's")
         return [norm_call or (_forward_into, (self.norm, x, normed), None), product]
+
+
+def _addresses(norm: nn.Module, lm_head: nn.Module) -> tuple[int, ...]:
+    """Where the weights a plan's calls read are."""
+    return (norm.weight.data_ptr(), lm_head.qweight.data_ptr(), lm_head.scale.data_ptr())
 
 
 def _forward_into(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:

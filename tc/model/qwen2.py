@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -739,8 +740,9 @@ class HeadModel(nn.Module):
         self.logits_scaling = config.logits_scaling  # Granite divides its logits by it
         self.greedy_screen: GreedyScreen | None = None  # screen_greedy's, for the lm_head it was made for
         self._greedy_plan: GreedyPlan | None = None  # an int8 lm_head's (greedy_tokens)
-        self._greedy_plan_declined: tuple[nn.Module, ...] = ()  # the lm_head no plan takes (not asked again), in a
-        # tuple: a module set as an attribute would become a submodule
+        # the lm_head no plan takes (not asked again), weakly: a module set as an attribute would become a
+        # submodule, and a replaced one is not kept
+        self._greedy_plan_declined: weakref.ref | None = None
 
     @classmethod
     def load(cls, config: ModelConfig, index: WeightIndex, dtype: torch.dtype,
@@ -850,12 +852,12 @@ class HeadModel(nn.Module):
     def _make_greedy_plan(self) -> GreedyPlan | None:
         """A greedy plan for this norm and lm_head where one takes them; asked once for each lm_head."""
         self._greedy_plan = None
-        if self._greedy_plan_declined and self._greedy_plan_declined[0] is self.lm_head:
+        if self._greedy_plan_declined is not None and self._greedy_plan_declined() is self.lm_head:
             return None
-        if GreedyPlan.takes(self.lm_head):
-            self._greedy_plan = GreedyPlan(self.norm, self.lm_head, self.config.hidden_size, self.config.vocab_size)
+        if GreedyPlan.takes(self.norm, self.lm_head):
+            self._greedy_plan = GreedyPlan(self.norm, self.lm_head)
         else:
-            self._greedy_plan_declined = (self.lm_head,)
+            self._greedy_plan_declined = weakref.ref(self.lm_head)
         return self._greedy_plan
 
     @torch.inference_mode()
