@@ -66,6 +66,23 @@ def test_a_tensor_stored_under_both_names_is_refused_naming_both(model_dir, tmp_
         WeightIndex.open(tmp_path / "twice")
 
 
+def test_an_untied_lm_head_is_the_top_levels_call_as_in_transformers(model_dir, tmp_path):
+    untied = tmp_path / "untied"
+    tensors = renamed_copy(model_dir, untied, lambda n: n)
+    tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"] * -0.5
+    save_file(tensors, untied / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((untied / "config.json").read_text())
+    config["tie_word_embeddings"] = False  # text_config's copy stays true, as transformers saves it
+    assert config["text_config"]["tie_word_embeddings"] is True
+    (untied / "config.json").write_text(json.dumps(config))
+    assert not ModelConfig.from_file(untied / "config.json").tie_word_embeddings
+    with torch.inference_mode():
+        reference = hf_family_model(untied)(torch.tensor([PROMPT])).logits[0]
+    ours = OurModel(untied, splits=[2]).full_logits(PROMPT)
+    assert (ours - reference).abs().max().item() < 1e-4
+    assert (ours - OurModel(model_dir, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
+
+
 def test_causal_lm_names():
     assert causal_lm_name("language_model.model.layers.7.mlp.up_proj.weight") == "model.layers.7.mlp.up_proj.weight"
     assert causal_lm_name("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
@@ -117,6 +134,14 @@ def test_keys_a_text_config_leaves_out_take_gemma3_text_configs_defaults():
     assert (ours.rope.type, ours.rope.param("factor"), ours.rope.theta) == ("linear", 8.0, 1_000_000.0)
     assert (ours.local_rope.type, ours.local_rope.theta) == ("default", 10_000.0)
     assert ModelConfig.from_dict(ours.to_dict()) == ours  # the wire copy is config.json as read
+
+
+def test_a_final_softcap_the_two_transformers_disagree_on_is_refused():
+    data = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"final_logit_softcapping": 30.0}}
+    with pytest.raises(ConfigError, match="final_logit_softcapping = 30.0, which transformers 4 applies"):
+        ModelConfig.from_dict(data)
+    data["text_config"]["final_logit_softcapping"] = None
+    assert ModelConfig.from_dict(data).final_softcap is None
 
 
 def test_a_text_config_that_is_not_gemma3_text_is_refused():

@@ -117,8 +117,10 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
 def parse_gemma3_image_text(data: dict[str, Any]) -> ModelConfig:
     """Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration: 4B, 12B, 27B) as the causal LM inside
     them, on text alone: `text_config` (Gemma3TextConfig's defaults where it leaves keys out, as transformers
-    fills them), with the top level's keys where it has none of its own (eos_token_id, tie_word_embeddings). The
-    vision tower's tensors are never read (weights.causal_lm_name)."""
+    fills them), with the top level's keys where it has none of its own (eos_token_id). Whether the lm_head is the
+    embedding is the top level's `tie_word_embeddings` (true where left out), as transformers 5 ties this class
+    (text_config's copy of the flag is saved true whatever the top level says). The vision tower's tensors are
+    never read (weights.causal_lm_name)."""
     text = data.get("text_config")
     text = {} if text is None else text  # none: Gemma3Config's default text model
     if not isinstance(text, dict):
@@ -126,6 +128,11 @@ def parse_gemma3_image_text(data: dict[str, Any]) -> ModelConfig:
     if text.get("model_type", "gemma3_text") != "gemma3_text":
         raise ConfigError(f"config.json's text_config sets model_type = {text.get('model_type')!r}; a "
                           "Gemma3ForConditionalGeneration's language model is a gemma3_text")
+    if text.get("final_logit_softcapping") is not None:  # transformers 4's inner causal LM caps, 5's class never
+        raise ConfigError(f"config.json's text_config sets final_logit_softcapping = "
+                          f"{text['final_logit_softcapping']!r}, which transformers 4 applies to this model's logits "
+                          "and transformers 5 does not, so tc computes neither")
     outer = {k: v for k, v in data.items() if k not in IMAGE_TEXT_KEYS}
-    config = parse_gemma3({**outer, **text, "model_type": "gemma3_text"})
+    tied = {"tie_word_embeddings": data.get("tie_word_embeddings", True)}
+    config = parse_gemma3({**outer, **text, "model_type": "gemma3_text", **tied})
     return dataclasses.replace(config, source=copy.deepcopy(data))  # what crosses the wire: config.json as read
