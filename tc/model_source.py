@@ -285,7 +285,7 @@ def _body_span(headers) -> tuple[int | None, int]:
     """The whole file's size (None where the answer gives none) and where a response's body starts in it. A
     download resumed after a break (from the bytes the cache kept) is answered 206 with a Content-Length of what is
     left and a Content-Range of the whole ("bytes 1000-4999/5000"): the progress told is of the whole file."""
-    whole = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", headers.get("Content-Range", "").strip())
+    whole = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", headers.get("Content-Range", "").strip(), re.IGNORECASE)
     if whole:
         return int(whole[2]), int(whole[1])
     length = headers.get("Content-Length", "")
