@@ -264,6 +264,23 @@ def profiled_split(setup: Setup, steps: int) -> tuple[dict[str, float], dict[str
     return ({c: ms[c] / steps for c in CATEGORIES}, {c: ops[c] // steps for c in CATEGORIES}, wall_ms)
 
 
+def swept_median_ms(fns, n: int) -> list[float]:
+    """Each of `fns`' median time (ms) over n turns, each call after a sweep of the caches (probe.cache_sweeper), as
+    a decode step finds them after its weights: taken in turn, A, B, A, B, ..."""
+    from tc.model.probe import cache_sweeper
+
+    sweep, times = cache_sweeper(), [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(n):
+        for fn, taken in zip(fns, times):
+            sweep()
+            started = time.perf_counter()
+            fn()
+            taken.append(time.perf_counter() - started)
+    return [statistics.median(taken) * 1e3 for taken in times]
+
+
 def head_budget(setup: Setup, n: int) -> dict[str, float]:
     from tc.sampling import SamplingParams, choose, new_rng
 
@@ -278,6 +295,9 @@ def head_budget(setup: Setup, n: int) -> dict[str, float]:
                  "lm_head": median_ms(lambda: head.lm_head(normed).float(), n),
                  "greedy": median_ms(lambda: choose(logits, greedy, None, rng), n),
                  "top-p": median_ms(lambda: choose(logits, top_p, None, rng), n)}
+        if hasattr(head, "greedy_tokens"):  # a greedy step as the generator takes it, on caches a step has swept
+            times["swept full"], times["swept quick"] = swept_median_ms(
+                [lambda: choose(head.logits(h)[0, -1], greedy, None, rng), lambda: head.greedy_tokens(h)], n)
         lm = head.lm_head
         can_pack = getattr(setup.dense, "can_pack", lambda: True)  # a revision from before it: it assumed so
         if setup.dense is not None and isinstance(lm, torch.nn.Linear) and lm.weight.dtype == torch.bfloat16 \
@@ -380,12 +400,14 @@ def main() -> None:
             gbs = nbytes / ms / 1e6
             print(f"{mode:5s} {name[:10]:10s} {cls:12s} {out_f:>5d}x{in_f:<6d} {count:5d} {ms:8.3f} {gbs:5.1f} "
                   f"{gbs / stream:8.0%}")
-    parts = ("norm", "lm_head", "greedy", "top-p", "blocked")
-    print(f"\n{'mode':5s} {'tree':10s} head ms: " + " ".join(f"{k:>8s}" for k in parts))
+    parts = ("norm", "lm_head", "greedy", "top-p", "blocked", "swept full", "swept quick")
+    print(f"\n{'mode':5s} {'tree':10s} head ms: " + " ".join(f"{k:>11s}" for k in parts))
     for (mode, name), h in heads.items():
-        print(f"{mode:5s} {name[:10]:10s} {'':9s}" + " ".join(f"{h[k]:8.2f}" if k in h else f"{'-':>8s}"
+        print(f"{mode:5s} {name[:10]:10s} {'':9s}" + " ".join(f"{h[k]:11.2f}" if k in h else f"{'-':>11s}"
                                                             for k in parts))
-    print("head: lm_head as the head process holds it; blocked: the same matrix in oneDNN's blocked layout")
+    print("head: lm_head as the head process holds it; blocked: the same matrix in oneDNN's blocked layout; "
+          "swept: a greedy step after a sweep of the caches, through the logits and sampling (full) and as the "
+          "generator takes it (quick: HeadModel.greedy_tokens, the bf16 lm_head's screen or the int8 one's plan)")
 
 
 if __name__ == "__main__":
