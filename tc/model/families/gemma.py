@@ -104,7 +104,7 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
                              GEMMA3_LOCAL_THETA).theta
     rope, local = values["rope"], Rope(local_theta)
     if per_type:  # 5.x: one rope per layer type, each taking the 4.x base where it names none
-        context = {"max_position_embeddings": data.get("max_position_embeddings")}
+        context = {"max_position_embeddings": values["max_position_embeddings"]}  # Gemma3TextConfig's where left out
         rope = parse_rope({"rope_parameters": params["full_attention"], **context}, default_theta=rope.theta)
         local = parse_rope({"rope_parameters": params.get("sliding_attention"), **context}, default_theta=local_theta)
     values["rope"] = rope
