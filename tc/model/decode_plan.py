@@ -244,7 +244,4 @@ class DecodePlan:
             ctypes.memmove(sin_rows + i * row, sin_table + position * row, row)
 
     def _step(self) -> None:
-        for function, args, failure in self._calls:
-            status = function(*args)
-            if failure is not None and status:
-                raise MemoryError(failure)
+        native.run_calls(self._calls)

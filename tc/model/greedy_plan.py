@@ -63,15 +63,12 @@ class GreedyPlan:
         if calls is None:
             calls = self._calls[rows] = self._make_calls(rows)
         self._x[:rows].copy_(hidden[0])
-        for function, args, failure in calls:
-            status = function(*args)
-            if failure is not None and status:
-                raise MemoryError(failure)
+        native.run_calls(calls)
         return self._logits_np[:rows].argmax(axis=1).tolist()
 
     def _make_calls(self, rows: int) -> list[native.Call]:
         x, normed, logits = self._x[:rows], self._normed[:rows], self._logits[:rows]
-        norm_call = getattr(self.norm, "forward_call", lambda x, y: None)(x, normed)
+        norm_call = self.norm.native_call(x, normed, planned=False)  # where forward takes the kernel
         product = self.lm_head.widened_call(normed, logits)
         if product is None:  # takes() said otherwise when the plan was made
             raise RuntimeError("the lm_head's product is no longer its native kernel's")

@@ -114,10 +114,19 @@ _SLAB_BYTES = 1 << 20  # weight bytes re-laid out at a time
 
 _VOID_P, _INT = ctypes.c_void_p, ctypes.c_int
 
-# One native call of a decode plan (decode_plan.py): the function, its arguments, and what went wrong where it
-# returns nonzero (None: its result says nothing). Made once for buffers that stay, then called step after step.
+# One native call of a plan (decode_plan.py, greedy_plan.py): the function, its arguments, and what went wrong
+# where it returns nonzero (None: its result says nothing). Made once for buffers that stay, then called step
+# after step (run_calls).
 Call = tuple[Callable[..., object], tuple, "str | None"]
 Compiler = tuple[str, ...]  # the C compiler's command: its program, then any words $CC gave it ("ccache gcc")
+
+
+def run_calls(calls: list[Call]) -> None:
+    """Make `calls` in order. Raises MemoryError with a call's message where it returns nonzero."""
+    for function, args, failure in calls:
+        status = function(*args)
+        if failure is not None and status:
+            raise MemoryError(failure)
 
 
 def shape_ok_int4(out_features: int, padded_in: int, group_size: int) -> bool:

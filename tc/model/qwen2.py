@@ -227,16 +227,11 @@ class RMSNorm(nn.Module):
         # compute dtype
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
-    def native_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
-        """The native call that writes this norm of x into y, for a decode plan; None where the native norm does
-        not take x."""
-        kernels = None if self.fp32_scaled else self._kernels(x, planned=True)
-        return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
-
-    def forward_call(self, x: torch.Tensor, y: torch.Tensor) -> native.Call | None:
-        """The native call that writes forward(x) into y where forward takes the native norm for x (the head's
-        greedy plan: the bits of HeadModel.logits); None elsewhere."""
-        kernels = None if self.fp32_scaled else self._kernels(x)
+    def native_call(self, x: torch.Tensor, y: torch.Tensor, planned: bool = True) -> native.Call | None:
+        """The native call that writes this norm of x into y; None where the native norm does not take x. `planned`
+        as _kernels takes it: a decode plan's, wherever the kernel agrees; False: only where forward itself takes
+        it (the head's greedy plan, which must give the bits of HeadModel.logits)."""
+        kernels = None if self.fp32_scaled else self._kernels(x, planned=planned)
         return None if kernels is None else kernels.rms_norm_call(x, self.weight, self.eps, y)
 
     def _kernels(self, x: torch.Tensor, planned: bool = False) -> native.Kernels | None:
