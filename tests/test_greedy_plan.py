@@ -100,30 +100,26 @@ def test_a_step_that_needs_more_than_the_argmax_reads_every_logit(model_dir, mon
 
 
 @needs_native
-def test_a_plan_serves_only_the_lm_head_it_was_made_for(model_dir):
+def test_a_plan_serves_only_the_modules_and_weights_it_was_made_for(model_dir):
     head = load_local_generator(model_dir, "bf16", quant="int8").head
     hidden = hidden_rows(2, 3)
-    assert head.greedy_tokens(hidden) == full_tokens(head, hidden)
-    first = head._greedy_plan
+    plans = []
+
+    def step_makes_a_new_plan():
+        assert head.greedy_tokens(hidden) == full_tokens(head, hidden)
+        assert head._greedy_plan not in plans and head._greedy_plan.current(head.norm, head.lm_head)
+        plans.append(head._greedy_plan)
+
+    step_makes_a_new_plan()
     replaced = load_local_generator(model_dir, "bf16", quant="fp16").head.lm_head
     replaced.weight = torch.nn.Parameter(replaced.weight.flip(0), requires_grad=False)  # other logits, other tokens
     head.lm_head = replaced
     quantize_linears(head, "int8")
-    assert head.greedy_tokens(hidden) == full_tokens(head, hidden)
-    assert head._greedy_plan is not first and head._greedy_plan.current(head.norm, head.lm_head)
-
-
-@needs_native
-def test_a_weight_replaced_or_moved_makes_a_new_plan(model_dir):
-    head = load_local_generator(model_dir, "bf16", quant="int8").head
-    hidden = hidden_rows(2, 4)
-    assert head.greedy_tokens(hidden) == full_tokens(head, hidden)
-    first = head._greedy_plan
+    step_makes_a_new_plan()
     head.norm.weight = torch.nn.Parameter(head.norm.weight.detach().flip(0).clone(), requires_grad=False)
-    assert head.greedy_tokens(hidden) == full_tokens(head, hidden) and head._greedy_plan is not first
-    second = head._greedy_plan
+    step_makes_a_new_plan()
     head.lm_head.scale.data = head.lm_head.scale.clone() * 2  # the same tensor object, its memory elsewhere
-    assert head.greedy_tokens(hidden) == full_tokens(head, hidden) and head._greedy_plan is not second
+    step_makes_a_new_plan()
 
 
 @needs_native
