@@ -24,6 +24,7 @@ LONG_FACTORS = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]
 # Phi-4-mini's kind: three quarters of each head rotate (12 of 16 here, 96 of 128 there), tied embeddings
 PHI4_MINI_ROPE = {"rope_type": "longrope", "short_factor": SHORT_FACTORS[:6], "long_factor": LONG_FACTORS[:6],
                   "factor": 4.0, "rope_theta": 10000.0}
+VISION_TOKENS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name: (transformers config class, model class, config arguments beyond SHAPES)
@@ -68,6 +69,20 @@ FAMILIES = {
                                vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
                                                   intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                                                   image_size=28, patch_size=14))),
+    # Qwen's image-text kinds: Qwen2's or Qwen3's language model under MRoPE (the second interleaved), beside a
+    # vision tower tc never reads; a text_config dict holds the language model's arguments beyond SHAPES
+    "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(text_config=dict(rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                          "rope_theta": 1e6}),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                           out_hidden_size=SHAPES["hidden_size"], fullatt_block_indexes=[0]),
+                        **VISION_TOKENS)),
+    "qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(text_config=dict(head_dim=32, rope_parameters={"rope_type": "default", "mrope_section": [6, 5, 5],
+                                                                     "mrope_interleaved": True, "rope_theta": 5e5}),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                         out_hidden_size=SHAPES["hidden_size"], deepstack_visual_indexes=[0]),
+                      **VISION_TOKENS)),
     # NoPE layers (0) on either side of a split after layer 2; SmolLM3-3B's own files slide nowhere
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1, 0], rope_theta=10000.0)),
     # with a window, SmolLM3Config slides the NoPE layers
@@ -100,9 +115,11 @@ def hf_classes(name: str):
 def write_family_model(path: Path, name: str, seed: int = 0, **changes) -> Path:
     """Write the tiny model `name` of FAMILIES to `path` (fp32 safetensors) and return the directory."""
     config_cls, model_cls, extra = hf_classes(name)
-    if "text_config" in extra:  # an image-text model: its language model is the entry text_config names
+    if isinstance(extra.get("text_config"), str):  # an image-text model whose language model is that entry's
         text_cls, _, text_extra = hf_classes(extra["text_config"])
         config = config_cls(**{**extra, "text_config": text_cls(**{**SHAPES, **text_extra, **changes}).to_dict()})
+    elif "text_config" in extra:  # an image-text model with its language model's arguments
+        config = config_cls(**{**extra, "text_config": {**SHAPES, **extra["text_config"], **changes}})
     else:
         config = config_cls(**{**SHAPES, **extra, **changes})
     torch.manual_seed(seed)
@@ -126,6 +143,9 @@ def write_family_model(path: Path, name: str, seed: int = 0, **changes) -> Path:
 
 
 def hf_family_model(path: Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the directory, by the class its config.json names (no Auto class takes them all)."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+    (architecture,) = json.loads((Path(path) / "config.json").read_text())["architectures"]
+    model_cls = getattr(transformers, architecture)
+    return model_cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
-from . import gemma, granite, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3, smollm3
+from . import gemma, granite, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3, qwen_vl, smollm3
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", ("LlamaForCausalLM",), llama.parse),
     Family("mistral", ("MistralForCausalLM",), mistral.parse),
     Family("qwen3", ("Qwen3ForCausalLM",), qwen3.parse),
+    # the language model of Qwen's image-text checkpoints
+    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), qwen_vl.parse_qwen2_vl),
+    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), qwen_vl.parse_qwen2_5_vl),
+    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), qwen_vl.parse_qwen3_vl),
     Family("phi3", ("Phi3ForCausalLM",), phi3.parse),
     Family("gemma", ("GemmaForCausalLM",), gemma.parse_gemma),
     Family("gemma2", ("Gemma2ForCausalLM",), gemma.parse_gemma2),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, common_fields, flag
+from ..rope import DEFAULT_ROPE_THETA
 
 
 def refuse_sliding_window(data: dict[str, Any], family: str) -> None:
@@ -14,6 +15,7 @@ def refuse_sliding_window(data: dict[str, Any], family: str) -> None:
                           "context)")
 
 
-def parse(data: dict[str, Any]) -> ModelConfig:
+def parse(data: dict[str, Any], default_theta: float = DEFAULT_ROPE_THETA) -> ModelConfig:
+    """`default_theta`: the rotary base where config.json gives none (Qwen2-VL's language model takes its own)."""
     refuse_sliding_window(data, "qwen2")
-    return ModelConfig(**common_fields(data, "qwen2"), qkv_bias=True)
+    return ModelConfig(**common_fields(data, "qwen2", default_theta=default_theta), qkv_bias=True)
