@@ -1,7 +1,9 @@
-"""Image-text checkpoints (Gemma 3's 4B-27B: Gemma3ForConditionalGeneration) run as the causal LM inside them, on
-text: their language model's tensors are read under a causal LM's names, whichever of the names such checkpoints
-carry, and the vision tower's are never read. Parity with transformers, batching, quantization and head + 2
-workers run in test_families.py (the "gemma3-image-text" family); here what is particular to the wrapper."""
+"""Image-text checkpoints (Gemma 3's 4B-27B: Gemma3ForConditionalGeneration; Mistral Small 3.1 / 3.2:
+Mistral3ForConditionalGeneration) run as the causal LM inside them, on text: their language model's tensors are
+read under a causal LM's names, whichever of the names such checkpoints carry, and the vision tower's are never
+read. Parity with transformers, batching, quantization and head + 2 workers run in test_families.py (the
+"gemma3-image-text" and "mistral3-image-text" families); here what is particular to the wrappers (Qwen's:
+test_qwen_vl_models.py)."""
 from __future__ import annotations
 
 import json
@@ -150,3 +152,48 @@ def test_a_text_config_that_is_not_gemma3_text_is_refused():
         ModelConfig.from_dict(data)
     with pytest.raises(ConfigError, match="text_config = 7"):
         ModelConfig.from_dict({**data, "text_config": 7})
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tmp_path_factory):
+    return write_family_model(tmp_path_factory.mktemp("mistral3"), "mistral3-image-text", seed=4)
+
+
+def test_mistral3_as_published_keeps_its_own_lm_head_as_both_transformers_do(mistral3_dir, tmp_path):
+    published = tmp_path / "published"
+    shutil.copytree(mistral3_dir, published)
+    config = json.loads((mistral3_dir / "config.json").read_text())
+    del config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"]  # as the published files leave them
+    (published / "config.json").write_text(json.dumps(config))
+    assert "language_model.lm_head.weight" in load_file(published / "model.safetensors")
+    ours = ModelConfig.from_file(published / "config.json")
+    assert (ours.model_type, ours.tie_word_embeddings, ours.sliding_windows) == ("mistral", False, (5,) * 4)
+    with torch.inference_mode():
+        reference = hf_family_model(published)(torch.tensor([PROMPT])).logits[0]  # top level true, lm_head kept
+    assert (OurModel(published, splits=[2]).full_logits(PROMPT) - reference).abs().max().item() < 1e-4
+
+
+def test_mistral3_ties_where_text_config_says_so(mistral3_dir, tmp_path):
+    tied = tmp_path / "tied"
+    tensors = renamed_copy(mistral3_dir, tied, lambda n: n)
+    del tensors["language_model.lm_head.weight"]
+    save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tied / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    config["text_config"]["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_file(tied / "config.json").tie_word_embeddings
+    with torch.inference_mode():
+        reference = hf_family_model(tied)(torch.tensor([PROMPT])).logits[0]
+    ours = OurModel(tied, splits=[2]).full_logits(PROMPT)
+    assert (ours - reference).abs().max().item() < 1e-4
+    assert (ours - OurModel(mistral3_dir, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
+
+
+def test_a_mistral3_whose_language_model_is_not_a_mistral_is_refused():
+    data = {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "ministral3"}}
+    with pytest.raises(ConfigError, match="text_config sets model_type = 'ministral3'; this checkpoint's language "
+                                          "model is a mistral"):
+        ModelConfig.from_dict(data)
+    with pytest.raises(ConfigError, match="no text_config"):
+        ModelConfig.from_dict({"architectures": ["Mistral3ForConditionalGeneration"]})

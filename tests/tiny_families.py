@@ -69,6 +69,12 @@ FAMILIES = {
                                vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
                                                   intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                                                   image_size=28, patch_size=14))),
+    # Mistral Small 3.1 / 3.2's kind: the Mistral language model beside a Pixtral tower tc never reads, untied
+    "mistral3-image-text": ("Mistral3Config", "Mistral3ForConditionalGeneration",
+                            dict(text_config="mistral-window", tie_word_embeddings=False, image_token_index=300,
+                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
+                                                    num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                                    image_size=28, patch_size=14))),
     # Qwen's image-text kinds: Qwen2's or Qwen3's language model under MRoPE (the second interleaved), beside a
     # vision tower tc never reads; a text_config dict holds the language model's arguments beyond SHAPES
     "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",

@@ -30,6 +30,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", ("Qwen2ForCausalLM",), qwen2.parse),
     Family("llama", ("LlamaForCausalLM",), llama.parse),
     Family("mistral", ("MistralForCausalLM",), mistral.parse),
+    Family("mistral3", ("Mistral3ForConditionalGeneration",), mistral.parse_mistral3),  # its language model
     Family("qwen3", ("Qwen3ForCausalLM",), qwen3.parse),
     # the language model of Qwen's image-text checkpoints
     Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), qwen_vl.parse_qwen2_vl),

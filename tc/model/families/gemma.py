@@ -6,12 +6,12 @@ as the Gemma 3 language model inside them, on text."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig, common_fields, flag, layer_windows, require
 from ..rope import Rope, parse_rope
+from .image_text import as_read, language_model_settings
 
 # What transformers' Gemma2Config and Gemma3TextConfig take for a key config.json leaves out, where it is not what
 # every family takes (common_fields): a file that leaves them out (written by hand, or by a tool that writes only
@@ -26,8 +26,6 @@ GEMMA3_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.def
 GEMMA3_DEFAULTS = {**GEMMA_DEFAULTS, "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
                    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6}
-# config.json keys of an image-text model that are not its language model's
-IMAGE_TEXT_KEYS = ("architectures", "model_type", "text_config", "vision_config")
 
 
 def _refuse_bidirectional(data: dict[str, Any]) -> None:
@@ -121,18 +119,11 @@ def parse_gemma3_image_text(data: dict[str, Any]) -> ModelConfig:
     embedding is the top level's `tie_word_embeddings` (true where left out), as transformers 5 ties this class
     (text_config's copy of the flag is saved true whatever the top level says). The vision tower's tensors are
     never read (weights.causal_lm_name)."""
-    text = data.get("text_config")
-    text = {} if text is None else text  # none: Gemma3Config's default text model
-    if not isinstance(text, dict):
-        raise ConfigError(f"config.json sets text_config = {text!r}; expected the language model's settings")
-    if text.get("model_type", "gemma3_text") != "gemma3_text":
-        raise ConfigError(f"config.json's text_config sets model_type = {text.get('model_type')!r}; a "
-                          "Gemma3ForConditionalGeneration's language model is a gemma3_text")
-    if text.get("final_logit_softcapping") is not None:  # transformers 4's inner causal LM caps, 5's class never
-        raise ConfigError(f"config.json's text_config sets final_logit_softcapping = "
-                          f"{text['final_logit_softcapping']!r}, which transformers 4 applies to this model's logits "
-                          "and transformers 5 does not, so tc computes neither")
-    outer = {k: v for k, v in data.items() if k not in IMAGE_TEXT_KEYS}
+    settings = language_model_settings(data, "gemma3_text", default_text={})  # none: Gemma3Config's default
+    cap = (data.get("text_config") or {}).get("final_logit_softcapping")
+    if cap is not None:  # transformers 4's inner causal LM caps, 5's class never
+        raise ConfigError(f"config.json's text_config sets final_logit_softcapping = {cap!r}, which transformers 4 "
+                          "applies to this model's logits and transformers 5 does not, so tc computes neither")
     tied = {"tie_word_embeddings": data.get("tie_word_embeddings", True)}
-    config = parse_gemma3({**outer, **text, "model_type": "gemma3_text", **tied})
-    return dataclasses.replace(config, source=copy.deepcopy(data))  # what crosses the wire: config.json as read
+    config = parse_gemma3({**settings, "model_type": "gemma3_text", **tied})
+    return as_read(config, data)

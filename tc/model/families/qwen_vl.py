@@ -14,14 +14,12 @@ the flag there); Qwen3-VL where the top level says so.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any, Callable
 
-from ..config import ConfigError, ModelConfig, flag
+from ..config import ModelConfig, flag
 from ..rope import ROPE_LAYOUTS
 from . import qwen2, qwen3
-from .gemma import IMAGE_TEXT_KEYS
+from .image_text import as_read, language_model_settings
 # what an MRoPE adds to a rotary setting: which frequencies read which of a token's three (equal, on text) positions
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
@@ -38,21 +36,8 @@ def _plain_rope(rope: Any) -> Any:
 
 
 def _language_model(data: dict[str, Any], text_type: str, flat: bool) -> dict[str, Any]:
-    """The language model's settings: text_config's, or (`flat`: Qwen2(.5)-VL's published form) the top level's
-    where there is none, with the top level's keys where text_config has none of its own (eos_token_id), and the
-    rotary settings as plain RoPE."""
-    text = data.get("text_config")
-    if text is None and not flat:
-        raise ConfigError(f"config.json has no text_config; the language model of a {data.get('architectures')} "
-                          "checkpoint is described there")
-    outer = {key: value for key, value in data.items() if key not in IMAGE_TEXT_KEYS}
-    text = outer if text is None else text
-    if not isinstance(text, dict):
-        raise ConfigError(f"config.json sets text_config = {text!r}; expected the language model's settings")
-    if text.get("model_type", text_type) != text_type:
-        raise ConfigError(f"config.json's text_config sets model_type = {text.get('model_type')!r}; this "
-                          f"checkpoint's language model is a {text_type}")
-    settings = {**outer, **text}
+    """The language model's settings (image_text.language_model_settings), its rotary settings as plain RoPE."""
+    settings = language_model_settings(data, text_type, flat=flat)
     for key in ROPE_LAYOUTS:
         if key in settings:
             settings[key] = _plain_rope(settings[key])
@@ -62,8 +47,7 @@ def _language_model(data: dict[str, Any], text_type: str, flat: bool) -> dict[st
 def _image_text(data: dict[str, Any], text_type: str, parse: Callable[..., ModelConfig], default_theta: float,
                 tied: bool, flat: bool) -> ModelConfig:
     settings = _language_model(data, text_type, flat)
-    config = parse({**settings, "tie_word_embeddings": tied}, default_theta=default_theta)
-    return dataclasses.replace(config, source=copy.deepcopy(data))  # what crosses the wire: config.json as read
+    return as_read(parse({**settings, "tie_word_embeddings": tied}, default_theta=default_theta), data)
 
 
 def parse_qwen2_vl(data: dict[str, Any], text_type: str = "qwen2_vl_text") -> ModelConfig:
