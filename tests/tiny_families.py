@@ -98,6 +98,14 @@ FAMILIES = {
                 dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.22, logits_scaling=3.0,
                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True)),
+    # EXAONE 4.0 32B's kind: sliding layers that rotate, a full NoPE layer after every three (Exaone4Config's rule),
+    # on either side of a split after layer 2
+    "exaone4-hybrid": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=5, sliding_window_pattern=2,
+                                                                    head_dim=32)),
+    # EXAONE 4.0 1.2B's kind: no window, every layer rotating, llama3 rope, tied
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
+                dict(sliding_window=None, layer_types=["full_attention"] * 4, tie_word_embeddings=True,
+                     rope_parameters=LLAMA3_ROPE)),
     # sliding and global layers on either side of a split after layer 2, each type with a rotary base of its own
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
               dict(attention_bias=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
