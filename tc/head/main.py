@@ -24,8 +24,8 @@ from ..model import quant
 from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer, check_vocab
-from ..model.weights import (WeightIndex, expected_shapes, head_tensor_names, is_quantized, layer_prefix,
-                             layer_shapes)
+from ..model.weights import (WeightIndex, expected_shapes, head_names_to_fetch, head_tensor_names, is_quantized,
+                             layer_prefix, layer_shapes)
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
 from ..batch_memory import BatchPlan, plan_batch, stage_need
@@ -339,10 +339,11 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
         loading.begin("fetching_tensors", f"fetching {file} ({number} of {files}) from the Hub", unit="bytes")
         return loading.advance
 
-    model_dir = source.fetch_tensors(names, fetching)
+    fetched = head_names_to_fetch(config)
+    model_dir = source.fetch_tensors(fetched, fetching)
     loading.begin("fetching_tokenizer", "fetching the tokenizer's files")
     source.fetch_tokenizer()
-    index = WeightIndex.open(model_dir, only=names)
+    index = WeightIndex.open(model_dir, only=fetched)
     index.validate(config, only=names)
     dtype = resolve_compute_dtype(topology.dtype, "cpu")
     head_mode = quant.head_weight_mode(topology.quant)

@@ -45,7 +45,7 @@ from .kv_cache import KVCache
 from .probe import cache_sweeper, race
 from .rope import Rotary, rotate_
 from .quant import Quantization
-from .weights import WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources
+from .weights import LM_HEAD, WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources, own_lm_head
 
 log = logging.getLogger(__name__)
 
@@ -756,12 +756,20 @@ class HeadModel(nn.Module):
         blocked one. Steps that need every logit then take the native or plain product."""
         with torch.device("meta"):
             head = cls(config)
-        tensors = {n: t.to(device) for n, t in index.load(head_tensor_names(config), dtype=dtype).items()}
+        names = head_tensor_names(config)
+        own = own_lm_head(config, index)
+        tensors = {n: t.to(device) for n, t in index.load(names + [LM_HEAD] if own else names, dtype=dtype).items()}
+        if own and torch.equal(tensors[LM_HEAD], tensors["model.embed_tokens.weight"]):
+            del tensors[LM_HEAD]  # the embedding's values: tied, one tensor
+        elif own:
+            log.warning("config.json ties the lm_head to the embedding (tie_word_embeddings), but the checkpoint holds "
+                        "an lm_head of its own with other values: the head uses it, as transformers 5 does (setting "
+                        "tie_word_embeddings to false in config.json says so)")
         head.embed_tokens.weight = nn.Parameter(tensors["model.embed_tokens.weight"], requires_grad=False)
         head.norm.weight = nn.Parameter(tensors["model.norm.weight"], requires_grad=False)
-        lm = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
+        lm = tensors.get(LM_HEAD, tensors["model.embed_tokens.weight"])  # tied: one tensor, two uses
         head.lm_head.weight = nn.Parameter(lm, requires_grad=False)
-        if "lm_head.weight" in tensors:
+        if LM_HEAD in tensors:
             pack_linears(head, force=pack, allowed=("plain", "native") if pack is None and _may_screen(lm) else
                          PRODUCTS)
         elif pack is None:

@@ -176,8 +176,29 @@ def head_tensor_names(config: ModelConfig) -> list[str]:
     """The tensors the head owns: the embedding, the final norm, and lm_head unless tied."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
+        names.append(LM_HEAD)
     return names
+
+
+def head_names_to_fetch(config: ModelConfig) -> list[str]:
+    """head_tensor_names, and a tied model's lm_head where its checkpoint holds one (see own_lm_head)."""
+    names = head_tensor_names(config)
+    return names + [LM_HEAD] if config.tie_word_embeddings else names
+
+
+def own_lm_head(config: ModelConfig, index: "WeightIndex") -> bool:
+    """Whether the checkpoint of a model config.json ties holds an lm_head of its own. transformers 5 ties the two
+    only where the checkpoint holds one of them or both alike, and keeps a different lm_head (HeadModel.load does
+    the same). Raises WeightsError for one of another shape than the embedding's."""
+    if not config.tie_word_embeddings or LM_HEAD not in index.tensors:
+        return False
+    shape, expected = index.tensors[LM_HEAD].shape, (config.vocab_size, config.hidden_size)
+    if shape != expected:
+        raise WeightsError(f"tensor {LM_HEAD} has shape {list(shape)}, config.json implies {list(expected)}")
+    return True
+
+
+LM_HEAD = "lm_head.weight"
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
