@@ -159,7 +159,7 @@ def mistral3_dir(tmp_path_factory):
     return write_family_model(tmp_path_factory.mktemp("mistral3"), "mistral3-image-text", seed=4)
 
 
-def test_mistral3_as_published_keeps_its_own_lm_head_as_both_transformers_do(mistral3_dir, tmp_path):
+def test_mistral3_as_published_keeps_its_own_lm_head_as_transformers_5_does(mistral3_dir, tmp_path):
     published = tmp_path / "published"
     shutil.copytree(mistral3_dir, published)
     config = json.loads((mistral3_dir / "config.json").read_text())
@@ -167,20 +167,24 @@ def test_mistral3_as_published_keeps_its_own_lm_head_as_both_transformers_do(mis
     (published / "config.json").write_text(json.dumps(config))
     assert "language_model.lm_head.weight" in load_file(published / "model.safetensors")
     ours = ModelConfig.from_file(published / "config.json")
-    assert (ours.model_type, ours.tie_word_embeddings, ours.sliding_windows) == ("mistral", False, (5,) * 4)
+    # tied by Mistral3Config's default, but the checkpoint's lm_head differs from the embedding: it is used
+    assert (ours.model_type, ours.tie_word_embeddings, ours.sliding_windows) == ("mistral", True, (5,) * 4)
     with torch.inference_mode():
-        reference = hf_family_model(published)(torch.tensor([PROMPT])).logits[0]  # top level true, lm_head kept
-    assert (OurModel(published, splits=[2]).full_logits(PROMPT) - reference).abs().max().item() < 1e-4
+        reference = hf_family_model(published)(torch.tensor([PROMPT])).logits[0]
+    logits = OurModel(published, splits=[2]).full_logits(PROMPT)
+    assert (logits - reference).abs().max().item() < 1e-4
+    assert torch.equal(logits, OurModel(mistral3_dir, splits=[2]).full_logits(PROMPT))
 
 
-def test_mistral3_ties_where_text_config_says_so(mistral3_dir, tmp_path):
+def test_mistral3_saved_tied_by_transformers_5_runs_tied(mistral3_dir, tmp_path):
+    # Mistral3ForConditionalGeneration's own save of a tied model: the top level true, text_config's copy false, and
+    # no lm_head
     tied = tmp_path / "tied"
     tensors = renamed_copy(mistral3_dir, tied, lambda n: n)
     del tensors["language_model.lm_head.weight"]
     save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tied / "config.json").read_text())
-    del config["tie_word_embeddings"]
-    config["text_config"]["tie_word_embeddings"] = True
+    config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = True, False
     (tied / "config.json").write_text(json.dumps(config))
     assert ModelConfig.from_file(tied / "config.json").tie_word_embeddings
     with torch.inference_mode():

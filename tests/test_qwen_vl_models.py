@@ -1,8 +1,9 @@
 """Qwen's image-text checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) run as the language model inside them, on text:
 their MRoPE is plain RoPE there, the settings are read where transformers 5 reads them (the top level of the
 published Qwen2(.5)-VL files, text_config since), and each class ties its lm_head as transformers does. Parity,
-batching, quantization, decode plans and head + 2 workers run in test_families.py ("qwen2.5-vl", "qwen3-vl");
-here what is particular to these wrappers, each against transformers' own model of the same files."""
+batching, quantization and head + 2 workers run in test_families.py ("qwen2.5-vl", "qwen3-vl");
+here what is particular to these wrappers, each against transformers' own model of the same files (decode plans:
+test_decode_plan.py)."""
 from __future__ import annotations
 
 import json
@@ -87,7 +88,7 @@ def test_qwen2_5_vl_ties_where_text_config_says_so_as_older_saves_did(tmp_path):
     assert_runs_as_transformers(tmp_path / "inside")
 
 
-def test_qwen3_vl_ties_where_the_top_level_says_so(tmp_path):
+def test_qwen3_vl_ties_where_the_top_level_says_so_unless_the_checkpoint_holds_another_lm_head(tmp_path):
     untied = write_family_model(tmp_path / "untied", "qwen3-vl", seed=3)
 
     def top_level_tied(config):
@@ -100,10 +101,31 @@ def test_qwen3_vl_ties_where_the_top_level_says_so(tmp_path):
     save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
     assert ModelConfig.from_file(tied / "config.json").tie_word_embeddings
     logits = assert_runs_as_transformers(tied)
-    assert (logits - OurModel(untied, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
+    untied_logits = OurModel(untied, splits=[2]).full_logits(PROMPT)
+    assert (logits - untied_logits).abs().max().item() > 1e-2
+    # tied by the flag, but with the untied checkpoint's own lm_head, different from the embedding: it is used
+    edit_config(untied, tmp_path / "flag-only", top_level_tied)
+    assert torch.equal(assert_runs_as_transformers(tmp_path / "flag-only"), untied_logits)
     inside = json.loads((untied / "config.json").read_text())
     inside["text_config"]["tie_word_embeddings"] = True  # transformers 5 reads only the top level for Qwen3-VL
     assert not ModelConfig.from_dict(inside).tie_word_embeddings
+
+
+def test_keys_left_out_take_the_text_config_classes_defaults():
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    text = {k: v for k, v in SHAPES.items() if k != "num_key_value_heads"}
+    text.update(num_attention_heads=32, hidden_size=256, rms_norm_eps=1e-6)  # heads for 8 or 32 KV heads
+    for architecture, config_class, extra in [("Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLConfig, {}),
+                                              ("Qwen3VLForConditionalGeneration", Qwen3VLConfig, {"head_dim": 16})]:
+        # the top level's base and shapes are not the language model's once there is a text_config
+        data = {"architectures": [architecture], "text_config": {**text, **extra}, "rope_theta": 10000.0,
+                "num_key_value_heads": 1}
+        ours, theirs = ModelConfig.from_dict(data), config_class(text_config={**text, **extra}).text_config
+        assert ours.num_key_value_heads == theirs.num_key_value_heads and ours.rope.theta == \
+            theirs.rope_parameters["rope_theta"], architecture
+    flat = {"architectures": ["Qwen2VLForConditionalGeneration"], **text}  # the published form, no base named
+    assert (ModelConfig.from_dict(flat).num_key_value_heads, ModelConfig.from_dict(flat).rope.theta) == (8, 1e6)
 
 
 def test_qwen2_vl_runs_as_transformers(tmp_path):
@@ -123,12 +145,10 @@ def test_qwen2_vl_runs_as_transformers(tmp_path):
 
 
 def test_what_tc_would_not_compute_as_transformers_does_is_refused():
-    with pytest.raises(ConfigError, match="no text_config; the language model of a"):
+    with pytest.raises(ConfigError, match="no text_config; the language model of a Qwen3VLForConditionalGeneration "
+                                          "checkpoint is described there"):
         ModelConfig.from_dict({"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl"})
     text = {**SHAPES, "rms_norm_eps": 1e-6, "model_type": "qwen2_vl_text"}
-    with pytest.raises(ConfigError, match="text_config sets model_type = 'qwen2_vl_text'; this checkpoint's language "
-                                          "model is a qwen2_5_vl_text"):
-        ModelConfig.from_dict({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "text_config": text})
     with pytest.raises(ConfigError, match="text_config = 7"):
         ModelConfig.from_dict({"architectures": ["Qwen2VLForConditionalGeneration"], "text_config": 7})
     sliding = {**text, "use_sliding_window": True}

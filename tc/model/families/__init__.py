@@ -34,7 +34,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", ("Qwen3ForCausalLM",), qwen3.parse),
     # the language model of Qwen's image-text checkpoints
     Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), qwen_vl.parse_qwen2_vl),
-    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), qwen_vl.parse_qwen2_5_vl),
+    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), qwen_vl.parse_qwen2_vl),
     Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), qwen_vl.parse_qwen3_vl),
     Family("phi3", ("Phi3ForCausalLM",), phi3.parse),
     Family("gemma", ("GemmaForCausalLM",), gemma.parse_gemma),

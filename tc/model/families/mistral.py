@@ -8,8 +8,12 @@ from ..config import ModelConfig, common_fields, flag, require
 from .image_text import as_read, language_model_settings
 
 
+# MistralConfig's where config.json leaves it out (not one KV head per query head)
+MISTRAL_DEFAULTS = {"num_key_value_heads": 8}
+
+
 def parse(data: dict[str, Any]) -> ModelConfig:
-    values = common_fields(data, "mistral")
+    values = common_fields(data, "mistral", defaults=MISTRAL_DEFAULTS)
     # left out, it is transformers' MistralConfig default (4096, Mistral 7B v0.1's); null turns it off (v0.3)
     window = data.get("sliding_window", 4096)
     window = None if window is None else require({"sliding_window": window}, "sliding_window")
@@ -17,11 +21,10 @@ def parse(data: dict[str, Any]) -> ModelConfig:
 
 
 def parse_mistral3(data: dict[str, Any]) -> ModelConfig:
-    """Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): `text_config` as a Mistral's, tied where it
-    says so (untied where it says nothing, MistralConfig's default). That is where transformers 4 reads the flag;
-    transformers 5 reads the top level's (true where left out, as the published files leave it) but keeps the
-    checkpoint's own lm_head where it holds one, and every published checkpoint does: the two agree there. A
-    checkpoint with no lm_head of its own and no flag in text_config is refused for the missing tensor."""
+    """Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): `text_config` as a Mistral's, tied where the top
+    level says so (true where left out, Mistral3Config's), as transformers 5 ties this class. The published files
+    leave it out and hold an lm_head of their own, which the head then uses, as transformers 5 does
+    (weights.own_lm_head)."""
     settings = language_model_settings(data, "mistral")
-    tied = flag(data["text_config"], "tie_word_embeddings")
+    tied = flag(data, "tie_word_embeddings", True)
     return as_read(parse({**settings, "model_type": "mistral", "tie_word_embeddings": tied}), data)

@@ -10,7 +10,8 @@ never read (weights.causal_lm_name reads the language model's under a causal LM'
 Where the settings are, as transformers 5 reads them: Qwen2-VL and Qwen2.5-VL are published with the language
 model's keys at config.json's top level, and saved since with a `text_config`; Qwen3-VL always has a text_config.
 Qwen2(.5)-VL ties its lm_head to the embedding where the top level says so or text_config does (older saves kept
-the flag there); Qwen3-VL where the top level says so.
+the flag there); Qwen3-VL where the top level says so; either keeps an lm_head of the checkpoint's own that differs
+from the embedding (weights.own_lm_head), as transformers 5 does.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from ..config import ModelConfig, flag
 from ..rope import ROPE_LAYOUTS
 from . import qwen2, qwen3
 from .image_text import as_read, language_model_settings
+
+# the text config classes' rotary base and KV heads where config.json leaves them out (Qwen2VLTextConfig's, as
+# Qwen2_5_VLTextConfig's; Qwen3VLTextConfig's), where not what tc's Qwen2 and Qwen3 families take
+QWEN2_VL_THETA, QWEN2_VL_DEFAULTS = 1_000_000.0, {"num_key_value_heads": 8}
+QWEN3_VL_THETA, QWEN3_VL_DEFAULTS = 500_000.0, {"num_key_value_heads": 32}
 # what an MRoPE adds to a rotary setting: which frequencies read which of a token's three (equal, on text) positions
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
@@ -35,36 +41,32 @@ def _plain_rope(rope: Any) -> Any:
     return rope
 
 
-def _language_model(data: dict[str, Any], text_type: str, flat: bool) -> dict[str, Any]:
-    """The language model's settings (image_text.language_model_settings), its rotary settings as plain RoPE."""
-    settings = language_model_settings(data, text_type, flat=flat)
+def _language_model(data: dict[str, Any], flat: bool, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings (image_text.language_model_settings: transformers builds the family's text
+    config class whatever text_config's model_type says), its rotary settings as plain RoPE."""
+    settings = language_model_settings(data, None, flat=flat, defaults=defaults)
     for key in ROPE_LAYOUTS:
         if key in settings:
             settings[key] = _plain_rope(settings[key])
     return settings
 
 
-def _image_text(data: dict[str, Any], text_type: str, parse: Callable[..., ModelConfig], default_theta: float,
-                tied: bool, flat: bool) -> ModelConfig:
-    settings = _language_model(data, text_type, flat)
+def _image_text(data: dict[str, Any], parse: Callable[..., ModelConfig], default_theta: float,
+                defaults: dict[str, Any], tied: bool, flat: bool) -> ModelConfig:
+    settings = _language_model(data, flat, defaults)
     return as_read(parse({**settings, "tie_word_embeddings": tied}, default_theta=default_theta), data)
 
 
-def parse_qwen2_vl(data: dict[str, Any], text_type: str = "qwen2_vl_text") -> ModelConfig:
-    """Qwen2-VL's language model (Qwen2VLForConditionalGeneration): Qwen2's layer, a rotary base of 1e6 where
-    config.json gives none (Qwen2VLTextConfig's)."""
+def parse_qwen2_vl(data: dict[str, Any]) -> ModelConfig:
+    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration: one text model): Qwen2's layer, with their text config's defaults."""
     text = data.get("text_config")
     tied = flag(data, "tie_word_embeddings") or (isinstance(text, dict) and flag(text, "tie_word_embeddings"))
-    return _image_text(data, text_type, qwen2.parse, 1_000_000.0, tied, flat=True)
-
-
-def parse_qwen2_5_vl(data: dict[str, Any]) -> ModelConfig:
-    """Qwen2.5-VL's language model (Qwen2_5_VLForConditionalGeneration): Qwen2-VL's, under its own type name."""
-    return parse_qwen2_vl(data, "qwen2_5_vl_text")
+    return _image_text(data, qwen2.parse, QWEN2_VL_THETA, QWEN2_VL_DEFAULTS, tied, flat=True)
 
 
 def parse_qwen3_vl(data: dict[str, Any]) -> ModelConfig:
-    """Qwen3-VL's language model (Qwen3VLForConditionalGeneration): Qwen3's layer, a rotary base of 5e5 where
-    config.json gives none (Qwen3VLTextConfig's)."""
-    return _image_text(data, "qwen3_vl_text", qwen3.parse, 500_000.0, flag(data, "tie_word_embeddings"),
+    """Qwen3-VL's language model (Qwen3VLForConditionalGeneration): Qwen3's layer, with Qwen3VLTextConfig's
+    defaults."""
+    return _image_text(data, qwen3.parse, QWEN3_VL_THETA, QWEN3_VL_DEFAULTS, flag(data, "tie_word_embeddings"),
                        flat=False)
