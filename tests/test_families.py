@@ -347,7 +347,7 @@ def test_quantized_weights_and_experts_follow_fp32(family_dirs, name, quant):
     ours = generator.head.logits(generator.pipeline.prefill(generator.head.embed(torch.tensor([PROMPT])),
                                                             len(PROMPT)))[0]
     ref = OurModel(model_dir).full_logits(PROMPT)
-    # OLMo 2's and EXAONE 4's norms after each sublayer (and none before) bring every sublayer's output, and its
+    # OLMo 2's, OLMo 3's and EXAONE 4's norms after each sublayer (and none before) bring every sublayer's output, and its
     # weights' rounding, to the residual stream's size, where a pre-norm layer adds a little to it: transformers' own
     # tiny OLMo 2, its layers' weights quantized to int4 and back, moves by 0.39 of the largest logit, as tc's does
     # (its int4 Llama's, by 0.07; EXAONE 4's, by 0.24-0.31)
@@ -613,6 +613,18 @@ def test_a_sliding_window_config_json_leaves_out_is_the_one_transformers_takes(a
     assert ours.sliding_windows == (windows if any(windows) else ())  # (): no layer slides (Mixtral's default)
     off = ModelConfig.from_dict({"architectures": [architecture], **data, "sliding_window": None})
     assert off.sliding_windows == ()
+
+
+@pytest.mark.parametrize("architecture, config_class", [
+    ("MistralForCausalLM", "MistralConfig"), ("Exaone4ForCausalLM", "Exaone4Config")])
+def test_kv_heads_config_json_leaves_out_are_the_ones_transformers_takes(architecture, config_class):
+    """MistralConfig's 8 and Exaone4Config's 32, not one per query head."""
+    import transformers
+
+    data = {"hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 64,
+            "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    theirs = getattr(transformers, config_class)(**data).num_key_value_heads
+    assert ModelConfig.from_dict({"architectures": [architecture], **data}).num_key_value_heads == theirs < 64
 
 
 def test_a_qwen3_config_json_without_head_dim_has_the_heads_of_128_transformers_gives_it(tmp_path):

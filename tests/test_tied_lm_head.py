@@ -3,6 +3,7 @@ two only where they are alike, and keeps an lm_head of other values as the model
 (weights.own_lm_head, HeadModel.load), in one process and in a cluster, whose head fetches that lm_head too."""
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -11,11 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster import Cluster, write_topology
+from hub_standin import HubStandIn
 from model_helpers import OurModel, hf_logits
 from tc.generation import Generator
 from tc.model.config import ModelConfig
 from tc.model.tokenizer import TextTokenizer
-from tc.model.weights import WeightsError
+from tc.model.qwen2 import HeadModel
+from tc.model.weights import WeightIndex, WeightsError, head_names_to_fetch, head_tensor_names, own_lm_head
+from tc.model_source import ModelSource
 from tc.sampling import SamplingParams
 from tiny_families import hf_family_model, write_family_model
 
@@ -88,3 +92,34 @@ def test_a_clusters_head_uses_the_checkpoints_own_lm_head(tied_dir, tmp_path):
         assert status == 200, body
         assert body["choices"][0]["text"] == local.text
         assert "an lm_head of its own with other values" in cluster.head.output()
+
+
+def test_the_head_fetches_a_tied_models_own_lm_head_from_a_shard_of_its_own(tied_dir, tmp_path, monkeypatch):
+    own = tmp_path / "own"
+    with_lm_head(tied_dir, own, lambda embedding: embedding.flip(1) * 0.5)
+    tensors = load_file(own / "model.safetensors")
+    shards = {"head.safetensors": {n: t for n, t in tensors.items() if not n.startswith("model.layers.")
+                                   and n != "lm_head.weight"},
+              "lm_head.safetensors": {"lm_head.weight": tensors["lm_head.weight"]},
+              "layers.safetensors": {n: t for n, t in tensors.items() if n.startswith("model.layers.")}}
+    (own / "model.safetensors").unlink()
+    for file, part in shards.items():
+        save_file(part, own / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (own / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = ModelConfig.from_file(own / "config.json")
+    assert "lm_head.weight" not in head_tensor_names(config)
+
+    from huggingface_hub import constants
+
+    with HubStandIn({"acme/tied-own-head": own}) as hub:  # as the head fetches and opens its tensors
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        names = head_names_to_fetch(config)
+        fetched = ModelSource("acme/tied-own-head", is_local=False, cache_dir=tmp_path / "cache").fetch_tensors(names)
+    assert {p.name for p in fetched.glob("*.safetensors")} == {"head.safetensors", "lm_head.safetensors"}
+    index = WeightIndex.open(fetched, only=names)
+    assert own_lm_head(config, index)
+    head = HeadModel.load(config, index, torch.float32)
+    assert torch.equal(head.lm_head.weight, tensors["lm_head.weight"])

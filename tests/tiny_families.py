@@ -98,8 +98,8 @@ FAMILIES = {
                 dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.22, logits_scaling=3.0,
                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True)),
-    # EXAONE 4.0 32B's kind: sliding layers that rotate, a full NoPE layer after every three (Exaone4Config's rule),
-    # on either side of a split after layer 2
+    # EXAONE 4.0 32B's kind: sliding layers that rotate and full NoPE ones (every second here, by Exaone4Config's
+    # rule; every fourth there), on either side of a split after layer 2
     "exaone4-hybrid": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=5, sliding_window_pattern=2,
                                                                     head_dim=32)),
     # EXAONE 4.0 1.2B's kind: no window, every layer rotating, llama3 rope, tied

@@ -24,8 +24,8 @@ from ..model import quant
 from ..model.config import ModelConfig
 from ..model.qwen2 import HeadModel, resolve_compute_dtype
 from ..model.tokenizer import TextTokenizer, check_vocab
-from ..model.weights import (WeightIndex, expected_shapes, head_names_to_fetch, head_tensor_names, is_quantized,
-                             layer_prefix, layer_shapes)
+from ..model.weights import (LM_HEAD, WeightIndex, expected_shapes, head_names_to_fetch, head_tensor_names,
+                             is_quantized, layer_prefix, layer_shapes, own_lm_head)
 from ..model_source import ModelSource
 from ..openmp import on_own_thread
 from ..batch_memory import BatchPlan, plan_batch, stage_need
@@ -116,7 +116,9 @@ def load_config_and_plan(topology: Topology) -> tuple[ModelSource, ModelConfig, 
     config_dir = source.config_dir()
     config = with_context(ModelConfig.from_file(config_dir / "config.json"), topology.context_length)
     if topology.model_is_local:  # headers are on this disk: check them before promising a plan
-        WeightIndex.open(config_dir).validate(config)
+        index = WeightIndex.open(config_dir)
+        index.validate(config)
+        own_lm_head(config, index)  # a tied model's own lm_head, where it holds one: its shape
     return source, config, build_plan(topology, config)
 
 
@@ -345,6 +347,8 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
     source.fetch_tokenizer()
     index = WeightIndex.open(model_dir, only=fetched)
     index.validate(config, only=names)
+    if own_lm_head(config, index):  # read too, and used where its values are not the embedding's (HeadModel.load)
+        names = names + [LM_HEAD]
     dtype = resolve_compute_dtype(topology.dtype, "cpu")
     head_mode = quant.head_weight_mode(topology.quant)
 

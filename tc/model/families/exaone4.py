@@ -9,6 +9,7 @@ from typing import Any
 from ..config import ConfigError, ModelConfig, common_fields, layer_windows, require
 
 EXAONE4_WINDOW, EXAONE4_PATTERN = 4096, 4  # Exaone4Config's sliding_window and sliding_window_pattern defaults
+EXAONE4_DEFAULTS = {"num_key_value_heads": 32}  # Exaone4Config's where left out (not one KV head per query head)
 
 
 def _layer_types(data: dict[str, Any], layers: int, window: int | None) -> list[str]:
@@ -26,7 +27,7 @@ def _layer_types(data: dict[str, Any], layers: int, window: int | None) -> list[
 
 
 def parse(data: dict[str, Any]) -> ModelConfig:
-    values = common_fields(data, "exaone4")
+    values = common_fields(data, "exaone4", defaults=EXAONE4_DEFAULTS)
     layers = values["num_hidden_layers"]
     window = data.get("sliding_window", EXAONE4_WINDOW)
     if window is not None:

@@ -115,10 +115,10 @@ def parse_gemma3(data: dict[str, Any]) -> ModelConfig:
 def parse_gemma3_image_text(data: dict[str, Any]) -> ModelConfig:
     """Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration: 4B, 12B, 27B) as the causal LM inside
     them, on text alone: `text_config` (Gemma3TextConfig's defaults where it leaves keys out, as transformers
-    fills them), with the top level's keys where it has none of its own (eos_token_id). Whether the lm_head is the
-    embedding is the top level's `tie_word_embeddings` (true where left out), as transformers 5 ties this class
-    (text_config's copy of the flag is saved true whatever the top level says). The vision tower's tensors are
-    never read (weights.causal_lm_name)."""
+    fills them), with the top level's token ids where it has none of its own (image_text.py). Whether the lm_head
+    is the embedding is the top level's `tie_word_embeddings` (true where left out), as transformers 5 ties this
+    class (text_config's copy of the flag is saved true whatever the top level says). The vision tower's tensors
+    are never read (weights.causal_lm_name)."""
     settings = language_model_settings(data, "gemma3_text", default_text={})  # none: Gemma3Config's default
     cap = (data.get("text_config") or {}).get("final_logit_softcapping")
     if cap is not None:  # transformers 4's inner causal LM caps, 5's class never
