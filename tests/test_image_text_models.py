@@ -11,14 +11,14 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.model.config import ConfigError, ModelConfig
 from tc.model.weights import WeightIndex, WeightsError, causal_lm_name, layer_tensor_names
 from tc.model_source import ModelSource
-from tiny_families import hf_family_model, write_family_model
+from tiny_families import edited_copy, hf_family_model, write_family_model
 
 PROMPT = [5, 77, 200, 13, 42, 9, 250, 31]
 
@@ -30,10 +30,17 @@ def model_dir(tmp_path_factory):
 
 def renamed_copy(model_dir, path, rename) -> dict[str, torch.Tensor]:
     """A copy of `model_dir` whose tensors are stored under rename(name); returns them as stored."""
-    shutil.copytree(model_dir, path)
-    tensors = {rename(name): tensor for name, tensor in load_file(model_dir / "model.safetensors").items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return tensors
+    edited_copy(model_dir, path, tensors=lambda tensors: {rename(name): t for name, t in tensors.items()})
+    return load_file(path / "model.safetensors")
+
+
+def logits_as_transformers(model_dir) -> torch.Tensor:
+    """tc's logits of the directory (two stages), checked against transformers'."""
+    with torch.inference_mode():
+        reference = hf_family_model(model_dir)(torch.tensor([PROMPT])).logits[0]
+    ours = OurModel(model_dir, splits=[2]).full_logits(PROMPT)
+    assert (ours - reference).abs().max().item() < 1e-4
+    return ours
 
 
 def test_the_language_model_is_read_and_the_vision_tower_is_not(model_dir):
@@ -60,28 +67,27 @@ def test_a_copy_stored_under_the_in_memory_names_runs_the_same(model_dir, tmp_pa
 
 
 def test_a_tensor_stored_under_both_names_is_refused_naming_both(model_dir, tmp_path):
-    tensors = renamed_copy(model_dir, tmp_path / "twice", lambda n: n)
-    tensors["model.language_model.norm.weight"] = tensors["language_model.model.norm.weight"].clone()
-    save_file(tensors, tmp_path / "twice" / "model.safetensors", metadata={"format": "pt"})
+    def twice(tensors):
+        tensors["model.language_model.norm.weight"] = tensors["language_model.model.norm.weight"].clone()
+        return tensors
+    edited_copy(model_dir, tmp_path / "twice", tensors=twice)
     with pytest.raises(WeightsError, match="language_model.model.norm.weight and model.language_model.norm.weight "
                                            "are both the language model's model.norm.weight"):
         WeightIndex.open(tmp_path / "twice")
 
 
 def test_an_untied_lm_head_is_the_top_levels_call_as_in_transformers(model_dir, tmp_path):
-    untied = tmp_path / "untied"
-    tensors = renamed_copy(model_dir, untied, lambda n: n)
-    tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"] * -0.5
-    save_file(tensors, untied / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((untied / "config.json").read_text())
-    config["tie_word_embeddings"] = False  # text_config's copy stays true, as transformers saves it
-    assert config["text_config"]["tie_word_embeddings"] is True
-    (untied / "config.json").write_text(json.dumps(config))
+    def own_lm_head(tensors):
+        tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"] * -0.5
+        return tensors
+
+    def untie(config):
+        config["tie_word_embeddings"] = False  # text_config's copy stays true, as transformers saves it
+        assert config["text_config"]["tie_word_embeddings"] is True
+        return config
+    untied = edited_copy(model_dir, tmp_path / "untied", tensors=own_lm_head, config=untie)
     assert not ModelConfig.from_file(untied / "config.json").tie_word_embeddings
-    with torch.inference_mode():
-        reference = hf_family_model(untied)(torch.tensor([PROMPT])).logits[0]
-    ours = OurModel(untied, splits=[2]).full_logits(PROMPT)
-    assert (ours - reference).abs().max().item() < 1e-4
+    ours = logits_as_transformers(untied)
     assert (ours - OurModel(model_dir, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
 
 
@@ -160,37 +166,31 @@ def mistral3_dir(tmp_path_factory):
 
 
 def test_mistral3_as_published_keeps_its_own_lm_head_as_transformers_5_does(mistral3_dir, tmp_path):
-    published = tmp_path / "published"
-    shutil.copytree(mistral3_dir, published)
-    config = json.loads((mistral3_dir / "config.json").read_text())
-    del config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"]  # as the published files leave them
-    (published / "config.json").write_text(json.dumps(config))
+    def as_published(config):
+        del config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"]  # the published files lack them
+        return config
+    published = edited_copy(mistral3_dir, tmp_path / "published", config=as_published)
     assert "language_model.lm_head.weight" in load_file(published / "model.safetensors")
     ours = ModelConfig.from_file(published / "config.json")
     # tied by Mistral3Config's default, but the checkpoint's lm_head differs from the embedding: it is used
     assert (ours.model_type, ours.tie_word_embeddings, ours.sliding_windows) == ("mistral", True, (5,) * 4)
-    with torch.inference_mode():
-        reference = hf_family_model(published)(torch.tensor([PROMPT])).logits[0]
-    logits = OurModel(published, splits=[2]).full_logits(PROMPT)
-    assert (logits - reference).abs().max().item() < 1e-4
+    logits = logits_as_transformers(published)
     assert torch.equal(logits, OurModel(mistral3_dir, splits=[2]).full_logits(PROMPT))
 
 
 def test_mistral3_saved_tied_by_transformers_5_runs_tied(mistral3_dir, tmp_path):
     # Mistral3ForConditionalGeneration's own save of a tied model: the top level true, text_config's copy false, and
     # no lm_head
-    tied = tmp_path / "tied"
-    tensors = renamed_copy(mistral3_dir, tied, lambda n: n)
-    del tensors["language_model.lm_head.weight"]
-    save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tied / "config.json").read_text())
-    config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = True, False
-    (tied / "config.json").write_text(json.dumps(config))
+    def no_lm_head(tensors):
+        del tensors["language_model.lm_head.weight"]
+        return tensors
+
+    def tied_at_the_top(config):
+        config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = True, False
+        return config
+    tied = edited_copy(mistral3_dir, tmp_path / "tied", tensors=no_lm_head, config=tied_at_the_top)
     assert ModelConfig.from_file(tied / "config.json").tie_word_embeddings
-    with torch.inference_mode():
-        reference = hf_family_model(tied)(torch.tensor([PROMPT])).logits[0]
-    ours = OurModel(tied, splits=[2]).full_logits(PROMPT)
-    assert (ours - reference).abs().max().item() < 1e-4
+    ours = logits_as_transformers(tied)
     assert (ours - OurModel(mistral3_dir, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
 
 

@@ -7,15 +7,14 @@ test_decode_plan.py)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from model_helpers import OurModel
 from tc.model.config import ConfigError, ModelConfig
-from tiny_families import SHAPES, hf_family_model, write_family_model
+from tiny_families import SHAPES, edited_copy, hf_family_model, write_family_model
 
 PROMPT = [5, 77, 200, 13, 42, 9, 250, 31, 120, 64, 3]
 
@@ -35,13 +34,6 @@ def assert_runs_as_transformers(model_dir) -> torch.Tensor:
     return logits
 
 
-def edit_config(model_dir, path, edit) -> None:
-    """A copy of `model_dir` at `path` whose config.json is edit(config)."""
-    shutil.copytree(model_dir, path)
-    config = json.loads((model_dir / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(edit(config)))
-
-
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory):
     return write_family_model(tmp_path_factory.mktemp("qwen2.5-vl"), "qwen2.5-vl", seed=3)
@@ -57,8 +49,8 @@ def flattened(config: dict, rope: dict) -> dict:
 def test_the_published_flat_form_runs_as_transformers_reads_it(qwen25_dir, tmp_path):
     stored = load_file(qwen25_dir / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.bias" in stored and any(n.startswith("visual.") for n in stored)
-    flat = tmp_path / "flat"
-    edit_config(qwen25_dir, flat, lambda c: flattened(c, {"type": "mrope", "mrope_section": [2, 3, 3]}))
+    flat = edited_copy(qwen25_dir, tmp_path / "flat",
+                       config=lambda c: flattened(c, {"type": "mrope", "mrope_section": [2, 3, 3]}))
     config = ModelConfig.from_file(flat / "config.json")
     assert (config.model_type, config.qkv_bias, config.rope.type, config.rope.theta) == ("qwen2", True, "default", 1e6)
     assert ModelConfig.from_dict(config.to_dict()) == config  # what a worker reads from ASSIGNMENT
@@ -68,9 +60,9 @@ def test_the_published_flat_form_runs_as_transformers_reads_it(qwen25_dir, tmp_p
 
 def test_a_yarn_scaled_mrope_scales_the_text_positions_as_transformers_does(qwen25_dir, tmp_path):
     # Qwen2.5-VL's model card's long-context setting: yarn beside the MRoPE sections
-    yarn = tmp_path / "yarn"
-    edit_config(qwen25_dir, yarn, lambda c: flattened(c, {"type": "yarn", "mrope_section": [2, 3, 3], "factor": 4.0,
-                                                          "original_max_position_embeddings": 8}))
+    yarn = edited_copy(qwen25_dir, tmp_path / "yarn",
+                       config=lambda c: flattened(c, {"type": "yarn", "mrope_section": [2, 3, 3], "factor": 4.0,
+                                                      "original_max_position_embeddings": 8}))
     assert ModelConfig.from_file(yarn / "config.json").rope.type == "yarn"
     logits = assert_runs_as_transformers(yarn)
     assert (logits - OurModel(qwen25_dir, splits=[2]).full_logits(PROMPT)).abs().max().item() > 1e-2
@@ -83,7 +75,7 @@ def test_qwen2_5_vl_ties_where_text_config_says_so_as_older_saves_did(tmp_path):
     def flag_inside(config):
         config["text_config"]["tie_word_embeddings"], config["tie_word_embeddings"] = True, False
         return config
-    edit_config(tied, tmp_path / "inside", flag_inside)
+    edited_copy(tied, tmp_path / "inside", config=flag_inside)
     assert ModelConfig.from_file(tmp_path / "inside" / "config.json").tie_word_embeddings
     assert_runs_as_transformers(tmp_path / "inside")
 
@@ -94,17 +86,17 @@ def test_qwen3_vl_ties_where_the_top_level_says_so_unless_the_checkpoint_holds_a
     def top_level_tied(config):
         config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = True, False
         return config
-    tied = tmp_path / "tied"
-    edit_config(untied, tied, top_level_tied)
-    tensors = load_file(untied / "model.safetensors")
-    del tensors["lm_head.weight"]  # as a tied checkpoint is saved
-    save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
+
+    def no_lm_head(tensors):
+        del tensors["lm_head.weight"]  # as a tied checkpoint is saved
+        return tensors
+    tied = edited_copy(untied, tmp_path / "tied", tensors=no_lm_head, config=top_level_tied)
     assert ModelConfig.from_file(tied / "config.json").tie_word_embeddings
     logits = assert_runs_as_transformers(tied)
     untied_logits = OurModel(untied, splits=[2]).full_logits(PROMPT)
     assert (logits - untied_logits).abs().max().item() > 1e-2
     # tied by the flag, but with the untied checkpoint's own lm_head, different from the embedding: it is used
-    edit_config(untied, tmp_path / "flag-only", top_level_tied)
+    edited_copy(untied, tmp_path / "flag-only", config=top_level_tied)
     assert torch.equal(assert_runs_as_transformers(tmp_path / "flag-only"), untied_logits)
     inside = json.loads((untied / "config.json").read_text())
     inside["text_config"]["tie_word_embeddings"] = True  # transformers 5 reads only the top level for Qwen3-VL

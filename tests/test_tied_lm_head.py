@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from tc.model.qwen2 import HeadModel
 from tc.model.weights import WeightIndex, WeightsError, head_names_to_fetch, head_tensor_names, own_lm_head
 from tc.model_source import ModelSource
 from tc.sampling import SamplingParams
-from tiny_families import hf_family_model, write_family_model
+from tiny_families import edited_copy, hf_family_model, write_family_model
 
 PROMPT = [5, 77, 200, 13, 42, 9, 250, 31]
 NEW_TOKENS = 8
@@ -37,10 +36,10 @@ def tied_dir(tmp_path_factory):
 
 def with_lm_head(tied_dir, path, lm_head) -> None:
     """A copy of `tied_dir` at `path` whose checkpoint holds lm_head(embedding) too; config.json still ties."""
-    shutil.copytree(tied_dir, path)
-    tensors = load_file(tied_dir / "model.safetensors")
-    tensors["lm_head.weight"] = lm_head(tensors["model.embed_tokens.weight"])
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    def add_lm_head(tensors):
+        tensors["lm_head.weight"] = lm_head(tensors["model.embed_tokens.weight"])
+        return tensors
+    edited_copy(tied_dir, path, tensors=add_lm_head)
     assert ModelConfig.from_file(path / "config.json").tie_word_embeddings
 
 

@@ -7,9 +7,12 @@ clearly between tokens (transformers' own init, std 0.02, leaves near-ties that 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tiny_model import CHATML_TEMPLATE, byte_tokenizer
 
@@ -163,3 +166,16 @@ def hf_family_model(path: Path, dtype: torch.dtype = torch.float32):
     (architecture,) = json.loads((Path(path) / "config.json").read_text())["architectures"]
     model_cls = getattr(transformers, architecture)
     return model_cls.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+
+
+def edited_copy(model_dir: Path, path: Path, tensors: Callable[[dict[str, torch.Tensor]], dict] | None = None,
+                config: Callable[[dict[str, Any]], dict] | None = None) -> Path:
+    """A copy of the model directory `model_dir` (one model.safetensors) at `path`, whose tensors are
+    tensors(those stored) and whose config.json is config(its dict), where given; returns `path`."""
+    shutil.copytree(model_dir, path)
+    if tensors is not None:
+        save_file(tensors(load_file(model_dir / "model.safetensors")), path / "model.safetensors",
+                  metadata={"format": "pt"})
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config(json.loads((model_dir / "config.json").read_text()))))
+    return path

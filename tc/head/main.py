@@ -86,8 +86,8 @@ def head_weight_bytes(topology: Topology, config: ModelConfig) -> int:
     """Weight bytes the head reads for each token: the final norm and lm_head (the embedding's one row is
     nothing beside it), lm_head in the head's weight mode (int8 under int4)."""
     shapes = expected_shapes(config)
-    lm_head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])  # tied: the embedding serves
-    per_token = [("lm_head.weight", lm_head, 2), ("model.norm.weight", shapes["model.norm.weight"], 2)]
+    lm_head = shapes.get(LM_HEAD, shapes["model.embed_tokens.weight"])  # tied: the embedding serves
+    per_token = [(LM_HEAD, lm_head, 2), ("model.norm.weight", shapes["model.norm.weight"], 2)]
     return layer_weight_bytes([per_token], quant.head_weight_mode(topology.quant), topology.group_size)[0]
 
 

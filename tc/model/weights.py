@@ -32,10 +32,13 @@ _DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
     "BF16": (torch.bfloat16, 2),
 }
 
-# Where an image-text checkpoint (Gemma 3's 4B-27B) keeps its language model, and where a causal LM of the same
-# family keeps the same tensors: tc reads the language model under the causal LM's names and never reads the
-# vision tower's. The first is how such checkpoints are published (and transformers still writes them), the second
-# how transformers 4.52-4.x named them in memory, which some re-saved copies keep.
+LM_HEAD = "lm_head.weight"  # the lm_head's tensor, by a causal LM's name
+
+# Where an image-text checkpoint (Gemma 3's 4B-27B, Mistral Small 3's, Qwen3-VL's) keeps its language model, and
+# where a causal LM of the same family keeps the same tensors: tc reads the language model under the causal LM's
+# names and never reads the vision tower's. The first is how Gemma 3's and Mistral 3's are published (and
+# transformers still writes them), the second how transformers 4.52-4.x named them in memory, which Qwen3-VL's
+# published files and some re-saved copies keep.
 LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                            ("model.language_model.", "model."))
 
@@ -198,9 +201,6 @@ def own_lm_head(config: ModelConfig, index: "WeightIndex") -> bool:
     return True
 
 
-LM_HEAD = "lm_head.weight"
-
-
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with the shape config.json implies."""
     h = config.hidden_size
@@ -209,7 +209,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.norm.weight": (h,),
     }
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes[LM_HEAD] = (config.vocab_size, h)
     for i in range(config.num_hidden_layers):
         shapes.update({layer_prefix(i) + suffix: shape for suffix, shape in layer_shapes(config, i).items()})
     return shapes

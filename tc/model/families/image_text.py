@@ -2,8 +2,8 @@
 
 Such a config.json describes the language model in `text_config` beside the vision tower's `vision_config`; the
 family parses those settings as its text family does, with the top level's token ids where text_config has none
-of its own, and what crosses the wire is config.json as read. The checkpoint's language model
-tensors are read under a causal LM's names (weights.causal_lm_name) and the vision tower's are never read.
+of its own, and what crosses the wire is config.json as read. The checkpoint's language model tensors are read
+under a causal LM's names (weights.causal_lm_name) and the vision tower's are never read.
 """
 from __future__ import annotations
 

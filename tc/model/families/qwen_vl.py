@@ -41,19 +41,14 @@ def _plain_rope(rope: Any) -> Any:
     return rope
 
 
-def _language_model(data: dict[str, Any], flat: bool, defaults: dict[str, Any]) -> dict[str, Any]:
+def _image_text(data: dict[str, Any], parse: Callable[..., ModelConfig], default_theta: float,
+                defaults: dict[str, Any], tied: bool, flat: bool) -> ModelConfig:
     """The language model's settings (image_text.language_model_settings: transformers builds the family's text
-    config class whatever text_config's model_type says), its rotary settings as plain RoPE."""
+    config class whatever text_config's model_type says), its rotary settings as plain RoPE, parsed by `parse`."""
     settings = language_model_settings(data, None, flat=flat, defaults=defaults)
     for key in ROPE_LAYOUTS:
         if key in settings:
             settings[key] = _plain_rope(settings[key])
-    return settings
-
-
-def _image_text(data: dict[str, Any], parse: Callable[..., ModelConfig], default_theta: float,
-                defaults: dict[str, Any], tied: bool, flat: bool) -> ModelConfig:
-    settings = _language_model(data, flat, defaults)
     return as_read(parse({**settings, "tie_word_embeddings": tied}, default_theta=default_theta), data)
 
 
