@@ -161,7 +161,7 @@ def test_a_product_without_a_native_call_runs_as_its_module_in_the_plan(tiny_mod
 # norms and activation, or experts)
 PLANNED_FAMILIES = {"qwen2-own-head-dim", "qwen2-linear-rope", "qwen2-yarn", "llama", "llama-dynamic-rope",
                     "llama3-rope-tied", "llama-biases", "granite", "smollm3", "phi3-longrope", "phi4-mini",
-                    "qwen2.5-vl"}
+                    "qwen2.5-vl", "glm"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

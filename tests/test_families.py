@@ -301,7 +301,46 @@ def test_phi_35_mini_and_phi_4_mini_configs_are_read(data, rotated):
         assert order[128:256] == [128 + i for i in order[:128]] and order[-1] == (24 + 2 * 8) * 128 - 1
 
 
-@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "mixtral", "qwen2-moe"])
+# GLM-4-9B-Chat's (GlmForCausalLM, as transformers converted it) and GLM-4-32B-0414's config.json shapes
+GLM_4_9B = {"architectures": ["GlmForCausalLM"], "model_type": "glm", "attention_bias": True, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 13696, "max_position_embeddings": 131072,
+            "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+            "rms_norm_eps": 1.5625e-07, "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": 151552,
+            "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}
+GLM_4_32B_0414 = {**GLM_4_9B, "architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "hidden_size": 6144,
+                  "intermediate_size": 23040, "num_attention_heads": 48, "num_hidden_layers": 61,
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-05}
+
+
+@pytest.mark.parametrize("data", [GLM_4_9B, GLM_4_32B_0414], ids=["glm-4-9b", "glm-4-32b-0414"])
+def test_glm_configs_are_read_as_transformers_reads_them(data):
+    """Half of each 128-wide head rotates, in interleaved pairs: a query or key head's rows are reordered so that
+    the checkpoint's pair (2j, 2j + 1) lands on tc's (j, j + 64), the 64 passing dimensions on the pairs between.
+    The same config without the keys GlmConfig and Glm4Config fill in is the same config."""
+    import transformers
+
+    config = ModelConfig.from_dict(json.loads(json.dumps(data)))
+    reference = getattr(transformers, data["architectures"][0].replace("ForCausalLM", "Config")).from_dict(data)
+    assert config.rotary_dim == 64 == int(reference.head_dim * reference.rope_parameters["partial_rotary_factor"])
+    assert config.rotary_interleaved and config.qkv_bias and not config.o_bias and config.fused_gate_up
+    assert (config.head_dim, config.num_key_value_heads) == (reference.head_dim, reference.num_key_value_heads)
+    assert config.sandwich_norms == (data["model_type"] == "glm4")
+    heads = reference.num_attention_heads + 2 * 2
+    order = config.rotary_rows()
+    assert sorted(order) == list(range(heads * 128))
+    assert order[:128] == [*range(0, 64, 2), *range(64, 96), *range(1, 64, 2), *range(96, 128)]
+    assert order[128:256] == [128 + i for i in order[:128]] and order[-128:] == list(range((heads - 1) * 128,
+                                                                                           heads * 128))
+    defaults = ("num_key_value_heads", "head_dim", "partial_rotary_factor", "attention_bias", "rms_norm_eps")
+    left_out = {k: v for k, v in data.items() if k not in defaults}
+    assert replace(ModelConfig.from_dict(left_out), rms_norm_eps=config.rms_norm_eps) == config
+    assert ModelConfig.from_dict(left_out).rms_norm_eps == transformers.GlmConfig().rms_norm_eps
+    whole = ModelConfig.from_dict({**left_out, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                  "partial_rotary_factor": 1.0}})
+    assert whole.rotary_dim is None and whole.rotary_rows()[:4] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "glm4", "mixtral", "qwen2-moe"])
 def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
     """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""
     import shutil
@@ -347,10 +386,10 @@ def test_quantized_weights_and_experts_follow_fp32(family_dirs, name, quant):
     ours = generator.head.logits(generator.pipeline.prefill(generator.head.embed(torch.tensor([PROMPT])),
                                                             len(PROMPT)))[0]
     ref = OurModel(model_dir).full_logits(PROMPT)
-    # OLMo 2's, OLMo 3's and EXAONE 4's norms after each sublayer (and none before) bring every sublayer's output, and its
-    # weights' rounding, to the residual stream's size, where a pre-norm layer adds a little to it: transformers' own
-    # tiny OLMo 2, its layers' weights quantized to int4 and back, moves by 0.39 of the largest logit, as tc's does
-    # (its int4 Llama's, by 0.07; EXAONE 4's, by 0.24-0.31)
+    # OLMo 2's, OLMo 3's and EXAONE 4's norms after each sublayer (and none before) bring every sublayer's output,
+    # and its weights' rounding, to the residual stream's size, where a pre-norm layer adds a little to it:
+    # transformers' own tiny OLMo 2, its layers' weights quantized to int4 and back, moves by 0.39 of the largest
+    # logit, as tc's does (its int4 Llama's, by 0.07; EXAONE 4's, by 0.24-0.31)
     tolerance = 0.05 if quant == "int8" else 0.3 if config.pre_norms else 0.5
     assert (ours - ref).abs().max().item() < tolerance * ref.abs().max().item()
 
@@ -574,6 +613,11 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     # EXAONE 4's layer types by sliding_window_pattern, every third layer full (and NoPE), 4.x's rotary layout
     "exaone4": ("exaone4-hybrid", {"layer_types", "rope_parameters"},
                 {"sliding_window_pattern": 3, "rope_theta": 10000.0}),
+    # GLM's half of each head rotating and biases on q/k/v where left out, 4.x's rotary layout
+    "glm": ("glm", {"rope_parameters", "attention_bias"},
+            {"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}}),
+    "glm4": ("glm4", {"rope_parameters", "attention_bias"}, {"rope_theta": 10000.0}),
 }
 
 
@@ -616,9 +660,10 @@ def test_a_sliding_window_config_json_leaves_out_is_the_one_transformers_takes(a
 
 
 @pytest.mark.parametrize("architecture, config_class", [
-    ("MistralForCausalLM", "MistralConfig"), ("Exaone4ForCausalLM", "Exaone4Config")])
+    ("MistralForCausalLM", "MistralConfig"), ("Exaone4ForCausalLM", "Exaone4Config"), ("GlmForCausalLM", "GlmConfig"),
+    ("Glm4ForCausalLM", "Glm4Config")])
 def test_kv_heads_config_json_leaves_out_are_the_ones_transformers_takes(architecture, config_class):
-    """MistralConfig's 8 and Exaone4Config's 32, not one per query head."""
+    """MistralConfig's 8, Exaone4Config's 32 and GLM's 2, not one per query head."""
     import transformers
 
     data = {"hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 64,

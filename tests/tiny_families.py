@@ -109,6 +109,12 @@ FAMILIES = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
                 dict(sliding_window=None, layer_types=["full_attention"] * 4, tie_word_embeddings=True,
                      rope_parameters=LLAMA3_ROPE)),
+    # GLM-4's kind: half of each head (the config class's default factor) rotating in interleaved pairs, under yarn
+    # here; GLM-4-0414's adds sandwich norms under names of its own
+    "glm": ("GlmConfig", "GlmForCausalLM",
+            dict(head_dim=32, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16)),
     # sliding and global layers on either side of a split after layer 2, each type with a rotary base of its own
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
               dict(attention_bias=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,

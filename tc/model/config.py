@@ -83,7 +83,12 @@ class ModelConfig:
     local_rope: Rope | None = None  # the rotary embedding of sliding-window layers, where it differs (Gemma 3)
     rope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); (): all
     rotary_dim: int | None = None  # the leading dimensions of each head that rotate (Phi-4-mini's 96 of 128); None: all
-    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused already (Phi-3)
+    rotary_interleaved: bool = False  # the checkpoint's heads rotate the pairs (2j, 2j + 1), not (j, j + R/2) (GLM)
+    fused_qkv: bool = False  # the checkpoint stores q/k/v_proj fused already, as qkv_proj (Phi-3)
+    fused_gate_up: bool = False  # the checkpoint stores gate/up_proj fused already, as gate_up_proj (Phi-3, GLM)
+    # layer tensors the checkpoint names otherwise: (tc's name, the checkpoint's) under the layer's prefix (GLM-4
+    # calls its sandwich norms post_self_attn_layernorm, post_attention_layernorm and post_mlp_layernorm)
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
@@ -113,18 +118,21 @@ class ModelConfig:
         return self.model_context if self.context_limit is None else min(self.context_limit, self.model_context)
 
     def rotary_rows(self) -> list[int] | None:
-        """Where only part of each head rotates: the order tc keeps qkv_proj's rows in (tc's row i holds the
-        checkpoint's row rotary_rows()[i]); None where the whole head rotates. transformers rotates the pairs
-        (j, j + R/2) of a head's first R = rotary_dim dimensions and passes the rest; tc's rotation (and its native
-        decode attention) turns the pairs (j, j + D/2) of the whole head. Each query and key head's rows are
-        reordered so that the checkpoint's pair (j, j + R/2) lands on (j, j + D/2), and the passing dimensions on
-        the pairs Rotary leaves still (cos 1, sin 0). Queries and keys move alike, so every score q.k is the same
-        sum; values and o_proj keep their order."""
-        if self.rotary_dim is None:
+        """Where a head's rotated pairs are not tc's: the order tc keeps qkv_proj's rows in (tc's row i holds the
+        checkpoint's row rotary_rows()[i]); None where they are. tc's rotation (and its native decode attention)
+        turns the pairs (j, j + D/2) of the whole head. transformers rotates the pairs (j, j + R/2) of a head's first
+        R = rotary_dim dimensions and passes the rest; GLM's the pairs (2j, 2j + 1) of its first R. Each query and
+        key head's rows are reordered so that the checkpoint's pair j lands on (j, j + D/2), and the passing
+        dimensions on the pairs Rotary leaves still (cos 1, sin 0). Queries and keys move alike, so every score q.k
+        is the same sum; values and o_proj keep their order."""
+        if self.rotary_dim is None and not self.rotary_interleaved:
             return None
-        d, r = self.head_dim, self.rotary_dim
+        d = self.head_dim
+        r = self.rotary_dim or d
         half, rest = r // 2, (d - r) // 2
-        head = [*range(half), *range(r, r + rest), *range(half, r), *range(r + rest, d)]
+        firsts, seconds = (range(0, r, 2), range(1, r, 2)) if self.rotary_interleaved else (range(half),
+                                                                                            range(half, r))
+        head = [*firsts, *range(r, r + rest), *seconds, *range(r + rest, d)]
         rotated = (self.num_attention_heads + self.num_key_value_heads) * d  # query heads, then key heads
         order = [h * d + i for h in range(rotated // d) for i in head]
         return order + list(range(rotated, rotated + self.num_key_value_heads * d))  # values as they are

@@ -93,23 +93,26 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
 
     Module attribute names are the checkpoint's, so most tensors come from one tensor of the same name. The
     exceptions: q/k/v_proj fill one qkv_proj and gate/up_proj one gate_up_proj (a step runs four products per
-    layer instead of seven; a family whose checkpoint stores them fused, Phi-3, fills them from one tensor each),
-    and a mixture of experts' block is `mlp` whatever the checkpoint calls it (Mixtral's block_sparse_moe, whose
-    experts call their projections w1, w3, w2). What a family's checkpoint holds follows from its ModelConfig
-    alone (its biases, norms, experts and fused tensors), so a new family adds no names here.
+    layer instead of seven; where the checkpoint stores them fused, Phi-3 both and GLM gate/up, from one tensor
+    each); a mixture of experts' block is `mlp` whatever the checkpoint calls it (Mixtral's block_sparse_moe,
+    whose experts call their projections w1, w3, w2); and a family may name a tensor otherwise
+    (ModelConfig.checkpoint_names: GLM-4's norms). What a family's checkpoint holds follows from its ModelConfig
+    alone (its biases, norms, experts, fused tensors and names), so a new family adds no names here.
     """
     c = config
     h, d = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     sources: dict[str, dict[str, tuple[int, ...]]] = {}
 
+    renamed = dict(c.checkpoint_names)
+
     def same(name: str, shape: tuple[int, ...]) -> None:
-        sources[name] = {name: shape}
+        sources[name] = {renamed.get(name, name): shape}
 
     if c.pre_norms:
         same("input_layernorm.weight", (h,))
     same("post_attention_layernorm.weight", (h,))
-    parts = {"qkv_proj": q + 2 * kv} if c.fused_checkpoint else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    parts = {"qkv_proj": q + 2 * kv} if c.fused_qkv else {"q_proj": q, "k_proj": kv, "v_proj": kv}
     sources["self_attn.qkv_proj.weight"] = {f"self_attn.{part}.weight": (rows, h) for part, rows in parts.items()}
     if c.qkv_bias:
         sources["self_attn.qkv_proj.bias"] = {f"self_attn.{part}.bias": (rows,) for part, rows in parts.items()}
@@ -135,7 +138,7 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
             sources.update(_mlp_sources("mlp.shared_expert", f"{block}.shared_expert", h, e.shared_intermediate_size,
                                         False))
             sources["mlp.shared_expert_gate.weight"] = {f"{block}.shared_expert_gate.weight": (1, h)}
-    elif c.fused_checkpoint:
+    elif c.fused_gate_up:
         same("mlp.gate_up_proj.weight", (2 * c.intermediate_size, h))
         same("mlp.down_proj.weight", (h, c.intermediate_size))
     else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
-from . import exaone4, gemma, granite, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3, qwen_vl, smollm3
+from . import exaone4, gemma, glm, granite, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3, qwen_vl, smollm3
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3", ("Gemma3ForConditionalGeneration",), gemma.parse_gemma3_image_text),  # its language model
     Family("granite", ("GraniteForCausalLM",), granite.parse),
     Family("olmo2", ("Olmo2ForCausalLM",), olmo2.parse),
+    Family("glm", ("GlmForCausalLM",), glm.parse_glm),
+    Family("glm4", ("Glm4ForCausalLM",), glm.parse_glm4),
     Family("exaone4", ("Exaone4ForCausalLM",), exaone4.parse),
     Family("olmo3", ("Olmo3ForCausalLM",), olmo3.parse),
     Family("smollm3", ("SmolLM3ForCausalLM",), smollm3.parse),

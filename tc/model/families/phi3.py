@@ -22,7 +22,7 @@ def parse(data: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json gives Phi3ForCausalLM rope scaling {values['rope'].type!r}; Phi-3 scales "
                           "its rotary embedding with longrope only")
     window = None if data.get("sliding_window") is None else require(data, "sliding_window")
-    return ModelConfig(**values, fused_checkpoint=True,
+    return ModelConfig(**values, fused_qkv=True, fused_gate_up=True,
                        sliding_windows=(window,) * values["num_hidden_layers"] if window else ())
 
 
