@@ -157,11 +157,11 @@ def test_a_product_without_a_native_call_runs_as_its_module_in_the_plan(tiny_mod
         assert torch.equal(ours, theirs)
 
 
-# families whose every layer a plan takes (the rest have a sliding window, normalised query and key heads, Gemma's
-# norms and activation, or experts)
+# families whose every layer a plan takes (the rest have a sliding window, normalised query and key heads, norms
+# after a sublayer or scaling in fp32 (Gemma's, OLMo's, Helium's), Gemma's activation, or experts)
 PLANNED_FAMILIES = {"qwen2-own-head-dim", "qwen2-linear-rope", "qwen2-yarn", "llama", "llama-dynamic-rope",
                     "llama3-rope-tied", "llama-biases", "granite", "smollm3", "phi3-longrope", "phi4-mini",
-                    "qwen2.5-vl", "glm"}
+                    "qwen2.5-vl", "glm", "ernie4.5", "seed-oss"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

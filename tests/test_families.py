@@ -618,6 +618,10 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
             {"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}}),
     "glm4": ("glm4", {"rope_parameters", "attention_bias"}, {"rope_theta": 10000.0}),
+    # ERNIE 4.5's 2 KV heads, tied embeddings and rotary base 5e5; Helium's base 1e5 and eps 1e-8; Seed-OSS's biases
+    "ernie4.5": ("ernie4.5", {"num_key_value_heads", "tie_word_embeddings", "rope_parameters", "rms_norm_eps"}, {}),
+    "helium": ("helium", {"rope_parameters", "rms_norm_eps"}, {}),
+    "seed-oss": ("seed-oss", {"attention_bias", "attention_out_bias", "rope_parameters"}, {}),
 }
 
 
@@ -659,17 +663,22 @@ def test_a_sliding_window_config_json_leaves_out_is_the_one_transformers_takes(a
     assert off.sliding_windows == ()
 
 
-@pytest.mark.parametrize("architecture, config_class", [
-    ("MistralForCausalLM", "MistralConfig"), ("Exaone4ForCausalLM", "Exaone4Config"), ("GlmForCausalLM", "GlmConfig"),
-    ("Glm4ForCausalLM", "Glm4Config")])
-def test_kv_heads_config_json_leaves_out_are_the_ones_transformers_takes(architecture, config_class):
-    """MistralConfig's 8, Exaone4Config's 32 and GLM's 2, not one per query head."""
+@pytest.mark.parametrize("architecture, config_class, heads", [
+    ("MistralForCausalLM", "MistralConfig", 64), ("Exaone4ForCausalLM", "Exaone4Config", 64),
+    ("GlmForCausalLM", "GlmConfig", 64), ("Glm4ForCausalLM", "Glm4Config", 64),
+    ("Ernie4_5ForCausalLM", "Ernie4_5Config", 64), ("SeedOssForCausalLM", "SeedOssConfig", 64),
+    ("HeliumForCausalLM", "HeliumConfig", 40)])
+def test_kv_heads_config_json_leaves_out_are_the_ones_transformers_takes(architecture, config_class, heads):
+    """MistralConfig's 8, Exaone4Config's 32, GLM's and ERNIE 4.5's 2, Seed-OSS's 8 and Helium's 20, not one per
+    query head; and the head size where it differs from hidden_size / num_attention_heads."""
     import transformers
 
-    data = {"hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 64,
+    data = {"hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": heads,
             "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
-    theirs = getattr(transformers, config_class)(**data).num_key_value_heads
-    assert ModelConfig.from_dict({"architectures": [architecture], **data}).num_key_value_heads == theirs < 64
+    theirs = getattr(transformers, config_class)(**data)
+    ours = ModelConfig.from_dict({"architectures": [architecture], **data})
+    assert ours.num_key_value_heads == theirs.num_key_value_heads < heads
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 256 // heads)
 
 
 def test_a_qwen3_config_json_without_head_dim_has_the_heads_of_128_transformers_gives_it(tmp_path):

@@ -115,6 +115,11 @@ FAMILIES = {
             dict(head_dim=32, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16)),
+    # whole heads rotating in interleaved pairs: ERNIE 4.5's with biases everywhere, tied; Helium's with norms that
+    # scale in fp32
+    "ernie4.5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=32, use_bias=True)),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
+    "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=32)),
     # sliding and global layers on either side of a split after layer 2, each type with a rotary base of its own
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
               dict(attention_bias=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
