@@ -340,6 +340,34 @@ def test_glm_configs_are_read_as_transformers_reads_them(data):
     assert whole.rotary_dim is None and whole.rotary_rows()[:4] == [0, 2, 4, 6]
 
 
+@pytest.mark.parametrize("name", ["ernie4.5", "cohere", "glm", "glm4", "helium", "llama", "phi4-mini"])
+def test_bf16_queries_and_keys_rotate_to_the_bits_of_the_familys_reference(family_dirs, name):
+    """transformers' rotation of bf16 q and k, in the reference's own roundings: ERNIE 4.5's and Cohere's in fp32,
+    rounded once; the others' in bf16 by bf16 tables. tc's q/k rows are the checkpoint's reordered (rotary_rows), so
+    its rotation of them, put back in the checkpoint's order, is compared bit for bit."""
+    import importlib
+
+    model_dir = family_dirs(name)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    hf = hf_family_model(model_dir)
+    reference = importlib.import_module(type(hf).__module__)
+    rows, heads, d = 9, config.num_attention_heads, config.head_dim
+    q = (torch.randn(1, heads, rows, d, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    positions = torch.arange(40, 40 + rows)[None]
+    cos, sin = hf.model.rotary_emb(q, positions)
+    expected, _ = reference.apply_rotary_pos_emb(q, q, cos, sin)
+    order = (config.rotary_rows() or list(range(d)))[:d]  # within one head
+    ours = q.transpose(1, 2)[..., order].contiguous()  # [1, rows, heads, D] in tc's order
+    stage = Stage(config, 0, 1)
+    stage.layers["0"].self_attn.rotate(ours, *stage.rotary.tables(40, rows, torch.bfloat16))
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours[..., torch.tensor(order).argsort()], expected.transpose(1, 2))
+    if config.rotate_in_fp32:  # the native attention rotates in bf16: such a layer never takes it
+        attn = stage.layers["0"].self_attn
+        attn.native_decode = True
+        assert attn._decode_kernels(ours.new_zeros(1, 1, heads + 2 * config.num_key_value_heads, d)) is None
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "glm4", "mixtral", "qwen2-moe"])
 def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
     """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""
@@ -529,19 +557,24 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_refused(family_di
         ModelConfig.from_dict({**data, key: value})
 
 
-def test_olmo2_norms_scale_before_rounding_as_transformers_does(family_dirs):
-    """Olmo2RMSNorm multiplies by its weight in fp32 and rounds once, where Llama's rounds and then multiplies: in
-    bf16 about a quarter of the outputs differ by an ulp between the two ways (up to fp32's last bits, which may
-    round a few apart on another CPU)."""
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+@pytest.mark.parametrize("name, reference", [
+    ("olmo2", "olmo2.modeling_olmo2.Olmo2RMSNorm"), ("helium", "helium.modeling_helium.HeliumRMSNorm"),
+    ("glm4", "glm4.modeling_glm4.Glm4RMSNorm"), ("cohere", "cohere.modeling_cohere.CohereLayerNorm")])
+def test_bf16_norms_round_as_the_familys_reference(family_dirs, name, reference):
+    """Olmo2RMSNorm and HeliumRMSNorm multiply by their weight in fp32 and round once, where Llama's (GLM's) rounds
+    and then multiplies: in bf16 about a quarter of the outputs differ by an ulp between the two ways (up to fp32's
+    last bits, which may round a few apart on another CPU). Cohere's layer norm subtracts the mean, all in fp32."""
+    import importlib
 
     from tc.model.qwen2 import norm
 
-    config = ModelConfig.from_file(family_dirs("olmo2") / "config.json")
+    module, _, cls = reference.rpartition(".")
+    theirs_cls = getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+    config = ModelConfig.from_file(family_dirs(name) / "config.json")
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(16, config.hidden_size, generator=g) * 3).bfloat16()
+    x = (torch.randn(16, config.hidden_size, generator=g) * 3 + 0.5).bfloat16()
     weight = (1 + 0.3 * torch.randn(config.hidden_size, generator=g)).bfloat16()
-    ours, theirs = norm(config).bfloat16(), Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps).bfloat16()
+    ours, theirs = norm(config).bfloat16(), theirs_cls(config.hidden_size, eps=config.rms_norm_eps).bfloat16()
     with torch.no_grad():
         ours.weight.copy_(weight)
         theirs.weight.copy_(weight)
@@ -579,8 +612,13 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     # Exaone4Config's rule divides by the pattern: transformers fails on a file that names a string and no types
     ("exaone4-hybrid", {"layer_types": None, "sliding_window_pattern": "LLLG"},
      "names no layer_types, with sliding_window = 5 and sliding_window_pattern = 'LLLG'; give layer_types"),
+    ("cohere", {"use_qk_norm": True}, "use_qk_norm = true"),
+    ("cohere", {"logit_scale": 0}, "logit_scale = 0; it must be a positive number"),
+    ("cohere", {"logit_scale": None}, "config.json has no 'logit_scale'"),
+    ("cohere", {"layer_norm_eps": "1e-5"}, "layer_norm_eps = '1e-5'; expected float"),
+    ("cohere2", {"sliding_window": None}, "sliding_window = null while layer_types holds sliding_attention"),
 ])
-def test_a_smollm3_olmo3_or_exaone4_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):
+def test_a_layer_kind_or_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):
     data = json.loads((family_dirs(name) / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**data, **changes})
@@ -622,6 +660,9 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "ernie4.5": ("ernie4.5", {"num_key_value_heads", "tie_word_embeddings", "rope_parameters", "rms_norm_eps"}, {}),
     "helium": ("helium", {"rope_parameters", "rms_norm_eps"}, {}),
     "seed-oss": ("seed-oss", {"attention_bias", "attention_out_bias", "rope_parameters"}, {}),
+    # Cohere's logit scale, epsilon, tied embeddings and biases; Cohere 2's layers by sliding_window_pattern
+    "cohere": ("cohere", {"logit_scale", "layer_norm_eps", "tie_word_embeddings", "attention_bias"}, {}),
+    "cohere2": ("cohere2", {"layer_types", "head_dim"}, {"sliding_window_pattern": 2}),
 }
 
 

@@ -30,6 +30,7 @@ HERE = Path(__file__).parent
 LLAMA3 = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 SENTENCEPIECE = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 GEMMA = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+COHERE = {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "pad_token": "<PAD>"}
 GLM = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 QWEN = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 # family: (its template, the special tokens of its tokenizer_config.json)
@@ -49,9 +50,12 @@ FAMILIES = {
     "phi3": (HERE / "chat_templates/phi3.jinja", {**SENTENCEPIECE, "eos_token": "<|endoftext|>"}),
     "gemma2": (HERE / "chat_templates/gemma2.jinja", GEMMA),
     "gemma3": (HERE / "chat_templates/gemma3.jinja", GEMMA),
-    # GLM-4-9B-Chat's (tools in a message's own `tools`, not the request's) and GLM-Edge's
+    # GLM-4-9B-Chat's as llama.cpp's tests keep it (its tool prompt's text shortened, its tools read from a
+    # message's own `tools`, not the request's), and GLM-Edge's
     "glm4": (HERE / "chat_templates/glm4.jinja", GLM),
     "glm-edge": (HERE / "chat_templates/glm-edge.jinja", GLM),
+    # Command R7B's tool_use template (its tokenizer_config.json names three)
+    "command-r7b-tool-use": (HERE / "chat_templates/command-r7b-tool-use.jinja", COHERE),
 }
 # the families whose template renders calls and their results
 TOOL_FAMILIES = ("qwen2.5", "qwen2.5-trl-training", "qwen3", "llama3.2", "mistral-v0.3")

@@ -120,6 +120,11 @@ FAMILIES = {
     "ernie4.5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=32, use_bias=True)),
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
     "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=32)),
+    # Cohere's parallel blocks under one layer norm, logits scaled; Cohere 2's sliding layers rotating and every
+    # second one full and NoPE, on either side of a split after layer 2
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25, attention_bias=True)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(logit_scale=0.125, sliding_window=5,
+                                                            layer_types=["sliding_attention", "full_attention"] * 2)),
     # sliding and global layers on either side of a split after layer 2, each type with a rotary base of its own
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
               dict(attention_bias=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,

@@ -76,6 +76,7 @@ class ModelConfig:
     # and down_proj's weights and biases as they load, so a layer computes nothing more for it
     residual_multiplier: float | None = None
     logits_scaling: float | None = None  # logits divided by this (Granite)
+    logit_scale: float | None = None  # logits times this (Cohere)
     attn_scale: float | None = None  # scores times this (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits likewise (Gemma 2)
@@ -84,11 +85,15 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); (): all
     rotary_dim: int | None = None  # the leading dimensions of each head that rotate (Phi-4-mini's 96 of 128); None: all
     rotary_interleaved: bool = False  # the checkpoint's heads rotate the pairs (2j, 2j + 1), not (j, j + R/2) (GLM)
+    rotate_in_fp32: bool = False  # q and k rotate in fp32, rounded once (ERNIE 4.5's and Cohere's references)
+    fp32_rotary_tables: bool = False  # with rotate_in_fp32: by fp32 cos/sin, not rounded to the compute dtype (ERNIE)
     fused_qkv: bool = False  # the checkpoint stores q/k/v_proj fused already, as qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint stores gate/up_proj fused already, as gate_up_proj (Phi-3, GLM)
-    # layer tensors the checkpoint names otherwise: (tc's name, the checkpoint's) under the layer's prefix (GLM-4
+    # layer norms the checkpoint names otherwise: (tc's name, the checkpoint's) under the layer's prefix (GLM-4
     # calls its sandwich norms post_self_attn_layernorm, post_attention_layernorm and post_mlp_layernorm)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
+    layer_norms: bool = False  # norms subtract the mean too, and scale in fp32 (Cohere's LayerNorm, without a bias)
+    parallel_block: bool = False  # attention and the MLP read one norm of x and join the residual together (Cohere)
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
@@ -127,6 +132,8 @@ class ModelConfig:
         is the same sum; values and o_proj keep their order."""
         if self.rotary_dim is None and not self.rotary_interleaved:
             return None
+        # a norm of each query or key head would need its weights reordered as well
+        assert not self.qk_norm, "q/k norms with reordered q/k rows"
         d = self.head_dim
         r = self.rotary_dim or d
         half, rest = r // 2, (d - r) // 2
@@ -307,6 +314,30 @@ def rotary_dim(data: dict[str, Any], head_dim: int, partial_rotary: bool) -> int
 def rope_theta(data: dict[str, Any]) -> float:
     """The rotary base config.json gives, from either layout (see rope.parse_rope). Raises ConfigError."""
     return parse_rope(data).theta
+
+
+def hybrid_layers(data: dict[str, Any], layers: int, default_window: int, default_pattern: int
+                  ) -> tuple[tuple[int | None, ...], list[str], int | None]:
+    """EXAONE 4's and Cohere 2's layers: their sliding_window (`default_window` where left out) and layer_types,
+    or where config.json names none the rule their config classes follow: every sliding_window_pattern-th layer
+    (`default_pattern` where left out) full, the rest sliding. Returns the per-layer windows (layer_windows), the
+    layer types and the window. Raises ConfigError for the rule without a window or a whole pattern, or sliding
+    layers without a window (transformers fails on the one and computes no window for the other)."""
+    window = data.get("sliding_window", default_window)
+    if window is not None:
+        require({"sliding_window": window}, "sliding_window")
+    types = data.get("layer_types")
+    if types is None:
+        pattern = data.get("sliding_window_pattern", default_pattern)
+        if window is None or type(pattern) is not int or pattern < 1:
+            raise ConfigError(f"config.json names no layer_types, with sliding_window = {window!r} and "
+                              f"sliding_window_pattern = {pattern!r}; give layer_types (a \"sliding_attention\" or "
+                              "\"full_attention\" per layer), or a window and a whole pattern")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if window is None and isinstance(types, list) and "sliding_attention" in types:
+        raise ConfigError("config.json sets sliding_window = null while layer_types holds sliding_attention; tc "
+                          "runs sliding layers with a window")
+    return layer_windows({"layer_types": types, "sliding_window": window}, layers), types, window
 
 
 def layer_windows(data: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

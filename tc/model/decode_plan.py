@@ -162,7 +162,7 @@ class DecodePlan:
         each sum added into x in place (a + b and b + a round alike); None where a part declines."""
         from .qwen2 import MLP, DecoderLayer
 
-        if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP:
+        if type(layer) is not DecoderLayer or layer.sandwich or layer.parallel or type(layer.mlp) is not MLP:
             return None
         attn, mlp = layer.self_attn, layer.mlp
         h, h_kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim

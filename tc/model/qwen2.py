@@ -43,7 +43,7 @@ from .greedy_plan import GreedyPlan
 from .greedy_screen import MAX_TIME_SHARE, GreedyScreen, screens
 from .kv_cache import KVCache
 from .probe import cache_sweeper, race
-from .rope import Rotary, rotate_
+from .rope import Rotary, rotate_, rotate_wide_
 from .quant import Quantization
 from .weights import LM_HEAD, WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources, own_lm_head
 
@@ -244,10 +244,26 @@ class RMSNorm(nn.Module):
         return None
 
 
+class LayerNorm(RMSNorm):
+    """A layer norm without a bias (Cohere's): the mean subtracted, then normalised and scaled by the weight, all
+    in fp32 before rounding to the compute dtype, in its reference's operations (so fp32 gives its bits). No
+    native kernel takes it."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0, scale_in_fp32: bool = True):
+        super().__init__(size, eps, offset, scale_in_fp32=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        centered = wide - wide.mean(-1, keepdim=True)
+        normed = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
 def norm(config: ModelConfig, size: int | None = None, kind: type[RMSNorm] | None = None) -> RMSNorm:
-    """An RMSNorm (or `kind` of one) of the family's kind over `size` features (default: the hidden size)."""
-    return (kind or RMSNorm)(size or config.hidden_size, config.rms_norm_eps, config.norm_offset,
-                             config.norms_scale_in_fp32)
+    """An RMSNorm (or `kind` of one) of the family's kind over `size` features (default: the hidden size): a
+    LayerNorm where the family's norms are layer norms."""
+    kind = kind or (LayerNorm if config.layer_norms else RMSNorm)
+    return kind(size or config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norms_scale_in_fp32)
 
 
 class HeadsNorm(RMSNorm):
@@ -318,6 +334,8 @@ class Attention(nn.Module):
         self.softcap = config.attn_softcap
         self.window = config.window(layer)
         self.rotates = config.rotates(layer)  # False: q and k go in unrotated (SmolLM3's NoPE layers)
+        # True: q and k rotate in fp32, rounded once (ERNIE 4.5, Cohere), which the native attention does not
+        self.rotates_wide = config.rotate_in_fp32
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
                 layer: int) -> torch.Tensor:
@@ -335,7 +353,7 @@ class Attention(nn.Module):
                                   (cos, sin) if self.rotates else None)
             return self.o_proj(out)
         if self.rotates:
-            rotate_(qkv[:, :, :h + h_kv], cos, sin)  # q and k together, in place
+            self.rotate(qkv[:, :, :h + h_kv], cos, sin)
         if len(spans) == 1:
             return self.o_proj(self._attend(qkv, spans[0], layer))
         out = qkv.new_empty(1, rows, h * d)
@@ -350,6 +368,11 @@ class Attention(nn.Module):
         if decoded:
             self._decode_natively(kernels, qkv, out, decoded, layer)
         return self.o_proj(out)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate query and key heads [1, rows, heads, D] in place, as this layer's family rotates them: in the
+        compute dtype, or in fp32 rounded once (by the tables Rotary gives: fp32 ones where it is `wide`)."""
+        (rotate_wide_ if self.rotates_wide else rotate_)(qk, cos, sin)
 
     def _decode_natively(self, kernels: native.Kernels, qkv: torch.Tensor, out: torch.Tensor,
                          decoded: Sequence[tuple[int, Span]], layer: int,
@@ -370,10 +393,11 @@ class Attention(nn.Module):
 
     def _decode_kernels(self, qkv: torch.Tensor, planned: bool = False) -> native.Kernels | None:
         """The native kernels where this layer's decode rows take their attention (attention.c), else None:
-        bf16 on a CPU, no sliding window or soft-capped scores, heads the kernel takes, and a probe that found it
-        faster than SDPA here (unless native_decode forces the choice); `planned`: for a decode plan, where
-        agreeing with its reference is enough."""
-        if self.native_decode is False or self.window is not None or self.softcap is not None:
+        bf16 on a CPU, no sliding window, soft-capped scores or rotation in fp32, heads the kernel takes, and a
+        probe that found it faster than SDPA here (unless native_decode forces the choice); `planned`: for a decode
+        plan, where agreeing with its reference is enough."""
+        if self.native_decode is False or self.window is not None or self.softcap is not None \
+                or self.rotates_wide:
             return None
         if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" \
                 or not native.attention_shape_ok(self.n_heads, self.n_kv_heads, self.head_dim):
@@ -468,8 +492,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = pre_norm(config)
         self.self_attn = Attention(config, layer)
         # the norm before the MLP; with sandwich norms (Gemma) the one after attention, and two more around the MLP
-        # (OLMo 2: only those after attention and the MLP, the others nn.Identity)
-        self.post_attention_layernorm = norm(config)
+        # (OLMo 2: only those after attention and the MLP, the others nn.Identity); none in a parallel block
+        # (Cohere), whose MLP reads input_layernorm's output as attention does
+        self.parallel = config.parallel_block
+        if not self.parallel:
+            self.post_attention_layernorm = norm(config)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = pre_norm(config)
@@ -482,6 +509,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, spans, layer):
+        if self.parallel:  # x + attention + MLP, added in that order as the reference adds them
+            normed = self.input_layernorm(x)
+            h = x + self.self_attn(normed, cos, sin, spans, layer)
+            return h.add_(self.mlp(normed))
         if self.sandwich:
             attn = self.self_attn(self.input_layernorm(x), cos, sin, spans, layer)
             h = x + self.post_attention_layernorm(attn)
@@ -571,7 +602,8 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
     """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
     if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
         return None
-    return Rotary(config.head_dim, config.local_rope, device, config.context_length, config.rotary_dim)
+    return Rotary(config.head_dim, config.local_rope, device, config.context_length, config.rotary_dim,
+                  config.fp32_rotary_tables)
 
 
 class StepInterrupted(Exception):
@@ -592,7 +624,8 @@ class Stage(nn.Module):
         self.config, self.start, self.end = config, start, end
         # keyed by global layer number, so state-dict names match the checkpoint's
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
-        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim)
+        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim,
+                             config.fp32_rotary_tables)
         self.local_rotary = _local_rotary(config, device)
         self._plans = Plans()  # by what a plan's calls depend on (_plan_key)
 
@@ -619,7 +652,8 @@ class Stage(nn.Module):
             _give_back_freed_memory()
             if progress is not None:
                 progress(done, end - start)
-        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim)
+        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim,
+                             config.fp32_rotary_tables)
         stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 
@@ -733,6 +767,7 @@ class HeadModel(nn.Module):
         self.embedding_scale = config.embedding_scale  # Gemma: sqrt(hidden), rounded to the compute dtype
         self.final_softcap = config.final_softcap
         self.logits_scaling = config.logits_scaling  # Granite divides its logits by it
+        self.logit_scale = config.logit_scale  # Cohere multiplies them by it
         self.greedy_screen: GreedyScreen | None = None  # screen_greedy's, for the lm_head it was made for
         self._greedy_plan: GreedyPlan | None = None  # an int8 lm_head's (greedy_tokens)
         # the lm_head no plan takes (not asked again), weakly: a module set as an attribute would become a
@@ -845,7 +880,8 @@ class HeadModel(nn.Module):
         screen = self.greedy_screen
         if screen is not None and screen.weight is getattr(self.lm_head, "weight", None):  # this lm_head's
             return self._screened_tokens(screen, hidden)
-        if self.logits_scaling is not None or self.final_softcap is not None:  # logits need more than the product
+        if self.logits_scaling is not None or self.logit_scale is not None or self.final_softcap is not None:
+            # logits need more than the product
             return None
         plan = self._greedy_plan
         if plan is None or not plan.current(self.norm, self.lm_head):
@@ -868,8 +904,8 @@ class HeadModel(nn.Module):
         normed = self.norm(hidden)[0]
         if normed.dtype != torch.bfloat16:
             return None
-        # logits_scaling needs no part here: one positive divisor, which moves no argmax, and ties no two bf16
-        # logits (they lie much further apart than a float32 rounding)
+        # logits_scaling and logit_scale need no part here: one positive divisor or factor, which moves no argmax,
+        # and ties no two bf16 logits (they lie much further apart than a float32 rounding)
         found = screen.candidates(normed.contiguous(), self.final_softcap)
         if found is None:
             return None
@@ -887,6 +923,8 @@ class HeadModel(nn.Module):
         logits = widened(normed) if widened is not None else self.lm_head(normed).float()
         if self.logits_scaling is not None:
             logits = logits / self.logits_scaling
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

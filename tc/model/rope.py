@@ -286,21 +286,25 @@ class Rotary:
     """cos/sin tables for rotary position embeddings: computed in fp32, grown on demand, kept per dtype."""
 
     def __init__(self, head_dim: int, rope: Rope | float, device: torch.device | str, context: int | None = None,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, wide: bool = False):
         """context: the positions a sequence may use (ModelConfig.context_length), which longrope's frequencies
         depend on. rotary_dim: where only some of each head's dimensions rotate (ModelConfig.rotary_dim), how
         many; their frequencies then take the first rotary_dim / 2 pairs of the tables, and the rest of the head
         (pairs of frequency 0: cos 1, sin 0, unscaled) passes through as it is. The layer's q/k rows are ordered
-        to match as they load (ModelConfig.rotary_rows)."""
+        to match as they load (ModelConfig.rotary_rows). wide: the tables are fp32 whatever dtype is asked for
+        (ModelConfig.fp32_rotary_tables: q and k then rotate by rotate_wide_)."""
         rope = rope if isinstance(rope, Rope) else Rope(float(rope))
         self.head_dim = head_dim
         self.inv_freq = inv_freq(rope, rotary_dim or head_dim, device, context)  # [R/2], scaled as the config says
         self.attention_scaling = attention_scaling(rope)  # YaRN's and longrope's factor on cos and sin; else 1
+        self.wide = wide
         self.size = 0  # positions the tables cover
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype`, sin in `rotate_`'s form."""
+        """cos and sin [L, 1, D] for positions [start, start + L) in `dtype` (fp32 where wide), sin in `rotate_`'s
+        form."""
+        dtype = torch.float32 if self.wide else dtype
         end = start + length
         if end > self.size:
             self.size = max(end, 2 * self.size, 256)
@@ -325,8 +329,9 @@ class Rotary:
         """Where the cos and sin tables in `dtype` start (position p's row is p * D values on, as `tables` slices
         them), grown to cover positions [0, end): what a decode plan copies its rows from, where slicing each
         would take a tensor op. CPU tables only; the addresses hold until the tables next grow."""
-        if self.inv_freq.device.type != "cpu":
-            raise ValueError(f"table addresses are for CPU tables; these are on {self.inv_freq.device}")
+        if self.inv_freq.device.type != "cpu" or self.wide:
+            raise ValueError(f"table addresses are for CPU tables in the compute dtype; these are on "
+                             f"{self.inv_freq.device}{' and fp32' if self.wide else ''}")
         if end > self.size or dtype not in self._tables:
             self.tables(end - 1, 1, dtype)
         cos, sin = self._tables[dtype]
@@ -349,3 +354,12 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [B, L, heads, D], a new tensor
     x.mul_(cos).add_(swapped.mul_(sin))
+
+
+def rotate_wide_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """rotate_ in fp32, x rounded to its dtype once at the end, as ERNIE 4.5's and Cohere's references rotate
+    whatever the compute dtype (ModelConfig.rotate_in_fp32); the tables' values as given (ERNIE's fp32, Cohere's
+    rounded to the compute dtype)."""
+    wide = x.float()
+    rotate_(wide, cos, sin)
+    x.copy_(wide)

@@ -95,8 +95,8 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
     exceptions: q/k/v_proj fill one qkv_proj and gate/up_proj one gate_up_proj (a step runs four products per
     layer instead of seven; where the checkpoint stores them fused, Phi-3 both and GLM gate/up, from one tensor
     each); a mixture of experts' block is `mlp` whatever the checkpoint calls it (Mixtral's block_sparse_moe,
-    whose experts call their projections w1, w3, w2); and a family may name a tensor otherwise
-    (ModelConfig.checkpoint_names: GLM-4's norms). What a family's checkpoint holds follows from its ModelConfig
+    whose experts call their projections w1, w3, w2); and a family may name a norm otherwise
+    (ModelConfig.checkpoint_names: GLM-4's). What a family's checkpoint holds follows from its ModelConfig
     alone (its biases, norms, experts, fused tensors and names), so a new family adds no names here.
     """
     c = config
@@ -111,7 +111,8 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
 
     if c.pre_norms:
         same("input_layernorm.weight", (h,))
-    same("post_attention_layernorm.weight", (h,))
+    if not c.parallel_block:
+        same("post_attention_layernorm.weight", (h,))
     parts = {"qkv_proj": q + 2 * kv} if c.fused_qkv else {"q_proj": q, "k_proj": kv, "v_proj": kv}
     sources["self_attn.qkv_proj.weight"] = {f"self_attn.{part}.weight": (rows, h) for part, rows in parts.items()}
     if c.qkv_bias:
@@ -139,6 +140,7 @@ def layer_sources(config: ModelConfig, layer: int) -> dict[str, dict[str, tuple[
                                         False))
             sources["mlp.shared_expert_gate.weight"] = {f"{block}.shared_expert_gate.weight": (1, h)}
     elif c.fused_gate_up:
+        assert not c.mlp_bias, "a fused gate_up_proj with biases"
         same("mlp.gate_up_proj.weight", (2 * c.intermediate_size, h))
         same("mlp.down_proj.weight", (h, c.intermediate_size))
     else:

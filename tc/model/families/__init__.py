@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
-from . import (ernie, exaone4, gemma, glm, granite, helium, llama, mistral, moe, olmo2, olmo3, phi3, qwen2, qwen3,
-               qwen_vl, seed_oss, smollm3)
+from . import (cohere, ernie, exaone4, gemma, glm, granite, helium, llama, mistral, moe, olmo2, olmo3, phi3, qwen2,
+               qwen3, qwen_vl, seed_oss, smollm3)
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("ernie4_5", ("Ernie4_5ForCausalLM",), ernie.parse),
     Family("helium", ("HeliumForCausalLM",), helium.parse),
     Family("seed_oss", ("SeedOssForCausalLM",), seed_oss.parse),
+    Family("cohere", ("CohereForCausalLM",), cohere.parse_cohere),
+    Family("cohere2", ("Cohere2ForCausalLM",), cohere.parse_cohere2),
     Family("exaone4", ("Exaone4ForCausalLM",), exaone4.parse),
     Family("olmo3", ("Olmo3ForCausalLM",), olmo3.parse),
     Family("smollm3", ("SmolLM3ForCausalLM",), smollm3.parse),

@@ -1,7 +1,7 @@
 """ERNIE 4.5's dense models (ERNIE-4.5-0.3B: Ernie4_5ForCausalLM): Llama's layer with every head rotating in
 interleaved pairs (2j, 2j + 1), which tc turns as its own pairs on q/k rows reordered as they load
-(ModelConfig.rotary_rows), and `use_bias` on every projection of attention and the MLP alike. transformers rotates
-in fp32 whatever the compute dtype; tc in the compute dtype, so bf16 steps may round q and k differently."""
+(ModelConfig.rotary_rows), in fp32 by fp32 tables whatever the compute dtype, as its reference rotates; and
+`use_bias` on every projection of attention and the MLP alike."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,4 +17,5 @@ def parse(data: dict[str, Any]) -> ModelConfig:
     bias = flag(data, "use_bias")
     return ModelConfig(**common_fields(data, "ernie4_5", tie_default=True, default_theta=ERNIE_THETA,
                                        defaults=ERNIE_DEFAULTS),
-                       qkv_bias=bias, o_bias=bias, mlp_bias=bias, rotary_interleaved=True)
+                       qkv_bias=bias, o_bias=bias, mlp_bias=bias, rotary_interleaved=True, rotate_in_fp32=True,
+                       fp32_rotary_tables=True)

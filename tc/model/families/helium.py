@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import ModelConfig, common_fields, flag
 
-# HeliumConfig's where config.json leaves them out: a KV head per query head of its 20, heads of 128, eps 1e-8,
+# HeliumConfig's where config.json leaves them out: 20 KV heads (its query heads' number), heads of 128, eps 1e-8,
 # rotary base 1e5
 HELIUM_DEFAULTS = {"num_key_value_heads": 20, "head_dim": 128, "rms_norm_eps": 1e-08}
 HELIUM_THETA = 100000.0
