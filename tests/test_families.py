@@ -340,11 +340,14 @@ def test_glm_configs_are_read_as_transformers_reads_them(data):
     assert whole.rotary_dim is None and whole.rotary_rows()[:4] == [0, 2, 4, 6]
 
 
-@pytest.mark.parametrize("name", ["ernie4.5", "cohere", "glm", "glm4", "helium", "llama", "phi4-mini"])
+@pytest.mark.parametrize("name", ["ernie4.5", "cohere", "cohere2", "olmo2", "glm", "glm4", "helium", "llama",
+                                  "phi4-mini"])
 def test_bf16_queries_and_keys_rotate_to_the_bits_of_the_familys_reference(family_dirs, name):
-    """transformers' rotation of bf16 q and k, in the reference's own roundings: ERNIE 4.5's and Cohere's in fp32,
-    rounded once; the others' in bf16 by bf16 tables. tc's q/k rows are the checkpoint's reordered (rotary_rows), so
-    its rotation of them, put back in the checkpoint's order, is compared bit for bit."""
+    """transformers' rotation of bf16 q and k, in the reference's own roundings: ERNIE 4.5's, Cohere's and OLMo's in
+    fp32, rounded once (by fp32 tables, or Cohere's rounded to bf16); the others' in bf16 by bf16 tables. tc's q/k
+    rows are the checkpoint's reordered (rotary_rows), so its rotation of them, put back in the checkpoint's order,
+    is compared bit for bit; and where it rotates in fp32, before the native attention, whose decode rows then
+    cache the keys SDPA's would."""
     import importlib
 
     model_dir = family_dirs(name)
@@ -362,10 +365,17 @@ def test_bf16_queries_and_keys_rotate_to_the_bits_of_the_familys_reference(famil
     stage.layers["0"].self_attn.rotate(ours, *stage.rotary.tables(40, rows, torch.bfloat16))
     assert ours.dtype == torch.bfloat16
     assert torch.equal(ours[..., torch.tensor(order).argsort()], expected.transpose(1, 2))
-    if config.rotate_in_fp32:  # the native attention rotates in bf16: such a layer never takes it
-        attn = stage.layers["0"].self_attn
-        attn.native_decode = True
-        assert attn._decode_kernels(ours.new_zeros(1, 1, heads + 2 * config.num_key_value_heads, d)) is None
+    if config.rotate_in_fp32:  # the native attention would rotate in bf16: such a layer rotates before it
+        stage = stage.bfloat16()
+        x = torch.randn(1, 6, config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+        cached = []
+        for native_decode in (True, False):  # a decode row through the native attention, or through SDPA
+            stage.layers["0"].self_attn.native_decode = native_decode
+            cache = stage.new_cache(8, torch.bfloat16, "cpu")
+            stage(x[:, :5], cache, 0)
+            stage(x[:, 5:], cache, 5)
+            cached.append(cache.kv[..., :6, :].clone())  # [layers, K/V, B, H_kv, T, D]: the 6 positions written
+        assert torch.equal(*cached)
 
 
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "glm4", "mixtral", "qwen2-moe"])
@@ -614,8 +624,8 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
      "names no layer_types, with sliding_window = 5 and sliding_window_pattern = 'LLLG'; give layer_types"),
     ("cohere", {"use_qk_norm": True}, "use_qk_norm = true"),
     ("cohere", {"logit_scale": 0}, "logit_scale = 0; it must be a positive number"),
-    ("cohere", {"logit_scale": None}, "config.json has no 'logit_scale'"),
-    ("cohere", {"layer_norm_eps": "1e-5"}, "layer_norm_eps = '1e-5'; expected float"),
+    ("cohere", {"logit_scale": None}, "logit_scale = null; it must be a positive number"),
+    ("cohere", {"layer_norm_eps": "1e-5"}, 'layer_norm_eps = "1e-5"; it must be a positive number such as 1e-05'),
     ("cohere2", {"sliding_window": None}, "sliding_window = null while layer_types holds sliding_attention"),
 ])
 def test_a_layer_kind_or_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):
@@ -660,8 +670,10 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "ernie4.5": ("ernie4.5", {"num_key_value_heads", "tie_word_embeddings", "rope_parameters", "rms_norm_eps"}, {}),
     "helium": ("helium", {"rope_parameters", "rms_norm_eps"}, {}),
     "seed-oss": ("seed-oss", {"attention_bias", "attention_out_bias", "rope_parameters"}, {}),
-    # Cohere's logit scale, epsilon, tied embeddings and biases; Cohere 2's layers by sliding_window_pattern
-    "cohere": ("cohere", {"logit_scale", "layer_norm_eps", "tie_word_embeddings", "attention_bias"}, {}),
+    # Cohere's logit scale, epsilon, tied embeddings, biases and rotary base (5e5, where Cohere 2 takes 1e4); Cohere
+    # 2's layers by sliding_window_pattern
+    "cohere": ("cohere", {"logit_scale", "layer_norm_eps", "tie_word_embeddings", "attention_bias", "rope_parameters"},
+               {}),
     "cohere2": ("cohere2", {"layer_types", "head_dim"}, {"sliding_window_pattern": 2}),
 }
 

@@ -85,11 +85,12 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3's NoPE layers do not); (): all
     rotary_dim: int | None = None  # the leading dimensions of each head that rotate (Phi-4-mini's 96 of 128); None: all
     rotary_interleaved: bool = False  # the checkpoint's heads rotate the pairs (2j, 2j + 1), not (j, j + R/2) (GLM)
-    rotate_in_fp32: bool = False  # q and k rotate in fp32, rounded once (ERNIE 4.5's and Cohere's references)
-    fp32_rotary_tables: bool = False  # with rotate_in_fp32: by fp32 cos/sin, not rounded to the compute dtype (ERNIE)
+    rotate_in_fp32: bool = False  # q and k rotate in fp32, rounded once (ERNIE 4.5's, Cohere's, OLMo's references)
+    fp32_rotary_tables: bool = False  # with rotate_in_fp32: by fp32 cos/sin, not rounded to the compute dtype (ERNIE,
+    # OLMo)
     fused_qkv: bool = False  # the checkpoint stores q/k/v_proj fused already, as qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint stores gate/up_proj fused already, as gate_up_proj (Phi-3, GLM)
-    # layer norms the checkpoint names otherwise: (tc's name, the checkpoint's) under the layer's prefix (GLM-4
+    # a layer's norms the checkpoint names otherwise: (tc's name, the checkpoint's) under its prefix (GLM-4
     # calls its sandwich norms post_self_attn_layernorm, post_attention_layernorm and post_mlp_layernorm)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
     layer_norms: bool = False  # norms subtract the mean too, and scale in fp32 (Cohere's LayerNorm, without a bias)
@@ -97,6 +98,10 @@ class ModelConfig:
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
+
+    def __post_init__(self) -> None:
+        # fp32 tables are for a rotation in fp32: one in the compute dtype would round at each operation by them
+        assert self.rotate_in_fp32 or not self.fp32_rotary_tables, "fp32 rotary tables without rotate_in_fp32"
 
     @property
     def rope_theta(self) -> float:

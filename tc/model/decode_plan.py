@@ -166,7 +166,8 @@ class DecodePlan:
             return None
         attn, mlp = layer.self_attn, layer.mlp
         h, h_kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if attn.q_norm is not None or (h + 2 * h_kv) * d != b.qkv.shape[1] or h * d != b.attended.shape[1] \
+        if attn.q_norm is not None or attn.rotates_wide or (h + 2 * h_kv) * d != b.qkv.shape[1] \
+                or h * d != b.attended.shape[1] \
                 or d != b.cos.shape[-1] or mlp.down_proj.in_features != b.act.shape[1]:
             return None
         kernels = attn._decode_kernels(b.qkv, planned=True)

@@ -250,7 +250,8 @@ class LayerNorm(RMSNorm):
     native kernel takes it."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0, scale_in_fp32: bool = True):
-        super().__init__(size, eps, offset, scale_in_fp32=True)
+        assert not offset, "a layer norm whose weight is stored less an offset"
+        super().__init__(size, eps, scale_in_fp32=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.float()
@@ -334,7 +335,8 @@ class Attention(nn.Module):
         self.softcap = config.attn_softcap
         self.window = config.window(layer)
         self.rotates = config.rotates(layer)  # False: q and k go in unrotated (SmolLM3's NoPE layers)
-        # True: q and k rotate in fp32, rounded once (ERNIE 4.5, Cohere), which the native attention does not
+        # True: q and k rotate in fp32, rounded once (ERNIE 4.5, Cohere, OLMo 2 and 3), which the native attention
+        # does not: they rotate before it (and no decode plan takes them)
         self.rotates_wide = config.rotate_in_fp32
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
@@ -346,11 +348,16 @@ class Attention(nn.Module):
             qkv = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h:h + h_kv]), qkv[:, :, h + h_kv:]), 2)
         kernels = self._decode_kernels(qkv)
         if kernels is not None and all(_native_decode_row(span) for span in spans):
-            # a decode step the native kernel takes whole: it rotates the query and key heads itself, which spares
-            # rotate_'s operators (each several times its hot-loop cost in a step whose weights swept the caches)
+            # a decode step the native kernel takes whole: it rotates the query and key heads itself (in the
+            # compute dtype), which spares rotate_'s operators (each several times its hot-loop cost in a step whose
+            # weights swept the caches)
+            rotary = None
+            if self.rotates and self.rotates_wide:
+                self.rotate(qkv[:, :, :h + h_kv], cos, sin)
+            elif self.rotates:
+                rotary = cos, sin
             out = qkv.new_empty(1, rows, h * d)
-            self._decode_natively(kernels, qkv, out, list(enumerate(spans)), layer,
-                                  (cos, sin) if self.rotates else None)
+            self._decode_natively(kernels, qkv, out, list(enumerate(spans)), layer, rotary)
             return self.o_proj(out)
         if self.rotates:
             self.rotate(qkv[:, :, :h + h_kv], cos, sin)
@@ -393,11 +400,10 @@ class Attention(nn.Module):
 
     def _decode_kernels(self, qkv: torch.Tensor, planned: bool = False) -> native.Kernels | None:
         """The native kernels where this layer's decode rows take their attention (attention.c), else None:
-        bf16 on a CPU, no sliding window, soft-capped scores or rotation in fp32, heads the kernel takes, and a
-        probe that found it faster than SDPA here (unless native_decode forces the choice); `planned`: for a decode
-        plan, where agreeing with its reference is enough."""
-        if self.native_decode is False or self.window is not None or self.softcap is not None \
-                or self.rotates_wide:
+        bf16 on a CPU, no sliding window or soft-capped scores, heads the kernel takes, and a probe that found it
+        faster than SDPA here (unless native_decode forces the choice); `planned`: for a decode plan, where
+        agreeing with its reference is enough."""
+        if self.native_decode is False or self.window is not None or self.softcap is not None:
             return None
         if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" \
                 or not native.attention_shape_ok(self.n_heads, self.n_kv_heads, self.head_dim):

@@ -8,18 +8,20 @@ and, every sliding_window_pattern-th layer, full ones that rotate nothing (NoPE)
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
-from ..config import ConfigError, ModelConfig, common_fields, flag, hybrid_layers, require
+from ..config import ConfigError, ModelConfig, common_fields, flag, hybrid_layers
+from ..rope import DEFAULT_ROPE_THETA
 
-# CohereConfig's and Cohere2Config's where config.json leaves them out
-DEFAULT_EPS, DEFAULT_LOGIT_SCALE = 1e-5, 0.0625
+# CohereConfig's and Cohere2Config's where config.json leaves them out (Cohere's own rotary base; Cohere 2 takes 1e4)
+DEFAULT_EPS, DEFAULT_LOGIT_SCALE, COHERE_THETA = 1e-5, 0.0625, 500000.0
 COHERE2_WINDOW, COHERE2_PATTERN = 4096, 4
 
 
 def parse_cohere(data: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**_fields(data, "cohere"), **_block(data))
+    return ModelConfig(**_fields(data, "cohere", COHERE_THETA), **_block(data))
 
 
 def parse_cohere2(data: dict[str, Any]) -> ModelConfig:
@@ -30,23 +32,29 @@ def parse_cohere2(data: dict[str, Any]) -> ModelConfig:
                        rope_layers=tuple(kind == "sliding_attention" for kind in types))
 
 
-def _fields(data: dict[str, Any], family: str) -> dict[str, Any]:
+def _fields(data: dict[str, Any], family: str, default_theta: float = DEFAULT_ROPE_THETA) -> dict[str, Any]:
     """common_fields, the norms' epsilon read from layer_norm_eps; `source` as given."""
-    eps = data.get("layer_norm_eps", DEFAULT_EPS)
-    values = common_fields({**data, "rms_norm_eps": require({"layer_norm_eps": eps}, "layer_norm_eps", float)},
-                           family, tie_default=True)
+    eps = _number(data, "layer_norm_eps", DEFAULT_EPS)
+    values = common_fields({**data, "rms_norm_eps": eps}, family, tie_default=True, default_theta=default_theta)
     values["source"] = copy.deepcopy(data)
     return values
+
+
+def _number(data: dict[str, Any], key: str, default: float) -> float:
+    """config.json's positive number `key`, `default` where left out. Raises ConfigError for anything else (the
+    config classes take null, and then fail on it)."""
+    value = data.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json sets {key} = {json.dumps(value)}; it must be a positive number such as "
+                          f"{default}")
+    return float(value)
 
 
 def _block(data: dict[str, Any]) -> dict[str, Any]:
     if flag(data, "use_qk_norm"):
         raise ConfigError("config.json sets use_qk_norm = true (Command R+'s query and key layer norms), which tc "
                           "does not compute yet")
-    scale = data.get("logit_scale", DEFAULT_LOGIT_SCALE)
-    scale = require({"logit_scale": scale}, "logit_scale", float)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ConfigError(f"config.json sets logit_scale = {scale!r}; it must be a positive number such as 0.0625")
+    scale = _number(data, "logit_scale", DEFAULT_LOGIT_SCALE)
     bias = flag(data, "attention_bias")  # on q, k, v and o alike
     return dict(qkv_bias=bias, o_bias=bias, layer_norms=True, parallel_block=True, rotary_interleaved=True,
-                rotate_in_fp32=True, logit_scale=float(scale))
+                rotate_in_fp32=True, logit_scale=scale)

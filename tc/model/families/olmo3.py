@@ -49,4 +49,4 @@ def parse(data: dict[str, Any]) -> ModelConfig:
     bias = flag(data, "attention_bias")  # on q, k, v and o alike
     return ModelConfig(**values, qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_whole=True,
                        sandwich_norms=True, pre_norms=False, norms_scale_in_fp32=True, sliding_windows=windows,
-                       local_rope=local)
+                       local_rope=local, rotate_in_fp32=True, fp32_rotary_tables=True)  # rotated as OLMo 2's
