@@ -145,6 +145,19 @@ def test_no_plan_where_the_logits_need_more_than_the_lm_head(model_dir):
     assert head.greedy_tokens(hidden_rows(1, 0)) is None and head._greedy_plan is None
 
 
+@needs_native
+@pytest.mark.parametrize("scale, planned", [(0.0625, True), (4.0, True), (0.3, False)])
+def test_a_logit_scale_keeps_the_plan_only_where_it_scales_every_logit_exactly(model_dir, scale, planned):
+    """Cohere's logits times a power of two (its published scales): each logit scaled exactly, so the product's
+    argmax is theirs; another factor's rounding may tie two logits, and then the logits decide."""
+    head = load_local_generator(model_dir, "bf16", quant="int8").head
+    head.logit_scale = scale
+    for seed in range(10):
+        hidden = hidden_rows(3, seed)
+        assert head.greedy_tokens(hidden) == (full_tokens(head, hidden) if planned else None), seed
+    assert isinstance(head._greedy_plan, GreedyPlan) == planned
+
+
 def test_no_plan_for_an_lm_head_without_the_native_int8_product(model_dir):
     head = load_local_generator(model_dir, "bf16", quant="fp16").head
     head.greedy_screen = None

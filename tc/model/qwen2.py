@@ -25,6 +25,7 @@ import array
 import ctypes
 import functools
 import logging
+import math
 import os
 import time
 import weakref
@@ -527,6 +528,12 @@ class DecoderLayer(nn.Module):
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
+def _exact_factor(factor: float | None) -> bool:
+    """Whether multiplying float32 logits by `factor` (HeadModel.logit_scale; None: none) changes no logit's order
+    or ties: a power of two scales each (normal) float exactly. Cohere's published scales all are."""
+    return factor is None or (factor > 0 and math.frexp(factor)[0] == 0.5)
+
+
 def _give_back_freed_memory() -> None:
     """Return the C heap's free pages to the OS, where the C library is glibc (a no-op elsewhere).
 
@@ -886,8 +893,8 @@ class HeadModel(nn.Module):
         screen = self.greedy_screen
         if screen is not None and screen.weight is getattr(self.lm_head, "weight", None):  # this lm_head's
             return self._screened_tokens(screen, hidden)
-        if self.logits_scaling is not None or self.logit_scale is not None or self.final_softcap is not None:
-            # logits need more than the product
+        if self.logits_scaling is not None or not _exact_factor(self.logit_scale) or self.final_softcap is not None:
+            # logits need more than the product: operations whose rounding may tie logits the product keeps apart
             return None
         plan = self._greedy_plan
         if plan is None or not plan.current(self.norm, self.lm_head):
