@@ -623,9 +623,9 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     ("exaone4-hybrid", {"layer_types": None, "sliding_window_pattern": "LLLG"},
      "names no layer_types, with sliding_window = 5 and sliding_window_pattern = 'LLLG'; give layer_types"),
     ("cohere", {"use_qk_norm": True}, "use_qk_norm = true"),
-    ("cohere", {"logit_scale": 0}, "logit_scale = 0; it must be a positive number"),
-    ("cohere", {"logit_scale": None}, "logit_scale = null; it must be a positive number"),
-    ("cohere", {"layer_norm_eps": "1e-5"}, 'layer_norm_eps = "1e-5"; it must be a positive number such as 1e-05'),
+    ("cohere", {"logit_scale": 0}, "logit_scale = 0; expected a positive number"),
+    ("cohere", {"logit_scale": None}, "logit_scale = null; expected a positive number"),
+    ("cohere", {"layer_norm_eps": "1e-5"}, 'layer_norm_eps = "1e-5"; expected a positive number such as 1e-05'),
     ("cohere2", {"sliding_window": None}, "sliding_window = null while layer_types holds sliding_attention"),
 ])
 def test_a_layer_kind_or_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):

@@ -207,6 +207,17 @@ def require(data: dict[str, Any], key: str, kind: type | tuple[type, ...] = int,
     return value
 
 
+def positive_number(data: dict[str, Any], key: str, default: float) -> float:
+    """config.json's positive number `key`, `default` (the family's config class's) where left out. Raises
+    ConfigError for anything else: null, zero, a negative, infinity or a string, which the config classes take and
+    then compute garbage with or fail on."""
+    value = data.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json sets {key} = {json.dumps(value)}; expected a positive number such as "
+                          f"{default}")
+    return float(value)
+
+
 def within_limit(key: str, value: int) -> int:
     """`value` of size `key`, unless it passes SIZE_LIMITS. Raises ConfigError."""
     if value > SIZE_LIMITS[key]:
@@ -240,13 +251,14 @@ def token_ids(value: Any, where: str) -> list[int]:
 def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = False,
                   act_key: str = "hidden_act", default_theta: float = DEFAULT_ROPE_THETA,
                   defaults: dict[str, Any] | None = None, partial_rotary: bool = False,
-                  longrope: bool = False) -> dict[str, Any]:
+                  default_partial_rotary: float = 1.0, longrope: bool = False) -> dict[str, Any]:
     """The ModelConfig fields every family reads the same way, from config.json's dict; `tie_default`,
     `default_theta` and `defaults` (other keys: an explicit null stays null) are what the family's transformers
     config takes where config.json leaves those out. `source` is config.json as read, defaults not filled in: it
     crosses the wire, and each worker fills them the same way. `partial_rotary`: the family's attention rotates
-    only the first partial_rotary_factor of each head where config.json says so (Phi-3's does); elsewhere a
-    factor other than 1 is refused. `longrope`: the family takes longrope scaling (rope.parse_rope).
+    only the first partial_rotary_factor of each head where config.json says so (Phi-3's does), or
+    `default_partial_rotary` of it where config.json names no factor (GLM's half); elsewhere a factor other than 1
+    is refused. `longrope`: the family takes longrope scaling (rope.parse_rope).
 
     Raises ConfigError for a missing or ill-typed shape, heads that do not divide, or an activation tc lacks.
     """
@@ -286,16 +298,17 @@ def common_fields(data: dict[str, Any], family: str, *, tie_default: bool = Fals
     if act not in ACTIVATIONS:
         raise ConfigError(f"config.json sets {act_key} = {act!r}; tc's MLP computes {', '.join(ACTIVATIONS)} only")
     values["hidden_act"] = act
-    values["rotary_dim"] = rotary_dim(data, head_dim, partial_rotary)
+    values["rotary_dim"] = rotary_dim(data, head_dim, partial_rotary, default_partial_rotary)
     values["rope"] = parse_rope(data, default_theta=default_theta, rotary_dim=values["rotary_dim"], longrope=longrope)
     values["source"] = source
     return values
 
 
-def rotary_dim(data: dict[str, Any], head_dim: int, partial_rotary: bool) -> int | None:
+def rotary_dim(data: dict[str, Any], head_dim: int, partial_rotary: bool, default: float = 1.0) -> int | None:
     """The dimensions of each head that rotate, as transformers takes them (int(head_dim * partial_rotary_factor),
-    the factor at the top level or in the rotary dict), where that is fewer than head_dim; None where the whole
-    head rotates. Raises ConfigError for a factor the family does not apply, or one that leaves no whole pair."""
+    the factor at the top level or in the rotary dict, `default` where neither names one), where that is fewer
+    than head_dim; None where the whole head rotates. Raises ConfigError for a factor the family does not apply,
+    or one that leaves no whole pair."""
     found = {"partial_rotary_factor": data.get("partial_rotary_factor")}
     for key in ROPE_LAYOUTS:
         if isinstance(data.get(key), dict):
@@ -308,7 +321,7 @@ def rotary_dim(data: dict[str, Any], head_dim: int, partial_rotary: bool) -> int
             raise ConfigError(f"config.json sets {where} = {value!r}; tc rotates the whole head in this family")
     if len({float(v) for v in given.values()}) > 1:
         raise ConfigError(f"config.json gives two partial_rotary_factors ({given}); keep one of them")
-    factor = float(next(iter(given.values()), 1.0))
+    factor = float(next(iter(given.values()), default))
     dims = int(head_dim * factor)
     if dims <= 0 or dims % 2:
         raise ConfigError(f"partial_rotary_factor = {factor!r} rotates {dims} of each head's {head_dim} "

@@ -44,7 +44,7 @@ from .greedy_plan import GreedyPlan
 from .greedy_screen import MAX_TIME_SHARE, GreedyScreen, screens
 from .kv_cache import KVCache
 from .probe import cache_sweeper, race
-from .rope import Rotary, rotate_, rotate_wide_
+from .rope import Rope, Rotary, rotate_, rotate_wide_
 from .quant import Quantization
 from .weights import LM_HEAD, WeightIndex, WeightsError, head_tensor_names, layer_prefix, layer_sources, own_lm_head
 
@@ -615,8 +615,12 @@ def _local_rotary(config: ModelConfig, device: torch.device | str) -> Rotary | N
     """The rotary tables of the sliding-window layers where they differ from the others' (Gemma 3), else None."""
     if config.local_rope is None or config.local_rope == config.rope or not config.sliding_windows:
         return None
-    return Rotary(config.head_dim, config.local_rope, device, config.context_length, config.rotary_dim,
-                  config.fp32_rotary_tables)
+    return _rotary(config, config.local_rope, device)
+
+
+def _rotary(config: ModelConfig, rope: Rope, device: torch.device | str) -> Rotary:
+    """The rotary tables of `rope` (the model's, or its sliding layers' own) for this model's heads."""
+    return Rotary(config.head_dim, rope, device, config.context_length, config.rotary_dim, config.fp32_rotary_tables)
 
 
 class StepInterrupted(Exception):
@@ -637,8 +641,7 @@ class Stage(nn.Module):
         self.config, self.start, self.end = config, start, end
         # keyed by global layer number, so state-dict names match the checkpoint's
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(start, end)})
-        self.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim,
-                             config.fp32_rotary_tables)
+        self.rotary = _rotary(config, config.rope, device)
         self.local_rotary = _local_rotary(config, device)
         self._plans = Plans()  # by what a plan's calls depend on (_plan_key)
 
@@ -665,8 +668,7 @@ class Stage(nn.Module):
             _give_back_freed_memory()
             if progress is not None:
                 progress(done, end - start)
-        stage.rotary = Rotary(config.head_dim, config.rope, device, config.context_length, config.rotary_dim,
-                             config.fp32_rotary_tables)
+        stage.rotary = _rotary(config, config.rope, device)
         stage.local_rotary = _local_rotary(config, device)
         return stage.eval()
 

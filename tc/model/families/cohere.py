@@ -8,11 +8,9 @@ and, every sliding_window_pattern-th layer, full ones that rotate nothing (NoPE)
 from __future__ import annotations
 
 import copy
-import json
-import math
 from typing import Any
 
-from ..config import ConfigError, ModelConfig, common_fields, flag, hybrid_layers
+from ..config import ConfigError, ModelConfig, common_fields, flag, hybrid_layers, positive_number
 from ..rope import DEFAULT_ROPE_THETA
 
 # CohereConfig's and Cohere2Config's where config.json leaves them out (Cohere's own rotary base; Cohere 2 takes 1e4)
@@ -34,27 +32,17 @@ def parse_cohere2(data: dict[str, Any]) -> ModelConfig:
 
 def _fields(data: dict[str, Any], family: str, default_theta: float = DEFAULT_ROPE_THETA) -> dict[str, Any]:
     """common_fields, the norms' epsilon read from layer_norm_eps; `source` as given."""
-    eps = _number(data, "layer_norm_eps", DEFAULT_EPS)
+    eps = positive_number(data, "layer_norm_eps", DEFAULT_EPS)
     values = common_fields({**data, "rms_norm_eps": eps}, family, tie_default=True, default_theta=default_theta)
     values["source"] = copy.deepcopy(data)
     return values
-
-
-def _number(data: dict[str, Any], key: str, default: float) -> float:
-    """config.json's positive number `key`, `default` where left out. Raises ConfigError for anything else (the
-    config classes take null, and then fail on it)."""
-    value = data.get(key, default)
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"config.json sets {key} = {json.dumps(value)}; it must be a positive number such as "
-                          f"{default}")
-    return float(value)
 
 
 def _block(data: dict[str, Any]) -> dict[str, Any]:
     if flag(data, "use_qk_norm"):
         raise ConfigError("config.json sets use_qk_norm = true (Command R+'s query and key layer norms), which tc "
                           "does not compute yet")
-    scale = _number(data, "logit_scale", DEFAULT_LOGIT_SCALE)
+    scale = positive_number(data, "logit_scale", DEFAULT_LOGIT_SCALE)
     bias = flag(data, "attention_bias")  # on q, k, v and o alike
     return dict(qkv_bias=bias, o_bias=bias, layer_norms=True, parallel_block=True, rotary_interleaved=True,
                 rotate_in_fp32=True, logit_scale=scale)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig, common_fields, flag
-from ..rope import ROPE_LAYOUTS
 
 # GlmConfig's and Glm4Config's where config.json leaves them out: 2 KV heads and heads of 128 whatever
 # hidden_size / num_attention_heads gives, and half of each head rotating (where neither the top level nor the
@@ -31,10 +30,8 @@ def parse_glm4(data: dict[str, Any]) -> ModelConfig:
 
 
 def _fields(data: dict[str, Any], family: str) -> dict[str, Any]:
-    named = "partial_rotary_factor" in data or any(
-        isinstance(data.get(key), dict) and "partial_rotary_factor" in data[key] for key in ROPE_LAYOUTS)
-    defaults = GLM_DEFAULTS if named else {**GLM_DEFAULTS, "partial_rotary_factor": DEFAULT_PARTIAL_ROTARY}
-    return common_fields(data, family, defaults=defaults, partial_rotary=True)
+    return common_fields(data, family, defaults=GLM_DEFAULTS, partial_rotary=True,
+                         default_partial_rotary=DEFAULT_PARTIAL_ROTARY)
 
 
 def _attention(data: dict[str, Any]) -> dict[str, Any]:
