@@ -136,18 +136,20 @@ class IncrementalDecoder:
     A byte-level BPE token can end mid-character; the decoded tail then ends in U+FFFD, so we hold text back
     until the character completes. `context` are tokens the text comes after (a prompt's last ones), read only as
     context: a SentencePiece decoder (Llama 2's, Mistral's) drops the space a text starts with, which the first
-    token's word keeps when it continues a text.
+    token's word keeps when it continues a text. `kept`: special tokens whose text stays all the same
+    (TextTokenizer.decode).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, context: Sequence[int] = (),
+                 kept: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens, self.kept = skip_special_tokens, kept
         self.ids: list[int] = list(context)
         self.prefix_offset = 0  # ids before this are only context for decoding
         self.read_offset = len(self.ids)  # ids before this have been emitted as text (or are the context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, kept=self.kept)
 
     @property
     def caught_up(self) -> bool:
@@ -295,8 +297,9 @@ class CompletionText:
     final text and whatever was still held.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...], context: Sequence[int] = ()):
-        self.decoder = IncrementalDecoder(tokenizer, context=context)
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...], context: Sequence[int] = (),
+                 kept: frozenset[int] = frozenset()):
+        self.decoder = IncrementalDecoder(tokenizer, context=context, kept=kept)
         self.stops = stops
         self.text = ""  # every complete character decoded so far
         self.shown = 0  # text[:shown] has left the loop
@@ -380,7 +383,7 @@ class SequenceState:
         self.rng = new_rng(params.seed)
         self.history: TokenHistory | None = None  # made with the first logits, which give the vocabulary's size
         self.text = CompletionText(tokenizer, params.stop, _text_context(tokenizer, prompt_ids)
-                                   if params.continues_prompt else ())
+                                   if params.continues_prompt else (), params.kept_tokens)
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
         self.cached = 0  # of those, how many a finished request's cache held already (take_cache, copy_cache)

@@ -53,6 +53,9 @@ class SamplingParams:
     # tokens the reply is expected to repeat (chat's `prediction`): a greedy sequence guesses its next tokens from
     # them first (draft.py); they change no token, only how many one step makes
     draft_reference: tuple[int, ...] = ()
+    # special tokens whose text the reply keeps, where decoding drops the others: markers its parser reads (a tool
+    # call's "[TOOL_CALLS]" or "<tool_call>" where the tokenizer marks them special; tool_calls.marker_tokens)
+    kept_tokens: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         """Raises ValueError for a value the sampler cannot use (the HTTP API refuses these before they get here).

@@ -15,13 +15,14 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
 from model_helpers import OurModel
-from tiny_model import write_tiny_model
-from tc.generation import Completion, Generator, Step
+from tiny_model import byte_tokenizer, write_tiny_model
+from tc.generation import Completion, CompletionText, Generator, Step
 from tc.head.api import create_app
 from tc.head.api_requests import MessageToolCall, RequestError, ToolChoice, parse_chat_request
 from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness
-from tc.head.streaming import ChatReply, ReplyContext, TokenText, ToolCalling
+from tc.head.streaming import ChatReply, ReplyContext, TokenText, ToolCalling, new_call_id
+from tc.head.tool_calls import marker_tokens, parse_tool_calls
 from tc.model.chat_template import ChatTemplates
 from tc.model.tokenizer import TextTokenizer
 
@@ -375,3 +376,63 @@ def test_the_openai_client_gets_and_sends_back_a_function_call(openai_client):
     answered = [*asked, choice.message, {"role": "function", "name": "lookup", "content": "found"}]
     follow = openai_client.chat.completions.create(model="tiny", messages=answered, functions=[lookup], max_tokens=2)
     assert follow.choices[0].message.role == "assistant"
+
+
+# --- call markers that are special tokens ---------------------------------------------------------------------------
+
+SPECIAL_MARKERS = ["[TOOL_CALLS]", "[ARGS]", "<|START_ACTION|>", "<|END_ACTION|>"]  # special in their tokenizers
+
+
+@pytest.fixture(scope="module")
+def marker_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with Mistral's and Command R7B's call markers as special tokens (ids 259..262), and
+    Hermes' as plain added tokens (263, 264), as Qwen's tokenizer has them."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("markers"), seed=0, max_position_embeddings=2048)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens(SPECIAL_MARKERS)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+def decoded_reply(tokenizer: TextTokenizer, text: str, kept: frozenset[int]) -> str:
+    """The reply's text as the generation loop decodes it, token by token, from the ids of `text`."""
+    reply = CompletionText(tokenizer, (), (), kept)
+    for token in tokenizer.encode(text):
+        reply.push(token, None)
+    return reply.finish()[0]
+
+
+@pytest.mark.parametrize("text", ['[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}',
+                                  'I will check.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+                                  '"parameters": {"location": "Paris"}}]<|END_ACTION|>'])
+def test_a_reply_keeps_the_call_markers_its_tokenizer_marks_special(marker_model_dir, text):
+    """Decoding drops special tokens, so a call written with Mistral's [ARGS] form or Command R7B's action block
+    reached the parser as `get_weather{"location": "Paris"}`: text, the call lost. Those markers now stay."""
+    tokenizer = TextTokenizer.load(marker_model_dir)
+    markers = marker_tokens(tokenizer)
+    assert markers == {tokenizer.token_id(m) for m in SPECIAL_MARKERS}  # Hermes' are text already
+    names = frozenset({"get_weather"})
+    assert parse_tool_calls(decoded_reply(tokenizer, text, frozenset()), names, new_call_id).calls == ()
+    kept = decoded_reply(tokenizer, text, markers)
+    assert kept == text
+    (call,) = parse_tool_calls(kept, names, new_call_id).calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"location": "Paris"})
+
+
+def test_a_reply_to_a_request_with_tools_keeps_the_markers_through_the_api(marker_model_dir):
+    """Through the HTTP API: the model made to write [TOOL_CALLS] (logit_bias) keeps its text where the request
+    offers tools; a reply to one without tools leaves special tokens out, as before."""
+    model = OurModel(marker_model_dir)
+    tokenizer = TextTokenizer.load(marker_model_dir)
+    tokenizer = dataclasses.replace(tokenizer, chat_templates=ChatTemplates({"default": QWEN_TEMPLATE}, "qwen"))
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32)
+    service = GenerationService("tiny", tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    client = testing.TestClient(create_app(service))
+    marker = tokenizer.token_id("[TOOL_CALLS]")
+    body = {"model": "tiny", "messages": [ASK], "max_tokens": 2, "logit_bias": {str(marker): 100}}
+    with_tools = client.simulate_post("/v1/chat/completions", json={**body, "tools": [WEATHER]})
+    assert with_tools.status_code == 200, with_tools.text
+    assert with_tools.json["choices"][0]["message"]["content"] == "[TOOL_CALLS][TOOL_CALLS]"
+    without = client.simulate_post("/v1/chat/completions", json=body)
+    assert without.json["choices"][0]["message"]["content"] == ""

@@ -73,6 +73,17 @@ RECORDED = [
      None, [("get_weather", {"location": "Paris"})]),
     ("openai shape", '{"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}',
      None, [("search", {"query": "x"})]),
+    # Command R7B: its plan, then the action block (its thinking markers are special tokens, decoded away)
+    ("command r7b action", 'I will look up the weather in Paris.<|START_ACTION|>[\n    {"tool_call_id": "0", '
+     '"tool_name": "get_weather", "parameters": {"location": "Paris"}}\n]<|END_ACTION|>',
+     "I will look up the weather in Paris.", [("get_weather", {"location": "Paris"})]),
+    ("command r7b two actions", '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", '
+     '"parameters": {"location": "Paris"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
+     '\n]<|END_ACTION|>', None, [("get_weather", {"location": "Paris"}), ("get_time", {})]),
+    ("command r7b block left open", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", '
+     '"parameters": {"query": "tc"}}]', None, [("search", {"query": "tc"})]),
+    ("command a single object", '<|START_ACTION|>{"tool_name": "search", "parameters": {"query": "tc"}}'
+     '<|END_ACTION|>', None, [("search", {"query": "tc"})]),
 ]
 
 NOT_CALLS = [
@@ -88,6 +99,12 @@ NOT_CALLS = [
     ("code fence of python", "```python\nprint('hi')\n```"),
     ("mistral marker then junk", "[TOOL_CALLS] not json at all"),
     ("phi-4-mini marker then junk", "functools[not json]"),
+    ("command r7b unknown tool", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "launch_rocket", '
+     '"parameters": {}}]<|END_ACTION|>'),
+    ("command r7b one of two bad", '<|START_ACTION|>[{"tool_name": "get_time", "parameters": {}}, '
+     '{"tool_name": "get_time"}]<|END_ACTION|>'),
+    ("command r7b empty block", "<|START_ACTION|>[]<|END_ACTION|>"),
+    ("command r7b marker then junk", "<|START_ACTION|>not json<|END_ACTION|>"),
     ("python's functools", "import functools\n\n@functools.lru_cache\ndef f(x):\n    return [x]"),
     ("empty", ""),
     # no call in the array: not a reply of calls only, which a stream would have sent as text from its "]"
@@ -148,6 +165,8 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "[1, 2] are the numbers",
     "Let me see. functools[{\"name\": \"get_time\", \"arguments\": {}}]",
     "functools[{\"name\": \"get_time\", \"arguments\": {}}] and more",
+    "Plan: \n<|START_ACTION|>[{\"tool_name\": \"get_time\", \"parameters\": {}}]<|END_ACTION|> after",
+    "I will use <|START_ACT but not really",
 ]
 
 
@@ -210,7 +229,8 @@ DEEP_OBJECT = '{"a": ' * 20_000 + "1" + "}" * 20_000
     '<tool_call>{"name": "get_time", "arguments": ' + json.dumps(DEEP_ARRAY) + "}</tool_call>",
     '{"name": "get_time", "arguments": ' + json.dumps(DEEP_OBJECT) + "}",
     "[TOOL_CALLS]get_time[ARGS]" + DEEP_OBJECT,
-], ids=["hermes, arguments as text", "bare, arguments as text", "mistral named"])
+    '<|START_ACTION|>[{"tool_name": "get_time", "parameters": ' + DEEP_OBJECT + "}]",
+], ids=["hermes, arguments as text", "bare, arguments as text", "mistral named", "command r7b"])
 def test_arguments_nested_past_what_json_reads_stay_text(text):
     """A model can write JSON nested deeper than Python's json reads (a few hundred tokens of brackets): its
     RecursionError escaped the parser, a 500 for the whole reply (or an error event ending the stream)."""

@@ -52,6 +52,7 @@ from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationSe
 from .reasoning import ThinkTokens, reasoning_tokens
 from .responses import ResponseEventStream, ResponseShape, ResponsesReply, Translation, translate
 from .structured_output import StructuredOutput
+from .tool_calls import marker_tokens
 from .streaming import (ChatReply, CompletionReply, EventStream, Reasoning, ReplyContext, ReplyFormat, TokenText,
                         ToolCalling)
 
@@ -507,6 +508,7 @@ class ChatPrompts:
 
     def __init__(self, service: GenerationService, structured: StructuredOutput, think: ThinkTokens | None):
         self.service, self.structured, self.think = service, structured, think
+        self.markers = marker_tokens(service.tokenizer)  # special tokens that spell a tool call's markers
 
     def prepare(self, request: ChatRequest) -> ChatPrompt:
         offered = request.offered_tools  # tool_choice "none" shows the model no tools, so it answers in text
@@ -535,6 +537,8 @@ class ChatPrompts:
         params = dataclasses.replace(params, constraint=grammar)
         tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls,
                              legacy=request.legacy_functions) if offered else None)
+        if tools is not None:  # a call's markers stay in the text its parser reads
+            params = dataclasses.replace(params, kept_tokens=self.markers)
         reasoning = None if self.think is None else Reasoning(self.think, opened,
                                                               split=request.reasoning_format != "none")
         return ChatPrompt(prompt_ids, params, tools, reasoning)

@@ -10,8 +10,14 @@ then writes calls its own way:
 - Mistral:        `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, or `[TOOL_CALLS]f[ARGS]{...}` in its
   newer tokenizers (both markers are special tokens, so decoded text often holds the bare JSON array);
 - Phi-4-mini:     `functools[{"name": "f", "arguments": {...}}, ...]`, maybe after some text;
+- Command R7B / Command A: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}, ...]
+  <|END_ACTION|>`, after its plan (which the model writes between thinking markers);
 - small models (the demo model at temperature 0): the bare object `{"name": "f", "arguments": {...}}`, maybe
   in a ```json fence.
+
+A marker that is a token of its own may be marked special in the tokenizer, so that decoding would drop it (Mistral's
+always are; so are some models' `<tool_call>`): `marker_tokens` finds those once, and a reply to a request that
+offers tools keeps their text (SamplingParams.kept_tokens), as vLLM's parsers and llama.cpp's preserved tokens do.
 
 `parse_tool_calls` reads a whole reply. A block or object becomes a call only if it is JSON of that shape and
 names one of the request's tools; anything else stays content, so a malformed call is text, never an error.
@@ -29,11 +35,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator
 
+from ..model.tokenizer import TextTokenizer
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PHI4_MARKER = "functools["  # Phi-4-mini's: the word, then the array of calls (whose "[" the marker includes)
+COHERE_OPEN, COHERE_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 PYTHON_TAG = "<|python_tag|>"
-MARKERS = (HERMES_OPEN, MISTRAL_MARKER, PHI4_MARKER)  # may start a call anywhere in a reply
+MARKERS = (HERMES_OPEN, MISTRAL_MARKER, PHI4_MARKER, COHERE_OPEN)  # may start a call anywhere in a reply
+# the markers a parse needs to see (PYTHON_TAG only ever comes before a bare call, which reads the same without it)
+TOKEN_MARKERS = (HERMES_OPEN, HERMES_CLOSE, MISTRAL_MARKER, MISTRAL_ARGS, COHERE_OPEN, COHERE_CLOSE)
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
 
@@ -177,12 +188,31 @@ def _phi4(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple
     return ([head], found) if found else ([text], [])
 
 
+def _cohere(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+    """<|START_ACTION|> then a JSON array of {"tool_call_id", "tool_name", "parameters"}, then <|END_ACTION|> (or
+    the end: max_tokens may come first). All valid, or no calls; the text after the block stays content."""
+    head, _, rest = text.partition(COHERE_OPEN)
+    block, _, tail = rest.partition(COHERE_CLOSE)
+    try:
+        values = list(_json_values(block))
+    except (ValueError, RecursionError):
+        return [text], []
+    items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
+    calls = [_call({"name": item.get("tool_name"), "arguments": item.get("parameters")} if isinstance(item, dict)
+                   else None, names, new_id) for item in items]
+    if not calls or any(call is None for call in calls):
+        return [text], []
+    return [head, tail], [call for call in calls if call is not None]
+
+
 def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> ParsedReply:
     """The reply `text` split into content and calls to the tools named `names`; `new_id` makes call ids."""
     if HERMES_OPEN in text:
         pieces, calls = _hermes(text, names, new_id)
     elif MISTRAL_MARKER in text:
         pieces, calls = _mistral(text, names, new_id)
+    elif COHERE_OPEN in text:
+        pieces, calls = _cohere(text, names, new_id)
     else:
         pieces, calls = _phi4(text, names, new_id) if PHI4_MARKER in text else ([text], [])
         if not calls:  # no Phi-4-mini call: its marker may be plain words, even in a bare call's arguments
@@ -192,6 +222,12 @@ def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str
         return ParsedReply(text, ())
     content = "".join(pieces).rstrip()
     return ParsedReply(content if content.strip() else None, tuple(calls))
+
+
+def marker_tokens(tokenizer: TextTokenizer) -> frozenset[int]:
+    """The ids of the tool-call markers that are special tokens of this tokenizer: text decoding would drop."""
+    ids = (tokenizer.token_id(marker) for marker in TOKEN_MARKERS)
+    return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
 
 
 def _may_start_bare_call(text: str) -> bool:

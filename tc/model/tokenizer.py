@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -101,7 +102,16 @@ class TextTokenizer:
         token of Llama, Gemma and Mistral), as transformers' tokenizer(text) and vLLM's completions do."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special: those that `decode` drops by default."""
+        return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, kept: frozenset[int] = frozenset()) -> str:
+        """The text of `ids`; with `skip_special_tokens`, the special tokens' text is left out, but for those in
+        `kept` (markers a reply's parser reads, such as a tool call's, where a tokenizer marks them special)."""
+        if skip_special_tokens and kept:
+            ids, skip_special_tokens = [i for i in ids if i in kept or i not in self.special_ids], False
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
