@@ -175,7 +175,7 @@ def completion(text: str, finish: str = "stop") -> Completion:
 
 def chat_reply(tiny_model_dir, names=("get_weather", "get_time"), parallel=True) -> ChatReply:
     counter = itertools.count()
-    tools = ToolCalling(frozenset(names), parallel, new_id=lambda: f"call_{next(counter)}")
+    tools = ToolCalling(dict.fromkeys(names), parallel, new_id=lambda: f"call_{next(counter)}")
     return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(TextTokenizer.load(tiny_model_dir)),
                      logprobs=None, tools=tools)
 
@@ -219,8 +219,12 @@ def stream_chunks(reply: ChatReply, text: str, piece: int) -> list[dict]:
     return chunks + reply.closing(done)
 
 
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n</function>\n"
+            "</tool_call>")
+
+
 @pytest.mark.parametrize("text", [CALL_TEXT, TWO_CALLS, "Let me check.\n" + TWO_CALLS, "No calls here.",
-                                  "[]\n" + CALL_TEXT])
+                                  "[]\n" + CALL_TEXT, "Let me check.\n" + XML_CALL + "\n" + XML_CALL])
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_streamed_deltas_join_into_the_whole_reply(tiny_model_dir, text, piece):
     whole = ChatCompletion.model_validate(chat_reply(tiny_model_dir).whole(completion(text)))
@@ -326,7 +330,7 @@ def test_a_deprecated_conversation_renders_as_its_tools_form(client, generator):
 
 
 def legacy_reply(tiny_model_dir) -> ChatReply:
-    tools = ToolCalling(frozenset(("get_weather", "get_time")), parallel=False, legacy=True)
+    tools = ToolCalling(dict.fromkeys(("get_weather", "get_time")), parallel=False, legacy=True)
     return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(TextTokenizer.load(tiny_model_dir)),
                      logprobs=None, tools=tools)
 
@@ -412,7 +416,7 @@ def test_a_reply_keeps_the_call_markers_its_tokenizer_marks_special(marker_model
     tokenizer = TextTokenizer.load(marker_model_dir)
     markers = marker_tokens(tokenizer)
     assert markers == {tokenizer.token_id(m) for m in SPECIAL_MARKERS}  # Hermes' are text already
-    names = frozenset({"get_weather"})
+    names = {"get_weather": WEATHER["function"]["parameters"]}
     assert parse_tool_calls(decoded_reply(tokenizer, text, frozenset()), names, new_call_id).calls == ()
     kept = decoded_reply(tokenizer, text, markers)
     assert kept == text

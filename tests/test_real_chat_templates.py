@@ -23,6 +23,7 @@ from tc.head.api_requests import parse_chat_request
 from tc.head.responses import translate
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import new_call_id
+from tc.head.tool_calls import parse_tool_calls
 from tc.model.chat_template import ChatTemplateError
 from tc.model.tokenizer import TextTokenizer
 
@@ -33,6 +34,7 @@ GEMMA = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 COHERE = {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "pad_token": "<PAD>"}
 GLM = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 QWEN = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+SEED = {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>", "pad_token": "<seed:pad>"}
 # family: (its template, the special tokens of its tokenizer_config.json)
 FAMILIES = {
     "qwen2.5": (HERE / "qwen25_chat_template.jinja", QWEN),
@@ -56,9 +58,12 @@ FAMILIES = {
     "glm-edge": (HERE / "chat_templates/glm-edge.jinja", GLM),
     # Command R7B's tool_use template (its tokenizer_config.json names three)
     "command-r7b-tool-use": (HERE / "chat_templates/command-r7b-tool-use.jinja", COHERE),
+    # templates that show tools, and render calls, in the XML form (<function=...><parameter=...>)
+    "qwen3-coder": (HERE / "chat_templates/qwen3-coder.jinja", QWEN),
+    "seed-oss": (HERE / "chat_templates/seed-oss.jinja", SEED),
 }
 # the families whose template renders calls and their results
-TOOL_FAMILIES = ("qwen2.5", "qwen2.5-trl-training", "qwen3", "llama3.2", "mistral-v0.3")
+TOOL_FAMILIES = ("qwen2.5", "qwen2.5-trl-training", "qwen3", "llama3.2", "mistral-v0.3", "qwen3-coder", "seed-oss")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city («Paris»)",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}}, "required": ["city"]}}}]
@@ -233,3 +238,24 @@ def test_qwen3_sees_enable_thinking_from_chat_template_kwargs(tmp_path):
         assert ours(directory, body) == theirs(directory, body)
     off = ours(directory, {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
     assert off == thinking + "<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "seed-oss"])
+def test_a_call_as_the_template_writes_it_parses_back_to_the_same_call(tmp_path, family):
+    """These families are taught to call tools as their template renders a call (the XML form): tc reads that
+    text back as the call it came from, each value typed by the tool's schema."""
+    directory = model_dir(tmp_path, family)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}}}
+    arguments = {"city": "Paris", "days": 3, "zip": "75001"}
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]}
+    prompt = ours(directory, {"messages": asked, "tools": [tool]})
+    turn = ours(directory, {"messages": [*asked, called], "tools": [tool], "add_generation_prompt": False})
+    assert turn.startswith(prompt)
+    reply = turn[len(prompt):].rsplit(FAMILIES[family][1]["eos_token"], 1)[0]  # what the model writes, to its EOS
+    parsed = parse_tool_calls(reply, {"get_weather": tool["function"]["parameters"]}, new_call_id)
+    assert parsed.content is None
+    (call,) = parsed.calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", arguments)

@@ -308,7 +308,7 @@ def steps_of(tokenizer: TextTokenizer, text: str, stops: tuple[str, ...] = ()) -
 
 def chat_reply(tokenizer: TextTokenizer, opened: bool, tools: bool = False) -> ChatReply:
     counter = itertools.count()
-    calling = ToolCalling(frozenset({"get_weather"}), new_id=lambda: f"call_{next(counter)}") if tools else None
+    calling = ToolCalling(dict.fromkeys({"get_weather"}), new_id=lambda: f"call_{next(counter)}") if tools else None
     return ChatReply(ReplyContext("chatcmpl-1", 0, "tiny"), TokenText(tokenizer), logprobs=None, tools=calling,
                      reasoning=Reasoning(ThinkTokens.find(tokenizer), opened))
 

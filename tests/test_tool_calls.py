@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 
 from tc.head.tool_calls import ParsedReply, ToolCall, ToolCallStream, parse_tool_calls
 
-NAMES = frozenset({"get_weather", "get_time", "search"})
+# the offered tools, by name, with their parameters' schemas (which type a value written in the XML form)
+NAMES = {
+    "get_weather": {"type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer"},
+                                                      "unit": {"type": ["string", "null"]}}},
+    "get_time": {"type": "object", "properties": {}},
+    "search": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "number"},
+                                                 "exact": {"type": "boolean"}, "filters": {"type": "object"},
+                                                 "tags": {"type": "array"}}},
+    "ping": None,  # no parameters given
+}
 PARIS = '{"location": "Paris"}'
 
 
@@ -73,6 +82,29 @@ RECORDED = [
      None, [("get_weather", {"location": "Paris"})]),
     ("openai shape", '{"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}',
      None, [("search", {"query": "x"})]),
+    # Qwen3-Coder / Qwen3.5: XML in the block, each value on lines of its own
+    ("qwen3-coder xml", '<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n'
+     '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>',
+     None, [("get_weather", {"location": "Paris", "days": 3})]),
+    ("qwen3-coder xml after text, two calls", 'Let me check.\n\n<tool_call>\n<function=get_time>\n</function>\n'
+     '</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\nbest "tc" 42\nsecond line\n</parameter>\n'
+     '<parameter=limit>\n2.5\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n<parameter=filters>\n'
+     '{"lang": "en"}\n</parameter>\n<parameter=tags>\n["a", 1]\n</parameter>\n</function>\n</tool_call>',
+     "Let me check.", [("get_time", {}), ("search", {"query": 'best "tc" 42\nsecond line', "limit": 2.5,
+                                                     "exact": True, "filters": {"lang": "en"}, "tags": ["a", 1]})]),
+    # a string parameter keeps text that reads as JSON; one that may be null takes null; a value of a type the
+    # schema does not allow, or a parameter it does not name, stays text
+    ("xml values typed by the schema", '<tool_call>\n<function=get_weather>\n<parameter=location>\n123\n'
+     '</parameter>\n<parameter=unit>\nnull\n</parameter>\n<parameter=days>\nthree\n</parameter>\n'
+     '<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>',
+     None, [("get_weather", {"location": "123", "unit": None, "days": "three", "extra": "7"})]),
+    ("xml to a tool without parameters' schema", '<tool_call><function=ping><parameter=n>1</parameter>'
+     '</function></tool_call>', None, [("ping", {"n": "1"})]),
+    ("seed-oss xml", '<seed:tool_call>\n<function=get_weather>\n<parameter=location>Paris</parameter>\n'
+     '<parameter=days>2</parameter>\n</function>\n</seed:tool_call>',
+     None, [("get_weather", {"location": "Paris", "days": 2})]),
+    ("xml block left open at EOS", '<tool_call>\n<function=get_time>\n</function>\n',
+     None, [("get_time", {})]),
     # Command R7B: its plan, then the action block (its thinking markers are special tokens, decoded away)
     ("command r7b action", 'I will look up the weather in Paris.<|START_ACTION|>[\n    {"tool_call_id": "0", '
      '"tool_name": "get_weather", "parameters": {"location": "Paris"}}\n]<|END_ACTION|>',
@@ -99,6 +131,10 @@ NOT_CALLS = [
     ("code fence of python", "```python\nprint('hi')\n```"),
     ("mistral marker then junk", "[TOOL_CALLS] not json at all"),
     ("phi-4-mini marker then junk", "functools[not json]"),
+    ("xml unknown tool", "<tool_call>\n<function=launch>\n</function>\n</tool_call>"),
+    ("xml function left open", "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</parameter>\n</tool_call>"),
+    ("xml with stray text", "<tool_call>\n<function=get_time>\nnow please\n</function>\n</tool_call>"),
+    ("xml parameter left open", "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</function>\n</tool_call>"),
     ("command r7b unknown tool", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "launch_rocket", '
      '"parameters": {}}]<|END_ACTION|>'),
     ("command r7b one of two bad", '<|START_ACTION|>[{"tool_name": "get_time", "parameters": {}}, '
@@ -167,6 +203,8 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "functools[{\"name\": \"get_time\", \"arguments\": {}}] and more",
     "Plan: \n<|START_ACTION|>[{\"tool_name\": \"get_time\", \"parameters\": {}}]<|END_ACTION|> after",
     "I will use <|START_ACT but not really",
+    "Plan.\n<seed:tool_call><function=get_time></function></seed:tool_call> then <tool_call><function=x>",
+    "<seed:tool_c is not a block",
 ]
 
 

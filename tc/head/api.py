@@ -535,7 +535,7 @@ class ChatPrompts:
             assert self.think is not None
             grammar = AfterToken(grammar, self.think.close, self.service.generator.head.config.vocab_size)
         params = dataclasses.replace(params, constraint=grammar)
-        tools = (ToolCalling(frozenset(t.name for t in offered), parallel=request.parallel_tool_calls,
+        tools = (ToolCalling({t.name: t.parameters for t in offered}, parallel=request.parallel_tool_calls,
                              legacy=request.legacy_functions) if offered else None)
         if tools is not None:  # a call's markers stay in the text its parser reads
             params = dataclasses.replace(params, kept_tokens=self.markers)

@@ -30,7 +30,7 @@ from ..model.tokenizer import TextTokenizer
 from ..sampling import TokenLogprob
 from .reasoning import ReasoningSplit, ThinkTokens
 from .service import GenerationStream
-from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from .tool_calls import ToolCall, ToolCallStream, Tools, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 CALL_ID_LENGTH = 9
@@ -259,11 +259,12 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """A chat reply that may call tools: their names, whether it may make several calls, and how ids are made.
+    """A chat reply that may call tools: their names (to their parameters' schemas), whether it may make several
+    calls, and how ids are made.
     `legacy`: the tools came as the deprecated `functions`, so the reply's one call is a `function_call` (no id)
     and its finish_reason "function_call", as OpenAI answers that form."""
 
-    names: frozenset[str]
+    tools: Tools
     parallel: bool = True
     new_id: Callable[[], str] = field(default=new_call_id)
     legacy: bool = False
@@ -302,7 +303,7 @@ class ChatReply:
                  tools: ToolCalling | None = None, reasoning: Reasoning | None = None):
         self.context, self.token_text, self.logprobs, self.tools = context, token_text, logprobs, tools
         self.reasoning = reasoning
-        self._calls = (ToolCallStream(tools.names, tools.new_id, parallel=tools.parallel) if tools is not None
+        self._calls = (ToolCallStream(tools.tools, tools.new_id, parallel=tools.parallel) if tools is not None
                        else None)
         self._calls_sent = 0
         self._split = self._new_split()
@@ -347,7 +348,7 @@ class ChatReply:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = completion.finish_reason
         if self.tools is not None and content is not None:
-            parsed = parse_tool_calls(content, self.tools.names, self.tools.new_id)
+            parsed = parse_tool_calls(content, self.tools.tools, self.tools.new_id)
             calls = parsed.calls if self.tools.parallel else parsed.calls[:1]
             if calls:
                 message = {"role": "assistant", "content": parsed.content}

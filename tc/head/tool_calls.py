@@ -5,6 +5,9 @@ then writes calls its own way:
 
 - Hermes / Qwen:  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call, maybe
   after some text;
+- Qwen3-Coder, Qwen3.5, Seed-OSS: the same blocks (Seed-OSS's `<seed:tool_call>`) holding XML,
+  `<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n</function>`, each value typed by the tool's parameters'
+  schema (a string parameter takes the text as it is; another the JSON the text spells);
 - Llama 3:        `{"name": "f", "parameters": {...}}` as the whole reply (calls apart by `;`), after a
   `<|python_tag|>` special token that decoding drops;
 - Mistral:        `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, or `[TOOL_CALLS]f[ARGS]{...}` in its
@@ -19,13 +22,13 @@ A marker that is a token of its own may be marked special in the tokenizer, so t
 always are; so are some models' `<tool_call>`): `marker_tokens` finds those once, and a reply to a request that
 offers tools keeps their text (SamplingParams.kept_tokens), as vLLM's parsers and llama.cpp's preserved tokens do.
 
-`parse_tool_calls` reads a whole reply. A block or object becomes a call only if it is JSON of that shape and
-names one of the request's tools; anything else stays content, so a malformed call is text, never an error.
+`parse_tool_calls` reads a whole reply. A block or object becomes a call only if it is of that shape and names one
+of the request's tools; anything else stays content, so a malformed call is text, never an error.
 With calls, the content is the text around them (None when that is only whitespace); without, it is the reply
 exactly as written.
 
 `ToolCallStream` does the same for a reply that arrives in pieces: it releases content as soon as no call can
-start in it, holds the rest, hands out each Hermes call as soon as its block closes, and at the end settles
+start in it, holds the rest, hands out each block's call as soon as the block closes, and at the end settles
 everything with `parse_tool_calls` itself, so joining what it released equals the whole reply's parse.
 """
 from __future__ import annotations
@@ -33,20 +36,26 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ..model.tokenizer import TextTokenizer
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+BLOCKS = ((HERMES_OPEN, HERMES_CLOSE), (SEED_OPEN, SEED_CLOSE))  # a call each, JSON or XML
 MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PHI4_MARKER = "functools["  # Phi-4-mini's: the word, then the array of calls (whose "[" the marker includes)
 COHERE_OPEN, COHERE_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 PYTHON_TAG = "<|python_tag|>"
-MARKERS = (HERMES_OPEN, MISTRAL_MARKER, PHI4_MARKER, COHERE_OPEN)  # may start a call anywhere in a reply
+MARKERS = (HERMES_OPEN, SEED_OPEN, MISTRAL_MARKER, PHI4_MARKER, COHERE_OPEN)  # may start a call anywhere in a reply
 # the markers a parse needs to see (PYTHON_TAG only ever comes before a bare call, which reads the same without it)
-TOKEN_MARKERS = (HERMES_OPEN, HERMES_CLOSE, MISTRAL_MARKER, MISTRAL_ARGS, COHERE_OPEN, COHERE_CLOSE)
+TOKEN_MARKERS = (*(m for pair in BLOCKS for m in pair), MISTRAL_MARKER, MISTRAL_ARGS, COHERE_OPEN, COHERE_CLOSE)
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
+
+
+# each offered tool's name, to its parameters' JSON schema (None where the request gives none)
+Tools = Mapping[str, "Mapping[str, Any] | None"]
 
 
 @dataclass(frozen=True)
@@ -74,14 +83,14 @@ def _arguments(value: Any) -> str | None:
         return None
 
 
-def _call(value: Any, names: Collection[str], new_id: Callable[[], str]) -> ToolCall | None:
+def _call(value: Any, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
     """A call object ({"name", "arguments" | "parameters"}, or OpenAI's {"function": {...}}), else None."""
     if not isinstance(value, dict):
         return None
     if isinstance(value.get("function"), dict):  # {"type": "function", "function": {"name", "arguments"}}
         value = value["function"]
     name = value.get("name")
-    if not isinstance(name, str) or name not in names:
+    if not isinstance(name, str) or name not in tools:
         return None
     key = "arguments" if "arguments" in value else "parameters" if "parameters" in value else None
     if key is None:
@@ -103,7 +112,7 @@ def _json_values(text: str) -> Iterator[Any]:
         yield value
 
 
-def _bare_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> list[ToolCall] | None:
+def _bare_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> list[ToolCall] | None:
     """The calls when `text` is nothing but call objects (or arrays of them); None when it is anything else."""
     text = text.strip()
     if text.startswith(PYTHON_TAG):
@@ -119,7 +128,7 @@ def _bare_calls(text: str, names: Collection[str], new_id: Callable[[], str]) ->
             if value == []:  # no call: text, as a stream takes it from the "]" on (_may_start_bare_call)
                 return None
             for item in value if isinstance(value, list) else [value]:
-                call = _call(item, names, new_id)
+                call = _call(item, tools, new_id)
                 if call is None:
                     return None
                 calls.append(call)
@@ -128,16 +137,68 @@ def _bare_calls(text: str, names: Collection[str], new_id: Callable[[], str]) ->
     return calls or None
 
 
-def _hermes_block(block: str, names: Collection[str], new_id: Callable[[], str]) -> ToolCall | None:
-    """The call in the text between <tool_call> and </tool_call>, else None."""
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_JSON_TYPES = {"object": (dict,), "array": (list,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+               "null": (type(None),)}
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's value as its schema types it: the text itself where the parameter may be a string (or the
+    schema does not say), else the JSON it spells when that is of a type the schema allows (else the text)."""
+    types = schema.get("type") if isinstance(schema, Mapping) else None
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if not types or types == {"string"}:
+        return text
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    allowed = tuple(t for name in types for t in _JSON_TYPES.get(name, ()))
+    return value if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed) else text
+
+
+def _xml_call(block: str, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
+    """Qwen3-Coder's, Qwen3.5's and Seed-OSS's call: `<function=NAME>` holding `<parameter=KEY>VALUE</parameter>`
+    elements (each value on lines of its own, or not), then `</function>`; else None."""
+    function = _XML_FUNCTION.fullmatch(block)
+    if function is None or function.group(1) not in tools:
+        return None
+    schema = tools[function.group(1)]
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    properties = properties if isinstance(properties, Mapping) else {}
+    arguments: dict[str, Any] = {}
+    body, at = function.group(2), 0
+    while body[at:].strip():
+        parameter = _XML_PARAMETER.match(body, at)
+        if parameter is None:
+            return None
+        key, text = parameter.group(1), parameter.group(2)
+        text = text.removeprefix("\n").removesuffix("\n")  # the lines the value is written on
+        arguments[key] = _xml_value(text, properties.get(key))
+        at = parameter.end()
+    return ToolCall(new_id(), function.group(1), json.dumps(arguments, ensure_ascii=False))
+
+
+def _block_call(block: str, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
+    """The call in the text between a block's markers (one JSON object, or the XML form), else None."""
+    if block.lstrip().startswith("<function="):
+        return _xml_call(block, tools, new_id)
     try:
         values = list(_json_values(block))
     except (ValueError, RecursionError):
         return None
-    return _call(values[0], names, new_id) if len(values) == 1 else None
+    return _call(values[0], tools, new_id) if len(values) == 1 else None
 
 
-def _hermes(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+def _next_block(text: str, at: int) -> tuple[int, str, str] | None:
+    """(where, opening marker, closing marker) of the first call block that opens in `text` from `at`."""
+    found = [(text.find(opening, at), opening, closing) for opening, closing in BLOCKS]
+    found = [hit for hit in found if hit[0] >= 0]
+    return min(found) if found else None
+
+
+def _blocks(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
     """(the text outside valid blocks, in pieces; the calls). A block left open at the end runs to the end.
 
     Whitespace just before a call goes with the call (a stream cannot know it is trailing until the call comes).
@@ -146,13 +207,14 @@ def _hermes(text: str, names: Collection[str], new_id: Callable[[], str]) -> tup
     calls: list[ToolCall] = []
     at = 0
     while True:
-        start = text.find(HERMES_OPEN, at)
-        if start < 0:
+        block = _next_block(text, at)
+        if block is None:
             content.append(text[at:])
             return content, calls
-        end = text.find(HERMES_CLOSE, start)
-        stop = end + len(HERMES_CLOSE) if end >= 0 else len(text)
-        call = _hermes_block(text[start + len(HERMES_OPEN):end if end >= 0 else len(text)], names, new_id)
+        start, opening, closing = block
+        end = text.find(closing, start)
+        stop = end + len(closing) if end >= 0 else len(text)
+        call = _block_call(text[start + len(opening):end if end >= 0 else len(text)], tools, new_id)
         if call is None:
             content.append(text[at:stop])  # not a call: it stays text
         else:
@@ -161,7 +223,7 @@ def _hermes(text: str, names: Collection[str], new_id: Callable[[], str]) -> tup
         at = stop
 
 
-def _mistral(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+def _mistral(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
     """[TOOL_CALLS] then a JSON array (or objects), or NAME[ARGS]{...}, once per call. All valid, or no calls."""
     head, _, rest = text.partition(MISTRAL_MARKER)
     calls: list[ToolCall] = []
@@ -170,25 +232,25 @@ def _mistral(text: str, names: Collection[str], new_id: Callable[[], str]) -> tu
         found: list[ToolCall | None] | None
         if named and not part.lstrip().startswith(("{", "[")):
             try:
-                found = [_call({"name": named.group(1), "arguments": json.loads(named.group(2))}, names, new_id)]
+                found = [_call({"name": named.group(1), "arguments": json.loads(named.group(2))}, tools, new_id)]
             except (ValueError, RecursionError):
                 found = None
         else:
-            found = list(_bare_calls(part, names, new_id) or [])
+            found = list(_bare_calls(part, tools, new_id) or [])
         if not found or any(call is None for call in found):
             return [text], []
         calls.extend(call for call in found if call is not None)
     return [head], calls
 
 
-def _phi4(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+def _phi4(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
     """functools[...] once, the array of calls ending the reply. All valid, or no calls."""
     head, _, rest = text.partition(PHI4_MARKER)
-    found = _bare_calls("[" + rest, names, new_id)
+    found = _bare_calls("[" + rest, tools, new_id)
     return ([head], found) if found else ([text], [])
 
 
-def _cohere(text: str, names: Collection[str], new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
+def _cohere(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
     """<|START_ACTION|> then a JSON array of {"tool_call_id", "tool_name", "parameters"}, then <|END_ACTION|> (or
     the end: max_tokens may come first). All valid, or no calls; the text after the block stays content."""
     head, _, rest = text.partition(COHERE_OPEN)
@@ -199,24 +261,24 @@ def _cohere(text: str, names: Collection[str], new_id: Callable[[], str]) -> tup
         return [text], []
     items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
     calls = [_call({"name": item.get("tool_name"), "arguments": item.get("parameters")} if isinstance(item, dict)
-                   else None, names, new_id) for item in items]
+                   else None, tools, new_id) for item in items]
     if not calls or any(call is None for call in calls):
         return [text], []
     return [head, tail], [call for call in calls if call is not None]
 
 
-def parse_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str]) -> ParsedReply:
-    """The reply `text` split into content and calls to the tools named `names`; `new_id` makes call ids."""
-    if HERMES_OPEN in text:
-        pieces, calls = _hermes(text, names, new_id)
+def parse_tool_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> ParsedReply:
+    """The reply `text` split into content and calls to the `tools` offered; `new_id` makes call ids."""
+    if _next_block(text, 0) is not None:
+        pieces, calls = _blocks(text, tools, new_id)
     elif MISTRAL_MARKER in text:
-        pieces, calls = _mistral(text, names, new_id)
+        pieces, calls = _mistral(text, tools, new_id)
     elif COHERE_OPEN in text:
-        pieces, calls = _cohere(text, names, new_id)
+        pieces, calls = _cohere(text, tools, new_id)
     else:
-        pieces, calls = _phi4(text, names, new_id) if PHI4_MARKER in text else ([text], [])
+        pieces, calls = _phi4(text, tools, new_id) if PHI4_MARKER in text else ([text], [])
         if not calls:  # no Phi-4-mini call: its marker may be plain words, even in a bare call's arguments
-            bare = _bare_calls(text, names, new_id)
+            bare = _bare_calls(text, tools, new_id)
             pieces, calls = ([], bare) if bare else ([text], [])
     if not calls:
         return ParsedReply(text, ())
@@ -270,8 +332,8 @@ class ToolCallStream:
     first unless `parallel`).
     """
 
-    def __init__(self, names: Collection[str], new_id: Callable[[], str], *, parallel: bool = True):
-        self.names, self.new_id, self.parallel = names, new_id, parallel
+    def __init__(self, tools: Tools, new_id: Callable[[], str], *, parallel: bool = True):
+        self.tools, self.new_id, self.parallel = tools, new_id, parallel
         self.text = ""
         self.released = 0  # text[:released] went out as content, or was a call
         self.content = ""  # the content sent
@@ -294,15 +356,16 @@ class ToolCallStream:
         return self.released + len(self.text[self.released:end].rstrip())
 
     def _closed_block(self) -> tuple[ToolCall, int] | None:
-        """The call in a Hermes block that starts where the text sent ends and has closed, with its end."""
-        start = self.text.find(HERMES_OPEN, self.released)
-        if start < 0 or self.text[self.released:start].strip():
+        """The call in a block that starts where the text sent ends and has closed, with its end."""
+        block = _next_block(self.text, self.released)
+        if block is None or self.text[self.released:block[0]].strip():
             return None
-        end = self.text.find(HERMES_CLOSE, start)
+        start, opening, closing = block
+        end = self.text.find(closing, start)
         if end < 0:
             return None
-        call = _hermes_block(self.text[start + len(HERMES_OPEN):end], self.names, self.new_id)
-        return (call, end + len(HERMES_CLOSE)) if call is not None else None  # a malformed block waits for the end
+        call = _block_call(self.text[start + len(opening):end], self.tools, self.new_id)
+        return (call, end + len(closing)) if call is not None else None  # a malformed block waits for the end
 
     def push(self, piece: str) -> tuple[str, list[ToolCall]]:
         self.text += piece
@@ -320,7 +383,7 @@ class ToolCallStream:
         return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        parsed = parse_tool_calls(self.text, self.names, self.new_id)
+        parsed = parse_tool_calls(self.text, self.tools, self.new_id)
         content = parsed.content or ""
         if not content.startswith(self.content):  # _safe_end holds back whatever a call could still claim
             raise AssertionError(f"streamed content {self.content!r} is not the start of {content!r}")
