@@ -147,11 +147,13 @@ def test_no_plan_where_the_logits_need_more_than_the_lm_head(model_dir):
 
 @needs_native
 @pytest.mark.parametrize("scale, planned", [(0.0625, True), (4.0, True), (0.3, False)])
-def test_a_logit_scale_keeps_the_plan_only_where_it_scales_every_logit_exactly(model_dir, scale, planned):
-    """Cohere's logits times a power of two (its published scales): each logit scaled exactly, so the product's
-    argmax is theirs; another factor's rounding may tie two logits, and then the logits decide."""
+@pytest.mark.parametrize("kind", ["logit_scale", "logits_scaling"])
+def test_a_logit_scale_keeps_the_plan_only_where_it_scales_every_logit_exactly(model_dir, kind, scale, planned):
+    """Cohere's logits times a power of two (its published scales), Granite's divided by one (8, 16): each logit
+    scaled exactly, so the product's argmax is theirs; another factor's rounding may tie two logits, and then the
+    logits decide."""
     head = load_local_generator(model_dir, "bf16", quant="int8").head
-    head.logit_scale = scale
+    setattr(head, kind, scale)
     for seed in range(10):
         hidden = hidden_rows(3, seed)
         assert head.greedy_tokens(hidden) == (full_tokens(head, hidden) if planned else None), seed

@@ -529,8 +529,9 @@ class DecoderLayer(nn.Module):
 
 
 def _exact_factor(factor: float | None) -> bool:
-    """Whether multiplying float32 logits by `factor` (HeadModel.logit_scale; None: none) changes no logit's order
-    or ties: a power of two scales each (normal) float exactly. Cohere's published scales all are."""
+    """Whether multiplying or dividing float32 logits by `factor` (HeadModel.logit_scale, logits_scaling; None:
+    none) changes no logit's order or ties: a power of two scales each (normal) float exactly. Cohere's published
+    scales all are, and Granite's divisors (8, 16) too."""
     return factor is None or (factor > 0 and math.frexp(factor)[0] == 0.5)
 
 
@@ -895,7 +896,8 @@ class HeadModel(nn.Module):
         screen = self.greedy_screen
         if screen is not None and screen.weight is getattr(self.lm_head, "weight", None):  # this lm_head's
             return self._screened_tokens(screen, hidden)
-        if self.logits_scaling is not None or not _exact_factor(self.logit_scale) or self.final_softcap is not None:
+        exact = _exact_factor(self.logits_scaling) and _exact_factor(self.logit_scale)
+        if not exact or self.final_softcap is not None:
             # logits need more than the product: operations whose rounding may tie logits the product keeps apart
             return None
         plan = self._greedy_plan
