@@ -455,3 +455,26 @@ def test_a_cluster_s_head_splits_as_its_topology_says(tmp_path, model_dir, gener
         else:
             assert message.content == f"<think>{THOUGHT}</think>{ANSWER}"
             assert "chat replies keep any thinking in content: reasoning_content: false" in cluster.head.output()
+
+
+def test_seed_oss_thinks_between_its_own_tags_and_calls_in_its_own_block(generator):
+    """Seed-OSS writes `<seed:think>...</seed:think>` (and calls in `<seed:tool_call>`): its thinking is
+    reasoning_content as Qwen3's is, found from its vocabulary and the template that writes the tags."""
+    seed = byte_tokenizer()
+    seed.add_tokens(["<seed:think>", "</seed:think>", "<seed:tool_call>", "</seed:tool_call>"])
+    template = (Path(__file__).parent / "chat_templates/seed-oss.jinja").read_text(encoding="utf-8")
+    tokenizer = dataclasses.replace(generator.tokenizer, tokenizer=seed,
+                                    chat_templates=ChatTemplates({"default": template}, "seed-oss"))
+    tokens, why = thinks(tokenizer)
+    assert tokens is not None and tokens.tags == ("<seed:think>", "</seed:think>"), why
+    assert (tokens.open, tokens.close) == (seed.token_to_id("<seed:think>"), seed.token_to_id("</seed:think>"))
+    reply = ("<seed:think>The user wants the weather.</seed:think><seed:tool_call>\n<function=get_weather>\n"
+             "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>")
+    steps, completion = steps_of(tokenizer, reply)
+    whole = ChatCompletion.model_validate(chat_reply(tokenizer, False, tools=True).whole(completion))
+    joined = streamed(chat_reply(tokenizer, False, tools=True), steps)
+    assert whole.choices[0].message.content is None  # a stream's client joins no content into ""
+    for message in (whole.choices[0].message, joined.choices[0].message):
+        assert (message.reasoning_content, message.content or None) == ("The user wants the weather.", None)
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})

@@ -1,9 +1,10 @@
 """A reasoning model's thinking, told apart from its answer, as vLLM's and llama.cpp's servers return them. Pure.
 
 Theory of operation: Qwen3, QwQ and the DeepSeek-R1 distills write their thinking between `<think>` and
-`</think>`, then the answer. Both tags are tokens of their own (added to the vocabulary), so the reply is split on
-token ids, never on text a model may spell itself: `ThinkTokens.find` finds them once, when the head loads, and
-`thinks` decides whether this model's replies are split at all (both tokens, and a chat template that writes them).
+`</think>`, then the answer (Seed-OSS between `<seed:think>` and `</seed:think>`, read the same way). Both tags are
+tokens of their own (added to the vocabulary), so the reply is split on token ids, never on text a model may spell
+itself: `ThinkTokens.find` finds them once, when the head loads, and `thinks` decides whether this model's replies
+are split at all (both tokens, and a chat template that writes them).
 
 Where a reply starts depends on its prompt: a template may open `<think>` itself (DeepSeek-R1's; Qwen3's newer
 ones), so the reply starts inside the thinking; Qwen3's with `enable_thinking: false` writes an empty, closed block,
@@ -26,27 +27,33 @@ from ..generation import TokenInfo
 from ..model.tokenizer import TextTokenizer
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# the tag pairs thinking models write, in the order a vocabulary is searched for them: Seed-OSS's are its own
+THINK_TAGS = ((THINK_OPEN, THINK_CLOSE), ("<seed:think>", "</seed:think>"))
 
 
 @dataclass(frozen=True)
 class ThinkTokens:
-    """The ids of a model's <think> and </think> tokens, and the text each decodes to in a reply."""
+    """The ids of a model's <think> and </think> tokens (or its own pair's), and the text each decodes to in a
+    reply; `tags` names the pair."""
 
     open: int
     close: int
     open_text: str
     close_text: str
+    tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)
 
     @classmethod
     def find(cls, tokenizer: TextTokenizer) -> "ThinkTokens | None":
-        """The think tokens when the vocabulary has both as added tokens (not text that happens to be a token)."""
+        """The think tokens of the first pair in THINK_TAGS the vocabulary has both of as added tokens (not text
+        that happens to be a token); None where it has no pair."""
         added = {token.content: token_id for token_id, token in
                  tokenizer.tokenizer.get_added_tokens_decoder().items()}
-        if THINK_OPEN not in added or THINK_CLOSE not in added:
-            return None
-        opening, closing = added[THINK_OPEN], added[THINK_CLOSE]
-        # the text a reply holds for each: the tag itself, or nothing where the tokenizer marks it special
-        return cls(opening, closing, tokenizer.decode([opening]), tokenizer.decode([closing]))
+        for tags in THINK_TAGS:
+            if tags[0] in added and tags[1] in added:
+                opening, closing = added[tags[0]], added[tags[1]]
+                # the text a reply holds for each: the tag itself, or nothing where the tokenizer marks it special
+                return cls(opening, closing, tokenizer.decode([opening]), tokenizer.decode([closing]), tags)
+        return None
 
     def opened_in(self, prompt_ids: Sequence[int], turn_ends: Collection[int] = ()) -> bool:
         """Whether the prompt leaves a <think> open (its template began the thinking), so the reply starts in it.
@@ -66,10 +73,11 @@ def thinks(tokenizer: TextTokenizer) -> tuple[ThinkTokens | None, str]:
     tokens = ThinkTokens.find(tokenizer)
     if tokens is None:
         return None, f"the vocabulary has no {THINK_OPEN} and {THINK_CLOSE} tokens"
+    opening, closing = tokens.tags
     templates = tokenizer.chat_templates
-    if templates is None or not any(THINK_OPEN in t or THINK_CLOSE in t for t in templates.templates.values()):
-        return None, f"the vocabulary has {THINK_OPEN} and {THINK_CLOSE}, but the chat template does not write them"
-    return tokens, f"the vocabulary has {THINK_OPEN} and {THINK_CLOSE} tokens and the chat template writes them"
+    if templates is None or not any(opening in t or closing in t for t in templates.templates.values()):
+        return None, f"the vocabulary has {opening} and {closing}, but the chat template does not write them"
+    return tokens, f"the vocabulary has {opening} and {closing} tokens and the chat template writes them"
 
 
 class ReasoningUnavailable(ValueError):
