@@ -36,6 +36,7 @@ from tc.head.reasoning import ReasoningSplit, ReasoningUnavailable, ThinkTokens,
 from tc.head.responses import ResponseShape, ResponsesReply
 from tc.head.service import GenerationService, Readiness
 from tc.head.streaming import ChatReply, Reasoning, ReplyContext, TokenText, ToolCalling
+from tc.head.tool_calls import marker_tokens
 from tc.model.chat_template import ChatTemplates
 from tc.model.tokenizer import TextTokenizer
 from tc.topology import TopologyError
@@ -290,10 +291,12 @@ def test_the_demo_model_replies_as_before(demo_model_dir):
 
 # --- the split, step by step, against the whole reply -----------------------------------------------------------
 
-def steps_of(tokenizer: TextTokenizer, text: str, stops: tuple[str, ...] = ()) -> tuple[list[Step], Completion]:
-    """The steps the generation loop releases for a reply spelled `text` (its tags as their tokens)."""
+def steps_of(tokenizer: TextTokenizer, text: str, stops: tuple[str, ...] = (),
+             kept: frozenset[int] = frozenset()) -> tuple[list[Step], Completion]:
+    """The steps the generation loop releases for a reply spelled `text` (its tags as their tokens); `kept`: the
+    special tokens whose text it keeps (a request with tools keeps a call's markers)."""
     ids = tokenizer.encode(text)
-    state = CompletionText(tokenizer, stops)
+    state = CompletionText(tokenizer, stops, (), kept)
     steps = []
     for token in ids:
         state.push(token, None)
@@ -478,3 +481,32 @@ def test_seed_oss_thinks_between_its_own_tags_and_calls_in_its_own_block(generat
         assert (message.reasoning_content, message.content or None) == ("The user wants the weather.", None)
         (call,) = message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_command_r7b_plans_between_its_thinking_tags_and_acts_in_its_action_block(generator):
+    """Command R7B writes its plan between <|START_THINKING|> and <|END_THINKING|>, special tokens decoding drops,
+    then its calls in an action block whose markers a request with tools keeps: the plan is reasoning_content (as
+    llama.cpp returns it), the block the calls."""
+    cohere = byte_tokenizer()
+    cohere.add_special_tokens(["<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
+                               "<|START_RESPONSE|>", "<|END_RESPONSE|>"])
+    template = (Path(__file__).parent / "chat_templates/command-r7b-tool-use.jinja").read_text(encoding="utf-8")
+    tokenizer = dataclasses.replace(generator.tokenizer, tokenizer=cohere,
+                                    chat_templates=ChatTemplates({"default": template}, "command-r7b"))
+    tokens, why = thinks(tokenizer)
+    assert tokens is not None and tokens.tags == ("<|START_THINKING|>", "<|END_THINKING|>"), why
+    reply = ('<|START_THINKING|>I will look up the weather.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": '
+             '"0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n]<|END_ACTION|>')
+    steps, completion = steps_of(tokenizer, reply, kept=marker_tokens(tokenizer))
+    whole = ChatCompletion.model_validate(chat_reply(tokenizer, False, tools=True).whole(completion))
+    joined = streamed(chat_reply(tokenizer, False, tools=True), steps)
+    assert whole.choices[0].message.content is None
+    for message in (whole.choices[0].message, joined.choices[0].message):
+        assert (message.reasoning_content, message.content or None) == ("I will look up the weather.", None)
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    # a reply in words: its response markers, special too, leave the answer alone
+    steps, completion = steps_of(tokenizer, "<|START_THINKING|>Greet.<|END_THINKING|><|START_RESPONSE|>Hello!"
+                                            "<|END_RESPONSE|>", kept=marker_tokens(tokenizer))
+    message = ChatCompletion.model_validate(chat_reply(tokenizer, False, tools=True).whole(completion))
+    assert (message.choices[0].message.reasoning_content, message.choices[0].message.content) == ("Greet.", "Hello!")

@@ -17,7 +17,10 @@ NAMES = {
     "get_time": {"type": "object", "properties": {}},
     "search": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "number"},
                                                  "exact": {"type": "boolean"}, "filters": {"type": "object"},
-                                                 "tags": {"type": "array"}}},
+                                                 "tags": {"type": "array"},
+                                                 # pydantic's Optional[int], and an enum that names no type
+                                                 "page": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                                                 "level": {"enum": [1, 2, 3]}}},
     "ping": None,  # no parameters given
 }
 PARIS = '{"location": "Paris"}'
@@ -105,6 +108,25 @@ RECORDED = [
      None, [("get_weather", {"location": "Paris", "days": 2})]),
     ("xml block left open at EOS", '<tool_call>\n<function=get_time>\n</function>\n',
      None, [("get_time", {})]),
+    # values as these templates render an earlier call's (jinja's `| string`: True, Python's dicts), which the
+    # model copies; types from anyOf and enum; NaN, no JSON, stays text
+    ("xml python literals", '<tool_call>\n<function=search>\n<parameter=exact>\nTrue\n</parameter>\n'
+     "<parameter=filters>\n{'lang': 'en', 'n': (1, 2)}\n</parameter>\n<parameter=page>\n4\n</parameter>\n"
+     '<parameter=level>\n2\n</parameter>\n<parameter=limit>\nNaN\n</parameter>\n</function>\n</tool_call>',
+     None, [("search", {"exact": True, "filters": {"lang": "en", "n": [1, 2]}, "page": 4, "level": 2,
+                        "limit": "NaN"})]),
+    ("xml parameter left open", "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n<parameter=y>\n2\n"
+     "</function>\n</tool_call>", None, [("get_time", {"x": "1", "y": "2"})]),
+    ("xml two functions in a block", "<tool_call>\n<function=get_time>\n</function>\n<function=search>\n"
+     "<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call>",
+     None, [("get_time", {}), ("search", {"limit": 3})]),
+    # Qwen3-Coder now and then leaves out the <tool_call> before its function
+    ("xml without its block's opening", "Let me look.\n<function=get_weather>\n<parameter=location>\nParis\n"
+     "</parameter>\n</function>\n</tool_call>", "Let me look.", [("get_weather", {"location": "Paris"})]),
+    ("mistral small 3.2 call id", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"location": "Paris"}',
+     None, [("get_weather", {"location": "Paris"})]),
+    ("bare call mentioning <function=", '{"name": "search", "arguments": {"query": "<function=get_time>"}}',
+     None, [("search", {"query": "<function=get_time>"})]),
     # Command R7B: its plan, then the action block (its thinking markers are special tokens, decoded away)
     ("command r7b action", 'I will look up the weather in Paris.<|START_ACTION|>[\n    {"tool_call_id": "0", '
      '"tool_name": "get_weather", "parameters": {"location": "Paris"}}\n]<|END_ACTION|>',
@@ -134,7 +156,8 @@ NOT_CALLS = [
     ("xml unknown tool", "<tool_call>\n<function=launch>\n</function>\n</tool_call>"),
     ("xml function left open", "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</parameter>\n</tool_call>"),
     ("xml with stray text", "<tool_call>\n<function=get_time>\nnow please\n</function>\n</tool_call>"),
-    ("xml parameter left open", "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</function>\n</tool_call>"),
+    ("xml bare function not offered", "Try <function=launch>\n</function> in the shell."),
+    ("json arguments of NaN", '{"name": "search", "arguments": {"limit": NaN}}'),
     ("command r7b unknown tool", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "launch_rocket", '
      '"parameters": {}}]<|END_ACTION|>'),
     ("command r7b one of two bad", '<|START_ACTION|>[{"tool_name": "get_time", "parameters": {}}, '

@@ -1,7 +1,7 @@
 """A reasoning model's thinking, told apart from its answer, as vLLM's and llama.cpp's servers return them. Pure.
 
 Theory of operation: Qwen3, QwQ and the DeepSeek-R1 distills write their thinking between `<think>` and
-`</think>`, then the answer (Seed-OSS between `<seed:think>` and `</seed:think>`, read the same way). Both tags are
+`</think>`, then the answer (Seed-OSS and Command R7B between tags of their own, read the same way). Both tags are
 tokens of their own (added to the vocabulary), so the reply is split on token ids, never on text a model may spell
 itself: `ThinkTokens.find` finds them once, when the head loads, and `thinks` decides whether this model's replies
 are split at all (both tokens, and a chat template that writes them).
@@ -27,8 +27,9 @@ from ..generation import TokenInfo
 from ..model.tokenizer import TextTokenizer
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-# the tag pairs thinking models write, in the order a vocabulary is searched for them: Seed-OSS's are its own
-THINK_TAGS = ((THINK_OPEN, THINK_CLOSE), ("<seed:think>", "</seed:think>"))
+# the tag pairs thinking models write, in the order a vocabulary is searched for them: Seed-OSS's and Command
+# R7B's are their own (Command R7B's plan before a tool call is its thinking, as llama.cpp reads it)
+THINK_TAGS = ((THINK_OPEN, THINK_CLOSE), ("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>"))
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,15 @@ then writes calls its own way:
 - Hermes / Qwen:  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call, maybe
   after some text;
 - Qwen3-Coder, Qwen3.5, Seed-OSS: the same blocks (Seed-OSS's `<seed:tool_call>`) holding XML,
-  `<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n</function>`, each value typed by the tool's parameters'
-  schema (a string parameter takes the text as it is; another the JSON the text spells);
+  `<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n</function>` (one function or more; Qwen3-Coder
+  now and then leaves the block's opening out), each value typed by the tool's parameters' schema (_xml_value);
 - Llama 3:        `{"name": "f", "parameters": {...}}` as the whole reply (calls apart by `;`), after a
   `<|python_tag|>` special token that decoding drops;
 - Mistral:        `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, or `[TOOL_CALLS]f[ARGS]{...}` in its
   newer tokenizers (both markers are special tokens, so decoded text often holds the bare JSON array);
 - Phi-4-mini:     `functools[{"name": "f", "arguments": {...}}, ...]`, maybe after some text;
 - Command R7B / Command A: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}, ...]
-  <|END_ACTION|>`, after its plan (which the model writes between thinking markers);
+  <|END_ACTION|>`, after its plan (which the model writes between thinking markers: reasoning.py's);
 - small models (the demo model at temperature 0): the bare object `{"name": "f", "arguments": {...}}`, maybe
   in a ```json fence.
 
@@ -33,6 +33,7 @@ everything with `parse_tool_calls` itself, so joining what it released equals th
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -43,15 +44,20 @@ from ..model.tokenizer import TextTokenizer
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 BLOCKS = ((HERMES_OPEN, HERMES_CLOSE), (SEED_OPEN, SEED_CLOSE))  # a call each, JSON or XML
-MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_MARKER, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PHI4_MARKER = "functools["  # Phi-4-mini's: the word, then the array of calls (whose "[" the marker includes)
 COHERE_OPEN, COHERE_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"
 PYTHON_TAG = "<|python_tag|>"
-MARKERS = (HERMES_OPEN, SEED_OPEN, MISTRAL_MARKER, PHI4_MARKER, COHERE_OPEN)  # may start a call anywhere in a reply
+BARE_FUNCTION = "<function="  # Qwen3-Coder's call, which it now and then writes without the <tool_call> before it
+# may start a call anywhere in a reply
+MARKERS = (HERMES_OPEN, SEED_OPEN, BARE_FUNCTION, MISTRAL_MARKER, PHI4_MARKER, COHERE_OPEN)
 # the markers a parse needs to see (PYTHON_TAG only ever comes before a bare call, which reads the same without it)
-TOKEN_MARKERS = (*(m for pair in BLOCKS for m in pair), MISTRAL_MARKER, MISTRAL_ARGS, COHERE_OPEN, COHERE_CLOSE)
+TOKEN_MARKERS = (*(m for pair in BLOCKS for m in pair), MISTRAL_MARKER, MISTRAL_ARGS, MISTRAL_CALL_ID, COHERE_OPEN,
+                 COHERE_CLOSE)
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
-_MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*)$", re.DOTALL)
+# NAME, maybe [CALL_ID]ID (Mistral Small 3.2's, whose id tc replaces with one of its own), maybe [ARGS], then {...}
+_MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(\{.*)$",
+                            re.DOTALL)
 
 
 # each offered tool's name, to its parameters' JSON schema (None where the request gives none)
@@ -78,7 +84,8 @@ def _arguments(value: Any) -> str | None:
     try:
         if isinstance(value, str):
             value = json.loads(value)
-        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+        # NaN and Infinity, which Python's json reads, are no JSON a client reads: such arguments are no call
+        return json.dumps(value, ensure_ascii=False, allow_nan=False) if isinstance(value, dict) else None
     except (ValueError, RecursionError):  # not JSON; or nested past what json reads, which a model can write
         return None
 
@@ -137,65 +144,118 @@ def _bare_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> list[Tool
     return calls or None
 
 
-_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-_JSON_TYPES = {"object": (dict,), "array": (list,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-               "null": (type(None),)}
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+# a value ends at </parameter>, or (where the model left that out) at the next parameter or the function's end
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_TYPE_NAMES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"),
+               (dict, "object"), (list, "array"))
+_NOT_READ = object()
+
+
+def _schema_types(schema: Any, depth: int = 0) -> set[str]:
+    """The JSON types a parameter's schema allows: its `type`, its anyOf / oneOf branches' (pydantic writes an
+    Optional[int] so), its enum's and const's values'; empty where it names none (a $ref, or no schema)."""
+    if not isinstance(schema, Mapping) or depth > 8:
+        return set()
+    named = schema.get("type")
+    types = {named} if isinstance(named, str) else {t for t in named if isinstance(t, str)} \
+        if isinstance(named, list) else set()
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            types.update(t for branch in schema[key] for t in _schema_types(branch, depth + 1))
+    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+    values += [schema["const"]] if "const" in schema else []
+    types.update(next(name for kind, name in _TYPE_NAMES if isinstance(value, kind)) for value in values
+                 if isinstance(value, tuple(kind for kind, _ in _TYPE_NAMES)))
+    return types | ({"integer"} if "number" in types else set())  # a number may be written as a whole one
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN and Infinity, which Python's json reads and no client does
+
+
+def _literal(text: str) -> Any:
+    """The value `text` spells as JSON, or as a Python literal (True, {'a': 1}: what these templates write for an
+    earlier call's arguments, with jinja's `| string`, and so what the model copies); _NOT_READ where neither.
+    ast.literal_eval builds constants only: it runs nothing."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        value = ast.literal_eval(text.strip())
+        return json.loads(json.dumps(value, allow_nan=False))  # as JSON: tuples as lists; sets, bytes refused
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return _NOT_READ
 
 
 def _xml_value(text: str, schema: Any) -> Any:
-    """A parameter's value as its schema types it: the text itself where the parameter may be a string (or the
-    schema does not say), else the JSON it spells when that is of a type the schema allows (else the text)."""
-    types = schema.get("type") if isinstance(schema, Mapping) else None
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    if not types or types == {"string"}:
+    """A parameter's value as its schema types it, as llama.cpp reads it: the value the text spells (JSON, or a
+    Python literal) where it is of a type other than string that the schema allows; else the text as written (a
+    parameter that may only be a string, a schema that names no type, a value of no allowed type)."""
+    types = _schema_types(schema) - {"string"}
+    if not types:
         return text
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
+    value = _literal(text)
+    if value is _NOT_READ or isinstance(value, str):
         return text
-    allowed = tuple(t for name in types for t in _JSON_TYPES.get(name, ()))
-    return value if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed) else text
+    kind = next(name for cls, name in _TYPE_NAMES if isinstance(value, cls))  # bool before int: it is one too
+    return value if kind in types else text
 
 
-def _xml_call(block: str, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
-    """Qwen3-Coder's, Qwen3.5's and Seed-OSS's call: `<function=NAME>` holding `<parameter=KEY>VALUE</parameter>`
-    elements (each value on lines of its own, or not), then `</function>`; else None."""
-    function = _XML_FUNCTION.fullmatch(block)
-    if function is None or function.group(1) not in tools:
+def _xml_call(name: str, body: str, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
+    """The call to `name` whose `<parameter=KEY>VALUE</parameter>` elements are `body` (each value on lines of its
+    own, or not), where `name` is an offered tool; else None."""
+    if name not in tools:
         return None
-    schema = tools[function.group(1)]
+    schema = tools[name]
     properties = schema.get("properties") if isinstance(schema, Mapping) else None
     properties = properties if isinstance(properties, Mapping) else {}
     arguments: dict[str, Any] = {}
-    body, at = function.group(2), 0
+    at = 0
     while body[at:].strip():
         parameter = _XML_PARAMETER.match(body, at)
         if parameter is None:
             return None
-        key, text = parameter.group(1), parameter.group(2)
-        text = text.removeprefix("\n").removesuffix("\n")  # the lines the value is written on
-        arguments[key] = _xml_value(text, properties.get(key))
+        text = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the lines the value is written on
+        arguments[parameter.group(1)] = _xml_value(text, properties.get(parameter.group(1)))
         at = parameter.end()
-    return ToolCall(new_id(), function.group(1), json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _block_call(block: str, tools: Tools, new_id: Callable[[], str]) -> ToolCall | None:
-    """The call in the text between a block's markers (one JSON object, or the XML form), else None."""
-    if block.lstrip().startswith("<function="):
-        return _xml_call(block, tools, new_id)
+def _xml_calls(block: str, tools: Tools, new_id: Callable[[], str]) -> list[ToolCall] | None:
+    """Qwen3-Coder's, Qwen3.5's and Seed-OSS's calls: one `<function=NAME>...</function>` or more; else None."""
+    calls: list[ToolCall] = []
+    at = 0
+    while block[at:].strip():
+        function = _XML_FUNCTION.match(block, at)
+        call = None if function is None else _xml_call(function.group(1), function.group(2), tools, new_id)
+        if function is None or call is None:
+            return None
+        calls.append(call)
+        at = function.end()
+    return calls or None
+
+
+def _block_calls(block: str, tools: Tools, new_id: Callable[[], str]) -> list[ToolCall] | None:
+    """The calls in the text between a block's markers (one JSON object, or the XML form), else None."""
+    if block.lstrip().startswith(BARE_FUNCTION):
+        return _xml_calls(block, tools, new_id)
     try:
         values = list(_json_values(block))
     except (ValueError, RecursionError):
         return None
-    return _call(values[0], tools, new_id) if len(values) == 1 else None
+    call = _call(values[0], tools, new_id) if len(values) == 1 else None
+    return None if call is None else [call]
 
 
 def _next_block(text: str, at: int) -> tuple[int, str, str] | None:
-    """(where, opening marker, closing marker) of the first call block that opens in `text` from `at`."""
+    """(where, opening marker, closing marker) of the first call block that opens in `text` from `at`; a bare
+    `<function=` opens one with no marker of its own, closed by </tool_call> (or the end)."""
     found = [(text.find(opening, at), opening, closing) for opening, closing in BLOCKS]
+    found.append((text.find(BARE_FUNCTION, at), "", HERMES_CLOSE))
     found = [hit for hit in found if hit[0] >= 0]
-    return min(found) if found else None
+    return min(found, key=lambda hit: hit[0]) if found else None
 
 
 def _blocks(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[str], list[ToolCall]]:
@@ -214,12 +274,12 @@ def _blocks(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[st
         start, opening, closing = block
         end = text.find(closing, start)
         stop = end + len(closing) if end >= 0 else len(text)
-        call = _block_call(text[start + len(opening):end if end >= 0 else len(text)], tools, new_id)
-        if call is None:
+        found = _block_calls(text[start + len(opening):end if end >= 0 else len(text)], tools, new_id)
+        if found is None:
             content.append(text[at:stop])  # not a call: it stays text
         else:
             content.append(text[at:start].rstrip())
-            calls.append(call)
+            calls.extend(found)
         at = stop
 
 
@@ -268,18 +328,21 @@ def _cohere(text: str, tools: Tools, new_id: Callable[[], str]) -> tuple[list[st
 
 
 def parse_tool_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> ParsedReply:
-    """The reply `text` split into content and calls to the `tools` offered; `new_id` makes call ids."""
-    if _next_block(text, 0) is not None:
-        pieces, calls = _blocks(text, tools, new_id)
-    elif MISTRAL_MARKER in text:
-        pieces, calls = _mistral(text, tools, new_id)
-    elif COHERE_OPEN in text:
-        pieces, calls = _cohere(text, tools, new_id)
+    """The reply `text` split into content and calls to the `tools` offered; `new_id` makes call ids. The forms
+    are tried in turn, a marker's first, and the first that finds calls gives them: a marker may also be plain
+    words (even in a bare call's arguments)."""
+    forms = ((_next_block(text, 0) is not None, _blocks), (MISTRAL_MARKER in text, _mistral),
+             (COHERE_OPEN in text, _cohere), (PHI4_MARKER in text, _phi4))
+    pieces: list[str] = [text]
+    calls: list[ToolCall] = []
+    for present, form in forms:
+        if present:
+            pieces, calls = form(text, tools, new_id)
+            if calls:
+                break
     else:
-        pieces, calls = _phi4(text, tools, new_id) if PHI4_MARKER in text else ([text], [])
-        if not calls:  # no Phi-4-mini call: its marker may be plain words, even in a bare call's arguments
-            bare = _bare_calls(text, tools, new_id)
-            pieces, calls = ([], bare) if bare else ([text], [])
+        bare = _bare_calls(text, tools, new_id)
+        pieces, calls = ([], bare) if bare else ([text], [])
     if not calls:
         return ParsedReply(text, ())
     content = "".join(pieces).rstrip()
@@ -355,8 +418,8 @@ class ToolCallStream:
         # trailing whitespace waits: before a call it is dropped, before more text it goes out
         return self.released + len(self.text[self.released:end].rstrip())
 
-    def _closed_block(self) -> tuple[ToolCall, int] | None:
-        """The call in a block that starts where the text sent ends and has closed, with its end."""
+    def _closed_block(self) -> tuple[list[ToolCall], int] | None:
+        """The calls in a block that starts where the text sent ends and has closed, with its end."""
         block = _next_block(self.text, self.released)
         if block is None or self.text[self.released:block[0]].strip():
             return None
@@ -364,8 +427,8 @@ class ToolCallStream:
         end = self.text.find(closing, start)
         if end < 0:
             return None
-        call = _block_call(self.text[start + len(opening):end], self.tools, self.new_id)
-        return (call, end + len(closing)) if call is not None else None  # a malformed block waits for the end
+        calls = _block_calls(self.text[start + len(opening):end], self.tools, self.new_id)
+        return (calls, end + len(closing)) if calls is not None else None  # a malformed block waits for the end
 
     def push(self, piece: str) -> tuple[str, list[ToolCall]]:
         self.text += piece
@@ -377,7 +440,7 @@ class ToolCallStream:
             block = self._closed_block()
             if block is None:
                 break
-            calls += self._take([block[0]])
+            calls += self._take(block[0])
             self.released = block[1]
         self.content += content
         return content, calls
