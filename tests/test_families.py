@@ -25,7 +25,8 @@ from tc.model.qwen2 import MLP, Attention, HeadModel, RMSNorm, Span, Stage
 from tc.model.tokenizer import TextTokenizer
 from tc.model.weights import WeightIndex, WeightsError, layer_tensor_names
 from tc.sampling import SamplingParams
-from tiny_families import FAMILIES, LONG_FACTORS, SHAPES, SHORT_FACTORS, hf_family_model, write_family_model
+from tiny_families import (FAMILIES, LONG_FACTORS, MINISTRAL3_ROPE, SHAPES, SHORT_FACTORS, hf_family_model,
+                           write_family_model)
 
 PROMPT = [5, 77, 200, 13, 42, 42, 9, 250, 31, 120, 64, 3]  # longer than every tiny sliding window
 NEW_TOKENS = 10
@@ -378,6 +379,81 @@ def test_bf16_queries_and_keys_rotate_to_the_bits_of_the_familys_reference(famil
         assert torch.equal(*cached)
 
 
+@pytest.mark.parametrize("name, where", [("ministral3", None), ("mistral3-ministral3", None),
+                                         ("mistral3-ministral3", "text_config")])
+def test_a_checkpoint_another_tool_quantized_is_refused_by_name(family_dirs, name, where):
+    """Ministral 3's instruct checkpoints are published in FP8 (`weight` in float8 beside `weight_scale_inv`): read
+    as plain weights they would load and write nonsense. Such a config.json is refused, naming what to use."""
+    data = json.loads((family_dirs(name) / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None}
+    if where is None:
+        data["quantization_config"] = fp8
+    else:
+        data[where] = {**data[where], "quantization_config": fp8}
+    with pytest.raises(ConfigError, match="quant_method 'fp8'.*use the model's BF16 / FP16 release"):
+        ModelConfig.from_dict(data)
+
+
+def test_ministral3_queries_scale_by_position_to_the_bits_of_transformers(family_dirs):
+    """Ministral 3 multiplies each rotated bf16 query by 1 + beta * log(1 + floor(position / original context)),
+    rounded to bf16 (get_llama_4_attn_scale): rows of one span before, across and past the original context (4
+    positions in the tiny model), and of two spans at once, against transformers' own functions, bit for bit."""
+    import importlib
+
+    model_dir = family_dirs("ministral3")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    assert config.query_scaling == (0.5, 4)
+    hf = hf_family_model(model_dir)
+    reference = importlib.import_module(type(hf).__module__)
+    heads, d = config.num_attention_heads, config.head_dim
+    q = (torch.randn(1, heads, 13, d, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    positions = torch.cat((torch.arange(1, 10), torch.arange(20, 24)))[None]  # spans [1, 10) and [20, 24)
+    cos, sin = hf.model.rotary_emb(q, positions)
+    rotated, _ = reference.apply_rotary_pos_emb(q, q, cos, sin)
+    expected = rotated * reference.get_llama_4_attn_scale(positions, 0.5, 4).to(torch.bfloat16)
+    stage = Stage(config, 0, 1)
+    attn = stage.layers["0"].self_attn
+    spans = [Span(None, 1, 9), Span(None, 20, 4)]
+    ours = q.transpose(1, 2).contiguous()  # [1, rows, heads, D]
+    attn.rotate(ours, *stage.rotary.span_tables(spans, torch.bfloat16))
+    attn._scale_queries(ours, spans)
+    assert torch.equal(ours, expected.transpose(1, 2))
+    assert not torch.equal(rotated, expected)  # the scaling changed some rows: the test can fail
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no native kernels on this machine (see the log)")
+@pytest.mark.parametrize("planned", [True, False], ids=["decode plans on", "modules"])
+def test_ministral3_decodes_past_its_original_context_through_the_native_attention(family_dirs, monkeypatch,
+                                                                                  planned):
+    """The native attention (and a decode plan's) rotates a decode row's query itself, unscaled: past the original
+    context a Ministral 3 layer rotates and scales it first, and no plan takes the step. A bf16 decode step of
+    each stage through it, its change to the residual stream against fp32's through PyTorch's attention: within
+    8% of the largest (as test_nope_layers_...); with a steep scaling (beta 4, a factor of 5.4 at position 11)
+    that an unscaled query would miss by far."""
+    monkeypatch.setattr(Stage, "decode_plans", planned)
+    monkeypatch.setattr(Attention, "native_decode", True)
+    monkeypatch.setattr(RMSNorm, "native", True)
+    monkeypatch.setattr(MLP, "native_act", True)
+
+    def decode_step(stage: Stage, dtype: torch.dtype, start: int) -> torch.Tensor:
+        for layer in stage.layers.values():
+            layer.self_attn.query_scaling = (4.0, 4)
+        g = torch.Generator().manual_seed(3)
+        cache = stage.new_cache(16, dtype, "cpu")
+        stage(torch.randn(1, start, stage.config.hidden_size, generator=g).to(dtype), cache, 0)
+        x = torch.randn(1, 1, stage.config.hidden_size, generator=g).to(dtype)
+        return (stage.forward_batch(x, [Span(cache, start, 1)]) - x).float()
+
+    model_dir = family_dirs("ministral3")
+    bf16, fp32 = OurModel(model_dir, torch.bfloat16, splits=[2]), OurModel(model_dir, splits=[2])
+    for ours, ref in zip(bf16.stages, fp32.stages):
+        got, want = decode_step(ours, torch.bfloat16, 11), decode_step(ref, torch.float32, 11)
+        assert not any(isinstance(p, DecodePlan) for p in ours._plans.values())
+        assert (got - want).abs().max().item() < 0.08 * want.abs().max().item()
+        decode_step(ours, torch.bfloat16, 2)  # inside the original context a plan takes the step, where plans run
+        assert any(isinstance(p, DecodePlan) for p in ours._plans.values()) == planned
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3", "glm4", "mixtral", "qwen2-moe"])
 def test_a_layer_range_reads_only_its_bytes(family_dirs, tmp_path, name):
     """Layers [1, 3) load and compute the same with every other byte of the checkpoint turned to NaN."""
@@ -627,6 +703,13 @@ def test_gemma_files_without_layer_types_slide_as_transformers_4_did():
     ("cohere", {"logit_scale": None}, "logit_scale = null; expected a positive number"),
     ("cohere", {"layer_norm_eps": "1e-5"}, 'layer_norm_eps = "1e-5"; expected a positive number such as 1e-05'),
     ("cohere2", {"sliding_window": None}, "sliding_window = null while layer_types holds sliding_attention"),
+    # Ministral 3's query scaling needs both numbers: transformers fails without either
+    ("ministral3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}},
+     "llama_4_scaling_beta = None and rope_parameters.original_max_position_embeddings = 4; Ministral 3 scales"),
+    ("ministral3", {"rope_parameters": {**MINISTRAL3_ROPE, "original_max_position_embeddings": 4.5}},
+     "original_max_position_embeddings = 4.5; Ministral 3 scales its queries by both"),
+    ("ministral3", {"rope_parameters": {**MINISTRAL3_ROPE, "llama_4_scaling_beta": -1}},
+     "llama_4_scaling_beta = -1 and"),
 ])
 def test_a_layer_kind_or_setting_tc_does_not_compute_is_refused(family_dirs, name, changes, message):
     data = json.loads((family_dirs(name) / "config.json").read_text())
@@ -675,6 +758,8 @@ LEFT_OUT = {  # case: (family, keys dropped, keys added)
     "cohere": ("cohere", {"logit_scale", "layer_norm_eps", "tie_word_embeddings", "attention_bias", "rope_parameters"},
                {}),
     "cohere2": ("cohere2", {"layer_types", "head_dim"}, {"sliding_window_pattern": 2}),
+    # Ministral 3's yarn and query scaling (past 16384 positions, beyond these prompts)
+    "ministral3": ("ministral3", {"rope_parameters"}, {}),
 }
 
 

@@ -195,9 +195,30 @@ def test_mistral3_saved_tied_by_transformers_5_runs_tied(mistral3_dir, tmp_path)
 
 
 def test_a_mistral3_whose_language_model_is_not_a_mistral_is_refused():
-    data = {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "ministral3"}}
-    with pytest.raises(ConfigError, match="text_config sets model_type = 'ministral3'; this checkpoint's language "
+    data = {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "llama"}}
+    with pytest.raises(ConfigError, match="text_config sets model_type = 'llama'; this checkpoint's language "
                                           "model is a mistral"):
         ModelConfig.from_dict(data)
     with pytest.raises(ConfigError, match="no text_config"):
         ModelConfig.from_dict({"architectures": ["Mistral3ForConditionalGeneration"]})
+
+
+def test_a_ministral3_text_config_that_names_nothing_else_is_ministral3_configs_defaults():
+    """Ministral 3's image-text checkpoints name their language model a `ministral3`: one that gives no more reads
+    as Ministral3Config's defaults, yarn and its query scaling included, as transformers builds it."""
+    import transformers
+
+    config = ModelConfig.from_dict({"architectures": ["Mistral3ForConditionalGeneration"],
+                                    "text_config": {"model_type": "ministral3"}})
+    theirs = transformers.Mistral3Config(text_config={"model_type": "ministral3"}).text_config
+    rope = theirs.rope_parameters
+    assert (config.model_type, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size,
+            config.rms_norm_eps, config.max_position_embeddings, config.sliding_windows) == \
+        ("ministral3", theirs.hidden_size, theirs.intermediate_size, theirs.num_hidden_layers,
+         theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.vocab_size,
+         theirs.rms_norm_eps, theirs.max_position_embeddings, ())
+    assert (config.rope.type, config.rope.theta, config.rope.param("factor"),
+            config.rope.param("original_max_position_embeddings"), config.query_scaling) == \
+        ("yarn", rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"],
+         (rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"]))

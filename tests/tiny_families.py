@@ -27,6 +27,9 @@ LONG_FACTORS = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]
 # Phi-4-mini's kind: three quarters of each head rotate (12 of 16 here, 96 of 128 there), tied embeddings
 PHI4_MINI_ROPE = {"rope_type": "longrope", "short_factor": SHORT_FACTORS[:6], "long_factor": LONG_FACTORS[:6],
                   "factor": 4.0, "rope_theta": 10000.0}
+MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "rope_theta": 1e6,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.5}
 VISION_TOKENS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -75,6 +78,14 @@ FAMILIES = {
     # Mistral Small 3.1 / 3.2's kind: the Mistral language model beside a Pixtral tower tc never reads, untied
     "mistral3-image-text": ("Mistral3Config", "Mistral3ForConditionalGeneration",
                             dict(text_config="mistral-window", tie_word_embeddings=False, image_token_index=300,
+                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
+                                                    num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                                    image_size=28, patch_size=14))),
+    # Ministral 3's kind: yarn, and queries scaled by position once rotated past the original context (4 positions
+    # here, so that every prompt reaches past it; 16384 in the published files); and its image-text checkpoints
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE)),
+    "mistral3-ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",
+                            dict(text_config="ministral3", tie_word_embeddings=False, image_token_index=300,
                                  vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
                                                     num_hidden_layers=1, num_attention_heads=2, head_dim=16,
                                                     image_size=28, patch_size=14))),

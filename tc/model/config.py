@@ -95,6 +95,9 @@ class ModelConfig:
     checkpoint_names: tuple[tuple[str, str], ...] = ()
     layer_norms: bool = False  # norms subtract the mean too, and scale in fp32 (Cohere's LayerNorm, without a bias)
     parallel_block: bool = False  # attention and the MLP read one norm of x and join the residual together (Cohere)
+    # (beta, original context): queries times 1 + beta * log(1 + floor(position / original context)) once rotated
+    # (Ministral 3's, transformers' get_llama_4_attn_scale): exactly 1 inside the original context
+    query_scaling: tuple[float, int] | None = None
     experts: Experts | None = None
     context_limit: int | None = None  # the topology's context_length, where it serves less than the model holds
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read

@@ -339,6 +339,7 @@ class Attention(nn.Module):
         # True: q and k rotate in fp32, rounded once (ERNIE 4.5, Cohere, OLMo 2 and 3), which the native attention
         # does not: they rotate before it (and no decode plan takes them)
         self.rotates_wide = config.rotate_in_fp32
+        self.query_scaling = config.query_scaling  # Ministral 3's: queries scaled by position once rotated
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
                 layer: int) -> torch.Tensor:
@@ -353,8 +354,9 @@ class Attention(nn.Module):
             # compute dtype), which spares rotate_'s operators (each several times its hot-loop cost in a step whose
             # weights swept the caches)
             rotary = None
-            if self.rotates and self.rotates_wide:
+            if self.rotates and (self.rotates_wide or scales_queries(self.query_scaling, spans)):
                 self.rotate(qkv[:, :, :h + h_kv], cos, sin)
+                self._scale_queries(qkv[:, :, :h], spans)
             elif self.rotates:
                 rotary = cos, sin
             out = qkv.new_empty(1, rows, h * d)
@@ -362,6 +364,7 @@ class Attention(nn.Module):
             return self.o_proj(out)
         if self.rotates:
             self.rotate(qkv[:, :, :h + h_kv], cos, sin)
+            self._scale_queries(qkv[:, :, :h], spans)
         if len(spans) == 1:
             return self.o_proj(self._attend(qkv, spans[0], layer))
         out = qkv.new_empty(1, rows, h * d)
@@ -381,6 +384,23 @@ class Attention(nn.Module):
         """Rotate query and key heads [1, rows, heads, D] in place, as this layer's family rotates them: in the
         compute dtype, or in fp32 rounded once (by the tables Rotary gives: fp32 ones where it is `wide`)."""
         (rotate_wide_ if self.rotates_wide else rotate_)(qk, cos, sin)
+
+    def _scale_queries(self, q: torch.Tensor, spans: Sequence[Span]) -> None:
+        """Rotated query heads [1, rows, H, D], the spans' rows, times each row's query_scaling factor in place, as
+        transformers' get_llama_4_attn_scale computes it; rows inside the original context (factor 1) as they are."""
+        if not scales_queries(self.query_scaling, spans):
+            return
+        assert self.query_scaling is not None
+        beta, original = self.query_scaling
+        row = 0
+        for span in spans:
+            first = max(span.start, original)  # the span's first position past the original context
+            if first < span.start + span.length:
+                positions = torch.arange(first, span.start + span.length, device=q.device)
+                factor = 1 + beta * torch.log(1 + torch.floor(positions / original))
+                at = row + first - span.start
+                q[:, at:row + span.length] *= factor[:, None, None].to(q.dtype)
+            row += span.length
 
     def _decode_natively(self, kernels: native.Kernels, qkv: torch.Tensor, out: torch.Tensor,
                          decoded: Sequence[tuple[int, Span]], layer: int,
@@ -526,6 +546,11 @@ class DecoderLayer(nn.Module):
             return h.add_(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, layer)  # x is the caller's
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+
+def scales_queries(query_scaling: tuple[float, int] | None, spans: Sequence[Span]) -> bool:
+    """Whether a step's queries need ModelConfig.query_scaling: a span reaches past the original context."""
+    return query_scaling is not None and any(s.start + s.length > query_scaling[1] for s in spans)
 
 
 def _exact_factor(factor: float | None) -> bool:
@@ -731,7 +756,8 @@ class Stage(nn.Module):
         (made once, and kept while it is current); else None."""
         rows = sum(s.length for s in spans)
         if not self.decode_plans or dtype != torch.bfloat16 or device_type != "cpu" or rows > native.ACT_ROWS \
-                or not all(_plan_takes(s) for s in spans) or self.local_rotary is not None:
+                or not all(_plan_takes(s) for s in spans) or self.local_rotary is not None \
+                or scales_queries(self.config.query_scaling, spans):  # the plan's attention rotates the queries
             return None
         key = self._plan_key(rows)
         if key in self._plans:

@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", ("Qwen2ForCausalLM",), qwen2.parse),
     Family("llama", ("LlamaForCausalLM",), llama.parse),
     Family("mistral", ("MistralForCausalLM",), mistral.parse),
+    Family("ministral3", ("Ministral3ForCausalLM",), mistral.parse_ministral3),
     Family("mistral3", ("Mistral3ForConditionalGeneration",), mistral.parse_mistral3),  # its language model
     Family("qwen3", ("Qwen3ForCausalLM",), qwen3.parse),
     # the language model of Qwen's image-text checkpoints
@@ -87,5 +88,15 @@ def family_for(data: dict[str, Any]) -> Family:
 
 
 def parse_config(data: dict[str, Any]) -> ModelConfig:
-    """config.json's dict as its family reads it. Raises ConfigError."""
-    return family_for(data).parse(data)
+    """config.json's dict as its family reads it. Raises ConfigError, also for a checkpoint whose weights another
+    tool quantized (FP8, GPTQ, AWQ, bitsandbytes: `quantization_config`), which tc would read as plain weights."""
+    family = family_for(data)
+    quantized = data.get("quantization_config")
+    if isinstance(data.get("text_config"), dict) and quantized is None:
+        quantized = data["text_config"].get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ConfigError(f"config.json sets quantization_config (quant_method {method!r}): this checkpoint's weights "
+                          "are quantized by another tool, which tc does not read; use the model's BF16 / FP16 "
+                          "release and let tc quantize it (quant: int8 or int4 in the topology)")
+    return family.parse(data)
