@@ -394,6 +394,30 @@ def test_a_checkpoint_another_tool_quantized_is_refused_by_name(family_dirs, nam
         ModelConfig.from_dict(data)
 
 
+@pytest.mark.parametrize("architecture", ["Ministral3ForCausalLM", "Mistral3ForConditionalGeneration"])
+def test_a_ministral3_config_as_transformers_saves_it_is_read(architecture):
+    """Ministral3Config writes the model's context into its rotary dict beside the scaling's beta (keys transformers'
+    yarn leaves alone): its saved config.json reads as the config transformers builds, and so does one that gives
+    the rotary dict under both names, or no original context (transformers then takes the model's)."""
+    import transformers
+
+    text = transformers.Ministral3Config()
+    saved = transformers.Mistral3Config(text_config=text.to_dict()) if architecture.startswith("Mistral3") else text
+    data = {**json.loads(saved.to_json_string(use_diff=True)), "architectures": [architecture]}
+    config = ModelConfig.from_dict(data)
+    rope = text.rope_parameters
+    assert (config.model_type, config.rope.type, config.rope.theta, config.rope.param("factor"),
+            config.query_scaling) == ("ministral3", "yarn", rope["rope_theta"], rope["factor"],
+                                      (rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"]))
+    flat = {**text.to_dict(), "architectures": ["Ministral3ForCausalLM"]}
+    assert ModelConfig.from_dict({**flat, "rope_scaling": dict(rope)}) == ModelConfig.from_dict(flat)
+    short = {**flat, "max_position_embeddings": 512,
+             "rope_parameters": {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}}
+    theirs = transformers.Ministral3Config(**{k: v for k, v in short.items() if k != "architectures"})
+    original = theirs.rope_parameters["original_max_position_embeddings"]
+    assert original == 512 and ModelConfig.from_dict(short).query_scaling == (0.1, original)
+
+
 def test_ministral3_queries_scale_by_position_to_the_bits_of_transformers(family_dirs):
     """Ministral 3 multiplies each rotated bf16 query by 1 + beta * log(1 + floor(position / original context)),
     rounded to bf16 (get_llama_4_attn_scale): rows of one span before, across and past the original context (4

@@ -18,6 +18,7 @@ MISTRAL_DEFAULTS = {"num_key_value_heads": 8}
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                    "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+MINISTRAL3_OWN_KEYS = ("llama_4_scaling_beta", "max_position_embeddings")  # in its rotary dict, not the rotation's
 MINISTRAL3_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 131072,
                        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 34,
                        "num_attention_heads": 32, "max_position_embeddings": 262144}
@@ -37,16 +38,20 @@ def parse_ministral3(data: dict[str, Any]) -> ModelConfig:
     source = copy.deepcopy(data)  # config.json as read: what crosses the wire, for each worker to read the same way
     if all(data.get(key) is None for key in ROPE_LAYOUTS):
         data = {**data, "rope_parameters": MINISTRAL3_ROPE}
-    key = next(key for key in ROPE_LAYOUTS if data.get(key) is not None)
-    rope = data[key]
-    if not isinstance(rope, dict):
-        raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
-                          '{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, ...}')
-    # the rotary embedding's own keys go to common_fields; the scaling's are read here
-    values = common_fields({**data, key: {k: v for k, v in rope.items() if k != "llama_4_scaling_beta"}},
-                           "ministral3", defaults=MINISTRAL3_DEFAULTS)
+    ropes = {key: data[key] for key in ROPE_LAYOUTS if data.get(key) is not None}
+    for key, rope in ropes.items():
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json sets {key} = {rope!r}; expected an object such as "
+                              '{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, ...}')
+    # the rotary embedding's own keys go to common_fields; the query scaling's are read here, and the model's
+    # context that Ministral3Config writes beside them is read at the top level, as transformers reads it
+    values = common_fields({**data, **{key: {k: v for k, v in rope.items() if k not in MINISTRAL3_OWN_KEYS}
+                                       for key, rope in ropes.items()}}, "ministral3", defaults=MINISTRAL3_DEFAULTS)
     values["source"] = source
-    beta, original = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    key, rope = next(iter(ropes.items()))  # the one common_fields reads where both are given (alike, or refused)
+    beta = rope.get("llama_4_scaling_beta")
+    # where the rotary embedding names no original context, transformers takes the model's, as tc's yarn does
+    original = rope.get("original_max_position_embeddings", values["max_position_embeddings"])
     # transformers scales every query by these two, and fails without either
     if type(beta) not in (int, float) or not 0 <= beta < math.inf \
             or type(original) not in (int, float) or not 0 < original < math.inf or original != int(original):
