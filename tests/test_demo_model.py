@@ -200,6 +200,11 @@ def test_added_tokens_match_reference(ours: Any, reference_tokenizer: Any, model
     written = {int(k): (v["content"], v["special"]) for k, v in config["added_tokens_decoder"].items()}
     assert written == reference
     assert ours.get_vocab_size() == len(reference_tokenizer)
+    # its call markers are text, not special: a reply to a request with tools keeps no other token than before
+    from tc.head.tool_calls import marker_tokens
+    from tc.model.tokenizer import TextTokenizer
+
+    assert marker_tokens(TextTokenizer.load(model_dir)) == frozenset()
 
 
 @pytest.mark.demo
