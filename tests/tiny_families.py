@@ -30,6 +30,8 @@ PHI4_MINI_ROPE = {"rope_type": "longrope", "short_factor": SHORT_FACTORS[:6], "l
 MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "rope_theta": 1e6,
                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                    "llama_4_scaling_beta": 0.5}
+PIXTRAL_TOWER = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
 VISION_TOKENS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -78,17 +80,17 @@ FAMILIES = {
     # Mistral Small 3.1 / 3.2's kind: the Mistral language model beside a Pixtral tower tc never reads, untied
     "mistral3-image-text": ("Mistral3Config", "Mistral3ForConditionalGeneration",
                             dict(text_config="mistral-window", tie_word_embeddings=False, image_token_index=300,
-                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
-                                                    num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-                                                    image_size=28, patch_size=14))),
+                                 vision_config=PIXTRAL_TOWER)),
     # Ministral 3's kind: yarn, and queries scaled by position once rotated past the original context (4 positions
     # here, so that every prompt reaches past it; 16384 in the published files); and its image-text checkpoints
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE)),
     "mistral3-ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",
                             dict(text_config="ministral3", tie_word_embeddings=False, image_token_index=300,
-                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
-                                                    num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-                                                    image_size=28, patch_size=14))),
+                                 vision_config=PIXTRAL_TOWER)),
+    # Ministral 3 3B's layout: tied at the top level, no lm_head of its own in the checkpoint
+    "mistral3-ministral3-tied": ("Mistral3Config", "Mistral3ForConditionalGeneration",
+                                 dict(text_config="ministral3", tie_word_embeddings=True, image_token_index=300,
+                                      vision_config=PIXTRAL_TOWER)),
     # Qwen's image-text kinds: Qwen2's or Qwen3's language model under MRoPE (the second interleaved), beside a
     # vision tower tc never reads; a text_config dict holds the language model's arguments beyond SHAPES
     "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
