@@ -27,9 +27,16 @@ MINISTRAL3_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps"
 def parse(data: dict[str, Any]) -> ModelConfig:
     values = common_fields(data, "mistral", defaults=MISTRAL_DEFAULTS)
     # left out, it is transformers' MistralConfig default (4096, Mistral 7B v0.1's); null turns it off (v0.3)
-    window = data.get("sliding_window", 4096)
+    return ModelConfig(**values, sliding_windows=_windows(data, 4096, values["num_hidden_layers"]))
+
+
+def _windows(data: dict[str, Any], default: int | None, layers: int) -> tuple[int, ...]:
+    """Every layer's sliding window: config.json's `sliding_window` (`default`, the config class's, where left
+    out) on each of the `layers`; () where it is null (or 0). Raises ConfigError for one that is not a whole
+    number."""
+    window = data.get("sliding_window", default)
     window = None if window is None else require({"sliding_window": window}, "sliding_window")
-    return ModelConfig(**values, sliding_windows=(window,) * values["num_hidden_layers"] if window else ())
+    return (window,) * layers if window else ()
 
 
 def parse_ministral3(data: dict[str, Any]) -> ModelConfig:
@@ -58,9 +65,8 @@ def parse_ministral3(data: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json sets {key}.llama_4_scaling_beta = {beta!r} and "
                           f"{key}.original_max_position_embeddings = {original!r}; Ministral 3 scales its queries "
                           "by both: a non-negative number, and a whole number of positions such as 16384")
-    window = data.get("sliding_window")  # Ministral3Config's default: none
-    window = None if window is None else require({"sliding_window": window}, "sliding_window")
-    return ModelConfig(**values, sliding_windows=(window,) * values["num_hidden_layers"] if window else (),
+    # no window where config.json names none, as Ministral3Config takes it
+    return ModelConfig(**values, sliding_windows=_windows(data, None, values["num_hidden_layers"]),
                        query_scaling=(float(beta), int(original)))
 
 
