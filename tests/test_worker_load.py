@@ -8,10 +8,12 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from model_helpers import local_assignment
+from tc.model.config import ModelConfig
 from tc.protocol.connection import Connection
-from tc.protocol.messages import Assignment, LoadComplete, LoadFailed
+from tc.protocol.messages import Assignment, BatchEntry, HiddenState, LoadComplete, LoadFailed, RunBatch
 from tc.worker.main import Worker, WorkerOptions
 
 
@@ -52,7 +54,28 @@ def worker_and_head():
             if isinstance(reply, (LoadComplete, LoadFailed)):
                 return reply
 
-    yield worker, assign
+    def step(request_id: str, hidden_size: int, wait: bool = True):
+        """Send a prompt of three rows for layers loaded through the connection, queue it for the worker and, with
+        `wait`, return the worker's answer."""
+        rows = torch.randn(1, 3, hidden_size, generator=torch.Generator().manual_seed(0))
+        head_conn.send(RunBatch(entries=(BatchEntry(sequence=0, position_start=0, length=3, cache_capacity=8),),
+                                hidden_state=rows), request_id)
+        jobs.put((worker_conn.recv(timeout=10), False))
+        return head_conn.recv(timeout=60) if wait else None
+
+    def heard_after_the_last_job() -> list:
+        """End the compute loop once the jobs queued so far are done; what the worker sent the head meanwhile."""
+        jobs.put(None)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        heard = []
+        while True:
+            try:
+                heard.append(head_conn.recv(timeout=0.2))  # sent before the thread ended: already here
+            except TimeoutError:
+                return heard
+
+    yield worker, assign, step, heard_after_the_last_job
     jobs.put(None)
     thread.join(timeout=10)
     worker_conn.close()
@@ -60,7 +83,7 @@ def worker_and_head():
 
 
 def test_load_complete_reports_the_dtype_the_worker_computes_in(tiny_model_dir, worker_and_head):
-    _, assign = worker_and_head
+    _, assign, *_ = worker_and_head
     # fp16 asked of a CPU computes in fp32: the head must hear fp32
     reply = assign(local_assignment(tiny_model_dir, 0, 2, compute_dtype="fp16"))
     assert isinstance(reply, LoadComplete) and reply.compute_dtype == "fp32" and reply.device == "cpu"
@@ -68,7 +91,7 @@ def test_load_complete_reports_the_dtype_the_worker_computes_in(tiny_model_dir, 
 
 
 def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_dir, worker_and_head):
-    worker, assign = worker_and_head
+    worker, assign, *_ = worker_and_head
     assert isinstance(assign(local_assignment(tiny_model_dir, 0, 2)), LoadComplete)
     assert isinstance(assign(local_assignment(tiny_model_dir, 2, 4)), LoadComplete)
     assert worker.alive_when_loading[1] == [False]  # layers 0-1 were gone before layers 2-3 started loading
@@ -81,8 +104,22 @@ def test_a_reassignment_frees_the_old_layers_before_loading_the_new(tiny_model_d
 def test_a_model_directory_missing_on_the_worker_machine_is_named_so(tiny_model_dir, worker_and_head, tmp_path):
     """The head has the local model; a worker machine without a copy at the same path said the directory had no
     config.json and asked whether it was a HuggingFace model directory, which it is, on the head."""
-    _, assign = worker_and_head
+    _, assign, *_ = worker_and_head
     reply = assign(local_assignment(tiny_model_dir, 0, 2, model_id=str(tmp_path / "not-copied-here")))
     assert isinstance(reply, LoadFailed)
     assert "not-copied-here: no such directory on this machine" in reply.reason
     assert "copy the model directory here" in reply.reason
+
+
+def test_a_worker_that_is_leaving_runs_and_passes_on_no_step(tiny_model_dir, worker_and_head):
+    """From SIGTERM on (shutdown sets stop first), a step already queued is neither run nor answered: the head is
+    to hear the worker's farewell, and the request fail as the signal says, where the queued frames carried it on,
+    now and then to its end, before the head read the farewell."""
+    worker, assign, step, heard_after_the_last_job = worker_and_head
+    assert isinstance(assign(local_assignment(tiny_model_dir, 0, 2)), LoadComplete)
+    hidden_size = ModelConfig.from_file(tiny_model_dir / "config.json").hidden_size
+    answer = step("before", hidden_size)
+    assert answer.request_id == "before" and isinstance(answer.message, HiddenState), answer
+    worker.stop.set()
+    step("while leaving", hidden_size, wait=False)
+    assert heard_after_the_last_job() == []

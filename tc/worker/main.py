@@ -24,7 +24,8 @@ worker's return only its resume grace. A head that breaks the protocol (garbage,
 a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
-that reason), closes the connection and exits 0.
+that reason), closes the connection and exits 0. From the signal on, the worker runs and passes on no step: a
+frame already queued would otherwise carry the request on, even to its end, before the head reads the farewell.
 """
 from __future__ import annotations
 
@@ -447,10 +448,12 @@ class Worker:
     def compute_loop(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes | None = None,
                      ending: threading.Event | None = None) -> None:
         """Load and infer, in order, until the session ends (`ending`, where given, is set then: a step running
-        through its layers is given up at the next one). Never dies silently (see the module's docstring)."""
+        through its layers is given up at the next one, as it is once the worker is leaving). Never dies silently
+        (see the module's docstring)."""
         runtime: StageRuntime | None = None
         forwarder = Forwarder(self.options.max_frame_bytes, self._key)
         doing = "waiting for work"
+        interrupted = None if ending is None else lambda: ending.is_set() or self.stop.is_set()
         try:
             while True:
                 job = jobs.get()
@@ -464,7 +467,7 @@ class Worker:
                     if self.loaded is None or self.loaded[0] != _assignment_key(msg):
                         runtime = None  # with release_stage: the old layers are gone before the new ones load
                         self.release_stage()
-                    runtime = self.load(conn, msg, None if ending is None else ending.is_set)
+                    runtime = self.load(conn, msg, interrupted)
                 elif isinstance(msg, ClearCache):
                     if runtime is not None:
                         runtime.clear()
@@ -478,8 +481,9 @@ class Worker:
                     self._run_batch(conn, runtime, env, from_peer, routes.current if routes else None, forwarder)
         except (ConnectionClosed, OSError):
             return  # the reader sees it too and ends the session
-        except StepInterrupted as exc:  # the session ended during a step: no reply, not even an error, for it
-            log.info("%s given up: %s (the connection to the head has ended)", doing, exc)
+        except StepInterrupted as exc:  # the session ended, or the worker is leaving: no reply, not even an error
+            log.info("%s given up: %s (%s)", doing, exc,
+                     "the worker is leaving" if self.stop.is_set() else "the connection to the head has ended")
             return
         except Exception as exc:  # a worker that pings but cannot compute must not stay joined
             self._fail_session(conn, f"the compute thread failed on {doing}: {type(exc).__name__}: {exc}", exc)
@@ -499,7 +503,12 @@ class Worker:
                      route.route if route else "unset")
             return
         runtime.release(msg.released)
-        output = self.infer(runtime, msg)
+        output = None if self.stop.is_set() else self.infer(runtime, msg)
+        if self.stop.is_set():
+            # leaving (shutdown): the head is to hear the farewell, so its request fails as the operator's signal
+            # says, not a step that a frame already queued here could still add to it
+            log.info("%s of request %s not run or not passed on: the worker is leaving", msg.TYPE, env.request_id)
+            return
         if isinstance(output, InferenceError):
             reply = output
         else:
