@@ -42,6 +42,7 @@ from tc.protocol.messages import (ERROR_COMPUTE_FAILED, Assignment, Error, Hello
                                  Pong, RunBatch)
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
+from tc.worker import main as worker_main
 from tc.worker.main import Worker, WorkerOptions
 from tiny_model import write_tiny_model
 
@@ -675,6 +676,32 @@ def test_a_link_closed_by_two_threads_at_once_keeps_the_first_reason_alone():
     finally:
         link.conn.close()
         b.close()
+
+
+def test_a_worker_told_to_stop_while_it_connects_leaves_without_joining(monkeypatch):
+    """SIGTERM's handler hands the connection the worker holds to its farewell; one that lands while connect()
+    runs finds none, and the worker joined on that connection and served, the signal lost (and, once a leaving
+    worker ran no step, it pinged and computed nothing). Now it closes that connection unused and leaves."""
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        head.settimeout(30)
+        worker = Worker(WorkerOptions(host="127.0.0.1", port=head.getsockname()[1], node_id="a", device="cpu",
+                                      hf_cache_dir=None, max_memory_bytes=None, bench=False, peer_port=None))
+        connect = worker_main.connect
+
+        def connect_then_signal(*args, **kwargs):
+            conn = connect(*args, **kwargs)
+            worker.shutdown("SIGTERM received")  # where the handler lands: before run() holds the connection
+            return conn
+
+        monkeypatch.setattr(worker_main, "connect", connect_then_signal)
+        runner = threading.Thread(target=worker.run, name="worker", daemon=True)
+        runner.start()
+        sock = head.accept()[0]
+        with sock:
+            sock.settimeout(30)
+            assert sock.recv(1) == b""  # closed without a HELLO
+        runner.join(30)
+        assert not runner.is_alive()
 
 
 def test_a_worker_with_no_thread_to_compute_on_tells_the_head_and_rejoins():

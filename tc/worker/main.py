@@ -255,6 +255,10 @@ class Worker:
             # speaking first (sshd's banner, say), not a limit to raise; _expect_ack gives the advice for later
             conn.frame_limit_advice = "a head's first reply is a few bytes: what answered is not a tc head"
             self._conn, self._head_answered = conn, False
+            if self.stop.is_set():  # the signal came during connect(): its farewell had no connection to close
+                self._conn = None
+                conn.close()
+                break
             try:
                 served = self.session(conn)
             except Refused as exc:
