@@ -21,8 +21,11 @@ import torch
 
 GRAMMAR_PACKAGE = "llguidance"
 # JSON as models write it by habit (json.dumps' separators), and no free whitespace: a grammar that allows
-# whitespace anywhere lets a model pad forever instead of closing the object
-JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# whitespace anywhere lets a model pad forever instead of closing the object. oneOf is read as anyOf (a value
+# valid under two branches passes), as OpenAI's structured outputs and docs/api.md say: the engine refuses a
+# oneOf whose branches may overlap without it.
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                              "coerce_one_of": True}
 
 
 # The magnitude a generated number may reach where the schema sets no bound. JSON numbers are unbounded, and a

@@ -18,7 +18,9 @@ from tiny_model import write_tiny_model
 from tc.generation import Generator
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
+from tc.head.api_requests import Tool
 from tc.head.service import GenerationService, Readiness
+from tc.head.structured_output import _any_of, call_schema, placed
 from tc.model.tokenizer import TextTokenizer
 
 CHAT = "/v1/chat/completions"
@@ -286,3 +288,65 @@ def test_a_number_the_schema_leaves_unbounded_cannot_run_on_for_ever(generator):
         state.advance(digits["9"])
         written += 1
     assert written <= len(str(NUMBER_BOUND))  # the grammar closed the number before it passed the bound
+
+
+# A tool's parameters as pydantic writes them for a nested model (openai.pydantic_function_tool, MCP servers, agent
+# frameworks): the nested model in $defs, referred to from the document's root.
+SHIP = {"type": "function", "function": {"name": "ship", "parameters": {
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+    "required": ["to"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": "auto", "max_tokens": 1},
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "ship"}}},
+    {"tool_choice": "auto", "response_format": schema_format(SHIP["function"]["parameters"])},
+], ids=["auto", "required", "named", "auto+json_schema"])
+def test_tool_parameters_that_refer_to_their_own_definitions_are_served(client, fields):
+    """A call's schema holds the tool's parameters under its "arguments", so a "$ref": "#/$defs/Address" written
+    for the parameters' own root pointed into the call's schema, at nothing: every such request was a 400, under
+    "auto" too, and beside a response_format the error blamed the format."""
+    body = chat(client, tools=[LOOKUP, SHIP], temperature=1.0, seed=2, **fields)
+    message = body["choices"][0]["message"]
+    if "response_format" in fields and not message.get("tool_calls"):
+        jsonschema.validate(json.loads(message["content"]), SHIP["function"]["parameters"])
+    for call in message.get("tool_calls") or []:
+        tool = {"lookup": LOOKUP, "ship": SHIP}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+    if fields["tool_choice"] != "auto":
+        assert message["tool_calls"], message
+
+
+TREE = {"type": "object", "properties": {"label": {"type": "string"},
+                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["label", "children"], "additionalProperties": False}
+
+
+def test_a_tool_s_own_references_keep_pointing_into_its_parameters_wherever_they_are_placed():
+    """Placed under a call's "arguments", and the calls under an anyOf, each reference into the parameters' own
+    document (recursive "#" included) is rewritten to where that document sits, and only those: an anchor, another
+    document's, and "$ref" keys in data (a const) or naming a property are left as written."""
+    tree = Tool(name="tree", parameters=TREE)
+    tree_call = {"name": "tree", "arguments": {"label": "a", "children": [{"label": "b", "children": []}]}}
+    call_as_child = {"name": "tree", "arguments": {"label": "a", "children": [tree_call]}}
+    for schema in (call_schema(tree), _any_of([call_schema(Tool(name="x", parameters=None)), call_schema(tree)])):
+        jsonschema.validate(tree_call, schema)
+        with pytest.raises(jsonschema.ValidationError):  # "#" is the tree, not the call around it
+            jsonschema.validate(call_as_child, schema)
+    kept = {"properties": {"$ref": {"const": {"$ref": "#/x"}}, "b": {"$ref": "#anchor"},
+                           "c": {"$ref": "other.json#/a"}}, "items": [{"$ref": "#/$defs/A"}]}
+    assert placed(kept, "/p") == {**kept, "items": [{"$ref": "#/p/$defs/A"}]}
+
+
+def test_a_one_of_whose_branches_overlap_is_read_as_any_of(client):
+    """A number is also an integer's kind: the engine refused such a oneOf unless told to read it as anyOf, as
+    OpenAI does and docs/api.md says tc does."""
+    either = {"type": "function", "function": {"name": "either", "parameters": {
+        "type": "object", "properties": {"v": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+        "required": ["v"], "additionalProperties": False}}}
+    body = chat(client, tools=[either], tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=1)
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    assert isinstance(json.loads(call["function"]["arguments"])["v"], (int, float))

@@ -17,21 +17,53 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from ..constraint import ConstraintUnavailable, Grammar, GrammarEngine, GrammarError
+from ..constraint import MAX_SCHEMA_NESTING, ConstraintUnavailable, Grammar, GrammarEngine, GrammarError
 from .api_requests import ChatRequest, RequestError, ResponseFormat, Tool
 
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 
 
+# Where a schema's keywords hold schemas: one, a list of them, or a map of names to them. Any other keyword's value
+# is data (a const, an enum, a default), whose "$ref" keys are not references.
+_ONE_SCHEMA = frozenset({"items", "additionalItems", "additionalProperties", "contains", "else", "if", "not",
+                         "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties"})
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SCHEMA_MAPS = frozenset({"$defs", "definitions", "dependentSchemas", "patternProperties", "properties"})
+
+
+def placed(schema: Any, at: str, _depth: int = 0) -> Any:
+    """`schema` as it reads at JSON pointer `at` inside another schema: each reference into its own document
+    ("#", "#/$defs/Address", "#/properties/a", as pydantic, zod and MCP tools write them) made to point where that
+    document now sits, where it would point into the schema around it or at nothing. A copy; anchors ("#name")
+    and other documents' references are left as written. Deeper than the grammar engine reads, left as is (it
+    refuses the schema there)."""
+    if _depth > MAX_SCHEMA_NESTING or not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = "#" + at + value[1:]
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            moved[key] = [placed(item, at, _depth + 1) for item in value]
+        elif key in _ONE_SCHEMA:
+            moved[key] = placed(value, at, _depth + 1)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: placed(item, at, _depth + 1) for name, item in value.items()}
+        else:
+            moved[key] = value
+    return moved
+
+
 def call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON schema of one call to `tool`, as the bare object models write."""
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": dict(tool.parameters or ANY_OBJECT)},
+                                             "arguments": placed(dict(tool.parameters or ANY_OBJECT),
+                                                                 "/properties/arguments")},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def _any_of(schemas: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    return schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+    return schemas[0] if len(schemas) == 1 else {"anyOf": [placed(s, f"/anyOf/{i}") for i, s in enumerate(schemas)]}
 
 
 def _format_schema(fmt: ResponseFormat) -> Mapping[str, Any] | None:
