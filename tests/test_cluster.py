@@ -19,7 +19,7 @@ from tc.generation import Generator
 from tc.model.tokenizer import TextTokenizer
 from tc.planner import format_bytes
 from tc.protocol.connection import Connection
-from tc.protocol.messages import PROTOCOL_VERSION, Error, Hello
+from tc.protocol.messages import ERROR_NODE_TAKEN, PROTOCOL_VERSION, Error, Hello
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
 
@@ -179,6 +179,8 @@ def test_refused_workers_leave_the_head_serving(tmp_path, model_dir):
         taken = cluster.start_worker("a", name="second-a")
         assert taken.proc.wait(WORKER_JOIN_S) == 2
         assert "already taken" in taken.output()
+        reply = raw_hello(cluster, worker_hello("a"))  # a code a worker that was joined can act on (it retries)
+        assert isinstance(reply, Error) and reply.code == ERROR_NODE_TAKEN and "already taken" in reply.message
         assert cluster.get("/health")[0] == 200
         status, body = cluster.get("/health/ready")
         assert status == 503 and body["missing_nodes"] == ["gpu"]

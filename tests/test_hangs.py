@@ -38,8 +38,8 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import (ERROR_COMPUTE_FAILED, Assignment, Error, Hello, HelloAck, HiddenState, Ping,
-                                 Pong, RunBatch)
+from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, Assignment, Error, Hello, HelloAck,
+                                 HiddenState, Ping, Pong, RunBatch)
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from tc.worker import main as worker_main
@@ -701,6 +701,36 @@ def test_a_worker_told_to_stop_while_it_connects_leaves_without_joining(monkeypa
             sock.settimeout(30)
             assert sock.recv(1) == b""  # closed without a HELLO
         runner.join(30)
+        assert not runner.is_alive()
+
+
+def test_a_worker_rejoining_while_the_head_holds_its_last_connection_retries():
+    """A worker that heard nothing for --head-timeout-s (a head paused past it: a VM migrated, a laptop asleep)
+    leaves and rejoins; a head that has not yet seen that connection end refuses the HELLO, its entry taken, and
+    the worker exited for good (status 2). It now tries again until the head has dropped the dead connection; a
+    worker that never joined still takes the refusal as final (tests/test_cluster.py)."""
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        head.settimeout(30)
+        worker = Worker(WorkerOptions(host="127.0.0.1", port=head.getsockname()[1], node_id="a", device="cpu",
+                                      hf_cache_dir=None, max_memory_bytes=None, retry_max_s=1, bench=False,
+                                      peer_port=None, head_timeout_s=1))
+        runner = threading.Thread(target=worker.run, name="worker", daemon=True)
+        runner.start()
+        with Connection(head.accept()[0]) as first:
+            assert isinstance(first.recv(timeout=30).message, Hello)
+            first.send(HelloAck(node_id="a"))
+            # the head falls silent: the worker leaves this connection after a second, and rejoins
+            with Connection(head.accept()[0]) as conn:
+                assert isinstance(conn.recv(timeout=30).message, Hello)
+                conn.send(Error(code=ERROR_NODE_TAKEN, message="node id 'a' is already taken by a connected worker; "
+                                                               "give another --node-id or stop the other worker"))
+            with Connection(head.accept()[0]) as conn:  # it tried again, and serves
+                assert isinstance(conn.recv(timeout=30).message, Hello)
+                conn.send(HelloAck(node_id="a"))
+                conn.send(Ping(nonce=3))
+                assert conn.recv(timeout=30).message == Pong(nonce=3)
+                worker.shutdown("the test is over")
+                runner.join(30)
         assert not runner.is_alive()
 
 

@@ -15,6 +15,11 @@ class Refusal(Exception):
     """A HELLO that does not fit the topology; the message is sent to the worker, which prints it."""
 
 
+class NodeTaken(Refusal):
+    """A HELLO for an entry that a connected worker holds (or, without a node id, with every entry held): the
+    holder may be the same worker's last connection, dead where the head has not yet seen it end."""
+
+
 def device_can_serve(entry_device: str, devices: tuple[DeviceInfo, ...]) -> bool:
     """Whether a machine with `devices` can run an entry asking for `entry_device`."""
     if entry_device == "auto":
@@ -153,8 +158,8 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
             raise Refusal(f"unknown node id {_quoted(hello.node_id)}; topology.yaml lists "
                           f"{', '.join(topology.node_ids)}") from None
         if entry.id in taken:
-            raise Refusal(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "
-                          "or stop the other worker")
+            raise NodeTaken(f"node id {entry.id!r} is already taken by a connected worker; give another --node-id "
+                            "or stop the other worker")
         problem = _fit_problem(entry, hello, plan, config, sequences)
         if problem:
             raise Refusal(problem)
@@ -168,6 +173,6 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
             return entry
         problems.append(problem)
     if not problems:
-        raise Refusal(f"every entry in topology.yaml is already filled ({', '.join(topology.node_ids)}); "
-                      "add an entry for this machine")
+        raise NodeTaken(f"every entry in topology.yaml is already filled ({', '.join(topology.node_ids)}); "
+                        "add an entry for this machine")
     raise Refusal("no free entry fits this worker: " + "; ".join(problems))

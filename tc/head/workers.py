@@ -48,15 +48,15 @@ from ..planner import Plan, PlanError, Stage, format_bytes
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
 from ..protocol.connection import Connection
 from ..protocol.errors import ConnectionClosed, ProtocolError
-from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
-                                 Assignment, Error, Hello, HelloAck, HiddenState, InferenceError,
+from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_NODE_TAKEN, ERROR_PROTOCOL,
+                                 ERROR_SHUTTING_DOWN, Assignment, Error, Hello, HelloAck, HiddenState, InferenceError,
                                  LoadComplete, LoadFailed, LoadProgress, Message, Ping, Pong, Release, Route,
                                  RunBatch)
 from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
 from ..topology import WILDCARD_HOSTS, HostPort, Topology
 from ..trace import mark
-from .admission import (Refusal, caches_short_of_the_batch, choose_entry, device_for, dtype_fallback,
+from .admission import (NodeTaken, Refusal, caches_short_of_the_batch, choose_entry, device_for, dtype_fallback,
                         sequences_to_hold, stage_fit_problem)
 from .service import Readiness, StageFailed, WorkerLost
 from .step_deadline import StepBudget, StepClock
@@ -700,7 +700,8 @@ class WorkerRegistry:
             return None
         except (Refusal, AuthError) as exc:
             log.warning("refused a worker from %s: %s", peer, exc)
-            _send_and_close(conn, Error(code=ERROR_HELLO_REFUSED, message=str(exc)))
+            code = ERROR_NODE_TAKEN if isinstance(exc, NodeTaken) else ERROR_HELLO_REFUSED  # the worker may retry
+            _send_and_close(conn, Error(code=code, message=str(exc)))
             return None
         except ProtocolError as exc:  # includes a protocol version mismatch found while parsing HELLO
             log.warning("refused a worker from %s: %s", peer, exc)

@@ -24,6 +24,7 @@ from tc.protocol.framing import (
 )
 from tc.protocol.messages import (
     ERROR_HELLO_REFUSED,
+    ERROR_NODE_TAKEN,
     ERROR_PROTOCOL,
     ERROR_UNEXPECTED_MESSAGE,
     ERROR_VERSION_MISMATCH,
@@ -52,6 +53,7 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor, tensor_from_wire, tenso
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "ERROR_HELLO_REFUSED",
+    "ERROR_NODE_TAKEN",
     "ERROR_PROTOCOL",
     "ERROR_UNEXPECTED_MESSAGE",
     "ERROR_VERSION_MISMATCH",

@@ -57,6 +57,9 @@ ERROR_VERSION_MISMATCH = "version_mismatch"
 ERROR_UNEXPECTED_MESSAGE = "unexpected_message"
 ERROR_SHUTTING_DOWN = "shutting_down"  # either side, before it closes the connection on purpose
 ERROR_COMPUTE_FAILED = "compute_failed"  # worker: its compute failed; it leaves and rejoins
+# head, refusing a HELLO: the entry it asks for (or every entry) is held by a connected worker, which may be this
+# very worker's last connection, that the head has not yet seen end (a head paused past the worker's head timeout)
+ERROR_NODE_TAKEN = "node_taken"
 
 
 # ---------------------------------------------------------------------------------------------------------------

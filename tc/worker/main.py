@@ -20,8 +20,11 @@ Staying joined: when the connection ends, the head says it is shutting down, or 
 even a PING) for head_timeout_s (a head that died without closing, or a cut link), the worker rejoins with
 backoff; loaded layers are kept for the next assignment. A step the compute thread is running through its layers
 then (a long prompt's) is given up at the next layer: it would answer no one, and the head waits for a lost
-worker's return only its resume grace. A head that breaks the protocol (garbage, a command before any ASSIGNMENT,
-a message a worker never takes) gets an ERROR and the connection is dropped, then rejoined.
+worker's return only its resume grace. A head that refuses the rejoin because a connected worker holds the entry
+(code node_taken) most likely still holds this worker's own last connection, which it has not yet seen end: the
+worker tries again, where a worker that never joined takes that refusal as final. A head that breaks the protocol
+(garbage, a command before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is
+dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
 that reason), closes the connection and exits 0. From the signal on, the worker runs and passes on no step: a
@@ -56,7 +59,8 @@ from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
 from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN, PROTOCOL_VERSION,
+from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
+                                 PROTOCOL_VERSION,
                                  Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck, InferenceError,
                                  LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
                                  RunBatch, SpeedFigure)
@@ -86,6 +90,11 @@ DOWNLOAD_REPORT_S = 1.0  # how often a worker tells the head how its download go
 
 class Refused(Exception):
     """The head refused this worker, or could not prove itself; retrying would not help."""
+
+
+class StillHeld(Exception):
+    """The head holds this worker's entry for a connection this worker has left (after hearing nothing from the
+    head for --head-timeout-s): the head drops it once it sees it end, and the worker rejoins then."""
 
 
 class WorkerSetupError(ValueError):
@@ -267,6 +276,10 @@ class Worker:
             except WorkerSetupError as exc:
                 log.error("%s", exc)
                 return REFUSED_EXIT
+            except StillHeld as exc:
+                log.warning("the head has not yet seen this worker's last connection end (it says: %s); retrying "
+                            "in %.3gs", exc, delay)
+                served = False
             except (ConnectionClosed, OSError, ProtocolError) as exc:
                 if self.stop.is_set():
                     break
@@ -320,6 +333,9 @@ class Worker:
                                    "large as the head's head.max_frame_mb")
         if isinstance(env.message, Error) and env.message.code == ERROR_SHUTTING_DOWN:
             raise ConnectionClosed(env.message.message)  # not a refusal: rejoin once the head is back
+        if isinstance(env.message, Error) and env.message.code == ERROR_NODE_TAKEN and self._node_id is not None:
+            # joined before, this process holds no other connection: what holds the entry is its last one
+            raise StillHeld(env.message.message)
         if isinstance(env.message, Error):
             raise Refused(env.message.message)
         if not isinstance(env.message, HelloAck):
