@@ -28,6 +28,10 @@ JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",
                               "coerce_one_of": True}
 
 
+def _style(lenient: bool) -> dict[str, Any]:
+    return {**JSON_STYLE, "lenient": True} if lenient else JSON_STYLE
+
+
 # The magnitude a generated number may reach where the schema sets no bound. JSON numbers are unbounded, and a
 # sampled model can write digit after digit until max_tokens ends the reply unparsed (seen at temperature 0.9:
 # "population_millions": 27270000000...). Any reply within the bound is valid under the schema as given.
@@ -112,11 +116,13 @@ class GrammarEngine:
             raise GrammarError("; ".join(messages))
         return Grammar(self, grammar)
 
-    def json_schema(self, schema: Mapping[str, Any]) -> "Grammar":
-        """JSON text valid under `schema`. Raises GrammarError naming what the engine does not implement."""
+    def json_schema(self, schema: Mapping[str, Any], lenient: bool = False) -> "Grammar":
+        """JSON text valid under `schema`. Raises GrammarError naming what the engine does not implement; with
+        `lenient`, only a `pattern` it cannot read: the keywords and formats it does not implement are left out, so
+        the text follows the rest of the schema."""
         try:
             grammar = self._ll.LLMatcher.grammar_from_json_schema(json.dumps(bound_numbers(schema)),
-                                                                  overrides=JSON_STYLE)
+                                                                  overrides=_style(lenient))
         except ValueError as exc:
             raise GrammarError(str(exc)) from exc
         return self._checked(grammar)
@@ -132,9 +138,10 @@ class GrammarEngine:
         if failed and not all(m.startswith("regex parse error") for m in messages):
             raise GrammarError("; ".join(messages))
 
-    def json_sequence(self, schema: Mapping[str, Any], *, separator: str = "\n") -> "Grammar":
-        """One or more JSON values valid under `schema`, apart by `separator`. Raises GrammarError."""
-        styled = {**bound_numbers(schema), "x-guidance": JSON_STYLE}
+    def json_sequence(self, schema: Mapping[str, Any], *, separator: str = "\n", lenient: bool = False) -> "Grammar":
+        """One or more JSON values valid under `schema`, apart by `separator` (`lenient` as json_schema's).
+        Raises GrammarError."""
+        styled = {**bound_numbers(schema), "x-guidance": _style(lenient)}
         lark = f"start: item ({json.dumps(separator)} item)*\nitem: %json {json.dumps(styled)}\n"
         return self._checked(self._ll.LLMatcher.grammar_from_lark(lark))
 

@@ -7,6 +7,9 @@
   always parsed as calls and its arguments always parse.
 - `tool_choice` `auto` with a JSON response_format: a call object or the format's JSON; without one, no grammar,
   but the offered tools' parameters are still checked to be JSON schemas.
+- A grammar with a `strict` schema in it follows every keyword, or is refused naming what the engine does not
+  implement; one without leaves those keywords out (`uniqueItems`, `not`, an unknown `format`) and follows the
+  rest, as OpenAI refuses them only in strict mode.
 
 The engine (tc/constraint.py) is loaded on the first request that needs it. Without it, a response_format is a
 400 naming the package to install; a forced tool call is steered by the template alone (tool_calls.py then
@@ -104,12 +107,13 @@ class StructuredOutput:
                 return None  # a forced call without the engine: the template steers it
             raise RequestError(str(exc), param="response_format", code="unsupported_value") from exc
         calls = [call_schema(t) for t in tools]
+        lenient = _lenient(request)
         try:
             if fmt is None and request.parallel_tool_calls and request.tool_choice.mode == "required":
-                return engine.json_sequence(_any_of(calls))
-            return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])))
+                return engine.json_sequence(_any_of(calls), lenient=lenient)
+            return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])), lenient=lenient)
         except GrammarError as exc:
-            raise _schema_at_fault(engine, request, exc) from exc
+            raise _schema_at_fault(engine, request, exc, lenient) from exc
 
     def _check_tools(self, request: ChatRequest) -> None:
         """Refuse an offered tool whose parameters are no JSON schema, as a forced call's grammar would refuse it,
@@ -133,13 +137,21 @@ class StructuredOutput:
                                        code="invalid_value") from exc
 
 
+def _lenient(request: ChatRequest) -> bool:
+    """Whether the reply's grammar may leave out what the engine does not implement: where no schema in it asks to
+    be followed exactly (`strict`). OpenAI holds a schema that is not strict to nothing, and refuses what strict
+    mode lacks only in a strict one; here such a reply follows every keyword the engine implements."""
+    fmt = request.response_format
+    return not (fmt.type == "json_schema" and fmt.strict) and not any(t.strict for t in request.offered_tools)
+
+
 def _schema_error(where: str, param: str, reason: object) -> RequestError:
     return RequestError(f"the schema in '{where}' uses what this server's grammar engine does not implement, or is "
                         f"invalid: {reason}; see docs/api.md for what is supported", param=param,
                         code="invalid_value")
 
 
-def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError) -> RequestError:
+def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError, lenient: bool) -> RequestError:
     """The error for a reply's grammar that would not build, naming the schema at fault.
 
     The engine reads the offered tools' calls and the response_format as one schema, so its error alone says
@@ -151,7 +163,7 @@ def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarEr
         if tool.name not in offered:
             continue
         try:
-            engine.json_schema(call_schema(tool))
+            engine.json_schema(call_schema(tool), lenient)
         except GrammarError as own:
             return _schema_error(f"{request.tool_param(index)}.parameters", request.tools_field, own)
     if request.response_format.type == "json_schema":
