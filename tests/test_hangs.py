@@ -38,8 +38,8 @@ from tc.model.tokenizer import TextTokenizer
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
 from tc.protocol.framing import encode
-from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, Assignment, Error, Hello, HelloAck,
-                                 HiddenState, Ping, Pong, RunBatch)
+from tc.protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_SHUTTING_DOWN, Assignment, Error,
+                                 Hello, HelloAck, HiddenState, Ping, Pong, RunBatch)
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from tc.worker import main as worker_main
@@ -242,6 +242,43 @@ def test_a_worker_whose_compute_fails_fails_the_step_with_its_reason_and_may_rej
         status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": list(range(16)),
                                                         "max_tokens": 4, "ignore_eos": True}, timeout=60)
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+
+
+def test_a_worker_s_farewell_drops_it_at_once_though_its_connection_stays_open(tmp_path, model_dir):
+    """A worker's farewell (shutting_down, compute_failed) was only noted, for when its connection ended: one
+    whose close was slow to come (the compute thread still sending a large frame, say) kept its place, was sent
+    steps, and its request waited for a step bound, to fail with a reason other than the worker's own. The head
+    now drops it at the farewell."""
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"heartbeat_s": 0.5, "resume": False})
+    reason = "worker b is shutting down (SIGTERM received)"
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")
+        b = join_loaded(cluster.listen_port, worker_hello("b"))
+
+        def leave_at_the_first_step_and_stay_connected() -> None:
+            try:
+                while True:
+                    env = b.recv()
+                    if isinstance(env.message, Ping):
+                        b.send(Pong(nonce=env.message.nonce))
+                    elif isinstance(env.message, RunBatch):
+                        b.send(Error(code=ERROR_SHUTTING_DOWN, message=reason))
+            except (ConnectionClosed, OSError):
+                pass
+
+        threading.Thread(target=leave_at_the_first_step_and_stay_connected, daemon=True).start()
+        cluster.wait_ready()
+        started = time.monotonic()
+        status, body = cluster.post("/v1/completions", {"model": "tiny-qwen", "prompt": list(range(16)),
+                                                        "max_tokens": 4}, timeout=120)
+        assert status == 503 and body["error"]["type"] == "worker_lost", body
+        assert reason in body["error"]["message"], body
+        assert time.monotonic() - started < 10  # not a step bound's wait
+        assert cluster.get("/health/ready")[1]["missing_nodes"] == ["b"]
+        b.close()
 
 
 # --- a head that stops -------------------------------------------------------------------------------------------

@@ -903,7 +903,10 @@ class WorkerRegistry:
                 elif isinstance(msg, Error):
                     log.warning("worker %s reports: %s (%s)", link.name, msg.message, msg.code)
                     if msg.code in (ERROR_SHUTTING_DOWN, ERROR_COMPUTE_FAILED):
-                        link.farewell = msg.message  # it is leaving: the reason its loss is reported with
+                        # it is leaving: dropped now with its reason, not once its connection ends, which may be
+                        # slow to come (a large frame still going out), while it is sent steps it will not answer
+                        link.farewell = msg.message
+                        break
                     elif env.request_id is not None:  # a refused inference command: its waiter must hear
                         link.deliver(env)
                 else:
