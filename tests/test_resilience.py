@@ -18,6 +18,7 @@ import torch
 from cluster import WORKER_JOIN_S, Cluster, Process, Request, write_topology
 from model_helpers import OurModel
 from tc.generation import Generator
+from tc.head.pipeline import grace_ended
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tiny_model import write_tiny_model
@@ -305,6 +306,22 @@ def test_resume_gives_up_after_the_grace_period(tmp_path, model_dir):
         assert "worker b" in body["error"]["message"] and "grace period" in body["error"]["message"]
         assert "no worker filled its place" in body["error"]["message"]
         assert "(head.resume_grace_s: give it more than a worker's start-up and load time)" in body["error"]["message"]
+
+
+def test_a_resume_that_gives_up_says_what_each_missing_node_was_doing():
+    """The error named the lost node alone and said no worker came, with the advice to give more grace, whatever
+    held the pipeline back: another node gone meanwhile, or a worker that came but could not load its layers
+    (where more grace cannot help)."""
+    grace = " at the end of the 5s resume grace period"
+    more_time = " (head.resume_grace_s: give it more than a worker's start-up and load time)"
+    assert grace_ended("killed", "b", [("c", "waiting", "lost: connection closed")], 5) == (
+        "killed; no worker filled node c's place" + grace + more_time)
+    assert grace_ended("killed", "b", [("b", "failed", "load failed: no such directory /m")], 5) == (
+        "killed; a worker took its place but could not load its layers (no such directory /m)" + grace
+        + ": fix that and restart the worker")
+    assert grace_ended("killed", "b", [("a", "loading", ""), ("b", "waiting", "")], 5) == (
+        "killed; no worker filled its place; a worker took node a's place but was still loading its layers" + grace
+        + more_time)
 
 
 def test_sigterm_to_the_head_ends_requests_in_flight_with_a_clear_error_and_tells_the_workers(tmp_path, model_dir):

@@ -379,12 +379,8 @@ class RemotePipeline:
             if not self.registry.wait_ready(deadline - time.monotonic()):
                 if self.registry.stopping.is_set():
                     raise HeadShuttingDown() from lost
-                where = ("a worker took its place but was still loading its layers at the end of the "
-                         if self.registry.slot_state(lost.node_id) == "loading" else
-                         "no worker filled its place within the ")
-                raise WorkerLost(lost.node_id, f"{_reason(lost)}; {where}{self.resume_grace_s:g}s resume grace "
-                                 "period (head.resume_grace_s: give it more than a worker's start-up and load "
-                                 "time)") from lost
+                raise WorkerLost(lost.node_id, grace_ended(_reason(lost), lost.node_id, self.registry.unready(),
+                                                           self.resume_grace_s)) from lost
             started = time.perf_counter()
             try:
                 self._links = self.registry.links_in_order()
@@ -460,6 +456,24 @@ def split_entries(entries: Sequence[BatchEntry], groups: int) -> list[tuple[Batc
         runs[-1].append(entry)
         done += entry.length
     return [tuple(run) for run in runs]
+
+
+def grace_ended(reason: str, lost: str, unready: Sequence[tuple[str, str, str]], grace_s: float) -> str:
+    """Why a resume gave up: the loss's `reason`, then what each node not ready (WorkerRegistry.unready) was
+    doing when the grace period ended, the one `lost` first. The grace advice only where more time would help."""
+    def doing(node: str, state: str, detail: str) -> str:
+        whose = "its" if node == lost else f"node {node}'s"
+        if state == "loading":
+            return f"a worker took {whose} place but was still loading its layers"
+        if state == "failed":
+            return f"a worker took {whose} place but could not load its layers ({detail.removeprefix('load failed: ')})"
+        return f"no worker filled {whose} place"
+    ordered = sorted(unready, key=lambda row: row[0] != lost)
+    said = "; ".join(doing(*row) for row in ordered) or "the pipeline was not whole"
+    advice = (" (head.resume_grace_s: give it more than a worker's start-up and load time)"
+              if not ordered or any(state != "failed" for _, state, _ in ordered) else
+              ": fix that and restart the worker")
+    return f"{reason}; {said} at the end of the {grace_s:g}s resume grace period{advice}"
 
 
 def _reason(lost: WorkerLost) -> str:

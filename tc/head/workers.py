@@ -465,11 +465,10 @@ class WorkerRegistry:
             missing = tuple(n for n, s in self.slots.items() if s.state != "ready")
         return Readiness(required=len(self.slots), ready=ready, missing=missing)
 
-    def slot_state(self, node_id: str) -> str | None:
-        """Planned node `node_id`'s slot's state (waiting, loading, ready or failed); None for no such node."""
+    def unready(self) -> list[tuple[str, str, str]]:
+        """(node id, state, detail) of each planned node not ready (waiting, loading or failed), in plan order."""
         with self.lock:
-            slot = self.slots.get(node_id)
-            return None if slot is None else slot.state
+            return [(node, s.state, s.detail) for node, s in self.slots.items() if s.state != "ready"]
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every slot is ready (True), or the head stops or the time runs out (False)."""
