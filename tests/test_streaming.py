@@ -18,6 +18,7 @@ from model_helpers import LosesWorkerAtDecode, OurModel
 from tiny_model import sentencepiece_tokenizer
 from tc.generation import (CompletionText, Generator, LocalPipeline, SequenceState, find_stop, held_back,
                            text_with_offsets)
+from tc.head import responses, streaming
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
 from tc.head.service import GenerationService, Readiness, WorkerLost
@@ -612,3 +613,36 @@ def test_an_event_is_one_line_for_every_reader(char):
     event = sse({"text": f"a{char}b", "n": 1})
     assert event.endswith(b"\n\n") and len(event[:-2].decode().splitlines()) == 1
     assert json.loads(event[len(b"data: "):-2]) == {"text": f"a{char}b", "n": 1}
+
+
+class PausingPipeline(LocalPipeline):
+    """The real stages, with one step (the `at`-th run, from 1) waiting `pause_s` first, as a step waits through a
+    lost worker's resume grace period."""
+
+    def __init__(self, stages, at: int, pause_s: float):
+        super().__init__(stages)
+        self.at, self.pause_s, self.runs = at, pause_s, 0
+
+    def run(self, entries, hidden):
+        self.runs += 1
+        if self.runs == self.at:
+            time.sleep(self.pause_s)
+        return super().run(entries, hidden)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/responses"])
+def test_a_stream_whose_step_waits_long_writes_keep_alives_meanwhile(model, tokenizer, monkeypatch, path):
+    """A keep-alive went out between steps only: a step that waited (a resume's grace period, up to minutes) left
+    the stream silent, and a proxy's idle timeout (nginx's 60 s) cut it. Now one goes out each time
+    IDLE_KEEPALIVE_S passes without a step."""
+    monkeypatch.setattr(streaming, "IDLE_KEEPALIVE_S", 0.1)
+    monkeypatch.setattr(responses, "IDLE_KEEPALIVE_S", 0.1)
+    pipeline = PausingPipeline(model.stages, at=2, pause_s=1.0)  # the first decode step (the prompt's is the 1st)
+    generator = Generator(model.head, tokenizer, pipeline, torch.float32)
+    client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
+    asked = {"prompt": "Hello", "max_tokens": 4} if path == COMPLETIONS else {"input": "Hello", "max_output_tokens": 4}
+    result = client.simulate_post(path, json={"model": MODEL, "stream": True, "temperature": 0, **asked})
+    assert result.status_code == 200, result.text
+    assert pipeline.runs >= 2  # the paused step ran
+    # one before each step after the first (three at most) and ~10 in the second's pause
+    assert result.content.count(streaming.KEEPALIVE) >= 8, result.content

@@ -25,7 +25,7 @@ from ..generation import Completion, Step
 from .api_requests import (_SAMPLING_PARSERS, REASONING_EFFORTS, RequestError, _boolean, _check_fields, _json_type,
                            _object, _required, _string, check_metadata)
 from .service import GenerationStream
-from .streaming import KEEPALIVE, ChatReply, EventStream, sse
+from .streaming import IDLE_KEEPALIVE_S, KEEPALIVE, ChatReply, EventStream, sse
 
 # Fields translated into the chat body, or only echoed back in the response
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
@@ -572,7 +572,10 @@ class ResponseEventStream(EventStream):
         try:
             yield from self.reply.opening()
             first = True
-            for step in self.generations[0]:
+            for step in self.generations[0].steps(IDLE_KEEPALIVE_S):
+                if step is None:
+                    yield KEEPALIVE
+                    continue
                 yield from self._step_events(step, first)
                 first = False
                 if step.completion is not None:

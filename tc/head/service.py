@@ -188,9 +188,18 @@ class _Request:
     def queue_wait_s(self) -> float:
         return (self.admitted_at or time.perf_counter()) - self.queued_at
 
-    def next(self, gone: Callable[[], bool] | None = None) -> Step:
+    def next(self, gone: Callable[[], bool] | None = None, idle_s: float | None = None) -> Step | None:
         """The next step, waited for; with `gone` (the client's connection closed?) looked at every GONE_CHECK_S
-        while waiting, so that a request whose client left while it queued gives its place up (ClientGone)."""
+        while waiting, so that a request whose client left while it queued gives its place up (ClientGone); with
+        `idle_s` instead, None once that long has passed without one."""
+        if idle_s is not None:
+            try:
+                item = self.outbox.get(timeout=idle_s)
+            except queue.Empty:
+                return None
+            if isinstance(item, BaseException):
+                raise item
+            return item
         while True:
             try:
                 item = self.outbox.get() if gone is None else self.outbox.get(timeout=GONE_CHECK_S)
@@ -227,16 +236,23 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[Step]:
         """The steps, the first one included; the last carries the Completion. Raises the pipeline's errors."""
-        step = self._first
+        return (step for step in self.steps() if step is not None)
+
+    def steps(self, idle_s: float | None = None) -> Iterator[Step | None]:
+        """The steps as iterating gives them, and with `idle_s`, None each time that long passes without one (a
+        step may wait long: a lost worker's resume grace period, say), for a stream to show it is alive."""
+        step: Step | None = self._first
         while True:
             yield step
-            if step.completion is not None or self._closed:
+            if step is not None and step.completion is not None or self._closed:
                 return
             try:
-                step = self._take(self._request.next())
+                step = self._request.next(idle_s=idle_s)
             except BaseException:
                 self.outcome = "error"
                 raise
+            if step is not None:
+                self._take(step)
 
     def drain(self) -> Completion:
         """Run the generation to its end and return the Completion."""

@@ -36,6 +36,10 @@ DONE = b"data: [DONE]\n\n"
 CALL_ID_LENGTH = 9
 CALL_ID_CHARACTERS = string.ascii_letters + string.digits
 KEEPALIVE = b": \n\n"  # an SSE comment: clients skip it; writing it shows whether the client is still there
+# Written too each time this long passes without a step: a step may wait long (a lost worker's resume grace
+# period), and proxies cut a stream silent for a minute (nginx's proxy_read_timeout, most load balancers' idle
+# timeout); a client that has gone is noticed then, rather than at the next step
+IDLE_KEEPALIVE_S = 10.0
 
 
 # Characters JSON leaves raw (it escapes those under U+0020) that some line readers end a line at (Python's
@@ -453,14 +457,15 @@ class EventStream:
             yield sse(chunk)
 
     def _events(self) -> Iterator[bytes]:
-        steps = [iter(generation) for generation in self.generations]
+        steps = [generation.steps(IDLE_KEEPALIVE_S) for generation in self.generations]
         running = list(range(len(steps)))
         completions: dict[int, Completion] = {}
         opened: set[int] = set()
         try:
             while running:
                 for index in list(running):
-                    step = next(steps[index])
+                    while (step := next(steps[index])) is None:
+                        yield KEEPALIVE
                     yield from self._choice_events(index, step, index in opened)
                     opened.add(index)
                     if step.completion is not None:
