@@ -710,3 +710,68 @@ def test_a_batch_passed_on_before_a_stage_failed_makes_no_cache_the_head_release
         status, reply = serve_until_answered(a, fourth)
         assert status == 200, reply
         assert len(reply["choices"]) == 2
+
+
+class ForgetfulNat:
+    """A TCP relay to `port` that, once `forget()` is called, drops what the connections open then carry without
+    closing them, as a NAT or firewall does with a connection it has forgotten; connections opened later relay."""
+
+    def __init__(self, port: int):
+        self.port_to = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.forgotten: set[socket.socket] = set()
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inside = self.server.accept()[0]
+            except OSError:
+                return
+            outside = socket.create_connection(("127.0.0.1", self.port_to))
+            self.pairs.append((inside, outside))
+            for src, dst in ((inside, outside), (outside, inside)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if src not in self.forgotten and dst not in self.forgotten:
+                    dst.sendall(data)
+        except OSError:
+            pass
+
+    def forget(self) -> None:
+        self.forgotten.update(s for pair in self.pairs for s in pair)
+
+    def close(self) -> None:
+        self.server.close()
+        for pair in self.pairs:
+            for s in pair:
+                s.close()
+
+
+def test_a_link_idle_long_enough_for_a_middlebox_to_forget_it_is_opened_anew(listener, monkeypatch):
+    """Nothing crosses a peer link between requests; a NAT or firewall that forgot it took the next batch without a
+    word, and the head waited out the step's bound, then dropped every stage. A link idle past PEER_IDLE_REOPEN_S
+    is now opened anew before it carries the next batch."""
+    monkeypatch.setattr(peers, "PEER_IDLE_REOPEN_S", 0.3)
+    nat = ForgetfulNat(listener.port)
+    forwarder = Forwarder(1 << 20)
+    route = Route(route=3, next_host="127.0.0.1", next_port=nat.port, next_key=KEY, inbound_key=None)
+    try:
+        assert forwarder.send(route, batch(3, seed=1), "step-1", 1)
+        assert listener.got.get(timeout=5).request_id == "step-1"
+        assert forwarder.send(route, batch(3, seed=2), "step-2", 1)  # within the idle limit: the same link
+        assert listener.got.get(timeout=5).request_id == "step-2"
+        assert len(nat.pairs) == 1
+        nat.forget()
+        time.sleep(0.5)  # idle past the limit
+        assert forwarder.send(route, batch(3, seed=3), "step-3", 1)
+        assert listener.got.get(timeout=5).request_id == "step-3"
+        assert len(nat.pairs) == 2
+    finally:
+        forwarder.close()
+        nat.close()

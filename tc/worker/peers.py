@@ -9,10 +9,11 @@ says whether to follow it (RUN_BATCH.route). Three parts here, one per thread th
   handshake (a fresh nonce; the stage before proves the route's key over it, tc.protocol.auth.peer_proof, the key
   bound to the join token when the cluster has one, and the listener proves it back over the other's nonce) and a
   reader that hands each RUN_BATCH of that route to the compute thread, like one from the head.
-- `Forwarder`, the compute thread's link to the next stage: connected on first use for each route, proven both
-  ways. When it cannot connect or send, the route counts as cut: the worker replies to the head instead (which
-  then carries the output on itself), and tries the next stage again after a backoff, so a next stage that cannot
-  be reached costs speed, never a request. A batch over the next stage's frame limit goes through the head.
+- `Forwarder`, the compute thread's link to the next stage: connected on first use for each route, and again
+  after it has been idle a minute (a middlebox may have forgotten it), proven both ways. When it cannot connect
+  or send, the route counts as cut: the worker replies to the head instead (which then carries the output on
+  itself), and tries the next stage again after a backoff, so a next stage that cannot be reached costs speed,
+  never a request. A batch over the next stage's frame limit goes through the head.
 
 Anything a peer sends that breaks the protocol, or a proof that does not hold, closes that one peer connection.
 """
@@ -52,6 +53,11 @@ PEER_SEND_TIMEOUT_S = 30.0
 MAX_PEER_CONNECTIONS = 8  # peer connections open at once; one per route is all a healthy pipeline uses
 FULL_WARNING_EVERY_S = 60.0  # refused connections are logged at most this often
 RETRY_FIRST_S, RETRY_MAX_S = 30.0, 600.0  # a next stage that could not be reached is tried again after these
+# A link to the next stage that carried nothing for this long is opened anew before its next batch. Nothing else
+# crosses a peer link (the head's links have its PINGs), and a NAT or firewall between two machines forgets an idle
+# connection without a word: a batch sent into one is lost, the kernel taking it all the same, and the head waits
+# out the step's bound before it drops the stages. A handshake (a few ms) after each idle minute costs nothing.
+PEER_IDLE_REOPEN_S = 60.0
 
 
 class Routes:
@@ -290,6 +296,7 @@ class Forwarder:
         self._cut = 0  # a route whose next stage could not be reached or written to: replies go to the head
         self._retry_at = 0.0  # when to try that route's next stage again
         self._retry_after_s = RETRY_FIRST_S
+        self._used_at = 0.0  # when `_conn` last carried a batch
 
     def close(self) -> None:
         if self._conn is not None:
@@ -303,15 +310,19 @@ class Forwarder:
         if route.route == self._cut and time.monotonic() < self._retry_at:
             return False
         where = str(HostPort(route.next_host, route.next_port))
+        now = time.monotonic()
         try:
-            if self._conn is None or self._route != route.route:
+            if self._conn is None or self._route != route.route or now - self._used_at > PEER_IDLE_REOPEN_S:
+                idle = self._conn is not None and self._route == route.route
                 self.close()
                 self._conn = self._open(route)
                 self._route = route.route
-                log.info("passing hidden states straight to the next stage at %s (route %d)", where, route.route)
+                log.log(logging.DEBUG if idle else logging.INFO, "passing hidden states straight to the next stage "
+                        "at %s (route %d%s)", where, route.route, ", a new link after an idle one" if idle else "")
                 if self._cut == route.route:
                     self._cut, self._retry_after_s = 0, RETRY_FIRST_S
             self._conn.send(message, request_id, seq)
+            self._used_at = now
             return True
         except ValueError as exc:  # over the next stage's frame limit: nothing was sent, the link stays
             log.warning("%s; this batch goes through the head", exc)
