@@ -302,6 +302,23 @@ def test_a_refusal_quotes_a_workers_strings_cut_short(tmp_path, model_dir):
         assert len(str(info.value)) < 400 and "(100000 characters)" in str(info.value)
 
 
+def test_a_worker_without_a_node_id_that_only_a_held_entry_fits_is_told_it_is_taken(tmp_path, model_dir):
+    """A worker without --node-id rejoining while the head still holds its last connection found no free entry
+    that fits (the free one another machine's device) and was refused for good; it now hears that the entry it
+    would fit is taken (node_taken), which a worker joined before waits out (tests/test_hangs.py)."""
+    from tc.head.admission import NodeTaken, choose_entry
+    from tc.model.config import ModelConfig
+    from tc.topology import load_topology
+
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "gpu", "device": "cuda:0"}]
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes))
+    config = ModelConfig.from_file(model_dir / "config.json")
+    assert choose_entry(worker_hello(), topology, None, set(), config, 8).id == "a"
+    with pytest.raises(NodeTaken) as info:
+        choose_entry(worker_hello(), topology, None, {"a"}, config, 8)
+    assert "needs device cuda:0" in str(info.value) and "it would fit a, held by a connected worker" in str(info.value)
+
+
 def test_a_join_address_that_is_no_head_says_so(tmp_path):
     """--join at an HTTP server (the head's API port, say) is not a head that was lost: the worker says nothing
     there answered as a tc head and which address --join should name."""

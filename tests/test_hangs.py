@@ -771,6 +771,38 @@ def test_a_worker_rejoining_while_the_head_holds_its_last_connection_retries():
         assert not runner.is_alive()
 
 
+def test_a_worker_whose_entry_stays_taken_past_any_dead_connection_gives_up(monkeypatch):
+    """A head drops a dead connection within its heartbeat timeout; an entry still taken long after is held by
+    another worker (the same --node-id twice, after a head restart), and the worker retried for ever, saying the
+    head had not seen its last connection end. Past STILL_HELD_MAX_S the refusal is final (status 2)."""
+    monkeypatch.setattr(worker_main, "STILL_HELD_MAX_S", 1.5)
+    taken = Error(code=ERROR_NODE_TAKEN, message="node id 'a' is already taken by a connected worker")
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        head.settimeout(30)
+        worker = Worker(WorkerOptions(host="127.0.0.1", port=head.getsockname()[1], node_id="a", device="cpu",
+                                      hf_cache_dir=None, max_memory_bytes=None, retry_max_s=0.5, bench=False,
+                                      peer_port=None, head_timeout_s=1))
+        status: list[int] = []
+        runner = threading.Thread(target=lambda: status.append(worker.run()), name="worker", daemon=True)
+        runner.start()
+        with Connection(head.accept()[0]) as first:
+            assert isinstance(first.recv(timeout=30).message, Hello)
+            first.send(HelloAck(node_id="a"))
+            refusals = 0
+            head.settimeout(5)  # the worker tries again within a second, until it gives up
+            while runner.is_alive() and refusals < 20:
+                try:
+                    sock = head.accept()[0]
+                except TimeoutError:
+                    break
+                with Connection(sock) as conn:
+                    assert isinstance(conn.recv(timeout=30).message, Hello)
+                    conn.send(taken)
+                    refusals += 1
+        runner.join(30)
+        assert status == [2] and 2 <= refusals < 20, (status, refusals)
+
+
 def test_a_worker_with_no_thread_to_compute_on_tells_the_head_and_rejoins():
     """Joined, the worker starts its compute thread; with none to be had (a thread or memory limit, for a moment)
     the head hears it is out of service and why, and it rejoins with backoff: the error ended the process."""

@@ -165,8 +165,10 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
             raise Refusal(problem)
         return entry
     problems = []
+    held = []  # taken entries, which may be this worker's own from a connection the head has not yet seen end
     for entry in topology.pipeline_nodes + topology.spare_nodes:  # spares only once the pipeline is full
         if entry.id in taken:
+            held.append(entry)
             continue
         problem = _fit_problem(entry, hello, plan, config, sequences)
         if problem is None:
@@ -175,4 +177,8 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
     if not problems:
         raise NodeTaken(f"every entry in topology.yaml is already filled ({', '.join(topology.node_ids)}); "
                         "add an entry for this machine")
-    raise Refusal("no free entry fits this worker: " + "; ".join(problems))
+    refused = "no free entry fits this worker: " + "; ".join(problems)
+    would_fit = [e.id for e in held if _fit_problem(e, hello, plan, config, sequences) is None]
+    if would_fit:
+        raise NodeTaken(f"{refused}; it would fit {', '.join(would_fit)}, held by a connected worker")
+    raise Refusal(refused)

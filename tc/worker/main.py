@@ -22,7 +22,7 @@ backoff; loaded layers are kept for the next assignment. A step the compute thre
 then (a long prompt's) is given up at the next layer: it would answer no one, and the head waits for a lost
 worker's return only its resume grace. A head that refuses the rejoin because a connected worker holds the entry
 (code node_taken) most likely still holds this worker's own last connection, which it has not yet seen end: the
-worker tries again, where a worker that never joined takes that refusal as final. A head that breaks the protocol
+worker tries again (for up to STILL_HELD_MAX_S), where a worker that never joined takes that refusal as final. A head that breaks the protocol
 (garbage, a command before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is
 dropped, then rejoined.
 
@@ -75,6 +75,10 @@ from .runtime import (LoadedStage, StageOutput, StageRuntime, apply_threads, loa
 log = logging.getLogger(__name__)
 
 REFUSED_EXIT = 2
+# How long a worker joined before takes "node taken" for its own last connection, which the head has not yet seen
+# end: a head drops a connection whose PINGs go unanswered within its heartbeat timeout (15 s unless its topology
+# says otherwise). Refused for longer, another worker holds the entry, and the refusal is final.
+STILL_HELD_MAX_S = 300.0
 HANDSHAKE_TIMEOUT_S = 30.0
 # A head answers HELLO at once: silence past this is most likely --join naming an HTTP server (the head's API
 # port), which never answers a frame. Said then, rather than after the whole handshake bound.
@@ -223,6 +227,7 @@ class Worker:
         self._node_id: str | None = None
         self._head_answered = False  # whether this connection's other end has answered as a tc head does
         self._compute_failure: str | None = None  # why this connection's compute thread ended it, if it did
+        self._held_since: float | None = None  # when the head first said this worker's entry was taken (StillHeld)
         self.speeds: tuple[SpeedFigure, ...] = ()  # what measure_speeds found; HELLO carries it
         self._peers: PeerListener | None = None  # this connection's listener for the stage before, if any
 
@@ -277,6 +282,12 @@ class Worker:
                 log.error("%s", exc)
                 return REFUSED_EXIT
             except StillHeld as exc:
+                now = time.monotonic()
+                self._held_since = self._held_since or now
+                if now - self._held_since > STILL_HELD_MAX_S:
+                    log.error("the head refused this worker: %s (for %.0f s now: another worker holds the entry, "
+                              "not this one's last connection)", exc, now - self._held_since)
+                    return REFUSED_EXIT
                 log.warning("the head has not yet seen this worker's last connection end (it says: %s); retrying "
                             "in %.3gs", exc, delay)
                 served = False
@@ -396,7 +407,7 @@ class Worker:
 
     def _serve(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes) -> bool:
         node_id = self.handshake(conn)
-        self._node_id = node_id
+        self._node_id, self._held_since = node_id, None
         self._compute_failure = None
         # Every read (and write) is bounded: the head pings every few seconds, so a long silence means it is gone.
         conn.settimeout(self.options.head_timeout_s)

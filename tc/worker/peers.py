@@ -272,8 +272,11 @@ class PeerListener:
         conn.settimeout(None)
         with self._lock:
             self._open[conn] = msg.route
-            older = [c for c, r in self._open.items() if 0 < r < msg.route]
-        for stale in older:  # the stage before has moved on to this route (or a worker in its place has)
+            older = [c for c, r in self._open.items() if c is not conn and 0 < r <= msg.route]
+        # the stage before has moved on to this route (or a worker in its place has), or opened this route's link
+        # anew after an idle spell (Forwarder): one sender per route, so its older link is done with, though its
+        # close may never come (the middlebox that forgot it drops the FIN too) and would hold a place for good
+        for stale in older:
             stale.close()
         return msg.route
 
@@ -316,7 +319,7 @@ class Forwarder:
                 idle = self._conn is not None and self._route == route.route
                 self.close()
                 self._conn = self._open(route)
-                self._route = route.route
+                self._route, self._used_at = route.route, now  # a batch too large for it below: not idle again
                 log.log(logging.DEBUG if idle else logging.INFO, "passing hidden states straight to the next stage "
                         "at %s (route %d%s)", where, route.route, ", a new link after an idle one" if idle else "")
                 if self._cut == route.route:
