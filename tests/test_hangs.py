@@ -12,6 +12,7 @@ test needs a worker that answers PINGs and never replies, which no real worker c
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -19,6 +20,7 @@ import select
 import socket
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -208,19 +210,26 @@ def test_a_request_whose_lost_worker_is_still_loading_at_the_end_of_the_grace_sa
 
 # --- a worker whose compute thread fails -------------------------------------------------------------------------
 
-def test_a_worker_whose_compute_fails_fails_the_step_with_its_reason_and_may_rejoin(tmp_path, model_dir):
-    """A worker whose compute thread failed says so (ERROR_COMPUTE_FAILED) and closes: the step fails at once as
-    worker_lost with the worker's reason, the head logs it, and the node serves again once a worker rejoins. (The
-    worker's side, leaving with the reason and rejoining with its layers, is test_wire_abuse's.)"""
+@contextlib.contextmanager
+def worker_b_by_hand(tmp_path, model_dir) -> Iterator[tuple[Cluster, Connection]]:
+    """A head (heartbeats every 0.5 s, no resume) whose node a is a real worker and b one joined by hand, its
+    layers reported loaded: (the cluster, b's connection, whose reads the test makes)."""
     nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
     topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"heartbeat_s": 0.5, "resume": False})
-    reason = "worker b is out of service (the compute thread failed on RUN_BATCH: MemoryError: out of memory); " \
-             "it rejoins"
     with Cluster(topo, tmp_path) as cluster:
         cluster.start_head()
         cluster.wait_api()
         cluster.start_worker("a")
-        b = join_loaded(cluster.listen_port, worker_hello("b"))
+        yield cluster, join_loaded(cluster.listen_port, worker_hello("b"))
+
+
+def test_a_worker_whose_compute_fails_fails_the_step_with_its_reason_and_may_rejoin(tmp_path, model_dir):
+    """A worker whose compute thread failed says so (ERROR_COMPUTE_FAILED) and closes: the step fails at once as
+    worker_lost with the worker's reason, the head logs it, and the node serves again once a worker rejoins. (The
+    worker's side, leaving with the reason and rejoining with its layers, is test_wire_abuse's.)"""
+    reason = "worker b is out of service (the compute thread failed on RUN_BATCH: MemoryError: out of memory); " \
+             "it rejoins"
+    with worker_b_by_hand(tmp_path, model_dir) as (cluster, b):
 
         def fail_the_first_step() -> None:
             while not isinstance((env := b.recv()).message, RunBatch):
@@ -249,14 +258,8 @@ def test_a_worker_s_farewell_drops_it_at_once_though_its_connection_stays_open(t
     whose close was slow to come (the compute thread still sending a large frame, say) kept its place, was sent
     steps, and its request waited for a step bound, to fail with a reason other than the worker's own. The head
     now drops it at the farewell."""
-    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
-    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"heartbeat_s": 0.5, "resume": False})
     reason = "worker b is shutting down (SIGTERM received)"
-    with Cluster(topo, tmp_path) as cluster:
-        cluster.start_head()
-        cluster.wait_api()
-        cluster.start_worker("a")
-        b = join_loaded(cluster.listen_port, worker_hello("b"))
+    with worker_b_by_hand(tmp_path, model_dir) as (cluster, b):
 
         def leave_at_the_first_step_and_stay_connected() -> None:
             try:
@@ -715,6 +718,16 @@ def test_a_link_closed_by_two_threads_at_once_keeps_the_first_reason_alone():
         b.close()
 
 
+def admit_serve_and_stop(conn: Connection, worker: Worker, runner: threading.Thread) -> None:
+    """As a head on `conn`: take the worker's HELLO, admit it as node a, see it answer a PING, then stop it."""
+    assert isinstance(conn.recv(timeout=30).message, Hello)
+    conn.send(HelloAck(node_id="a"))
+    conn.send(Ping(nonce=5))
+    assert conn.recv(timeout=30).message == Pong(nonce=5)
+    worker.shutdown("the test is over")
+    runner.join(30)
+
+
 def test_a_worker_told_to_stop_while_it_connects_leaves_without_joining(monkeypatch):
     """SIGTERM's handler hands the connection the worker holds to its farewell; one that lands while connect()
     runs finds none, and the worker joined on that connection and served, the signal lost (and, once a leaving
@@ -762,12 +775,7 @@ def test_a_worker_rejoining_while_the_head_holds_its_last_connection_retries():
                 conn.send(Error(code=ERROR_NODE_TAKEN, message="node id 'a' is already taken by a connected worker; "
                                                                "give another --node-id or stop the other worker"))
             with Connection(head.accept()[0]) as conn:  # it tried again, and serves
-                assert isinstance(conn.recv(timeout=30).message, Hello)
-                conn.send(HelloAck(node_id="a"))
-                conn.send(Ping(nonce=3))
-                assert conn.recv(timeout=30).message == Pong(nonce=3)
-                worker.shutdown("the test is over")
-                runner.join(30)
+                admit_serve_and_stop(conn, worker, runner)
         assert not runner.is_alive()
 
 
@@ -826,10 +834,5 @@ def test_a_worker_with_no_thread_to_compute_on_tells_the_head_and_rejoins():
             with pytest.raises(ConnectionClosed):
                 conn.recv(timeout=30)
         with Connection(head.accept()[0]) as conn:  # it rejoined, and serves
-            assert isinstance(conn.recv(timeout=30).message, Hello)
-            conn.send(HelloAck(node_id="a"))
-            conn.send(Ping(nonce=5))
-            assert conn.recv(timeout=30).message == Pong(nonce=5)
-            worker.shutdown("the test is over")
-            runner.join(30)
+            admit_serve_and_stop(conn, worker, runner)
         assert not runner.is_alive()

@@ -319,6 +319,9 @@ def test_a_resume_that_gives_up_says_what_each_missing_node_was_doing():
     assert grace_ended("killed", "b", [("b", "failed", "load failed: no such directory /m")], 5) == (
         "killed; a worker took its place but could not load its layers (no such directory /m)" + grace
         + ": fix that and restart the worker")
+    assert grace_ended("killed", "b", [("b", "failed", "load failed: x"), ("c", "failed", "load failed: y")], 5) == (
+        "killed; a worker took its place but could not load its layers (x); a worker took node c's place but could "
+        "not load its layers (y)" + grace + ": fix that and restart those workers")
     assert grace_ended("killed", "b", [("a", "loading", ""), ("b", "waiting", "")], 5) == (
         "killed; no worker filled its place; a worker took node a's place but was still loading its layers" + grace
         + more_time)

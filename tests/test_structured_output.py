@@ -339,6 +339,29 @@ def test_a_tool_s_own_references_keep_pointing_into_its_parameters_wherever_they
     kept = {"properties": {"$ref": {"const": {"$ref": "#/x"}}, "b": {"$ref": "#anchor"},
                            "c": {"$ref": "other.json#/a"}}, "items": [{"$ref": "#/$defs/A"}]}
     assert placed(kept, "/p") == {**kept, "items": [{"$ref": "#/p/$defs/A"}]}
+    # a subschema with an $id is a document of its own: its references read from it, by "#" or by that $id
+    with_ids = {"$id": "https://e/p.json", "properties": {"a": {"$ref": "#/$defs/A"},
+                                                          "b": {"$ref": "https://e/p.json#/$defs/A"}},
+                "$defs": {"A": {"type": "string"}, "a/b~": {"$id": "inner", "properties": {"c": {"$ref": "#"}}}}}
+    assert placed(with_ids, "/p") == {"properties": {"a": {"$ref": "#/p/$defs/A"}, "b": {"$ref": "#/p/$defs/A"}},
+                                      "$defs": {"A": {"type": "string"},
+                                                "a/b~": {"properties": {"c": {"$ref": "#/p/$defs/a~1b~0"}}}}}
+
+
+def test_tools_whose_parameters_carry_the_same_id_keep_their_own_definitions(client):
+    """An `$id` makes a tool's parameters a document of their own, whose references the engine reads from it; kept
+    under a call's schema, it sent a rewritten reference back into the parameters (a 400), and two tools with the
+    same `$id` (one generator's output) read each other's definitions."""
+    def tool(name: str, kind: str) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "$id": "urn:tool", "$defs": {"V": {"type": kind}}, "type": "object",
+            "properties": {"v": {"$ref": "#/$defs/V"}}, "required": ["v"], "additionalProperties": False}}}
+    tools = {"text": tool("text", "string"), "count": tool("count", "integer")}
+    for seed in range(3):
+        body = chat(client, tools=list(tools.values()), tool_choice="required", temperature=1.0, seed=seed)
+        for call in body["choices"][0]["message"]["tool_calls"]:
+            value = json.loads(call["function"]["arguments"])["v"]
+            assert isinstance(value, str if call["function"]["name"] == "text" else int), call
 
 
 def test_a_one_of_whose_branches_overlap_is_read_as_any_of(client):

@@ -379,8 +379,10 @@ class RemotePipeline:
             if not self.registry.wait_ready(deadline - time.monotonic()):
                 if self.registry.stopping.is_set():
                     raise HeadShuttingDown() from lost
-                raise WorkerLost(lost.node_id, grace_ended(_reason(lost), lost.node_id, self.registry.unready(),
-                                                           self.resume_grace_s)) from lost
+                unready = self.registry.unready()
+                if unready:  # else whole again since the wait ended: resume
+                    raise WorkerLost(lost.node_id, grace_ended(_reason(lost), lost.node_id, unready,
+                                                               self.resume_grace_s)) from lost
             started = time.perf_counter()
             try:
                 self._links = self.registry.links_in_order()
@@ -469,10 +471,10 @@ def grace_ended(reason: str, lost: str, unready: Sequence[tuple[str, str, str]],
             return f"a worker took {whose} place but could not load its layers ({detail.removeprefix('load failed: ')})"
         return f"no worker filled {whose} place"
     ordered = sorted(unready, key=lambda row: row[0] != lost)
-    said = "; ".join(doing(*row) for row in ordered) or "the pipeline was not whole"
+    said = "; ".join(doing(*row) for row in ordered)
     advice = (" (head.resume_grace_s: give it more than a worker's start-up and load time)"
-              if not ordered or any(state != "failed" for _, state, _ in ordered) else
-              ": fix that and restart the worker")
+              if any(state != "failed" for _, state, _ in ordered) else
+              f": fix that and restart {'the worker' if len(ordered) == 1 else 'those workers'}")
     return f"{reason}; {said} at the end of the {grace_s:g}s resume grace period{advice}"
 
 

@@ -34,27 +34,48 @@ _SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 _SCHEMA_MAPS = frozenset({"$defs", "definitions", "dependentSchemas", "patternProperties", "properties"})
 
 
-def placed(schema: Any, at: str, _depth: int = 0) -> Any:
+def placed(schema: Any, at: str) -> Any:
     """`schema` as it reads at JSON pointer `at` inside another schema: each reference into its own document
     ("#", "#/$defs/Address", "#/properties/a", as pydantic, zod and MCP tools write them) made to point where that
     document now sits, where it would point into the schema around it or at nothing. A copy; anchors ("#name")
-    and other documents' references are left as written. Deeper than the grammar engine reads, left as is (it
-    refuses the schema there)."""
-    if _depth > MAX_SCHEMA_NESTING or not isinstance(schema, dict):
+    and other documents' references are left as written. A subschema with an `$id` is a document of its own, its
+    references ("#/...", or that `$id` then "#/...") read from it: they are made to point there too, and the `$id`
+    left out (kept, it would send them back to it, and two tools with the same `$id` would read each other's
+    definitions)."""
+    return _placed(schema, (at, ""), at, 0)
+
+
+def _placed(schema: Any, document: tuple[str, str], here: str, depth: int) -> Any:
+    """`placed` below: `document`, the pointer and `$id` ("" for none) of the document whose references are read
+    from; `here`, the pointer of `schema`. Deeper than the grammar engine reads, left as is (it refuses it there)."""
+    if depth > MAX_SCHEMA_NESTING or not isinstance(schema, dict):
         return schema
+    if isinstance(schema.get("$id"), str):
+        document = (here, schema["$id"])
     moved: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            moved[key] = "#" + at + value[1:]
+        if key == "$id" and isinstance(value, str):
+            continue
+        if key == "$ref" and isinstance(value, str):
+            uri, hashed, fragment = value.partition("#")
+            inside = hashed and uri in ("", document[1]) and (fragment == "" or fragment.startswith("/"))
+            moved[key] = "#" + document[0] + fragment if inside else value
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            moved[key] = [placed(item, at, _depth + 1) for item in value]
+            moved[key] = [_placed(item, document, f"{here}/{_escaped(key)}/{i}", depth + 1)
+                          for i, item in enumerate(value)]
         elif key in _ONE_SCHEMA:
-            moved[key] = placed(value, at, _depth + 1)
+            moved[key] = _placed(value, document, f"{here}/{_escaped(key)}", depth + 1)
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            moved[key] = {name: placed(item, at, _depth + 1) for name, item in value.items()}
+            moved[key] = {name: _placed(item, document, f"{here}/{_escaped(key)}/{_escaped(name)}", depth + 1)
+                          for name, item in value.items()}
         else:
             moved[key] = value
     return moved
+
+
+def _escaped(name: str) -> str:
+    """`name` as a JSON pointer's reference token (RFC 6901): "~" and "/" escaped."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
