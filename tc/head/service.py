@@ -192,19 +192,13 @@ class _Request:
         """The next step, waited for; with `gone` (the client's connection closed?) looked at every GONE_CHECK_S
         while waiting, so that a request whose client left while it queued gives its place up (ClientGone); with
         `idle_s` instead, None once that long has passed without one."""
-        if idle_s is not None:
-            try:
-                item = self.outbox.get(timeout=idle_s)
-            except queue.Empty:
-                return None
-            if isinstance(item, BaseException):
-                raise item
-            return item
         while True:
             try:
-                item = self.outbox.get() if gone is None else self.outbox.get(timeout=GONE_CHECK_S)
+                item = self.outbox.get(timeout=idle_s if gone is None else GONE_CHECK_S)
                 break
             except queue.Empty:
+                if gone is None:  # idle_s passed
+                    return None
                 if gone():
                     raise ClientGone("the client closed the connection while its request waited") from None
         if isinstance(item, BaseException):

@@ -22,9 +22,9 @@ backoff; loaded layers are kept for the next assignment. A step the compute thre
 then (a long prompt's) is given up at the next layer: it would answer no one, and the head waits for a lost
 worker's return only its resume grace. A head that refuses the rejoin because a connected worker holds the entry
 (code node_taken) most likely still holds this worker's own last connection, which it has not yet seen end: the
-worker tries again (for up to STILL_HELD_MAX_S), where a worker that never joined takes that refusal as final. A head that breaks the protocol
-(garbage, a command before any ASSIGNMENT, a message a worker never takes) gets an ERROR and the connection is
-dropped, then rejoined.
+worker tries again (for up to STILL_HELD_MAX_S), where a worker that never joined takes that refusal as final. A
+head that breaks the protocol (garbage, a command before any ASSIGNMENT, a message a worker never takes) gets an
+ERROR and the connection is dropped, then rejoined.
 
 Leaving: SIGTERM or SIGINT tells the head (an ERROR with code shutting_down, so its request in flight fails with
 that reason), closes the connection and exits 0. From the signal on, the worker runs and passes on no step: a
@@ -60,10 +60,9 @@ from ..protocol.connection import Connection, connect
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
-                                 PROTOCOL_VERSION,
-                                 Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck, InferenceError,
-                                 LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong, Release, Route,
-                                 RunBatch, SpeedFigure)
+                                 PROTOCOL_VERSION, Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck,
+                                 InferenceError, LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong,
+                                 Release, Route, RunBatch, SpeedFigure)
 from ..topology import GIB, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread

@@ -310,10 +310,10 @@ class Forwarder:
         """Pass `message` to the next stage of `route`; False when it went nowhere (the head then gets it)."""
         if route.next_host is None or route.next_port is None or route.next_key is None:
             return False
-        if route.route == self._cut and time.monotonic() < self._retry_at:
+        now = time.monotonic()
+        if route.route == self._cut and now < self._retry_at:
             return False
         where = str(HostPort(route.next_host, route.next_port))
-        now = time.monotonic()
         try:
             if self._conn is None or self._route != route.route or now - self._used_at > PEER_IDLE_REOPEN_S:
                 idle = self._conn is not None and self._route == route.route
