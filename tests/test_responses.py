@@ -208,8 +208,10 @@ def test_a_forced_call_is_a_function_call_item_and_its_output_goes_back(server, 
 
 
 def test_required_tool_choice_always_calls(client):
+    # one call: the grammar of parallel calls lets an unseeded random model write call after call until
+    # max_output_tokens cuts the last one (about 1 run in 100), and a cut call is text, whatever the API
     reply = create(client, input="Do something.", tools=[LOOKUP], tool_choice="required", temperature=1.0,
-                   max_output_tokens=200)
+                   max_output_tokens=200, parallel_tool_calls=False)
     assert reply.output and all(item.type == "function_call" for item in reply.output)
 
 

@@ -18,6 +18,7 @@ from tiny_model import write_tiny_model
 from tc.generation import Generator
 from tc.head.api import create_app
 from tc.head.http_server import start_http_server
+from tc.constraint import GrammarEngine, GrammarError
 from tc.head.api_requests import Tool
 from tc.head.service import GenerationService, Readiness
 from tc.head.structured_output import _any_of, call_schema, placed
@@ -269,7 +270,7 @@ def test_without_the_grammar_engine_response_format_names_the_package(generator,
 
 def test_a_number_the_schema_leaves_unbounded_cannot_run_on_for_ever(generator):
     """The grammar stops an unbounded number at NUMBER_BOUND: a model that only writes digits must close it."""
-    from tc.constraint import NUMBER_BOUND, GrammarEngine, bound_numbers
+    from tc.constraint import NUMBER_BOUND, bound_numbers
     schema = {"type": "object", "properties": {"n": {"type": "number"}, "k": {"type": "integer", "maximum": 7}},
               "required": ["n", "k"], "additionalProperties": False}
     assert bound_numbers(schema)["properties"]["n"] == {"type": "number", "minimum": -NUMBER_BOUND,
@@ -301,7 +302,7 @@ SHIP = {"type": "function", "function": {"name": "ship", "parameters": {
 
 @pytest.mark.parametrize("fields", [
     {"tool_choice": "auto", "max_tokens": 1},
-    {"tool_choice": "required"},
+    {"tool_choice": "required", "parallel_tool_calls": False},
     {"tool_choice": {"type": "function", "function": {"name": "ship"}}},
     {"tool_choice": "auto", "response_format": schema_format(SHIP["function"]["parameters"])},
 ], ids=["auto", "required", "named", "auto+json_schema"])
@@ -309,6 +310,7 @@ def test_tool_parameters_that_refer_to_their_own_definitions_are_served(client, 
     """A call's schema holds the tool's parameters under its "arguments", so a "$ref": "#/$defs/Address" written
     for the parameters' own root pointed into the call's schema, at nothing: every such request was a 400, under
     "auto" too, and beside a response_format the error blamed the format."""
+    # one call where calls are forced: a sampled run of parallel calls may run to max_tokens and be cut, as text
     body = chat(client, tools=[LOOKUP, SHIP], temperature=1.0, seed=2, **fields)
     message = body["choices"][0]["message"]
     if "response_format" in fields and not message.get("tool_calls"):
@@ -358,7 +360,8 @@ def test_tools_whose_parameters_carry_the_same_id_keep_their_own_definitions(cli
             "properties": {"v": {"$ref": "#/$defs/V"}}, "required": ["v"], "additionalProperties": False}}}
     tools = {"text": tool("text", "string"), "count": tool("count", "integer")}
     for seed in range(3):
-        body = chat(client, tools=list(tools.values()), tool_choice="required", temperature=1.0, seed=seed)
+        body = chat(client, tools=list(tools.values()), tool_choice="required", parallel_tool_calls=False,
+                    temperature=1.0, seed=seed)
         for call in body["choices"][0]["message"]["tool_calls"]:
             value = json.loads(call["function"]["arguments"])["v"]
             assert isinstance(value, str if call["function"]["name"] == "text" else int), call
@@ -387,13 +390,15 @@ FOLLOWED = {**LOOSE, "properties": {
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_keywords_the_engine_lacks_are_left_out_where_no_schema_is_strict(client, strict):
+def test_keywords_the_engine_lacks_are_left_out_where_no_schema_is_strict(client, generator, strict):
     """OpenAI refuses what its strict mode lacks only in a strict schema, and holds one that is not to nothing: a
     pydantic set or a `not` in a schema that is not strict was a 400 here. Now such a reply follows the rest of
     the schema; a strict one is still refused, naming the keyword."""
     loose_tool = {"type": "function", "function": {"name": "tag", "parameters": LOOSE, "strict": strict}}
     fmt = {"type": "json_schema", "json_schema": {"name": "tags", "schema": LOOSE, "strict": strict}}
-    for fields in ({"response_format": fmt}, {"tools": [loose_tool], "tool_choice": "required"}):
+    # one call: a sampled run of parallel calls may run to max_tokens and be cut (the sequence grammar below)
+    for fields in ({"response_format": fmt},
+                   {"tools": [loose_tool], "tool_choice": "required", "parallel_tool_calls": False}):
         reply = client.simulate_post(CHAT, json={"model": "tiny", "max_tokens": 300, "temperature": 1.0, "seed": 4,
                                                  "messages": [{"role": "user", "content": "x"}], **fields})
         if strict:
@@ -403,3 +408,13 @@ def test_keywords_the_engine_lacks_are_left_out_where_no_schema_is_strict(client
         message = reply.json["choices"][0]["message"]
         text = message["tool_calls"][0]["function"]["arguments"] if "tools" in fields else message["content"]
         jsonschema.validate(json.loads(text), FOLLOWED)
+    # the grammar of parallel calls takes the same leniency
+    tokenizer = generator.tokenizer
+    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+                                tokenizer.eos_token_ids)
+    calls = call_schema(Tool(name="tag", parameters=LOOSE))
+    if strict:
+        with pytest.raises(GrammarError, match="uniqueItems"):
+            engine.json_sequence(calls)
+    else:
+        engine.json_sequence(calls, lenient=True)
