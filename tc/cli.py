@@ -239,12 +239,13 @@ def _leave_at_once_on_signal() -> None:
     a word while torch ran, or aborted it."""
     import signal
 
-    def leave(signum: int, _frame: object) -> None:
-        log.info("%s received while starting: exiting", signal.Signals(signum).name)
+    from .signals import on_signals
+
+    def leave(sig: signal.Signals) -> None:
+        log.info("%s received while starting: exiting", sig.name)
         exit_process(0)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, leave)
+    on_signals((signal.SIGINT, signal.SIGTERM), leave)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

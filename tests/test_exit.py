@@ -60,3 +60,26 @@ def test_a_signal_while_a_worker_starts_ends_it_at_once_without_a_traceback(tmp_
         assert time.monotonic() - started < 10, output
         assert f"{sig.name} received while starting: exiting" in output and "Traceback" not in output, output
         assert "joining 127.0.0.1:9" not in output  # it left; it did not go on to join
+
+
+# A signal that lands while the main thread holds the lock its handler needs: in an Event's wait, between taking
+# the Event's lock and sleeping, as a head's or a worker's main thread waits most of its life. A handler that set
+# the Event itself deadlocked there; tc.signals runs it on a thread of its own.
+SIGNAL_WHILE_THE_LOCK_IS_HELD = textwrap.dedent("""
+    import os, signal, threading
+    from tc.signals import on_signals
+    done = threading.Event()
+    on_signals([signal.SIGTERM], lambda sig: done.set())
+    with done._cond:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):  # bytecodes: the Python handler runs among them
+            pass
+    print("handled" if done.wait(10) else "lost", end="")
+""")
+
+
+def test_a_signal_handler_that_takes_a_lock_the_main_thread_holds_does_not_deadlock():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_LOCK_IS_HELD], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "handled"), done.stderr

@@ -30,6 +30,7 @@ from ..model_source import ModelSource
 from ..openmp import on_own_thread
 from ..batch_memory import BatchPlan, plan_batch, stage_need
 from ..planner import GIB, Plan, format_bytes, layer_weight_bytes, make_plan, node_specs
+from ..signals import on_signals
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
@@ -415,15 +416,14 @@ def run_head(args: argparse.Namespace) -> int:
     head = start_head(topology)
     done = threading.Event()
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(sig: signal.Signals) -> None:
         if done.is_set():  # a second signal: the operator does not want to wait for the drain
-            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            log.warning("second %s: exiting now", sig.name)
             os._exit(1)
-        log.info("%s received: shutting down", signal.Signals(signum).name)
+        log.info("%s received: shutting down", sig.name)
         done.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    on_signals((signal.SIGINT, signal.SIGTERM), on_signal)
     while not done.wait(1.0):  # a timed wait, so the signal handler runs promptly on every platform
         pass
     head.stop()

@@ -66,6 +66,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_P
 from ..topology import GIB, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread
+from ..signals import on_signals
 from ..trace import mark
 from .peers import Forwarder, PeerListener, Routes
 from .runtime import (LoadedStage, StageOutput, StageRuntime, apply_threads, load_assignment, torch_threads,
@@ -311,11 +312,12 @@ class Worker:
         return 0
 
     def shutdown(self, why: str) -> None:
-        """Leave for good: tell the head why, close the connection; run() then returns 0. Signal-safe."""
+        """Leave for good: tell the head why, close the connection; run() then returns 0. Any thread may call it (a
+        signal's, tc.signals)."""
         self.stop.set()
         conn, node = self._conn, self._node_id or self.options.node_id or "(unassigned)"
 
-        def farewell() -> None:  # a thread of its own: the signal may have landed while this thread held a lock
+        def farewell() -> None:  # a thread of its own: the send may wait behind a large frame going out
             if conn is not None:
                 try:
                     conn.send(Error(code=ERROR_SHUTTING_DOWN, message=f"worker {node} is shutting down ({why})"))
@@ -717,8 +719,7 @@ def run_worker(args: argparse.Namespace) -> int:
         except (RuntimeError, ValueError) as exc:  # a device that cannot run the probe can still serve layers
             log.warning("could not measure this machine's speed (%s: %s); joining without it, so the head plans "
                         "this node by bytes or by the topology's nodes[].speed", type(exc).__name__, exc)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: worker.shutdown(f"{signal.Signals(signum).name} received"))
+    on_signals((signal.SIGTERM, signal.SIGINT), lambda sig: worker.shutdown(f"{sig.name} received"))
     log.info("worker %s: device %s, %s, joining %s:%d%s", options.node_id or "(any entry)",
              worker.device, torch_threads(torch.get_num_threads()), options.host, options.port,
              " with a join token" if options.join_token else "")
