@@ -254,7 +254,7 @@ def test_samples_cover_every_message_type():
 
 
 def test_registry_names_match_classes():
-    assert PROTOCOL_VERSION == 9
+    assert PROTOCOL_VERSION == 10
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name and name.isupper()
 
@@ -482,7 +482,7 @@ BAD_PAYLOADS = {
     ),
     "null for str": ("LOAD_FAILED", {"reason": None}, ["LOAD_FAILED.reason"]),
     "bytes for str": ("ERROR", {"code": b"x", "message": "m"}, ["ERROR.code"]),
-    "str for bytes": ("HELLO_ACK", {"node_id": "n", "challenge": "abc"}, ["HELLO_ACK.challenge"]),
+    "str for bytes": ("HELLO_ACK", {"node_id": "n", "challenge": "abc", "heartbeat_s": 5}, ["HELLO_ACK.challenge"]),
     "unknown dtype name": (
         "LOAD_COMPLETE",
         {"load_seconds": 1, "weight_bytes": 1, "device": "cpu", "compute_dtype": "int8"},
@@ -595,11 +595,12 @@ def test_older_peers_are_told_apart():
     says its route, the stages' times before it and the sequences released before it, and its HELLO the worker's
     peer port; a version 6 worker would not grow a cache that a version 7 entry continues with more capacity; version
     8's RUN_BATCH entries may name a source, which a version 7 entry lacks; version 9's ASSIGNMENT names the context
-    served, which a version 8 one lacks."""
-    for old in (1, 2, 3, 4, 5, 6, 7, 8):
+    served, which a version 8 one lacks; version 10's HELLO_ACK says how often the head pings, which a version 9 one
+    lacks."""
+    for old in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         with pytest.raises(ProtocolVersionMismatch) as info:
             FrameDecoder().feed(frame_of(envelope("HELLO", {**make_hello().to_payload(), "protocol_version": old})))
-        assert (info.value.peer_version, info.value.our_version) == (old, 9)
+        assert (info.value.peer_version, info.value.our_version) == (old, 10)
     version_5_hello = {k: v for k, v in make_hello().to_payload().items() if k not in ("peer_port", "peer_host")}
     with pytest.raises(ProtocolError, match=r"HELLO lacks field\(s\) \['peer_port', 'peer_host'\]"):
         Hello.from_payload(version_5_hello)
@@ -618,6 +619,8 @@ def test_older_peers_are_told_apart():
     version_8 = {k: v for k, v in assignment_payload().items() if k != "context_length"}
     with pytest.raises(ProtocolError, match=r"ASSIGNMENT lacks field\(s\) \['context_length'\]"):
         FrameDecoder().feed(frame_of(envelope("ASSIGNMENT", version_8)))
+    with pytest.raises(ProtocolError, match=r"HELLO_ACK lacks field\(s\) \['heartbeat_s'\]"):
+        FrameDecoder().feed(frame_of(envelope("HELLO_ACK", {"node_id": "a", "challenge": None})))
     version_1 = {k: v for k, v in assignment_payload(total_weight_bytes=123456789).items()
                  if k not in ("max_sequences", "context_length")}
     with pytest.raises(ProtocolError, match=r"ASSIGNMENT has unknown field\(s\) \['total_weight_bytes'\]"):

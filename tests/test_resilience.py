@@ -368,6 +368,21 @@ def test_a_head_stopped_for_longer_than_the_heartbeat_limit_keeps_its_workers(tm
         assert_serves(cluster, greedy)
 
 
+def test_idle_workers_stay_joined_to_a_head_that_pings_less_often_than_their_head_timeout(tmp_path, model_dir, greedy):
+    """A topology's heartbeat_s may be longer than a worker's --head-timeout-s (a minute against 30 s): the head
+    says how often it pings as the worker joins, and the worker counts several intervals, so an idle worker stays
+    joined. It dropped the head after its own bound and rejoined, over and over, and requests met a cluster whose
+    workers came and went."""
+    with start(tmp_path, model_dir, ("a",), ("a",), "--head-timeout-s", "0.3", heartbeat_s=1.0,
+               heartbeat_timeout_s=5) as cluster:
+        time.sleep(4)  # idle: pings a second apart, more than ten of the worker's own bounds
+        said = cluster.workers["a"].output()
+        assert "heard nothing from the head" not in said, said
+        assert "counts it gone after 3s of silence, not its --head-timeout-s of 0.3s" in said
+        assert cluster.head.output().count("joined") == 1, cluster.head.output()
+        assert_serves(cluster, greedy)
+
+
 def test_sigterm_to_a_worker_fails_its_request_and_it_exits_cleanly(tmp_path, model_dir, greedy):
     with start(tmp_path, model_dir, resume=False) as cluster:
         b = cluster.workers["b"]

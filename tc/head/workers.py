@@ -688,7 +688,7 @@ class WorkerRegistry:
             conn.settimeout(None)
             conn.max_frame_bytes = self.max_frame_bytes
             conn.frame_limit_advice = "that is head.max_frame_mb: raise it in topology.yaml"
-            conn.send(HelloAck(node_id=entry.id))
+            conn.send(HelloAck(node_id=entry.id, heartbeat_s=self.heartbeat_s))
             if not deadline.finish():  # it struck while the worker was being placed
                 raise ConnectionClosed("the connection was closed")
             if link.node_id is None:

@@ -43,7 +43,8 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 # 8: a RUN_BATCH entry may name a `source`: the sequence whose first position_start positions its cache starts
 #    from, its own cut back or another's copied (a request whose prompt shares only the start of a kept cache)
 # 9: ASSIGNMENT names the context served (`context_length`), which longrope's rotary frequencies depend on
-PROTOCOL_VERSION = 9
+# 10: HELLO_ACK says how often the head pings (`heartbeat_s`), which a worker's silence limit takes into account
+PROTOCOL_VERSION = 10
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -472,6 +473,9 @@ class HelloAck(Message):
     TYPE: ClassVar[str] = "HELLO_ACK"
     node_id: str = wire(STR)
     challenge: bytes | None = wire(_Optional(BYTES), default=None)
+    # how often the head pings: a worker counts the head gone after several intervals of silence, however long
+    # its own --head-timeout-s (a topology's heartbeat_s may be minutes)
+    heartbeat_s: float | None = wire(_Optional(SECONDS), default=None)
 
 
 @_message

@@ -17,7 +17,8 @@ it sends an ERROR compute_failed with the reason and ends the connection; the he
 reason and the worker rejoins with backoff.
 
 Staying joined: when the connection ends, the head says it is shutting down, or the head has sent nothing (not
-even a PING) for head_timeout_s (a head that died without closing, or a cut link), the worker rejoins with
+even a PING) for head_timeout_s, or for HEARTBEAT_MISSES of the head's ping intervals where those are longer (a
+head that died without closing, or a cut link), the worker rejoins with
 backoff; loaded layers are kept for the next assignment. A step the compute thread is running through its layers
 then (a long prompt's) is given up at the next layer: it would answer no one, and the head waits for a lost
 worker's return only its resume grace. A head that refuses the rejoin because a connected worker holds the entry
@@ -63,7 +64,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_P
                                  PROTOCOL_VERSION, Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck,
                                  InferenceError, LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong,
                                  Release, Route, RunBatch, SpeedFigure)
-from ..topology import GIB, HostPort
+from ..topology import GIB, HEARTBEAT_MISSES, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
 from ..openmp import on_own_thread
 from ..signals import on_signals
@@ -354,8 +355,9 @@ class Worker:
             raise ProtocolError(f"expected HELLO_ACK, got {env.message.TYPE}")
         return env.message
 
-    def handshake(self, conn: Connection) -> str:
-        """HELLO, and the join-token exchange when this worker has a token. Returns the node id given."""
+    def handshake(self, conn: Connection) -> HelloAck:
+        """HELLO, and the join-token exchange when this worker has a token. Returns the head's last HELLO_ACK (the
+        node id given, how often it pings)."""
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         nonce = new_nonce() if self._key is not None else None
         hello = self.hello(auth=nonce)
@@ -375,7 +377,7 @@ class Worker:
         if ack.challenge is not None:
             raise Refused("the head asks for a join token and this worker has none: give it the head's "
                           f"head.join_token with --join-token-file PATH or {TOKEN_ENV}")
-        return ack.node_id
+        return ack
 
     def session(self, conn: Connection) -> bool:
         """One connection's life. Returns True if the head accepted us and we served (so a rejoin starts fresh),
@@ -393,6 +395,17 @@ class Worker:
                 self._peers.close()
                 self._peers = None
 
+    def silence_limit_s(self, heartbeat_s: float | None) -> float:
+        """How long the head may say nothing before this worker counts it gone: --head-timeout-s, or several of
+        the head's ping intervals where its topology's heartbeat_s is long (a minute, say); with the worker's
+        bound alone, every idle worker would drop and rejoin between two pings."""
+        if heartbeat_s is None or HEARTBEAT_MISSES * heartbeat_s <= self.options.head_timeout_s:
+            return self.options.head_timeout_s
+        limit = HEARTBEAT_MISSES * heartbeat_s
+        log.info("the head pings every %gs: this worker counts it gone after %gs of silence, not its "
+                 "--head-timeout-s of %gs", heartbeat_s, limit, self.options.head_timeout_s)
+        return limit
+
     def _listen_for_peers(self, conn: Connection, routes: Routes, jobs: queue.SimpleQueue) -> PeerListener | None:
         """The listener for the stage before this one, on the address this worker reaches the head from (peers.py);
         None when direct hops are off here or the port cannot be had (the head then relays this stage's input)."""
@@ -407,11 +420,13 @@ class Worker:
             return None
 
     def _serve(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes) -> bool:
-        node_id = self.handshake(conn)
+        ack = self.handshake(conn)
+        node_id = ack.node_id
         self._node_id, self._held_since = node_id, None
         self._compute_failure = None
-        # Every read (and write) is bounded: the head pings every few seconds, so a long silence means it is gone.
-        conn.settimeout(self.options.head_timeout_s)
+        # Every read (and write) is bounded: the head pings every heartbeat, so a long silence means it is gone.
+        silence_limit_s = self.silence_limit_s(ack.heartbeat_s)
+        conn.settimeout(silence_limit_s)
         log.info("joined the head as %s (device %s%s)", node_id, self.device,
                  f"; the stage before may pass hidden states to {self._peers.address}" if self._peers else "")
         # set when this session ends: a step the compute thread is running through its layers (a long prompt's)
@@ -434,7 +449,7 @@ class Worker:
                     env = conn.recv()
                     mark("received")
                 except TimeoutError:
-                    log.warning("heard nothing from the head for %.0fs; rejoining", self.options.head_timeout_s)
+                    log.warning("heard nothing from the head for %.0fs; rejoining", silence_limit_s)
                     return True
                 msg = env.message
                 if isinstance(msg, Ping):
