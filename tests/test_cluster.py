@@ -319,6 +319,36 @@ def test_a_worker_without_a_node_id_that_only_a_held_entry_fits_is_told_it_is_ta
     assert "needs device cuda:0" in str(info.value) and "it would fit a, held by a connected worker" in str(info.value)
 
 
+def test_a_worker_started_with_a_device_fills_only_an_entry_of_that_device(tmp_path, model_dir):
+    """--device names the device a worker serves: on a machine of two GPUs, one started with --device cuda:1 took
+    the topology's first free entry its machine could serve (the CPU's, or cuda:0's) and loaded there. It offers
+    the head that device alone; --device auto offers every one."""
+    from tc.head.admission import Refusal, choose_entry
+    from tc.model.config import ModelConfig
+    from tc.protocol.messages import DeviceInfo
+    from tc.topology import load_topology
+    from tc.worker.device import offered_devices
+
+    machine = [DeviceInfo("cuda:0", "cuda", "GPU", 2**34, None), DeviceInfo("cuda:1", "cuda", "GPU", 2**34, 2**33),
+               DeviceInfo("cpu", "cpu", "x86_64", 2**35, 2**34)]
+    nodes = [{"id": "cpu-box", "device": "cpu"}, {"id": "gpu0", "device": "cuda:0"}, {"id": "gpu1", "device": "cuda:1"}]
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes))
+    config = ModelConfig.from_file(model_dir / "config.json")
+
+    def entry(requested: str, selected: str, taken: set[str]) -> str:
+        hello = worker_hello(devices=tuple(offered_devices(requested, selected, machine)), selected_device=selected)
+        return choose_entry(hello, topology, None, taken, config, 8).id
+
+    assert entry("cuda:1", "cuda:1", set()) == entry("cuda:1", "cuda:1", {"cpu-box", "gpu0"}) == "gpu1"
+    assert entry("cpu", "cpu", set()) == "cpu-box"
+    assert entry("auto", "cuda:0", set()) == "cpu-box" and entry("auto", "cuda:0", {"cpu-box"}) == "gpu0"
+    named = worker_hello("cpu-box", devices=tuple(offered_devices("cuda:1", "cuda:1", machine)),
+                         selected_device="cuda:1")
+    with pytest.raises(Refusal, match="entry cpu-box needs device cpu, and this worker offers only cuda:1 "
+                                      r"\(what its --device names, or all this machine has\)"):
+        choose_entry(named, topology, None, set(), config, 8)
+
+
 def test_a_join_address_that_is_no_head_says_so(tmp_path):
     """--join at an HTTP server (the head's API port, say) is not a head that was lost: the worker says nothing
     there answered as a tc head and which address --join should name."""

@@ -130,7 +130,8 @@ def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None, config: Mode
                  sequences: int) -> str | None:
     if not device_can_serve(entry.device, hello.devices):
         have = ", ".join(d.id for d in hello.devices)
-        return f"entry {entry.id} needs device {entry.device}, and this machine has only {have}"
+        return (f"entry {entry.id} needs device {entry.device}, and this worker offers only {have} (what its --device "
+                f"names, or all this machine has)")
     if entry.spare or plan is None:  # which layers it gets is not known yet: a spare's when a node is lost,
         return None                  # anyone's when the head plans once its planned set has joined
     return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, sequences)

@@ -105,6 +105,15 @@ def select_device(requested: str, devices: list[DeviceInfo]) -> str:
     raise DeviceError(missing)
 
 
+def offered_devices(requested: str, selected: str, devices: list[DeviceInfo]) -> list[DeviceInfo]:
+    """The devices a worker offers the head, which fills a topology entry that one of them can serve: every one for
+    --device auto, else the one `requested` named (`selected`): a worker started with --device cuda:1 took an
+    entry of the machine's CPU, or of cuda:0, where one came first in the topology."""
+    if requested == "auto":
+        return devices
+    return [d for d in devices if d.id == selected]
+
+
 def compute_dtypes(device: str) -> tuple[str, ...]:
     """Compute dtypes the device runs natively (see resolve_compute_dtype for the fallbacks of the others)."""
     kind = torch.device(device).type

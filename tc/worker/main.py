@@ -65,7 +65,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_P
                                  InferenceError, LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong,
                                  Release, Route, RunBatch, SpeedFigure)
 from ..topology import GIB, HEARTBEAT_MISSES, HostPort
-from .device import DeviceError, compute_dtypes, detect_devices, select_device, system_summary
+from .device import DeviceError, compute_dtypes, detect_devices, offered_devices, select_device, system_summary
 from ..openmp import on_own_thread
 from ..signals import on_signals
 from ..trace import mark
@@ -220,7 +220,7 @@ class Worker:
         self.options = options
         # the second look asks the chosen GPU alone for its free memory (see device.cuda_devices)
         self.device = select_device(options.device, detect_devices())
-        self.devices = detect_devices(selected=self.device)
+        self.devices = offered_devices(options.device, self.device, detect_devices(selected=self.device))
         self.stop = threading.Event()
         self.loaded: tuple[tuple, LoadedStage] | None = None  # kept across rejoins: same assignment, no reload
         self._key = token_key(options.join_token) if options.join_token else None
