@@ -258,6 +258,27 @@ def test_a_failure_of_the_scheduler_itself_answers_its_requests_and_frees_every_
     assert service.complete(prompt, greedy(4)).text == want.text  # and the service goes on
 
 
+def test_a_failed_scheduler_releases_a_kept_cache_that_a_request_it_fails_was_to_copy(model, tokenizer,
+                                                                                        monkeypatch):
+    """The failure's release of the kept caches handed one that an admitted request waits to copy to that request,
+    as eviction does, though the request was about to fail: the cache was then neither kept nor released, and
+    held a place on the workers for good."""
+    pipeline = model.pipeline()
+    service = service_over(model, tokenizer, pipeline, prefix_cache=True)
+    system = torch.randint(3, 250, (service_module.MIN_SHARED_TOKENS + 8,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    service.complete(system + tokenizer.encode(PROMPTS[0]), greedy(4))
+    assert len(pipeline.caches) == 1  # kept for a next turn
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the scheduler")
+    monkeypatch.setattr(service, "_step", broken)  # after the admitted request chose the kept cache to copy
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    with pytest.raises(RuntimeError, match="a bug in the scheduler"):
+        service.complete(system + tokenizer.encode(PROMPTS[1]), greedy(4))
+    assert pipeline.caches == {} and not service._kept
+
+
 @pytest.mark.parametrize("part", ["read_prompt", "advance"])
 def test_a_failure_in_one_sequences_own_part_of_a_step_ends_that_request_alone(model, tokenizer, monkeypatch, part):
     """One request's own part of a shared step fails (reading its prompt, or choosing its third token: as a grammar

@@ -495,7 +495,7 @@ class GenerationService:
                 batch = list(self._batch)
             try:
                 self._release(batch)
-                self._release_kept(len(self._kept))
+                self._release_kept(len(self._kept), hand_over=False)  # those waiting to copy one are to fail too
             except Exception:
                 log.exception("releasing the caches of the requests the scheduler failed")
             self._fail(self._take_everyone(), exc)
@@ -699,16 +699,16 @@ class GenerationService:
             del self._kept[kept]
         self._release_sequences(gone)
 
-    def _release_kept(self, count: int) -> None:
-        """Release the `count` oldest kept caches. One that a request waits to copy from is handed to the first
-        such request instead, cut back to the part they share: the same place is freed, and that request still
-        starts from it (any other waiting for it reads its prompt whole)."""
+    def _release_kept(self, count: int, hand_over: bool = True) -> None:
+        """Release the `count` oldest kept caches. With `hand_over`, one that a request waits to copy from is handed
+        to the first such request instead, cut back to the part they share: the same place is freed, and that
+        request still starts from it (any other waiting for it reads its prompt whole)."""
         oldest = list(itertools.islice(self._kept, count))
         copying = self._copying() if oldest else {}
         released = []
         for kept in oldest:
             del self._kept[kept]
-            copiers = copying.get(kept, [])
+            copiers = copying.get(kept, []) if hand_over else []
             if copiers:
                 copiers[0].take_cache(kept, copiers[0].cached, cut=True)
                 for copier in copiers[1:]:
