@@ -159,6 +159,24 @@ def test_a_kept_cache_whose_place_is_needed_is_cut_back_for_the_request_that_sha
     assert service.complete(next_turn, GREEDY).cached_prompt_tokens == common_start(first_prompt, second_prompt)
 
 
+def test_kept_caches_the_workers_lost_give_way_to_one_they_hold(model_dir):
+    """Kept caches that a replaced worker took with it are all forgotten at the next admission: only the one a
+    prompt shared most with was, and that prompt read itself whole though another kept cache held part of it."""
+    service = new_service(model_dir, max_batch=3)
+    pipeline = service.generator.pipeline
+    system = prompt(40, MIN_SHARED_TOKENS + 4)
+    lost_prompt, held_prompt = system + prompt(41, 10), system + prompt(42, 10)
+    for prompt_ids in (lost_prompt, held_prompt):
+        service.complete(prompt_ids, GREEDY)
+    lost, held = list(service._kept)
+    pipeline.caches.pop(lost)  # what the workers there are now hold: a replaced stage's caches went with it
+    follow_up = lost_prompt + prompt(43, 3)
+    reply = service.complete(follow_up, GREEDY)
+    assert reply.cached_prompt_tokens == common_start(follow_up, held_prompt) >= len(system)
+    assert lost not in service._kept
+    assert_same_greedy_text(reply.text, alone(model_dir, follow_up, GREEDY))
+
+
 def test_nothing_is_kept_when_it_is_off(model_dir):
     service = new_service(model_dir, prefix_cache=False)
     first_prompt = prompt(1, 40)

@@ -635,6 +635,7 @@ class GenerationService:
         params = sequence.params
         if not self.prefix_cache or not self._single(request) or params.prompt_logprobs or not params.cache_prompt:
             return
+        self._forget_kept_not_held()  # a worker replaced since they ran took them (they would hide the others)
         prompt = sequence.prompt_ids
         best: tuple[int, int, int | SequenceState] | None = None  # (positions shared, rank, the cache's holder)
         for kept, tokens in self._kept.items():
@@ -654,9 +655,6 @@ class GenerationService:
         held, rank, holder = best
         if isinstance(holder, SequenceState):
             sequence.copy_cache(holder, held)  # once that one has read them
-        elif not self.generator.pipeline.holds(holder):  # a worker was replaced since: it went with the old one
-            del self._kept[holder]
-            self._release_sequences([holder])
         elif rank == 2:
             del self._kept[holder]
             sequence.take_cache(holder, held, cut=True)  # past its tokens, a refused draft's positions may follow
@@ -694,6 +692,11 @@ class GenerationService:
         if resumes == self._resumes:
             return
         self._resumes = resumes
+        self._forget_kept_not_held()
+
+    def _forget_kept_not_held(self) -> None:
+        """Forget the kept caches the workers there are now do not hold (a worker replaced since they ran went with
+        them), and release them on those that stayed."""
         gone = [kept for kept in self._kept if not self.generator.pipeline.holds(kept)]
         for kept in gone:
             del self._kept[kept]
