@@ -319,6 +319,29 @@ def test_a_worker_without_a_node_id_that_only_a_held_entry_fits_is_told_it_is_ta
     assert "needs device cuda:0" in str(info.value) and "it would fit a, held by a connected worker" in str(info.value)
 
 
+def test_a_worker_without_a_node_id_gets_the_entry_it_held_again_where_it_is_free(tmp_path, model_dir):
+    """Workers without --node-id that rejoin at once (a head restarted) came back in any order and took the first
+    free entries, swapping them, so that each loaded another stage's layers; each now names the entry it held, and
+    gets it where it is free and fits, else the first free one as before."""
+    from tc.head.admission import choose_entry
+    from tc.model.config import ModelConfig
+    from tc.topology import load_topology
+
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}, {"id": "gpu", "device": "cuda:0"},
+             {"id": "spare", "device": "cpu", "spare": True}]
+    topology = load_topology(write_topology(tmp_path / "t.yaml", model_dir, nodes))
+    config = ModelConfig.from_file(model_dir / "config.json")
+
+    def entry(held: str | None, taken: set[str]) -> str:
+        return choose_entry(worker_hello(held_node_id=held), topology, None, taken, config, 8).id
+
+    assert entry("b", set()) == "b" and entry(None, set()) == "a"
+    assert entry("b", {"b"}) == "a"  # held by another: the first free one
+    assert entry("gpu", set()) == entry("gone-from-the-topology", set()) == "a"  # one it cannot serve, or none
+    assert entry("spare", set()) == "a"  # a spare's entry waits until the pipeline's are filled, as ever
+    assert choose_entry(worker_hello("a", held_node_id="b"), topology, None, set(), config, 8).id == "a"
+
+
 def test_a_worker_started_with_a_device_fills_only_an_entry_of_that_device(tmp_path, model_dir):
     """--device names the device a worker serves: on a machine of two GPUs, one started with --device cuda:1 took
     the topology's first free entry its machine could serve (the CPU's, or cuda:0's) and loaded there. It offers

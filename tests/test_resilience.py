@@ -167,6 +167,34 @@ def test_workers_rejoin_a_head_that_comes_back(tmp_path, model_dir, greedy):
             assert "already loaded; reusing" in cluster.workers[name].output()
 
 
+def test_a_worker_without_a_node_id_rejoins_a_restarted_head_in_its_entry_and_keeps_its_layers(tmp_path, model_dir,
+                                                                                               greedy):
+    """Workers that join without --node-id (as topology.example.yaml suggests) come back to a restarted head in
+    any order: the first back took the first free entry, another worker's, and loaded that one's layers again,
+    where it now names the entry it held and gets it."""
+    topo = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}],
+                          head={"heartbeat_s": 0.5, "heartbeat_timeout_s": 3})
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        first = cluster.start_worker(None, "--retry-max-s", "1", name="first")
+        wait_for(lambda: "joined the head as a" in first.output(), 60, "the first worker to take entry a")
+        second = cluster.start_worker(None, "--retry-max-s", "1", name="second")
+        cluster.wait_ready()
+        assert "joined the head as b" in second.output()
+        first.stop()
+        cluster.head.proc.kill()
+        cluster.head.proc.wait()
+        cluster.head.log.close()
+        cluster.start_head()  # same ports: the second worker rejoins it first, with entry a free
+        wait_for(lambda: second.output().count("joined the head as") == 2, 60, "the second worker to rejoin")
+        cluster.start_worker(None, "--retry-max-s", "1", name="first-again")
+        cluster.wait_ready(120)
+        assert second.output().split("joined the head as")[2].startswith(" b")
+        assert "already loaded; reusing" in second.output()
+        assert_serves(cluster, greedy)
+
+
 def test_workers_reload_a_checkpoint_rewritten_while_the_head_was_down(tmp_path):
     """A worker keeps its layers across a head's restart only when the checkpoint is the one it loaded: here the
     model directory is written afresh (other weights, same path) while the head is down, and the restarted head's

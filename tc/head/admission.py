@@ -137,6 +137,17 @@ def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None, config: Mode
     return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, sequences)
 
 
+def _held_before(hello: Hello, topology: Topology, taken: AbstractSet[str]) -> NodeEntry | None:
+    """The free pipeline entry a worker without a node id held on its last connection, if any."""
+    if hello.held_node_id is None or hello.held_node_id in taken:
+        return None
+    try:
+        entry = topology.node(hello.held_node_id)
+    except KeyError:  # a head restarted with another topology
+        return None
+    return None if entry.spare else entry
+
+
 def _quoted(text: str, most: int = 80) -> str:
     """A worker's own string for a refusal (logged, and sent back): quoted, and cut short, as it may be anything
     up to a frame's size."""
@@ -165,6 +176,9 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
         if problem:
             raise Refusal(problem)
         return entry
+    again = _held_before(hello, topology, taken)
+    if again is not None and _fit_problem(again, hello, plan, config, sequences) is None:
+        return again  # where its loaded layers most likely serve: workers that rejoin at once swapped entries
     problems = []
     held = []  # taken entries, which may be this worker's own from a connection the head has not yet seen end
     for entry in topology.pipeline_nodes + topology.spare_nodes:  # spares only once the pipeline is full

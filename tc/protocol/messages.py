@@ -43,7 +43,8 @@ from tc.protocol.tensors import WIRE_DTYPES, WireTensor
 # 8: a RUN_BATCH entry may name a `source`: the sequence whose first position_start positions its cache starts
 #    from, its own cut back or another's copied (a request whose prompt shares only the start of a kept cache)
 # 9: ASSIGNMENT names the context served (`context_length`), which longrope's rotary frequencies depend on
-# 10: HELLO_ACK says how often the head pings (`heartbeat_s`), which a worker's silence limit takes into account
+# 10: HELLO_ACK says how often the head pings (`heartbeat_s`), which a worker's silence limit takes into account;
+#     HELLO names the entry a worker without a node id held before (`held_node_id`), which it gets again if free
 PROTOCOL_VERSION = 10
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
@@ -447,6 +448,8 @@ class Hello(Message):
     # by (None: the address the head sees the worker at); no port: it takes them from the head only
     peer_port: int | None = wire(_Optional(PORT), default=None)
     peer_host: str | None = wire(_Optional(STR), default=None)
+    # a worker without node_id that rejoins: the entry it held, which it fills again where free (its layers kept)
+    held_node_id: str | None = wire(_Optional(STR), default=None)
 
     def _validate(self) -> None:
         ids = [d.id for d in self.devices]

@@ -251,7 +251,8 @@ class Worker:
                      compute_dtypes=compute_dtypes(self.device), max_memory_bytes=self.options.max_memory_bytes,
                      auth=auth, speeds=self.speeds, max_frame_bytes=self.options.max_frame_bytes,
                      peer_port=self._peers.port if self._peers else None,
-                     peer_host=self.options.peer_host if self._peers else None)
+                     peer_host=self.options.peer_host if self._peers else None,
+                     held_node_id=self._node_id if self.options.node_id is None else None)
 
     def run(self) -> int:
         """Join, serve, and rejoin with backoff when the head goes away. Returns the exit status."""
