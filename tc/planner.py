@@ -16,7 +16,8 @@ Rules, in order:
    split by time (tc.balance): the slowest stage of the whole plan as fast as the memory limits allow, then
    the least total time. Otherwise they are split on cumulative bytes: the node's share of the run's bytes
    is proportional to its memory when every node of the run declares memory, else equal. Each cut is the
-   layer boundary nearest its target that still leaves every node at least one layer.
+   layer boundary nearest its target that still leaves every node at least one layer; where those cuts give a
+   node more bytes than its memory, the cuts nearest the targets that fit every node's memory, if any do.
 5. Every stage must fit: its weight bytes may not exceed its node's memory, when that is known. The rest of
    the memory (`headroom_bytes`) is what the node has for its KV cache and activations.
 """
@@ -279,7 +280,9 @@ def _check_gap(start: int, end: int, run: list[NodeSpec], before: NodeSpec | Non
 
 
 def _split_run(start: int, end: int, layer_bytes: list[int], run: list[NodeSpec]) -> list[tuple[int, int]]:
-    """Split [start, end) into len(run) contiguous non-empty ranges by cumulative bytes (rule 4)."""
+    """Split [start, end) into len(run) contiguous non-empty ranges by cumulative bytes (rule 4): each cut nearest
+    its share of the bytes (by the nodes' memory where every one says it, else equal shares); where that overfills
+    a node's memory, the cuts nearest those shares that fit every node, if any do."""
     count = len(run)
     sizes = layer_bytes[start:end]
     if sum(sizes) == 0:
@@ -293,18 +296,44 @@ def _split_run(start: int, end: int, layer_bytes: list[int], run: list[NodeSpec]
     else:
         weights = [1] * count
     weight_total = sum(weights)  # type: ignore[arg-type]
+    # Integer arithmetic, so the same inputs give the same plan on every machine: cut i's target is
+    # targets[i - 1] / weight_total bytes.
+    targets = [total * sum(weights[:i]) for i in range(1, count)]  # type: ignore[arg-type]
     cuts = [0]
-    cumulative = 0
     for i in range(1, count):
-        cumulative += weights[i - 1]  # type: ignore[operator]
-        # Integer arithmetic, so the same inputs give the same plan on every machine.
-        target_num = total * cumulative  # target = target_num / weight_total bytes
         low = cuts[-1] + 1
         high = len(sizes) - (count - i)
-        best = min(range(low, high + 1), key=lambda j: (abs(prefix[j] * weight_total - target_num), j))
+        best = min(range(low, high + 1), key=lambda j: (abs(prefix[j] * weight_total - targets[i - 1]), j))
         cuts.append(best)
     cuts.append(len(sizes))
+    caps = [node.memory_bytes for node in run]
+    if any(cap is not None and prefix[b] - prefix[a] > cap for cap, a, b in zip(caps, cuts, cuts[1:])) and \
+            sum(layer_bytes[start:end]):
+        cuts = _fitting_cuts(prefix, caps, targets, weight_total) or cuts  # none: _check_fits says which overfills
     return [(start + a, start + b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _fitting_cuts(prefix: list[int], caps: list[int | None], targets: list[int], weight_total: int) -> list[int] | None:
+    """The cuts (0 first, the last position last) that give node i no more than caps[i] bytes (None: no cap), each
+    as near its target as the others allow (least sum of squared distances, which spreads a shortfall over the
+    cuts rather than on one; of equals, the earliest cuts); None if none fit.
+    A search over every cut of every node: a run has tens of layers and a few nodes."""
+    positions, count = len(prefix) - 1, len(caps)
+    # for each place the cuts so far may end: the least distance to their targets, and those cuts
+    reach: dict[int, tuple[int, list[int]]] = {0: (0, [0])}
+    for i, cap in enumerate(caps):
+        last = i == count - 1
+        ends = [positions] if last else range(i + 1, positions - (count - i - 1) + 1)
+        after: dict[int, tuple[int, list[int]]] = {}
+        for j in ends:
+            distance = 0 if last else (prefix[j] * weight_total - targets[i]) ** 2
+            for begin, (so_far, cuts) in reach.items():
+                if begin < j and (cap is None or prefix[j] - prefix[begin] <= cap):
+                    candidate = (so_far + distance, cuts + [j])
+                    if j not in after or candidate < after[j]:
+                        after[j] = candidate
+        reach = after
+    return reach[positions][1] if positions in reach else None
 
 
 def _check_fits(stage: Stage, node: NodeSpec) -> None:

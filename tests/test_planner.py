@@ -91,7 +91,7 @@ BAD = [
      ["node macbook: layers 0-13 need 2.00 GiB of weights but max_memory_gb is 1", "pin fewer layers there"]),
     ("too little memory in a run", 24, [GIB // 8] * 24, [node("a", 1), node("b", 1)], "a",
      ["node a: layers 0-11 need 1.50 GiB of weights but max_memory_gb is 1 (1.00 GiB)", "add a node"]),
-    ("too little memory, unknown elsewhere", 24, [GIB // 8] * 24, [node("a"), node("b", 1)], "b",
+    ("too little memory, unknown elsewhere", 24, [GIB // 8] * 24, [node("a"), node("b", 0.1)], "b",
      ["node b: layers 12-23 need 1.50 GiB"]),
     ("more nodes than layers", 2, [1, 1], [node("a"), node("b"), node("c")], None,
      ["3 nodes", "only 2 layers", "remove 1 node"]),
@@ -141,6 +141,40 @@ def test_no_nodes_is_a_plan_error() -> None:
 def test_misuse_is_a_value_error(num_layers: int, layer_bytes: list[int], nodes: list[NodeSpec]) -> None:
     with pytest.raises(ValueError):
         make_plan(num_layers, layer_bytes, nodes)
+
+
+def test_a_split_that_overfills_a_node_gives_way_to_the_nearest_that_fits() -> None:
+    """Rule 4's shares (equal where a node of the run says no memory, else by memory) may overfill a node where
+    another split fits: a capped node beside an uncapped one, or nearest-share cuts rounding the wrong way. The plan
+    is then the split nearest those shares that fits, where it was refused with advice that did not help."""
+    quarter = GIB // 4
+    plan = make_plan(24, [quarter] * 24, [node("small", 2), node("big")])
+    assert ranges(plan) == [(0, 8), (8, 24)]  # 8 layers fill small's 2 GiB; equal halves overfilled it
+    plan = make_plan(30, [GIB] * 30, [node("a", 27.17), node("b", 3.82)])
+    assert ranges(plan) == [(0, 27), (27, 30)]  # 26/4 by memory's share put 4 GiB on b
+    plan = make_plan(24, [quarter] * 24, [node("a"), node("small", 1), node("c")])
+    assert ranges(plan) == [(0, 10), (10, 14), (14, 24)]  # small's shortfall shared by the cuts on either side
+    assert ranges(make_plan(24, [quarter] * 24, [node("a", 4), node("b")])) == [(0, 12), (12, 24)]  # it fits: as ever
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 10).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(1, 100), min_size=n, max_size=n),
+    st.lists(st.none() | st.integers(1, 400), min_size=1, max_size=min(n, 4)))))
+def test_property_a_run_is_refused_for_memory_only_where_no_split_fits(case) -> None:
+    import itertools
+
+    layer_bytes, caps = case
+    nodes = [NodeSpec(f"n{i}", "cpu", "fp32", cap, None) for i, cap in enumerate(caps)]
+    fits = any(all(cap is None or sum(layer_bytes[a:b]) <= cap for cap, a, b in zip(caps, bounds, bounds[1:]))
+               for cuts in itertools.combinations(range(1, len(layer_bytes)), len(caps) - 1)
+               for bounds in [(0, *cuts, len(layer_bytes))])
+    try:
+        make_plan(len(layer_bytes), layer_bytes, nodes)
+    except PlanError as exc:
+        assert not fits and "max_memory_gb" in str(exc)
+        return
+    assert fits
 
 
 def test_memory_exactly_full_fits() -> None:
