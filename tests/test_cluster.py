@@ -342,6 +342,32 @@ def test_a_worker_without_a_node_id_gets_the_entry_it_held_again_where_it_is_fre
     assert choose_entry(worker_hello("a", held_node_id="b"), topology, None, set(), config, 8).id == "a"
 
 
+def test_a_worker_refused_for_its_device_s_free_memory_is_not_told_to_offer_more(tmp_path, model_dir):
+    """A worker without --max-memory-gb offers what its device reports free: a refusal advised --max-memory-gb,
+    which past that figure only runs the load out of memory; it says what the device has free. A device that
+    reports no free memory (MPS: its total), or an offer the worker made, keeps the advice."""
+    from tc.head.admission import stage_fit_problem
+    from tc.model.config import ModelConfig
+    from tc.planner import Stage
+    from tc.protocol.messages import DeviceInfo
+    from tc.topology import load_topology
+
+    entry = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])).node("a")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    stage = Stage("a", "cpu", "fp32", 0, 2, 1 << 20, None)
+
+    def problem(free: int | None, offered: int | None = None, total: int = 1 << 30) -> str | None:
+        device = DeviceInfo("cpu", "cpu", "x86_64", total, free)
+        return stage_fit_problem(entry, worker_hello(devices=(device,), max_memory_bytes=offered), stage, config, 1)
+
+    assert "but cpu on test has 512.0 KiB free; free memory there (what else runs on it holds the rest), or pin " \
+           "fewer layers on a" in problem(1 << 19)
+    assert "--max-memory-gb" not in problem(1 << 19)
+    assert "this worker offers 512.0 KiB; give it more memory (--max-memory-gb" in problem(1 << 30, 1 << 19)
+    assert "this worker offers 512.0 KiB; give it more memory (--max-memory-gb" in problem(None, total=1 << 19)
+    assert problem(1 << 30) is None
+
+
 def test_a_worker_started_with_a_device_fills_only_an_entry_of_that_device(tmp_path, model_dir):
     """--device names the device a worker serves: on a machine of two GPUs, one started with --device cuda:1 took
     the topology's first free entry its machine could serve (the CPU's, or cuda:0's) and loaded there. It offers

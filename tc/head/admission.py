@@ -103,9 +103,17 @@ def stage_fit_problem(entry: NodeEntry, hello: Hello, stage: Stage, config: Mode
                 f"topology.yaml; raise it there, {advice}")
     memory = worker_memory(hello, device)
     if memory is not None and need.total_bytes > memory:
+        if hello.max_memory_bytes is None and _reported_free(hello, device):
+            # the device's own figure: --max-memory-gb past it would only run the load out of memory
+            return (f"{what}, but {device} on {hello.hostname} has {format_bytes(memory)} free; free memory there "
+                    f"(what else runs on it holds the rest), {advice}")
         return (f"{what}, but this worker offers {format_bytes(memory)}; give it more memory (--max-memory-gb, in "
                 f"GiB), {advice}")
     return None
+
+
+def _reported_free(hello: Hello, device: str) -> bool:
+    return any(d.id == device and d.free_memory is not None for d in hello.devices)
 
 
 def caches_short_of_the_batch(entry: NodeEntry, hello: Hello, stage: Stage, config: ModelConfig,
