@@ -401,10 +401,11 @@ class _Generation:
                                "choices", param="n", code="invalid_value")
         # Waitress's check that the client has closed its connection (channel_request_lookahead gives it)
         gone = req.env.get("waitress.client_disconnected")
+        # a reply object per choice (chat replies keep state), made before the choices hold places in the batch
+        replies = [make_reply() for _ in range(n)]
         generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)], gone)
         group = GenerationGroup(generations)
         req.context.request_id, req.context.generation = request_id, group
-        replies = [make_reply() for _ in generations]  # a reply object per choice: chat replies keep state
         if not stream:
             with group:
                 bodies = [reply.whole(_drain(generation, gone)) for reply, generation in zip(replies, generations)]
