@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -30,6 +30,13 @@ JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",
 
 def _style(lenient: bool) -> dict[str, Any]:
     return {**JSON_STYLE, "lenient": True} if lenient else JSON_STYLE
+
+
+def _alternatives(schemas: Sequence[tuple[Mapping[str, Any], bool]]) -> str:
+    """Lark rules: `value`, one of `schemas` ((schema, lenient) each), every one a JSON rule of its own."""
+    rules = [f"json_{i}: %json {json.dumps({**bound_numbers(schema), 'x-guidance': _style(lenient)})}"
+             for i, (schema, lenient) in enumerate(schemas)]
+    return "value: " + " | ".join(f"json_{i}" for i in range(len(schemas))) + "\n" + "\n".join(rules) + "\n"
 
 
 # The magnitude a generated number may reach where the schema sets no bound. JSON numbers are unbounded, and a
@@ -138,11 +145,18 @@ class GrammarEngine:
         if failed and not all(m.startswith("regex parse error") for m in messages):
             raise GrammarError("; ".join(messages))
 
-    def json_sequence(self, schema: Mapping[str, Any], *, separator: str = "\n", lenient: bool = False) -> "Grammar":
-        """One or more JSON values valid under `schema`, apart by `separator` (`lenient` as json_schema's).
+    def json_choice(self, schemas: Sequence[tuple[Mapping[str, Any], bool]]) -> "Grammar":
+        """JSON text valid under one of `schemas`, each (schema, lenient as json_schema's): each its own document
+        (its references read from it), and each lenient or not on its own, where one anyOf of them is one or the
+        other throughout. Raises GrammarError."""
+        if len(schemas) == 1:
+            return self.json_schema(*schemas[0])
+        return self._checked(self._ll.LLMatcher.grammar_from_lark(f"start: value\n{_alternatives(schemas)}"))
+
+    def json_sequence(self, schemas: Sequence[tuple[Mapping[str, Any], bool]], *, separator: str = "\n") -> "Grammar":
+        """One or more JSON values, each valid under one of `schemas` (as json_choice's), apart by `separator`.
         Raises GrammarError."""
-        styled = {**bound_numbers(schema), "x-guidance": _style(lenient)}
-        lark = f"start: item ({json.dumps(separator)} item)*\nitem: %json {json.dumps(styled)}\n"
+        lark = f"start: value ({json.dumps(separator)} value)*\n{_alternatives(schemas)}"
         return self._checked(self._ll.LLMatcher.grammar_from_lark(lark))
 
     def matcher(self, grammar: str) -> Any:

@@ -21,7 +21,7 @@ from tc.head.http_server import start_http_server
 from tc.constraint import GrammarEngine, GrammarError
 from tc.head.api_requests import Tool
 from tc.head.service import GenerationService, Readiness
-from tc.head.structured_output import _any_of, call_schema, placed
+from tc.head.structured_output import call_schema, placed
 from tc.model.tokenizer import TextTokenizer
 
 CHAT = "/v1/chat/completions"
@@ -334,7 +334,8 @@ def test_a_tool_s_own_references_keep_pointing_into_its_parameters_wherever_they
     tree = Tool(name="tree", parameters=TREE)
     tree_call = {"name": "tree", "arguments": {"label": "a", "children": [{"label": "b", "children": []}]}}
     call_as_child = {"name": "tree", "arguments": {"label": "a", "children": [tree_call]}}
-    for schema in (call_schema(tree), _any_of([call_schema(Tool(name="x", parameters=None)), call_schema(tree)])):
+    calls = [call_schema(Tool(name="x", parameters=None)), call_schema(tree)]
+    for schema in (call_schema(tree), {"anyOf": [placed(call, f"/anyOf/{i}") for i, call in enumerate(calls)]}):
         jsonschema.validate(tree_call, schema)
         with pytest.raises(jsonschema.ValidationError):  # "#" is the tree, not the call around it
             jsonschema.validate(call_as_child, schema)
@@ -412,9 +413,43 @@ def test_keywords_the_engine_lacks_are_left_out_where_no_schema_is_strict(client
     tokenizer = generator.tokenizer
     engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
                                 tokenizer.eos_token_ids)
-    calls = call_schema(Tool(name="tag", parameters=LOOSE))
+    calls = [(call_schema(Tool(name="tag", parameters=LOOSE)), not strict)]
     if strict:
         with pytest.raises(GrammarError, match="uniqueItems"):
             engine.json_sequence(calls)
     else:
-        engine.json_sequence(calls, lenient=True)
+        engine.json_sequence(calls)
+
+
+def test_a_strict_schema_holds_only_itself_to_every_keyword(client, generator):
+    """A strict tool beside one that is not: the strict one is followed in every keyword, and the other's keywords
+    the engine lacks are left out, where one strict schema made the whole grammar strict (a 400 naming the other
+    tool's uniqueItems, which OpenAI takes). A strict schema that uses such a keyword is still refused by name."""
+    counted = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["n"], "additionalProperties": False}
+    count = {"type": "function", "function": {"name": "count", "strict": True, "parameters": counted}}
+    tag = {"type": "function", "function": {"name": "tag", "parameters": LOOSE}}
+    schemas = {"count": counted, "tag": FOLLOWED}
+    ask = {"model": "tiny", "max_tokens": 300, "temperature": 1.0, "messages": [{"role": "user", "content": "x"}]}
+    for seed, fields in enumerate(({"tools": [count, tag], "tool_choice": "required", "parallel_tool_calls": False},
+                                   {"tools": [tag, count], "response_format": {"type": "json_schema", "json_schema": {
+                                       "name": "c", "schema": counted, "strict": True}}})):
+        reply = client.simulate_post(CHAT, json={**ask, "seed": seed, **fields})
+        assert reply.status_code == 200, reply.text
+        message = reply.json["choices"][0]["message"]
+        for call in message.get("tool_calls") or []:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+        if not message.get("tool_calls"):
+            jsonschema.validate(json.loads(message["content"]), counted)
+    strict_tag = {"type": "function", "function": {**tag["function"], "strict": True}}
+    reply = client.simulate_post(CHAT, json={**ask, "tools": [{**count, "function": {**count["function"],
+                                                                                    "strict": False}}, strict_tag],
+                                             "tool_choice": "required"})
+    assert reply.status_code == 400 and "uniqueItems" in reply.json["error"]["message"], reply.text
+    assert "tools[1].function.parameters" in reply.json["error"]["message"], reply.text
+    # the grammar of parallel calls holds each call to its own strictness too
+    tokenizer = generator.tokenizer
+    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+                                tokenizer.eos_token_ids)
+    engine.json_sequence([(call_schema(Tool(name="count", parameters=counted)), False),
+                          (call_schema(Tool(name="tag", parameters=LOOSE)), True)])

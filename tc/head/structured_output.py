@@ -7,9 +7,10 @@
   always parsed as calls and its arguments always parse.
 - `tool_choice` `auto` with a JSON response_format: a call object or the format's JSON; without one, no grammar,
   but the offered tools' parameters are still checked to be JSON schemas.
-- A grammar with a `strict` schema in it follows every keyword, or is refused naming what the engine does not
-  implement; one without leaves those keywords out (`uniqueItems`, `not`, an unknown `format`) and follows the
-  rest, as OpenAI refuses them only in strict mode.
+- A `strict` schema (a tool's, the response_format's) is followed in every keyword, or refused naming what the
+  engine does not implement; one that is not leaves those keywords out (`uniqueItems`, `not`, an unknown
+  `format`) and follows the rest, as OpenAI refuses them only in strict mode. Each schema is its own: a strict
+  tool beside one that is not holds only itself to every keyword.
 
 The engine (tc/constraint.py) is loaded on the first request that needs it. Without it, a response_format is a
 400 naming the package to install; a forced tool call is steered by the template alone (tool_calls.py then
@@ -18,7 +19,7 @@ never turns text that is not a call into one).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from ..constraint import MAX_SCHEMA_NESTING, ConstraintUnavailable, Grammar, GrammarEngine, GrammarError
 from .api_requests import ChatRequest, RequestError, ResponseFormat, Tool
@@ -86,10 +87,6 @@ def call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _any_of(schemas: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    return schemas[0] if len(schemas) == 1 else {"anyOf": [placed(s, f"/anyOf/{i}") for i, s in enumerate(schemas)]}
-
-
 def _format_schema(fmt: ResponseFormat) -> Mapping[str, Any] | None:
     if fmt.type == "json_object":
         return ANY_OBJECT
@@ -127,14 +124,15 @@ class StructuredOutput:
             if fmt is None:
                 return None  # a forced call without the engine: the template steers it
             raise RequestError(str(exc), param="response_format", code="unsupported_value") from exc
-        calls = [call_schema(t) for t in tools]
-        lenient = _lenient(request)
+        # each schema lenient unless it asks to be followed exactly: OpenAI holds one that is not strict to nothing
+        calls = [(call_schema(t), not t.strict) for t in tools]
         try:
             if fmt is None and request.parallel_tool_calls and request.tool_choice.mode == "required":
-                return engine.json_sequence(_any_of(calls), lenient=lenient)
-            return engine.json_schema(_any_of(calls + ([fmt] if fmt is not None else [])), lenient=lenient)
+                return engine.json_sequence(calls)
+            formats = [] if fmt is None else [(fmt, not _strict(request.response_format))]
+            return engine.json_choice(calls + formats)
         except GrammarError as exc:
-            raise _schema_at_fault(engine, request, exc, lenient) from exc
+            raise _schema_at_fault(engine, request, exc) from exc
 
     def _check_tools(self, request: ChatRequest) -> None:
         """Refuse an offered tool whose parameters are no JSON schema, as a forced call's grammar would refuse it,
@@ -158,12 +156,8 @@ class StructuredOutput:
                                        code="invalid_value") from exc
 
 
-def _lenient(request: ChatRequest) -> bool:
-    """Whether the reply's grammar may leave out what the engine does not implement: where no schema in it asks to
-    be followed exactly (`strict`). OpenAI holds a schema that is not strict to nothing, and refuses what strict
-    mode lacks only in a strict one; here such a reply follows every keyword the engine implements."""
-    fmt = request.response_format
-    return not (fmt.type == "json_schema" and fmt.strict) and not any(t.strict for t in request.offered_tools)
+def _strict(fmt: ResponseFormat) -> bool:
+    return fmt.type == "json_schema" and bool(fmt.strict)
 
 
 def _schema_error(where: str, param: str, reason: object) -> RequestError:
@@ -172,7 +166,7 @@ def _schema_error(where: str, param: str, reason: object) -> RequestError:
                         code="invalid_value")
 
 
-def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError, lenient: bool) -> RequestError:
+def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError) -> RequestError:
     """The error for a reply's grammar that would not build, naming the schema at fault.
 
     The engine reads the offered tools' calls and the response_format as one schema, so its error alone says
@@ -184,7 +178,7 @@ def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarEr
         if tool.name not in offered:
             continue
         try:
-            engine.json_schema(call_schema(tool), lenient)
+            engine.json_schema(call_schema(tool), not tool.strict)
         except GrammarError as own:
             return _schema_error(f"{request.tool_param(index)}.parameters", request.tools_field, own)
     if request.response_format.type == "json_schema":
