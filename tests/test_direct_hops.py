@@ -24,7 +24,7 @@ from tc.protocol.errors import ConnectionClosed
 from tc.protocol.messages import (PROTOCOL_VERSION, BatchEntry, Error, HiddenState, InferenceError, PeerAck,
                                   PeerChallenge, PeerHello, Ping, Route, RunBatch)
 from tc.worker import peers
-from tc.worker.peers import Forwarder, PeerListener, Routes
+from tc.worker.peers import MAX_PEER_CONNECTIONS, Forwarder, PeerListener, Routes
 from tiny_model import write_tiny_model
 
 KEY = b"k" * 32
@@ -454,6 +454,31 @@ def test_anything_but_the_routes_batches_closes_that_link_only(listener):
     conn.send(batch(3), "step-3", 1)
     assert listener.got.get(timeout=5).request_id == "step-3"
     conn.close()
+
+
+def test_connections_waiting_for_a_route_give_way_with_their_threads(listener):
+    """A PEER_HELLO for a route no ROUTE has named yet waits for it (the stage before may connect first), and anyone
+    who can reach the port can send one. With the listener full, such a connection gave its place to a newer one
+    but kept its threads until the handshake's deadline: connections made threads without bound. They now end
+    with their place, and the stage before still gets in."""
+    before = threading.active_count()
+    waiting = []
+    for _ in range(5 * MAX_PEER_CONNECTIONS):
+        conn = connect("127.0.0.1", listener.port, timeout=5)
+        conn.settimeout(5)
+        conn.recv()  # the challenge
+        conn.send(PeerHello(protocol_version=PROTOCOL_VERSION, route=2**40, proof=b"x" * 32, nonce=b"c" * 32))
+        waiting.append(conn)
+    most = before + 2 * MAX_PEER_CONNECTIONS + 2  # each open handshake: its thread and its deadline's
+    deadline = time.monotonic() + 5
+    while threading.active_count() > most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= most, threading.active_count() - before
+    conn = handshake_by_hand(listener)
+    conn.send(batch(3), "step-4", 1)
+    assert listener.got.get(timeout=5).request_id == "step-4"
+    for each in [conn, *waiting]:
+        each.close()
 
 
 def test_a_replayed_proof_does_not_open_a_link(listener):

@@ -77,13 +77,19 @@ class Routes:
                 self._current = route
                 self._changed.notify_all()
 
-    def wait_for(self, route_id: int, timeout_s: float) -> Route | None:
+    def wait_for(self, route_id: int, timeout_s: float, given_up: Callable[[], bool] = lambda: False) -> Route | None:
         """The route `route_id` once the head has sent it (a peer may connect before our ROUTE arrives); None when
-        a newer one came first or none did within `timeout_s`."""
+        a newer one came first, none did within `timeout_s`, or `given_up()` holds at a `wake()`."""
         with self._changed:
-            self._changed.wait_for(lambda: self._current is not None and self._current.route >= route_id, timeout_s)
+            self._changed.wait_for(lambda: given_up() or (self._current is not None and
+                                                          self._current.route >= route_id), timeout_s)
             current = self._current
         return current if current is not None and current.route == route_id else None
+
+    def wake(self) -> None:
+        """Have every wait_for look at its `given_up` again."""
+        with self._changed:
+            self._changed.notify_all()
 
 
 class PeerListener:
@@ -187,7 +193,7 @@ class PeerListener:
                 if warn:
                     self._last_full_warning = now
             if oldest is not None:
-                oldest.close()  # wakes its thread, blocked reading its handshake
+                self._give_up(oldest)
             if warn:
                 log.warning("closed a peer connection still in its handshake (from %s) for a newer one (from %s), and "
                             "any more for %.0fs: %d may be open at once, and something keeps connections to this "
@@ -229,9 +235,17 @@ class PeerListener:
             with self._lock:
                 self._open.pop(conn, None)
 
+    def _give_up(self, conn: Connection) -> None:
+        """End a connection still in its handshake: its thread wakes, whether it reads its handshake or waits for
+        the route it came for (a route number no ROUTE has named yet, sent by anyone who can reach the port, kept
+        each such thread for the whole deadline after its place had gone to a newer connection)."""
+        conn.close()
+        self._routes.wake()
+
     def _handshake(self, conn: Connection) -> int | None:
         """The route the peer proved it may send on; None (the connection refused) when it could not."""
-        deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, conn.close)  # the whole handshake, however paced
+        # the whole handshake, however paced
+        deadline = threading.Timer(PEER_HANDSHAKE_TIMEOUT_S, self._give_up, args=(conn,))
         deadline.daemon = True
         deadline.start()
         try:
@@ -244,7 +258,9 @@ class PeerListener:
                 _tell(conn, Error(code=ERROR_HELLO_REFUSED, message=f"protocol {msg.protocol_version} against this "
                                   f"worker's {PROTOCOL_VERSION}: run the same tc release on every machine"))
                 return None
-            route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S)
+            route = self._routes.wait_for(msg.route, PEER_HANDSHAKE_TIMEOUT_S, lambda: conn.closed)
+            if conn.closed:
+                return None
             newest = self._routes.current
             if route is None and newest is not None and newest.route > msg.route:
                 # the head moved on (a step given up, a worker replaced) before the stage before first used the
