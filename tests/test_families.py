@@ -173,6 +173,29 @@ def served(model_dir, context: int | None) -> OurModel:
     return model
 
 
+@pytest.mark.parametrize("name", ["phi3", "gemma3"])
+def test_a_window_no_shorter_than_the_context_served_is_no_window(tmp_path, name):
+    """Phi-3.5-mini and Phi-4-mini give a sliding window of 262144 for 131072 positions, which hides no key from
+    any position; masked by it, every layer lost the native decode attention and the decode plan. A window no
+    shorter than the context served is dropped (the topology's context_length counts), the sliding layers keeping
+    their own rotary tables (Gemma 3's), and the logits stay transformers'."""
+    def windows(model: OurModel) -> list[tuple[int | None, bool]]:
+        return [(layer.self_attn.window, layer.self_attn.sliding) for stage in model.stages
+                for layer in stage.layers.values()]
+
+    wide = write_family_model(tmp_path / "wide", name, seed=1, sliding_window=SHAPES["max_position_embeddings"])
+    ours = OurModel(wide, splits=[2])
+    assert all(window is None for window, _ in windows(ours)) and any(sliding for _, sliding in windows(ours))
+    ref = hf_logits(hf_family_model(wide), PROMPT)
+    assert (ours.full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+    assert (ours.cached_logits(PROMPT, split=4) - ref).abs().max().item() < 1e-4
+    narrow = write_family_model(tmp_path / "narrow", name, seed=1, sliding_window=2 * len(PROMPT))
+    assert (2 * len(PROMPT), True) in windows(served(narrow, None))  # the model's own context: the window bites
+    assert all(window is None for window, _ in windows(served(narrow, 2 * len(PROMPT))))
+    ref = hf_logits(hf_family_model(narrow), PROMPT)
+    assert (served(narrow, 2 * len(PROMPT)).full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+
+
 def long_context_model(path, family: str):
     """Phi-3.5-mini's kind of longrope (or Phi-4-mini's, rotating part of each head): a pre-training context (64)
     below the model's (256), and no `factor`, which transformers then derives from the two (and the attention

@@ -334,7 +334,11 @@ class Attention(nn.Module):
         self.k_norm = qk_norm(config, self.n_kv_heads)
         self.scale = config.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.softcap = config.attn_softcap
-        self.window = config.window(layer)
+        window = config.window(layer)
+        self.sliding = window is not None  # its rotary tables are the sliding layers' own where a family has them
+        # A window no shorter than the context hides no key from any position (Phi-3.5-mini and Phi-4-mini give
+        # 262144 for 131072 positions): masked by it, the layer only lost the native decode and the decode plan.
+        self.window = window if window is not None and window < config.context_length else None
         self.rotates = config.rotates(layer)  # False: q and k go in unrotated (SmolLM3's NoPE layers)
         # True: q and k rotate in fp32, rounded once (ERNIE 4.5, Cohere, OLMo 2 and 3), which the native attention
         # does not: they rotate before it (and no decode plan takes them)
@@ -728,7 +732,7 @@ class Stage(nn.Module):
         for done, (key, layer) in enumerate(self.layers.items()):
             if interrupted is not None and interrupted():
                 raise StepInterrupted(f"the step was given up after {done} of the stage's {len(self.layers)} layers")
-            if layer.self_attn.window is not None:
+            if layer.self_attn.sliding:
                 hidden = layer(hidden, *local, spans, int(key))
                 continue
             hidden = layer(hidden, cos, sin, spans, int(key))
