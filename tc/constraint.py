@@ -98,8 +98,9 @@ class TokenConstraint(Protocol):
 class GrammarEngine:
     """llguidance's matcher factory for one tokenizer and one logits width."""
 
-    def __init__(self, llguidance: Any, tokenizer: Any, vocab_size: int):
+    def __init__(self, llguidance: Any, tokenizer: Any, vocab_size: int, mask_size: int | None = None):
         self._ll, self._tokenizer, self.vocab_size = llguidance, tokenizer, vocab_size
+        self.mask_size = mask_size or vocab_size  # the tokens a mask covers: the logits', and any special past them
         self._shifts = torch.arange(32, dtype=torch.int32)  # bit i of each int32 word is token 32 * word + i
 
     @classmethod
@@ -114,8 +115,12 @@ class GrammarEngine:
             raise ConstraintUnavailable(
                 f"structured output needs the {GRAMMAR_PACKAGE} package on the head; install it with "
                 f"pip install {GRAMMAR_PACKAGE}") from exc
-        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
-        return cls(llguidance, tokenizer, vocab_size)
+        from tokenizers import Tokenizer  # noqa: PLC0415 - as the head's own tokenizer is, once
+
+        # special tokens past the logits (tokenizer.check_vocab leaves them) are in the engine's vocabulary too
+        mask_size = max(vocab_size, Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True))
+        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=mask_size, eos_token=sorted(eos_token_ids))
+        return cls(llguidance, tokenizer, vocab_size, mask_size)
 
     def _checked(self, grammar: str) -> "Grammar":
         failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
@@ -182,7 +187,7 @@ class Grammar:
 class GrammarState:
     def __init__(self, engine: GrammarEngine, matcher: Any):
         self.engine, self.matcher = engine, matcher
-        self._bitmask = torch.zeros((engine.vocab_size + 31) // 32, dtype=torch.int32)  # [words]
+        self._bitmask = torch.zeros((engine.mask_size + 31) // 32, dtype=torch.int32)  # [words]
 
     def allowed(self) -> torch.Tensor:
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)

@@ -144,6 +144,37 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
         load_local_generator(model_dir, dtype="fp32")
 
 
+def test_special_tokens_past_the_vocabulary_are_left_and_a_prompt_holding_one_is_refused(tmp_path):
+    """Gemma 3 1B's tokenizer.json holds its image model's <image_soft_token> at 262144, one past the text model's
+    embedding rows: the tokenizer was refused, and the model never served. A special token past the rows is left
+    (a prompt that holds one is a 400, not a failure inside the head); ordinary text past them is refused still."""
+    from falcon import testing
+
+    from tc.head.api import create_app
+    from tc.head.service import GenerationService, Readiness
+
+    model_dir = write_tiny_model(tmp_path / "model", vocab_size=259)  # the byte tokenizer's 259 tokens fill it
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    data["added_tokens"].append({"id": 259, "content": "<image_soft_token>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (model_dir / "tokenizer.json").write_text(json.dumps(data))
+    generator = load_local_generator(model_dir, dtype="fp32")
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w1",), ()))
+    client = testing.TestClient(create_app(service))
+    ask = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    reply = client.simulate_post("/v1/completions", json={**ask, "prompt": "a picture: <image_soft_token>"})
+    assert reply.status_code == 400 and "token id 259 is outside the vocabulary (0..258)" in reply.text, reply.text
+    assert client.simulate_post("/v1/completions", json={**ask, "prompt": "a picture"}).status_code == 200
+    # the grammar engine's vocabulary holds the token too (it refused a tokenizer larger than the logits)
+    reply = client.simulate_post("/v1/chat/completions", json={**ask, "max_tokens": 30, "response_format": {
+        "type": "json_object"}, "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+    data["added_tokens"][-1]["special"] = False
+    (model_dir / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="holds 260 tokens but config.json's vocab_size is 259"):
+        load_local_generator(model_dir, dtype="fp32")
+
+
 def test_a_tokenizer_within_the_vocabulary_loads(model_dir):
     generator = load_local_generator(model_dir, dtype="fp32")
     tokenizers.check_vocab(generator.tokenizer, 259, model_dir)  # exactly as many ids as rows

@@ -23,7 +23,7 @@ import falcon
 
 from ..constraint import AfterToken, GrammarEngine
 from ..generation import Completion, text_with_offsets
-from ..model.tokenizer import ChatTemplateError, TextTokenizer
+from ..model.tokenizer import ChatTemplateError, token_bound
 from ..batch_memory import BatchPlan
 from ..planner import Plan
 from ..sampling import SamplingParams
@@ -211,9 +211,8 @@ def model_card(model_id: str, context_length: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY, "max_model_len": context_length}
 
 
-def _vocab_size(tokenizer: TextTokenizer) -> int:
-    # token ids the tokenizer can decode; rows of the embedding beyond it are padding
-    return tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+def _vocab_size(service: GenerationService) -> int:
+    return token_bound(service.tokenizer, service.generator.head.config.vocab_size)
 
 
 def read_json_body(req: falcon.Request, max_body_bytes: int) -> dict[str, Any]:
@@ -474,9 +473,9 @@ class CompletionsResource:
         params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, default_is="OpenAI's default here",
                                             prompt_logprobs=request.echo, continues_prompt=True)
         # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
-        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer), "prompt",
+        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service), "prompt",
                             generates=params.max_tokens > 0)
-        check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
+        check_logit_bias(params.logit_bias, _vocab_size(self.service))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
                                request.streaming.include_usage)
@@ -518,14 +517,14 @@ class ChatPrompts:
             tools=[t.as_template_input() for t in offered] or None,
             continue_final_message=request.continue_final_message, variables=request.template_variables)
         prompt_ids = self.service.tokenizer.encode(rendered)
-        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service.tokenizer),
+        check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service),
                             "messages")
         # as in OpenAI's chat API, no max_tokens means: until the context is full
         room = self.service.context_length - len(prompt_ids)
         # a continued message's text goes on from its last words: a SentencePiece word's space stays at its start
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
                                             continues_prompt=request.continue_final_message)
-        check_logit_bias(params.logit_bias, _vocab_size(self.service.tokenizer))
+        check_logit_bias(params.logit_bias, _vocab_size(self.service))
         if request.prediction:  # guesses for a greedy reply's next tokens (draft.py): they change none of them
             params = dataclasses.replace(params, draft_reference=tuple(self.service.tokenizer.encode(
                 request.prediction)))

@@ -13,7 +13,7 @@ from .chat_template import (SEARCHED, SPECIAL_TOKEN_KEYS, ChatTemplateError, Cha
                             find_chat_templates)
 from .config import ConfigError, token_ids
 
-__all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError", "check_vocab"]
+__all__ = ["ChatTemplateError", "TextTokenizer", "TokenizerError", "check_vocab", "token_bound"]
 
 
 class TokenizerError(ValueError):
@@ -49,12 +49,23 @@ def _eos_ids(path: Path, data: dict[str, Any]) -> list[int]:
 
 
 def check_vocab(tokenizer: "TextTokenizer", vocab_size: int, model_dir: Path) -> None:
-    """Refuse a tokenizer with ids past the model's embedding (config.json's vocab_size): a prompt holding one
-    would fail inside the head on every request rather than once here. Raises TokenizerError."""
-    size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
+    """Refuse a tokenizer with ids past the model's embedding (config.json's vocab_size) that ordinary text becomes
+    or that ends a reply: a prompt would fail inside the head rather than once here, or no reply would end. Special
+    tokens past it are left (Gemma 3 1B's tokenizer.json holds its image model's <image_soft_token> at 262144, one
+    past the text model's rows): the model never writes one, and the API refuses a prompt that holds one
+    (`token_bound`). Raises TokenizerError."""
+    specials = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
+    past = [i for i in tokenizer.tokenizer.get_vocab(with_added_tokens=True).values() if i >= vocab_size]
+    if any(i not in specials or i in tokenizer.eos_token_ids for i in past):
+        size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         raise TokenizerError(f"{Path(model_dir) / 'tokenizer.json'} holds {size} tokens but config.json's vocab_size "
                              f"is {vocab_size}; use the tokenizer that came with this model")
+
+
+def token_bound(tokenizer: "TextTokenizer", vocab_size: int) -> int:
+    """One past the greatest token id a prompt may hold: the tokenizer's ids (rows of the embedding past them are
+    padding) that the model's embedding has rows for (`vocab_size`; check_vocab leaves special tokens past it)."""
+    return min(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True), vocab_size)
 
 
 @dataclass
