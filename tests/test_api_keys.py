@@ -177,6 +177,18 @@ def test_the_app_of_a_loading_head_asks_for_a_key_too():
         running.stop()
 
 
+def test_a_path_with_leading_slashes_wants_a_key_under_any_wsgi_server():
+    """Falcon's router reads "//v1/models" as "/v1/models"; the key check read it as no /v1 route, so under a WSGI
+    server that passes the path as sent (Waitress folds the slashes itself) it answered without a key."""
+    from falcon import testing
+
+    loading = HeadLoading(MODEL, 4096, lambda: Readiness(1, (), ("w1",)))
+    client = testing.TestClient(create_loading_app(loading, Metrics(), api_keys=(KEY,)))
+    for path in ("/v1/models", "//v1/models", "///v1/models"):
+        assert client.simulate_get(path).status_code == 401, path
+    assert client.simulate_get("//v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_the_head_asks_for_a_key_once_it_serves(tmp_path: Path, tiny_model_dir, caplog):
     """head.api_keys reaches the head's server; its start says so in the log, and the topology's repr never shows
     the keys."""

@@ -44,7 +44,9 @@ class ApiKeys:
     def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          params: dict) -> None:
         # after routing (a URL no route takes gets its 404 as before): the refusal is counted under its route
-        if req.method == "OPTIONS" or not (req.path + "/").startswith(PROTECTED_PREFIX):
+        # the path as the router reads it, leading slashes as one: Waitress makes "//v1/models" "/v1/models", but
+        # under another WSGI server the router would serve it and the prefix would not match it
+        if req.method == "OPTIONS" or not ("/" + req.path.lstrip("/") + "/").startswith(PROTECTED_PREFIX):
             return
         header = req.get_header("Authorization")
         if header is None or not header.strip():
