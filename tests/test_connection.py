@@ -218,6 +218,16 @@ def test_recv_timeout_before_a_frame_leaves_the_connection_usable(pair):
     assert right.recv(timeout=WAIT).message == Ping(4)
 
 
+def test_a_timed_recv_on_a_socket_closed_under_it_says_the_connection_is_closed(raw_pair):
+    """Another thread may close the connection between recv's look at it and its first wait for a frame (a worker's
+    handshake read, while its signal's farewell closes the connection): the wait found a socket whose descriptor
+    is -1 and raised ValueError, which no caller takes for a closed connection."""
+    conn, _ = raw_pair
+    conn._sock.close()  # where close() has got to when the race strikes: the socket gone, the flag not yet read
+    with pytest.raises(ConnectionClosed, match="was closed"):
+        conn.recv(timeout=1)
+
+
 def test_socket_timeout_at_a_boundary_is_retryable(pair):
     left, right = pair
     right.settimeout(0.05)

@@ -277,8 +277,12 @@ class Connection:
     def _wait_readable(self, timeout: float) -> bool:
         # poll, not select: no FD_SETSIZE limit and no file descriptor of its own to close.
         if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock, select.POLLIN)
+            poller = select.poll()
+            try:
+                poller.register(self._sock, select.POLLIN)
+            except ValueError as exc:  # closed by another thread since recv() looked (its descriptor is -1)
+                raise ConnectionClosed(f"the connection to {self.peer} was closed") from exc
+            self._poller = poller
         # Closing or a hang-up also reports as an event; the read that follows then raises ConnectionClosed.
         return bool(self._poller.poll(max(0, math.ceil(timeout * 1000))))
 
