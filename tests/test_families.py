@@ -582,13 +582,15 @@ def test_weights_quantized_as_they_stream_in_hold_the_bits_of_the_loaded_layers_
             assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), (dtype, key)
 
 
-def test_planned_bytes_count_experts_as_quantized(family_dirs, tmp_path):
-    """The plan's layer bytes in int8 are what the loaded layers hold, experts and router included."""
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_planned_bytes_count_experts_as_quantized(family_dirs, tmp_path, name):
+    """The plan's layer bytes in int8 are what the loaded layers hold, experts and router included; the router and
+    a shared expert's gate (one row, quantized before) stay in the compute dtype."""
     from tc.head.main import build_plan
     from tc.topology import load_topology
     from tc.worker.runtime import stage_weight_bytes
 
-    model_dir = family_dirs("mixtral")
+    model_dir = family_dirs(name)
     config = ModelConfig.from_file(model_dir / "config.json")
     topo = load_topology(write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
                                         quant="int8", dtype="bf16"))
@@ -598,6 +600,11 @@ def test_planned_bytes_count_experts_as_quantized(family_dirs, tmp_path):
     stage = load_local_generator(model_dir, dtype="bf16", quant="int8").pipeline.stages[0]
     loaded = stage_weight_bytes(stage)
     assert abs(planned - loaded) <= 0.02 * loaded, (planned, loaded)
+    sparse = [layer.mlp for layer in stage.layers.values() if hasattr(layer.mlp, "experts")]
+    kept = [mlp.gate for mlp in sparse] + [mlp.shared_expert_gate for mlp in sparse
+                                           if getattr(mlp, "shared_expert", None) is not None]
+    assert len(kept) > len(sparse) if name == "qwen2-moe" else len(kept) == len(sparse) > 0
+    assert all(module.weight.dtype == torch.bfloat16 for module in kept)
 
 
 def test_an_unknown_architecture_is_refused_by_plan_naming_the_supported(family_dirs, tmp_path):

@@ -3,7 +3,8 @@
 Each expert is an `MLP` like a dense layer's, so quantization replaces its linear layers like any other, and the
 experts of a layer live on the worker that owns the layer (they are simply part of it). The router stays in the
 compute dtype (it is a plain weight, not a Linear, so quantize_linears leaves it): its choice among experts is
-what a rounding would flip. Only the experts some token chose run; a decode step runs top_k of them.
+what a rounding would flip; so does a shared expert's gate (Qwen2-MoE's), one row that scales the shared expert's
+output. Only the experts some token chose run; a decode step runs top_k of them.
 """
 from __future__ import annotations
 
@@ -12,8 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .dense import Linear
 from .qwen2 import MLP
+
+
+class SharedExpertGate(nn.Module):
+    """How much of the shared expert's output a token takes: sigmoid(x . w), a plain weight of one row."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
 
 
 class Router(nn.Module):
@@ -43,7 +54,7 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(config, e.intermediate_size, False) for _ in range(e.count))
         if e.shared_intermediate_size:
             self.shared_expert = MLP(config, e.shared_intermediate_size, False)
-            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = SharedExpertGate(config.hidden_size)
         else:
             self.shared_expert = None
 
@@ -57,5 +68,5 @@ class SparseMoE(nn.Module):
             y = self.experts[expert](flat[tokens]) * weights[tokens, slot, None]  # [n, hidden]
             out.index_add_(0, tokens, y)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + self.shared_expert_gate(flat) * self.shared_expert(flat)
         return out.view(shape)

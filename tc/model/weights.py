@@ -156,8 +156,11 @@ def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 
 def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
     """Whether a layer tensor loads into a linear layer that quantization replaces: every 2-D weight but a
-    router's (`<block>.gate.weight`, which a mixture of experts keeps in the compute dtype: model/moe.py)."""
-    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(".gate.weight")
+    router's (`<block>.gate.weight`) and the gate of a shared expert (Qwen2-MoE's `shared_expert_gate.weight`, one
+    row), which a mixture of experts keeps in the compute dtype (model/moe.py): their choices are what a rounding
+    would flip, for a handful of bytes."""
+    return len(shape) == 2 and name.endswith(".weight") and \
+        not name.endswith((".gate.weight", ".shared_expert_gate.weight"))
 
 
 def _mlp_sources(target: str, prefix: str, hidden: int, inner: int, bias: bool,
