@@ -9,10 +9,13 @@ real handler, which may take any lock.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import signal
 import threading
 from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
 
 
 def on_signals(signals: Iterable[signal.Signals], handler: Callable[[signal.Signals], None]) -> None:
@@ -22,8 +25,12 @@ def on_signals(signals: Iterable[signal.Signals], handler: Callable[[signal.Sign
 
     def relay() -> None:
         while True:
-            handler(signal.Signals(received.get()))
+            sig = signal.Signals(received.get())
+            try:
+                handler(sig)
+            except Exception:  # the next signal (an operator's second, to exit at once) must still be heard
+                log.exception("handling %s failed", sig.name)
 
-    threading.Thread(target=relay, name="signals", daemon=True).start()
-    for sig in signals:
+    for sig in signals:  # first: raises ValueError off the main thread, before a relay is started for nothing
         signal.signal(sig, lambda signum, _frame: received.put(signum))
+    threading.Thread(target=relay, name="signals", daemon=True).start()

@@ -78,6 +78,33 @@ SIGNAL_WHILE_THE_LOCK_IS_HELD = textwrap.dedent("""
 """)
 
 
+# A handler that raises (no thread to be had for a farewell, say) leaves the next signal heard: the relay thread
+# ended with it, and the operator's second signal, to exit at once, went unanswered.
+A_HANDLER_THAT_RAISES_ONCE = textwrap.dedent("""
+    import os, signal, threading, time
+    from tc.signals import on_signals
+    calls, done = [], threading.Event()
+    def handler(sig):
+        calls.append(sig)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        done.set()
+    on_signals([signal.SIGTERM], handler)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("handled" if done.wait(10) else "lost", end="")
+""")
+
+
+def test_a_signal_handler_that_raises_leaves_the_next_signal_heard():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", A_HANDLER_THAT_RAISES_ONCE], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "handled"), done.stderr
+    assert "handling SIGTERM failed" in done.stderr and "can't start new thread" in done.stderr
+
+
 def test_a_signal_handler_that_takes_a_lock_the_main_thread_holds_does_not_deadlock():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_LOCK_IS_HELD], capture_output=True, text=True,
