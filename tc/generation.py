@@ -645,6 +645,11 @@ class Generator:
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
         """A new sequence for `prompt_ids`. Raises ValueError if the prompt is empty or leaves no room."""
+        rows = self.head.config.vocab_size
+        if any(t >= rows for t in params.draft_reference):
+            # a predicted output's special tokens past the embedding (tokenizer.check_vocab leaves them): no reply
+            # holds one, and a step that ran one as a draft would fail for the whole batch
+            params = dataclasses.replace(params, draft_reference=tuple(t for t in params.draft_reference if t < rows))
         return SequenceState(next(self._ids), prompt_ids, params, self.tokenizer, self.context_length)
 
     def start_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams]) -> list[SequenceState]:

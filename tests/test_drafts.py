@@ -157,6 +157,19 @@ def test_a_greedy_run_with_drafts_makes_the_tokens_of_one_without_in_fewer_steps
     assert all(start + length <= completion.prompt_tokens + 60 for start, length, _ in decode)  # within capacity
 
 
+def test_a_predicted_output_s_tokens_past_the_embedding_are_never_drafted(model, tokenizer):
+    """A tokenizer may hold special tokens past the model's embedding rows (tokenizer.check_vocab leaves them), and
+    a predicted output's text may name one: drafted, it failed the step of every sequence in the batch."""
+    ids = tokenizer.encode(PROMPTS[0])
+    want = Generator(model.head, tokenizer, model.pipeline(), torch.float32).generate(ids, greedy(20))
+    past = model.head.config.vocab_size
+    # the reply with ids past the rows where its first draft comes from: after its first two tokens
+    reference = [*want.token_ids[:2], past, past, *want.token_ids[2:]]
+    generator = Generator(model.head, tokenizer, model.pipeline(), torch.float32, draft_tokens=MAX_LIMIT)
+    got = generator.generate(ids, greedy(20, draft_reference=tuple(reference)))
+    assert got.token_ids == want.token_ids and generator.drafted > 0
+
+
 def test_max_tokens_and_stop_strings_end_a_draft_where_they_end_a_run_without_one(model, tokenizer):
     prompt = PROMPTS[3]
     reference = solo(model, tokenizer, prompt, greedy(40))
