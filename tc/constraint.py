@@ -33,7 +33,10 @@ def _style(lenient: bool) -> dict[str, Any]:
 
 
 def _alternatives(schemas: Sequence[tuple[Mapping[str, Any], bool]]) -> str:
-    """Lark rules: `value`, one of `schemas` ((schema, lenient) each), every one a JSON rule of its own."""
+    """Lark rules: `value`, one of `schemas` ((schema, lenient) each), every one a JSON rule of its own. Raises
+    GrammarError for no schemas (the rule would be empty: any text, or none, would do)."""
+    if not schemas:
+        raise GrammarError("no schema to follow")
     rules = [f"json_{i}: %json {json.dumps({**bound_numbers(schema), 'x-guidance': _style(lenient)})}"
              for i, (schema, lenient) in enumerate(schemas)]
     return "value: " + " | ".join(f"json_{i}" for i in range(len(schemas))) + "\n" + "\n".join(rules) + "\n"

@@ -307,6 +307,7 @@ def _split_run(start: int, end: int, layer_bytes: list[int], run: list[NodeSpec]
         cuts.append(best)
     cuts.append(len(sizes))
     caps = [node.memory_bytes for node in run]
+    # (weightless layers, split by count above, fit any memory)
     if any(cap is not None and prefix[b] - prefix[a] > cap for cap, a, b in zip(caps, cuts, cuts[1:])) and \
             sum(layer_bytes[start:end]):
         cuts = _fitting_cuts(prefix, caps, targets, weight_total) or cuts  # none: _check_fits says which overfills

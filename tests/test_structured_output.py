@@ -453,3 +453,6 @@ def test_a_strict_schema_holds_only_itself_to_every_keyword(client, generator):
                                 tokenizer.eos_token_ids)
     engine.json_sequence([(call_schema(Tool(name="count", parameters=counted)), False),
                           (call_schema(Tool(name="tag", parameters=LOOSE)), True)])
+    for nothing in (engine.json_choice, engine.json_sequence):  # an empty rule would take any text, or none
+        with pytest.raises(GrammarError, match="no schema to follow"):
+            nothing([])

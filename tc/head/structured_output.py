@@ -169,9 +169,9 @@ def _schema_error(where: str, param: str, reason: object) -> RequestError:
 def _schema_at_fault(engine: GrammarEngine, request: ChatRequest, exc: GrammarError) -> RequestError:
     """The error for a reply's grammar that would not build, naming the schema at fault.
 
-    The engine reads the offered tools' calls and the response_format as one schema, so its error alone says
-    neither which of them is at fault (a broken tool beside a response_format was blamed on the format) nor, for
-    a sequence of calls, anything short of its whole grammar; each is tried on its own to find the one.
+    The engine reads the offered tools' calls and the response_format as one grammar, so its error alone says
+    neither which of them is at fault in the request's terms (a broken tool beside a response_format was blamed on
+    the format) nor anything short of the whole grammar's text; each is tried on its own to find the one.
     """
     offered = {tool.name for tool in request.offered_tools}
     for index, tool in enumerate(request.tools):
