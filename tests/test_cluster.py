@@ -323,7 +323,7 @@ def test_a_worker_without_a_node_id_gets_the_entry_it_held_again_where_it_is_fre
     """Workers without --node-id that rejoin at once (a head restarted) came back in any order and took the first
     free entries, swapping them, so that each loaded another stage's layers; each now names the entry it held, and
     gets it where it is free and fits, else the first free one as before."""
-    from tc.head.admission import choose_entry
+    from tc.head.admission import NodeTaken, choose_entry
     from tc.model.config import ModelConfig
     from tc.topology import load_topology
 
@@ -340,6 +340,32 @@ def test_a_worker_without_a_node_id_gets_the_entry_it_held_again_where_it_is_fre
     assert entry("gpu", set()) == entry("gone-from-the-topology", set()) == "a"  # one it cannot serve, or none
     assert entry("spare", set()) == "a"  # a spare's entry waits until the pipeline's are filled, as ever
     assert choose_entry(worker_hello("a", held_node_id="b"), topology, None, set(), config, 8).id == "a"
+    # held by a worker of the same host: most likely its own last connection, dead where the head has not seen it
+    # end (a link that blipped); it waits that out rather than take another's entry
+    with pytest.raises(NodeTaken, match="entry b, which this worker held, is held by a connection from 'test'"):
+        choose_entry(worker_hello(held_node_id="b"), topology, None, {"b"}, config, 8, {"b": "test"})
+    assert choose_entry(worker_hello(held_node_id="b"), topology, None, {"b"}, config, 8, {"b": "other"}).id == "a"
+
+
+def test_a_rejoining_worker_whose_entry_its_own_last_connection_holds_is_told_to_wait(tmp_path, model_dir):
+    """Through the real head: a worker without --node-id whose last connection the head still holds (its link
+    blipped) hears node_taken, which it waits out, where it took the first free entry, another worker's; a worker
+    of another host that held the entry takes a free one."""
+    topo = write_topology(tmp_path / "t.yaml", model_dir, NODES)
+    with Cluster(topo, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        first = Connection(socket.create_connection(("127.0.0.1", cluster.listen_port), timeout=10))
+        try:
+            first.send(worker_hello(hostname="box-1"))
+            assert first.recv().message.node_id == "a"
+            reply = raw_hello(cluster, worker_hello(hostname="box-1", held_node_id="a"))
+            assert isinstance(reply, Error) and reply.code == ERROR_NODE_TAKEN, reply
+            assert "entry a, which this worker held" in reply.message
+            reply = raw_hello(cluster, worker_hello(hostname="box-2", held_node_id="a"))
+            assert reply.node_id == "b", reply
+        finally:
+            first.close()
 
 
 def test_a_worker_refused_for_its_device_s_free_memory_is_not_told_to_offer_more(tmp_path, model_dir):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import AbstractSet
+from typing import AbstractSet, Mapping
 
 from ..batch_memory import StageNeed, sequences_fit, stage_need
 from ..model.config import ModelConfig
@@ -145,15 +145,27 @@ def _fit_problem(entry: NodeEntry, hello: Hello, plan: Plan | None, config: Mode
     return stage_fit_problem(entry, hello, plan.stage_for(entry.id), config, sequences)
 
 
-def _held_before(hello: Hello, topology: Topology, taken: AbstractSet[str]) -> NodeEntry | None:
-    """The free pipeline entry a worker without a node id held on its last connection, if any."""
-    if hello.held_node_id is None or hello.held_node_id in taken:
+def _held_before(hello: Hello, topology: Topology, taken: AbstractSet[str],
+                 holders: Mapping[str, str]) -> NodeEntry | None:
+    """The free pipeline entry a worker without a node id held on its last connection, if any. Raises NodeTaken
+    where a worker of the same host holds it: most likely this worker's own last connection, dead where the head
+    has not yet seen it end (a link that blipped), which the worker waits out as one with a node id does; given the
+    first free entry instead, workers whose links blipped together swapped entries and reloaded."""
+    if hello.held_node_id is None:
         return None
     try:
         entry = topology.node(hello.held_node_id)
     except KeyError:  # a head restarted with another topology
         return None
-    return None if entry.spare else entry
+    if entry.spare:
+        return None
+    if entry.id in taken:
+        if holders.get(entry.id) == hello.hostname:
+            raise NodeTaken(f"entry {entry.id}, which this worker held, is held by a connection from "
+                            f"{_quoted(hello.hostname)}, most likely this worker's last one: the head drops it once "
+                            "its heartbeat timeout passes")
+        return None
+    return entry
 
 
 def _quoted(text: str, most: int = 80) -> str:
@@ -163,10 +175,10 @@ def _quoted(text: str, most: int = 80) -> str:
 
 
 def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str], config: ModelConfig,
-                 max_batch: int) -> NodeEntry:
+                 max_batch: int, holders: Mapping[str, str] | None = None) -> NodeEntry:
     """The entry this worker fills (`plan` None: not made yet, so no memory check; else its weights and the KV
-    caches sequences_to_hold says for a batch of `max_batch`). Raises Refusal with a reason the operator can act
-    on."""
+    caches sequences_to_hold says for a batch of `max_batch`); `holders`, the host name of the worker holding each
+    entry taken, where known. Raises Refusal with a reason the operator can act on."""
     sequences = sequences_to_hold(topology.head.max_batch, max_batch)
     if hello.protocol_version != PROTOCOL_VERSION:
         raise Refusal(f"this worker speaks protocol {hello.protocol_version} (tc {_quoted(hello.tc_version)}) and "
@@ -184,7 +196,7 @@ def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: Abs
         if problem:
             raise Refusal(problem)
         return entry
-    again = _held_before(hello, topology, taken)
+    again = _held_before(hello, topology, taken, holders or {})
     if again is not None and _fit_problem(again, hello, plan, config, sequences) is None:
         return again  # where its loaded layers most likely serve: workers that rejoin at once swapped entries
     problems = []

@@ -747,9 +747,12 @@ class WorkerRegistry:
                           "worker was lost; this worker is not needed now (start it again once the spare is gone, "
                           "or declare another spare entry for it)")
         self._check_frames(hello)
-        taken = ({n for n, s in self.slots.items() if s.link is not None}
-                 | {s.link.entry_id for s in self.slots.values() if s.link is not None} | set(self.standby))
-        entry = choose_entry(hello, self.topology, self.plan, taken, self.config, self.batch.max_batch)
+        links = [s.link for s in self.slots.values() if s.link is not None]
+        # a spare serving a lost node holds both entries
+        holders = {**{n: s.link.hello.hostname for n, s in self.slots.items() if s.link is not None},
+                   **{link.entry_id: link.hello.hostname for link in [*links, *self.standby.values()]}}
+        entry = choose_entry(hello, self.topology, self.plan, set(holders), self.config, self.batch.max_batch,
+                             holders)
         link = WorkerLink(conn, entry.id, hello, device_for(entry.device, hello), peer, self.config.hidden_size,
                           self.step_budget, self._lost, self.replies_arrived)
         assignments: list = []
