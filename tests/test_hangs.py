@@ -370,6 +370,40 @@ def test_a_worker_in_the_middle_of_a_large_frame_on_a_slow_link_is_not_silent(tm
         registry.stop()
 
 
+def test_a_worker_that_takes_a_step_s_input_too_slowly_is_dropped_at_the_step_s_bound(tmp_path, model_dir):
+    """A send has no bound of its own, and the one scheduler waits in it: a worker (or a link) that took a segment
+    now and then, just inside the silence limit, held every request for as long as it liked. The step's bound, which
+    counts from the send, now holds the send too (the heartbeat watch drops the worker)."""
+    from tc.head.service import WorkerLost
+    from tc.protocol.messages import BatchEntry
+
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.2, heartbeat_timeout_s=60, step_timeout_s=0.5,
+                            step_timeout_factor=2)
+    port = registry.start("127.0.0.1", 0)
+    # small buffers at both ends: a frame of a few MB waits for a worker that does not read
+    registry.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    slow = socket.socket()
+    try:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", port))
+        conn = Connection(slow)
+        conn.send(worker_hello("a"))
+        assert isinstance(conn.recv(timeout=5).message, HelloAck)  # then it reads nothing more
+        link = registry.slots["a"].link
+        rows = 4096
+        message = RunBatch(entries=(BatchEntry(sequence=1, position_start=0, length=rows, cache_capacity=rows),),
+                           hidden_state=torch.zeros(1, rows, registry.config.hidden_size), route=0, released=())
+        sent = link.expect(message, "step-1", 1)
+        assert sent.bound == 1.0  # no step measured yet: factor x floor
+        began = time.monotonic()
+        with pytest.raises(WorkerLost, match=r"still taking RUN_BATCH .* past its bound of 1s"):
+            link.send_expected(sent)
+        assert time.monotonic() - began < 5  # the bound and a watch period; the silence limit is a minute
+    finally:
+        slow.close()
+        registry.stop()
+
+
 def test_a_first_prefill_is_bounded_by_the_plans_forecast_for_its_stage(tmp_path, model_dir):
     """The forecast comes from the node's speed in the plan: a long first prompt on a slow stage is given the time
     the plan expects it to take (times head.step_timeout_factor), not a flat factor x floor."""

@@ -144,6 +144,9 @@ class WorkerLink:
         self.decode_compute_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the worker's own step time
         self.decode_round_trip_s: deque[float] = deque(maxlen=RECENT_DECODES)  # the same steps, seen from here
         self.passes_to: str | None = None  # where its last step's output went: the next node's id, or "head"
+        # the command send_expected is sending now: the watch drops a worker that takes it for longer than its
+        # step's bound (a send has no bound of its own, and the one scheduler waits in it)
+        self.sending: Sent | None = None
         self._pending_lock = threading.Lock()
         # (request_id, seq, may pass it on) of each command awaiting its reply, in the order the worker takes them:
         # several when a step's groups reach it from the stage before (direct hops), and a worker that may pass
@@ -276,11 +279,14 @@ class WorkerLink:
     def send_expected(self, sent: "Sent", message: RunBatch | None = None) -> "Sent":
         """Send the command `expect` registered (or `message` in its place: the same rows, computed since).
         Raises WorkerLost."""
+        self.sending = sent
         try:
             self.conn.send(message or sent.message, sent.request_id, sent.seq)
         except OSError as exc:
             self.close(f"send failed: {exc}")
             raise WorkerLost(self.node_id or self.entry_id, self.close_reason) from exc
+        finally:
+            self.sending = None
         return sent
 
     def await_reply(self, sent: "Sent") -> HiddenState:
@@ -1015,6 +1021,15 @@ class WorkerRegistry:
                             "now", now - last)
             last = now
             for link in self._live_links():
+                sending = link.sending
+                if sending is not None and now - max(sending.at, woke) > sending.bound:
+                    # taking a segment now and then, a worker (or a link) this slow kept the scheduler in the send
+                    # for as long as it liked: the step's bound, which counts from the send, holds it too
+                    self._lost(link, f"still taking {sending.message.TYPE} {now - sending.at:.1f}s after it was "
+                                     f"sent, past its bound of {sending.bound:.3g}s "
+                                     f"({link.steps.explain(sending.kind, sending.positions)}): its link or its "
+                                     "machine takes the step's input too slowly")
+                    continue
                 # a frame still coming or going counts: a long prompt's hidden states over Wi-Fi may take longer
                 # than the limit, and a PING waits behind it
                 silent = now - max(link.last_seen, link.conn.last_progress, woke)
