@@ -100,7 +100,7 @@ def main() -> int:
     generator = load_local_generator(demo_model_dir(), args.dtype)
     tokenizer, vocab = generator.tokenizer, generator.head.config.vocab_size
     started = time.perf_counter()
-    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab, tokenizer.eos_token_ids)
+    engine = GrammarEngine.load(tokenizer.tokenizer, vocab, tokenizer.eos_token_ids)
     print(f"grammar engine over {vocab} logits built in {time.perf_counter() - started:.2f}s (once per head)")
     mask_times: list[float] = []
     constraint = TimedGrammar(engine.json_schema(SCHEMA), vocab, mask_times)

@@ -69,7 +69,7 @@ def main() -> int:
     rows = ["| engine | prepare s | mask ms per token (median) | |", "|---|---|---|---|"]
 
     def llguidance():
-        engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab, tokenizer.eos_token_ids)
+        engine = GrammarEngine.load(tokenizer.tokenizer, vocab, tokenizer.eos_token_ids)
         state = engine.json_schema(SCHEMA).start()
         return state.allowed, lambda m, t: bool(m[t]), state.advance
 

@@ -107,8 +107,8 @@ class GrammarEngine:
         self._shifts = torch.arange(32, dtype=torch.int32)  # bit i of each int32 word is token 32 * word + i
 
     @classmethod
-    def load(cls, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> "GrammarEngine":
-        """The engine over a tokenizer (tokenizer.json's text); `vocab_size` is the logits' width.
+    def load(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> "GrammarEngine":
+        """The engine over `tokenizer` (a `tokenizers.Tokenizer`); `vocab_size` is the logits' width.
 
         Raises ConstraintUnavailable when llguidance is not installed.
         """
@@ -118,12 +118,11 @@ class GrammarEngine:
             raise ConstraintUnavailable(
                 f"structured output needs the {GRAMMAR_PACKAGE} package on the head; install it with "
                 f"pip install {GRAMMAR_PACKAGE}") from exc
-        from tokenizers import Tokenizer  # noqa: PLC0415 - as the head's own tokenizer is, once
-
         # special tokens past the logits (tokenizer.check_vocab leaves them) are in the engine's vocabulary too
-        mask_size = max(vocab_size, Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True))
-        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=mask_size, eos_token=sorted(eos_token_ids))
-        return cls(llguidance, tokenizer, vocab_size, mask_size)
+        mask_size = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+        engine_tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=mask_size,
+                                                  eos_token=sorted(eos_token_ids))
+        return cls(llguidance, engine_tokenizer, vocab_size, mask_size)
 
     def _checked(self, grammar: str) -> "Grammar":
         failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)

@@ -277,7 +277,7 @@ def test_a_number_the_schema_leaves_unbounded_cannot_run_on_for_ever(generator):
                                                         "maximum": NUMBER_BOUND}
     assert bound_numbers(schema)["properties"]["k"] == {"type": "integer", "minimum": -NUMBER_BOUND, "maximum": 7}
     tokenizer = generator.tokenizer
-    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+    engine = GrammarEngine.load(tokenizer.tokenizer, generator.head.config.vocab_size,
                                 tokenizer.eos_token_ids)
     state = engine.json_schema(schema).start()
     digits = {str(d): tokenizer.encode(str(d))[0] for d in range(10)}
@@ -411,7 +411,7 @@ def test_keywords_the_engine_lacks_are_left_out_where_no_schema_is_strict(client
         jsonschema.validate(json.loads(text), FOLLOWED)
     # the grammar of parallel calls takes the same leniency
     tokenizer = generator.tokenizer
-    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+    engine = GrammarEngine.load(tokenizer.tokenizer, generator.head.config.vocab_size,
                                 tokenizer.eos_token_ids)
     calls = [(call_schema(Tool(name="tag", parameters=LOOSE)), not strict)]
     if strict:
@@ -449,7 +449,7 @@ def test_a_strict_schema_holds_only_itself_to_every_keyword(client, generator):
     assert "tools[1].function.parameters" in reply.json["error"]["message"], reply.text
     # the grammar of parallel calls holds each call to its own strictness too
     tokenizer = generator.tokenizer
-    engine = GrammarEngine.load(tokenizer.tokenizer.to_str(), generator.head.config.vocab_size,
+    engine = GrammarEngine.load(tokenizer.tokenizer, generator.head.config.vocab_size,
                                 tokenizer.eos_token_ids)
     engine.json_sequence([(call_schema(Tool(name="count", parameters=counted)), False),
                           (call_schema(Tool(name="tag", parameters=LOOSE)), True)])

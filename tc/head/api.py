@@ -673,7 +673,7 @@ def create_app(service: GenerationService, *, max_body_bytes: int = DEFAULT_MAX_
     token_text = TokenText(service.tokenizer)
     app.add_route("/v1/completions", CompletionsResource(service, max_body_bytes, token_text))
     tokenizer, vocab_size = service.tokenizer, service.generator.head.config.vocab_size  # the logits' width
-    structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer.to_str(), vocab_size,
+    structured = StructuredOutput(lambda: GrammarEngine.load(tokenizer.tokenizer, vocab_size,
                                                              tokenizer.eos_token_ids))
     think, _ = reasoning_tokens(tokenizer, reasoning)
     prompts = ChatPrompts(service, structured, think)
