@@ -228,7 +228,9 @@ def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]"),
+    ({"include": "reasoning.encrypted_content"}, "include"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"frequency": 1}, "frequency"),
     ({"input": 5}, "input"),
@@ -301,6 +303,9 @@ def test_what_clients_send_that_changes_nothing_here_leaves_the_response_as_it_i
     assert output(text={"verbosity": "low"}) == (plain, {"format": {"type": "text"}, "verbosity": "low"})
     assert output(max_tool_calls=None, stream_options=None, top_logprobs=None, top_p=None) == (plain, text)
     assert output(top_logprobs=0) == (plain, text)
+    # what clients that keep no state on the server (store false: Codex-style agents, OpenHands) ask for every time
+    assert output(include=["reasoning.encrypted_content"], store=False) == (plain, text)
+    assert output(include=[]) == (plain, text)
     for obfuscation in (False, True):
         assert output(True, stream_options={"include_obfuscation": obfuscation}) == (plain, text)
     earlier = [{"role": "user", "content": "Hi"},

@@ -120,10 +120,16 @@ def _refuse_stored_state(body: Mapping[str, Any]) -> None:
                            "the context; leave it out, or send \"disabled\" (a conversation too long for the "
                            "context gets a 400)", param="truncation", code="unsupported_value")
     include = body.get("include")
-    if include is not None and include != []:
-        raise RequestError("'include' is not supported: tc has none of the extra output it selects (logprobs, "
-                           "encrypted reasoning, tool results); leave it out", param="include",
-                           code="unsupported_value")
+    if include is not None and not isinstance(include, list):
+        raise RequestError(f"'include' must be an array of strings, not {_json_type(include)}", param="include",
+                           code="invalid_type")
+    for i, selector in enumerate(include or ()):
+        # Encrypted reasoning is asked for by clients that keep no state on the server (store false) so as to send
+        # earlier reasoning back; tc's reasoning items are plain, and earlier reasoning is not read again anyway.
+        if selector != "reasoning.encrypted_content":
+            raise RequestError(f"'include[{i}]' is {json.dumps(selector)}: tc has none of the extra output it selects "
+                               "(logprobs, tool results); leave it out (\"reasoning.encrypted_content\" is accepted, "
+                               "and reasoning comes as plain text)", param=f"include[{i}]", code="unsupported_value")
 
 
 def _text_parts(value: Any, param: str) -> str | list[dict[str, Any]]:
