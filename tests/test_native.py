@@ -193,13 +193,13 @@ def test_int8_equals_its_reference(rows, cols):
 
 
 @needs_kernels
-@pytest.mark.parametrize("build", ["native", "haswell"])  # haswell: AVX2 without VNNI, whose int4 sums use int16
+@pytest.mark.parametrize("build", ["native", native.PLAIN_MARCH])  # AVX2 alone: no VNNI, its int4 sums use int16
 @pytest.mark.parametrize("rows", [1, 4, 5])  # one row (in streams too), four (a whole pass on AVX2), five
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_int4_sums_at_their_largest_stay_exact(build, rows, sign):
     # every code 15 (weight 7 with scale 1, zero 0) against activations that quantize to +-127 in every column:
     # the largest sums an activation block can make, which must not wrap or saturate however they are added up
-    kernels = KERNELS if build == "native" else native.load(native._compiler(), "haswell")
+    kernels = KERNELS if build == "native" else native.load(native._compiler(), build)
     out_rows, cols = 136, 4864
     q = quant.Int4Weight(packed=torch.full((out_rows, cols // 2), 0xFF, dtype=torch.uint8),
                          scales=torch.ones(out_rows, cols // 128, dtype=torch.bfloat16),
@@ -218,31 +218,41 @@ def test_int4_sums_at_their_largest_stay_exact(build, rows, sign):
         kernels.streams["int4"] = chosen
 
 
+# The builds of CPUs other than this one that it can run: AVX2 and FMA alone (no VNNI nor AVX-512: vpmaddubsw, 4
+# rows per pass), and AVX-512 without VNNI or BF16 (Skylake-SP: 8 rows per pass, int16 sums, FMA bf16 products).
+# Not haswell's set for the first: a virtual CPU may list AVX2 and FMA without the BMI2 that haswell adds.
+OTHER_BUILDS = [(native.PLAIN_MARCH, 4, ()),
+                ("skylake-avx512", 8, ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "bmi2"))]
+
+
 @needs_kernels
-def test_the_avx2_build_without_vnni_agrees_too():
-    # the code path of CPUs with AVX2 but neither VNNI nor AVX-512 (vpmaddubsw, 4 rows per pass), built here
-    avx2 = native.load(native._compiler(), "haswell")
-    assert avx2.rows_per_pass == 4
-    assert native.check(avx2) < 1e-2
+@pytest.mark.parametrize("march, rows_per_pass, needs", OTHER_BUILDS, ids=[b[0] for b in OTHER_BUILDS])
+def test_the_builds_of_other_cpus_agree_too(march, rows_per_pass, needs):
+    missing = [flag for flag in needs if flag not in (native.cpu_flags() or ())]
+    if missing:
+        pytest.skip(f"this CPU cannot run the {march} build (no {', '.join(missing)})")
+    built = native.load(native._compiler(), march)
+    assert built.rows_per_pass == rows_per_pass
+    assert native.check(built) < 1e-2
     gen = torch.Generator().manual_seed(0)
-    assert native._check_attention(avx2, gen) < 1e-2 and native._check_norm(avx2, gen) < 1e-2
-    assert native.check_bf16_linear(avx2, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
+    assert native._check_attention(built, gen) < 1e-2 and native._check_norm(built, gen) < 1e-2
+    assert native.check_bf16_linear(built, gen) < 1e-2  # bf16dot.c's FMA path: no AVX512-BF16 there
     x, w = torch.randn(8, 4864, generator=gen).bfloat16(), torch.randn(20, 4864, generator=gen).bfloat16()
-    assert torch.equal(avx2.bf16_linear(x, w, None, tiled=True), avx2.bf16_linear(x, w, None, tiled=False))
-    row, one_stream = x[:1], avx2.bf16_linear(x[:1], w, None)
+    assert torch.equal(built.bf16_linear(x, w, None, tiled=True), built.bf16_linear(x, w, None, tiled=False))
+    row, one_stream = x[:1], built.bf16_linear(x[:1], w, None)
     wq = torch.randn(136, 4864, generator=gen) * 0.02  # 17 tiles: streams of each count, and tiles past them
     q = quantize_int8(wq)
     qweight = native.tile_int8(q.qweight.clone())
     q4 = quantize_int4(wq, 128)
     packed, scales, zeros = native.tile_int4(q4.packed.clone(), q4.scales, q4.zeros)
-    one_stream_int8 = avx2.int8_linear(row, qweight, q.scale)
-    one_stream_int4 = avx2.int4_linear(row, packed, scales, zeros, 128)
+    one_stream_int8 = built.int8_linear(row, qweight, q.scale)
+    one_stream_int4 = built.int4_linear(row, packed, scales, zeros, 128)
     for streams in native.STREAMS[1:]:
-        avx2.streams.update(bf16=streams, int8=streams, int4=streams)
-        assert torch.equal(avx2.bf16_linear(row, w, None), one_stream)
-        assert torch.equal(avx2.int8_linear(row, qweight, q.scale), one_stream_int8)
-        assert torch.equal(avx2.int4_linear(row, packed, scales, zeros, 128), one_stream_int4)
-    assert native._check_silu_mul(avx2, gen) < 1e-2 and native._check_add(avx2, gen) == 0.0
+        built.streams.update(bf16=streams, int8=streams, int4=streams)
+        assert torch.equal(built.bf16_linear(row, w, None), one_stream)
+        assert torch.equal(built.int8_linear(row, qweight, q.scale), one_stream_int8)
+        assert torch.equal(built.int4_linear(row, packed, scales, zeros, 128), one_stream_int4)
+    assert native._check_silu_mul(built, gen) < 1e-2 and native._check_add(built, gen) == 0.0
 
 
 @needs_kernels
@@ -560,6 +570,23 @@ def test_a_failed_build_says_why_and_falls_back(tmp_path):
     done = run_python(PROBE, HOME=str(tmp_path), CC=str(fails))
     assert done.returncode == 0, done.stderr
     assert "unavailable" in done.stdout and "error: broken" in done.stdout and "kernels: False" in done.stdout
+
+
+@needs_kernels
+def test_unreadable_cpu_flags_never_force_an_avx2_build(tmp_path):
+    # Where /proc/cpuinfo says nothing (a sandbox, another OS), the native build's #error is the only check that the
+    # CPU has AVX2: a build forcing -mavx2 after it fails would run AVX2 code on a CPU that may lack it (SIGILL).
+    calls = tmp_path / "calls"
+    fails = tmp_path / "cc"
+    fails.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\n"
+                     f"echo \"$*\" >> {calls}\necho 'qdot.c:1: #error needs AVX2' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    probe = PROBE.replace("from tc.model import native, quant\n",
+                          "from tc.model import native, quant\nnative.cpu_flags = lambda: None\n")
+    done = run_python(probe, HOME=str(tmp_path), CC=str(fails))
+    assert done.returncode == 0, done.stderr
+    assert "unavailable" in done.stdout and "kernels: False" in done.stdout
+    assert "-march=native" in calls.read_text() and "-mavx2" not in calls.read_text()
 
 
 @needs_kernels
