@@ -41,13 +41,22 @@ for id in worker-1 worker-2; do
   "$PY" dist/tc.pyz worker --join 127.0.0.1:$LISTEN_PORT --node-id $id --threads 2 > demo/$id.log 2>&1 & pids+=($!)
 done
 echo "starting: logs in demo/head.log, demo/worker-1.log, demo/worker-2.log"
+# Python, not curl: a machine with only Python has no curl. The whole 503 body is read, as a hang-up at the status
+# line is logged by the head as a client gone.
+ready() {
+  "$PY" -c 'import sys, urllib.request
+try:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health/ready", timeout=5) as reply:
+        reply.read()
+except Exception:
+    sys.exit(1)' "$API_PORT"
+}
 for _ in $(seq 1 600); do
-  # the whole 503 body read, not -f: curl -f hangs up at the status line, which the head logs as a client gone
-  if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$API_PORT/health/ready")" = 200 ]; then break; fi
+  if ready; then break; fi
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see demo/*.log"; tail -n 20 demo/*.log; exit 1; }; done
   sleep 0.5
 done
-curl -sf "http://127.0.0.1:$API_PORT/health/ready" > /dev/null || { echo "not ready after 5 minutes; see demo/*.log"; exit 1; }
+ready || { echo "not ready after 5 minutes; see demo/*.log"; exit 1; }
 sed -n '/plan:/,/total/p' demo/head.log
 cat <<TXT
 

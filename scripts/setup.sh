@@ -16,5 +16,7 @@ if [ -n "$TORCH_INDEX_URL" ]; then
   torch_index=(--index-url "$TORCH_INDEX_URL")
 fi
 # ${a[@]+...}: an empty array under `set -u` is an error in bash before 4.4 (macOS ships 3.2)
-"$PY" -m pip install --quiet --disable-pip-version-check ${torch_index[@]+"${torch_index[@]}"} "$TORCH_SPEC"
+# Not quiet: a first install is a download of up to several GB, which would otherwise look like a hang.
+echo "setup: $TORCH_SPEC${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL} (a first install downloads up to several GB)"
+"$PY" -m pip install --progress-bar on --disable-pip-version-check ${torch_index[@]+"${torch_index[@]}"} "$TORCH_SPEC"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"

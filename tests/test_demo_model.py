@@ -83,6 +83,10 @@ def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert make.gguf_path_for(tmp_path).parent == tmp_path / "gguf"
     monkeypatch.delenv("TC_CACHE_DIR")
     assert make.default_cache_dir() == Path.home() / ".cache" / "truecluster"
+    # relative: made absolute, as the model path printed goes into topologies read from their own directory
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TC_CACHE_DIR", ".cache")
+    assert make.default_cache_dir() == tmp_path / ".cache"
 
 
 def test_is_complete_needs_current_format_marker(tmp_path: Path) -> None:
@@ -132,9 +136,10 @@ def test_build_refuses_a_corrupt_cached_gguf(tmp_path: Path) -> None:
     cached.parent.mkdir(parents=True)
     with open(cached, "wb") as out:
         out.truncate(make.GGUF_SIZE)
-    with pytest.raises(make.DemoModelError, match="sha256"):
+    with pytest.raises(make.DemoModelError, match="sha256.*it is deleted"):
         make.build_demo_model(tmp_path)
     assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+    assert not cached.exists()  # trusted by its size alone, it would fail every later run the same way
 
 
 # ------------------------------------------------------------------------------------------------------

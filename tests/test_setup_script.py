@@ -14,6 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 QUIET = ["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+# torch's install shows pip's progress: a first one downloads up to several GB, which quiet would show as a hang
+LOUD = ["-m", "pip", "install", "--progress-bar", "on", "--disable-pip-version-check"]
 
 
 def pip_calls(tmp_path: Path, **env: str) -> list[list[str]]:
@@ -29,18 +31,18 @@ def pip_calls(tmp_path: Path, **env: str) -> list[list[str]]:
 
 
 def test_the_default_installs_torch_from_pips_own_index(tmp_path):
-    assert pip_calls(tmp_path) == [[*QUIET, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
+    assert pip_calls(tmp_path) == [[*LOUD, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
 
 
 def test_an_empty_index_url_is_the_default(tmp_path):
-    assert pip_calls(tmp_path, TORCH_INDEX_URL="") == [[*QUIET, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
+    assert pip_calls(tmp_path, TORCH_INDEX_URL="") == [[*LOUD, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
 
 
 def test_torch_index_url_picks_the_cpu_build_for_torch_alone(tmp_path):
     calls = pip_calls(tmp_path, TORCH_INDEX_URL=CPU_INDEX, TORCH_SPEC="torch==2.13.0")
-    assert calls == [[*QUIET, "--index-url", CPU_INDEX, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
+    assert calls == [[*LOUD, "--index-url", CPU_INDEX, "torch==2.13.0"], [*QUIET, "-e", ".[test]"]]
 
 
 def test_torch_spec_still_picks_the_version(tmp_path):
     calls = pip_calls(tmp_path, TORCH_SPEC="torch>=2.4,<2.15", TORCH_INDEX_URL=CPU_INDEX)
-    assert calls[0] == [*QUIET, "--index-url", CPU_INDEX, "torch>=2.4,<2.15"]
+    assert calls[0] == [*LOUD, "--index-url", CPU_INDEX, "torch>=2.4,<2.15"]
