@@ -631,13 +631,15 @@ class PausingPipeline(LocalPipeline):
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, "/v1/responses"])
-def test_a_stream_whose_step_waits_long_writes_keep_alives_meanwhile(model, tokenizer, monkeypatch, path):
+@pytest.mark.parametrize("at", [1, 2], ids=["first step", "later step"])
+def test_a_stream_whose_step_waits_long_writes_keep_alives_meanwhile(model, tokenizer, monkeypatch, path, at):
     """A keep-alive went out between steps only: a step that waited (a resume's grace period, up to minutes) left
     the stream silent, and a proxy's idle timeout (nginx's 60 s) cut it. Now one goes out each time
-    IDLE_KEEPALIVE_S passes without a step."""
+    IDLE_KEEPALIVE_S passes without a step. The first step too (a long prompt read, or a queue behind a full
+    batch): nothing at all went out before it, not even the status line."""
     monkeypatch.setattr(streaming, "IDLE_KEEPALIVE_S", 0.1)
     monkeypatch.setattr(responses, "IDLE_KEEPALIVE_S", 0.1)
-    pipeline = PausingPipeline(model.stages, at=2, pause_s=1.0)  # the first decode step (the prompt's is the 1st)
+    pipeline = PausingPipeline(model.stages, at=at, pause_s=1.0)  # 1: the prompt's step, 2: the first decode step
     generator = Generator(model.head, tokenizer, pipeline, torch.float32)
     client = testing.TestClient(create_app(GenerationService(MODEL, tokenizer, generator, ready)))
     asked = {"prompt": "Hello", "max_tokens": 4} if path == COMPLETIONS else {"input": "Hello", "max_output_tokens": 4}

@@ -402,11 +402,12 @@ class _Generation:
         gone = req.env.get("waitress.client_disconnected")
         # a reply object per choice (chat replies keep state), made before the choices hold places in the batch
         replies = [make_reply() for _ in range(n)]
-        generations = self.service.open_choices(prompt_ids, [choice_params(params, i) for i in range(n)], gone)
-        group = GenerationGroup(generations)
+        group = self.service.queue_choices(prompt_ids, [choice_params(params, i) for i in range(n)], gone)
         req.context.request_id, req.context.generation = request_id, group
         if not stream:
             with group:
+                generations = group.wait()
+                assert generations is not None  # waited for without a bound
                 bodies = [reply.whole(_drain(generation, gone)) for reply, generation in zip(replies, generations)]
             resp.media = bodies[0] if n == 1 else merge_choices(bodies)
             return
@@ -416,8 +417,8 @@ class _Generation:
             _log_generation(request_line, 200, time.perf_counter() - started, request_id, group.summary())
 
         try:
-            resp.stream = events(generations, replies, include_usage=include_usage, on_close=on_close,
-                                      error_body=lambda exc: _stream_error_body(exc, request_line))
+            resp.stream = events(group, replies, include_usage=include_usage, on_close=on_close,
+                                 error_body=lambda exc: _stream_error_body(exc, request_line))
         except BaseException:
             group.close()  # nobody else holds them yet to give their places back
             raise

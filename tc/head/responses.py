@@ -24,7 +24,7 @@ from ..generation import Completion, Step
 # the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
 from .api_requests import (_SAMPLING_PARSERS, REASONING_EFFORTS, RequestError, _boolean, _check_fields, _json_type,
                            _object, _required, _string, check_metadata)
-from .service import GenerationStream
+from .service import GenerationGroup
 from .streaming import IDLE_KEEPALIVE_S, KEEPALIVE, ChatReply, EventStream, sse
 
 # Fields translated into the chat body, or only echoed back in the response
@@ -559,10 +559,10 @@ class ResponseEventStream(EventStream):
     (`event:` lines, no `[DONE]`). A failure is a `response.failed` event; a client that leaves is noticed as
     EventStream notices it, by the SSE comment written before each next step."""
 
-    def __init__(self, generations: list[GenerationStream], replies: list[ResponsesReply], *, include_usage: bool,
+    def __init__(self, group: GenerationGroup, replies: list[ResponsesReply], *, include_usage: bool,
                  error_body: Callable[[Exception], dict[str, Any]], on_close: Callable[[EventStream], None]):
         self.reply = replies[0]
-        super().__init__(generations, list(replies), include_usage=include_usage, error_body=error_body,
+        super().__init__(group, list(replies), include_usage=include_usage, error_body=error_body,
                          on_close=on_close)
 
     def _step_events(self, step: Step, first: bool) -> Iterator[bytes]:
@@ -576,9 +576,10 @@ class ResponseEventStream(EventStream):
 
     def _events(self) -> Iterator[bytes]:
         try:
-            yield from self.reply.opening()
+            yield from self.reply.opening()  # the response as created: the request is in, its text to come
             first = True
-            for step in self.generations[0].steps(IDLE_KEEPALIVE_S):
+            generation, = yield from self._started()
+            for step in generation.steps(IDLE_KEEPALIVE_S):
                 if step is None:
                     yield KEEPALIVE
                     continue

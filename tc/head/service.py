@@ -3,9 +3,9 @@
 The same service runs over a remote pipeline (the head) or a local one (tests, the single-process generator),
 so the API never knows where the layers are.
 
-Theory of operation: a scheduler. `open()` validates a request, puts it in the bounded wait queue and waits for
-its first step; the reply (whole or streamed) then pulls the rest from its `GenerationStream`. One loop thread,
-running while there is work, owns the batch and steps it:
+Theory of operation: a scheduler. `queue_choices()` validates a request and puts it in the bounded wait queue; its
+`GenerationGroup` waits for its first step (`open()` does both); the reply (whole or streamed) then pulls the rest
+from its `GenerationStream`. One loop thread, running while there is work, owns the batch and steps it:
 
     admit     move waiting requests into the batch while it has fewer than `max_batch` sequences (a request
               admitted while a worker is missing fails with ClusterNotReady, or while the head stops with
@@ -191,16 +191,20 @@ class _Request:
     def next(self, gone: Callable[[], bool] | None = None, idle_s: float | None = None) -> Step | None:
         """The next step, waited for; with `gone` (the client's connection closed?) looked at every GONE_CHECK_S
         while waiting, so that a request whose client left while it queued gives its place up (ClientGone); with
-        `idle_s` instead, None once that long has passed without one."""
+        `idle_s`, None once that long has passed without one."""
+        deadline = None if idle_s is None else time.monotonic() + idle_s
         while True:
+            timeout = GONE_CHECK_S if gone is not None else idle_s
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             try:
-                item = self.outbox.get(timeout=idle_s if gone is None else GONE_CHECK_S)
+                item = self.outbox.get(timeout=timeout)
                 break
             except queue.Empty:
-                if gone is None:  # idle_s passed
-                    return None
-                if gone():
+                if gone is not None and gone():
                     raise ClientGone("the client closed the connection while its request waited") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -282,13 +286,54 @@ class GenerationStream:
 
 
 class GenerationGroup:
-    """The choices of one request (its `n`): a generation each, side by side in the batch, logged as one."""
+    """The choices of one request (its `n`), from their places in the queue to their end: a generation each, side
+    by side in the batch, logged as one. Made by GenerationService.queue_choices; `wait()` gives their streams once
+    each has its first step; `close()` (always: a `with` block does) gives their places back, in the queue or in
+    the batch."""
 
-    def __init__(self, streams: list[GenerationStream]):
-        self.streams = streams
+    def __init__(self, service: "GenerationService", requests: list[_Request], gone: Callable[[], bool] | None):
+        self._service, self._requests, self._gone = service, requests, gone
+        self.streams: list[GenerationStream] = []
+        self._withdrawn: str | None = None  # how the choices that never started ended
+
+    @property
+    def started(self) -> bool:
+        """Whether every choice has its first step (and its stream)."""
+        return len(self.streams) == len(self._requests)
+
+    def wait(self, idle_s: float | None = None) -> list[GenerationStream] | None:
+        """The choices' streams, once each has its first step (its prompt read, its first token chosen); with
+        `idle_s`, None when that long passes first (call again). Raises ClientGone (the client left while its
+        request waited) and the errors of starting (ClusterNotReady, ShuttingDown, WorkerLost, StageFailed, ...),
+        which end every choice."""
+        if self.started:
+            return self.streams
+        try:
+            while not self.started:
+                request = self._requests[len(self.streams)]
+                first = request.next(self._gone, idle_s)
+                if first is None:
+                    return None
+                self.streams.append(GenerationStream(self._service, request, first))
+        except BaseException as exc:
+            self._end("abandoned" if isinstance(exc, ClientGone) else "error")
+            raise
+        for stream in self.streams:
+            self._service.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
+        return self.streams
+
+    def _end(self, outcome: str) -> None:
+        unstarted = self._requests[len(self.streams):]
+        if unstarted and self._withdrawn is None:
+            self._withdrawn = outcome
+            self._service.withdraw(unstarted, outcome)
+        for stream in self.streams:
+            stream.close()
 
     def summary(self) -> GenerationSummary:
         parts = [s.summary() for s in self.streams]
+        parts += [GenerationSummary(len(r.sequence.prompt_ids), 0, 0.0, 0.0, self._withdrawn or "abandoned",
+                                    r.queue_wait_s) for r in self._requests[len(self.streams):]]
         outcomes = {p.outcome for p in parts}
         outcome = parts[0].outcome if len(outcomes) == 1 else ",".join(p.outcome for p in parts)
         return GenerationSummary(parts[0].prompt_tokens, sum(p.completion_tokens for p in parts),
@@ -296,8 +341,8 @@ class GenerationGroup:
                                  outcome, max(p.queue_wait_s for p in parts))
 
     def close(self) -> None:
-        for stream in self.streams:
-            stream.close()
+        """End every choice, started or not. Idempotent."""
+        self._end("abandoned")
 
     def __enter__(self) -> "GenerationGroup":
         return self
@@ -414,6 +459,15 @@ class GenerationService:
         """Start one generation per entry of `choices` for the same prompt, all at once (they join the batch in
         the same step), as `open` does; if one cannot start, none is left running. `gone` says whether the
         client has closed its connection: if it does while the request waits for its first step, ClientGone."""
+        streams = self.queue_choices(prompt_ids, choices, gone).wait()
+        assert streams is not None  # waited for without a bound
+        return streams
+
+    def queue_choices(self, prompt_ids: list[int], choices: Sequence[SamplingParams],
+                      gone: Callable[[], bool] | None = None) -> GenerationGroup:
+        """Queue one generation per entry of `choices` for the same prompt (open_choices without the wait for the
+        first steps, which the group's `wait` does: a stream shows it is alive meanwhile). Raises ClusterNotReady,
+        ShuttingDown, QueueFull and ValueError at once; the caller must close() the group it gets."""
         self._check_ready()
         # ValueError; the choices read the prompt once, and each of the others starts from a copy of its cache
         requests = [_Request(sequence) for sequence in self.generator.start_choices(prompt_ids, choices)]
@@ -437,24 +491,17 @@ class GenerationService:
                         self._waiting.remove(request)
                     raise
                 self._loop = loop  # still under the lock, which the loop's first turn waits for
-        streams: list[GenerationStream] = []
-        try:
+        return GenerationGroup(self, requests, gone)
+
+    def withdraw(self, requests: Sequence[_Request], outcome: str) -> None:
+        """Requests given up before their first step (their client gone, an error of starting, a stream closed
+        before it started): counted as `outcome`, and their places freed (those with a stream count as it closes)."""
+        self.metrics.generations.labels(outcome).inc(len(requests))
+        with self._lock:
             for request in requests:
-                streams.append(GenerationStream(self, request, request.next(gone)))
-        except BaseException as exc:
-            self.metrics.generations.labels("abandoned" if isinstance(exc, ClientGone) else "error").inc(
-                len(requests) - len(streams))  # those with a stream count as they close
-            for stream in streams:
-                stream.close()
-            with self._lock:
-                for request in requests[len(streams):]:
-                    request.abandoned = True  # in the batch: the loop drops it at its next step boundary
-                    if request in self._waiting:  # still queued: its place in the queue is free at once
-                        self._waiting.remove(request)
-            raise
-        for stream in streams:
-            self.metrics.time_to_first_token.observe(stream.summary().time_to_first_token_s)
-        return streams
+                request.abandoned = True  # in the batch: the loop drops it at its next step boundary
+                if request in self._waiting:  # still queued: its place in the queue is free at once
+                    self._waiting.remove(request)
 
     def _would_wait(self, choices: int) -> int:
         """Requests that would wait, one of `choices` choices added to the queue, past those the batch takes at its

@@ -23,13 +23,13 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
 from ..generation import Completion, Step, TokenInfo
 from ..model.tokenizer import TextTokenizer
 from ..sampling import TokenLogprob
 from .reasoning import ReasoningSplit, ThinkTokens
-from .service import GenerationStream
+from .service import GenerationGroup, GenerationStream
 from .tool_calls import ToolCall, ToolCallStream, Tools, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
@@ -432,17 +432,30 @@ class ChatReply:
 class EventStream:
     """The WSGI body of a streamed reply. Waitress writes each item as it comes and always calls close().
 
-    `generations` and `replies` go in pairs, one per choice. `error_body` turns an exception raised mid-stream
-    into an OpenAI error object, sent as the last event (the status line has long gone out); `on_close` runs once
-    when the reply ends, however it ends.
+    `group`'s choices and `replies` go in pairs. The stream is made once the choices have their first steps, or
+    IDLE_KEEPALIVE_S has passed waiting for them (queued behind a full batch, or reading a long prompt): errors of
+    starting within that time are raised here, and so have their HTTP status; a wait past it is shown by an SSE
+    comment at once and each IDLE_KEEPALIVE_S after (a proxy cuts a stream silent for a minute, a client's
+    headers timeout a request without a status line). `error_body` turns an exception raised mid-stream into an
+    OpenAI error object, sent as the last event (the status line has gone out); `on_close` runs once when the
+    reply ends, however it ends.
     """
 
-    def __init__(self, generations: list[GenerationStream], replies: list[ReplyFormat], *, include_usage: bool,
+    def __init__(self, group: GenerationGroup, replies: list[ReplyFormat], *, include_usage: bool,
                  error_body: Callable[[Exception], dict[str, Any]], on_close: Callable[["EventStream"], None]):
-        self.generations, self.replies, self.include_usage = generations, replies, include_usage
+        self.group, self.replies, self.include_usage = group, replies, include_usage
         self._error_body, self._on_close = error_body, on_close
         self._closed = False
+        group.wait(IDLE_KEEPALIVE_S)
         self._chunks = self._events()
+
+    def _started(self) -> Generator[bytes, None, list[GenerationStream]]:
+        """The choices' streams, once they have their first steps; a keep-alive meanwhile (see the class)."""
+        if not self.group.started:
+            yield KEEPALIVE  # the status line goes out with the first bytes: silent since the request came
+        while (generations := self.group.wait(IDLE_KEEPALIVE_S)) is None:
+            yield KEEPALIVE
+        return generations
 
     def _choice_events(self, index: int, step: Step, opened: bool) -> Iterator[bytes]:
         """The chunks of one choice's step, their choices carrying `index`."""
@@ -457,11 +470,11 @@ class EventStream:
             yield sse(chunk)
 
     def _events(self) -> Iterator[bytes]:
-        steps = [generation.steps(IDLE_KEEPALIVE_S) for generation in self.generations]
-        running = list(range(len(steps)))
         completions: dict[int, Completion] = {}
         opened: set[int] = set()
         try:
+            steps = [generation.steps(IDLE_KEEPALIVE_S) for generation in (yield from self._started())]
+            running = list(range(len(steps)))
             while running:
                 for index in list(running):
                     while (step := next(steps[index])) is None:
@@ -502,6 +515,5 @@ class EventStream:
         try:
             self._chunks.close()
         finally:
-            for generation in self.generations:
-                generation.close()
+            self.group.close()
             self._on_close(self)
