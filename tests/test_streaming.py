@@ -577,6 +577,51 @@ def test_a_client_that_goes_away_frees_the_cluster(slow, caplog):
     assert any(" finish=abandoned " in line for line in lines), lines
 
 
+def post_stream(port: int, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_a_stream_queued_behind_a_full_batch_is_answered_at_once_and_leaves_when_its_client_does(
+        model, tokenizer, monkeypatch):
+    """A queued stream sent nothing, not even its status line, until its first token: behind a batch of long
+    generations a proxy (60 s) or a client's headers timeout gave up on it. Now the status line and a comment go
+    out after IDLE_KEEPALIVE_S, and its client leaving frees its place in the queue at once."""
+    monkeypatch.setattr(streaming, "IDLE_KEEPALIVE_S", 0.2)
+    pipeline = SlowPipeline(model.stages, pause_s=0.05)
+    service = GenerationService(MODEL, tokenizer, Generator(model.head, tokenizer, pipeline, torch.float32), ready,
+                                max_batch=1)
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=4)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    running = post_stream(server.port, body)
+    queued = None
+    try:
+        read_sse_events(running, 2)  # in the batch, ~10 s of decoding to come
+        queued = post_stream(server.port, body)
+        head = b""
+        while streaming.KEEPALIVE not in head.partition(b"\r\n\r\n")[2]:  # the body's first (chunked) bytes
+            chunk = queued.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200 ") and b"data:" not in head
+        assert service.queue_depth == 1 and service.running == 1
+        queued.close()
+        deadline = time.monotonic() + 5
+        while service.queue_depth:
+            assert time.monotonic() < deadline, "the stream left the queue, yet its request stayed in it"
+            time.sleep(0.05)
+        assert service.running == 1  # the first one runs on
+    finally:
+        running.close()
+        if queued is not None:
+            queued.close()
+        server.stop()
+
+
 def test_concurrent_streams_run_together_and_each_gets_its_own_text(slow):
     server, _, pipeline = slow
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
