@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,16 +19,41 @@ QUIET = ["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 LOUD = ["-m", "pip", "install", "--progress-bar", "on", "--disable-pip-version-check"]
 
 
-def pip_calls(tmp_path: Path, **env: str) -> list[list[str]]:
+def run_setup(tmp_path: Path, managed: bool = False, **env: str) -> tuple[subprocess.CompletedProcess, list]:
+    """setup.sh run with PYTHON a stand-in that records its pip calls, and answers the check for a Python the
+    system manages as one would (`managed`) or as a virtual environment's does."""
     log = tmp_path / "calls.jsonl"
     recorder = tmp_path / "python"
     recorder.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"if sys.argv[1] == '-c':\n    sys.exit({int(managed)})\n"
                         f"with open({str(log)!r}, 'a') as f:\n    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
     recorder.chmod(0o755)
-    clean = {k: v for k, v in os.environ.items() if k not in ("TORCH_SPEC", "TORCH_INDEX_URL")}
-    subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env={**clean, "PYTHON": str(recorder), **env},
-                   check=True, timeout=60)
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("TORCH_SPEC", "TORCH_INDEX_URL", "PIP_BREAK_SYSTEM_PACKAGES")}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                          env={**clean, "PYTHON": str(recorder), **env}, timeout=60)
+    return done, [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def pip_calls(tmp_path: Path, **env: str) -> list[list[str]]:
+    done, calls = run_setup(tmp_path, **env)
+    assert done.returncode == 0, done.stderr
+    return calls
+
+
+def test_a_python_the_system_manages_is_told_to_make_a_virtual_environment_first(tmp_path):
+    done, calls = run_setup(tmp_path, managed=True)
+    assert done.returncode == 1 and calls == []
+    assert "PEP 668" in done.stderr and "python3 -m venv .venv" in done.stderr
+    done, calls = run_setup(tmp_path, managed=True, PIP_BREAK_SYSTEM_PACKAGES="1")  # pip's own way past it
+    assert done.returncode == 0 and calls[0][-1] == "torch==2.13.0"
+
+
+def test_the_check_for_a_managed_python_passes_this_one():
+    check = (ROOT / "scripts" / "setup.sh").read_text().split("! \"$PY\" -c '", 1)[1].split("'\nthen", 1)[0]
+    managed = Path(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED").exists()
+    in_venv = sys.prefix != sys.base_prefix
+    assert subprocess.run([sys.executable, "-c", check]).returncode == int(managed and not in_venv)
 
 
 def test_the_default_installs_torch_from_pips_own_index(tmp_path):
