@@ -12,7 +12,8 @@ PY=${PYTHON:-python3}
 # A Python the system manages (PEP 668: Debian 12's, Ubuntu 24.04's) refuses pip installs outside a virtual
 # environment, unless told to anyway (PIP_BREAK_SYSTEM_PACKAGES): said here with the fix, before anything else.
 if [ -z "${PIP_BREAK_SYSTEM_PACKAGES:-}" ] && ! "$PY" -c 'import os, sys, sysconfig
-sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(sys.prefix == sys.base_prefix and os.path.exists(marker))'
 then
   echo "setup: $PY is managed by the system (PEP 668) and refuses pip installs; make a virtual environment and" \
        "run from it: python3 -m venv .venv && . .venv/bin/activate (Debian, Ubuntu: apt install python3-venv)" >&2
