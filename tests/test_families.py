@@ -196,6 +196,25 @@ def test_a_window_no_shorter_than_the_context_served_is_no_window(tmp_path, name
     assert (served(narrow, 2 * len(PROMPT)).full_logits(PROMPT) - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "cohere2"])
+def test_a_sliding_layers_decode_rows_slice_the_window_rather_than_mask_it(family_dirs, name, monkeypatch):
+    """A decode row of a sliding-window layer sees the last `window` cached positions: sliced off, they leave it
+    the unmasked path of every other decode row (the masked one took 5x as long at 2048 positions behind a window
+    of 512, bench/bench_sliding_decode.py), with transformers' logits past the window."""
+    masked = Attention._attend_masked
+
+    def prompt_rows_only(self, q, keys, values, position_start):
+        assert q.shape[2] > 1, "a decode row took the masked path"
+        return masked(self, q, keys, values, position_start)
+
+    monkeypatch.setattr(Attention, "_attend_masked", prompt_rows_only)
+    model_dir = family_dirs(name)
+    ours = OurModel(model_dir, splits=[2])
+    assert any(layer.self_attn.window for stage in ours.stages for layer in stage.layers.values())
+    ref = hf_logits(hf_family_model(model_dir), PROMPT)
+    assert (ours.cached_logits(PROMPT, split=4) - ref).abs().max().item() < 1e-4  # decode rows past the window
+
+
 def long_context_model(path, family: str):
     """Phi-3.5-mini's kind of longrope (or Phi-4-mini's, rotating part of each head): a pre-training context (64)
     below the model's (256), and no `factor`, which transformers then derives from the two (and the attention
