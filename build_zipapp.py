@@ -78,6 +78,7 @@ PINS: tuple[Pin, ...] = (
 )
 
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")
+BUILD_ENTRY = "tc/BUILD"  # the build's digest (tc.build()), made here for each archive
 # files of a package that the pure-Python code never reads: native code, its sources, and typing stubs
 DROPPED_SUFFIXES = NATIVE_SUFFIXES + (".pyx", ".pxd", ".c", ".h", ".pyi")
 DROPPED_NAMES = ("py.typed",)
@@ -189,7 +190,7 @@ def source_entries(repo_root: Path) -> dict[str, bytes]:
     for path in package.rglob("*"):
         rel = path.relative_to(repo_root)
         if (path.is_dir() or "__pycache__" in rel.parts or path.suffix in (".pyc", ".pyo")
-                or any(part.startswith(".") for part in rel.parts)):
+                or any(part.startswith(".") for part in rel.parts) or rel.as_posix() == BUILD_ENTRY):
             continue
         if path.suffix in NATIVE_SUFFIXES:
             raise BuildError(f"{rel} is a native library; tc itself must stay pure Python to run from the zip")
@@ -209,6 +210,11 @@ def collect_entries(repo_root: Path, cache_dir: Path) -> dict[str, bytes]:
         if clash:
             raise BuildError(f"{origin} would overwrite {', '.join(clash[:5])} in the archive")
         entries.update(files)
+    # which build this is (tc --version, and each worker's HELLO): a digest of every file it holds
+    digest = hashlib.sha256()
+    for name in sorted(entries):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(entries[name]).digest())
+    entries[BUILD_ENTRY] = digest.hexdigest()[:12].encode() + b"\n"
     return entries
 
 

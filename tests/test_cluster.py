@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from cluster import ROOT, WORKER_JOIN_S, Cluster, Process, worker_hello, write_topology
+from cluster import ROOT, WORKER_JOIN_S, Cluster, Process, join_loaded, worker_hello, write_topology
 from hub_standin import HubStandIn
 from model_helpers import OurModel
 from tc.generation import Generator
@@ -300,6 +300,27 @@ def test_a_refusal_quotes_a_workers_strings_cut_short(tmp_path, model_dir):
         with pytest.raises(Refusal) as info:
             choose_entry(hello, topology, None, set(), config, 8)
         assert len(str(info.value)) < 400 and "(100000 characters)" in str(info.value)
+
+
+def test_a_worker_of_another_build_serves_and_the_head_says_so(tmp_path, model_dir):
+    """Two builds of one release speak the same protocol, so a worker of another tc.pyz joins; the head says which
+    builds they are, as an operator who copied an old tc.pyz to one machine needs to hear."""
+    from tc import full_version
+
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    with Cluster(write_topology(tmp_path / "t.yaml", model_dir, nodes), tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("a")  # this checkout, as the head
+        conn = join_loaded(cluster.listen_port, worker_hello("b", tc_version="0.1.0+0123456789ab"))
+        try:
+            cluster.wait_ready()
+        finally:
+            conn.close()
+        log = cluster.head.output()
+    assert re.search(r"b from 127\.0\.0\.1:\d+: this worker runs tc '0\.1\.0\+0123456789ab' and the head tc "
+                     + re.escape(full_version()) + ": they speak the same protocol", log), log
+    assert log.count("they speak the same protocol") == 1  # not of worker a, the same build as the head
 
 
 def test_a_worker_without_a_node_id_that_only_a_held_entry_fits_is_told_it_is_taken(tmp_path, model_dir):

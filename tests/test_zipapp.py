@@ -286,7 +286,22 @@ def test_version_runs_from_pyz_in_a_clean_env(pyz, tmp_path):
     argv, env = pyz_command(pyz, tmp_path)
     proc = _run([*argv, "--version"], env, pyz_run_dir(argv))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"tc {__version__}\n"
+    with zipfile.ZipFile(pyz) as archive:
+        build = archive.read("tc/BUILD").decode().strip()
+    assert proc.stdout == f"tc {__version__} (build {build})\n" and len(build) == 12
+
+
+def test_the_build_is_a_digest_of_what_the_archive_holds(tmp_path):
+    """Two builds of one release told apart (ops compare `--version` across machines, and the head warns of a
+    worker of another build): the same sources give the same build, a changed source another."""
+    sources = tmp_path / "repo"
+    shutil.copytree(ROOT / "tc", sources / "tc", ignore=shutil.ignore_patterns("__pycache__"))
+    first = bz.collect_entries(sources, bz.DEFAULT_CACHE)[bz.BUILD_ENTRY]
+    assert bz.collect_entries(sources, bz.DEFAULT_CACHE)[bz.BUILD_ENTRY] == first
+    (sources / "tc" / "topology.py").write_text((sources / "tc" / "topology.py").read_text() + "\n# changed\n")
+    assert bz.collect_entries(sources, bz.DEFAULT_CACHE)[bz.BUILD_ENTRY] != first
+    from tc import __version__, version_line
+    assert version_line() == f"tc {__version__} (from source)"  # a checkout holds no BUILD
 
 
 def test_plan_runs_from_pyz_in_a_clean_env(pyz, tmp_path, tiny_model_dir):
@@ -377,7 +392,7 @@ def test_version_shows_on_a_host_without_the_native_packages(pyz, tmp_path):
 
     argv, env = pyz_command(pyz, tmp_path, without=("torch", "tokenizers"))
     proc = _run([*argv, "--version"], env, pyz_run_dir(argv))
-    assert proc.returncode == 0 and proc.stdout == f"tc {__version__}\n", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.startswith(f"tc {__version__} (build "), proc.stderr
 
 
 @pytest.mark.parametrize("package, installed, floor", [("torch", "2.3.1", "2.4"), ("huggingface_hub", "0.24.7", "0.25")])

@@ -174,6 +174,15 @@ def _quoted(text: str, most: int = 80) -> str:
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
 
 
+def build_mismatch(hello: Hello, ours: str) -> str | None:
+    """What to tell the operator of a worker whose tc is another build than the head's (`ours`, tc.full_version())
+    though it speaks the same protocol, else None: it may join, but two builds can differ in what they do."""
+    if hello.tc_version == ours:
+        return None
+    return (f"this worker runs tc {_quoted(hello.tc_version)} and the head tc {ours}: they speak the same protocol, so "
+            "it serves, but two builds may behave differently; copy one tc.pyz to every machine")
+
+
 def choose_entry(hello: Hello, topology: Topology, plan: Plan | None, taken: AbstractSet[str], config: ModelConfig,
                  max_batch: int, holders: Mapping[str, str] | None = None) -> NodeEntry:
     """The entry this worker fills (`plan` None: not made yet, so no memory check; else its weights and the KV

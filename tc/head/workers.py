@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from .. import full_version
 from ..batch_memory import BatchPlan, plan_batch
 from ..forecast import hop_bytes_per_position
 from ..model.config import ModelConfig
@@ -56,8 +57,8 @@ from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
 from ..topology import WILDCARD_HOSTS, HostPort, Topology
 from ..trace import mark
-from .admission import (NodeTaken, Refusal, caches_short_of_the_batch, choose_entry, device_for, dtype_fallback,
-                        sequences_to_hold, stage_fit_problem)
+from .admission import (NodeTaken, Refusal, build_mismatch, caches_short_of_the_batch, choose_entry, device_for,
+                        dtype_fallback, sequences_to_hold, stage_fit_problem)
 from .service import Readiness, StageFailed, WorkerLost
 from .step_deadline import StepBudget, StepClock
 
@@ -700,6 +701,9 @@ class WorkerRegistry:
             if link.node_id is None:
                 log.info("spare %s joined from %s (%s, %s) and stands by for a lost node", entry.id, peer,
                          hello.hostname, link.device)
+            mismatch = build_mismatch(hello, full_version())
+            if mismatch is not None:
+                log.warning("%s from %s: %s", entry.id, peer, mismatch)
         except _Stopping:
             _send_and_close(conn, Error(code=ERROR_SHUTTING_DOWN, message=SHUTTING_DOWN_WORD))
             return None

@@ -49,7 +49,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .. import __version__
+from .. import full_version
 from ..bench import Measured, bench_table, default_bench_dir, measure_all
 from ..model_source import ModelSource, ModelSourceError
 from ..model.qwen2 import StepInterrupted, compute_dtype_name
@@ -244,7 +244,7 @@ class Worker:
 
     def hello(self, auth: bytes | None = None) -> Hello:
         summary = system_summary()
-        return Hello(protocol_version=PROTOCOL_VERSION, tc_version=__version__, node_id=self.options.node_id,
+        return Hello(protocol_version=PROTOCOL_VERSION, tc_version=full_version(), node_id=self.options.node_id,
                      hostname=summary["hostname"], platform=summary["platform"],
                      python_version=summary["python_version"], torch_version=summary["torch_version"],
                      devices=tuple(self.devices), selected_device=self.device,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import __version__
+from .. import full_version
 from ..model.config import ConfigError, ModelConfig
 from ..model.kv_cache import CacheFullError, KVCache
 from ..model import quant
@@ -113,7 +113,7 @@ def check_layer_tensors(index: WeightIndex, assignment: Assignment) -> None:
         return
     index.refuse_unused_in_layers(ModelConfig.from_dict(assignment.config), start, end)
     raise WeightsError(f"the head planned {assignment.tensor_count} tensors for layers {start}-{end - 1} and this "
-                       f"worker (tc {__version__}) finds {len(found)}; run the same tc release on the head and "
+                       f"worker (tc {full_version()}) finds {len(found)}; run the same tc release on the head and "
                        "every worker")
 
 
@@ -129,7 +129,7 @@ def load_assignment(assignment: Assignment, model_dir: Path, device: str,
     config = replace(ModelConfig.from_dict(assignment.config), context_limit=assignment.context_length)
     if assignment.architecture != config.model_type:
         raise ConfigError(f"the head assigns a model of architecture {assignment.architecture!r}, and this worker "
-                          f"(tc {__version__}) reads its config.json as {config.model_type!r}. Run the same tc "
+                          f"(tc {full_version()}) reads its config.json as {config.model_type!r}. Run the same tc "
                           "release on the head and every worker")
     start, end = assignment.layer_start, assignment.layer_end_exclusive
     names = layer_tensor_names(config, start, end)
