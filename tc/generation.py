@@ -620,6 +620,31 @@ class SequenceState:
         return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
 
 
+def prompt_shares(readers: Sequence[SequenceState], budget: int, whole: SequenceState | None = None
+                  ) -> dict[int, int]:
+    """How many prompt positions each of `readers` (sequences reading their prompt, in line) reads this step, by
+    sequence id, out of `budget`: `whole` first, as much of its prompt as the budget holds; then the first in line
+    an equal share of what is left, and what remains after that to the prompts with least left to read, shortest
+    first (in line where they tie, so prompts of one length are read first come first served). A short prompt
+    admitted beside a long one is thus read at once and gets its first token in this step, rather than waiting for
+    the long one's chunks to end (a 30,000-token prompt held a chat's first token for ~120 steps), and no prompt
+    waits for ever: the first in line always reads its share."""
+    needs = {s.id: len(s.prompt_ids) - s.prefilled for s in readers}
+    shares = dict.fromkeys(needs, 0)
+    if whole is not None:
+        shares[whole.id] = min(needs[whole.id], budget)
+        budget -= shares[whole.id]
+    rest = [s.id for s in readers if s is not whole]
+    if rest:
+        shares[rest[0]] = min(needs[rest[0]], budget // len(rest))
+        budget -= shares[rest[0]]
+    for sequence_id in sorted(rest, key=needs.__getitem__):
+        more = min(needs[sequence_id] - shares[sequence_id], budget)
+        shares[sequence_id] += more
+        budget -= more
+    return shares
+
+
 class Generator:
     """Turns prompts into completions over a pipeline: `start` a sequence, `step` a batch of them."""
 
@@ -674,12 +699,12 @@ class Generator:
 
         Decoding sequences each run one position, and greedy ones the tokens they guess follow it (draft.py), up to
         STEP_ROWS rows in all, first come first served. Sequences reading their prompt share `prompt_budget` prompt
-        positions in the order given (the rest wait for a later step); with none decoding, the first reads all of
-        its prompt and the others share what the budget leaves; with no budget, each reads all of its prompt; all
-        as far as the pipeline's max_positions allow. A follower (`start_choices`) waits
-        while its leader reads the prompt, and gets a copy of the leader's cache in the step that reads the
-        prompt's end; a sequence that copies the start of another's (SequenceState.copy_cache) waits until that
-        one has read it. The pipeline's errors pass through.
+        positions (prompt_shares: shortest first, the first in line always a share; the rest wait for a later
+        step); with none decoding, the first reads all of its prompt and the others share what the budget
+        leaves; with no budget, each reads all of its prompt; all as far as the pipeline's max_positions allow. A
+        follower (`start_choices`) waits while its leader reads the prompt, and gets a copy of the leader's cache
+        in the step that reads the prompt's end; a sequence that copies the start of another's
+        (SequenceState.copy_cache) waits until that one has read it. The pipeline's errors pass through.
         """
         present, heirs = {s.id for s in sequences}, {}
         for sequence in sequences:
@@ -696,13 +721,14 @@ class Generator:
         # a sequence that copies another's cache waits until that one's entries before this step have read what
         # they share (not this step's: every stage copies before the step's rows run)
         unready = {s for s in sequences if not s.ready}
-        budget = prompt_budget
-        if budget is not None and not any(s.decoding for s in sequences):
+        readers = [s for s in sequences if not s.decoding and s.leader is None and s not in unready]
+        budget, whole = prompt_budget, None
+        if budget is not None and not any(s.decoding for s in sequences) and readers:
             # nothing decodes: the first prompt in line is read whole, and others beside it only as far as the
             # budget goes, so that long prompts arriving together get their first tokens one after another, not
             # all at the end of one long step (and the next reads in chunks beside the first one's decoding)
-            first = next((s for s in sequences if s.leader is None and s not in unready), None)
-            budget = None if first is None else max(budget, len(first.prompt_ids) - first.prefilled)
+            whole = readers[0]
+            budget = max(budget, len(whole.prompt_ids) - whole.prefilled)
         decoding = [s for s in sequences if s.decoding]
         spare = STEP_ROWS - len(decoding)  # rows the step may add for drafts, first come first served
         for sequence in decoding:
@@ -714,6 +740,7 @@ class Generator:
                     sequence.draft = []
             room = max(1, cap - sum(1 + len(s.draft) for s in decoding))
             budget = room if budget is None else min(budget, room)
+        shares = None if budget is None else prompt_shares(readers, budget, whole)
         planned: list[tuple[SequenceState, Entry]] = []
         forked: list[tuple[SequenceState, SequenceState]] = []  # (follower, leader) whose cache it gets this step
         ids: list[int] = []
@@ -721,12 +748,10 @@ class Generator:
             if sequence.leader is not None and sequence.started is None:
                 sequence.started = time.perf_counter()  # in the batch from here, waiting for the leader's reading
             if sequence.leader is not None or sequence in unready or \
-                    (not sequence.decoding and budget is not None and budget <= 0):
+                    (not sequence.decoding and shares is not None and shares[sequence.id] <= 0):
                 continue
-            entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if budget is None or sequence.decoding
-                                              else budget)
-            if budget is not None and not sequence.decoding:
-                budget -= entry.length
+            entry, entry_ids = sequence.entry(len(sequence.prompt_ids) if shares is None or sequence.decoding
+                                              else shares[sequence.id])
             if not sequence.decoding and entry.start + entry.length == len(sequence.prompt_ids):
                 waiting = followers.get(sequence.id, [])
                 # a follower that ends with the token it chooses now (max_tokens 0 or 1) needs no cache

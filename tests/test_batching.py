@@ -209,6 +209,61 @@ def test_long_prompts_arriving_together_are_read_first_come_first_served(model, 
         assert_same_greedy_text(completion.text, solo(model, tokenizer, prompt, greedy(4)))
 
 
+@pytest.mark.parametrize("needs, budget, whole, shares", [
+    ([100, 3], 16, None, [13, 3]),  # the short one whole, the first in line the rest
+    ([3, 100], 16, None, [3, 13]),
+    ([50, 50, 50], 16, None, [16, 0, 0]),  # one length: first come first served
+    ([100, 90, 5, 5], 16, None, [4, 2, 5, 5]),  # the first in line its share (16 // 4), the shortest the rest
+    ([100, 40, 2], 8, 0, [8, 0, 0]),  # nothing decodes: the first whole as far as the budget goes
+    ([20, 40, 2], 30, 0, [20, 8, 2]),
+    ([7, 7], 1, None, [1, 0]),
+])
+def test_prompt_shares(needs, budget, whole, shares):
+    from types import SimpleNamespace
+    from tc.generation import prompt_shares
+
+    readers = [SimpleNamespace(id=i, prompt_ids=[0] * (need + 1), prefilled=1) for i, need in enumerate(needs)]
+    got = prompt_shares(readers, budget, None if whole is None else readers[whole])
+    assert [got[r.id] for r in readers] == shares and sum(shares) <= budget
+
+
+def test_a_short_prompt_beside_a_long_one_is_read_at_once_not_after_it(model, tokenizer):
+    """Prompts beside decoding sequences were read first come first served: a chat's short prompt admitted while a
+    long one was being read waited for all of the long one's chunks (a 30,000-token prompt: ~120 steps) before
+    its first token. The first in line now reads its share and the shortest the rest: the short prompt is read
+    whole in its first step, while the long one goes on; every text is its solo run's."""
+    from test_prefix_cache import GatedPipeline, in_threads, wait_for
+
+    service = service_over(model, tokenizer, model.pipeline(), max_batch=4, prefill_chunk=16)
+    gate = GatedPipeline(service)
+    long_prompt, short_prompt = " ".join(str(i) for i in range(40)), "Hi!"
+    long_ids, short_ids = tokenizer.encode(long_prompt), tokenizer.encode(short_prompt)
+    assert len(long_ids) > 4 * 16 and len(short_ids) <= 16 // 2
+    running, _ = in_threads(lambda: service.complete(tokenizer.encode("Hello"), greedy(30)))
+    wait_for(lambda: service.running == 1, "the first request in the batch")
+    gate.allow()  # its prompt: from here on it decodes, and prompts beside it are read in chunks
+    threads, results = in_threads(lambda: service.complete(long_ids, greedy(3)))
+    wait_for(lambda: service.running == 2, "the long prompt in the batch")
+    gate.allow(2)  # two of its chunks
+    wait_for(lambda: len(gate.steps) == 3, "two chunks of the long prompt read")
+    more, short = in_threads(lambda: service.complete(short_ids, greedy(4)))
+    deadline = time.monotonic() + 60
+    while not (service.running == 3 and service.queue_depth == 0):  # admitted at a step's boundary: let one by
+        assert time.monotonic() < deadline, "the short prompt never joined the batch"
+        gate.allow()
+        time.sleep(0.05)
+    gate.open_all()
+    for thread in running + threads + more:
+        thread.join(120)
+    step = next(step for step in gate.steps[3:] if len(step) == 3)  # the first step with the short prompt
+    entries = {e.capacity: e for e in step}  # each request's capacity: its prompt and max_tokens
+    short_entry, long_entry = entries[len(short_ids) + 4], entries[len(long_ids) + 3]
+    assert (short_entry.start, short_entry.length) == (0, len(short_ids)), "the short prompt was not read at once"
+    assert long_entry.length == 16 - len(short_ids) and long_entry.start + long_entry.length < len(long_ids)
+    assert_same_greedy_text(short[0].text, solo(model, tokenizer, short_prompt, greedy(4)))
+    assert_same_greedy_text(results[0].text, solo(model, tokenizer, long_prompt, greedy(3)))
+
+
 def test_cancelling_one_stream_frees_its_place_and_leaves_the_others_unchanged(model, tokenizer):
     pipeline = RecordingPipeline(model.stages, pause_s=0.005)
     service = service_over(model, tokenizer, pipeline, max_batch=3)
