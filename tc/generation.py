@@ -382,8 +382,9 @@ class SequenceState:
         self.capacity = len(prompt_ids) + self.max_tokens
         self.rng = new_rng(params.seed)
         self.history: TokenHistory | None = None  # made with the first logits, which give the vocabulary's size
-        self.text = CompletionText(tokenizer, params.stop, _text_context(tokenizer, prompt_ids)
-                                   if params.continues_prompt else (), params.kept_tokens)
+        context = _text_context(tokenizer, prompt_ids) if params.continues_prompt else ()
+        self.text = CompletionText(tokenizer, params.stop, context, params.kept_tokens | stop_tokens(tokenizer,
+                                                                                                  params.stop))
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
         self.cached = 0  # of those, how many a finished request's cache held already (take_cache, copy_cache)
@@ -618,6 +619,14 @@ class SequenceState:
                                      TokenInfo(end[0], len(self.text.text), end[1]) if end is not None else None,
                                      self.cached)
         return Step(rest_text, rest_tokens, self.completion, self.unsent_prompt)
+
+
+def stop_tokens(tokenizer: TextTokenizer, stop: Sequence[str]) -> frozenset[int]:
+    """The special tokens spelled exactly as one of the `stop` strings: editors stop Qwen2.5-Coder's completions at
+    "<|file_sep|>" or "<|fim_pad|>", and Llama 3's at "<|eot_id|>". A reply's text leaves special tokens out, so
+    their text is kept in it (CompletionText's `kept`) for the stop string to be found, and cut off with it."""
+    ids = (tokenizer.token_id(text) for text in stop)
+    return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
 
 
 def prompt_shares(readers: Sequence[SequenceState], budget: int, whole: SequenceState | None = None

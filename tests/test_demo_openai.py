@@ -44,6 +44,27 @@ def test_fill_in_the_middle_of_a_python_function(cluster):
     assert body["choices"][0]["text"].startswith("return a + b"), body
 
 
+# what editors send to stop Qwen2.5-Coder's fill-in-the-middle (Continue's list): special tokens all, none of them EOS
+FIM_STOPS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+             "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_a_stop_string_that_names_a_special_token_stops_the_reply(cluster):
+    """A reply's text leaves special tokens out, so a stop string naming one was never found and the completion ran
+    on to max_tokens past it. Forced by logit_bias, the model writes <|file_sep|> first: the reply ends there."""
+    file_sep = 151664  # <|file_sep|> in Qwen2.5's vocabulary
+    status, body = cluster.post("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(2, 3))\n", "max_tokens": 8,
+        "temperature": 0, "stop": FIM_STOPS[:4], "logit_bias": {str(file_sep): 100}})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body  # not among these stops
+    status, body = cluster.post("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(2, 3))\n", "max_tokens": 8,
+        "temperature": 0, "stop": FIM_STOPS, "logit_bias": {str(file_sep): 100}})
+    assert status == 200, body
+    assert (body["choices"][0]["finish_reason"], body["choices"][0]["text"]) == ("stop", ""), body
+    assert body["usage"]["completion_tokens"] == 1, body
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a given location",
     "parameters": {"type": "object",
