@@ -128,6 +128,21 @@ def test_a_logit_bias_on_the_vocabularys_last_token_and_at_the_limits_is_served(
     assert reply.status_code == 200, reply.text
 
 
+def test_a_calls_arguments_sent_back_as_an_object_read_as_their_json_text():
+    """transformers' examples and some clients send an earlier call's arguments as the object (vLLM takes it); it
+    was a 400. The template gets the same object either way."""
+    def call(arguments) -> dict:
+        request = parse_chat_request({"model": "m", "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+        return request.messages[1].as_template_input()["tool_calls"][0]
+
+    assert call({"city": "Paris", "days": [1, 2]}) == call('{"city": "Paris", "days": [1, 2]}')
+    assert call({"city": "Paris"})["function"]["arguments"] == {"city": "Paris"}
+
+
 def test_parse_chat_request_joins_text_parts_and_keeps_names():
     request = parse_chat_request({"model": "m", "max_completion_tokens": 5, "messages": [
         {"role": "system", "content": "be brief"},
@@ -321,7 +336,7 @@ BAD_REQUESTS = [
     (CHAT, chat_message(role="tool"), 400, "invalid_request_error", "messages[0].tool_call_id",
      "missing_required_parameter"),
     (CHAT, chat_message(role="assistant", content=None, tool_calls=[{"id": "c", "type": "function",
-                                                                     "function": {"name": "f", "arguments": {}}}]),
+                                                                     "function": {"name": "f", "arguments": []}}]),
      400, "invalid_request_error", "messages[0].tool_calls[0].function.arguments", "invalid_type"),
     (CHAT, chat_message(role="assistant", content=None, tool_calls=[{"id": "c", "type": "custom",
                                                                      "function": {"name": "f", "arguments": "{}"}}]),

@@ -778,7 +778,10 @@ def _message_tool_call(value: Any, param: str) -> MessageToolCall:
     call_id = _string(_required(call, "id", f"{param}."), f"{param}.id")
     function = _object(_required(call, "function", f"{param}."), f"{param}.function", _CALL_FUNCTION_FIELDS)
     name = _string(_required(function, "name", f"{param}.function."), f"{param}.function.name")
-    arguments = _string(_required(function, "arguments", f"{param}.function."), f"{param}.function.arguments")
+    arguments = _required(function, "arguments", f"{param}.function.")
+    if isinstance(arguments, dict):  # as transformers' examples write them, and vLLM takes them: the object itself
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    arguments = _string(arguments, f"{param}.function.arguments")
     return MessageToolCall(call_id, name, arguments)
 
 
