@@ -498,6 +498,10 @@ def test_a_text_prompt_starts_with_the_bos_token_its_tokenizer_adds(tmp_path):
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the café"}],
                                               max_tokens=1)
         assert chat.usage.prompt_tokens == 3
+        # a prompt that starts with the BOS itself (a client that renders the chat template) gets no second one
+        reply = client.completions.create(model=MODEL, prompt="<s>the café", max_tokens=1, echo=True, logprobs=0,
+                                          temperature=0)
+        assert reply.choices[0].logprobs.tokens[:3] == ["<s>", " the", " café"] and reply.usage.prompt_tokens == 3
     finally:
         running.stop()
 

@@ -466,7 +466,9 @@ class CompletionsResource:
         if isinstance(request.prompt, str):
             # a text prompt starts as the model was trained to read a text (Llama's, Gemma's BOS); the prefix of a
             # fill in the middle comes after the FIM token
-            prompt_ids = self.service.tokenizer.encode(request.prompt, add_special_tokens=request.suffix is None)
+            tokenizer = self.service.tokenizer
+            prompt_ids = tokenizer.encode_prompt(request.prompt) if request.suffix is None else \
+                tokenizer.encode(request.prompt)
         else:
             prompt_ids = list(request.prompt)
         if request.suffix is not None:

@@ -113,6 +113,15 @@ class TextTokenizer:
         token of Llama, Gemma and Mistral), as transformers' tokenizer(text) and vLLM's completions do."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt's ids: with what the post-processor puts around a text (Llama's, Gemma's BOS), but not a
+        second BOS where the text starts with its own, as a client that renders the chat template itself sends it
+        (llama.cpp warns of the doubled token, which a model reads as it never saw in training)."""
+        ids = self.encode(text, add_special_tokens=True)
+        if len(ids) > 1 and ids[0] == ids[1] and ids[0] in self.special_ids:
+            return ids[1:]
+        return ids
+
     @cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids of the added tokens marked special: those that `decode` drops by default."""
