@@ -64,6 +64,24 @@ def test_suffix_completes_the_middle(fim_model):
     assert reply.json["choices"][0]["text"] == expected.text
 
 
+def test_a_prefix_or_suffix_that_spells_a_special_token_is_read_as_its_characters(fim_model):
+    """Code that names "<|fim_middle|>" (an editor filling in the middle of a FIM prompt builder) became the token
+    itself, and the model read the middle to be at the wrong place; the prefix and suffix are now plain text."""
+    service = GenerationService("tiny", fim_model.tokenizer, fim_model, lambda: Readiness(1, ("w",), ()))
+    client = testing.TestClient(create_app(service))
+    tok = fim_model.tokenizer
+    prefix, suffix = 'MIDDLE = "<|fim_middle|>"\n', '\nEND = "<|fim_suffix|><|endoftext|>"\n'
+    reply = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": prefix, "suffix": suffix,
+                                                          "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    ids = [259, *tok.encode_literal(prefix), 260, *tok.encode_literal(suffix), 261]
+    assert len(tok.encode_literal(prefix)) == len(prefix.encode()) and not set(ids[1:-1]) & {256, 257, 258, 261}
+    assert reply.json["usage"]["prompt_tokens"] == len(ids)
+    expected = fim_model.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert reply.json["choices"][0]["text"] == expected.text
+    assert tok.encode("<|fim_middle|>") == [261]  # the shared tokenizer reads the token, where a template writes it
+
+
 # What an editor's autocomplete sends a Qwen2.5-Coder as stop strings beside its fill-in-the-middle prompt: more than
 # the 4 OpenAI takes
 CODER_STOPS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",

@@ -458,7 +458,7 @@ class CompletionsResource:
             raise RequestError(f"'suffix' needs a model trained to fill in the middle, whose vocabulary has "
                                f"{FIM_PREFIX}, {FIM_SUFFIX} and {FIM_MIDDLE}; this model's has not. Leave out "
                                "suffix", param="suffix", code="unsupported_value")
-        return self.fim.prompt(prompt_ids, self.service.tokenizer.encode(suffix))
+        return self.fim.prompt(prompt_ids, self.service.tokenizer.encode_literal(suffix))
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         request = parse_completion_request(read_json_body(req, self.max_body_bytes))
@@ -468,7 +468,7 @@ class CompletionsResource:
             # fill in the middle comes after the FIM token
             tokenizer = self.service.tokenizer
             prompt_ids = tokenizer.encode_prompt(request.prompt) if request.suffix is None else \
-                tokenizer.encode(request.prompt)
+                tokenizer.encode_literal(request.prompt)
         else:
             prompt_ids = list(request.prompt)
         if request.suffix is not None:

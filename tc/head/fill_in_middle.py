@@ -2,7 +2,8 @@
 
 Code models trained for it (Qwen2.5-Coder, StarCoder 2, DeepSeek-Coder and others) read the two sides wrapped in
 special tokens and write the middle: `<|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>`. The prompt is
-built from token ids, not text, so a prefix or suffix can never change where the special tokens fall.
+built from token ids, not text, and a text prefix and the suffix are read as plain text (TextTokenizer.encode_literal:
+code that spells "<|fim_middle|>" is those characters), so neither can change where the special tokens fall.
 """
 from __future__ import annotations
 

@@ -113,6 +113,19 @@ class TextTokenizer:
         token of Llama, Gemma and Mistral), as transformers' tokenizer(text) and vLLM's completions do."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_literal(self, text: str) -> list[int]:
+        """The ids of `text` read as plain text throughout: a special token's spelling in it is its characters, not
+        the token (source code that names "<|fim_middle|>" in a fill in the middle's prefix or suffix, which would
+        otherwise move where the model reads the middle to be)."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _literal(self) -> Tokenizer:
+        # a copy: the flag is the tokenizer's own, and other threads encode with the shared one meanwhile
+        literal = Tokenizer.from_str(self.tokenizer.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt's ids: with what the post-processor puts around a text (Llama's, Gemma's BOS), but not a
         second BOS where the text starts with its own, as a client that renders the chat template itself sends it
