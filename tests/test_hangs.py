@@ -707,6 +707,31 @@ def test_connections_that_hold_every_handshake_place_give_way_to_a_worker(tmp_pa
         registry.stop()
 
 
+def test_a_flood_from_one_host_closes_its_own_handshakes_not_a_workers_from_another(tmp_path, model_dir, caplog):
+    """A plain TCP flood of the join port closed the oldest handshakes, whoever held them: a worker whose HELLO was
+    on its way from another host lost its place to the flood. The flooding host's own are closed now."""
+    registry = registry_for(tmp_path, model_dir, heartbeat_s=0.5, heartbeat_timeout_s=30)
+    port = registry.start("127.0.0.1", 0)
+    worker = socket.socket()
+    worker.bind(("127.0.0.2", 0))  # another host: loopback answers for all of 127/8
+    worker.connect(("127.0.0.1", port))
+    flood: list[socket.socket] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="tc.head.workers"):
+            for _ in range(MAX_PENDING_HANDSHAKES + 8):
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            wait_for(lambda: sum(closed_by_peer(s) for s in flood) == 9, 10, "9 of the flood's closed")
+            assert all(closed_by_peer(s) for s in flood[:9])  # its own oldest, in order
+            with Connection(worker) as conn:
+                conn.send(worker_hello("a"))
+                assert isinstance(conn.recv(timeout=5).message, HelloAck)
+            assert "the last from 127.0.0.1:" in caplog.text
+    finally:
+        for sock in flood:
+            sock.close()
+        registry.stop()
+
+
 class LooksTogether(threading.Event):
     """A link's `closed` event whose first two looks wait for each other (a second at most), so that two closers
     that look before either has set it both see it clear; `clear_to` names the threads that saw it clear."""

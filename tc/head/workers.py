@@ -29,6 +29,7 @@ asked for, a hidden state of the wrong shape) closes that one connection with an
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -420,6 +421,11 @@ class Slot:
     history: deque[str] = field(default_factory=lambda: deque(maxlen=SLOT_HISTORY))  # bounded: workers churn
 
 
+def _host(peer: str) -> str:
+    """The host of a "host:port" peer (an IPv6 host keeps its own colons)."""
+    return peer.rpartition(":")[0]
+
+
 class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan | None, config: ModelConfig, max_frame_bytes: int | None = None,
                  on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S,
@@ -614,9 +620,17 @@ class WorkerRegistry:
                 time.sleep(0.1)  # as for EMFILE: back off rather than spin
 
     def _admit_pending(self, sock: socket.socket, peer: str) -> None:
-        """Count `sock` among the handshakes in progress; with MAX_PENDING_HANDSHAKES already, close the oldest."""
+        """Count `sock` among the handshakes in progress; with MAX_PENDING_HANDSHAKES already, close the oldest of
+        the host that holds most of them (`sock`'s own included): connections flooding the port from one host then
+        close each other, not a worker's handshake from another."""
         with self._pending_lock:
-            oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING_HANDSHAKES else None
+            oldest = None
+            if len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                hosts = collections.Counter(_host(p) for p in [*self._pending.values(), peer])
+                busiest = max(hosts, key=hosts.__getitem__)
+                oldest = next((s for s, p in self._pending.items() if _host(p) == busiest), None)
+                if oldest is None:  # the new connection's host is the busiest, and holds no other: the oldest
+                    oldest = next(iter(self._pending))
             if oldest is not None:
                 oldest_peer = self._pending.pop(oldest)
                 self._evicted += 1
