@@ -382,3 +382,14 @@ def test_close_wakes_a_sender_waiting_for_room(pair):
     left.close()
     sender.join(WAIT)
     assert not sender.is_alive() and len(failure) == 1 and isinstance(failure[0], ConnectionClosed), failure
+
+
+def test_the_handshake_closed_for_a_newcomer_is_the_oldest_of_the_busiest_host():
+    from tc.protocol.connection import oldest_of_busiest_host
+
+    waiting = {"w": "10.0.0.2:5000", "f1": "10.0.0.9:1", "f2": "10.0.0.9:2", "v6": "[fe80::1]:7"}
+    assert oldest_of_busiest_host(waiting, "10.0.0.9:3") == "f1"  # the flooding host's own oldest
+    assert oldest_of_busiest_host(waiting, "10.0.0.2:5001") == "w"  # 10.0.0.2 ties it, and is older
+    assert oldest_of_busiest_host({"w": "10.0.0.2:5000", "v6": "[fe80::1]:7"}, "[fe80::1]:8") == "v6"
+    assert oldest_of_busiest_host({"w": "10.0.0.2:5000"}, "10.0.0.3:1") == "w"  # the newcomer's host holds none
+    assert oldest_of_busiest_host({}, "10.0.0.3:1") is None

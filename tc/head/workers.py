@@ -29,7 +29,6 @@ asked for, a hidden state of the wrong shape) closes that one connection with an
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import queue
@@ -48,7 +47,7 @@ from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..planner import Plan, PlanError, Stage, format_bytes
 from ..protocol.auth import AuthError, check_answer, check_nonce, make_challenge, token_key
-from ..protocol.connection import Connection
+from ..protocol.connection import Connection, oldest_of_busiest_host
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERROR_NODE_TAKEN, ERROR_PROTOCOL,
                                  ERROR_SHUTTING_DOWN, Assignment, Error, Hello, HelloAck, HiddenState, InferenceError,
@@ -421,11 +420,6 @@ class Slot:
     history: deque[str] = field(default_factory=lambda: deque(maxlen=SLOT_HISTORY))  # bounded: workers churn
 
 
-def _host(peer: str) -> str:
-    """The host of a "host:port" peer (an IPv6 host keeps its own colons)."""
-    return peer.rpartition(":")[0]
-
-
 class WorkerRegistry:
     def __init__(self, topology: Topology, plan: Plan | None, config: ModelConfig, max_frame_bytes: int | None = None,
                  on_ready: Callable[[], None] | None = None, handshake_timeout_s: float = HELLO_TIMEOUT_S,
@@ -624,13 +618,8 @@ class WorkerRegistry:
         the host that holds most of them (`sock`'s own included): connections flooding the port from one host then
         close each other, not a worker's handshake from another."""
         with self._pending_lock:
-            oldest = None
-            if len(self._pending) >= MAX_PENDING_HANDSHAKES:
-                hosts = collections.Counter(_host(p) for p in [*self._pending.values(), peer])
-                busiest = max(hosts, key=hosts.__getitem__)
-                oldest = next((s for s, p in self._pending.items() if _host(p) == busiest), None)
-                if oldest is None:  # the new connection's host is the busiest, and holds no other: the oldest
-                    oldest = next(iter(self._pending))
+            full = len(self._pending) >= MAX_PENDING_HANDSHAKES
+            oldest = oldest_of_busiest_host(self._pending, peer) if full else None
             if oldest is not None:
                 oldest_peer = self._pending.pop(oldest)
                 self._evicted += 1

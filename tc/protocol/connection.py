@@ -30,12 +30,13 @@ oversized body is never read.
 """
 from __future__ import annotations
 
+import collections
 import math
 import select
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping, TypeVar
 
 from tc.protocol.cbor import BytesLike
 from tc.protocol.errors import ConnectionClosed, FrameTooLarge
@@ -93,6 +94,24 @@ def _wait_writable(sock: socket.socket) -> None:
     except ValueError as exc:  # closed by another thread since the send began (its descriptor is -1)
         raise OSError(f"the socket was closed ({exc})") from exc
     poller.poll()
+
+
+K = TypeVar("K")
+
+
+def oldest_of_busiest_host(waiting: Mapping[K, str], newcomer: str) -> K | None:
+    """Of the connections still in their handshake (`waiting`, oldest first: each one's "host:port"), the one to
+    close for a `newcomer` when every place is taken: the oldest of the host that holds most of them, the newcomer
+    counted with its host. Connections flooding a port from one host thus close each other, not a handshake from
+    another host. None where `waiting` is empty."""
+    def host(peer: str) -> str:
+        return peer.rpartition(":")[0]
+
+    for busiest, _ in collections.Counter(host(peer) for peer in [*waiting.values(), newcomer]).most_common():
+        oldest = next((key for key, peer in waiting.items() if host(peer) == busiest), None)
+        if oldest is not None:
+            return oldest
+    return None
 
 
 def _describe_peer(sock: socket.socket) -> str:

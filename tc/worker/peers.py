@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from ..protocol.auth import check_peer_proof, new_nonce, peer_proof, route_key
-from ..protocol.connection import Connection, connect
+from ..protocol.connection import Connection, connect, oldest_of_busiest_host
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import Envelope
 from ..protocol.messages import (ERROR_HELLO_REFUSED, ERROR_PROTOCOL, PROTOCOL_VERSION, Error, PeerAck,
@@ -100,7 +100,7 @@ class PeerListener:
     link in: a worker that is first in the pipeline, or in a cluster that relays, reads nothing from its port.
     Until a peer has proven the route's key it may send only small frames, and the whole handshake has one
     deadline however the peer paces its bytes; with MAX_PEER_CONNECTIONS open, the oldest still in its handshake
-    gives way to a new one. A link proven for a newer route closes those of older ones.
+    (of the host holding most) gives way to a new one. A link proven for a newer route closes those of older ones.
     """
 
     def __init__(self, host: str, port: int, routes: Routes, deliver: Callable[[Envelope], None],
@@ -171,12 +171,14 @@ class PeerListener:
             conn = Connection(sock, max_frame_bytes=PEER_HANDSHAKE_MAX_FRAME_BYTES)
             conn.frame_limit_advice = HANDSHAKE_FRAME_ADVICE
             with self._lock:
-                # Full, the oldest connection still in its handshake gives way: the stage before finishes its own
-                # within a round trip or two, so those that sit idle (a plain TCP connect takes a place, no key
-                # needed) are the ones that go, and it still gets in. Refusing the newcomer instead had the stage
-                # before pass through the head, and back off for up to RETRY_MAX_S, for as long as they kept coming.
+                # Full, the oldest connection still in its handshake (of the host holding most) gives way: the
+                # stage before finishes its own within a round trip or two, so those that sit idle (a plain TCP
+                # connect takes a place, no key needed) are the ones that go, and it still gets in. Refusing the
+                # newcomer instead had the stage before pass through the head, and back off for up to RETRY_MAX_S,
+                # for as long as they kept coming.
                 full = len(self._open) >= MAX_PEER_CONNECTIONS
-                oldest = next((c for c, route in self._open.items() if route == 0), None) if full else None
+                waiting = {c: c.peer for c, route in self._open.items() if route == 0}
+                oldest = oldest_of_busiest_host(waiting, conn.peer) if full else None
                 if self._closed or (full and oldest is None):
                     conn.close()
                     now = time.monotonic()
