@@ -383,8 +383,10 @@ class SequenceState:
         self.rng = new_rng(params.seed)
         self.history: TokenHistory | None = None  # made with the first logits, which give the vocabulary's size
         context = _text_context(tokenizer, prompt_ids) if params.continues_prompt else ()
-        self.text = CompletionText(tokenizer, params.stop, context, params.kept_tokens | stop_tokens(tokenizer,
-                                                                                                  params.stop))
+        # special tokens a stop string names: their text is kept to be found, and, as EOS, they are never chosen
+        # before min_tokens (nor would their text be cut there)
+        self.stop_ids = stop_tokens(tokenizer, params.stop)
+        self.text = CompletionText(tokenizer, params.stop, context, params.kept_tokens | self.stop_ids)
         self.grammar = params.constraint.start() if params.constraint is not None else None
         self.prefilled = 0  # prompt positions through the pipeline
         self.cached = 0  # of those, how many a finished request's cache held already (take_cache, copy_cache)
@@ -561,7 +563,7 @@ class SequenceState:
         params = self.params
         return (params.temperature == 0 and params.logprobs is None and not params.penalised and self.grammar is None
                 and not params.logit_bias and self.max_tokens > 0
-                and (params.ignore_eos or len(self.text.tokens) >= params.min_tokens))
+                and (len(self.text.tokens) >= params.min_tokens or params.ignore_eos and not self.stop_ids))
 
     def advance(self, logits: torch.Tensor) -> Step:
         """Choose the next token from `logits` ([vocab], fp32) and return what it adds."""
@@ -570,14 +572,13 @@ class SequenceState:
             return self._finish("length")
         if params.penalised and self.history is None:
             self.history = TokenHistory(logits.shape[-1], self.prompt_ids)
-        early = len(state.tokens) < params.min_tokens  # EOS may not end the completion yet
-        eos = self.tokenizer.eos_token_ids
+        early = len(state.tokens) < params.min_tokens  # EOS and the stop strings' tokens may not end it yet
+        banned = (frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids) | self.stop_ids if early else ()
         allowed = None
         if self.grammar is not None:
             allowed = self.next_allowed if self.next_allowed is not None else self.grammar.allowed()
             self.next_allowed = None
-        token = choose(logits, params, self.history, self.rng, banned=eos if early and not params.ignore_eos else (),
-                       allowed=allowed)
+        token = choose(logits, params, self.history, self.rng, banned=banned, allowed=allowed)
         if self.grammar is not None:
             self.grammar.advance(token)
         return self.add_token(token, logits)
@@ -644,8 +645,8 @@ def prompt_shares(readers: Sequence[SequenceState], budget: int, whole: Sequence
         shares[whole.id] = min(needs[whole.id], budget)
         budget -= shares[whole.id]
     rest = [s.id for s in readers if s is not whole]
-    if rest:
-        shares[rest[0]] = min(needs[rest[0]], budget // len(rest))
+    if rest:  # at least one position, where the budget is smaller than the prompts: the first never waits for ever
+        shares[rest[0]] = min(needs[rest[0]], budget, max(1, budget // len(rest)))
         budget -= shares[rest[0]]
     for sequence_id in sorted(rest, key=needs.__getitem__):
         more = min(needs[sequence_id] - shares[sequence_id], budget)

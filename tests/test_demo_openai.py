@@ -63,6 +63,12 @@ def test_a_stop_string_that_names_a_special_token_stops_the_reply(cluster):
     assert status == 200, body
     assert (body["choices"][0]["finish_reason"], body["choices"][0]["text"]) == ("stop", ""), body
     assert body["usage"]["completion_tokens"] == 1, body
+    # with min_tokens the stop's token is not chosen before them, as EOS is not (nor shows its text meanwhile)
+    status, body = cluster.post("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(2, 3))\n", "max_tokens": 8,
+        "temperature": 0, "stop": FIM_STOPS, "logit_bias": {str(file_sep): 100}, "min_tokens": 2})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+    assert body["usage"]["completion_tokens"] == 3 and "<|" not in body["choices"][0]["text"], body
 
 
 WEATHER_TOOL = {"type": "function", "function": {
