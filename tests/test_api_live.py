@@ -502,8 +502,17 @@ def test_a_text_prompt_starts_with_the_bos_token_its_tokenizer_adds(tmp_path):
         reply = client.completions.create(model=MODEL, prompt="<s>the café", max_tokens=1, echo=True, logprobs=0,
                                           temperature=0)
         assert reply.choices[0].logprobs.tokens[:3] == ["<s>", " the", " café"] and reply.usage.prompt_tokens == 3
+        twice = client.completions.create(model=MODEL, prompt="<s><s>the café", max_tokens=1)
+        assert twice.usage.prompt_tokens == 4  # two the text holds itself: only the post-processor's goes
     finally:
         running.stop()
+
+
+def test_a_text_that_starts_with_two_special_tokens_of_its_own_keeps_both():
+    """Only a BOS the post-processor added goes where the text starts with its own: a tokenizer that adds none
+    (Qwen's) keeps a prompt's two leading special tokens as written."""
+    adds_none = TextTokenizer(sentencepiece_tokenizer(), frozenset({2}), None, {})
+    assert adds_none.encode_prompt("<s><s>the") == adds_none.encode("<s><s>the") == [1, 1, 269]
 
 
 def test_a_completion_that_starts_with_a_word_keeps_its_space(tmp_path):

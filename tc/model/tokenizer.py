@@ -131,8 +131,8 @@ class TextTokenizer:
         second BOS where the text starts with its own, as a client that renders the chat template itself sends it
         (llama.cpp warns of the doubled token, which a model reads as it never saw in training)."""
         ids = self.encode(text, add_special_tokens=True)
-        if len(ids) > 1 and ids[0] == ids[1] and ids[0] in self.special_ids:
-            return ids[1:]
+        if len(ids) > 1 and ids[0] == ids[1] and ids[0] in self.special_ids and ids[1:] == self.encode(text):
+            return ids[1:]  # the post-processor's, before the text's own; two the text holds itself stay
         return ids
 
     @cached_property
