@@ -44,10 +44,13 @@ echo "starting: logs in demo/head.log, demo/worker-1.log, demo/worker-2.log"
 # Python, not curl: a machine with only Python has no curl. The whole 503 body is read, as a hang-up at the status
 # line is logged by the head as a client gone.
 ready() {
-  "$PY" -c 'import sys, urllib.request
+  "$PY" -c 'import sys, urllib.error, urllib.request
 try:
     with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health/ready", timeout=5) as reply:
         reply.read()
+except urllib.error.HTTPError as not_ready:
+    not_ready.read()
+    sys.exit(1)
 except Exception:
     sys.exit(1)' "$API_PORT"
 }

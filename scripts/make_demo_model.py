@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from tc.cache_dir import ENV as CACHE_ENV, cache_path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: tc need not be installed
+from tc.cache_dir import ENV as CACHE_ENV, cache_path  # noqa: E402
 
 if TYPE_CHECKING:  # heavy imports are deferred until a build needs them, so a cached run returns at once
     import numpy as np

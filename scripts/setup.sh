@@ -9,11 +9,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if ! command -v "$PY" >/dev/null 2>&1; then
+  echo "setup: no $PY here; install Python 3.10-3.12 with pip, or name one: PYTHON=/path/to/python3" >&2
+  exit 1
+fi
 # A Python the system manages (PEP 668: Debian 12's, Ubuntu 24.04's) refuses pip installs outside a virtual
-# environment, unless told to anyway (PIP_BREAK_SYSTEM_PACKAGES): said here with the fix, before anything else.
+# environment, unless told to anyway (PIP_BREAK_SYSTEM_PACKAGES, or pip's own configuration): said here with the
+# fix, before anything else.
 if [ -z "${PIP_BREAK_SYSTEM_PACKAGES:-}" ] && ! "$PY" -c 'import os, sys, sysconfig
 marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
-sys.exit(sys.prefix == sys.base_prefix and os.path.exists(marker))'
+sys.exit(sys.prefix == sys.base_prefix and os.path.exists(marker))' \
+   && [ "$("$PY" -m pip config get global.break-system-packages 2>/dev/null)" != "true" ]
 then
   echo "setup: $PY is managed by the system (PEP 668) and refuses pip installs; make a virtual environment and" \
        "run from it: python3 -m venv .venv && . .venv/bin/activate (Debian, Ubuntu: apt install python3-venv)" >&2

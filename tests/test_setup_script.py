@@ -19,13 +19,17 @@ QUIET = ["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 LOUD = ["-m", "pip", "install", "--progress-bar", "on", "--disable-pip-version-check"]
 
 
-def run_setup(tmp_path: Path, managed: bool = False, **env: str) -> tuple[subprocess.CompletedProcess, list]:
-    """setup.sh run with PYTHON a stand-in that records its pip calls, and answers the check for a Python the
-    system manages as one would (`managed`) or as a virtual environment's does."""
+def run_setup(tmp_path: Path, managed: bool = False, pip_breaks: bool = False,
+              **env: str) -> tuple[subprocess.CompletedProcess, list]:
+    """setup.sh run with PYTHON a stand-in that records its pip installs, and answers the check for a Python the
+    system manages as one would (`managed`) or as a virtual environment's does, and pip's configuration as one
+    with break-system-packages = true would (`pip_breaks`)."""
     log = tmp_path / "calls.jsonl"
     recorder = tmp_path / "python"
     recorder.write_text(f"#!{sys.executable}\nimport json, sys\n"
                         f"if sys.argv[1] == '-c':\n    sys.exit({int(managed)})\n"
+                        f"if sys.argv[1:4] == ['-m', 'pip', 'config']:\n"
+                        f"    print({'true' if pip_breaks else ''!r})\n    sys.exit(0 if {pip_breaks} else 1)\n"
                         f"with open({str(log)!r}, 'a') as f:\n    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
     recorder.chmod(0o755)
     clean = {k: v for k, v in os.environ.items()
@@ -45,12 +49,21 @@ def test_a_python_the_system_manages_is_told_to_make_a_virtual_environment_first
     done, calls = run_setup(tmp_path, managed=True)
     assert done.returncode == 1 and calls == []
     assert "PEP 668" in done.stderr and "python3 -m venv .venv" in done.stderr
-    done, calls = run_setup(tmp_path, managed=True, PIP_BREAK_SYSTEM_PACKAGES="1")  # pip's own way past it
+    done, calls = run_setup(tmp_path, managed=True, PIP_BREAK_SYSTEM_PACKAGES="1")  # pip's own ways past it
+    assert done.returncode == 0 and calls[0][-1] == "torch==2.13.0"
+    (tmp_path / "calls.jsonl").unlink()
+    done, calls = run_setup(tmp_path, managed=True, pip_breaks=True)
     assert done.returncode == 0 and calls[0][-1] == "torch==2.13.0"
 
 
+def test_a_python_that_is_not_there_is_named(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": str(tmp_path / "no-such-python")})
+    assert done.returncode == 1 and f"no {tmp_path / 'no-such-python'} here" in done.stderr
+
+
 def test_the_check_for_a_managed_python_passes_this_one():
-    check = (ROOT / "scripts" / "setup.sh").read_text().split("! \"$PY\" -c '", 1)[1].split("'\nthen", 1)[0]
+    check = (ROOT / "scripts" / "setup.sh").read_text().split("! \"$PY\" -c '", 1)[1].split("'", 1)[0]
     managed = Path(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED").exists()
     in_venv = sys.prefix != sys.base_prefix
     assert subprocess.run([sys.executable, "-c", check]).returncode == int(managed and not in_venv)
