@@ -199,7 +199,7 @@ def test_a_window_no_shorter_than_the_context_served_is_no_window(tmp_path, name
 @pytest.mark.parametrize("name", ["mistral-window", "gemma3", "cohere2"])
 def test_a_sliding_layers_decode_rows_slice_the_window_rather_than_mask_it(family_dirs, name, monkeypatch):
     """A decode row of a sliding-window layer sees the last `window` cached positions: sliced off, they leave it
-    the unmasked path of every other decode row (the masked one took 5x as long at 2048 positions behind a window
+    the unmasked path of every other decode row (the masked one took 4.5x as long at 2048 positions behind a window
     of 512, bench/bench_sliding_decode.py), with transformers' logits past the window."""
     masked = Attention._attend_masked
 

@@ -213,7 +213,7 @@ class _Request:
 class GenerationStream:
     """One generation. Iterate for its steps; `close()` (always) ends it, giving its place in the batch back.
 
-    Created by `GenerationService.open` with the first step already computed, so that the errors of starting a
+    Created by `GenerationGroup.wait` with the first step already computed, so that the errors of starting a
     generation reach the caller before any reply is sent.
     """
 

@@ -884,7 +884,8 @@ def load(compiler: Compiler, march: str = "native") -> Kernels:
 def kernels() -> Kernels | None:
     """The native kernels of this machine, built and checked once per process, or None (logged once) where they
     cannot be: turned off, not x86-64, a CPU without AVX2 and FMA, no C compiler, or a build that fails or
-    disagrees both for this CPU and, tried after it, for AVX2 and FMA alone (one warning either way)."""
+    disagrees both for this CPU and, tried after it where the CPU's flags list them, for AVX2 and FMA alone (one
+    warning either way)."""
     if os.environ.get("TC_NATIVE_KERNELS", "1") == "0":
         log.info("native kernels: off (TC_NATIVE_KERNELS=0); using PyTorch's")
         return None
