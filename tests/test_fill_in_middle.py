@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 from falcon import testing
+from tokenizers import Tokenizer, processors
 
 from model_helpers import OurModel
 from tiny_model import SPECIAL_TOKENS, write_tiny_model
 from tc.generation import Generator
 from tc.head.api import create_app
-from tc.head.fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
+from tc.head.fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SPELLINGS, FIM_SUFFIX, FimTokens
 from tc.head.service import GenerationService, Readiness
 from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
@@ -80,6 +81,37 @@ def test_a_prefix_or_suffix_that_spells_a_special_token_is_read_as_its_character
     expected = fim_model.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert reply.json["choices"][0]["text"] == expected.text
     assert tok.encode("<|fim_middle|>") == [261]  # the shared tokenizer reads the token, where a template writes it
+
+
+@pytest.mark.parametrize("spelling, bos", [(FIM_SPELLINGS[1], False), (FIM_SPELLINGS[2], True)],
+                         ids=["starcoder", "deepseek-coder"])
+def test_the_other_families_spellings_fill_in_the_middle_after_the_bos_a_text_gets(tmp_path, spelling, bos):
+    """StarCoder's and Granite Code's <fim_prefix>, DeepSeek-Coder's <｜fim▁begin｜> (whose tokenizer starts every
+    text with its BOS, which it was trained to read first here too): the module named them, and a suffix was a
+    400 for them."""
+    model_dir = write_tiny_model(tmp_path, seed=0)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    data = json.loads(tokenizer.to_str())
+    for text, token_id in zip(spelling, (259, 260, 261)):
+        data["added_tokens"].append({"id": token_id, "content": text, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    if bos:  # the BOS a text starts with: <|endoftext|> (256) stands in for DeepSeek's
+        tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                 special_tokens=[("<|endoftext|>", 256)])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    model = OurModel(model_dir)
+    generator = Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+    service = GenerationService("tiny", generator.tokenizer, generator, lambda: Readiness(1, ("w",), ()))
+    reply = testing.TestClient(create_app(service)).simulate_post("/v1/completions", json={
+        "model": "tiny", "prompt": "def f(x):\n    ", "suffix": "\n\nf(1)\n", "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    tok = generator.tokenizer
+    ids = [*([256] if bos else []), 259, *tok.encode("def f(x):\n    "), 260, *tok.encode("\n\nf(1)\n"), 261]
+    assert reply.json["usage"]["prompt_tokens"] == len(ids)
+    expected = generator.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert reply.json["choices"][0]["text"] == expected.text
 
 
 # What an editor's autocomplete sends a Qwen2.5-Coder as stop strings beside its fill-in-the-middle prompt: more than

@@ -44,7 +44,7 @@ from .api_requests import (
     says_json,
 )
 from .api_keys import ApiKeys, Unauthorized
-from .fill_in_middle import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FimTokens
+from .fill_in_middle import FIM_SPELLINGS, FimTokens
 from .loading import HeadLoading, StillLoading
 from .metrics import Metrics
 from .service import (ClientGone, ClusterNotReady, GenerationGroup, GenerationService, GenerationStream,
@@ -451,13 +451,14 @@ class CompletionsResource:
     def __init__(self, service: GenerationService, max_body_bytes: int, token_text: TokenText):
         self.service, self.max_body_bytes, self.token_text = service, max_body_bytes, token_text
         self.generation = _Generation(service)
-        self.fim = FimTokens.find(service.tokenizer.token_id)
+        self.fim = FimTokens.find(service.tokenizer.token_id, service.tokenizer.leading_ids())
 
     def _fill_in_middle(self, prompt_ids: list[int], suffix: str) -> list[int]:
         if self.fim is None:
-            raise RequestError(f"'suffix' needs a model trained to fill in the middle, whose vocabulary has "
-                               f"{FIM_PREFIX}, {FIM_SUFFIX} and {FIM_MIDDLE}; this model's has not. Leave out "
-                               "suffix", param="suffix", code="unsupported_value")
+            known = "; ".join(", ".join(spelling) for spelling in FIM_SPELLINGS)
+            raise RequestError(f"'suffix' needs a model trained to fill in the middle, whose vocabulary has the three "
+                               f"tokens of one of these spellings: {known}; this model's has not. Leave out suffix",
+                               param="suffix", code="unsupported_value")
         return self.fim.prompt(prompt_ids, self.service.tokenizer.encode_literal(suffix))
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:

@@ -126,6 +126,13 @@ class TextTokenizer:
         literal.encode_special_tokens = True
         return literal
 
+    def leading_ids(self) -> list[int]:
+        """The tokens the post-processor puts before a text (Llama's, DeepSeek's BOS; none for Qwen's)."""
+        plain = self.encode("a")
+        ids = self.encode("a", add_special_tokens=True)
+        starts = [i for i in range(len(ids) - len(plain) + 1) if ids[i:i + len(plain)] == plain]
+        return ids[:starts[0]] if starts else []
+
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt's ids: with what the post-processor puts around a text (Llama's, Gemma's BOS), but not a
         second BOS where the text starts with its own, as a client that renders the chat template itself sends it
