@@ -17,10 +17,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 from cluster import write_topology
-from tc.generation import Completion
+from model_helpers import OurModel
+from tc.generation import Completion, Generator
 from tc.head.main import start_head
+from tc.model.tokenizer import TextTokenizer
 from tc.sampling import SamplingParams
 from tc.topology import load_topology
 from test_resume_dtypes import KillBeforeStep, start_worker
@@ -98,6 +101,50 @@ def test_a_worker_killed_at_any_step_leaves_every_reply_as_without_the_loss(tmp_
             assert set(pipeline._inputs) == set(service._kept), "the ended sequences' replay inputs are still held"
     finally:
         killer.restore()
+        for worker in workers.values():
+            worker.stop()
+        head.stop()
+
+
+def test_with_resume_off_the_head_keeps_no_replay_inputs(tmp_path, model_dir):
+    """Replay inputs serve a resume alone: with it off, a conversation continued from its kept caches and a request of
+    two choices (one copying the other's cache) hold none, and the replies are those of a single process."""
+    nodes = [{"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}]
+    path = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"resume": False, "max_batch": 4,
+                                                                      "prefill_chunk": CHUNK})
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    workers = {n: start_worker(head, n, tmp_path / f"{n}.log") for n in ("a", "b")}
+    service = head.service
+    pipeline = service.generator.pipeline
+    held: list[int] = []  # per pipeline call, the input tensors the pipeline holds after it
+    run = pipeline.run
+
+    def run_counting(entries, hidden):
+        out = run(entries, hidden)
+        held.append(sum(len(parts) for _, parts in pipeline._inputs.values()))
+        return out
+
+    pipeline.run = run_counting
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    model = OurModel(model_dir)
+    alone = Generator(model.head, TextTokenizer.load(model_dir), model.pipeline(), torch.float32)
+    ids = service.tokenizer.encode(PROMPT)
+    try:
+        assert head.registry.wait_ready(300), [w.output() for w in workers.values()]
+        first = service.complete(ids, greedy)
+        follow_up = ids + list(first.token_ids) + service.tokenizer.encode(" eleven twelve")
+        second = service.complete(follow_up, greedy)
+        assert second.cached_prompt_tokens > 0, "the second turn did not continue the first's kept caches"
+        streams = service.open_choices(ids, [greedy, greedy])
+        choices = [stream.drain() for stream in streams]
+        for stream in streams:
+            stream.close()
+        assert first.token_ids == alone.generate(ids, greedy).token_ids
+        assert second.token_ids == alone.generate(follow_up, greedy).token_ids
+        assert [c.token_ids for c in choices] == [first.token_ids] * 2
+        assert held and set(held) == {0}, f"input tensors held after each step: {held}"
+    finally:
+        pipeline.run = run
         for worker in workers.values():
             worker.stop()
         head.stop()

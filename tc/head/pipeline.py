@@ -25,8 +25,8 @@ len(groups) hops' worth of waiting; with direct hops every group goes to the fir
 passes each on as it finishes it). It pays where the stages do not share cores (separate machines); on one machine whose
 cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
 
-Resuming: the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's embeddings and
-each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the lost
+Resuming: with resume on, the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's
+embeddings and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the lost
 node's entry to be filled again (the same worker back, or a spare), then replays every sequence from position 0 but
 the idle ones (caches kept for a later request that no request waits on: they are dropped, and read anew if asked
 for), in one batch where the workers' frames hold it and over several steps where they do not, through every stage,
@@ -72,6 +72,7 @@ class RemotePipeline:
         self.last_hops: list[tuple[str, float, float]] = []  # (node, compute s, round trip s) of the last step
         self.resumes = 0  # steps carried over a lost worker, since start
         # per sequence in flight: its cache capacity and every first-stage input so far, [1, L_i, hidden] each
+        # (none with resume off)
         self._inputs: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._links: list[WorkerLink] = []  # the workers of the last step, which hold the sequences' caches
         # Which set of workers each sequence last ran on (a count of the changes to the workers), so that a cache
@@ -301,8 +302,12 @@ class RemotePipeline:
                 self._inputs[e.sequence] = (e.capacity, [])
             elif e.capacity > self._inputs[e.sequence][0]:  # a cache taken up by a request that continues it
                 self._inputs[e.sequence] = (e.capacity, self._inputs[e.sequence][1])
-            # not a view of the batch, which would hold all of it; a batch of one entry is that entry's alone
-            self._inputs[e.sequence][1].append(hidden if len(entries) == 1 else hidden[:, row:row + e.length].clone())
+            # kept only for a replay: with resume off a lost worker fails the step, and a long conversation's inputs
+            # (hidden_size values a position) would hold memory for nothing. Not a view of the batch, which would
+            # hold all of it; a batch of one entry is that entry's alone
+            if self.resume:
+                self._inputs[e.sequence][1].append(
+                    hidden if len(entries) == 1 else hidden[:, row:row + e.length].clone())
             row += e.length
             for copy in e.copies:  # a copy replays as a sequence of its own: the same inputs so far
                 self._inputs[copy] = (e.capacity, list(self._inputs[e.sequence][1]))
