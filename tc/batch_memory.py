@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .model.config import ModelConfig
-from .planner import GIB, Plan, PlanError, Stage, format_bytes
+from .planner import Plan, PlanError, Stage, format_bytes, memory_text
 
 DEFAULT_MAX_BATCH = 8
 
@@ -87,12 +87,18 @@ def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
                 f"node {stage.node_id}: head.max_batch {asked} needs {format_bytes(asked * slot_bytes[stage.node_id])}"
                 f" of KV cache ({format_bytes(slot_bytes[stage.node_id])} per sequence for layers "
                 f"{stage.layers_text} at the {config.context_length}-position context) beside "
-                f"{format_bytes(stage.weight_bytes)} of weights, but max_memory_gb is {stage.memory_bytes / GIB:.3g}"
-                f" ({format_bytes(stage.memory_bytes)}); its memory holds {room} sequence(s): lower head.max_batch "
-                "to that, raise max_memory_gb, give the node fewer layers, or set a shorter context_length",
-                stage.node_id)
+                f"{format_bytes(stage.weight_bytes)} of weights, but {memory_text(stage)}; {_holds(room)}raise "
+                f"{'it' if stage.memory_from == 'max_memory_gb' else 'the memory it offers'}, give the node fewer "
+                "layers, or set a shorter context_length", stage.node_id)
         fits = min(fits, room)
     return BatchPlan(max(fits, 1), slot_bytes)
+
+
+def _holds(room: int) -> str:
+    """What a node whose memory holds `room` full-context caches allows head.max_batch (at least 1)."""
+    if room == 0:
+        return "its memory holds not one sequence at full context beside the weights: "
+    return f"its memory holds {room} sequence(s): lower head.max_batch to that, "
 
 
 def stage_need(config: ModelConfig, stage: Stage, max_batch: int, device: str | None = None) -> StageNeed:

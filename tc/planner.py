@@ -51,6 +51,7 @@ class NodeSpec:
     pin: tuple[int, int] | None  # half-open [start, end)
     speed: Speed | None = None  # None: not known, so its run is split by bytes
     link: LinkSpeed | None = None  # the head's link to it, once measured
+    memory_from: str = "max_memory_gb"  # what gave memory_bytes, as an error names it (memory_text)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Stage:
     speed: Speed | None = None
     link: LinkSpeed | None = None
     pinned: bool = False  # its range is the topology's pin, not the planner's choice
+    memory_from: str = "max_memory_gb"  # NodeSpec.memory_from
 
     @property
     def decode_s(self) -> float | None:
@@ -152,7 +154,7 @@ def make_plan(num_layers: int, layer_bytes: Sequence[int], nodes: Sequence[NodeS
     ranges = _assign_ranges(num_layers, list(layer_bytes), nodes)
     stages = tuple(
         Stage(node.id, node.device, node.dtype, start, end, sum(layer_bytes[start:end]), node.memory_bytes,
-              node.speed, node.link, node.pin is not None)
+              node.speed, node.link, node.pin is not None, node.memory_from)
         for node, (start, end) in zip(nodes, ranges)
     )
     assert [s.start for s in stages] == [0] + [s.end for s in stages[:-1]] and stages[-1].end == num_layers
@@ -343,10 +345,18 @@ def _check_fits(stage: Stage, node: NodeSpec) -> None:
     advice = "pin fewer layers there" if node.pin is not None else "give the other nodes more memory"
     raise PlanError(
         f"node {stage.node_id}: layers {stage.layers_text} need {format_bytes(stage.weight_bytes)} of weights "
-        f"but max_memory_gb is {stage.memory_bytes / GIB:.3g} ({format_bytes(stage.memory_bytes)}); "
-        f"raise it, {advice}, or add a node",
+        f"but {memory_text(stage)}; raise it, {advice}, or add a node",
         stage.node_id,
     )
+
+
+def memory_text(stage: Stage) -> str:
+    """Where the stage's memory figure comes from and what it is, for an error: the topology's max_memory_gb, or
+    what its worker offered (a plan made from the workers)."""
+    assert stage.memory_bytes is not None
+    if stage.memory_from == "max_memory_gb":
+        return f"max_memory_gb is {stage.memory_bytes / GIB:.3g} ({format_bytes(stage.memory_bytes)})"
+    return f"its worker offers {format_bytes(stage.memory_bytes)} ({stage.memory_from})"
 
 
 def _bound(node: NodeSpec | None, otherwise: str) -> str:

@@ -444,6 +444,13 @@ def test_kv_bytes_per_slot_and_max_batch_from_memory(model_dir):
     tight = make_plan(config.num_hidden_layers, [layer] * config.num_hidden_layers,
                       [NodeSpec("a", "cpu", "fp32", int(0.5 * GIB), None)])
     assert plan_batch(tight, config, None).max_batch >= 1
+    # memory for the weights alone: no batch to lower head.max_batch to (its least is 1)
+    full = make_plan(config.num_hidden_layers, [layer] * config.num_hidden_layers,
+                     [NodeSpec("a", "cpu", "fp32", config.num_hidden_layers * layer, None)])
+    with pytest.raises(PlanError, match="its memory holds not one sequence at full context beside the weights: "
+                                        "raise it, give the node fewer layers") as refused:
+        plan_batch(full, config, 1)
+    assert "lower head.max_batch" not in str(refused.value)
 
 
 def test_a_topology_whose_batch_cannot_fit_is_refused_with_the_numbers(tmp_path, model_dir):

@@ -13,7 +13,7 @@ import pytest
 from cluster import WORKER_JOIN_S, Cluster, worker_hello, write_topology
 from tc.protocol.connection import Connection
 from tc.protocol.errors import ConnectionClosed
-from tc.protocol.messages import Assignment, HelloAck, Ping, Pong, SpeedFigure
+from tc.protocol.messages import Assignment, DeviceInfo, HelloAck, Ping, Pong, SpeedFigure
 from tiny_model import write_tiny_model
 
 NODES = [{"id": "slow", "device": "cpu"}, {"id": "fast", "device": "cpu"}]
@@ -144,6 +144,38 @@ def test_workers_offering_less_memory_get_a_smaller_batch_not_a_refusal(tmp_path
         with urllib.request.urlopen(cluster.url + "/metrics", timeout=5) as reply:
             assert "tc_batch_slots 6.0" in reply.read().decode()
         assert "batch: up to 6 sequences at once" in cluster.head.output()
+        for worker in workers:
+            worker.close()
+
+
+def test_a_worker_gets_no_more_layers_than_its_device_has_free(tmp_path, model_dir):
+    """A worker that names no --max-memory-gb offers what its device reports free: the plan gives it no more layers
+    than that holds (the byte split's 4 would have run its load out of memory), and one whose memory holds no layer
+    gets no plan, with the figure and where it came from in the head's log."""
+    topology = write_topology(tmp_path / "t.yaml", model_dir, NODES, head={"plan_from": "workers",
+                              "speed": {"decode_gbps": 10, "prefill_gbps": 100, "layer_ms": 0}})
+
+    def free(nbytes: int) -> dict:
+        return {"devices": (DeviceInfo("cpu", "cpu", "cpu", 8 * 2**30, nbytes),)}
+
+    with Cluster(topology, tmp_path) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        # 4 layers of the tiny model take 338 KiB: 200,000 bytes hold 2 of them
+        workers = [HandWorker(cluster, "slow", None, **free(200_000)), HandWorker(cluster, "fast", None)]
+        spans = [(a.layer_start, a.layer_end_exclusive) for a in (w.next_assignment(10) for w in workers)]
+        assert spans == [(0, 2), (2, 8)], cluster.head.output()
+        for worker in workers:
+            worker.close()
+    (tmp_path / "again").mkdir()
+    with Cluster(topology, tmp_path / "again") as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        workers = [HandWorker(cluster, "slow", None, **free(50_000)), HandWorker(cluster, "fast", None)]
+        assert workers[0].next_assignment(3) is None
+        output = cluster.head.output()
+        assert re.search(r"cannot plan from the joined workers: node slow: layers 0-[0-9] need .* of weights but its "
+                         r"worker offers 48.8 KiB \(what cpu on test reports free\)", output), output
         for worker in workers:
             worker.close()
 

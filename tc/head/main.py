@@ -34,7 +34,7 @@ from ..signals import on_signals
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
-from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for
+from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for, worker_memory
 from .api import body_limit, create_app, create_loading_app
 from .reasoning import ReasoningUnavailable, reasoning_tokens
 from .http_server import HttpServer, start_http_server
@@ -71,15 +71,23 @@ def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str,
                       links: dict[str, LinkSpeed | None] | None = None) -> Plan:
     """The plan from the planned set's HELLOs: each node's speed as its worker measured it for the node's device,
     dtype and the topology's weight mode (else the topology's nodes[].speed), its memory as the topology caps it,
-    else as the worker's --max-memory-gb does, and its link as the head measured it. Raises PlanError."""
+    else as the worker offers it (its --max-memory-gb, else what its device reports free: a plan that gave a
+    worker more than that would only run its load out of memory), and its link as the head measured it. Raises
+    PlanError."""
     specs = []
     for spec, entry in zip(node_specs(topology.without_spares()), topology.pipeline_nodes):
         hello = hellos[entry.id]
-        figure = speed_for(hello, device_for(entry.device, hello), spec.dtype, topology.quant)
+        device = device_for(entry.device, hello)
+        figure = speed_for(hello, device, spec.dtype, topology.quant)
         speed = spec.speed if figure is None else Speed(figure.decode_bytes_per_s, figure.prefill_bytes_per_s,
                                                         figure.layer_overhead_s)
-        memory = spec.memory_bytes if spec.memory_bytes is not None else hello.max_memory_bytes
-        specs.append(replace(spec, speed=speed, memory_bytes=memory, link=(links or {}).get(entry.id)))
+        memory, memory_from = spec.memory_bytes, spec.memory_from
+        if memory is None:
+            memory = worker_memory(hello, device)
+            memory_from = ("its --max-memory-gb" if hello.max_memory_bytes is not None
+                           else f"what {device} on {hello.hostname} reports free")
+        specs.append(replace(spec, speed=speed, memory_bytes=memory, memory_from=memory_from,
+                             link=(links or {}).get(entry.id)))
     return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
 
 
