@@ -32,6 +32,7 @@ from waitress import create_server, wasyncore
 from waitress.channel import ClientDisconnected, HTTPChannel
 from waitress.task import ErrorTask
 
+from .addresses import bind_address
 from .api import CORS_EXPOSED_HEADERS, DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
 from .api_requests import BodyTooLarge
 from .service import ShuttingDown
@@ -303,7 +304,8 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
     """
     socket_map: dict = {}
     gate = ShutdownGate(app, cors_origins)
-    server = create_server(gate, map=socket_map, host=host, port=port, threads=threads,
+    _, address = bind_address(host, port)  # ValueError, as Waitress raises for a host it cannot resolve
+    server = create_server(gate, map=socket_map, host=address, port=port, threads=threads,
                            max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc",
                            connection_limit=connection_limit(threads), asyncore_use_poll=True,
                            # reads on while a request runs, so that a client that closed its connection is seen

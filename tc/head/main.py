@@ -34,6 +34,7 @@ from ..signals import on_signals
 from ..protocol.messages import Hello
 from ..speed import LinkSpeed, Speed
 from ..topology import HostPort, Topology, TopologyError, load_topology
+from .addresses import bind_address
 from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for, worker_memory
 from .api import body_limit, create_app, create_loading_app
 from .reasoning import ReasoningUnavailable, reasoning_tokens
@@ -243,14 +244,10 @@ def check_can_listen(key: str, address: HostPort) -> None:
     if address.port == 0:
         return
     with _listening(key, address):
-        try:
-            family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
-        except socket.gaierror as exc:
-            raise ValueError(exc.strerror or str(exc)) from exc
+        family, host = bind_address(address.host, address.port)
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Waitress and the join port bind
-            probe.bind((address.host, address.port))
+            probe.bind((host, address.port))
 
 
 def start_head(topology: Topology) -> Head:

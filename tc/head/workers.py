@@ -57,6 +57,7 @@ from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
 from ..topology import WILDCARD_HOSTS, HostPort, Topology
 from ..trace import mark
+from .addresses import bind_address
 from .admission import (NodeTaken, Refusal, build_mismatch, caches_short_of_the_batch, choose_entry, device_for,
                         dtype_fallback, sequences_to_hold, stage_fit_problem)
 from .service import Readiness, StageFailed, WorkerLost
@@ -565,8 +566,12 @@ class WorkerRegistry:
 
     # --- accepting workers -------------------------------------------------------------------------------------
     def start(self, host: str, port: int) -> int:
-        """Listen for workers; returns the bound port."""
-        self.listener = socket.create_server((host, port), reuse_port=False)
+        """Listen for workers; returns the bound port. Raises OSError, and ValueError for a host that does not
+        resolve."""
+        family, address = bind_address(host, port)
+        # "::" takes IPv4 workers too where the system can (as 0.0.0.0 does them all)
+        dual = family == socket.AF_INET6 and address == "::" and socket.has_dualstack_ipv6()
+        self.listener = socket.create_server((address, port), family=family, reuse_port=False, dualstack_ipv6=dual)
         bound = self.listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="heartbeat-watch", daemon=True).start()

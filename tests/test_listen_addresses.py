@@ -1,0 +1,75 @@
+"""The addresses the head listens on: an IPv6 join port and API that a worker and a client reach, and a host name
+that resolves to several addresses (localhost as ::1 and 127.0.0.1 on macOS and several Linux distributions).
+
+Real head, worker process, sockets and HTTP; only the second test stands in for a resolver that gives two
+addresses for a name (this machine's own resolves localhost to one), with the real addresses."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import urllib.request
+
+import pytest
+
+from cluster import Process, write_topology
+from tc.head.http_server import start_http_server
+from tc.head.main import start_head
+from tc.topology import load_topology
+from tiny_model import write_tiny_model
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_a_head_on_ipv6_addresses_takes_a_worker_and_serves(tmp_path):
+    """head.listen and head.api on [::1]: the join port bound IPv4 whatever the host before (the topology took the
+    address, and the head failed once it had loaded), and a worker joined over IPv6 serves a request over it."""
+    model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=3)
+    path = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}],
+                          head={"api": "[::1]:8000", "listen": "[::1]:7001"})
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"[::1]:{head.listen_port}", "--node-id", "a",
+                      "--device", "cpu", "--threads", "1"], tmp_path / "worker.log")
+    try:
+        assert head.registry.wait_ready(120), worker.output()
+        assert head.http.url == f"http://[::1]:{head.http.port}"
+        body = json.dumps({"model": "tiny-qwen", "prompt": "hello", "max_tokens": 3}).encode()
+        request = urllib.request.Request(head.http.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.status == 200 and json.load(reply)["usage"]["completion_tokens"] == 3
+    finally:
+        worker.stop()
+        head.stop()
+
+
+def test_an_api_host_name_of_two_addresses_is_served_on_the_first(monkeypatch):
+    """Waitress serves a name of several addresses on several sockets, an object without the port the head reads:
+    the head died on its first line of serving. It binds the first address the resolver gives now."""
+    resolve = socket.getaddrinfo
+
+    def two_addresses(host, *args, **kwargs):
+        if host != "both.test":
+            return resolve(host, *args, **kwargs)
+        return resolve("127.0.0.1", *args, **kwargs) + resolve("::1", *args, **kwargs)
+
+    def app(environ, start_response):
+        start_response("204 No Content", [])
+        return [b""]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    server = start_http_server(app, "both.test", 0, threads=1)
+    try:
+        assert server.url == f"http://both.test:{server.port}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=10) as reply:
+            assert reply.status == 204
+    finally:
+        server.stop()
