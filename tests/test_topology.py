@@ -737,6 +737,23 @@ def test_design_sketch_loads(tmp_path: Path) -> None:
     assert topo.nodes[1].max_memory_gb == 12.0
 
 
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML's) read a plain 12:23 as the base-60 number 743 and 0755 as the octal 493: a layer range
+    written with a colon pinned one wrong layer, or a node's id changed. Both stay text now: the range is refused
+    with the form to write, the id kept as written; plain numbers read as before."""
+    with pytest.raises(TopologyError) as info:
+        load_topology(write(tmp_path, MINIMAL.replace("14-23", "12:23")))
+    assert info.value.key_path == "nodes[1].layers" and "'12:23' is not a layer range" in info.value.message
+    topo = load_topology(write(tmp_path, MINIMAL.replace("id: gpu-box", "id: 0755")))
+    assert topo.node_ids == ("0755", "macbook")
+    for written, read in [("0x10", 16), ("1.5", 1.5), (".5", 0.5), ("+7", 7), ("1_000", 1000)]:
+        assert load_topology(write(tmp_path, MINIMAL.replace("max_memory_gb: 12 ", f"max_memory_gb: {written} "))
+                             ).nodes[1].max_memory_gb == read
+    with pytest.raises(TopologyError) as info:
+        load_topology(write(tmp_path, MINIMAL.replace("    layers: 14-23", "    threads: 010")))
+    assert info.value.key_path == "nodes[1].threads" and "'010'" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("text", "line", "phrase"),
     [
