@@ -693,6 +693,26 @@ def test_a_port_in_use_stops_the_head_before_it_loads_anything(tmp_path: Path, k
     assert "head tensors loaded" not in caplog.text and "batch:" in caplog.text
 
 
+def test_a_head_frame_limit_under_one_step_stops_the_head_at_start(tmp_path: Path) -> None:
+    """head.max_frame_mb under one decode step of a full batch was taken, and the head dropped its workers at the
+    first such step; it stops the head at start now, with the least that serves."""
+    from cluster import write_topology
+    from tc.head.main import start_head
+    from tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny", seed=1, hidden_size=256, intermediate_size=512)
+    path = write_topology(tmp_path / "t.yaml", model, [{"id": "a", "device": "cpu"}],
+                          head={"max_frame_mb": 0.005, "max_batch": 8})
+    with pytest.raises(TopologyError) as info:
+        start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    assert info.value.key_path == "head.max_frame_mb"
+    assert "under the" in info.value.message and "(8 sequences of hidden size 256); give at least" in \
+        info.value.message
+    path = write_topology(tmp_path / "t.yaml", model, [{"id": "a", "device": "cpu"}],
+                          head={"max_frame_mb": 0.05, "max_batch": 8})
+    start_head(load_topology(path).with_ports(api_port=0, listen_port=0)).stop()
+
+
 def test_a_file_nested_past_any_topology_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="nested hundreds of levels deep"):
         load_topology(write(tmp_path, "nodes: " + "[" * 3000 + "]" * 3000 + "\n"))

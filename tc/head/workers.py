@@ -55,7 +55,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_HELLO_REFUSED, ERRO
                                  RunBatch)
 from ..protocol.tensors import WIRE_DTYPES
 from ..speed import LinkSpeed
-from ..topology import WILDCARD_HOSTS, HostPort, Topology
+from ..topology import MIB, WILDCARD_HOSTS, HostPort, Topology, TopologyError
 from ..trace import mark
 from .addresses import bind_address
 from .admission import (NodeTaken, Refusal, build_mismatch, caches_short_of_the_batch, choose_entry, device_for,
@@ -459,6 +459,11 @@ class WorkerRegistry:
         # what one position may take in a step's frames: a stage may compute, and pass on, in a wider dtype than
         # the head's (a node's own dtype, or its device's fallback), so frames are sized for the widest there is
         self.frame_bytes_per_position = config.hidden_size * max(d.itemsize for d in WIRE_DTYPES.values())
+        if self.max_frame_bytes < self._step_frame_bytes():  # every request with a full batch would fail at it
+            raise TopologyError("head.max_frame_mb", f"{self.max_frame_bytes / MIB:g} ({self.max_frame_bytes} bytes) is "
+                                f"under the {self._step_frame_bytes()} bytes that one step of this model takes "
+                                f"({self.batch.max_batch} sequences of hidden size {config.hidden_size}); give at "
+                                f"least {self._step_frame_bytes() / MIB:.3g}, or leave it out")
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._pending_lock = threading.Lock()
         self._pending: dict[socket.socket, str] = {}  # sockets in their handshake, oldest first, and their peers
@@ -535,10 +540,14 @@ class WorkerRegistry:
     def _frame_margin(self) -> int:
         return STEP_FRAME_MARGIN + STEP_FRAME_MARGIN_PER_SEQUENCE * self.batch.max_batch
 
+    def _step_frame_bytes(self) -> int:
+        """The least frame limit that carries one decode step of a full batch and a prompt position."""
+        return self._frame_margin() + self.frame_bytes_per_position * (self.batch.max_batch + 1)
+
     def _check_frames(self, hello: Hello) -> None:
         """Refuses a worker whose frame limit cannot carry one decode step of a full batch and a prompt position:
         every request would fail at it (it drops the head at the first such frame, and rejoins to fail again)."""
-        need = self._frame_margin() + self.frame_bytes_per_position * (self.batch.max_batch + 1)
+        need = self._step_frame_bytes()
         if hello.max_frame_bytes < need:
             raise Refusal(f"this worker takes frames of at most {hello.max_frame_bytes} bytes (--max-frame-mb), "
                           f"under the {need} that one step of this model takes ({self.batch.max_batch} sequences "
