@@ -72,6 +72,20 @@ def test_a_message_object_sent_back_by_the_openai_client_is_accepted():
     assert parse_chat_request({"model": "m", "messages": [ASK, echoed, ANSWERED]}).messages[1].tool_calls
 
 
+def test_prompt_cache_hints_are_taken_and_change_nothing():
+    """Anthropic's cache_control on a message, a text part and a tool (Roo Code, Cline, qwen-code, LiteLLM): a 400
+    before; the request reads as it does without them."""
+    hint = {"type": "ephemeral"}
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": hint}]}
+    plain = {"model": "m", "messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                                        ASK, CALLED, ANSWERED], "tools": [WEATHER]}
+    hinted = {**plain, "messages": [system, {**ASK, "cache_control": hint}, CALLED, ANSWERED],
+              "tools": [{**WEATHER, "cache_control": hint}]}
+    got, want = parse_chat_request(hinted), parse_chat_request(plain)
+    assert [m.as_template_input() for m in got.messages] == [m.as_template_input() for m in want.messages]
+    assert got.offered_tools == want.offered_tools
+
+
 # --- the prompt, through the API on the tiny model -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

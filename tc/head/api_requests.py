@@ -306,14 +306,18 @@ _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # type), a call's `function.parsed_arguments` (its arguments read into the tool's type) and a streamed call's
 # `index`. They repeat what `content` and `arguments` hold, which is what the template renders, so any value of
 # theirs is taken and left unused.
+# `cache_control` ({"type": "ephemeral"}) marks where a prompt cache may end, on a message, a text part or a tool:
+# Anthropic's hint, which Roo Code, Kilo Code, Cline and qwen-code send to OpenAI-compatible servers where prompt
+# caching is on, and LiteLLM passes through. tc keeps caches of its own accord (head.prefix_cache), so it is taken
+# and left unused.
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "parsed", "refusal",
-                             "reasoning_content", "function_call"})
+                             "reasoning_content", "function_call", "cache_control"})
 # what the openai client sends back when a reply's message object is appended to the conversation as it is
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"audio": (None,), "annotations": (None, [])}
-_TOOL_FIELDS = frozenset({"type", "function"})
+_TOOL_FIELDS = frozenset({"type", "function", "cache_control"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _CALL_FIELDS = frozenset({"id", "type", "function", "index"})
-_TEXT_PART_FIELDS = frozenset({"type", "text"})
+_TEXT_PART_FIELDS = frozenset({"type", "text", "cache_control"})
 _CALL_FUNCTION_FIELDS = frozenset({"name", "arguments", "parsed_arguments"})
 # include_obfuscation asks OpenAI to pad each chunk with random characters (against reading a reply's length off
 # the wire); tc's chunks carry no padding either way, so both values are taken
