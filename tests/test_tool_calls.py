@@ -228,6 +228,17 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "I will use <|START_ACT but not really",
     "Plan.\n<seed:tool_call><function=get_time></function></seed:tool_call> then <tool_call><function=x>",
     "<seed:tool_c is not a block",
+    "```json\n{\"answer\": 42, \"name\": \"get_time\", \"arguments\": {}}\n```",
+    "{\"name\": \"launch\", \"arguments\": {}}",
+    "{\"name\" : \"get_tim\"}",
+    "{\"arguments\": {}, \"name\": \"get_time\"}",
+    "{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": \"get_time\", \"arguments\": {}}}",
+    "[{\"type\": \"function\", \"name\": \"get_time\", \"parameters\": {}}]",
+    "[{\"title\": \"x\"}, {\"name\": \"get_time\", \"arguments\": {}}]",
+    "{\"na\\u006de\": \"get_time\", \"arguments\": {}}",
+    "{\"n\\u0061me\": \"laun\\u0063h\", \"arguments\": {}}",
+    "{\"bad\\q\": 1}",
+    "{}",
 ]
 
 
@@ -268,8 +279,25 @@ def test_stream_sends_a_reply_that_opens_as_no_call_can_at_once(opening, more):
     assert stream.push(more) == (more, [])
 
 
+def test_stream_sends_a_json_answer_from_its_first_key_not_at_its_end():
+    """Beside tools offered, a reply in JSON (response_format, or a model that answers so) went out whole at its
+    end; an object whose first key no call starts with, or whose name no offered tool has, is content from there."""
+    for reply, sent_by in [('```json\n{"answer": 42}\n```', '```json\n{"an'),  # "arguments" starts "ar"
+                           ('[{"title": "x", "year": 1999}]', '[{"ti'),  # "type" starts "t"
+                           ('{"name": "launch", "arguments": {}}', '{"name": "l'),
+                           ('{"name": "get_timer", "arguments": {}}', '{"name": "get_timer'),
+                           ('{"names": ["a"]}', '{"names')]:
+        stream = ToolCallStream(NAMES, ids())
+        content = ""
+        for end in range(1, len(reply) + 1):
+            content += stream.push(reply[end - 1])[0]
+            assert bool(content) == (end >= len(sent_by)), (reply, end, content)
+        assert content + stream.finish()[0] == reply
+
+
 def test_stream_holds_a_reply_that_may_still_be_a_bare_call():
-    for opening in ["{", "[", "[ {", "```", "```js", "```json\n", "```\n[", "<|python_tag|>"]:
+    for opening in ["{", "[", "[ {", "```", "```js", "```json\n", "```\n[", "<|python_tag|>", '{"na', '{"name": "get_',
+                    '{"id": "c', '{"type"', '{ "arguments"', '[{"function"', '{"name":"search"', '{"n\\u0061']:
         assert ToolCallStream(NAMES, ids()).push(opening) == ("", []), opening
 
 

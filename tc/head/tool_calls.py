@@ -119,6 +119,12 @@ def _json_values(text: str) -> Iterator[Any]:
         yield value
 
 
+# The keys a bare call object may start with: _call reads {"name", "arguments" | "parameters"} in any order, and
+# {"type": "function", "function": {...}} (with OpenAI's "id" first, as its replies write a call). An object that
+# starts with another key is an answer in JSON, whatever keys follow, so a stream can send it from that key on.
+CALL_KEYS = ("name", "arguments", "parameters", "type", "function", "id")
+
+
 def _bare_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> list[ToolCall] | None:
     """The calls when `text` is nothing but call objects (or arrays of them); None when it is anything else."""
     text = text.strip()
@@ -135,6 +141,8 @@ def _bare_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> list[Tool
             if value == []:  # no call: text, as a stream takes it from the "]" on (_may_start_bare_call)
                 return None
             for item in value if isinstance(value, list) else [value]:
+                if not isinstance(item, dict) or next(iter(item), None) not in CALL_KEYS:
+                    return None  # what a stream sends as text from its first key on (_may_be_call)
                 call = _call(item, tools, new_id)
                 if call is None:
                     return None
@@ -355,10 +363,11 @@ def marker_tokens(tokenizer: TextTokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
 
 
-def _may_start_bare_call(text: str) -> bool:
+def _may_start_bare_call(text: str, tools: Tools) -> bool:
     """Whether a reply that starts with `text` (its leading whitespace gone) may still be bare calls, as
-    `_bare_calls` reads them: an object, or an array of objects, maybe after <|python_tag|>, maybe in a ```json
-    fence. Text that can no longer be ("```python", "[1, 2]", "Sure") is content from its first character."""
+    `_bare_calls` reads them: an object that may be a call to one of `tools` (_may_be_call), or an array of them,
+    maybe after <|python_tag|>, maybe in a ```json fence. Text that can no longer be ("```python", "[1, 2]",
+    "Sure", '{"answer"') is content from its first character."""
     if PYTHON_TAG.startswith(text):
         return True
     if text.startswith(PYTHON_TAG):
@@ -370,10 +379,54 @@ def _may_start_bare_call(text: str) -> bool:
         if "json".startswith(text):
             return True
         text = text.removeprefix("json").lstrip()
-    if not text or text[0] == "{":
-        return True  # an object may be a call until it is whole
+    if not text:
+        return True
+    if text[0] == "{":
+        return _may_be_call(text, tools)
     rest = text[1:].lstrip()
-    return text[0] == "[" and (not rest or rest[0] == "{")
+    return text[0] == "[" and (not rest or (rest[0] == "{" and _may_be_call(rest, tools)))
+
+
+def _may_be_call(text: str, tools: Tools) -> bool:
+    """Whether `text`, the start of a JSON object, may still be a call: its first key one a call has, and where
+    that is "name", its value the name (or the start of the name) of an offered tool. A reply of JSON that is no
+    call (an answer in JSON beside tools offered) then streams from its first key on, not all at its end."""
+    key, rest = _leading_string(text[1:].lstrip())
+    if key is None:  # no key yet, or a character no key starts with ("}": an empty object is no call either)
+        return not rest
+    if rest is None:  # the key goes on
+        return any(k.startswith(key) for k in CALL_KEYS)
+    if key != "name":
+        return key in CALL_KEYS
+    rest = rest.lstrip()
+    if not rest:
+        return True
+    if rest[0] != ":":
+        return False
+    name, after = _leading_string(rest[1:].lstrip())
+    if name is None:
+        return not after
+    return any(tool.startswith(name) for tool in tools) if after is None else name in tools
+
+
+def _leading_string(text: str) -> tuple[str | None, str | None]:
+    """The JSON string `text` starts with, and the text after it; (the start of the string, None) where it does
+    not end yet; (None, text) where `text` starts with no string (an empty `text` included). A string with an
+    escape counts as one that may be anything: (its raw start, None) until it ends, then what it decodes to."""
+    if not text or text[0] != '"':
+        return None, text
+    at = 1
+    while at < len(text):
+        if text[at] == "\\":
+            at += 2
+            continue
+        if text[at] == '"':
+            try:
+                return json.loads(text[:at + 1]), text[at + 1:]
+            except ValueError:  # a bad escape: no JSON, so no call
+                return "", text[at + 1:]
+        at += 1
+    return ("" if "\\" in text else text[1:]), None
 
 
 def _held_marker_tail(text: str) -> int:
@@ -411,7 +464,7 @@ class ToolCallStream:
     def _safe_end(self) -> int:
         """Where the text from `released` that cannot be part of a call ends."""
         at_start = not self.text[:self.released].strip()
-        if at_start and _may_start_bare_call(self.text.lstrip()):
+        if at_start and _may_start_bare_call(self.text.lstrip(), self.tools):
             return self.released  # a bare call may fill the whole reply (and "`" may become "```"): hold it all
         hits = [i for i in (self.text.find(m, self.released) for m in MARKERS) if i >= 0]
         end = min(hits) if hits else len(self.text) - _held_marker_tail(self.text)
