@@ -9,6 +9,7 @@ import json
 import socket
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,38 @@ def test_an_api_host_name_of_two_addresses_is_served_on_the_first(monkeypatch):
             assert reply.status == 204
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts this process's open files in /proc")
+def test_a_join_port_out_of_file_descriptors_says_so_and_takes_the_worker_once_it_has_one(tmp_path, caplog):
+    """accept() failing for want of a file descriptor was retried without a word, while the worker waited in the
+    backlog and was told it may have dialled the API's port: the head says what to raise now, and the worker gets
+    in once there is room. A real head in this process, with its own limit on open files lowered to what it holds."""
+    import os
+    import resource
+    import time
+
+    model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=3)
+    path = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
+    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    worker = None
+    try:
+        caplog.set_level("ERROR", logger="tc.head.workers")
+        worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{head.listen_port}",
+                          "--node-id", "a", "--device", "cpu", "--threads", "1"], tmp_path / "worker.log")
+        # before the worker, still starting, connects: its connection then finds no descriptor free
+        # under what it holds (less the listing's own): a descriptor or two closed meanwhile frees none
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 3, hard))
+        deadline = time.monotonic() + 60
+        while "cannot take a worker's connection" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert "cannot take a worker's connection on the join port" in caplog.text
+        assert "ulimit -n" in caplog.text
+        assert head.registry.wait_ready(120), worker.output()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if worker is not None:
+            worker.stop()
+        head.stop()

@@ -29,6 +29,7 @@ asked for, a hidden state of the wrong shape) closes that one connection with an
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import queue
@@ -468,6 +469,7 @@ class WorkerRegistry:
         self._pending_lock = threading.Lock()
         self._pending: dict[socket.socket, str] = {}  # sockets in their handshake, oldest first, and their peers
         self._evicted, self._last_eviction_warning = 0, 0.0
+        self._last_accept_warning = -EVICTION_WARNING_EVERY_S  # the first failure to accept is said at once
 
     # --- views -------------------------------------------------------------------------------------------------
     def readiness(self) -> Readiness:
@@ -609,10 +611,17 @@ class WorkerRegistry:
         while not self.stopping.is_set():
             try:
                 sock, addr = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self.stopping.is_set():
                     return  # listener closed
-                time.sleep(0.1)  # EMFILE and the like: back off rather than spin
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # workers would wait in the backlog, and be told they may have the API's port
+                    now = time.monotonic()
+                    if now - self._last_accept_warning >= EVICTION_WARNING_EVERY_S:
+                        self._last_accept_warning = now
+                        log.error("cannot take a worker's connection on the join port: %s; raise the limit on open "
+                                  "files (ulimit -n) or free memory, and the workers waiting join", exc.strerror)
+                time.sleep(0.1)  # back off rather than spin
                 continue
             self._admit_pending(sock, f"{addr[0]}:{addr[1]}")
             try:
@@ -1022,8 +1031,11 @@ class WorkerRegistry:
         if speed is not None:
             log.info("link to worker %s: %s (%d-byte probe)", link.name, speed.describe(), probe_bytes)
         elif not link.closed.is_set():
-            log.warning("worker %s did not answer the link probe within %gs; its hops count as free in the plan",
-                        link.name, PROBE_TIMEOUT_S)
+            # a plan made from the topology never counted the probe: its hops are the topology's links there
+            counted = "its hops count as free in the plan" if self.plan_once is not None else \
+                "its hops' time is not known (the plan and forecast are as the topology made them)"
+            log.warning("worker %s did not answer the link probe within %gs; %s", link.name, PROBE_TIMEOUT_S,
+                        counted)
         with self.lock:
             assignments = self._plan_if_ready()
         self._send_assignments(assignments)

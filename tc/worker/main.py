@@ -670,7 +670,8 @@ class Worker:
                 # else is a surprise, which gets its type in the reason and its traceback in the log.
                 expected = isinstance(exc, (ModelSourceError, OSError, ValueError))
                 reason = str(exc) if expected else f"{type(exc).__name__}: {exc}"
-                log.error("could not load layers %d-%d: %s", start, end - 1, reason, exc_info=None if expected else exc)
+                log.error("could not load layers %d-%d: %s; this worker stays joined and out of service: restart it "
+                          "once that is fixed", start, end - 1, reason, exc_info=None if expected else exc)
                 conn.send(LoadFailed(reason=reason))
                 return None
             self.loaded = (key, loaded)
