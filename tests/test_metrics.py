@@ -185,6 +185,47 @@ def test_cluster_route_shows_the_plan_and_each_node(tmp_path, generator, tiny_mo
     assert value(samples, "tc_node_up", node="a") == 0 and value(samples, "tc_node_up", node="b") == 0
 
 
+def test_the_live_gauges_answer_while_the_head_loads(tmp_path, tiny_model_dir, monkeypatch):
+    """/metrics answers while the head loads its tensors (minutes for a large model), and showed no tc_node_up
+    then: an alert on a node down could not fire. A real head, held in its load (at its tokenizer) by the test."""
+    import threading
+    import urllib.request
+
+    from cluster import free_port
+    from tc.head import main as head_main
+
+    port = free_port()
+    topology = load_topology(write_topology(tmp_path / "t.yaml", tiny_model_dir, [
+        {"id": "a", "device": "cpu"}, {"id": "b", "device": "cpu"}])).with_ports(api_port=port, listen_port=0)
+    reached, release = threading.Event(), threading.Event()
+    load = TextTokenizer.load
+
+    def held(*args, **kwargs):
+        reached.set()
+        release.wait(60)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(head_main.TextTokenizer, "load", held)
+    heads: list = []
+    starting = threading.Thread(target=lambda: heads.append(head_main.start_head(topology)), daemon=True)
+    starting.start()
+    try:
+        assert reached.wait(60), "the head did not reach its tokenizer"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            samples = parse(reply.read().decode())
+        for node in ("a", "b"):
+            assert ("tc_node_up", frozenset({("node", node)})) in samples and \
+                value(samples, "tc_node_up", node=node) == 0
+        assert ("tc_batch_slots", frozenset()) in samples and value(samples, "tc_batch_slots") == 8
+        assert ("tc_queue_depth", frozenset()) in samples
+    finally:
+        release.set()
+        starting.join(60)
+        for head in heads:
+            head.stop()
+    assert heads, "the head did not start"
+
+
 # --- a real head and worker ------------------------------------------------------------------------------------
 
 def local_greedy(model_dir, prompt: str, max_tokens: int) -> str:

@@ -104,13 +104,19 @@ class Metrics:
                                      "for one step (with direct hops, an even share of the step's network time)",
                                      ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
         self._series: dict[tuple[str, str], tuple] = {}  # (node, phase) -> observe_step's two histograms
+        # the live gauges, from the start: nothing waiting or running until `watch` names what to read
+        self._live = _LiveState(lambda: 0, lambda: 0, lambda: ((), ()), lambda: 0, lambda: 0.0)
+        r.register(self._live)
 
     def watch(self, waiting: Callable[[], int], running: Callable[[], int],
               nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], *, slots: Callable[[], int],
               tokens_per_s: Callable[[], float]) -> None:
-        """Report these at each scrape: requests waiting, running, (ready node ids, missing node ids), the batch's
-        slots and the recent aggregate token rate."""
-        self.registry.register(_LiveState(waiting, running, nodes, slots, tokens_per_s))
+        """Report these at each scrape from now on, in place of what an earlier call named (the head's registry
+        while it loads, then its service): requests waiting, running, (ready node ids, missing node ids), the
+        batch's slots and the recent aggregate token rate."""
+        live = self._live
+        live.waiting, live.running, live.nodes, live.slots, live.tokens_per_s = \
+            waiting, running, nodes, slots, tokens_per_s
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         # a method is any token a client sends ("FOO1", "FOO2", ...): each would be a series kept for good

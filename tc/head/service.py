@@ -355,7 +355,7 @@ class GenerationService:
     """Runs up to `max_batch` generations together (the module's docstring), with `max_queue` more waiting.
 
     `step_hops`, when given, returns the last pipeline step's hops (RemotePipeline.last_hops) for the metrics.
-    The service registers its live gauges (queue, batch, nodes) on `metrics`, so give each service its own Metrics.
+    The service's live gauges (queue, batch, nodes) are what `metrics` reports from then on (Metrics.watch).
     """
 
     def __init__(self, model_id: str, tokenizer: TextTokenizer, generator: Generator,
