@@ -37,7 +37,7 @@ def generator(tiny_model_dir) -> Generator:
 def serve(generator: Generator) -> HttpServer:
     service = GenerationService(MODEL, generator.tokenizer, generator, readiness=lambda: Readiness(1, ("w1",), ()))
     return start_http_server(create_app(service, max_body_bytes=BODY_LIMIT), "127.0.0.1", 0, threads=4,
-                             max_body_bytes=BODY_LIMIT)
+                             max_body_bytes=BODY_LIMIT, metrics=service.metrics)
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +302,11 @@ def test_body_limits(server):
     assert status == 413 and headers["content-type"] == "application/json"
     assert json.loads(body)["error"]["code"] == "request_too_large"
     assert f"at most {BODY_LIMIT} bytes" in json.loads(body)["error"]["message"]
+    # both counted: the app's under its route, Waitress's (which no route saw) under "unrouted"
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as reply:
+        exposition = reply.read().decode()
+    assert 'tc_http_requests_total{method="POST",route="/v1/completions",status="413"}' in exposition
+    assert 'tc_http_requests_total{method="POST",route="unrouted",status="413"} 1.0' in exposition
 
 
 def test_concurrent_requests_are_all_served(server, client):

@@ -573,7 +573,7 @@ def test_stop_answers_every_request_it_accepted(model_dir):
     tokenizer = TextTokenizer.load(model_dir)
     generator = Generator(model.head, tokenizer, SlowPipeline(model.stages), torch.float32)
     service = GenerationService("tiny-qwen", tokenizer, generator, lambda: Readiness(1, ("w1",), ()), max_batch=1)
-    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2)
+    server = start_http_server(create_app(service), "127.0.0.1", 0, threads=2, metrics=service.metrics)
     body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     results: list = []
     lock = threading.Lock()
@@ -599,6 +599,11 @@ def test_stop_answers_every_request_it_accepted(model_dir):
     for reply in refused + [late[0][1]]:
         assert reply["error"]["code"] == "shutting_down" and "shutting down" in reply["error"]["message"], reply
     assert late[0][0] == 503
+    # every answer counted, the 503s the server gave while it drained (no route saw them) too
+    counted = service.metrics.registry.get_sample_value
+    assert counted("tc_http_requests_total", {"method": "POST", "route": "/v1/completions", "status": "200"}) == 2
+    assert sum(counted("tc_http_requests_total", {"method": "POST", "route": route, "status": "503"}) or 0
+               for route in ("/v1/completions", "unrouted")) == 7
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
 

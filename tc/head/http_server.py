@@ -35,9 +35,11 @@ from waitress.task import ErrorTask
 from .addresses import bind_address
 from .api import CORS_EXPOSED_HEADERS, DEFAULT_MAX_BODY_BYTES, allowed_origin, error_reply, server_error_reply
 from .api_requests import BodyTooLarge
+from .metrics import Metrics
 from .service import ShuttingDown
 
 log = logging.getLogger(__name__)
+UNROUTED = "unrouted"  # tc_http_requests_total's route for a reply made before the app saw the request
 
 DRAIN_TIMEOUT_S = 5.0
 BACKLOG_DRAIN_S = 1.0  # after the listener closes: time for the requests of connections taken from its backlog
@@ -89,9 +91,10 @@ class ShutdownGate:
     """WSGI middleware: passes requests to `app` (which HttpServer.serve may replace) until `close()`, then answers
     each with SHUTDOWN_REPLY."""
 
-    def __init__(self, app: Callable, cors_origins: tuple[str, ...] = ()):
+    def __init__(self, app: Callable, cors_origins: tuple[str, ...] = (), metrics: Metrics | None = None):
         self.app = app
         self.cors_origins = cors_origins
+        self.metrics = metrics
         self.closed = threading.Event()
         self._count_lock = threading.Lock()
         self.refused = 0  # requests answered with the 503, for the log
@@ -104,6 +107,8 @@ class ShutdownGate:
             return self.app(environ, start_response)
         with self._count_lock:
             self.refused += 1
+        if self.metrics is not None:  # no route was looked up: the app never saw it
+            self.metrics.observe_request(environ.get("REQUEST_METHOD", ""), UNROUTED, 503)
         body = json.dumps(SHUTDOWN_REPLY.body()).encode()
         start_response("503 Service Unavailable", [("Content-Type", "application/json"),
                                                    ("Content-Length", str(len(body))), *SHUTDOWN_REPLY.headers,
@@ -130,6 +135,9 @@ class OpenAIErrorTask(ErrorTask):
         self.set_close_on_finish()  # as Waitress does: the request's framing can no longer be trusted
         self.content_length = len(body)
         self.write(body)
+        metrics = self.channel.server.metrics
+        if metrics is not None:
+            metrics.observe_request(self.request.command or "", UNROUTED, error.code)
 
 
 class OpenAIErrorChannel(HTTPChannel):
@@ -296,14 +304,16 @@ def connection_limit(threads: int) -> int:
 
 
 def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
-                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: tuple[str, ...] = ()) -> HttpServer:
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: tuple[str, ...] = (),
+                      metrics: Metrics | None = None) -> HttpServer:
     """Serve the WSGI `app` on host:port (port 0: any free port, see `.port`) from a daemon thread.
 
-    Pass the `max_body_bytes` and `cors_origins` given to `create_app`. Raises OSError when the address cannot be
-    bound.
+    Pass the `max_body_bytes`, `cors_origins` and `metrics` given to `create_app`: the replies made before the app
+    sees a request (Waitress's refusals, the 503 of a server shutting down) count there under route UNROUTED.
+    Raises OSError when the address cannot be bound, ValueError for a host that does not resolve.
     """
     socket_map: dict = {}
-    gate = ShutdownGate(app, cors_origins)
+    gate = ShutdownGate(app, cors_origins, metrics)
     _, address = bind_address(host, port)  # ValueError, as Waitress raises for a host it cannot resolve
     server = create_server(gate, map=socket_map, host=address, port=port, threads=threads,
                            max_request_body_size=waitress_body_limit(max_body_bytes), ident="tc",
@@ -313,6 +323,7 @@ def start_http_server(app: Callable, host: str, port: int, threads: int = 8, *,
                            channel_request_lookahead=1)
     server.channel_class = OpenAIErrorChannel  # before the loop runs: every connection is one of these
     server.cors_origins = cors_origins  # for OpenAIErrorTask, which Waitress makes with only its channel
+    server.metrics = metrics
     thread = threading.Thread(target=server.run, name=f"http-{server.effective_port}", daemon=True)
     thread.start()
     running = HttpServer(server, socket_map, thread, host, gate)

@@ -309,7 +309,7 @@ def start_head(topology: Topology) -> Head:
                                                     topology.head.api_keys),
                                  topology.head.api.host, topology.head.api.port,
                                  threads=batch.max_batch + topology.head.max_queue + 4, max_body_bytes=max_body,
-                                 cors_origins=topology.head.cors_origins)
+                                 cors_origins=topology.head.cors_origins, metrics=metrics)
     keys = len(topology.head.api_keys)
     log.info("API at %s/v1 (answers 503 while the head loads its tensors; %s)", http.url,
              f"its /v1 routes want one of {keys} API key{'s' if keys > 1 else ''} (head.api_keys)" if keys else
