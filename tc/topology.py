@@ -367,10 +367,16 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
 
 
 def _same_port(api: HostPort, listen: HostPort) -> bool:
-    """Whether the two addresses would listen on one port: the same port, on the same host or a wildcard."""
-    return api.port == listen.port and (
-        api.host == listen.host or api.host in WILDCARD_HOSTS or listen.host in WILDCARD_HOSTS
-    )
+    """Whether the two addresses would listen on one port: the same port, unless on two different addresses written
+    as such (a host name may be any address of this machine: localhost is 127.0.0.1), and neither a wildcard."""
+    if api.port != listen.port:
+        return False
+    if api.host in WILDCARD_HOSTS or listen.host in WILDCARD_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(api.host) == ipaddress.ip_address(listen.host)
+    except ValueError:  # a host name
+        return True
 
 
 def _is_ip(text: str, kind: type) -> bool:

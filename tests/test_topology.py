@@ -123,6 +123,11 @@ BAD = [
     ("api a URL", changed(("head.api", "http://0.0.0.0:8000")), "head.api", "is a URL; write host:port alone"),
     ("listen missing", changed(("head.listen", DELETE)), "head.listen", "missing"),
     ("listen same port", changed(("head.listen", "127.0.0.1:8000")), "head.listen", "different ports"),
+    # a name may be the other's address: the head bound its API there, then found its own port in use
+    ("listen same port by name", changed(("head.api", "localhost:8000"), ("head.listen", "127.0.0.1:8000")),
+     "head.listen", "different ports"),
+    ("listen same port, one address twice", changed(("head.api", "[::1]:8000"), ("head.listen", "[0:0::1]:8000")),
+     "head.listen", "different ports"),
     ("head threads zero", changed(("head.threads", 0)), "head.threads", "too small"),
     ("head threads yes", changed(("head.threads", True)), "head.threads", "YAML reads yes/no/on/off as booleans"),
     ("max_queue zero", changed(("head.max_queue", 0)), "head.max_queue", "too small"),
@@ -574,6 +579,10 @@ def test_with_ports(base_dir: Path) -> None:
     with pytest.raises(TopologyError, match="also head.api's port") as info:
         topo.with_ports(listen_port=8000)  # what --listen-port equal to the API's port asked for
     assert info.value.key_path == "head.listen"
+    # two addresses written out, each of its own interface, may share a port
+    apart = good()
+    apart["head"] = {"api": "127.0.0.1:8000", "listen": "127.0.0.2:8000"}
+    assert parse_topology(apart, base_dir).head.listen == HostPort("127.0.0.2", 8000)
 
 
 @pytest.mark.parametrize("port", ["70000", "-1", "http", "\uff18\uff10\uff10\uff10"])
@@ -691,6 +700,27 @@ def test_a_port_in_use_stops_the_head_before_it_loads_anything(tmp_path: Path, k
             start_head(topology)
     assert info.value.key_path == key and f"cannot listen on {busy}" in info.value.message
     assert "head tensors loaded" not in caplog.text and "batch:" in caplog.text
+
+
+def test_the_head_names_its_file_for_a_port_found_in_use(tmp_path: Path) -> None:
+    """`tc head FILE` with a port in use says FILE: head.listen: ..., as every other topology error does (it said
+    "topology:", and the operator of several heads could not tell which file)."""
+    import socket
+    import subprocess
+    import sys
+
+    from cluster import ROOT, free_port, write_topology
+    from tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", seed=7)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        path = write_topology(tmp_path / "t.yaml", model, [{"id": "w", "device": "cpu"}],
+                              head={"api": f"127.0.0.1:{free_port()}", "listen": busy})
+        done = subprocess.run([sys.executable, "-m", "tc", "head", str(path)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"{path}: head.listen: cannot listen on {busy}" in done.stderr, done.stderr
 
 
 def test_a_head_frame_limit_under_one_step_stops_the_head_at_start(tmp_path: Path) -> None:

@@ -426,8 +426,13 @@ def join_hint(host: str, port: int) -> tuple[str, str]:
 
 
 def run_head(args: argparse.Namespace) -> int:
-    topology = load_topology(args.topology).with_ports(api_port=args.api_port, listen_port=args.listen_port)
-    head = start_head(topology)
+    try:
+        topology = load_topology(args.topology).with_ports(api_port=args.api_port, listen_port=args.listen_port)
+        head = start_head(topology)
+    except TopologyError as exc:  # found once the file was read (a port in use, a limit too small): name the file
+        if exc.source != "topology":
+            raise
+        raise TopologyError(exc.key_path, exc.message, str(args.topology)) from exc
     done = threading.Event()
 
     def on_signal(sig: signal.Signals) -> None:
