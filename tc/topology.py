@@ -32,7 +32,8 @@ DEVICE_KINDS = ("auto", "cpu", "cuda", "mps")
 # Only CUDA numbers its devices; "cpu:0" or "mps:1" would only hide a typo.
 # Each pattern is matched against the whole text (fullmatch: `$` would also match before a final newline), in
 # ASCII only (`\d` and `\w` take any script's digits and letters).
-DEVICE_PATTERN = re.compile(r"(auto|cpu|mps|cuda)(?::([0-9]{1,4}))?")
+# A device's number as torch writes it, no leading zero: "cuda:01" names what torch refuses, and no worker offers it
+DEVICE_PATTERN = re.compile(r"(auto|cpu|mps|cuda)(?::(0|[1-9][0-9]{0,3}))?")
 NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")  # one dot-separated part of a host name

@@ -157,6 +157,7 @@ BAD = [
     ("device mps:1", changed(("nodes.1.device", "mps:1")), "nodes[1].device", "is not a device"),
     ("device cuda:", changed(("nodes.0.device", "cuda:")), "nodes[0].device", "is not a device"),
     ("device cuda:-1", changed(("nodes.0.device", "cuda:-1")), "nodes[0].device", "is not a device"),
+    ("device cuda:01", changed(("nodes.0.device", "cuda:01")), "nodes[0].device", "is not a device"),
     ("device upper", changed(("nodes.0.device", "CUDA")), "nodes[0].device", "is not a device"),
     ("device int", changed(("nodes.0.device", 0)), "nodes[0].device", "is not a device"),
     ("node dtype", changed(("nodes.0.dtype", "half")), "nodes[0].dtype", "use fp16 | bf16 | fp32"),
