@@ -574,6 +574,8 @@ class SequenceState:
             self.history = TokenHistory(logits.shape[-1], self.prompt_ids)
         early = len(state.tokens) < params.min_tokens  # EOS and the stop strings' tokens may not end it yet
         banned = (frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids) | self.stop_ids if early else ()
+        if banned and max(banned) >= logits.shape[-1]:  # a special token past the logits (check_vocab): never chosen
+            banned = frozenset(t for t in banned if t < logits.shape[-1])
         allowed = None
         if self.grammar is not None:
             allowed = self.next_allowed if self.next_allowed is not None else self.grammar.allowed()

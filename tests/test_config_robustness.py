@@ -169,6 +169,11 @@ def test_special_tokens_past_the_vocabulary_are_left_and_a_prompt_holding_one_is
     reply = client.simulate_post("/v1/chat/completions", json={**ask, "max_tokens": 30, "response_format": {
         "type": "json_object"}, "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 200, reply.text
+    # a stop string that names it, with min_tokens, bans it before then as it bans EOS: it cannot be chosen anyway,
+    # and banning it indexed past the logits (an IndexError, a 500)
+    reply = client.simulate_post("/v1/completions", json={**ask, "prompt": "a picture", "min_tokens": 2,
+                                                          "stop": ["<image_soft_token>"]})
+    assert reply.status_code == 200 and reply.json["usage"]["completion_tokens"] == 2, reply.text
     data["added_tokens"][-1]["special"] = False
     (model_dir / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(TokenizerError, match="holds 260 tokens but config.json's vocab_size is 259"):
