@@ -152,3 +152,18 @@ def test_http_bad_values_are_400s_naming_the_field(eos_first_client, extra, mess
     assert reply.status_code == 400
     assert message in reply.json["error"]["message"]
     assert reply.json["error"]["param"] == next(iter(extra))
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+])
+def test_min_tokens_past_the_room_the_context_leaves_is_a_400(eos_first_client, eos_first, route, body):
+    """A max_tokens past the context is cut to the room there is, and min_tokens with it was taken: the reply ran,
+    EOS held off, to the context's end and was still short of it. It is refused, with the room there is."""
+    context = eos_first[0].context_length
+    reply = eos_first_client.simulate_post(route, json={"model": "tiny", "max_tokens": context, "min_tokens": context,
+                                                        **body})
+    assert reply.status_code == 400 and reply.json["error"]["param"] == "min_tokens", reply.text
+    assert f"'min_tokens' ({context}) is more than the" in reply.json["error"]["message"]
+    assert f"tokens the context ({context}) holds after the prompt's" in reply.json["error"]["message"]

@@ -36,6 +36,7 @@ from .api_requests import (
     UnsupportedEncoding,
     UnsupportedMediaType,
     check_logit_bias,
+    check_min_tokens,
     check_model,
     check_prompt_tokens,
     decode_json_body,
@@ -479,6 +480,7 @@ class CompletionsResource:
         # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service), "prompt",
                             generates=params.max_tokens > 0)
+        check_min_tokens(params.min_tokens, len(prompt_ids), self.service.context_length)
         check_logit_bias(params.logit_bias, _vocab_size(self.service))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         context = ReplyContext(request_id, int(time.time()), self.service.model_id,
@@ -528,6 +530,7 @@ class ChatPrompts:
         # a continued message's text goes on from its last words: a SentencePiece word's space stays at its start
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
                                             continues_prompt=request.continue_final_message)
+        check_min_tokens(params.min_tokens, len(prompt_ids), self.service.context_length)
         check_logit_bias(params.logit_bias, _vocab_size(self.service))
         if request.prediction:  # guesses for a greedy reply's next tokens (draft.py): they change none of them
             params = dataclasses.replace(params, draft_reference=tuple(self.service.tokenizer.encode(

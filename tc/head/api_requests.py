@@ -1173,6 +1173,16 @@ def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> No
                            f"(0..{vocab_size - 1})", param="logit_bias", code="invalid_value")
 
 
+def check_min_tokens(min_tokens: int, prompt_tokens: int, context_length: int) -> None:
+    """Refuse a min_tokens the context cannot hold after the prompt: the reply would run, EOS held off, to the
+    context's end and still be short of it."""
+    room = context_length - prompt_tokens
+    if min_tokens > room:
+        raise RequestError(f"'min_tokens' ({min_tokens}) is more than the {room} tokens the context ({context_length})"
+                           f" holds after the prompt's {prompt_tokens}; ask for fewer, or send a shorter prompt",
+                           param="min_tokens", code="invalid_value")
+
+
 def check_prompt_tokens(prompt_ids: list[int], context_length: int, vocab_size: int, param: str,
                         generates: bool = True) -> None:
     """Refuse a prompt the model cannot take: empty, holding unknown token ids, or filling the context (past it,
