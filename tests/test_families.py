@@ -918,3 +918,28 @@ def test_rope_scaling_without_its_original_context_scales_from_the_models_as_tra
     (model_dir / "config.json").write_text(json.dumps({**data, "rope_theta": 1e4, "rope_scaling": rope_scaling}))
     ref = hf_logits(hf_family_model(model_dir), PROMPT)
     assert (OurModel(model_dir).full_logits(PROMPT) - ref).abs().max().item() < 1e-4
+
+
+def test_a_llama_saved_with_its_rotary_frequencies_loads_and_runs_as_without(family_dirs, tmp_path):
+    """transformers before 4.31 saved each layer's rotary_emb.inv_freq (huggyllama/llama-7b, early Llama 2
+    fine-tunes): tc refused such a checkpoint as holding weights it would leave out, where transformers leaves these
+    unread, config.json giving them. A worker's check of its layers' tensors passes, and the logits are the same."""
+    from tc.protocol.messages import Assignment
+    from tc.worker.runtime import check_layer_tensors
+    from tiny_families import edited_copy
+
+    model_dir = family_dirs("llama")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    half = config.head_dim // 2
+    saved = edited_copy(model_dir, tmp_path / "saved", tensors=lambda tensors: {**tensors, **{
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.arange(half, dtype=torch.float32)
+        for i in range(config.num_hidden_layers)}})
+    index = WeightIndex.open(saved)
+    index.refuse_unused_in_layers(config, 0, config.num_hidden_layers)
+    planned = len(layer_tensor_names(config, 0, 2))
+    assignment = Assignment(model_id=str(saved), model_source="local", revision=None, device="cpu",
+                            architecture=config.model_type, quant="fp16", group_size=128, compute_dtype="fp32",
+                            layer_start=0, layer_end_exclusive=2, config=config.to_dict(), tensor_count=planned)
+    check_layer_tensors(index, assignment)
+    assert torch.equal(OurModel(saved, splits=[2]).full_logits(PROMPT), OurModel(model_dir, splits=[2]).full_logits(
+        PROMPT))

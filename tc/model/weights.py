@@ -82,6 +82,9 @@ class TensorInfo:
         return self.end - self.start
 
 
+SAVED_ROTARY_BUFFER = ".rotary_emb.inv_freq"  # declared_in_layers
+
+
 def layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
@@ -382,9 +385,11 @@ class WeightIndex:
                 raise WeightsError(f"tensor {name} is stored as {info.dtype}; tc reads F32, F16 and BF16")
 
     def declared_in_layers(self, start: int, end: int) -> list[str]:
-        """Every tensor the checkpoint lists for layers [start, end), sorted, whether tc uses it or not."""
+        """Every tensor the checkpoint lists for layers [start, end), sorted, whether tc uses it or not, but the
+        rotary frequencies transformers before 4.31 saved with each layer (huggyllama/llama-7b, early Llama 2
+        fine-tunes): config.json gives them, and transformers itself leaves them unread."""
         prefixes = tuple(layer_prefix(i) for i in range(start, end))  # "model.layers.1." never matches layer 10
-        return sorted(n for n in self.declared if n.startswith(prefixes))
+        return sorted(n for n in self.declared if n.startswith(prefixes) and not n.endswith(SAVED_ROTARY_BUFFER))
 
     def refuse_unused_in_layers(self, config: ModelConfig, start: int, end: int) -> None:
         """validate() finds every tensor tc needs; a checkpoint that lists more for layers [start, end) holds
