@@ -193,7 +193,12 @@ class ModelSource:
             return path
         log.info("resolving %s from the HuggingFace %s", self.model,
                  "cache alone (HF_HUB_OFFLINE)" if _hub_offline() else "Hub")
-        path = self._download("config.json")
+        try:
+            path = self._download("config.json")
+        except NotInRepo as exc:
+            raise NotInRepo(f"{exc}: tc reads a model as transformers saves it (config.json, *.safetensors, "
+                            "tokenizer.json); a repo in another layout (Mistral's params.json and consolidated "
+                            "safetensors, a GGUF) needs the model's transformers-format release") from None
         assert path is not None
         # Pin the commit that config.json came from (hf_hub_download keeps a file at snapshots/<commit>/): every
         # later file of this source, and the head's workers, then come from that commit. A branch moves; asked
@@ -246,7 +251,13 @@ class ModelSource:
         root = self.config_dir()
         if not self.is_local:
             for file in TOKENIZER_FILES:
-                self._download(file, optional=file not in REQUIRED_TOKENIZER_FILES)
+                try:
+                    self._download(file, optional=file not in REQUIRED_TOKENIZER_FILES)
+                except NotInRepo as exc:  # a repo with only a slow tokenizer (tokenizer.model, vocab files)
+                    raise NotInRepo(f"{exc}: tc reads the fast tokenizer's {file}; save one with transformers "
+                                    f"(AutoTokenizer.from_pretrained({self.model!r}).save_pretrained(DIR), with the "
+                                    "model's other files in DIR) and give DIR as model: in topology.yaml, or use a "
+                                    "repo that has it") from None
         return root
 
 

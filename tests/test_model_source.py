@@ -382,3 +382,24 @@ def test_downloads_leave_no_thread_behind(tmp_path, model_dir, hub_env, monkeypa
         time.sleep(0.01)
     left = [t.name for t in threading.enumerate() if t.name.startswith("stall watchdog")]
     assert monitors() <= before and not left, (monitors() - before, left)
+
+
+def test_a_repo_without_transformers_files_says_what_tc_reads(tmp_path, model_dir, hub_env):
+    """A repo without tokenizer.json (a slow tokenizer only) or config.json (Mistral's own layout) said only
+    "has no ...", leaving the operator to guess what would do."""
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(model_dir, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    no_config = tmp_path / "no-config"
+    shutil.copytree(model_dir, no_config)
+    (no_config / "config.json").unlink()
+    with HubStandIn({REPO: no_tokenizer, "acme/mistral-layout": no_config}) as hub:
+        hub_env(hub)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource(REPO, is_local=False, cache_dir=tmp_path / "cache").fetch_tokenizer()
+        assert "acme/tiny has no tokenizer.json: tc reads the fast tokenizer's tokenizer.json" in str(info.value)
+        assert "AutoTokenizer.from_pretrained('acme/tiny').save_pretrained(DIR)" in str(info.value)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource("acme/mistral-layout", is_local=False, cache_dir=tmp_path / "cache").config_dir()
+        assert "acme/mistral-layout has no config.json: tc reads a model as transformers saves it" in str(info.value)
+        assert "transformers-format release" in str(info.value)

@@ -356,10 +356,11 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
         loading.begin("fetching_tensors", f"fetching {file} ({number} of {files}) from the Hub", unit="bytes")
         return loading.advance
 
-    fetched = head_names_to_fetch(config)
-    model_dir = source.fetch_tensors(fetched, fetching)
+    # the tokenizer's few small files first: a repo without tokenizer.json is said at once, not after the shards
     loading.begin("fetching_tokenizer", "fetching the tokenizer's files")
     source.fetch_tokenizer()
+    fetched = head_names_to_fetch(config)
+    model_dir = source.fetch_tensors(fetched, fetching)
     index = WeightIndex.open(model_dir, only=fetched)
     index.validate(config, only=names)
     if own_lm_head(config, index):  # read too, and used where its values are not the embedding's (HeadModel.load)
