@@ -251,6 +251,28 @@ def test_generation_over_namespaces_matches(lab, tmp_path, model_dir, greedy):
         assert f"from {lab.net}.1.2" in cluster.head.output() and f"from {lab.net}.2.2" in cluster.head.output()
 
 
+def test_a_stage_passes_straight_to_a_worker_joined_over_loopback_on_the_head_machine(lab, tmp_path, model_dir,
+                                                                                       greedy):
+    """The head machine's own worker joins with --join 127.0.0.1:7001, the natural choice there; the stage before
+    it runs on another machine. Its peer port was bound to loopback and the head routed the stage before to
+    127.0.0.1, that machine's own: it could never pass hidden states on, and warned and retried for good. The head
+    routes it to the head's address on its link now, where the worker listens."""
+    nodes = [{"id": "w1", "device": "cpu"}, {"id": "w2", "device": "cpu"}]
+    topo = write_topology(tmp_path / "t.yaml", model_dir, nodes, head={"api": "0.0.0.0:8000", "listen": "0.0.0.0:7001"})
+    with Cluster(topo, tmp_path, api_host=lab.api_host, head_prefix=lab.ns_exec(lab.head_ns)) as cluster:
+        cluster.start_head()
+        cluster.wait_api()
+        cluster.start_worker("w1", prefix=lab.ns_exec(lab.worker_ns(1)), join_host=lab.head_addr(1))
+        cluster.start_worker("w2", prefix=lab.ns_exec(lab.head_ns), join_host="127.0.0.1")
+        cluster.wait_ready()
+        status, body = completion(cluster, 16)
+        assert status == 200 and body["choices"][0]["text"] == greedy(16)
+        nodes = {node["id"]: node["passes_to"] for node in cluster.get("/v1/cluster")[1]["nodes"]}
+        assert nodes == {"w1": "w2", "w2": "head"}, (nodes, cluster.workers["w1"].output())
+        assert "cannot pass hidden states" not in cluster.workers["w1"].output()
+        assert "route 1: head -> w1 -> w2 -> head" in cluster.head.output()
+
+
 @pytest.mark.skipif(TC is None, reason="iproute2's tc is not installed")
 def test_latency_changes_timing_not_text(lab, tmp_path, model_dir, greedy):
     with start(lab, tmp_path, model_dir) as cluster:

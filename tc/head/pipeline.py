@@ -26,16 +26,16 @@ passes each on as it finishes it). It pays where the stages do not share cores (
 cores every worker already uses, the stages only slow each other down (bench/bench_batching.py measures both).
 
 Resuming: with resume on, the pipeline keeps what it fed the first stage for every sequence in flight (the prompt's
-embeddings and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period for the lost
-node's entry to be filled again (the same worker back, or a spare), then replays every sequence from position 0 but
-the idle ones (caches kept for a later request that no request waits on: they are dropped, and read anew if asked
-for), in one batch where the workers' frames hold it and over several steps where they do not, through every stage,
-each with its own cache capacity. That rebuilds every stage's caches, and the last rows of each sequence stand for the
-interrupted step's, so the generations carry on and the clients see them take longer. The tokens already chosen
-stay; what follows is what a new request for the prompt and those tokens would give. One prefill over N positions
-rounds differently from N decode steps: in fp32 the difference (~1e-6) leaves greedy output as it was without the
-loss, while in bf16 or fp16 the continuation may differ from an uninterrupted run (docs/design.md,
-tests/test_resume_dtypes.py).
+embeddings and each decode step's). When a worker is lost mid-step and resume is on, it waits up to the grace period
+for the lost node's entry to be filled again (the same worker back, or a spare), then replays every sequence from
+position 0 but the idle ones (caches kept for a later request that no request waits on: they are dropped, and read
+anew if asked for), in one batch where the workers' frames hold it and over several steps where they do not,
+through every stage, each with its own cache capacity. That rebuilds every stage's caches, and the last rows of
+each sequence stand for the interrupted step's, so the generations carry on and the clients see them take longer.
+The tokens already chosen stay; what follows is what a new request for the prompt and those tokens would give. One
+prefill over N positions rounds differently from N decode steps: in fp32 the difference (~1e-6) leaves greedy
+output as it was without the loss, while in bf16 or fp16 the continuation may differ from an uninterrupted run
+(docs/design.md, tests/test_resume_dtypes.py).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ import torch
 from typing import Callable, Sequence
 
 from ..generation import Entry
+from ..protocol.connection import is_loopback
 from ..protocol.messages import BatchEntry, Route, RunBatch
 from ..trace import mark
 from .service import HeadShuttingDown, StageFailed, WorkerLost
@@ -140,6 +141,8 @@ class RemotePipeline:
         keys = [None] + [os.urandom(32) if address is not None else None for address in addresses[1:]]
         for i in reversed(range(len(links))):  # the later stage knows its key before the one before it connects
             following = addresses[i + 1] if i + 1 < len(links) else None
+            if following is not None:
+                following = reachable_from(links[i], following)
             links[i].send_route(Route(route=route, next_host=following[0] if following else None,
                                       next_port=following[1] if following else None,
                                       next_key=keys[i + 1] if following else None, inbound_key=keys[i]))
@@ -431,6 +434,16 @@ class RemotePipeline:
                 outputs[sequence].append(out[:, row:row + n])
                 row += n
         return {sequence: torch.cat(parts, dim=1) for sequence, parts in outputs.items()}
+
+
+def reachable_from(sender: WorkerLink, address: tuple[str, int]) -> tuple[str, int]:
+    """`address` (a worker's peer port) as the worker of `sender` reaches it. A loopback address is a worker that
+    joined over loopback, so one on the head's machine: a worker on another machine reaches that machine at the
+    address it reaches the head at (the head's end of its link), where the worker listens too (worker/main.py)."""
+    host, port = address
+    if is_loopback(host) and not is_loopback(sender.conn.peer_host) and sender.conn.local_host is not None:
+        return sender.conn.local_host, port
+    return address
 
 
 def first_positions(parts: list[torch.Tensor], positions: int) -> list[torch.Tensor]:

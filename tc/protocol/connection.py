@@ -31,6 +31,7 @@ oversized body is never read.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import math
 import select
 import socket
@@ -131,6 +132,16 @@ def _host(address_of) -> str | None:
     except OSError:
         return None
     return address[0] if isinstance(address, tuple) else None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` is an address of this machine's loopback (127.0.0.0/8, ::1, an IPv4-mapped 127.x)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 class Connection:

@@ -57,7 +57,7 @@ from ..model.config import ModelConfig
 from ..model.weights import layer_tensor_names
 from ..planner import format_bytes
 from ..protocol.auth import AuthError, answer_challenge, new_nonce, token_key
-from ..protocol.connection import Connection, connect
+from ..protocol.connection import Connection, connect, is_loopback
 from ..protocol.errors import ConnectionClosed, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_PROTOCOL, ERROR_SHUTTING_DOWN,
@@ -409,15 +409,21 @@ class Worker:
 
     def _listen_for_peers(self, conn: Connection, routes: Routes, jobs: queue.SimpleQueue) -> PeerListener | None:
         """The listener for the stage before this one, on the address this worker reaches the head from (peers.py);
-        None when direct hops are off here or the port cannot be had (the head then relays this stage's input)."""
-        if self.options.peer_port is None or conn.local_host is None:
+        None when direct hops are off here or the port cannot be had (the head then relays this stage's input).
+        A worker that reaches the head over loopback runs on the head's machine, where a stage on another machine
+        reaches it at the head's address (the head routes it there): it listens on every interface, unless
+        --peer-host says where the others reach it."""
+        host = conn.local_host
+        if self.options.peer_port is None or host is None:
             return None
+        if is_loopback(host) and self.options.peer_host is None:
+            host = "::" if ":" in host else "0.0.0.0"
         try:
-            return PeerListener(conn.local_host, self.options.peer_port, routes, lambda env: jobs.put((env, True)),
+            return PeerListener(host, self.options.peer_port, routes, lambda env: jobs.put((env, True)),
                                 self.options.max_frame_bytes, self._key)
         except OSError as exc:
             log.warning("cannot listen for the stage before this one on %s port %d (%s); it passes hidden states "
-                        "through the head instead", conn.local_host, self.options.peer_port, exc)
+                        "through the head instead", host, self.options.peer_port, exc)
             return None
 
     def _serve(self, conn: Connection, jobs: queue.SimpleQueue, routes: Routes) -> bool:

@@ -353,8 +353,9 @@ class Forwarder:
             if first:
                 self._retry_after_s = RETRY_FIRST_S
             log.log(logging.WARNING if first else logging.DEBUG, "cannot pass hidden states to the next stage at %s "
-                    "(%s); replying through the head for route %d, trying again in %.0fs", where, exc, route.route,
-                    self._retry_after_s)
+                    "(%s); replying through the head for route %d, trying again in %.0fs (open the next worker's "
+                    "--peer-port to this machine, or give it --peer-host with an address this machine reaches, or "
+                    "--no-direct-hops)", where, exc, route.route, self._retry_after_s)
             self.close()
             self._cut, self._retry_at = route.route, time.monotonic() + self._retry_after_s
             self._retry_after_s = min(self._retry_after_s * 2, RETRY_MAX_S)
