@@ -135,6 +135,79 @@ def test_the_cpu_devices_of_this_machine():
     assert compute_dtypes("cpu") == ("bf16", "fp32")
 
 
+def _memory_cgroup_dir():
+    """A new child of this machine's memory cgroup, and the file its limit goes in: v1's memory controller, or v2
+    where the memory controller is given to children. None where this process cannot make one."""
+    import os
+    from pathlib import Path
+
+    name = f"tc-test-{os.getpid()}"
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    candidates = []
+    if (v1 / "memory.limit_in_bytes").is_file():
+        candidates.append((v1, "memory.limit_in_bytes"))
+    try:
+        if "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+            candidates.append((v2, "memory.max"))
+    except OSError:
+        pass
+    for parent, limit_file in candidates:
+        try:
+            (parent / name).mkdir()
+        except OSError:
+            continue
+        return parent / name, limit_file
+    return None
+
+
+def test_a_worker_in_a_memory_cgroup_offers_its_limit_not_the_machine_s():
+    """A worker in a container limited to a few GiB on a larger machine offered the machine's memory (read from
+    /proc/meminfo), which the head then planned layers into, until the kernel killed the worker mid-load without a
+    word. A real memory cgroup with a 3 GiB limit and a real worker process's view of its CPU device."""
+    import subprocess
+    import sys
+
+    made = _memory_cgroup_dir()
+    if made is None:
+        pytest.skip("this process cannot make a memory cgroup (needs root and a writable cgroup mount)")
+    group, limit_file = made
+    limit = 3 << 30
+    try:
+        (group / limit_file).write_text(str(limit))
+        script = ("import logging; logging.basicConfig(level=logging.INFO); from tc.worker.device import "
+                  "detect_devices; cpu = detect_devices('cpu')[-1]; print(cpu.total_memory, cpu.free_memory)")
+        done = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
+                               script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        total, free = map(int, done.stdout.split())
+        assert total == limit and 0 < free <= limit, done.stdout
+        assert "this process's memory cgroup allows 3.0 GiB" in done.stderr
+    finally:
+        group.rmdir()
+
+
+def test_a_v2_memory_cgroup_is_read_up_to_its_tightest_limit(tmp_path):
+    """cgroup v2's files (memory.max up the tree, memory.current, memory.stat's inactive_file), as a v2 machine
+    lays them out, read as v1's are."""
+    from tc.worker.device import cgroup_memory
+
+    root = tmp_path / "cgroup"
+    leaf = root / "system.slice" / "tc.service"
+    leaf.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "system.slice" / "memory.max").write_text(f"{4 << 30}\n")
+    (leaf / "memory.max").write_text("max\n")
+    (root / "system.slice" / "memory.current").write_text(f"{1 << 30}\n")
+    (root / "system.slice" / "memory.stat").write_text(f"anon 1\ninactive_file {256 << 20}\nactive_file 2\n")
+    proc = tmp_path / "cgroup-of-self"
+    proc.write_text("0::/system.slice/tc.service\n")
+    assert cgroup_memory(proc, root) == (4 << 30, (4 << 30) - (1 << 30) + (256 << 20))
+    (root / "system.slice" / "memory.max").write_text("max\n")
+    assert cgroup_memory(proc, root) is None  # no limit anywhere: the machine's figures
+    proc.write_text("0::/elsewhere\n")  # a cgroup namespace's own "/" or a path not mounted here: from the root
+    assert cgroup_memory(proc, root) is None
+
+
 def test_a_worker_s_device_is_chosen_or_refused_in_words_that_say_what_to_do(monkeypatch):
     """--device takes what the topology's device takes, and refuses what is no device in the same words; a CUDA
     device asked of a PyTorch built without CUDA (its CPU-only wheel on a GPU box) says so and what to install."""

@@ -1,9 +1,11 @@
 """What this machine can compute on: CUDA GPUs, Apple MPS, and the CPU."""
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -13,21 +15,101 @@ from ..protocol.messages import DeviceInfo
 from ..topology import parse_device
 
 
+log = logging.getLogger(__name__)
+
+
 class DeviceError(ValueError):
     """The requested device is not on this machine."""
 
 
 def _cpu_memory() -> tuple[int | None, int | None]:
-    """(total, available) system memory in bytes."""
+    """(total, available) memory in bytes for this process: the machine's, within its memory cgroup's limit where
+    one is set (a container's --memory: the machine's figures would offer the head memory the kernel kills the
+    worker for using)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip()}
-        return info.get("MemTotal"), info.get("MemAvailable")
+        total, available = info.get("MemTotal"), info.get("MemAvailable")
     except OSError:  # not Linux: total from sysconf where it exists, available unknown
         try:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
         except (ValueError, OSError, AttributeError):
             return None, None
+    limited = cgroup_memory()
+    if limited is None:
+        return total, available
+    limit, left = limited
+    if total is None or limit < total:
+        log.info("this process's memory cgroup allows %.1f GiB (a container's or service's limit), %.1f GiB of it "
+                 "free: those are the figures this worker offers", limit / 2**30, left / 2**30)
+    return (limit if total is None else min(total, limit)), (left if available is None else min(available, left))
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as 2**63 - 1 rounded down to a page
+
+
+def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT
+                  ) -> tuple[int, int] | None:
+    """(limit, available) of the memory cgroup this process runs in, where a limit is set (a container's
+    --memory, a systemd unit's MemoryMax): the tightest from its cgroup up, and that limit less what that cgroup
+    uses, the page cache it may drop left out (as `docker stats` counts it). v2's memory.max, or v1's
+    memory.limit_in_bytes; None without a limit, or where cgroups cannot be read."""
+    try:
+        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "" and (root / "cgroup.controllers").is_file():  # v2, mounted whole at the root
+            found = _tightest(root, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1's memory controller
+            found = _tightest(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                              "total_inactive_file")
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _tightest(mount: Path, path: str, limit_file: str, usage_file: str, inactive: str) -> tuple[int, int] | None:
+    directory = mount / path.strip("/")
+    if not directory.is_dir():  # a cgroup namespace (a container's) shows its own cgroup as "/": the mount
+        directory = mount
+    tightest: tuple[int, Path] | None = None
+    while True:
+        limit = _read_number(directory / limit_file)
+        if limit is not None and limit < NO_LIMIT and (tightest is None or limit < tightest[0]):
+            tightest = (limit, directory)
+        if directory == mount or mount not in directory.parents:
+            break
+        directory = directory.parent
+    if tightest is None:
+        return None
+    limit, directory = tightest
+    used = _read_number(directory / usage_file) or 0
+    droppable = 0
+    try:
+        for line in (directory / "memory.stat").read_text(encoding="ascii").splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive and value.strip().isdigit():
+                droppable = int(value)
+    except OSError:
+        pass
+    return limit, max(0, limit - max(0, used - droppable))
+
+
+def _read_number(path: Path) -> int | None:
+    """A cgroup file's one number; None where it is absent, unreadable or "max" (no limit)."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _cpu_name() -> str:
