@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--retry-max-s", type=_wait_s, default=30.0, help="longest wait between join attempts")
     worker.add_argument("--join-token-file", type=Path, metavar="PATH",
                         help="file holding the cluster's join token (or set TC_JOIN_TOKEN / TC_JOIN_TOKEN_FILE)")
-    worker.add_argument("--head-timeout-s", type=_positive_float, metavar="S",
+    worker.add_argument("--head-timeout-s", type=_wait_s, metavar="S",
                         help="rejoin when the head sends nothing for this long (default 30)")
     worker.add_argument("--max-frame-mb", type=_mib, metavar="MIB",
                         help="largest frame accepted from the head (default 256)")

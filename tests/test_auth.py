@@ -119,6 +119,14 @@ def test_worker_flags_parse():
     assert options.head_timeout_s == 4.0 and options.max_frame_bytes == 8 << 20
     with pytest.raises(WorkerSetupError, match="head timeout"):
         worker_options(worker_args(), {"TC_HEAD_TIMEOUT_S": "-1"})
+    # the flags' own ranges, which the environment's values were not held to: a timeout past what a socket takes
+    # and a frame limit that rounds to no bytes failed the worker with a traceback once it had joined
+    with pytest.raises(WorkerSetupError, match=r"the head timeout .* must be a number from 0.05 to 3600, got '1e10'"):
+        worker_options(worker_args(), {"TC_HEAD_TIMEOUT_S": "1e10"})
+    with pytest.raises(WorkerSetupError, match=r"the frame limit .* must be a number from 0.000976562 to 65536"):
+        worker_options(worker_args(), {"TC_MAX_FRAME_MB": "1e-9"})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--join", "h:7001", "--head-timeout-s", "1e10"])
 
 
 def test_peer_flags_parse():

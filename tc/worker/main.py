@@ -64,7 +64,7 @@ from ..protocol.messages import (ERROR_COMPUTE_FAILED, ERROR_NODE_TAKEN, ERROR_P
                                  PROTOCOL_VERSION, Assignment, ClearCache, DeviceInfo, Error, Hello, HelloAck,
                                  InferenceError, LoadComplete, HiddenState, LoadFailed, LoadProgress, Ping, Pong,
                                  Release, Route, RunBatch, SpeedFigure)
-from ..topology import GIB, HEARTBEAT_MISSES, HostPort
+from ..topology import GIB, HEARTBEAT_MISSES, HEARTBEAT_RANGE_S, SIZE_RANGE_MB, HostPort
 from .device import DeviceError, compute_dtypes, detect_devices, offered_devices, select_device, system_summary
 from ..openmp import on_own_thread
 from ..signals import on_signals
@@ -174,13 +174,15 @@ def join_token_from(token_file: Path | None, environ: Mapping[str, str]) -> str 
     return raw.strip() or None
 
 
-def _positive(value: object, what: str) -> float:
+def _in_range(value: object, what: str, low: float, high: float) -> float:
+    """`value` (a flag's, or an environment variable's text) as a number in [low, high], the flag's own range: one
+    past it (a frame limit of bytes, a timeout past what a socket takes) failed the worker later with a traceback."""
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         number = float("nan")
-    if not number > 0 or number == float("inf"):
-        raise WorkerSetupError(f"{what} must be a number > 0, got {value!r}")
+    if not low <= number <= high:
+        raise WorkerSetupError(f"{what} must be a number from {low:g} to {high:g}, got {value!r}")
     return number
 
 
@@ -198,9 +200,11 @@ def worker_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Work
         host=host, port=port, node_id=args.node_id, device=args.device,
         hf_cache_dir=str(args.hf_cache_dir) if args.hf_cache_dir else None, max_memory_bytes=max_memory,
         retry_max_s=args.retry_max_s, join_token=join_token_from(args.join_token_file, environ),
-        head_timeout_s=_positive(head_timeout, "the head timeout (--head-timeout-s / TC_HEAD_TIMEOUT_S)"),
+        head_timeout_s=_in_range(head_timeout, "the head timeout (--head-timeout-s / TC_HEAD_TIMEOUT_S)",
+                                 *HEARTBEAT_RANGE_S),
         max_frame_bytes=(DEFAULT_MAX_FRAME_BYTES if not max_frame_mb else
-                         int(_positive(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)") * MIB)),
+                         int(_in_range(max_frame_mb, "the frame limit (--max-frame-mb / TC_MAX_FRAME_MB)",
+                                       *SIZE_RANGE_MB) * MIB)),
         threads=args.threads or None,
         bench=not args.no_bench,
         bench_dir=args.bench_dir or default_bench_dir(environ),
