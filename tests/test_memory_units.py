@@ -119,3 +119,25 @@ def test_a_worker_told_of_more_memory_or_threads_than_the_machine_has_is_warned(
     assert said[0].endswith(f"run out of it while loading; give {math.floor(total / GIB * 10) / 10:.1f} or less")
     assert said[1] == ("--threads: 64 torch threads, and this process may run on 2 CPUs; threads past the CPUs slow "
                        "every step (each product waits for its slowest thread): give 2 or fewer")
+
+
+def test_an_entry_that_no_longer_gives_threads_takes_the_process_s_own_count_again(monkeypatch):
+    """A worker kept the threads of an earlier assignment's entry when a restarted head's topology dropped the
+    key: it ran on with them, and nothing said why its stage was slow. --threads still wins over both."""
+    import torch
+
+    from tc.worker import runtime
+    from tc.worker.runtime import apply_threads
+
+    monkeypatch.setattr(runtime, "_OWN_THREADS", [])  # as in a worker process, whatever ran here before
+    own = torch.get_num_threads()
+    other = 1 if own != 1 else 2
+    try:
+        apply_threads(other, None)
+        assert torch.get_num_threads() == other
+        apply_threads(None, None)
+        assert torch.get_num_threads() == own
+        apply_threads(other, own)  # --threads given: the entry's count is not taken
+        assert torch.get_num_threads() == own
+    finally:
+        torch.set_num_threads(own)

@@ -76,11 +76,19 @@ def apply_threads(assigned: int | None, command_line: int | None) -> None:
         if assigned is not None and assigned != command_line:
             log.info("the topology entry asks for %s; keeping --threads %d", torch_threads(assigned), command_line)
         return
-    if assigned is None:
+    if not _OWN_THREADS:
+        _OWN_THREADS.append(torch.get_num_threads())
+    if assigned is None:  # an entry without threads (a head restarted with the key gone): PyTorch's own count again
+        if torch.get_num_threads() != _OWN_THREADS[0]:
+            torch.set_num_threads(_OWN_THREADS[0])
+            log.info("using %s again: the topology entry gives none", torch_threads(_OWN_THREADS[0]))
         return
     torch.set_num_threads(assigned)
     log.info("using %s, from the topology entry", torch_threads(torch.get_num_threads()))
     warn_past_the_cores(assigned, "the topology entry's threads")
+
+
+_OWN_THREADS: list[int] = []  # the process's torch threads before an assignment first set them (apply_threads)
 
 
 def torch_threads(count: int) -> str:
