@@ -532,3 +532,40 @@ def test_a_join_address_where_another_server_speaks_first_is_no_head_and_no_fram
     finally:
         worker.stop()
         listener.close()
+
+
+def test_a_join_address_that_announces_a_large_frame_first_is_no_head_at_once(tmp_path):
+    """A server whose first 8 bytes read as a body of 100 MB (under the 256 MiB --max-frame-mb) had the worker
+    take a buffer that size and wait out its 30 s handshake for the body; a head's first reply is a few hundred
+    bytes, so such a header says at once that no tc head answered."""
+    import socket
+    import struct
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def announce() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            sock.sendall(struct.pack(">Q", 100_000_000))  # and nothing more: the connection stays open
+            held.append(sock)
+
+    threading.Thread(target=announce, daemon=True).start()
+    port = listener.getsockname()[1]
+    worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{port}", "--no-bench",
+                      "--retry-max-s", "1"], tmp_path / "worker.log", cwd=ROOT)
+    try:
+        deadline = time.monotonic() + WORKER_JOIN_S
+        while "what answered is not a tc head" not in worker.output():
+            assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
+            time.sleep(0.2)
+        assert "--max-frame-mb" not in worker.output()
+    finally:
+        worker.stop()
+        listener.close()
+        for sock in held:
+            sock.close()

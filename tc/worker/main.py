@@ -102,6 +102,9 @@ class StillHeld(Exception):
     head for --head-timeout-s): the head drops it once it sees it end, and the worker rejoins then."""
 
 
+HANDSHAKE_MAX_FRAME_BYTES = 1 << 20  # a head's HELLO_ACK or ERROR before it admits this worker: the head's own bound
+
+
 class WorkerSetupError(ValueError):
     """A worker setting (token file, timeout, frame size) is unusable; the message says how to fix it."""
 
@@ -264,8 +267,10 @@ class Worker:
         while not self.stop.is_set():
             address = HostPort(self.options.host, self.options.port)
             try:
+                # a head's replies before it admits this worker are a few hundred bytes: what announces more is
+                # no tc head, and is given no buffer of up to --max-frame-mb (raised once admitted, in handshake)
                 conn = connect(self.options.host, self.options.port, timeout=10.0,
-                               max_frame_bytes=self.options.max_frame_bytes)
+                               max_frame_bytes=min(self.options.max_frame_bytes, HANDSHAKE_MAX_FRAME_BYTES))
             except OSError as exc:
                 log.warning("head at %s not reachable (%s); retrying in %.3gs", address, exc, delay)
                 self.stop.wait(delay)
@@ -382,6 +387,7 @@ class Worker:
         if ack.challenge is not None:
             raise Refused("the head asks for a join token and this worker has none: give it the head's "
                           f"head.join_token with --join-token-file PATH or {TOKEN_ENV}")
+        conn.max_frame_bytes = self.options.max_frame_bytes  # admitted: its steps may take as much as it allows
         return ack
 
     def session(self, conn: Connection) -> bool:
