@@ -456,6 +456,29 @@ def test_anything_but_the_routes_batches_closes_that_link_only(listener):
     conn.close()
 
 
+def test_a_proven_link_silent_past_the_senders_reopening_is_closed(listener, monkeypatch):
+    """A link in was read without a timeout once proven: a sender whose machine vanished (no FIN) kept its place, its
+    thread and its buffer for good. The sender opens a link anew after PEER_IDLE_REOPEN_S, so one silent for twice
+    that is closed (shortened here), and a batch before then keeps it open."""
+    from tc.worker import peers
+
+    monkeypatch.setattr(peers, "PROVEN_IDLE_S", 1.0)
+    conn = handshake_by_hand(listener)
+    time.sleep(0.6)
+    conn.send(batch(3), "step-1", 1)  # within the bound: delivered, and the link stays
+    assert listener.got.get(timeout=5).request_id == "step-1"
+    time.sleep(0.6)
+    conn.send(batch(3), "step-2", 1)
+    assert listener.got.get(timeout=5).request_id == "step-2"
+    deadline = time.monotonic() + 10
+    while listener._open and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not listener._open, "the silent link still holds its place"
+    with pytest.raises((ConnectionClosed, OSError)):
+        conn.recv()
+    conn.close()
+
+
 def test_connections_waiting_for_a_route_give_way_with_their_threads(listener):
     """A PEER_HELLO for a route no ROUTE has named yet waits for it (the stage before may connect first), and anyone
     who can reach the port can send one. With the listener full, such a connection gave its place to a newer one

@@ -58,6 +58,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 30.0, 600.0  # a next stage that could not be reach
 # connection without a word: a batch sent into one is lost, the kernel taking it all the same, and the head waits
 # out the step's bound before it drops the stages. A handshake (a few ms) after each idle minute costs nothing.
 PEER_IDLE_REOPEN_S = 60.0
+PROVEN_IDLE_S = 2 * PEER_IDLE_REOPEN_S  # a link in silent this long is closed (PeerListener._handshake)
 
 
 class Routes:
@@ -287,7 +288,10 @@ class PeerListener:
         if conn.closed:
             return None
         conn.max_frame_bytes, conn.frame_limit_advice = self._max_frame_bytes, PROVEN_FRAME_ADVICE
-        conn.settimeout(None)
+        # the stage before opens its link anew after PEER_IDLE_REOPEN_S without a batch (Forwarder), so one silent
+        # for longer is no longer used: its machine may be gone, without a FIN, and it would hold its place, its
+        # thread and a buffer as large as the largest batch
+        conn.settimeout(PROVEN_IDLE_S)
         with self._lock:
             self._open[conn] = msg.route
             older = [c for c, r in self._open.items() if c is not conn and 0 < r <= msg.route]
