@@ -649,8 +649,11 @@ class Worker:
         device = self.loaded[1].device
         self.loaded = None
         gc.collect()  # module hooks can hold a stage in a reference cycle; free it now, not at some later collection
-        if torch.device(device).type == "cuda":
+        kind = torch.device(device).type
+        if kind == "cuda":
             torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from other processes
+        elif kind == "mps":
+            torch.mps.empty_cache()  # as CUDA's: the freed blocks stay cached, and the next stage may not fit
 
     def load(self, conn: Connection, assignment: Assignment,
              interrupted: Callable[[], bool] | None = None) -> StageRuntime | None:
