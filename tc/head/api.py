@@ -476,7 +476,8 @@ class CompletionsResource:
         if request.suffix is not None:
             prompt_ids = self._fill_in_middle(prompt_ids, request.suffix)
         params = request.sampling.to_params(DEFAULT_COMPLETION_MAX_TOKENS, default_is="OpenAI's default here",
-                                            prompt_logprobs=request.echo, continues_prompt=True)
+                                            prompt_logprobs=request.echo, continues_prompt=True,
+                                            defaults=self.service.sampling_defaults)
         # max_tokens 0 (with echo: the prompt scored) generates nothing, so its prompt may fill the context
         check_prompt_tokens(prompt_ids, self.service.context_length, _vocab_size(self.service), "prompt",
                             generates=params.max_tokens > 0)
@@ -529,7 +530,8 @@ class ChatPrompts:
         room = self.service.context_length - len(prompt_ids)
         # a continued message's text goes on from its last words: a SentencePiece word's space stays at its start
         params = request.sampling.to_params(room, default_is="the room the messages leave in the context",
-                                            continues_prompt=request.continue_final_message)
+                                            continues_prompt=request.continue_final_message,
+                                            defaults=self.service.sampling_defaults)
         check_min_tokens(params.min_tokens, len(prompt_ids), self.service.context_length)
         check_logit_bias(params.logit_bias, _vocab_size(self.service))
         if request.prediction:  # guesses for a greedy reply's next tokens (draft.py): they change none of them

@@ -127,11 +127,18 @@ class SamplingFields:
     n: int = 1  # choices: that many sequences of the same prompt, each sampled on its own
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value), by token id; not yet checked against a vocab
     cache_prompt: bool = True  # llama.cpp's extension: False reads the whole prompt, whatever caches are kept
+    given: frozenset[str] = frozenset()  # the fields the request sent: the model's defaults fill in the others
 
     def to_params(self, default_max_tokens: int, *, default_is: str = "", prompt_logprobs: bool = False,
-                  continues_prompt: bool = False) -> SamplingParams:
+                  continues_prompt: bool = False, defaults: Mapping[str, float] | None = None) -> SamplingParams:
         """Raises RequestError when min_tokens is over the completion's max_tokens. `default_is` says where
-        `default_max_tokens` comes from, for that error where the request left max_tokens out."""
+        `default_max_tokens` comes from, for that error where the request left max_tokens out. `defaults`: the
+        model's own values (sampling_defaults.py) for the sampling fields the request left out."""
+        if defaults:
+            filled = {name: value for name, value in defaults.items() if name not in self.given}
+            return dataclasses.replace(self, **filled, given=self.given | set(filled)).to_params(
+                default_max_tokens, default_is=default_is, prompt_logprobs=prompt_logprobs,
+                continues_prompt=continues_prompt)
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.min_tokens > max_tokens >= 0:  # a negative max_tokens is SamplingParams' to refuse
             given = f"max_tokens ({max_tokens})" if self.max_tokens is not None else \
@@ -640,7 +647,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(bias.items()))
 
 
-_SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
+SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
     "temperature": _temperature, "top_p": _top_p, "stop": _stop, "seed": _seed, "top_k": _top_k, "min_p": _min_p,
     "presence_penalty": _penalty("presence_penalty"), "frequency_penalty": _penalty("frequency_penalty"),
     "repetition_penalty": _repetition_penalty,
@@ -651,8 +658,8 @@ _SAMPLING_PARSERS: dict[str, Callable[[Any], Any]] = {
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingFields:
-    given = {name: parse(body[name]) for name, parse in _SAMPLING_PARSERS.items() if body.get(name) is not None}
-    return SamplingFields(max_tokens=max_tokens, logprobs=logprobs, **given)
+    given = {name: parse(body[name]) for name, parse in SAMPLING_PARSERS.items() if body.get(name) is not None}
+    return SamplingFields(max_tokens=max_tokens, logprobs=logprobs, **given, given=frozenset(given))
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:

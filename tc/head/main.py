@@ -38,6 +38,7 @@ from .addresses import bind_address
 from .admission import device_for, over_memory_cap, sequences_to_hold, speed_for, worker_memory
 from .api import body_limit, create_app, create_loading_app
 from .reasoning import ReasoningUnavailable, reasoning_tokens
+from .sampling_defaults import describe as describe_sampling, read_sampling_defaults
 from .http_server import HttpServer, start_http_server
 from .loading import HeadLoading
 from .metrics import Metrics
@@ -393,10 +394,14 @@ def _load_and_serve(topology: Topology, source: ModelSource, config: ModelConfig
 
     pipeline = RemotePipeline(registry)
     generator = Generator(head_model, tokenizer, pipeline, dtype, draft_tokens=topology.head.draft_tokens)
+    sampling = read_sampling_defaults(model_dir)
+    if sampling:
+        log.info("sampling for requests that leave it out, from the model's generation_config.json: %s (a "
+                 "request's own values win)", describe_sampling(sampling))
     service = GenerationService(topology.name, tokenizer, generator, registry.readiness,
                                 max_queue=topology.head.max_queue, max_batch=registry.batch.max_batch,
                                 prefill_chunk=topology.head.prefill_chunk, step_hops=lambda: pipeline.last_hops,
-                                metrics=metrics, prefix_cache=topology.head.prefix_cache)
+                                metrics=metrics, prefix_cache=topology.head.prefix_cache, sampling_defaults=sampling)
     with registry.lock:  # a plan made from the workers while the head loaded (planned() runs under this lock)
         service.max_batch = registry.batch.max_batch
         serving.append(service)

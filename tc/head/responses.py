@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..generation import Completion, Step
 # the chat parser's own checks, so that a Responses field is refused in the same words as a chat one
-from .api_requests import (_SAMPLING_PARSERS, REASONING_EFFORTS, RequestError, _boolean, _check_fields, _json_type,
+from .api_requests import (SAMPLING_PARSERS, REASONING_EFFORTS, RequestError, _boolean, _check_fields, _json_type,
                            _object, _required, _string, check_metadata)
 from .service import GenerationGroup
 from .streaming import IDLE_KEEPALIVE_S, KEEPALIVE, ChatReply, EventStream, sse
@@ -34,7 +34,7 @@ _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
                      "prompt_cache_key", "safety_identifier", "service_tier", "stream_options", "top_logprobs"})
 # chat's sampling fields that the Responses API has no name for (min_p, top_k, seed, stop, ...): refused by name
 # with where they are taken, rather than as fields this server does not implement
-_CHAT_ONLY = (frozenset(_SAMPLING_PARSERS) | {"logprobs", "top_logprobs"}) - _FIELDS
+_CHAT_ONLY = (frozenset(SAMPLING_PARSERS) | {"logprobs", "top_logprobs"}) - _FIELDS
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 # what the openai client sends back when a reply's output items are appended to the next request's input
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})

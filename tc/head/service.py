@@ -52,7 +52,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..generation import Completion, Generator, SequenceState, Step
 from ..model.tokenizer import TextTokenizer
@@ -361,7 +361,8 @@ class GenerationService:
     def __init__(self, model_id: str, tokenizer: TextTokenizer, generator: Generator,
                  readiness: Callable[[], Readiness], max_queue: int = 16, *, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_hops: Callable[[], Sequence[Hop]] | None = None,
-                 metrics: Metrics | None = None, prefix_cache: bool = False):
+                 metrics: Metrics | None = None, prefix_cache: bool = False,
+                 sampling_defaults: Mapping[str, float] | None = None):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be at least 1")
         self.model_id = model_id
@@ -371,6 +372,8 @@ class GenerationService:
         self.readiness = readiness
         self.max_queue, self.max_batch, self.prefill_chunk = max_queue, max_batch, prefill_chunk
         self.step_hops = step_hops
+        # the model's own values for the sampling fields a request leaves out (head/sampling_defaults.py)
+        self.sampling_defaults: Mapping[str, float] = dict(sampling_defaults or {})
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.watch(lambda: self.queue_depth, lambda: self.running, self._node_states,
                            slots=lambda: self.max_batch, tokens_per_s=self.tokens_per_s)
