@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 
 import openai
@@ -56,6 +57,27 @@ def test_tool_choice_decides_the_tools_shown(choice, offered):
                                   "parallel_tool_calls": False})
     assert [t.name for t in request.offered_tools] == offered
     assert not request.parallel_tool_calls
+
+
+def test_allowed_tools_hold_auto_and_required_to_the_tools_named():
+    """OpenAI's allowed_tools: the tools list stays whole (a client's prompt cache holds) and a request allows some;
+    it was a 400. Only the allowed are shown, and "required" calls one of them."""
+    def allowed(mode, *names):
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "function", "function": {"name": name}} for name in names]}}
+
+    request = parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER, TIME],
+                                  "tool_choice": allowed("auto", "get_time")})
+    assert request.tool_choice == ToolChoice("auto", allowed=("get_time",))
+    assert [t.name for t in request.offered_tools] == ["get_time"]
+    request = parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER, TIME],
+                                  "tool_choice": allowed("required", "get_weather", "get_time")})
+    assert request.tool_choice.mode == "required" and len(request.offered_tools) == 2
+    for choice, said in [(allowed("auto", "launch"), "names the function \"launch\", which is not in 'tools'"),
+                         (allowed("none", "get_time"), "use \"auto\" or \"required\""),
+                         ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "non-empty")]:
+        with pytest.raises(RequestError, match=re.escape(said)):
+            parse_chat_request({"model": "m", "messages": [ASK], "tools": [WEATHER, TIME], "tool_choice": choice})
 
 
 def test_assistant_calls_and_tool_results_reach_the_template_as_transformers_expects():
@@ -142,6 +164,15 @@ def test_a_conversation_with_calls_and_results_renders(client, generator):
     assert "<tool_response>\n{\"temperature_c\": 18}\n</tool_response>" in prompt
     assert prompt_tokens(client, messages=[ASK, CALLED, ANSWERED], tools=[WEATHER]) == rendered_length(
         generator, template_input, [WEATHER])
+
+
+def test_required_among_allowed_tools_calls_an_allowed_one(openai_client):
+    reply = openai_client.chat.completions.create(
+        model="tiny", messages=[ASK], tools=[WEATHER, TIME], max_tokens=60, temperature=1.0, seed=3,
+        parallel_tool_calls=False, tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}})
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and reply.choices[0].finish_reason == "tool_calls"
 
 
 def test_an_assistant_turn_with_no_calls_and_no_content_is_an_empty_turn(openai_client, generator):

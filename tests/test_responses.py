@@ -215,6 +215,16 @@ def test_required_tool_choice_always_calls(client):
     assert reply.output and all(item.type == "function_call" for item in reply.output)
 
 
+def test_required_among_allowed_tools_calls_the_allowed_one(client):
+    """The Responses API's flat allowed_tools form (a 400 before)."""
+    other = {**LOOKUP, "name": "other"}
+    reply = create(client, input="Do something.", tools=[LOOKUP, other], temperature=1.0, max_output_tokens=200,
+                   parallel_tool_calls=False, tool_choice={"type": "allowed_tools", "mode": "required",
+                                                           "tools": [{"type": "function", "name": "other"}]})
+    assert reply.output and [item.name for item in reply.output if item.type == "function_call"] == ["other"]
+    assert reply.tool_choice.type == "allowed_tools" and reply.tool_choice.mode == "required"
+
+
 def test_a_json_schema_text_format_gives_json_of_the_schema(client):
     fmt = {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}
     reply = create(client, input="Give a point.", text={"format": fmt}, temperature=0, max_output_tokens=200)

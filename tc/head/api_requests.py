@@ -234,10 +234,13 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """`none`, `auto`, `required`, or `function` with the one tool's `name`."""
+    """`none`, `auto`, `required`, or `function` with the one tool's `name`; `auto` and `required` may be held to
+    the tools named in `allowed` (OpenAI's allowed_tools: the list of tools stays whole, so a client's prompt
+    cache holds, and each request allows some of them)."""
 
     mode: str
     name: str | None = None
+    allowed: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,8 @@ class ChatRequest:
             return ()
         if self.tool_choice.mode == "function":
             return tuple(t for t in self.tools if t.name == self.tool_choice.name)
+        if self.tool_choice.allowed is not None:
+            return tuple(t for t in self.tools if t.name in self.tool_choice.allowed)
         return self.tools
 
 
@@ -982,6 +987,8 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice
                                '{"type": "function", "function": {"name": ...}}', param="tool_choice",
                                code="invalid_value")
         choice = ToolChoice(value)
+    elif isinstance(value, dict) and value.get("type") == "allowed_tools":
+        choice = _allowed_tools(value, tools)
     else:
         chosen = _object(value, "tool_choice", _TOOL_FIELDS)
         _function_type(chosen, "tool_choice")
@@ -996,6 +1003,35 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice
         raise RequestError(f"'tool_choice' {json.dumps(value)} needs 'tools' to choose from", param="tool_choice",
                            code="invalid_value")
     return choice
+
+
+def _allowed_tools(value: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice:
+    """{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type": "function",
+    "function": {"name": ...}}, ...]}}: `mode` among the tools named, each one of 'tools'."""
+    spec = _object(_required(_object(value, "tool_choice", frozenset({"type", "allowed_tools"})), "allowed_tools",
+                             "tool_choice."), "tool_choice.allowed_tools", frozenset({"mode", "tools"}))
+    mode = _required(spec, "mode", "tool_choice.allowed_tools.")
+    if mode not in ("auto", "required"):
+        raise RequestError(f"'tool_choice.allowed_tools.mode' is {json.dumps(mode)}; use \"auto\" or \"required\"",
+                           param="tool_choice.allowed_tools.mode", code="invalid_value")
+    listed = _required(spec, "tools", "tool_choice.allowed_tools.")
+    if not isinstance(listed, list) or not listed:
+        raise RequestError("'tool_choice.allowed_tools.tools' must be a non-empty array of "
+                           '{"type": "function", "function": {"name": ...}}', param="tool_choice.allowed_tools.tools",
+                           code="invalid_value")
+    names = []
+    offered = {t.name for t in tools}
+    for i, entry in enumerate(listed):
+        param = f"tool_choice.allowed_tools.tools[{i}]"
+        entry = _object(entry, param, frozenset({"type", "function"}))
+        _function_type(entry, param)
+        function = _object(_required(entry, "function", param + "."), param + ".function", frozenset({"name"}))
+        name = _string(_required(function, "name", param + ".function."), param + ".function.name")
+        if name not in offered:
+            raise RequestError(f"'{param}' names the function {json.dumps(name)}, which is not in 'tools'",
+                               param=param + ".function.name", code="invalid_value")
+        names.append(name)
+    return ToolChoice(mode, allowed=tuple(names))
 
 
 def _response_format(body: Mapping[str, Any]) -> ResponseFormat:

@@ -248,9 +248,16 @@ def _tools(value: Any) -> list[Any]:
 def _tool_choice(value: Any) -> Any:
     if not isinstance(value, dict):
         return value  # "none", "auto", "required", or what the chat parser refuses
+    if value.get("type") == "allowed_tools":  # the Responses API's flat form, in the chat API's
+        allowed = _object(value, "tool_choice", frozenset({"type", "mode", "tools"}))
+        listed = allowed.get("tools")
+        tools = [{"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}}
+                 if isinstance(t, dict) else t for t in listed] if isinstance(listed, list) else listed
+        return {"type": "allowed_tools", "allowed_tools": {"mode": allowed.get("mode"), "tools": tools}}
     if value.get("type") != "function":
         raise RequestError(f"'tool_choice.type' is {json.dumps(value.get('type'))}; use \"none\", \"auto\", "
-                           "\"required\" or {\"type\": \"function\", \"name\": ...}", param="tool_choice.type",
+                           "\"required\", {\"type\": \"function\", \"name\": ...} or {\"type\": \"allowed_tools\", "
+                           "...}", param="tool_choice.type",
                            code="unsupported_value")
     chosen = _object(value, "tool_choice", frozenset({"type", "name"}))
     return {"type": "function", "function": {"name": _required(chosen, "name", "tool_choice.")}}
