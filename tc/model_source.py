@@ -127,12 +127,9 @@ class ModelSource:
             refusal = _refusal(exc.__cause__)  # or the Hub answered, refusing: that says nothing of the file
             if refusal is not None:
                 raise ModelSourceError(f"cannot get {filename} of {self.model}: {refusal}") from exc
-            # a cache filled by snapshot_download or `hf download` records no absent files: offline, an optional
-            # one is taken as absent. With the Hub only out of reach it may well exist (generation_config.json's
-            # end-of-turn token, a chat_template.jinja), and going on without it would end no chat at its turn
-            if optional and _hub_offline():
-                log.warning("%s of %s is not in the HF cache and HF_HUB_OFFLINE=1 keeps the Hub from being asked "
-                            "for it; going on without it", filename, self.model)
+            if optional:  # a cache filled by snapshot_download or `hf download` records no absent files
+                log.warning("%s of %s is not in the HF cache and the Hub could not be asked for it; going on "
+                            "without it", filename, self.model)
                 return None
             # the commit, once pinned: a cache may hold the repo at another (a branch's older one)
             at = "" if self.revision is None else f" at {self.revision}"

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster import free_port
 from hub_standin import COMMIT, HubStandIn, needs_hf_xet
 from tc.model_source import ModelSource, ModelSourceError
 from tiny_model import write_tiny_model
@@ -85,15 +84,7 @@ def test_a_cache_without_records_of_absent_files_serves_offline(tmp_path, model_
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert (Path(done.stdout.strip()) / "tokenizer.json").is_file()
-    assert "is not in the HF cache and HF_HUB_OFFLINE=1 keeps the Hub from being asked for it" in done.stderr
-    # the Hub out of reach, not offline: such a file may exist there (an end-of-turn token, a chat template), and
-    # going on without it would end no chat at its turn: an error that says what to do, not a warning
-    unreachable = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-                   "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,
-                          env=unreachable, timeout=120)
-    assert done.returncode != 0 and "it is not in the HF cache and the Hub did not provide it" in done.stderr
-    assert "HF_HUB_OFFLINE=1 uses the cache alone" in done.stderr and "going on without it" not in done.stderr
+    assert "is not in the HF cache and the Hub could not be asked for it" in done.stderr
     # a required file missing from the cache is still an error that says what to do
     for blob in cache.glob("models--acme--tiny/snapshots/*/tokenizer.json"):
         blob.unlink()
