@@ -239,6 +239,9 @@ ALL_TEXTS = [r[1] for r in RECORDED] + [r[1] for r in NOT_CALLS[:-1]] + [
     "{\"n\\u0061me\": \"laun\\u0063h\", \"arguments\": {}}",
     "{\"bad\\q\": 1}",
     "{}",
+    # a name given twice, and a name beside a wrapper's: the stream reads the first name, as the whole does now
+    "{\"name\": \"x\", \"name\": \"get_weather\", \"arguments\": {}}",
+    "{\"name\": \"other\", \"function\": {\"name\": \"get_weather\", \"arguments\": {}}}",
 ]
 
 

@@ -94,7 +94,7 @@ def _call(value: Any, tools: Tools, new_id: Callable[[], str]) -> ToolCall | Non
     """A call object ({"name", "arguments" | "parameters"}, or OpenAI's {"function": {...}}), else None."""
     if not isinstance(value, dict):
         return None
-    if isinstance(value.get("function"), dict):  # {"type": "function", "function": {"name", "arguments"}}
+    if "name" not in value and isinstance(value.get("function"), dict):  # {"type": "function", "function": {...}}
         value = value["function"]
     name = value.get("name")
     if not isinstance(name, str) or name not in tools:
@@ -106,9 +106,19 @@ def _call(value: Any, tools: Tools, new_id: Callable[[], str]) -> ToolCall | Non
     return ToolCall(new_id(), name, arguments) if arguments is not None else None
 
 
-def _json_values(text: str) -> Iterator[Any]:
-    """The JSON values in `text`, apart by whitespace, `;` or `,`. Raises ValueError on anything else."""
-    decoder = json.JSONDecoder()
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are each given once: a key given twice is no call (json keeps the last, where a stream
+    read the first: tool_calls._may_be_call)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("a key given twice")
+    return value
+
+
+def _json_values(text: str, unique_keys: bool = False) -> Iterator[Any]:
+    """The JSON values in `text`, apart by whitespace, `;` or `,`. Raises ValueError on anything else (with
+    `unique_keys`, an object that gives a key twice too)."""
+    decoder = json.JSONDecoder(object_pairs_hook=_unique_keys if unique_keys else None)
     at = 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] in ";,"):
@@ -137,7 +147,7 @@ def _bare_calls(text: str, tools: Tools, new_id: Callable[[], str]) -> list[Tool
         return None
     calls: list[ToolCall] = []
     try:
-        for value in _json_values(text):
+        for value in _json_values(text, unique_keys=True):
             if value == []:  # no call: text, as a stream takes it from the "]" on (_may_start_bare_call)
                 return None
             for item in value if isinstance(value, list) else [value]:
