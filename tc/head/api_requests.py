@@ -136,6 +136,8 @@ class SamplingFields:
         model's own values (sampling_defaults.py) for the sampling fields the request left out."""
         if defaults:
             filled = {name: value for name, value in defaults.items() if name not in self.given}
+            if filled.get("temperature", self.temperature) == 0:  # greedy: the argmax asked for, no penalty on it
+                filled = {"temperature": 0.0} if "temperature" in filled else {}
             return dataclasses.replace(self, **filled, given=self.given | set(filled)).to_params(
                 default_max_tokens, default_is=default_is, prompt_logprobs=prompt_logprobs,
                 continues_prompt=continues_prompt)

@@ -4,8 +4,9 @@ Qwen3 asks for temperature 0.6, top_p 0.95 and top_k 20 (its card warns that oth
 Qwen2.5 for 0.7 / 0.8 / 20 with a repetition penalty: a request that names none of these was sampled at OpenAI's
 temperature 1 with no truncation, which small models answer with noise. As vLLM serves by default, each of the
 fields below that the file gives and a request leaves out takes the file's value; a request's own value always
-wins, and `do_sample` is not read (vLLM does not either). A value out of the API's range is left out, with a
-warning.
+wins, and `do_sample` is not read (vLLM does not either). A greedy request (temperature 0, its own or the
+model's) takes none of the others: its reply is the model's argmax, which a repetition penalty would move and
+which top_k, top_p and min_p leave as it is. A value out of the API's range is left out, with a warning.
 """
 from __future__ import annotations
 
