@@ -79,7 +79,7 @@ def plan_batch(plan: Plan, config: ModelConfig, asked: int | None) -> BatchPlan:
     slot_bytes = {stage.node_id: kv_bytes_per_slot(config, stage) for stage in plan.stages}
     fits = DEFAULT_MAX_BATCH if asked is None else asked
     for stage in plan.stages:
-        if stage.memory_bytes is None:
+        if stage.memory_bytes is None or not stage.memory_sizes_batch:
             continue
         room = sequences_fit(config, stage, stage.memory_bytes)
         if asked is not None and room < asked:
@@ -107,7 +107,7 @@ def stage_need(config: ModelConfig, stage: Stage, max_batch: int, device: str | 
     memory is one sequence even where none fits: see the module's docstring). `device`: the device the stage
     will run on, where known (a joining worker's, a spare's), as an element's size follows it."""
     sequences = max_batch
-    if stage.memory_bytes is not None:
+    if stage.memory_bytes is not None and stage.memory_sizes_batch:
         sequences = min(sequences, sequences_fit(config, stage, stage.memory_bytes))
     on = stage if device is None else replace(stage, device=device)
     return StageNeed(stage.weight_bytes, sequences, kv_bytes_per_slot(config, on))

@@ -52,6 +52,9 @@ class NodeSpec:
     speed: Speed | None = None  # None: not known, so its run is split by bytes
     link: LinkSpeed | None = None  # the head's link to it, once measured
     memory_from: str = "max_memory_gb"  # what gave memory_bytes, as an error names it (memory_text)
+    # whether memory_bytes sizes the batch too (batch_memory.plan_batch): not a device's own free figure, which
+    # places the weights alone (caches fill only as far as sequences go, and a worker short of them is warned of)
+    memory_sizes_batch: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Stage:
     link: LinkSpeed | None = None
     pinned: bool = False  # its range is the topology's pin, not the planner's choice
     memory_from: str = "max_memory_gb"  # NodeSpec.memory_from
+    memory_sizes_batch: bool = True  # NodeSpec.memory_sizes_batch
 
     @property
     def decode_s(self) -> float | None:
@@ -154,7 +158,7 @@ def make_plan(num_layers: int, layer_bytes: Sequence[int], nodes: Sequence[NodeS
     ranges = _assign_ranges(num_layers, list(layer_bytes), nodes)
     stages = tuple(
         Stage(node.id, node.device, node.dtype, start, end, sum(layer_bytes[start:end]), node.memory_bytes,
-              node.speed, node.link, node.pin is not None, node.memory_from)
+              node.speed, node.link, node.pin is not None, node.memory_from, node.memory_sizes_batch)
         for node, (start, end) in zip(nodes, ranges)
     )
     assert [s.start for s in stages] == [0] + [s.end for s in stages[:-1]] and stages[-1].end == num_layers

@@ -163,8 +163,12 @@ def test_a_worker_gets_no_more_layers_than_its_device_has_free(tmp_path, model_d
         cluster.wait_api()
         # 4 layers of the tiny model take 338 KiB: 200,000 bytes hold 2 of them
         workers = [HandWorker(cluster, "slow", None, **free(200_000)), HandWorker(cluster, "fast", None)]
-        spans = [(a.layer_start, a.layer_end_exclusive) for a in (w.next_assignment(10) for w in workers)]
+        assignments = [w.next_assignment(10) for w in workers]
+        spans = [(a.layer_start, a.layer_end_exclusive) for a in assignments]
         assert spans == [(0, 2), (2, 8)], cluster.head.output()
+        # the device's figure places the weights; the batch stays the topology's (caches fill only as far as
+        # sequences go), where a --max-memory-gb sizes it too (the test below)
+        assert [a.max_sequences for a in assignments] == [8, 8]
         for worker in workers:
             worker.close()
     (tmp_path / "again").mkdir()

@@ -83,13 +83,14 @@ def plan_from_workers(topology: Topology, config: ModelConfig, hellos: dict[str,
         figure = speed_for(hello, device, spec.dtype, topology.quant)
         speed = spec.speed if figure is None else Speed(figure.decode_bytes_per_s, figure.prefill_bytes_per_s,
                                                         figure.layer_overhead_s)
-        memory, memory_from = spec.memory_bytes, spec.memory_from
+        memory, memory_from, sizes_batch = spec.memory_bytes, spec.memory_from, True
         if memory is None:
             memory = worker_memory(hello, device)
-            memory_from = ("its --max-memory-gb" if hello.max_memory_bytes is not None
-                           else f"what {device} on {hello.hostname} reports free")
+            # a device's free figure places the weights; the batch stays the topology's, as a plan from it keeps
+            sizes_batch = hello.max_memory_bytes is not None
+            memory_from = "its --max-memory-gb" if sizes_batch else f"what {device} on {hello.hostname} reports free"
         specs.append(replace(spec, speed=speed, memory_bytes=memory, memory_from=memory_from,
-                             link=(links or {}).get(entry.id)))
+                             memory_sizes_batch=sizes_batch, link=(links or {}).get(entry.id)))
     return make_plan(config.num_hidden_layers, layer_bytes_of(topology, config), specs)
 
 
