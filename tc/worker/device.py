@@ -53,7 +53,8 @@ def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CG
                   ) -> tuple[int, int] | None:
     """(limit, available) of the memory cgroup this process runs in, where a limit is set (a container's
     --memory, a systemd unit's MemoryMax): the tightest from its cgroup up, and that limit less what that cgroup
-    uses, the page cache it may drop left out (as `docker stats` counts it). v2's memory.max, or v1's
+    uses, its page cache left out (the kernel drops it for the worker's memory, as MemAvailable counts it: a model
+    read before in the same container would otherwise count as used). v2's memory.max, or v1's
     memory.limit_in_bytes; None without a limit, or where cgroups cannot be read."""
     try:
         lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
@@ -65,10 +66,10 @@ def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CG
             continue
         _, controllers, path = parts
         if controllers == "" and (root / "cgroup.controllers").is_file():  # v2, mounted whole at the root
-            found = _tightest(root, path, "memory.max", "memory.current", "inactive_file")
+            found = _tightest(root, path, "memory.max", "memory.current", ("active_file", "inactive_file"))
         elif "memory" in controllers.split(","):  # v1's memory controller
             found = _tightest(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                              "total_inactive_file")
+                              ("total_active_file", "total_inactive_file"))
         else:
             continue
         if found is not None:
@@ -76,7 +77,8 @@ def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CG
     return None
 
 
-def _tightest(mount: Path, path: str, limit_file: str, usage_file: str, inactive: str) -> tuple[int, int] | None:
+def _tightest(mount: Path, path: str, limit_file: str, usage_file: str, cache: tuple[str, ...]
+              ) -> tuple[int, int] | None:
     directory = mount / path.strip("/")
     if not directory.is_dir():  # a cgroup namespace (a container's) shows its own cgroup as "/": the mount
         directory = mount
@@ -96,8 +98,8 @@ def _tightest(mount: Path, path: str, limit_file: str, usage_file: str, inactive
     try:
         for line in (directory / "memory.stat").read_text(encoding="ascii").splitlines():
             key, _, value = line.partition(" ")
-            if key == inactive and value.strip().isdigit():
-                droppable = int(value)
+            if key in cache and value.strip().isdigit():
+                droppable += int(value)
     except OSError:
         pass
     return limit, max(0, limit - max(0, used - droppable))
