@@ -15,6 +15,7 @@ import difflib
 import ipaddress
 import math
 import re
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -368,16 +369,26 @@ def parse_host_port(text: str, example: str = "0.0.0.0:8000") -> HostPort:
 
 
 def _same_port(api: HostPort, listen: HostPort) -> bool:
-    """Whether the two addresses would listen on one port: the same port, unless on two different addresses written
-    as such (a host name may be any address of this machine: localhost is 127.0.0.1), and neither a wildcard."""
+    """Whether the two addresses would listen on one port: the same port on a wildcard, or on hosts that share an
+    address (a name is the addresses it resolves to: localhost and 127.0.0.1 are one)."""
     if api.port != listen.port:
         return False
     if api.host in WILDCARD_HOSTS or listen.host in WILDCARD_HOSTS:
         return True
+    return bool(_host_addresses(api.host) & _host_addresses(listen.host))
+
+
+def _host_addresses(host: str) -> set[str]:
+    """The addresses `host` stands for: itself where it is one, else what it resolves to (none where it does not,
+    and binding it then fails with its own error, naming the key)."""
     try:
-        return ipaddress.ip_address(api.host) == ipaddress.ip_address(listen.host)
-    except ValueError:  # a host name
-        return True
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        return {str(ipaddress.ip_address(found[4][0].split("%")[0])) for found in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError, ValueError):
+        return set()
 
 
 def _is_ip(text: str, kind: type) -> bool:

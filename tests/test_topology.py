@@ -584,6 +584,8 @@ def test_with_ports(base_dir: Path) -> None:
     apart = good()
     apart["head"] = {"api": "127.0.0.1:8000", "listen": "127.0.0.2:8000"}
     assert parse_topology(apart, base_dir).head.listen == HostPort("127.0.0.2", 8000)
+    apart["head"] = {"api": "localhost:8000", "listen": "127.0.0.2:8000"}  # a name, of another address
+    assert parse_topology(apart, base_dir).head.api == HostPort("localhost", 8000)
 
 
 @pytest.mark.parametrize("port", ["70000", "-1", "http", "\uff18\uff10\uff10\uff10"])
