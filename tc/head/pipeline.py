@@ -39,6 +39,7 @@ output as it was without the loss, while in bf16 or fp16 the continuation may di
 """
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import os
@@ -442,8 +443,18 @@ def reachable_from(sender: WorkerLink, address: tuple[str, int]) -> tuple[str, i
     address it reaches the head at (the head's end of its link), where the worker listens too (worker/main.py)."""
     host, port = address
     if is_loopback(host) and not is_loopback(sender.conn.peer_host) and sender.conn.local_host is not None:
-        return sender.conn.local_host, port
+        return unmapped(sender.conn.local_host), port
     return address
+
+
+def unmapped(host: str) -> str:
+    """An IPv4-mapped IPv6 address (a dual-stack socket's view of an IPv4 peer) as the IPv4 address it maps: a
+    worker reaches that, with or without IPv6."""
+    try:
+        mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
+    except ValueError:
+        return host
+    return str(mapped) if mapped is not None else host
 
 
 def first_positions(parts: list[torch.Tensor], positions: int) -> list[torch.Tensor]:

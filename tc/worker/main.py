@@ -41,6 +41,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -426,8 +427,8 @@ class Worker:
         host = conn.local_host
         if self.options.peer_port is None or host is None:
             return None
-        if is_loopback(host) and self.options.peer_host is None:
-            host = "::" if ":" in host else "0.0.0.0"
+        if is_loopback(host) and self.options.peer_host is None:  # IPv4 and IPv6 both, where the system can
+            host = "::" if ":" in host or socket.has_dualstack_ipv6() else "0.0.0.0"
         try:
             return PeerListener(host, self.options.peer_port, routes, lambda env: jobs.put((env, True)),
                                 self.options.max_frame_bytes, self._key)

@@ -108,6 +108,8 @@ class PeerListener:
                  max_frame_bytes: int, join_key: bytes | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._server = socket.socket(family, socket.SOCK_STREAM)
+        if host == "::" and socket.has_dualstack_ipv6():  # every address: IPv4 peers too, whatever the default
+            self._server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         try:
             if port:  # a fixed port: rebinding it at once after a restart must not fail on TIME_WAIT
                 self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
