@@ -442,8 +442,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# Numbers as YAML 1.2 reads them, not 1.1 (PyYAML's): a plain `1:10` (a layer range written with a colon) was
-# the base-60 number 70, and `0755` the octal 493; both stay text now, which the key then refuses or takes as text
+# Numbers without YAML 1.1's base 60 and octal (PyYAML's): a plain `1:10` (a layer range written with a colon)
+# was the base-60 number 70, and `0755` the octal 493. Such text, and any whole number written with a leading zero,
+# stays text now, which a key then refuses with its form (`threads: 07`) or takes as text (`id: 01`)
 _INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
 _UniqueKeyLoader.yaml_implicit_resolvers = {
