@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Process, write_topology
+from cluster import ROOT, Process, write_topology
 from tc.head.http_server import start_http_server
 from tc.head.main import start_head
 from tc.topology import load_topology
@@ -77,36 +77,56 @@ def test_an_api_host_name_of_two_addresses_is_served_on_the_first(monkeypatch):
         server.stop()
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts this process's open files in /proc")
-def test_a_join_port_out_of_file_descriptors_says_so_and_takes_the_worker_once_it_has_one(tmp_path, caplog):
+# A head in a process of its own, whose limit on open files is lowered to under what it holds once it listens,
+# and put back once it has said it cannot take a connection: no other test's threads share the limit.
+FD_STARVED_HEAD = """
+import logging, os, resource, sys, threading
+from tc.head.main import start_head
+from tc.topology import load_topology
+
+said = threading.Event()
+
+class Watch(logging.Handler):
+    def emit(self, record):
+        if "cannot take a worker's connection" in record.getMessage():
+            said.set()
+
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("tc.head.workers").addHandler(Watch())
+head = start_head(load_topology(sys.argv[1]).with_ports(api_port=0, listen_port=0))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 3, hard))
+print("LISTENING", head.listen_port, flush=True)
+said.wait(120)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("READY" if head.registry.wait_ready(120) else "NOT READY", flush=True)
+head.stop()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts a process's open files in /proc")
+def test_a_join_port_out_of_file_descriptors_says_so_and_takes_the_worker_once_it_has_one(tmp_path):
     """accept() failing for want of a file descriptor was retried without a word, while the worker waited in the
     backlog and was told it may have dialled the API's port: the head says what to raise now, and the worker gets
-    in once there is room. A real head in this process, with its own limit on open files lowered to what it holds."""
-    import os
-    import resource
-    import time
+    in once there is room. A real head in a process of its own, its limit on open files under what it holds."""
+    import subprocess
 
     model_dir = write_tiny_model(tmp_path / "tiny-qwen", seed=3)
     path = write_topology(tmp_path / "t.yaml", model_dir, [{"id": "a", "device": "cpu"}])
-    head = start_head(load_topology(path).with_ports(api_port=0, listen_port=0))
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    head = subprocess.Popen([sys.executable, "-c", FD_STARVED_HEAD, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     worker = None
     try:
-        caplog.set_level("ERROR", logger="tc.head.workers")
-        worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{head.listen_port}",
+        line = head.stdout.readline()
+        assert line.startswith("LISTENING"), line + head.stderr.read()
+        worker = Process([sys.executable, "-m", "tc", "worker", "--join", f"127.0.0.1:{line.split()[1]}",
                           "--node-id", "a", "--device", "cpu", "--threads", "1"], tmp_path / "worker.log")
-        # before the worker, still starting, connects: its connection then finds no descriptor free
-        # under what it holds (less the listing's own): a descriptor or two closed meanwhile frees none
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 3, hard))
-        deadline = time.monotonic() + 60
-        while "cannot take a worker's connection" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert "cannot take a worker's connection on the join port" in caplog.text
-        assert "ulimit -n" in caplog.text
-        assert head.registry.wait_ready(120), worker.output()
+        out, err = head.communicate(timeout=300)
+        assert out.strip() == "READY", err + worker.output()
+        assert "cannot take a worker's connection on the join port" in err and "ulimit -n" in err
     finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if head.poll() is None:
+            head.kill()
+            head.wait()
         if worker is not None:
             worker.stop()
-        head.stop()
