@@ -460,11 +460,12 @@ class WorkerRegistry:
         # what one position may take in a step's frames: a stage may compute, and pass on, in a wider dtype than
         # the head's (a node's own dtype, or its device's fallback), so frames are sized for the widest there is
         self.frame_bytes_per_position = config.hidden_size * max(d.itemsize for d in WIRE_DTYPES.values())
-        if self.max_frame_bytes < self._step_frame_bytes():  # every request with a full batch would fail at it
-            raise TopologyError("head.max_frame_mb", f"{self.max_frame_bytes / MIB:g} ({self.max_frame_bytes} bytes) is "
-                                f"under the {self._step_frame_bytes()} bytes that one step of this model takes "
-                                f"({self.batch.max_batch} sequences of hidden size {config.hidden_size}); give at "
-                                f"least {self._step_frame_bytes() / MIB:.3g}, or leave it out")
+        need = self._step_frame_bytes()
+        if self.max_frame_bytes < need:  # every request with a full batch would fail at it
+            raise TopologyError("head.max_frame_mb", f"{self.max_frame_bytes / MIB:g} ({self.max_frame_bytes} bytes) "
+                                f"is under the {need} bytes that one step of this model takes ({self.batch.max_batch} "
+                                f"sequences of hidden size {config.hidden_size}); give at least {need / MIB:.3g}, or "
+                                "leave it out")
         self._token_key = token_key(settings.join_token) if settings.join_token else None
         self._pending_lock = threading.Lock()
         self._pending: dict[socket.socket, str] = {}  # sockets in their handshake, oldest first, and their peers
