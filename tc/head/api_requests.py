@@ -992,15 +992,9 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolChoice
     elif isinstance(value, dict) and value.get("type") == "allowed_tools":
         choice = _allowed_tools(value, tools)
     else:
-        chosen = _object(value, "tool_choice", _TOOL_FIELDS)
-        _function_type(chosen, "tool_choice")
-        function = _object(_required(chosen, "function", "tool_choice."), "tool_choice.function",
-                           frozenset({"name"}))
-        choice = ToolChoice("function", _string(_required(function, "name", "tool_choice.function."),
-                                                "tool_choice.function.name"))
-        if tools and choice.name not in {t.name for t in tools}:
-            raise RequestError(f"'tool_choice' names the function {json.dumps(choice.name)}, which is not in "
-                               "'tools'", param="tool_choice.function.name", code="invalid_value")
+        # without tools, the error below says what is missing
+        choice = ToolChoice("function", _named_function(value, "tool_choice", _TOOL_FIELDS,
+                                                        {t.name for t in tools} if tools else None))
     if choice.mode in ("required", "function") and not tools:
         raise RequestError(f"'tool_choice' {json.dumps(value)} needs 'tools' to choose from", param="tool_choice",
                            code="invalid_value")
@@ -1021,19 +1015,23 @@ def _allowed_tools(value: Mapping[str, Any], tools: tuple[Tool, ...]) -> ToolCho
         raise RequestError("'tool_choice.allowed_tools.tools' must be a non-empty array of "
                            '{"type": "function", "function": {"name": ...}}', param="tool_choice.allowed_tools.tools",
                            code="invalid_value")
-    names = []
     offered = {t.name for t in tools}
-    for i, entry in enumerate(listed):
-        param = f"tool_choice.allowed_tools.tools[{i}]"
-        entry = _object(entry, param, frozenset({"type", "function"}))
-        _function_type(entry, param)
-        function = _object(_required(entry, "function", param + "."), param + ".function", frozenset({"name"}))
-        name = _string(_required(function, "name", param + ".function."), param + ".function.name")
-        if name not in offered:
-            raise RequestError(f"'{param}' names the function {json.dumps(name)}, which is not in 'tools'",
-                               param=param + ".function.name", code="invalid_value")
-        names.append(name)
-    return ToolChoice(mode, allowed=tuple(names))
+    return ToolChoice(mode, allowed=tuple(
+        _named_function(entry, f"tool_choice.allowed_tools.tools[{i}]", frozenset({"type", "function"}), offered)
+        for i, entry in enumerate(listed)))
+
+
+def _named_function(value: Any, param: str, fields: frozenset[str], offered: set[str] | None) -> str:
+    """The name in {"type": "function", "function": {"name": ...}} at `param` (an object of `fields`), one of
+    `offered` where that is given."""
+    chosen = _object(value, param, fields)
+    _function_type(chosen, param)
+    function = _object(_required(chosen, "function", f"{param}."), f"{param}.function", frozenset({"name"}))
+    name = _string(_required(function, "name", f"{param}.function."), f"{param}.function.name")
+    if offered is not None and name not in offered:
+        raise RequestError(f"'{param}' names the function {json.dumps(name)}, which is not in 'tools'",
+                           param=f"{param}.function.name", code="invalid_value")
+    return name
 
 
 def _response_format(body: Mapping[str, Any]) -> ResponseFormat:
