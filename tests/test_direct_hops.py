@@ -831,7 +831,8 @@ def test_a_link_idle_long_enough_for_a_middlebox_to_forget_it_is_opened_anew(lis
 def test_a_loopback_worker_is_routed_at_the_head_s_ipv4_address_unmapped():
     """A head listening dual-stack sees an IPv4 worker's link from an IPv4-mapped address; the worker on the head's
     machine is routed to at the IPv4 address it maps, which a stage without IPv6 reaches too."""
-    from tc.head.pipeline import unmapped
+    from tc.protocol.connection import is_loopback, unmapped
 
     assert unmapped("::ffff:10.0.0.1") == "10.0.0.1"
     assert unmapped("10.0.0.1") == "10.0.0.1" and unmapped("fe80::1") == "fe80::1" and unmapped("host") == "host"
+    assert is_loopback("::ffff:127.0.0.1") and is_loopback("::1") and not is_loopback("host")

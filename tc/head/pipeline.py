@@ -39,7 +39,6 @@ output as it was without the loss, while in bf16 or fp16 the continuation may di
 """
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import os
@@ -50,7 +49,7 @@ import torch
 from typing import Callable, Sequence
 
 from ..generation import Entry
-from ..protocol.connection import is_loopback
+from ..protocol.connection import is_loopback, unmapped
 from ..protocol.messages import BatchEntry, Route, RunBatch
 from ..trace import mark
 from .service import HeadShuttingDown, StageFailed, WorkerLost
@@ -445,16 +444,6 @@ def reachable_from(sender: WorkerLink, address: tuple[str, int]) -> tuple[str, i
     if is_loopback(host) and not is_loopback(sender.conn.peer_host) and sender.conn.local_host is not None:
         return unmapped(sender.conn.local_host), port
     return address
-
-
-def unmapped(host: str) -> str:
-    """An IPv4-mapped IPv6 address (a dual-stack socket's view of an IPv4 peer) as the IPv4 address it maps: a
-    worker reaches that, with or without IPv6."""
-    try:
-        mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
-    except ValueError:
-        return host
-    return str(mapped) if mapped is not None else host
 
 
 def first_positions(parts: list[torch.Tensor], positions: int) -> list[torch.Tensor]:

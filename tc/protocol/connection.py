@@ -134,14 +134,22 @@ def _host(address_of) -> str | None:
     return address[0] if isinstance(address, tuple) else None
 
 
+def unmapped(host: str) -> str:
+    """An IPv4-mapped IPv6 address (a dual-stack socket's view of an IPv4 peer) as the IPv4 address it maps: a
+    machine reaches that with or without IPv6. Any other host as it is."""
+    try:
+        mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
+    except ValueError:
+        return host
+    return str(mapped) if mapped is not None else host
+
+
 def is_loopback(host: str | None) -> bool:
     """Whether `host` is an address of this machine's loopback (127.0.0.0/8, ::1, an IPv4-mapped 127.x)."""
     try:
-        address = ipaddress.ip_address(host or "")
+        return ipaddress.ip_address(unmapped(host or "")).is_loopback
     except ValueError:
         return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 class Connection:
