@@ -133,7 +133,8 @@ def test_each_app_has_its_own_registry(generator):
 
 def test_hops_split_into_compute_and_network():
     metrics = Metrics()
-    metrics.watch(lambda: 0, lambda: 0, lambda: ((), ()), slots=lambda: 8, tokens_per_s=lambda: 0.0)
+    metrics.watch(lambda: 0, lambda: 0, lambda: Readiness(2, (), ("a", "b")), slots=lambda: 8,
+                  tokens_per_s=lambda: 0.0)
     metrics.observe_step("decode", [("a", 0.010, 0.013), ("b", 0.020, 0.021), ("b", 0.005, 0.004)])
     samples = parse(metrics.render()[0].decode())
     assert value(samples, "tc_stage_compute_seconds_sum", node="a", phase="decode") == pytest.approx(0.010)

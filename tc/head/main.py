@@ -293,14 +293,9 @@ def start_head(topology: Topology) -> Head:
 
     registry = WorkerRegistry(topology, None if waiting else plan, config,
                               plan_once=plan_once if waiting else None, batch=batch)
-
-    def node_states() -> tuple[tuple[str, ...], tuple[str, ...]]:
-        readiness = registry.readiness()
-        return readiness.ready, readiness.missing
-
     # while the head loads (minutes for a large model), /metrics shows the workers joining, loading and failing;
     # the service takes the gauges over once it exists
-    metrics.watch(lambda: 0, lambda: 0, node_states, slots=lambda: registry.batch.max_batch,
+    metrics.watch(lambda: 0, lambda: 0, registry.readiness, slots=lambda: registry.batch.max_batch,
                   tokens_per_s=lambda: 0.0)
     loading = HeadLoading(topology.name, config.context_length, registry.readiness)
     # The API opens now, before the load (minutes for a large model), so that it answers what the head is doing

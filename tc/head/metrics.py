@@ -12,7 +12,8 @@ single-process pipeline has no hops, so those series stay empty there.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -28,14 +29,26 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+class NodeStates(Protocol):
+    """What a readiness check says of the planned nodes (service.Readiness)."""
+
+    ready: Sequence[str]
+    missing: Sequence[str]
+
+
+@dataclass(frozen=True)
+class _NoNodes:
+    ready: Sequence[str] = ()
+    missing: Sequence[str] = ()
+
+
 class _LiveState(Collector):
     """Gauges read at scrape time: requests waiting and running, the batch's slots, the recent token rate, and
     whether each planned node serves."""
 
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], int],
-                 nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], slots: Callable[[], int],
-                 tokens_per_s: Callable[[], float]):
-        self.waiting, self.running, self.nodes = waiting, running, nodes
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int], readiness: Callable[[], NodeStates],
+                 slots: Callable[[], int], tokens_per_s: Callable[[], float]):
+        self.waiting, self.running, self.readiness = waiting, running, readiness
         self.slots, self.tokens_per_s = slots, tokens_per_s
 
     def _families(self) -> tuple[GaugeMetricFamily, ...]:
@@ -58,10 +71,10 @@ class _LiveState(Collector):
         running.add_metric([], self.running())
         slots.add_metric([], self.slots())
         rate.add_metric([], self.tokens_per_s())
-        ready, missing = self.nodes()
-        for node in ready:
+        nodes = self.readiness()
+        for node in nodes.ready:
             up.add_metric([node], 1)
-        for node in missing:
+        for node in nodes.missing:
             up.add_metric([node], 0)
         return iter((waiting, running, slots, rate, up))
 
@@ -105,18 +118,17 @@ class Metrics:
                                      ["node", "phase"], buckets=NETWORK_BUCKETS, registry=r)
         self._series: dict[tuple[str, str], tuple] = {}  # (node, phase) -> observe_step's two histograms
         # the live gauges, from the start: nothing waiting or running until `watch` names what to read
-        self._live = _LiveState(lambda: 0, lambda: 0, lambda: ((), ()), lambda: 0, lambda: 0.0)
+        self._live = _LiveState(lambda: 0, lambda: 0, _NoNodes, lambda: 0, lambda: 0.0)
         r.register(self._live)
 
-    def watch(self, waiting: Callable[[], int], running: Callable[[], int],
-              nodes: Callable[[], tuple[Sequence[str], Sequence[str]]], *, slots: Callable[[], int],
-              tokens_per_s: Callable[[], float]) -> None:
+    def watch(self, waiting: Callable[[], int], running: Callable[[], int], readiness: Callable[[], NodeStates], *,
+              slots: Callable[[], int], tokens_per_s: Callable[[], float]) -> None:
         """Report these at each scrape from now on, in place of what an earlier call named (the head's registry
-        while it loads, then its service): requests waiting, running, (ready node ids, missing node ids), the
-        batch's slots and the recent aggregate token rate."""
+        while it loads, then its service): requests waiting, running, the nodes ready and missing, the batch's
+        slots and the recent aggregate token rate."""
         live = self._live
-        live.waiting, live.running, live.nodes, live.slots, live.tokens_per_s = \
-            waiting, running, nodes, slots, tokens_per_s
+        live.waiting, live.running, live.readiness, live.slots, live.tokens_per_s = \
+            waiting, running, readiness, slots, tokens_per_s
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         # a method is any token a client sends ("FOO1", "FOO2", ...): each would be a series kept for good

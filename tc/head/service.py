@@ -375,7 +375,7 @@ class GenerationService:
         # the model's own values for the sampling fields a request leaves out (head/sampling_defaults.py)
         self.sampling_defaults: Mapping[str, float] = dict(sampling_defaults or {})
         self.metrics = metrics if metrics is not None else Metrics()
-        self.metrics.watch(lambda: self.queue_depth, lambda: self.running, self._node_states,
+        self.metrics.watch(lambda: self.queue_depth, lambda: self.running, self.readiness,
                            slots=lambda: self.max_batch, tokens_per_s=self.tokens_per_s)
         self._lock = threading.Lock()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -398,10 +398,6 @@ class GenerationService:
         return set(self._kept) - set(self._copying())
 
     # --- views -------------------------------------------------------------------------------------------------
-    def _node_states(self) -> tuple[Sequence[str], Sequence[str]]:
-        readiness = self.readiness()
-        return readiness.ready, readiness.missing
-
     @property
     def queue_depth(self) -> int:
         """Generations waiting for a place in the batch."""
