@@ -22,10 +22,10 @@ class DeviceError(ValueError):
     """The requested device is not on this machine."""
 
 
-def _cpu_memory() -> tuple[int | None, int | None]:
+def _cpu_memory(say: bool = False) -> tuple[int | None, int | None]:
     """(total, available) memory in bytes for this process: the machine's, within its memory cgroup's limit where
     one is set (a container's --memory: the machine's figures would offer the head memory the kernel kills the
-    worker for using)."""
+    worker for using). `say`: log the limit where it binds."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip()}
@@ -39,7 +39,7 @@ def _cpu_memory() -> tuple[int | None, int | None]:
     if limited is None:
         return total, available
     limit, left = limited
-    if total is None or limit < total:
+    if say and (total is None or limit < total):
         log.info("this process's memory cgroup allows %.1f GiB (a container's or service's limit), %.1f GiB of it "
                  "free: those are the figures this worker offers", limit / 2**30, left / 2**30)
     return (limit if total is None else min(total, limit)), (left if available is None else min(available, left))
@@ -162,7 +162,7 @@ def detect_devices(selected: str | None = None) -> list[DeviceInfo]:
         total = int(recommended()) if recommended else None
         devices.append(DeviceInfo(id="mps", type="mps", name="Apple Silicon MPS", total_memory=total,
                                   free_memory=None))
-    total, available = _cpu_memory()
+    total, available = _cpu_memory(say=selected is not None)  # the figures offered: said once, not per lookup
     devices.append(DeviceInfo(id="cpu", type="cpu", name=_cpu_name(), total_memory=total, free_memory=available))
     return devices
 
